@@ -1,0 +1,89 @@
+//! The one API error type: maps itself to the status code and the seed's error body.
+//! Internals are logged, never returned.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+
+#[derive(Debug)]
+pub enum ApiError {
+    InvalidRequest(String),
+    Unauthorized,
+    CapabilityViolation { message: String, allowed_commands: Option<Vec<String>> },
+    PayloadTooLarge(usize),
+    IdempotencyConflict,
+    IdempotencyInProgress,
+    Overloaded,
+    SandboxUnavailable(String),
+    ShuttingDown,
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::CapabilityViolation { .. } => StatusCode::FORBIDDEN,
+            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::IdempotencyConflict => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::IdempotencyInProgress => StatusCode::CONFLICT,
+            ApiError::Overloaded => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            ApiError::InvalidRequest(_) => "InvalidRequest",
+            ApiError::Unauthorized => "Unauthorized",
+            ApiError::CapabilityViolation { .. } => "CapabilityViolation",
+            ApiError::PayloadTooLarge(_) => "PayloadTooLarge",
+            ApiError::IdempotencyConflict => "IdempotencyConflict",
+            ApiError::IdempotencyInProgress => "IdempotencyInProgress",
+            ApiError::Overloaded => "Overloaded",
+            ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => "SandboxUnavailable",
+            ApiError::Internal(_) => "InternalError",
+        }
+    }
+
+    pub fn message(&self) -> String {
+        match self {
+            ApiError::InvalidRequest(m) => m.clone(),
+            ApiError::Unauthorized => "Invalid or expired capability token".into(),
+            ApiError::CapabilityViolation { message, .. } => message.clone(),
+            ApiError::PayloadTooLarge(limit) => format!("Request body exceeds the limit of {limit} bytes"),
+            ApiError::IdempotencyConflict => "Idempotency-Key was already used with a different request body".into(),
+            ApiError::IdempotencyInProgress => "A request with this Idempotency-Key is still running".into(),
+            ApiError::Overloaded => "Too many executions in progress; retry later".into(),
+            ApiError::SandboxUnavailable(m) => format!("Sandbox unavailable: {m}"),
+            ApiError::ShuttingDown => "Sandbox unavailable: the daemon is shutting down".into(),
+            ApiError::Internal(_) => "Internal error; see the daemon log".into(),
+        }
+    }
+
+    pub fn body(&self) -> Value {
+        let mut m = Map::new();
+        m.insert("success".into(), json!(false));
+        m.insert("error".into(), json!(self.message()));
+        m.insert("error_type".into(), json!(self.error_type()));
+        if let ApiError::CapabilityViolation { allowed_commands: Some(list), .. } = self {
+            m.insert("allowed_commands".into(), json!(list));
+        }
+        Value::Object(m)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if let ApiError::Internal(detail) = &self {
+            tracing::error!(detail = %detail, "internal error");
+        }
+        let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        if matches!(self, ApiError::Overloaded | ApiError::ShuttingDown) {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}

@@ -1,0 +1,536 @@
+//! POST /execute: authenticate, parse, authorise, admit, run, answer, audit.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, to_bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value, json};
+
+use super::error::ApiError;
+use super::{AppState, RequestId};
+use crate::auth::Verified;
+use crate::config::TokenKind;
+use crate::policy::{ActionType, Ask, Plan, PolicyError};
+use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
+use crate::sandbox::{KilledReason, RunOutcome, SandboxError};
+use crate::state::{IdemBegin, StoredResponse};
+
+/// The request body. Unknown fields are refused: a misspelt limit must not be silently ignored.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecuteRequest {
+    pub action_type: String,
+    pub command: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub timeout_seconds: Option<i64>,
+    pub capability_token: String,
+    #[serde(default)]
+    pub metadata: Option<Map<String, Value>>,
+    #[serde(default)]
+    pub stdin: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub profile: Option<String>,
+    // External executor envelope (DESIGN §6).
+    #[serde(default)]
+    pub input: Option<Value>,
+    #[serde(default)]
+    pub activity: Option<Value>,
+    #[serde(default)]
+    pub skills: Option<Value>,
+    #[serde(default)]
+    pub memory: Option<Value>,
+    #[serde(default)]
+    pub job: Option<Value>,
+    #[serde(default)]
+    pub task: Option<Value>,
+    #[serde(default)]
+    pub model: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Provenance {
+    pub arm_id: &'static str,
+    pub timestamp: String,
+    pub action_type: &'static str,
+    pub command_hash: String,
+    pub capabilities_used: Vec<&'static str>,
+    pub exec_id: String,
+    pub request_id: String,
+    pub token_id: Option<String>,
+    pub subject: Option<String>,
+    pub backend: &'static str,
+    pub profile: String,
+    pub invocation_hash: String,
+    pub stdout_sha256: String,
+    pub stderr_sha256: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub executor_def_sha256: Option<String>,
+    pub audit_seq: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Map<String, Value>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ExecutionResult {
+    pub success: bool,
+    pub stdout: String,
+    pub stderr: String,
+    pub exit_code: i32,
+    pub duration_ms: u64,
+    pub provenance: Provenance,
+    pub exec_id: String,
+    pub outcome: &'static str,
+    pub backend: &'static str,
+    pub profile: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    pub peak_memory_kib: Option<u64>,
+    pub oom: bool,
+    pub killed_reason: Option<&'static str>,
+    pub error_code: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_type: Option<&'static str>,
+}
+
+/// Everything known about the request so far, for refusals' audit lines.
+struct Ctx {
+    request_id: String,
+    subject: Option<String>,
+    token_id: Option<String>,
+    action_type: Option<String>,
+    command: Option<String>,
+    args: Vec<String>,
+}
+
+impl Ctx {
+    fn audit_refusal(&self, st: &AppState, status: StatusCode, error_type: &str, reason: &str) {
+        let mut m = Map::new();
+        m.insert("event".into(), json!("refusal"));
+        m.insert("ts".into(), json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)));
+        m.insert("instance".into(), json!(st.instance_id));
+        m.insert("request_id".into(), json!(self.request_id));
+        m.insert("status".into(), json!(status.as_u16()));
+        m.insert("error_type".into(), json!(error_type));
+        m.insert("reason".into(), json!(reason));
+        m.insert("subject".into(), json!(self.subject));
+        m.insert("token_id".into(), json!(self.token_id));
+        m.insert("action_type".into(), json!(self.action_type));
+        m.insert("command".into(), json!(self.command));
+        if let Some(c) = &self.command {
+            m.insert("command_hash".into(), json!(command_hash(c, &self.args)));
+        }
+        if let Err(e) = st.audit.append(m) {
+            tracing::error!(error = %e, "audit append failed");
+        }
+    }
+
+    fn unauthorized(&self, st: &AppState, reason: &str) -> ApiError {
+        tracing::info!(request_id = %self.request_id, %reason, "401");
+        st.metrics.auth_failures.inc();
+        self.audit_refusal(st, StatusCode::UNAUTHORIZED, "Unauthorized", reason);
+        ApiError::Unauthorized
+    }
+
+    fn forbidden(&self, st: &AppState, reason: String, list: bool) -> ApiError {
+        st.metrics.capability_violations.inc();
+        self.audit_refusal(st, StatusCode::FORBIDDEN, "CapabilityViolation", &reason);
+        ApiError::CapabilityViolation { message: reason, allowed_commands: list.then(|| st.policy.allowed_names()) }
+    }
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = v.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token.trim()).filter(|t| !t.is_empty())
+}
+
+async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<bytes::Bytes, ApiError> {
+    // Refuse on the declared length before reading anything.
+    if let Some(len) = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
+        && len > limit as u64
+    {
+        return Err(ApiError::PayloadTooLarge(limit));
+    }
+    // Chunked bodies: stop reading at the first byte past the limit.
+    to_bytes(body, limit).await.map_err(|e| {
+        let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+            || e.to_string().contains("length limit");
+        if too_large { ApiError::PayloadTooLarge(limit) } else { ApiError::InvalidRequest(format!("could not read the request body: {e}")) }
+    })
+}
+
+fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::InvalidRequest(format!("malformed JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::InvalidRequest("the request body must be a JSON object".into()));
+    }
+    serde_json::from_value(v).map_err(|e| ApiError::InvalidRequest(format!("invalid request: {e}")))
+}
+
+/// The wire outcome of a run.
+fn outcome_name(o: &RunOutcome) -> &'static str {
+    match o.killed_reason {
+        Some(KilledReason::Timeout) => "timeout",
+        Some(KilledReason::Oom) => "oom",
+        _ if o.oom => "oom",
+        Some(KilledReason::Signal) => "cancelled",
+        Some(KilledReason::OutputLimit) | Some(KilledReason::Pids) => "failed",
+        None if o.exit_code() == 0 && !o.stdin_broken_pipe => "success",
+        None => "failed",
+    }
+}
+
+pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let rid = req.extensions().get::<RequestId>().map(|r| r.0.clone()).unwrap_or_default();
+    let idem_key = req.headers().get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let (parts, body) = req.into_parts();
+    let mut ctx = Ctx { request_id: rid, subject: None, token_id: None, action_type: None, command: None, args: Vec::new() };
+    match handle(&st, &parts.headers, body, idem_key, &mut ctx).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            let label = match &e {
+                ApiError::Overloaded => Some("overloaded"),
+                ApiError::PayloadTooLarge(_) => Some("payload_too_large"),
+                ApiError::InvalidRequest(_) => Some("invalid_request"),
+                ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => Some("sandbox_unavailable"),
+                ApiError::IdempotencyConflict | ApiError::IdempotencyInProgress => Some("idempotency"),
+                _ => None,
+            };
+            if let Some(l) = label {
+                st.metrics.rejected.with_label_values(&[l]).inc();
+            }
+            e.into_response()
+        }
+    }
+}
+
+async fn handle(st: &Arc<AppState>, headers: &HeaderMap, body: Body, idem_key: Option<String>, ctx: &mut Ctx) -> Result<Response, ApiError> {
+    if st.is_draining() {
+        return Err(ApiError::ShuttingDown);
+    }
+    // Who is calling: checked before the body is even read.
+    let service = match bearer(headers) {
+        Some(t) => st.auth.verify(t, TokenKind::Service).map_err(|e| ctx.unauthorized(st, &format!("service token: {e}")))?,
+        None => return Err(ctx.unauthorized(st, "missing Authorization: Bearer service token")),
+    };
+    ctx.subject = service.subject.clone();
+    let raw = read_body(body, headers, st.config.server.body_limit_bytes).await?;
+    let req = parse_request(&raw)?;
+    ctx.action_type = Some(req.action_type.clone());
+    ctx.command = Some(req.command.clone());
+    ctx.args = req.args.clone();
+    let action = ActionType::parse(&req.action_type)
+        .ok_or_else(|| ApiError::InvalidRequest(format!("unknown action_type '{}': expected shell, http, python or external", req.action_type.escape_debug())))?;
+    let timeout = match req.timeout_seconds {
+        None => None,
+        Some(t) if (1..=300).contains(&t) => Some(t as u64),
+        Some(t) => return Err(ApiError::InvalidRequest(format!("timeout_seconds must be between 1 and 300, got {t}"))),
+    };
+    if req.args.iter().any(|a| a.contains('\0')) || req.command.contains('\0') {
+        return Err(ApiError::InvalidRequest("command and args may not contain NUL bytes".into()));
+    }
+
+    // What this call may do.
+    let cap = st
+        .auth
+        .verify(&req.capability_token, TokenKind::Capability)
+        .map_err(|e| ctx.unauthorized(st, &format!("capability token: {e}")))?;
+    ctx.token_id = cap.token_id.clone();
+    if ctx.subject.is_none() {
+        ctx.subject = cap.subject.clone();
+    }
+
+    // Idempotency: a retry of a finished request gets the stored answer without running again.
+    let body_hash = sha256_prefixed(&raw);
+    let idem = match idem_key {
+        Some(k) => {
+            if k.is_empty() || k.len() > 255 || !k.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(ApiError::InvalidRequest("Idempotency-Key must be 1-255 visible ASCII characters".into()));
+            }
+            let scoped = format!("{}:{k}", service.subject.as_deref().unwrap_or("-"));
+            let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
+            match st.store.idempotency_begin(&scoped, &body_hash, ttl).await.map_err(|e| ApiError::SandboxUnavailable(e.to_string()))? {
+                IdemBegin::Started => Some((scoped, ttl)),
+                IdemBegin::InProgress { same_body: true } => return Err(ApiError::IdempotencyInProgress),
+                IdemBegin::InProgress { same_body: false } | IdemBegin::Done { same_body: false, .. } => return Err(ApiError::IdempotencyConflict),
+                IdemBegin::Done { same_body: true, response } => return Ok(replay(response)),
+            }
+        }
+        None => None,
+    };
+    let result = run_admitted(st, req, action, timeout, &cap, ctx).await;
+    if let Some((key, ttl)) = idem {
+        match &result {
+            Ok((status, body)) if status.is_success() || *status == StatusCode::REQUEST_TIMEOUT => {
+                let stored = StoredResponse { status: status.as_u16(), body: body.clone() };
+                if let Err(e) = st.store.idempotency_complete(&key, &body_hash, &stored, ttl).await {
+                    tracing::error!(error = %e, "idempotency result not stored");
+                }
+            }
+            _ => {
+                let _ = st.store.idempotency_abort(&key).await;
+            }
+        }
+    }
+    let (status, body) = result?;
+    Ok((status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], body).into_response())
+}
+
+fn replay(r: StoredResponse) -> Response {
+    let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::OK);
+    (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json")), (header::HeaderName::from_static("idempotent-replayed"), HeaderValue::from_static("true"))], r.body).into_response()
+}
+
+/// From an authenticated, parsed request to a finished execution's status and JSON body.
+async fn run_admitted(
+    st: &Arc<AppState>,
+    req: ExecuteRequest,
+    action: ActionType,
+    timeout: Option<u64>,
+    cap: &Verified,
+    ctx: &Ctx,
+) -> Result<(StatusCode, String), ApiError> {
+    // Single-use tokens are consumed only once the request is otherwise acceptable to run.
+    let ask = Ask { action_type: Some(action), command: &req.command, args: &req.args, timeout_seconds: timeout, profile: req.profile.as_deref(), env: &req.env };
+    let decided = if action == ActionType::External {
+        crate::executors::invoke::decide(st, &ask, &cap.grant, &req)
+    } else {
+        st.policy.decide(&ask, &cap.grant).map(|p| (p, None))
+    };
+    let (plan, external) = match decided {
+        Ok(p) => p,
+        Err(PolicyError::Refused(r)) => {
+            let list = r.rule == "allowlist";
+            return Err(ctx.forbidden(st, r.reason, list));
+        }
+        Err(PolicyError::Invalid(m)) => return Err(ApiError::InvalidRequest(m)),
+        Err(PolicyError::Unavailable(m)) => return Err(ApiError::SandboxUnavailable(m)),
+    };
+    if let Some((jti, exp)) = &cap.single_use {
+        match st.store.claim_jti(jti, *exp).await {
+            Ok(true) => {}
+            Ok(false) => return Err(ctx.unauthorized(st, "replayed single-use token")),
+            Err(e) => return Err(ApiError::SandboxUnavailable(e.to_string())),
+        }
+    }
+    let backend = st.backends.get(&plan.backend).cloned().ok_or_else(|| ApiError::SandboxUnavailable(format!("backend {} is not configured on this daemon", plan.backend.as_str())))?;
+    let slots = st.slots.get(&plan.backend).cloned().ok_or_else(|| ApiError::SandboxUnavailable("no slots".into()))?;
+    let permit = slots.try_acquire_owned().map_err(|_| ApiError::Overloaded)?;
+
+    let exec_id = format!("exec-{}", uuid::Uuid::new_v4().simple());
+    let (argv_tail, stdin, extra_files, def_sha) = match &external {
+        Some(x) => (x.argv_tail.clone(), Some(x.envelope.clone()), x.extra_files.clone(), Some(x.def_sha256.clone())),
+        None => (req.args.clone(), req.stdin.as_ref().map(|s| s.clone().into_bytes()), Vec::new(), None),
+    };
+    let mut spec = plan.run_spec(&exec_id, &argv_tail, stdin, &st.config.sandbox.docker.image);
+    spec.fs.extra_files = extra_files;
+    if let Some(x) = &external {
+        spec.env.extend(x.env.clone());
+    }
+    spec.cancel = Some(st.kill_switch.subscribe());
+    let inv_hash = invocation_hash(&json!({
+        "action_type": action.as_str(),
+        "command": plan.command,
+        "path": plan.path,
+        "args": argv_tail,
+        "stdin_sha256": spec.stdin.as_deref().map(sha256_prefixed),
+        "env": spec.env,
+        "profile": plan.profile.name,
+        "backend": plan.backend.as_str(),
+        "image": spec.image,
+        "executor_def_sha256": def_sha,
+        "limits": spec.limits,
+    }));
+    let cmd_hash = command_hash(&req.command, &req.args);
+    let timestamp = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let backend_label = plan.backend.as_str();
+    tracing::info!(request_id = %ctx.request_id, %exec_id, command = %plan.command, backend = backend_label, profile = %plan.profile.name, "execution start");
+
+    st.metrics.inflight.with_label_values(&[backend_label]).inc();
+    // The run is its own task: a client that disconnects cannot cancel the cleanup half-way.
+    let task = tokio::spawn(async move {
+        let r = backend.run(spec).await;
+        drop(permit);
+        r
+    });
+    let joined = task.await;
+    st.metrics.inflight.with_label_values(&[backend_label]).dec();
+    let outcome = match joined {
+        Ok(Ok(o)) => o,
+        Ok(Err(SandboxError::Unavailable(m))) => return Err(ApiError::SandboxUnavailable(m)),
+        Ok(Err(e)) => {
+            audit_failure(st, ctx, &exec_id, &plan, &e.to_string());
+            return Err(ApiError::Internal(format!("{exec_id}: {e}")));
+        }
+        Err(e) => return Err(ApiError::Internal(format!("{exec_id}: run task failed: {e}"))),
+    };
+
+    let mut result = build_result(&plan, &outcome, external.is_some());
+    result.exec_id = exec_id.clone();
+    result.provenance = Provenance {
+        arm_id: "executor",
+        timestamp,
+        action_type: action.as_str(),
+        command_hash: cmd_hash,
+        capabilities_used: plan.capabilities_used.iter().map(|c| c.as_str()).collect(),
+        exec_id: exec_id.clone(),
+        request_id: ctx.request_id.clone(),
+        token_id: cap.token_id.clone(),
+        subject: ctx.subject.clone(),
+        backend: backend_label,
+        profile: plan.profile.name.clone(),
+        invocation_hash: inv_hash,
+        stdout_sha256: sha256_prefixed(&outcome.stdout),
+        stderr_sha256: sha256_prefixed(&outcome.stderr),
+        executor_def_sha256: def_sha,
+        audit_seq: None,
+        metadata: req.metadata.clone(),
+    };
+    let timed_out = outcome.timed_out();
+    if timed_out {
+        result.error = Some(format!("Command execution exceeded timeout of {} seconds", plan.timeout_seconds));
+        result.error_type = Some("ExecutionTimeout");
+    }
+    result.provenance.audit_seq = audit_execution(st, ctx, &result);
+    record_metrics(st, &plan, &result, &outcome);
+    tracing::info!(request_id = %ctx.request_id, %exec_id, outcome = result.outcome, exit_code = result.exit_code, duration_ms = result.duration_ms, "execution end");
+    let status = if timed_out { StatusCode::REQUEST_TIMEOUT } else { StatusCode::OK };
+    let body = serde_json::to_string(&result).map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok((status, body))
+}
+
+fn build_result(plan: &Plan, o: &RunOutcome, external: bool) -> ExecutionResult {
+    let outcome = outcome_name(o);
+    let success = outcome == "success";
+    let (error_code, error) = if external {
+        crate::executors::invoke::error_fields(o, outcome)
+    } else {
+        (None, None)
+    };
+    ExecutionResult {
+        success,
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        exit_code: o.exit_code(),
+        duration_ms: o.duration.as_millis() as u64,
+        provenance: Provenance {
+            arm_id: "executor",
+            timestamp: String::new(),
+            action_type: plan.action_type.as_str(),
+            command_hash: String::new(),
+            capabilities_used: Vec::new(),
+            exec_id: String::new(),
+            request_id: String::new(),
+            token_id: None,
+            subject: None,
+            backend: plan.backend.as_str(),
+            profile: String::new(),
+            invocation_hash: String::new(),
+            stdout_sha256: String::new(),
+            stderr_sha256: String::new(),
+            executor_def_sha256: None,
+            audit_seq: None,
+            metadata: None,
+        },
+        exec_id: String::new(),
+        outcome,
+        backend: plan.backend.as_str(),
+        profile: plan.profile.name.clone(),
+        stdout_truncated: o.stdout_truncated,
+        stderr_truncated: o.stderr_truncated,
+        peak_memory_kib: o.peak_memory_kib,
+        oom: o.oom,
+        killed_reason: o.killed_reason.map(KilledReason::as_str),
+        error_code,
+        error,
+        error_type: None,
+    }
+}
+
+fn audit_execution(st: &AppState, ctx: &Ctx, r: &ExecutionResult) -> Option<u64> {
+    let mut m = Map::new();
+    m.insert("event".into(), json!("execution"));
+    m.insert("ts".into(), json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)));
+    m.insert("instance".into(), json!(st.instance_id));
+    m.insert("request_id".into(), json!(ctx.request_id));
+    m.insert("exec_id".into(), json!(r.exec_id));
+    m.insert("subject".into(), json!(ctx.subject));
+    m.insert("token_id".into(), json!(r.provenance.token_id));
+    m.insert("action_type".into(), json!(r.provenance.action_type));
+    m.insert("command".into(), json!(ctx.command));
+    m.insert("args".into(), json!(ctx.args));
+    m.insert("command_hash".into(), json!(r.provenance.command_hash));
+    m.insert("invocation_hash".into(), json!(r.provenance.invocation_hash));
+    m.insert("backend".into(), json!(r.backend));
+    m.insert("profile".into(), json!(r.profile));
+    m.insert("capabilities_used".into(), json!(r.provenance.capabilities_used));
+    m.insert("outcome".into(), json!(r.outcome));
+    m.insert("exit_code".into(), json!(r.exit_code));
+    m.insert("duration_ms".into(), json!(r.duration_ms));
+    m.insert("killed_reason".into(), json!(r.killed_reason));
+    m.insert("oom".into(), json!(r.oom));
+    m.insert("peak_memory_kib".into(), json!(r.peak_memory_kib));
+    m.insert("stdout_sha256".into(), json!(r.provenance.stdout_sha256));
+    m.insert("stderr_sha256".into(), json!(r.provenance.stderr_sha256));
+    m.insert("stdout_truncated".into(), json!(r.stdout_truncated));
+    m.insert("stderr_truncated".into(), json!(r.stderr_truncated));
+    if let Some(d) = &r.provenance.executor_def_sha256 {
+        m.insert("executor_def_sha256".into(), json!(d));
+        m.insert("error_code".into(), json!(r.error_code));
+    }
+    if let Some(md) = &r.provenance.metadata {
+        m.insert("metadata".into(), Value::Object(md.clone()));
+    }
+    match st.audit.append(m) {
+        Ok(seq) => Some(seq),
+        Err(e) => {
+            tracing::error!(error = %e, "audit append failed");
+            None
+        }
+    }
+}
+
+fn audit_failure(st: &AppState, ctx: &Ctx, exec_id: &str, plan: &Plan, error: &str) {
+    let mut m = Map::new();
+    m.insert("event".into(), json!("execution_error"));
+    m.insert("ts".into(), json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)));
+    m.insert("instance".into(), json!(st.instance_id));
+    m.insert("request_id".into(), json!(ctx.request_id));
+    m.insert("exec_id".into(), json!(exec_id));
+    m.insert("subject".into(), json!(ctx.subject));
+    m.insert("command".into(), json!(plan.command));
+    m.insert("backend".into(), json!(plan.backend.as_str()));
+    m.insert("profile".into(), json!(plan.profile.name));
+    m.insert("error".into(), json!(error));
+    if let Err(e) = st.audit.append(m) {
+        tracing::error!(error = %e, "audit append failed");
+    }
+}
+
+fn record_metrics(st: &AppState, plan: &Plan, r: &ExecutionResult, o: &RunOutcome) {
+    let m = &st.metrics;
+    m.executions.with_label_values(&[plan.action_type.as_str(), if r.success { "true" } else { "false" }]).inc();
+    m.executions_by_backend.with_label_values(&[plan.backend.as_str(), &plan.profile.name, r.outcome]).inc();
+    m.duration.observe(o.duration.as_secs_f64());
+    m.duration_by_backend.with_label_values(&[plan.backend.as_str()]).observe(o.duration.as_secs_f64());
+    if o.timed_out() {
+        m.timeouts.inc();
+    }
+    if o.oom {
+        m.ooms.inc();
+    }
+    if o.killed_reason == Some(KilledReason::OutputLimit) {
+        m.output_truncations.inc();
+    }
+}

@@ -1,0 +1,173 @@
+//! The HTTP layer: routes, request ids, the accept loop with header-read timeout, graceful drain.
+//!
+//! Owns: parsing and answering HTTP. Must not: know cgroups, Landlock or Docker (it sees only the
+//! `Sandbox` trait) or decide policy (it asks `Policy`).
+
+pub mod error;
+pub mod execute;
+pub mod ops;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::Request;
+use axum::http::HeaderValue;
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::routing::{get, post};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+
+use crate::auth::Authenticator;
+use crate::config::Config;
+use crate::executors::Registry;
+use crate::metrics::Metrics;
+use crate::policy::Policy;
+use crate::provenance::audit::AuditLog;
+use crate::sandbox::{BackendKind, Sandbox};
+use crate::state::StateStore;
+
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Everything a request handler may use.
+pub struct AppState {
+    pub config: Config,
+    pub policy: Policy,
+    pub executors: Registry,
+    pub auth: Authenticator,
+    pub audit: AuditLog,
+    pub store: Arc<dyn StateStore>,
+    pub metrics: Metrics,
+    pub backends: BTreeMap<BackendKind, Arc<dyn Sandbox>>,
+    pub slots: BTreeMap<BackendKind, Arc<Semaphore>>,
+    pub draining: AtomicBool,
+    /// Flipped to true when the shutdown grace period ends: running executions are killed.
+    pub kill_switch: watch::Sender<bool>,
+    pub instance_id: String,
+    /// What the kernel offers the local backend (None when it is not configured).
+    pub host_probe: Option<crate::sandbox::probe::HostProbe>,
+}
+
+impl AppState {
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+}
+
+/// The request id of this request (the caller's if valid, else a new UUID).
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);
+
+fn valid_request_id(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+async fn request_id(mut req: Request, next: Next) -> Response {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| valid_request_id(s))
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let mut resp = next.run(req).await;
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/execute", post(execute::execute))
+        .route("/capabilities", get(ops::capabilities))
+        .route("/health", get(ops::health))
+        .route("/livez", get(ops::health))
+        .route("/ready", get(ops::ready))
+        .route("/readyz", get(ops::ready))
+        .route("/metrics", get(ops::metrics))
+        .route("/v1/executors", get(ops::executors))
+        .fallback(ops::not_found)
+        .layer(axum::middleware::from_fn(request_id))
+        .with_state(state)
+}
+
+/// Serves until `shutdown` resolves, then drains: /readyz turns 503 at once, the listener
+/// closes, running executions get `shutdown_grace_seconds`, then are killed; returns when every
+/// connection is done.
+pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Future<Output = ()> + Send) {
+    let app = router(state.clone());
+    let header_timeout = Duration::from_millis(state.config.server.header_read_timeout_ms);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (stream, _peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder.timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true);
+        let conn = builder.serve_connection(TokioIo::new(stream), svc);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    state.draining.store(true, Ordering::SeqCst);
+    drop(listener);
+    tracing::info!("shutdown: draining in-flight executions");
+    let grace = Duration::from_secs(state.config.server.shutdown_grace_seconds);
+    let st = state.clone();
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(grace) => {
+            tracing::warn!("shutdown grace period over: killing running executions");
+            let _ = st.kill_switch.send(true);
+            // Give killed runs a moment to clean up and answer.
+            let _ = tokio::time::timeout(Duration::from_secs(5), wait_idle(&st)).await;
+        }
+    }
+}
+
+/// Resolves when no execution holds a slot.
+pub async fn wait_idle(state: &AppState) {
+    loop {
+        let busy = state.slots.iter().any(|(b, s)| s.available_permits() < state.config.server.concurrency.for_backend(*b));
+        if !busy {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids() {
+        assert!(valid_request_id("abc-123_x.y"));
+        assert!(!valid_request_id(""));
+        assert!(!valid_request_id("a b"));
+        assert!(!valid_request_id(&"a".repeat(129)));
+        assert!(!valid_request_id("x\r\nSet-Cookie: y"));
+    }
+}

@@ -1,0 +1,125 @@
+//! Operational endpoints: /health, /livez, /ready(z), /capabilities, /metrics, /v1/executors.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use super::error::ApiError;
+use super::{AppState, VERSION};
+use crate::policy::profile::NetworkMode;
+
+pub async fn health() -> Json<serde_json::Value> {
+    Json(json!({"status": "healthy", "version": VERSION}))
+}
+
+/// 200 only when the configured default backend can run work, the state store answers and the
+/// daemon is not draining; 503 with the reasons otherwise.
+pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
+    let mut reasons = Vec::new();
+    if st.is_draining() {
+        reasons.push("shutting down".to_string());
+    }
+    let mut backends = Vec::new();
+    for (kind, b) in &st.backends {
+        let s = b.status().await;
+        if *kind == st.policy.default_backend && !s.ready {
+            reasons.push(format!("default backend {} not ready: {}", kind.as_str(), s.detail));
+        }
+        backends.push(s);
+    }
+    if !st.backends.contains_key(&st.policy.default_backend) {
+        reasons.push(format!("default backend {} is not configured", st.policy.default_backend.as_str()));
+    }
+    if let Err(e) = st.store.healthy().await {
+        reasons.push(e.to_string());
+    }
+    let status = if reasons.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = json!({
+        "status": if reasons.is_empty() { "ready" } else { "not_ready" },
+        "reasons": reasons,
+        "backends": backends,
+        "state_store": st.store.kind(),
+    });
+    (status, Json(body)).into_response()
+}
+
+pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    let mut backends = Vec::new();
+    for b in st.backends.values() {
+        backends.push(b.status().await);
+    }
+    let commands: Vec<_> = st
+        .policy
+        .commands
+        .values()
+        .map(|c| {
+            json!({
+                "name": c.name,
+                "path": c.path,
+                "action_types": c.action_types,
+                "capabilities": c.capabilities,
+                "profile": c.profile,
+            })
+        })
+        .collect();
+    let profiles: Vec<_> = st
+        .policy
+        .profiles
+        .values()
+        .map(|p| {
+            json!({
+                "name": p.name,
+                "description": p.description,
+                "backend": p.backend(st.policy.default_backend),
+                "network": p.network.mode,
+                "available": p.network.mode == NetworkMode::None || st.policy.egress_available,
+                "limits": p.limits,
+            })
+        })
+        .collect();
+    let mut caps = vec!["shell_execution", "python_execution"];
+    if st.policy.egress_available {
+        caps.push("http_requests");
+    }
+    if !st.executors.list().is_empty() {
+        caps.push("external_execution");
+    }
+    Json(json!({
+        "capabilities": caps,
+        "allowed_commands": st.policy.allowed_names(),
+        "version": VERSION,
+        "commands": commands,
+        "disabled_commands": st.policy.disabled.iter().map(|(n, why)| json!({"name": n, "reason": why})).collect::<Vec<_>>(),
+        "default_backend": st.policy.default_backend,
+        "backends": backends,
+        "profiles": profiles,
+        "executors": st.executors.list(),
+        "host": st.host_probe,
+        "limits": {
+            "timeout_seconds_max": crate::policy::profile::MAX_TIMEOUT_SECONDS,
+            "body_limit_bytes": st.config.server.body_limit_bytes,
+            "concurrency": {
+                "local": st.config.server.concurrency.local,
+                "docker": st.config.server.concurrency.docker,
+                "gvisor": st.config.server.concurrency.gvisor,
+            },
+        },
+    }))
+}
+
+pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.metrics.render()).into_response()
+}
+
+pub async fn executors(State(st): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({ "executors": st.executors.list() }))
+}
+
+pub async fn not_found() -> Response {
+    let e = ApiError::InvalidRequest("no such endpoint".into());
+    (StatusCode::NOT_FOUND, Json(e.body())).into_response()
+}

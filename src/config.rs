@@ -1,0 +1,349 @@
+//! Typed configuration: embedded defaults → config file → environment.
+//!
+//! The embedded default is `config/executor-arm.toml`; a file given with `--config` is merged over
+//! it table by table (a file that names `[commands]` replaces the whole allowlist). Unknown keys
+//! are errors. Secrets are never held here, only paths to them.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::policy::{ActionType, Capability};
+use crate::sandbox::BackendKind;
+
+pub const DEFAULT_CONFIG_TOML: &str = include_str!("../config/executor-arm.toml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("environment variable {name}: {message}")]
+    Env { name: &'static str, message: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub auth: AuthConfig,
+    pub audit: AuditConfig,
+    pub state: StateConfig,
+    pub sandbox: SandboxConfig,
+    pub executors: ExecutorsConfig,
+    pub commands: BTreeMap<String, CommandEntry>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    pub listen: String,
+    pub body_limit_bytes: usize,
+    pub header_read_timeout_ms: u64,
+    pub shutdown_grace_seconds: u64,
+    pub concurrency: ConcurrencyConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConcurrencyConfig {
+    pub local: usize,
+    pub docker: usize,
+    pub gvisor: usize,
+}
+
+impl ConcurrencyConfig {
+    pub fn for_backend(&self, b: BackendKind) -> usize {
+        match b {
+            BackendKind::Local => self.local,
+            BackendKind::Docker => self.docker,
+            BackendKind::Gvisor => self.gvisor,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthConfig {
+    #[serde(default)]
+    pub jwt_secret_file: Option<PathBuf>,
+    pub audience: String,
+    #[serde(default)]
+    pub issuer: Option<String>,
+    pub max_ttl_seconds: u64,
+    pub leeway_seconds: u64,
+    #[serde(default)]
+    pub public_keys: Vec<PublicKeyConfig>,
+    #[serde(default)]
+    pub jwks_file: Option<PathBuf>,
+    #[serde(default)]
+    pub static_tokens: Vec<StaticTokenConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PublicKeyConfig {
+    pub kid: String,
+    pub alg: String,
+    pub pem_file: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenKind {
+    Service,
+    Capability,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticTokenConfig {
+    pub id: String,
+    pub kind: TokenKind,
+    pub sha256: String,
+    #[serde(default)]
+    pub capabilities: Vec<Capability>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditConfig {
+    pub path: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateConfig {
+    #[serde(default)]
+    pub redis_url: Option<String>,
+    pub idempotency_ttl_seconds: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxConfig {
+    pub default_backend: BackendKind,
+    pub profiles_dir: PathBuf,
+    pub search_path: String,
+    pub local: LocalConfig,
+    pub docker: DockerConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalConfig {
+    pub cgroup_name: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DockerConfig {
+    pub socket: String,
+    pub image: String,
+    pub pool_size: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecutorsConfig {
+    pub dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommandEntry {
+    pub action_types: Vec<ActionType>,
+    pub capabilities: Vec<Capability>,
+    pub profile: String,
+    #[serde(default)]
+    pub deny_args: Vec<String>,
+    #[serde(default)]
+    pub deny_prefixes: Vec<String>,
+}
+
+/// Environment overrides, read once (tests inject their own).
+#[derive(Debug, Default, Clone)]
+pub struct EnvOverrides {
+    pub listen: Option<String>,
+    pub jwt_secret_file: Option<String>,
+    pub audit_log: Option<String>,
+    pub executors_dir: Option<String>,
+    pub profiles_dir: Option<String>,
+    pub allowed_commands: Option<String>,
+    pub sandbox_runtime: Option<String>,
+    pub redis_url: Option<String>,
+}
+
+impl EnvOverrides {
+    pub fn from_process() -> Self {
+        let get = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        EnvOverrides {
+            listen: get("EXECUTOR_ARM_LISTEN"),
+            jwt_secret_file: get("EXECUTOR_ARM_JWT_SECRET_FILE"),
+            audit_log: get("EXECUTOR_ARM_AUDIT_LOG"),
+            executors_dir: get("EXECUTOR_ARM_EXECUTORS_DIR"),
+            profiles_dir: get("EXECUTOR_ARM_PROFILES_DIR"),
+            allowed_commands: get("ALLOWED_COMMANDS"),
+            sandbox_runtime: get("SANDBOX_RUNTIME"),
+            redis_url: get("EXECUTOR_ARM_REDIS_URL"),
+        }
+    }
+}
+
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            // The allowlist is replaced, not merged: an operator's list is the whole list.
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) if k != "commands" => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+impl Config {
+    /// Embedded defaults, then `file` (if any), then `env`.
+    pub fn load(file: Option<&Path>, env: &EnvOverrides) -> Result<Config, ConfigError> {
+        let mut table: toml::Table = DEFAULT_CONFIG_TOML
+            .parse()
+            .map_err(|e: toml::de::Error| ConfigError::Parse { path: "<embedded default>".into(), message: e.to_string() })?;
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+            let over: toml::Table = text
+                .parse()
+                .map_err(|e: toml::de::Error| ConfigError::Parse { path: path.display().to_string(), message: e.to_string() })?;
+            merge(&mut table, over);
+        }
+        let mut cfg: Config = toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| ConfigError::Parse {
+            path: file.map(|p| p.display().to_string()).unwrap_or_else(|| "<embedded default>".into()),
+            message: e.to_string(),
+        })?;
+        cfg.apply_env(env)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn apply_env(&mut self, env: &EnvOverrides) -> Result<(), ConfigError> {
+        if let Some(v) = &env.listen {
+            self.server.listen = v.clone();
+        }
+        if let Some(v) = &env.jwt_secret_file {
+            self.auth.jwt_secret_file = Some(PathBuf::from(v));
+        }
+        if let Some(v) = &env.audit_log {
+            self.audit.path = PathBuf::from(v);
+        }
+        if let Some(v) = &env.executors_dir {
+            self.executors.dir = PathBuf::from(v);
+        }
+        if let Some(v) = &env.profiles_dir {
+            self.sandbox.profiles_dir = PathBuf::from(v);
+        }
+        if let Some(v) = &env.redis_url {
+            self.state.redis_url = Some(v.clone());
+        }
+        if let Some(v) = &env.sandbox_runtime {
+            self.sandbox.default_backend = BackendKind::from_runtime_name(v).ok_or_else(|| ConfigError::Env {
+                name: "SANDBOX_RUNTIME",
+                message: format!("'{v}' is not one of local, runc, gvisor"),
+            })?;
+        }
+        if let Some(list) = &env.allowed_commands {
+            let wanted: Vec<&str> = list.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+            for w in &wanted {
+                if !self.commands.contains_key(*w) {
+                    return Err(ConfigError::Env {
+                        name: "ALLOWED_COMMANDS",
+                        message: format!("'{w}' has no allowlist entry in the configuration"),
+                    });
+                }
+            }
+            self.commands.retain(|k, _| wanted.contains(&k.as_str()));
+        }
+        Ok(())
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.server.body_limit_bytes == 0 {
+            return Err(ConfigError::Invalid("server.body_limit_bytes must be > 0".into()));
+        }
+        for b in BackendKind::ALL {
+            if self.server.concurrency.for_backend(b) == 0 {
+                return Err(ConfigError::Invalid(format!("server.concurrency.{} must be > 0", b.as_str())));
+            }
+        }
+        for t in &self.auth.static_tokens {
+            if t.sha256.len() != 64 || hex::decode(&t.sha256).is_err() {
+                return Err(ConfigError::Invalid(format!("auth.static_tokens '{}': sha256 must be 64 hex digits", t.id)));
+            }
+        }
+        for (name, c) in &self.commands {
+            if !crate::policy::is_bare_name(name) {
+                return Err(ConfigError::Invalid(format!("commands.{name}: not a bare command name")));
+            }
+            if c.action_types.is_empty() {
+                return Err(ConfigError::Invalid(format!("commands.{name}: action_types is empty")));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_default_loads_with_seed_allowlist() {
+        let c = Config::load(None, &EnvOverrides::default()).unwrap();
+        let names: Vec<_> = c.commands.keys().cloned().collect();
+        for n in ["echo", "ls", "cat", "grep", "curl", "wget", "python3", "nmap"] {
+            assert!(names.contains(&n.to_string()), "{n}");
+        }
+        assert_eq!(c.server.listen, "0.0.0.0:8003");
+        assert_eq!(c.server.body_limit_bytes, 1 << 20);
+    }
+
+    #[test]
+    fn env_narrows_and_overrides() {
+        let env = EnvOverrides {
+            allowed_commands: Some("echo, ls".into()),
+            sandbox_runtime: Some("runc".into()),
+            listen: Some("127.0.0.1:0".into()),
+            ..Default::default()
+        };
+        let c = Config::load(None, &env).unwrap();
+        assert_eq!(c.commands.keys().collect::<Vec<_>>(), vec!["echo", "ls"]);
+        assert_eq!(c.sandbox.default_backend, BackendKind::Docker);
+        assert_eq!(c.server.listen, "127.0.0.1:0");
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_env_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "[server]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n").unwrap();
+        let e = Config::load(Some(&f), &EnvOverrides::default()).unwrap_err();
+        assert!(e.to_string().contains("bogus"), "{e}");
+        let env = EnvOverrides { sandbox_runtime: Some("kvm".into()), ..Default::default() };
+        assert!(Config::load(None, &env).is_err());
+        let env = EnvOverrides { allowed_commands: Some("rm".into()), ..Default::default() };
+        assert!(Config::load(None, &env).is_err());
+    }
+
+    #[test]
+    fn file_merges_over_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "[server]\nlisten = \"127.0.0.1:9\"\n[commands.echo]\naction_types=[\"shell\"]\ncapabilities=[]\nprofile=\"shell-readonly\"\n").unwrap();
+        let c = Config::load(Some(&f), &EnvOverrides::default()).unwrap();
+        assert_eq!(c.server.listen, "127.0.0.1:9");
+        assert_eq!(c.server.body_limit_bytes, 1 << 20);
+        assert_eq!(c.commands.len(), 1);
+    }
+}

@@ -1,0 +1,115 @@
+//! Turning an `action_type: external` request into a plan plus the protocol's envelope, argv and
+//! env; and mapping the run's outcome to the protocol's `error_code` / `error`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value, json};
+
+use crate::api::AppState;
+use crate::api::execute::ExecuteRequest;
+use crate::policy::{ActionType, Ask, Capability, Grant, Plan, PolicyError, Refusal};
+use crate::sandbox::{ExitKind, RunOutcome};
+
+/// Profile used when a def names none.
+pub const DEFAULT_PROFILE: &str = "shell-readonly";
+
+/// What the sandbox needs beyond the plan to run an external executor.
+#[derive(Debug, Clone)]
+pub struct ExternalInvocation {
+    pub argv_tail: Vec<String>,
+    pub envelope: Vec<u8>,
+    pub env: BTreeMap<String, String>,
+    /// The executor's file, bound read-only at the same path inside the sandbox.
+    pub extra_files: Vec<(PathBuf, PathBuf)>,
+    pub def_sha256: String,
+}
+
+/// The schemaVersion-1 request envelope written to the executor's stdin.
+pub fn envelope(req: &ExecuteRequest) -> Value {
+    let mut m = Map::new();
+    m.insert("schemaVersion".into(), json!(1));
+    m.insert("activity".into(), req.activity.clone().unwrap_or_else(|| json!({})));
+    m.insert("input".into(), req.input.clone().unwrap_or_else(|| json!({})));
+    m.insert("skills".into(), req.skills.clone().unwrap_or_else(|| json!([])));
+    m.insert("memory".into(), req.memory.clone().unwrap_or_else(|| json!({})));
+    if let Some(j) = &req.job {
+        m.insert("job".into(), j.clone());
+    }
+    if let Some(t) = &req.task {
+        m.insert("task".into(), t.clone());
+    }
+    Value::Object(m)
+}
+
+pub fn decide(st: &AppState, ask: &Ask<'_>, grant: &Grant, req: &ExecuteRequest) -> Result<(Plan, Option<ExternalInvocation>), PolicyError> {
+    let Some(def) = st.executors.get(ask.command) else {
+        return Err(PolicyError::Refused(Refusal {
+            rule: "executors",
+            reason: format!("No external executor named '{}' is registered", ask.command.escape_debug()),
+        }));
+    };
+    if !req.args.is_empty() {
+        return Err(PolicyError::Invalid("args are not accepted for external executors: the def fixes them".into()));
+    }
+    if req.stdin.is_some() {
+        return Err(PolicyError::Invalid("stdin is not accepted for external executors: the envelope is their stdin".into()));
+    }
+    let timeout = match (ask.timeout_seconds, def.timeout_seconds) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    let ask = Ask { timeout_seconds: timeout, ..ask.clone() };
+    let profile = def.profile.as_deref().unwrap_or(DEFAULT_PROFILE);
+    let plan = st.policy.finish(&def.name, Path::new(&def.command), ActionType::External, &[Capability::ExternalExecute], profile, &ask, grant)?;
+
+    let mut argv_tail = def.args.clone();
+    if let (Some(flag), Some(model)) = (&def.model_flag, &req.model) {
+        argv_tail.push(flag.clone());
+        argv_tail.push(model.clone());
+    }
+    let mut env = BTreeMap::new();
+    env.insert("ORBIT_AGENT_NAME".to_string(), def.name.clone());
+    if let Some(model) = &req.model {
+        env.insert("ORBIT_AGENT_MODEL".to_string(), model.clone());
+    }
+    let activity_id = req.activity.as_ref().and_then(|a| a.get("id")).and_then(|id| match id {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    });
+    if let Some(id) = activity_id {
+        env.insert("ORBIT_ACTIVITY_ID".to_string(), id);
+    }
+    // The operator's env wins on conflict.
+    env.extend(def.env.clone());
+    if env.values().chain(argv_tail.iter()).any(|v| v.contains('\0')) {
+        return Err(PolicyError::Invalid("model or env contains a NUL byte".into()));
+    }
+    let envelope = serde_json::to_vec(&envelope(req)).map_err(|e| PolicyError::Invalid(e.to_string()))?;
+    let cmd = PathBuf::from(&def.command);
+    Ok((plan, Some(ExternalInvocation { argv_tail, envelope, env, extra_files: vec![(cmd.clone(), cmd)], def_sha256: def.def_sha256.clone() })))
+}
+
+/// The protocol's `error_code` and `error` for an outcome.
+pub fn error_fields(o: &RunOutcome, outcome: &str) -> (Option<&'static str>, Option<String>) {
+    match outcome {
+        "success" => (None, None),
+        "timeout" => (Some("AGENT_TIMEOUT"), Some("executor exceeded its timeout".into())),
+        "cancelled" => (None, Some(match o.exit {
+            ExitKind::Signaled(s) => format!("executor killed by signal {s}"),
+            _ => "executor killed".into(),
+        })),
+        _ => {
+            let stderr = String::from_utf8_lossy(&o.stderr).trim().to_string();
+            let msg = if o.stdin_broken_pipe {
+                "executor exited without draining stdin (broken pipe)".to_string()
+            } else if !stderr.is_empty() {
+                stderr
+            } else {
+                format!("exit code {}", o.exit_code())
+            };
+            (Some("AGENT_INVOCATION_FAILED"), Some(msg))
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! External executors (External Executor Protocol v1): operator-registered programs, declared
+//! by YAML in the executors directory and always run inside a sandbox.
+//!
+//! Owns: loading and validating defs, the registry readers see, reloading on SIGHUP.
+//! Must not: spawn anything itself (the sandbox backends do).
+
+use std::collections::BTreeMap;
+pub mod invoke;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// One registered executor.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExecutorDef {
+    pub name: String,
+    pub command: String,
+    pub args: Vec<String>,
+    #[serde(skip)]
+    pub env: BTreeMap<String, String>,
+    pub model_flag: Option<String>,
+    pub timeout_seconds: Option<u64>,
+    pub profile: Option<String>,
+    /// `sha256:` of the def file's bytes.
+    pub def_sha256: String,
+    #[serde(skip)]
+    pub source: PathBuf,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct DefFile {
+    schema_version: u32,
+    kind: String,
+    metadata: Metadata,
+    spec: Spec,
+}
+
+#[derive(Debug, Deserialize)]
+struct Metadata {
+    name: String,
+}
+
+/// Unknown spec fields are tolerated (additive evolution of the protocol).
+#[derive(Debug, Deserialize)]
+struct Spec {
+    executor_type: String,
+    #[serde(default)]
+    command: Option<String>,
+    #[serde(default)]
+    args: Vec<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    #[serde(default)]
+    model_flag: Option<String>,
+    #[serde(default)]
+    timeout_seconds: Option<u64>,
+    #[serde(default)]
+    profile: Option<String>,
+}
+
+/// Why a def file was skipped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skipped {
+    pub file: PathBuf,
+    pub reason: String,
+}
+
+/// Parses one def; `Err` carries the reason it is skipped.
+pub fn parse_def(path: &Path, bytes: &[u8]) -> Result<ExecutorDef, String> {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+    let f: DefFile = serde_yaml::from_slice(bytes).map_err(|e| format!("invalid YAML: {e}"))?;
+    if f.schema_version != 2 {
+        return Err(format!("schemaVersion {} is not 2", f.schema_version));
+    }
+    if f.kind != "Executor" {
+        return Err(format!("kind '{}' is not Executor", f.kind));
+    }
+    if f.metadata.name != stem {
+        return Err(format!("metadata.name '{}' does not match the file name '{stem}'", f.metadata.name));
+    }
+    if !crate::policy::is_bare_name(&f.metadata.name) {
+        return Err("metadata.name must be a plain name".into());
+    }
+    if f.spec.executor_type != "external" {
+        return Err(format!("spec.executor_type '{}' is not external", f.spec.executor_type));
+    }
+    let command = f.spec.command.filter(|c| !c.trim().is_empty()).ok_or("spec.command is required")?;
+    if !command.starts_with('/') {
+        return Err("spec.command must be an absolute path".into());
+    }
+    if f.spec.timeout_seconds == Some(0) {
+        return Err("spec.timeout_seconds must be > 0".into());
+    }
+    Ok(ExecutorDef {
+        name: f.metadata.name,
+        command,
+        args: f.spec.args,
+        env: f.spec.env,
+        model_flag: f.spec.model_flag,
+        timeout_seconds: f.spec.timeout_seconds,
+        profile: f.spec.profile,
+        def_sha256: format!("sha256:{}", hex::encode(Sha256::digest(bytes))),
+        source: path.to_path_buf(),
+    })
+}
+
+/// Loads every `*.yaml` / `*.yml` of `dir` (the `*.example.yaml` templates are never loaded).
+pub fn load_dir(dir: &Path) -> (BTreeMap<String, Arc<ExecutorDef>>, Vec<Skipped>) {
+    let mut defs = BTreeMap::new();
+    let mut skipped = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return (defs, skipped);
+    };
+    let mut paths: Vec<PathBuf> = entries.filter_map(Result::ok).map(|e| e.path()).collect();
+    paths.sort();
+    for path in paths {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let is_yaml = name.ends_with(".yaml") || name.ends_with(".yml");
+        if !is_yaml || name.contains(".example.") || !path.is_file() {
+            continue;
+        }
+        let result = std::fs::read(&path).map_err(|e| e.to_string()).and_then(|b| parse_def(&path, &b));
+        match result {
+            Ok(def) => {
+                defs.insert(def.name.clone(), Arc::new(def));
+            }
+            Err(reason) => {
+                tracing::warn!(file = %path.display(), %reason, "executor def skipped");
+                skipped.push(Skipped { file: path, reason });
+            }
+        }
+    }
+    (defs, skipped)
+}
+
+/// The live registry; readers get a snapshot, a reload swaps it (in-flight runs keep theirs).
+pub struct Registry {
+    dir: PathBuf,
+    defs: RwLock<BTreeMap<String, Arc<ExecutorDef>>>,
+}
+
+impl Registry {
+    pub fn load(dir: &Path) -> Self {
+        let (defs, _) = load_dir(dir);
+        Registry { dir: dir.to_path_buf(), defs: RwLock::new(defs) }
+    }
+
+    pub fn reload(&self) -> Vec<Skipped> {
+        let (defs, skipped) = load_dir(&self.dir);
+        tracing::info!(count = defs.len(), "executor defs reloaded");
+        *self.defs.write().unwrap_or_else(|p| p.into_inner()) = defs;
+        skipped
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<ExecutorDef>> {
+        self.defs.read().unwrap_or_else(|p| p.into_inner()).get(name).cloned()
+    }
+
+    pub fn list(&self) -> Vec<ExecutorDef> {
+        self.defs.read().unwrap_or_else(|p| p.into_inner()).values().map(|d| (**d).clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = "schemaVersion: 2\nkind: Executor\nmetadata:\n  name: acme\nspec:\n  executor_type: external\n  command: /opt/acme/run\n  args: [run, --json]\n  env: {A: b}\n  model_flag: --model\n  timeout_seconds: 10\n  future_field: 1\n";
+
+    #[test]
+    fn parses_and_tolerates_unknown_spec_fields() {
+        let d = parse_def(Path::new("/x/acme.yaml"), GOOD.as_bytes()).unwrap();
+        assert_eq!(d.command, "/opt/acme/run");
+        assert_eq!(d.args, vec!["run", "--json"]);
+        assert!(d.def_sha256.starts_with("sha256:"));
+    }
+
+    #[test]
+    fn skips_bad_defs() {
+        assert!(parse_def(Path::new("/x/other.yaml"), GOOD.as_bytes()).unwrap_err().contains("does not match"));
+        let no_cmd = GOOD.replace("  command: /opt/acme/run\n", "");
+        assert!(parse_def(Path::new("/x/acme.yaml"), no_cmd.as_bytes()).unwrap_err().contains("command"));
+    }
+}

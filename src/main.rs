@@ -1,0 +1,268 @@
+//! The `executor-arm` command line: parse, load config, install telemetry, call the library.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use executor_arm::auth::{MintRequest, mint_hs256, read_secret, sha256_hex};
+use executor_arm::config::{Config, EnvOverrides, TokenKind};
+use executor_arm::provenance::audit;
+
+#[derive(Parser)]
+#[command(name = "executor-arm", version, about = "Hardened sandboxed command-execution daemon")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the daemon.
+    Serve {
+        /// TOML config file merged over the embedded defaults.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Listen address (overrides EXECUTOR_ARM_LISTEN and the config).
+        #[arg(long)]
+        listen: Option<String>,
+        /// Zero-setup development mode: ephemeral secret, embedded config, prints a ready curl.
+        #[arg(long)]
+        dev: bool,
+    },
+    /// Token utilities.
+    Token {
+        #[command(subcommand)]
+        cmd: TokenCmd,
+    },
+    /// Audit log utilities.
+    Audit {
+        #[command(subcommand)]
+        cmd: AuditCmd,
+    },
+    /// Validate config, allowlist, profiles and executor defs; print what was resolved.
+    CheckConfig {
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Kind {
+    Service,
+    Capability,
+}
+
+#[derive(Subcommand)]
+enum TokenCmd {
+    /// Print an HS256 JWT (last line of stdout).
+    Mint {
+        #[arg(long, value_enum)]
+        kind: Kind,
+        #[arg(long)]
+        secret_file: PathBuf,
+        /// Comma-separated capabilities (ShellRead,ShellExecute,...).
+        #[arg(long, value_delimiter = ',', default_value = "")]
+        capabilities: Vec<String>,
+        #[arg(long, default_value_t = 60)]
+        ttl: u64,
+        #[arg(long)]
+        sub: Option<String>,
+        #[arg(long, default_value = "executor-arm")]
+        aud: String,
+        #[arg(long)]
+        iss: Option<String>,
+        #[arg(long)]
+        single_use: bool,
+        #[arg(long, value_delimiter = ',')]
+        commands: Option<Vec<String>>,
+        #[arg(long, value_delimiter = ',')]
+        profiles: Option<Vec<String>>,
+        #[arg(long)]
+        max_timeout: Option<u64>,
+    },
+    /// Print the SHA-256 of a static `tok_…` token, for auth.static_tokens.
+    Hash { token: String },
+}
+
+#[derive(Subcommand)]
+enum AuditCmd {
+    /// Verify the hash chain of an audit log.
+    Verify { file: PathBuf },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Serve { config, listen, dev } => serve(config, listen, dev),
+        Cmd::Token { cmd: TokenCmd::Mint { kind, secret_file, capabilities, ttl, sub, aud, iss, single_use, commands, profiles, max_timeout } } => {
+            let secret = read_secret(&secret_file)?;
+            let req = MintRequest {
+                kind: Some(match kind {
+                    Kind::Service => TokenKind::Service,
+                    Kind::Capability => TokenKind::Capability,
+                }),
+                capabilities: capabilities.into_iter().filter(|c| !c.is_empty()).collect(),
+                ttl_seconds: ttl,
+                sub,
+                aud,
+                iss,
+                single_use,
+                commands,
+                profiles,
+                max_timeout_seconds: max_timeout,
+            };
+            println!("{}", mint_hs256(&secret, &req)?);
+            Ok(())
+        }
+        Cmd::Token { cmd: TokenCmd::Hash { token } } => {
+            if !executor_arm::auth::is_static_token(&token) {
+                bail!("static tokens look like tok_<letters and digits>");
+            }
+            println!("{}", sha256_hex(token.as_bytes()));
+            Ok(())
+        }
+        Cmd::Audit { cmd: AuditCmd::Verify { file } } => match audit::verify(&file) {
+            Ok((n, last)) => {
+                println!("ok: {n} entries, chain intact, last entry_hash {last}");
+                Ok(())
+            }
+            Err(e) => {
+                eprintln!("audit log broken: {e}");
+                std::process::exit(1);
+            }
+        },
+        Cmd::CheckConfig { config } => check_config(config),
+    }
+}
+
+fn check_config(path: Option<PathBuf>) -> Result<()> {
+    let cfg = Config::load(path.as_deref(), &EnvOverrides::from_process())?;
+    let policy = executor_arm::policy::Policy::load(&cfg)?;
+    println!("listen: {}", cfg.server.listen);
+    println!("default backend: {}", cfg.sandbox.default_backend.as_str());
+    println!("audit log: {}", cfg.audit.path.display());
+    println!("state store: {}", if cfg.state.redis_url.is_some() { "redis" } else { "memory" });
+    println!("profiles ({}):", cfg.sandbox.profiles_dir.display());
+    for p in policy.profiles.values() {
+        println!("  {} backend={} network={:?} memory={}MB pids={} timeout={}/{}s", p.name, p.backend(cfg.sandbox.default_backend).as_str(), p.network.mode, p.limits.memory_mb, p.limits.pids, p.limits.timeout_default_seconds, p.limits.timeout_max_seconds);
+    }
+    println!("allowlist:");
+    for c in policy.commands.values() {
+        println!("  {} -> {} profile={} capabilities={:?}", c.name, c.path.display(), c.profile, c.capabilities.iter().map(|c| c.as_str()).collect::<Vec<_>>());
+    }
+    for (n, why) in &policy.disabled {
+        println!("  {n}: DISABLED ({why})");
+    }
+    let (defs, skipped) = executor_arm::executors::load_dir(&cfg.executors.dir);
+    println!("executors ({}):", cfg.executors.dir.display());
+    for d in defs.values() {
+        println!("  {} -> {} {:?} timeout={:?} profile={:?}", d.name, d.command, d.args, d.timeout_seconds, d.profile);
+    }
+    for s in skipped {
+        println!("  SKIPPED {}: {}", s.file.display(), s.reason);
+    }
+    let auth = executor_arm::auth::Authenticator::new(&cfg.auth)?;
+    if !auth.has_keys() {
+        println!("warning: no verification key configured; serve will refuse to start");
+    }
+    println!("config ok");
+    Ok(())
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+/// A private temp dir with a fresh 256-bit secret for `serve --dev`.
+fn dev_secret() -> Result<(tempfile::TempDir, PathBuf)> {
+    let dir = tempfile::Builder::new().prefix("executor-arm-dev-").tempdir()?;
+    let path = dir.path().join("jwt-secret");
+    let secret: [u8; 32] = rand::random();
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
+    f.write_all(hex::encode(secret).as_bytes())?;
+    Ok((dir, path))
+}
+
+fn serve(config: Option<PathBuf>, listen: Option<String>, dev: bool) -> Result<()> {
+    init_tracing();
+    let mut env = EnvOverrides::from_process();
+    let mut dev_dir = None;
+    if dev {
+        let (dir, secret) = dev_secret()?;
+        env.jwt_secret_file = Some(secret.display().to_string());
+        if env.audit_log.is_none() {
+            env.audit_log = Some(dir.path().join("audit.jsonl").display().to_string());
+        }
+        if env.listen.is_none() && listen.is_none() {
+            env.listen = Some("127.0.0.1:8003".into());
+        }
+        dev_dir = Some(dir);
+    }
+    let mut cfg = Config::load(config.as_deref(), &env).context("configuration")?;
+    if let Some(l) = listen {
+        cfg.server.listen = l;
+    }
+    let addr: SocketAddr = cfg.server.listen.parse().with_context(|| format!("listen address '{}'", cfg.server.listen))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let state = executor_arm::app::build(cfg).await?;
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind {addr}"))?;
+        let bound = listener.local_addr()?;
+        tracing::info!(addr = %bound, version = executor_arm::api::VERSION, "listening");
+        if dev {
+            print_dev_banner(&state, bound)?;
+        }
+        spawn_sighup(state.clone());
+        executor_arm::api::run(listener, state, shutdown_signal()).await;
+        drop(dev_dir);
+        tracing::info!("stopped");
+        Ok(())
+    })
+}
+
+fn print_dev_banner(state: &Arc<executor_arm::api::AppState>, addr: SocketAddr) -> Result<()> {
+    let secret_file = state.config.auth.jwt_secret_file.clone().context("dev secret")?;
+    let secret = read_secret(&secret_file)?;
+    let base = MintRequest { ttl_seconds: 3600, aud: state.config.auth.audience.clone(), sub: Some("dev".into()), ..Default::default() };
+    let service = mint_hs256(&secret, &MintRequest { kind: Some(TokenKind::Service), ..base.clone() })?;
+    let caps = ["ShellRead", "ShellExecute", "FilesystemRead", "PythonExecute", "ExternalExecute"];
+    let capability = mint_hs256(&secret, &MintRequest { kind: Some(TokenKind::Capability), capabilities: caps.iter().map(|s| s.to_string()).collect(), ..base })?;
+    let port = addr.port();
+    println!("executor-arm dev mode: listening on {addr}; secret {} (deleted on exit); tokens valid 1 h", secret_file.display());
+    println!("audit log: {}", state.config.audit.path.display());
+    println!("try:");
+    println!(
+        "curl -s http://127.0.0.1:{port}/execute -H 'Authorization: Bearer {service}' -H 'Content-Type: application/json' -d '{{\"action_type\":\"shell\",\"command\":\"echo\",\"args\":[\"hello\"],\"capability_token\":\"{capability}\"}}'"
+    );
+    std::io::stdout().flush()?;
+    Ok(())
+}
+
+fn spawn_sighup(state: Arc<executor_arm::api::AppState>) {
+    tokio::spawn(async move {
+        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
+        while hup.recv().await.is_some() {
+            let skipped = state.executors.reload();
+            for s in skipped {
+                tracing::warn!(file = %s.file.display(), reason = %s.reason, "executor def skipped on reload");
+            }
+        }
+    });
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutdown signal received");
+}

@@ -1,0 +1,95 @@
+//! Prometheus metrics. Seed names are kept exactly; every label value comes from a closed enum
+//! or from configuration (profile names), never from request content.
+
+use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+pub struct Metrics {
+    registry: Registry,
+    pub executions: IntCounterVec,
+    pub executions_by_backend: IntCounterVec,
+    pub duration: Histogram,
+    pub duration_by_backend: HistogramVec,
+    pub capability_violations: IntCounter,
+    pub timeouts: IntCounter,
+    pub auth_failures: IntCounter,
+    pub ooms: IntCounter,
+    pub output_truncations: IntCounter,
+    pub rejected: IntCounterVec,
+    pub inflight: IntGaugeVec,
+    pub pool_size: IntGaugeVec,
+    pub pool_events: IntCounterVec,
+}
+
+const BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let executions = IntCounterVec::new(Opts::new("executor_executions_total", "Total number of executions"), &["action_type", "success"]).expect("metric");
+        let executions_by_backend = IntCounterVec::new(
+            Opts::new("executor_backend_executions_total", "Executions by backend, profile and outcome"),
+            &["backend", "profile", "outcome"],
+        )
+        .expect("metric");
+        let duration = Histogram::with_opts(HistogramOpts::new("executor_execution_duration_seconds", "Execution duration").buckets(BUCKETS.to_vec())).expect("metric");
+        let duration_by_backend = HistogramVec::new(
+            HistogramOpts::new("executor_backend_execution_duration_seconds", "Execution duration by backend").buckets(BUCKETS.to_vec()),
+            &["backend"],
+        )
+        .expect("metric");
+        let capability_violations = IntCounter::new("executor_capability_violations_total", "Capability violations").expect("metric");
+        let timeouts = IntCounter::new("executor_timeouts_total", "Execution timeouts").expect("metric");
+        let auth_failures = IntCounter::new("executor_auth_failures_total", "Requests refused with 401").expect("metric");
+        let ooms = IntCounter::new("executor_oom_kills_total", "Executions ended by the memory limit").expect("metric");
+        let output_truncations = IntCounter::new("executor_output_truncations_total", "Executions stopped by the output limit").expect("metric");
+        let rejected = IntCounterVec::new(Opts::new("executor_rejected_total", "Requests refused before running"), &["reason"]).expect("metric");
+        let inflight = IntGaugeVec::new(Opts::new("executor_inflight_executions", "Executions running now"), &["backend"]).expect("metric");
+        let pool_size = IntGaugeVec::new(Opts::new("executor_pool_idle_containers", "Idle pre-started containers"), &["backend", "profile"]).expect("metric");
+        let pool_events = IntCounterVec::new(Opts::new("executor_pool_events_total", "Warm pool hits and misses"), &["backend", "event"]).expect("metric");
+        for c in [
+            Box::new(executions.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(executions_by_backend.clone()),
+            Box::new(duration.clone()),
+            Box::new(duration_by_backend.clone()),
+            Box::new(capability_violations.clone()),
+            Box::new(timeouts.clone()),
+            Box::new(auth_failures.clone()),
+            Box::new(ooms.clone()),
+            Box::new(output_truncations.clone()),
+            Box::new(rejected.clone()),
+            Box::new(inflight.clone()),
+            Box::new(pool_size.clone()),
+            Box::new(pool_events.clone()),
+        ] {
+            registry.register(c).expect("unique metric");
+        }
+        Metrics {
+            registry,
+            executions,
+            executions_by_backend,
+            duration,
+            duration_by_backend,
+            capability_violations,
+            timeouts,
+            auth_failures,
+            ooms,
+            output_truncations,
+            rejected,
+            inflight,
+            pool_size,
+            pool_events,
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,420 @@
+//! The policy layer: allowlist, argument policy, profiles and limits.
+//!
+//! Owns: deciding whether a request may run and turning it into a fully resolved [`Plan`]; a
+//! refusal carries the rule that matched and why. Must not: touch the OS (except resolving
+//! allowlisted names against the search path at startup) or know any backend's mechanism.
+
+pub mod argpolicy;
+pub mod profile;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{CommandEntry, Config};
+use crate::sandbox::{BackendKind, FsRules, Limits, NetworkPolicy, RunSpec};
+use self::argpolicy::ArgPolicy;
+use self::profile::{NetworkMode, Profile};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActionType {
+    Shell,
+    Http,
+    Python,
+    External,
+}
+
+impl ActionType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ActionType::Shell => "shell",
+            ActionType::Http => "http",
+            ActionType::Python => "python",
+            ActionType::External => "external",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "shell" => Some(ActionType::Shell),
+            "http" => Some(ActionType::Http),
+            "python" => Some(ActionType::Python),
+            "external" => Some(ActionType::External),
+            _ => None,
+        }
+    }
+}
+
+/// The capability vocabulary (seed + ours).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Capability {
+    ShellRead,
+    ShellExecute,
+    FilesystemRead,
+    FilesystemWrite,
+    NetworkAccess,
+    HttpRequest,
+    PythonExecute,
+    ExternalExecute,
+}
+
+impl Capability {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Capability::ShellRead => "ShellRead",
+            Capability::ShellExecute => "ShellExecute",
+            Capability::FilesystemRead => "FilesystemRead",
+            Capability::FilesystemWrite => "FilesystemWrite",
+            Capability::NetworkAccess => "NetworkAccess",
+            Capability::HttpRequest => "HttpRequest",
+            Capability::PythonExecute => "PythonExecute",
+            Capability::ExternalExecute => "ExternalExecute",
+        }
+    }
+}
+
+/// A bare command name: ASCII letters, digits, `._+-`, not starting with `.` or `-`, ≤ 64 bytes.
+/// Paths, shell metacharacters, whitespace, NUL and look-alike Unicode all fail.
+pub fn is_bare_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 64
+        && b[0].is_ascii_alphanumeric()
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'+' | b'-'))
+}
+
+/// What a verified capability token grants.
+#[derive(Debug, Clone, Default)]
+pub struct Grant {
+    pub capabilities: Vec<String>,
+    pub commands: Option<Vec<String>>,
+    pub profiles: Option<Vec<String>>,
+    pub max_timeout_seconds: Option<u64>,
+}
+
+/// Why a request may not run; goes into the 403 body and the audit line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub rule: &'static str,
+    pub reason: String,
+}
+
+/// Policy errors other than a refusal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PolicyError {
+    /// 403 CapabilityViolation.
+    Refused(Refusal),
+    /// 400 InvalidRequest.
+    Invalid(String),
+    /// 503 SandboxUnavailable (e.g. egress not configured).
+    Unavailable(String),
+}
+
+fn refuse(rule: &'static str, reason: impl Into<String>) -> PolicyError {
+    PolicyError::Refused(Refusal { rule, reason: reason.into() })
+}
+
+/// One allowlist entry, resolved at startup.
+#[derive(Debug, Clone)]
+pub struct AllowedCommand {
+    pub name: String,
+    pub path: PathBuf,
+    pub action_types: Vec<ActionType>,
+    pub capabilities: Vec<Capability>,
+    pub profile: String,
+    pub args: ArgPolicy,
+}
+
+/// The request fields the policy decides on.
+#[derive(Debug, Clone)]
+pub struct Ask<'a> {
+    pub action_type: Option<ActionType>,
+    pub command: &'a str,
+    pub args: &'a [String],
+    pub timeout_seconds: Option<u64>,
+    pub profile: Option<&'a str>,
+    pub env: &'a BTreeMap<String, String>,
+}
+
+/// A fully resolved decision: what runs, where, with which limits.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub command: String,
+    pub path: PathBuf,
+    pub action_type: ActionType,
+    pub backend: BackendKind,
+    pub profile: Arc<Profile>,
+    pub capabilities_used: Vec<Capability>,
+    pub limits: Limits,
+    pub env: BTreeMap<String, String>,
+    pub timeout_seconds: u64,
+}
+
+impl Plan {
+    /// The backend's view of the plan.
+    pub fn run_spec(&self, exec_id: &str, argv_tail: &[String], stdin: Option<Vec<u8>>, default_image: &str) -> RunSpec {
+        let p = &self.profile;
+        let mut argv = vec![self.path.to_string_lossy().into_owned()];
+        argv.extend(argv_tail.iter().cloned());
+        RunSpec {
+            exec_id: exec_id.to_string(),
+            argv,
+            stdin,
+            env: self.env.clone(),
+            limits: self.limits.clone(),
+            network: match p.network.mode {
+                NetworkMode::None => NetworkPolicy::None,
+                NetworkMode::Egress => NetworkPolicy::Egress {
+                    allow_hosts: p.network.allow_hosts.clone(),
+                    allow_ports: p.network.allow_ports.clone(),
+                },
+            },
+            fs: FsRules { read_only: p.filesystem.read_only.clone(), extra_files: Vec::new(), workdir: p.filesystem.workdir.clone() },
+            uid: p.user.uid,
+            gid: p.user.gid,
+            landlock_abi: p.requires.landlock_abi,
+            image: Some(p.image.clone().unwrap_or_else(|| default_image.to_string())),
+            profile: p.name.clone(),
+            cancel: None,
+        }
+    }
+}
+
+pub struct Policy {
+    pub commands: BTreeMap<String, AllowedCommand>,
+    pub disabled: Vec<(String, String)>,
+    pub profiles: BTreeMap<String, Arc<Profile>>,
+    pub default_backend: BackendKind,
+    /// Whether the daemon has an egress filter; without one, egress profiles are refused.
+    pub egress_available: bool,
+}
+
+/// Finds `name` in the fixed search path (never the daemon's PATH).
+pub fn resolve_in(search_path: &str, name: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    search_path.split(':').filter(|d| d.starts_with('/')).map(|d| Path::new(d).join(name)).find(|p| {
+        std::fs::metadata(p).map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
+    })
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyLoadError {
+    #[error(transparent)]
+    Profile(#[from] profile::ProfileError),
+    #[error("commands.{command}: profile '{profile}' does not exist")]
+    UnknownProfile { command: String, profile: String },
+}
+
+impl Policy {
+    pub fn load(cfg: &Config) -> Result<Policy, PolicyLoadError> {
+        let profiles: BTreeMap<String, Arc<Profile>> =
+            profile::load_dir(&cfg.sandbox.profiles_dir)?.into_iter().map(|(k, v)| (k, Arc::new(v))).collect();
+        let mut commands = BTreeMap::new();
+        let mut disabled = Vec::new();
+        for (name, entry) in &cfg.commands {
+            if !profiles.contains_key(&entry.profile) {
+                return Err(PolicyLoadError::UnknownProfile { command: name.clone(), profile: entry.profile.clone() });
+            }
+            match resolve_in(&cfg.sandbox.search_path, name) {
+                Some(path) => {
+                    commands.insert(name.clone(), Self::allowed(name, path, entry));
+                }
+                None => {
+                    tracing::warn!(command = %name, search_path = %cfg.sandbox.search_path, "allowlisted command not found; disabled");
+                    disabled.push((name.clone(), format!("not found in {}", cfg.sandbox.search_path)));
+                }
+            }
+        }
+        Ok(Policy { commands, disabled, profiles, default_backend: cfg.sandbox.default_backend, egress_available: false })
+    }
+
+    fn allowed(name: &str, path: PathBuf, entry: &CommandEntry) -> AllowedCommand {
+        AllowedCommand {
+            name: name.to_string(),
+            path,
+            action_types: entry.action_types.clone(),
+            capabilities: entry.capabilities.clone(),
+            profile: entry.profile.clone(),
+            args: argpolicy::builtin(name).with_extra(&entry.deny_args, &entry.deny_prefixes),
+        }
+    }
+
+    pub fn allowed_names(&self) -> Vec<String> {
+        self.commands.keys().cloned().collect()
+    }
+
+    /// Decides an allowlisted command request (not `external`, which the executor registry owns).
+    pub fn decide(&self, ask: &Ask<'_>, grant: &Grant) -> Result<Plan, PolicyError> {
+        if !is_bare_name(ask.command) {
+            return Err(refuse("allowlist", format!("Command '{}' not in allowlist", ask.command.escape_debug())));
+        }
+        let Some(cmd) = self.commands.get(ask.command) else {
+            return Err(refuse("allowlist", format!("Command '{}' not in allowlist", ask.command)));
+        };
+        let action = ask.action_type.ok_or_else(|| PolicyError::Invalid("action_type is required".into()))?;
+        if !cmd.action_types.contains(&action) {
+            return Err(refuse(
+                "action_type",
+                format!("Command '{}' does not serve action_type '{}'", cmd.name, action.as_str()),
+            ));
+        }
+        if let Some(reason) = cmd.args.check(ask.args) {
+            return Err(refuse("argument_policy", format!("Command '{}': {reason}", cmd.name)));
+        }
+        self.finish(&cmd.name, &cmd.path, action, &cmd.capabilities, &cmd.profile, ask, grant)
+    }
+
+    /// The part shared with external executors: token narrowing, capabilities, profile, env, limits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn finish(
+        &self,
+        name: &str,
+        path: &Path,
+        action: ActionType,
+        required: &[Capability],
+        default_profile: &str,
+        ask: &Ask<'_>,
+        grant: &Grant,
+    ) -> Result<Plan, PolicyError> {
+        if let Some(allowed) = &grant.commands
+            && !allowed.iter().any(|c| c == name)
+        {
+            return Err(refuse("token_commands", format!("capability token does not permit command '{name}'")));
+        }
+        if let Some(missing) = required.iter().find(|c| !grant.capabilities.iter().any(|g| g == c.as_str())) {
+            return Err(refuse(
+                "capabilities",
+                format!("capability token lacks required capability '{}' for '{name}'", missing.as_str()),
+            ));
+        }
+        let profile_name = ask.profile.unwrap_or(default_profile);
+        let Some(profile) = self.profiles.get(profile_name) else {
+            return Err(refuse("profile", format!("profile '{profile_name}' does not exist")));
+        };
+        match &grant.profiles {
+            Some(allowed) if !allowed.iter().any(|p| p == profile_name) => {
+                return Err(refuse("token_profiles", format!("capability token does not permit profile '{profile_name}'")));
+            }
+            None if profile_name != default_profile => {
+                return Err(refuse("token_profiles", format!("capability token does not permit profile '{profile_name}'")));
+            }
+            _ => {}
+        }
+        if profile.network.mode == NetworkMode::Egress && !self.egress_available {
+            return Err(PolicyError::Unavailable(format!(
+                "egress not configured: profile '{profile_name}' needs outbound network and this daemon has no egress filter"
+            )));
+        }
+        let mut env = profile.env.set.clone();
+        for (k, v) in ask.env {
+            if !profile::valid_env_name(k) || profile::env_name_always_refused(k) || !profile.env.allow.iter().any(|a| a == k) {
+                return Err(refuse("env", format!("environment variable '{}' is not permitted by profile '{profile_name}'", k.escape_debug())));
+            }
+            if v.contains('\0') {
+                return Err(PolicyError::Invalid(format!("environment variable '{k}' contains a NUL byte")));
+            }
+            env.insert(k.clone(), v.clone());
+        }
+        let l = &profile.limits;
+        let mut timeout = ask.timeout_seconds.unwrap_or(l.timeout_default_seconds).min(l.timeout_max_seconds);
+        if let Some(t) = grant.max_timeout_seconds {
+            timeout = timeout.min(t.max(1));
+        }
+        Ok(Plan {
+            command: name.to_string(),
+            path: path.to_path_buf(),
+            action_type: action,
+            backend: profile.backend(self.default_backend),
+            profile: profile.clone(),
+            capabilities_used: required.to_vec(),
+            limits: Limits {
+                cpus: l.cpus,
+                memory_bytes: l.memory_mb << 20,
+                disk_bytes: l.disk_mb << 20,
+                timeout: Duration::from_secs(timeout),
+                pids: l.pids,
+                output_bytes: l.output_bytes,
+                nofile: l.nofile,
+            },
+            env,
+            timeout_seconds: timeout,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EnvOverrides;
+
+    fn policy() -> Policy {
+        let cfg = Config::load(None, &EnvOverrides::default()).unwrap();
+        Policy::load(&cfg).unwrap()
+    }
+
+    fn grant(caps: &[&str]) -> Grant {
+        Grant { capabilities: caps.iter().map(|s| s.to_string()).collect(), ..Default::default() }
+    }
+
+    #[test]
+    fn bare_names() {
+        for bad in ["/bin/ls", "../ls", "ls;id", "ls ", " ls", "ls\0", "l\u{0455}", "ｌｓ", "", ".", "..", "-ls", "ls|x", "$(id)"] {
+            assert!(!is_bare_name(bad), "{bad:?}");
+        }
+        for ok in ["ls", "python3", "g++", "x-y_z.1"] {
+            assert!(is_bare_name(ok));
+        }
+    }
+
+    #[test]
+    fn decide_resolves_limits_and_refuses_with_reasons() {
+        let p = policy();
+        let env = BTreeMap::new();
+        let ask = Ask { action_type: Some(ActionType::Shell), command: "echo", args: &[], timeout_seconds: Some(500), profile: None, env: &env };
+        let plan = p.decide(&ask, &grant(&["ShellExecute"])).unwrap();
+        assert_eq!(plan.timeout_seconds, 300);
+        assert!(plan.path.is_absolute());
+        let g = Grant { max_timeout_seconds: Some(5), ..grant(&["ShellExecute"]) };
+        assert_eq!(p.decide(&ask, &g).unwrap().timeout_seconds, 5);
+        match p.decide(&ask, &grant(&["ShellRead"])) {
+            Err(PolicyError::Refused(r)) => assert!(r.reason.contains("ShellExecute"), "{r:?}"),
+            other => panic!("{other:?}"),
+        }
+        let rm = Ask { command: "rm", ..ask.clone() };
+        assert!(matches!(p.decide(&rm, &grant(&["ShellExecute"])), Err(PolicyError::Refused(_))));
+        let other_profile = Ask { profile: Some("python"), ..ask.clone() };
+        assert!(matches!(p.decide(&other_profile, &grant(&["ShellExecute"])), Err(PolicyError::Refused(_))));
+        let g = Grant { profiles: Some(vec!["python".into()]), ..grant(&["ShellExecute"]) };
+        assert_eq!(p.decide(&other_profile, &g).unwrap().profile.name, "python");
+        let narrowed = Grant { commands: Some(vec!["ls".into()]), ..grant(&["ShellExecute"]) };
+        assert!(matches!(p.decide(&ask, &narrowed), Err(PolicyError::Refused(_))));
+    }
+
+    #[test]
+    fn env_rules() {
+        let p = policy();
+        let mut env = BTreeMap::new();
+        env.insert("LD_PRELOAD".to_string(), "/x.so".to_string());
+        let ask = Ask { action_type: Some(ActionType::Shell), command: "echo", args: &[], timeout_seconds: None, profile: None, env: &env };
+        assert!(matches!(p.decide(&ask, &grant(&["ShellExecute"])), Err(PolicyError::Refused(_))));
+        let mut env = BTreeMap::new();
+        env.insert("TZ".to_string(), "UTC".to_string());
+        let ask = Ask { env: &env, ..ask };
+        assert_eq!(p.decide(&ask, &grant(&["ShellExecute"])).unwrap().env.get("TZ").unwrap(), "UTC");
+    }
+
+    #[test]
+    fn egress_profiles_are_unavailable_without_a_filter() {
+        let p = policy();
+        let env = BTreeMap::new();
+        let args = vec!["http://example.test/".to_string()];
+        let ask = Ask { action_type: Some(ActionType::Http), command: "curl", args: &args, timeout_seconds: None, profile: None, env: &env };
+        if p.commands.contains_key("curl") {
+            assert!(matches!(p.decide(&ask, &grant(&["HttpRequest", "NetworkAccess"])), Err(PolicyError::Unavailable(_))));
+        }
+    }
+}

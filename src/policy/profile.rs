@@ -1,0 +1,262 @@
+//! Sandbox profiles: `sandbox-profiles/*.toml`, the one place isolation policy lives.
+//!
+//! A profile is data: backend, image, read-only paths, network, limits, user, env names. Loading
+//! refuses unknown keys and unsafe values, naming the file and the key.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::sandbox::BackendKind;
+
+/// The seed's limits and the DESIGN §4 caps.
+pub const MAX_TIMEOUT_SECONDS: u64 = 300;
+
+/// Embedded copies of the shipped profiles, used when the profiles directory does not exist
+/// (e.g. `serve --dev` from another working directory).
+pub const EMBEDDED: &[(&str, &str)] = &[
+    ("shell-readonly", include_str!("../../sandbox-profiles/shell-readonly.toml")),
+    ("python", include_str!("../../sandbox-profiles/python.toml")),
+    ("http-egress", include_str!("../../sandbox-profiles/http-egress.toml")),
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error("{file}: {message}")]
+    Invalid { file: String, message: String },
+    #[error("cannot read profiles directory {dir}: {source}")]
+    Dir { dir: PathBuf, source: std::io::Error },
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    #[serde(skip_deserializing)]
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub backend: Option<BackendKind>,
+    #[serde(default)]
+    pub image: Option<String>,
+    pub filesystem: FilesystemSection,
+    pub network: NetworkSection,
+    pub limits: LimitsSection,
+    pub user: UserSection,
+    #[serde(default)]
+    pub env: EnvSection,
+    #[serde(default)]
+    pub requires: RequiresSection,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilesystemSection {
+    pub read_only: Vec<PathBuf>,
+    pub workdir: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkMode {
+    None,
+    Egress,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkSection {
+    pub mode: NetworkMode,
+    #[serde(default)]
+    pub allow_hosts: Vec<String>,
+    #[serde(default = "default_ports")]
+    pub allow_ports: Vec<u16>,
+}
+
+fn default_ports() -> Vec<u16> {
+    vec![80, 443]
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSection {
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub timeout_default_seconds: u64,
+    pub timeout_max_seconds: u64,
+    pub pids: u64,
+    pub output_bytes: usize,
+    pub nofile: u64,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserSection {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvSection {
+    #[serde(default)]
+    pub allow: Vec<String>,
+    #[serde(default)]
+    pub set: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequiresSection {
+    /// Minimum Landlock ABI the local backend must enforce (0: the profile runs without
+    /// Landlock, e.g. under gVisor which does not implement it).
+    #[serde(default = "default_landlock_abi")]
+    pub landlock_abi: u32,
+}
+
+impl Default for RequiresSection {
+    fn default() -> Self {
+        RequiresSection { landlock_abi: default_landlock_abi() }
+    }
+}
+
+fn default_landlock_abi() -> u32 {
+    1
+}
+
+/// Environment names no profile can let a request set: they change what runs or how.
+pub fn env_name_always_refused(name: &str) -> bool {
+    const EXACT: &[&str] = &[
+        "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONINSPECT", "PYTHONBREAKPOINT", "PYTHONUSERBASE",
+        "PYTHONEXECUTABLE", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "IFS", "PROMPT_COMMAND", "CDPATH",
+        "GLOBIGNORE", "PERL5LIB", "PERL5OPT", "PERLLIB", "RUBYOPT", "RUBYLIB", "NODE_OPTIONS", "NODE_PATH",
+        "GCONV_PATH", "HOSTALIASES", "LOCALDOMAIN", "RES_OPTIONS", "GLIBC_TUNABLES", "TMPDIR", "HOME", "SHELL",
+        "CURL_HOME", "WGETRC", "SSL_CERT_FILE", "SSL_CERT_DIR", "http_proxy", "https_proxy", "HTTP_PROXY",
+        "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "no_proxy", "all_proxy", "GIT_CONFIG", "GIT_EXEC_PATH",
+        "GIT_SSH", "GIT_SSH_COMMAND", "EDITOR", "VISUAL", "PAGER",
+    ];
+    name.starts_with("LD_") || name.starts_with("MALLOC_") || name.starts_with("BASH_FUNC_") || name.starts_with("ORBIT_")
+        || EXACT.contains(&name)
+}
+
+pub fn valid_env_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && name.len() <= 128
+}
+
+impl Profile {
+    pub fn parse(name: &str, file: &str, text: &str) -> Result<Profile, ProfileError> {
+        let invalid = |message: String| ProfileError::Invalid { file: file.to_string(), message };
+        let mut p: Profile = toml::from_str(text).map_err(|e| invalid(e.to_string().trim().replace('\n', " ")))?;
+        p.name = name.to_string();
+        p.validate().map_err(invalid)?;
+        Ok(p)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.user.uid == 0 || self.user.gid == 0 {
+            return Err("user.uid / user.gid: a sandbox never runs as root (0)".into());
+        }
+        let l = &self.limits;
+        if !(l.cpus > 0.0 && l.cpus <= 64.0) {
+            return Err("limits.cpus must be in (0, 64]".into());
+        }
+        if l.memory_mb < 16 || l.disk_mb == 0 || l.pids < 4 || l.output_bytes == 0 || l.nofile < 16 {
+            return Err("limits: memory_mb >= 16, disk_mb > 0, pids >= 4, output_bytes > 0, nofile >= 16".into());
+        }
+        if l.timeout_default_seconds == 0 || l.timeout_default_seconds > l.timeout_max_seconds || l.timeout_max_seconds > MAX_TIMEOUT_SECONDS {
+            return Err(format!("limits: 0 < timeout_default_seconds <= timeout_max_seconds <= {MAX_TIMEOUT_SECONDS}"));
+        }
+        let wd = &self.filesystem.workdir;
+        if !wd.is_absolute() || wd == Path::new("/") || wd.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
+            return Err("filesystem.workdir must be an absolute path below /".into());
+        }
+        for p in &self.filesystem.read_only {
+            if !p.is_absolute() || p == Path::new("/") || p.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
+                return Err(format!("filesystem.read_only: '{}' must be an absolute path below / without '..'", p.display()));
+            }
+            if p.starts_with("/proc") || p.starts_with("/sys") || p.starts_with("/dev") || wd.starts_with(p) {
+                return Err(format!("filesystem.read_only: '{}' may not be exposed", p.display()));
+            }
+        }
+        for n in self.env.allow.iter().chain(self.env.set.keys()) {
+            if !valid_env_name(n) {
+                return Err(format!("env: '{n}' is not a valid variable name"));
+            }
+        }
+        if let Some(n) = self.env.allow.iter().find(|n| env_name_always_refused(n)) {
+            return Err(format!("env.allow: '{n}' can never be set by a request"));
+        }
+        if self.network.mode == NetworkMode::Egress && self.network.allow_ports.is_empty() {
+            return Err("network.allow_ports is empty".into());
+        }
+        Ok(())
+    }
+
+    pub fn backend(&self, default: BackendKind) -> BackendKind {
+        self.backend.unwrap_or(default)
+    }
+}
+
+/// Loads every `*.toml` of `dir` (or the embedded set when `dir` does not exist).
+pub fn load_dir(dir: &Path) -> Result<BTreeMap<String, Profile>, ProfileError> {
+    let mut out = BTreeMap::new();
+    if !dir.exists() {
+        for (name, text) in EMBEDDED {
+            out.insert(name.to_string(), Profile::parse(name, &format!("<embedded>/{name}.toml"), text)?);
+        }
+        return Ok(out);
+    }
+    let entries = std::fs::read_dir(dir).map_err(|source| ProfileError::Dir { dir: dir.to_path_buf(), source })?;
+    for e in entries {
+        let e = e.map_err(|source| ProfileError::Dir { dir: dir.to_path_buf(), source })?;
+        let path = e.path();
+        if path.extension().and_then(|x| x.to_str()) != Some("toml") {
+            continue;
+        }
+        let file = path.display().to_string();
+        let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_string();
+        if !crate::policy::is_bare_name(&name) {
+            return Err(ProfileError::Invalid { file, message: "profile file name must be a plain name".into() });
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| ProfileError::Invalid { file: file.clone(), message: e.to_string() })?;
+        out.insert(name.clone(), Profile::parse(&name, &file, &text)?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shipped_profiles_parse() {
+        for (name, text) in EMBEDDED {
+            let p = Profile::parse(name, name, text).unwrap();
+            assert_eq!(p.limits.memory_mb, 512);
+            assert_eq!(p.limits.pids, 64);
+            assert_eq!(p.limits.output_bytes, 1 << 20);
+        }
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let text = EMBEDDED[0].1.replace("[limits]", "[limits]\nswap_mb = 3");
+        let e = Profile::parse("x", "x.toml", &text).unwrap_err().to_string();
+        assert!(e.contains("x.toml") && e.contains("swap_mb"), "{e}");
+    }
+
+    #[test]
+    fn root_and_proc_are_refused() {
+        let text = EMBEDDED[0].1.replace("uid = 65534", "uid = 0");
+        assert!(Profile::parse("x", "x.toml", &text).is_err());
+        let text = EMBEDDED[0].1.replace("\"/usr\",", "\"/proc\",");
+        assert!(Profile::parse("x", "x.toml", &text).is_err());
+        let text = EMBEDDED[0].1.replace("allow = [\"LANG\"", "allow = [\"LD_PRELOAD\"");
+        assert!(Profile::parse("x", "x.toml", &text).is_err());
+    }
+}

@@ -1,0 +1,548 @@
+//! Per-run cgroups, v1 and v2 behind one small trait.
+//!
+//! Owns: creating a run's cgroup with memory (no swap beyond it), cpu quota and pids limits,
+//! killing every process in it, reading peak memory / OOM / pids events, and removing it.
+//! Must not: decide limits (the policy layer does) or spawn anything.
+//!
+//! Both drivers work on a root directory so the v2 logic is unit-tested against a fake tree.
+
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::sandbox::Limits;
+
+/// Statistics read from a run's cgroup after it ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CgroupStats {
+    pub peak_memory_kib: Option<u64>,
+    pub oom_kills: u64,
+    pub pids_max_hits: u64,
+}
+
+/// One run's cgroup (in every hierarchy it spans).
+pub trait RunCgroup: Send + Sync {
+    /// `cgroup.procs` files the child writes "0" into to join before it forks anything.
+    fn procs_files(&self) -> Vec<PathBuf>;
+    /// Kills every process in the cgroup and waits (bounded) until it is empty.
+    fn kill_all(&self) -> io::Result<()>;
+    fn stats(&self) -> CgroupStats;
+    /// Whether any process is left.
+    fn is_empty(&self) -> bool;
+    /// Removes the cgroup directories; kills first if anything is left.
+    fn remove(&self) -> io::Result<()>;
+}
+
+/// Creates run cgroups.
+pub trait CgroupDriver: Send + Sync {
+    fn version(&self) -> CgroupVersion;
+    fn create(&self, exec_id: &str, limits: &Limits) -> io::Result<Box<dyn RunCgroup>>;
+    /// Removes run cgroups left behind by a crashed daemon.
+    fn sweep_orphans(&self) -> usize;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupVersion {
+    V1,
+    V2,
+}
+
+/// Writes a cgroup interface file. `create` is harmless on cgroupfs (files exist or the open
+/// fails) and lets the unit tests run the same code against a plain directory tree.
+fn write_file(path: &Path, value: &str) -> io::Result<()> {
+    let mut f = fs::OpenOptions::new().write(true).create(true).truncate(false).open(path)?;
+    f.write_all(value.as_bytes())
+}
+
+fn read_trimmed(path: &Path) -> Option<String> {
+    fs::read_to_string(path).ok().map(|s| s.trim().to_string())
+}
+
+fn keyed_value(path: &Path, key: &str) -> Option<u64> {
+    let text = fs::read_to_string(path).ok()?;
+    text.lines().find_map(|l| {
+        let mut it = l.split_whitespace();
+        (it.next() == Some(key)).then(|| it.next()?.parse().ok()).flatten()
+    })
+}
+
+fn procs_of(dir: &Path) -> Vec<i32> {
+    fs::read_to_string(dir.join("cgroup.procs"))
+        .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+fn kill_pids(pids: &[i32]) {
+    for &pid in pids {
+        if pid > 0 {
+            // SAFETY: kill(2) with a positive pid read from the run's own cgroup; no memory involved.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+/// rmdir with a short retry: a cgroup is removable only once its last task is fully gone.
+fn rmdir_retry(dir: &Path) -> io::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        match fs::remove_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if Instant::now() < deadline && e.raw_os_error() == Some(libc::EBUSY) => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn valid_run_name(name: &str) -> bool {
+    !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
+// ---------------------------------------------------------------------------------------------
+// cgroup v2
+
+/// cgroup v2: runs live in `<base>/runs/<exec_id>`; the daemon itself is moved to `<base>/daemon`
+/// so `<base>` may enable controllers for its children (the "no internal processes" rule).
+pub struct V2Driver {
+    runs: PathBuf,
+}
+
+impl V2Driver {
+    /// Prepares the delegated subtree under `base` (the daemon's own cgroup directory).
+    /// `move_self` is false only in unit tests.
+    pub fn prepare(base: &Path, move_self: bool) -> io::Result<Self> {
+        let controllers = read_trimmed(&base.join("cgroup.controllers")).unwrap_or_default();
+        for needed in ["memory", "cpu", "pids"] {
+            if !controllers.split_whitespace().any(|c| c == needed) {
+                return Err(io::Error::other(format!(
+                    "cgroup v2 controller '{needed}' is not delegated to {}",
+                    base.display()
+                )));
+            }
+        }
+        let runs = base.join("runs");
+        if move_self {
+            let leaf = base.join("daemon");
+            fs::create_dir_all(&leaf)?;
+            // Move every process of our cgroup (us, and anything the container started with us).
+            for pid in procs_of(base) {
+                let _ = write_file(&leaf.join("cgroup.procs"), &pid.to_string());
+            }
+        }
+        write_file(&base.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+        fs::create_dir_all(&runs)?;
+        write_file(&runs.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+        Ok(V2Driver { runs })
+    }
+}
+
+struct V2Run {
+    dir: PathBuf,
+}
+
+impl CgroupDriver for V2Driver {
+    fn version(&self) -> CgroupVersion {
+        CgroupVersion::V2
+    }
+
+    fn create(&self, exec_id: &str, limits: &Limits) -> io::Result<Box<dyn RunCgroup>> {
+        if !valid_run_name(exec_id) {
+            return Err(io::Error::other("invalid cgroup name"));
+        }
+        let dir = self.runs.join(exec_id);
+        fs::create_dir(&dir)?;
+        let run = V2Run { dir };
+        let quota = (limits.cpus * 100_000.0).round().max(1000.0) as u64;
+        let set = || -> io::Result<()> {
+            write_file(&run.dir.join("memory.max"), &limits.memory_bytes.to_string())?;
+            // No swap beyond the memory limit.
+            write_file(&run.dir.join("memory.swap.max"), "0")?;
+            write_file(&run.dir.join("cpu.max"), &format!("{quota} 100000"))?;
+            write_file(&run.dir.join("pids.max"), &limits.pids.to_string())?;
+            Ok(())
+        };
+        if let Err(e) = set() {
+            let _ = run.remove();
+            return Err(e);
+        }
+        Ok(Box::new(run))
+    }
+
+    fn sweep_orphans(&self) -> usize {
+        sweep_dir(&self.runs, |dir| {
+            let run = V2Run { dir: dir.to_path_buf() };
+            run.remove().is_ok()
+        })
+    }
+}
+
+impl RunCgroup for V2Run {
+    fn procs_files(&self) -> Vec<PathBuf> {
+        vec![self.dir.join("cgroup.procs")]
+    }
+
+    fn kill_all(&self) -> io::Result<()> {
+        let kill_file = self.dir.join("cgroup.kill");
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            if kill_file.exists() {
+                // cgroup.kill (5.14+) kills atomically, including tasks forking right now.
+                let _ = write_file(&kill_file, "1");
+            } else {
+                kill_pids(&procs_of(&self.dir));
+            }
+            if self.is_empty() || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if self.is_empty() { Ok(()) } else { Err(io::Error::other("cgroup not empty after kill")) }
+    }
+
+    fn stats(&self) -> CgroupStats {
+        CgroupStats {
+            peak_memory_kib: read_trimmed(&self.dir.join("memory.peak"))
+                .and_then(|s| s.parse::<u64>().ok())
+                .map(|b| b / 1024),
+            oom_kills: keyed_value(&self.dir.join("memory.events"), "oom_kill").unwrap_or(0),
+            pids_max_hits: keyed_value(&self.dir.join("pids.events"), "max").unwrap_or(0),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        procs_of(&self.dir).is_empty()
+    }
+
+    fn remove(&self) -> io::Result<()> {
+        if !self.is_empty() {
+            self.kill_all()?;
+        }
+        rmdir_retry(&self.dir)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// cgroup v1
+
+/// cgroup v1: one directory per hierarchy (memory, cpu, pids, freezer) under each hierarchy's
+/// copy of the daemon's own cgroup path plus `cgroup_name`.
+pub struct V1Driver {
+    memory: PathBuf,
+    cpu: PathBuf,
+    pids: PathBuf,
+    freezer: Option<PathBuf>,
+}
+
+impl V1Driver {
+    /// `mount_root` is normally `/sys/fs/cgroup`; `self_cgroup` is the text of /proc/self/cgroup.
+    pub fn prepare(mount_root: &Path, self_cgroup: &str, name: &str) -> io::Result<Self> {
+        let base_of = |controller: &str| -> io::Result<PathBuf> {
+            let rel = self_cgroup
+                .lines()
+                .find_map(|l| {
+                    let mut parts = l.splitn(3, ':');
+                    let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
+                    ctrls.split(',').any(|c| c == controller).then(|| path.to_string())
+                })
+                .unwrap_or_else(|| "/".to_string());
+            let mount = mount_root.join(controller);
+            if !mount.join("cgroup.procs").exists() {
+                return Err(io::Error::other(format!(
+                    "cgroup v1 controller '{controller}' is not mounted at {}",
+                    mount.display()
+                )));
+            }
+            let dir = mount.join(rel.trim_start_matches('/')).join(name);
+            fs::create_dir_all(&dir)?;
+            Ok(dir)
+        };
+        let memory = base_of("memory")?;
+        // Child memory cgroups must account hierarchically for limits to hold.
+        let _ = write_file(&memory.join("memory.use_hierarchy"), "1");
+        Ok(V1Driver {
+            memory,
+            cpu: base_of("cpu")?,
+            pids: base_of("pids")?,
+            freezer: base_of("freezer").ok(),
+        })
+    }
+
+    fn dirs(&self, exec_id: &str) -> Vec<PathBuf> {
+        let mut d = vec![self.memory.join(exec_id), self.cpu.join(exec_id), self.pids.join(exec_id)];
+        if let Some(f) = &self.freezer {
+            d.push(f.join(exec_id));
+        }
+        d
+    }
+}
+
+struct V1Run {
+    memory: PathBuf,
+    cpu: PathBuf,
+    pids: PathBuf,
+    freezer: Option<PathBuf>,
+}
+
+impl V1Run {
+    fn all(&self) -> Vec<&PathBuf> {
+        let mut v = vec![&self.memory, &self.cpu, &self.pids];
+        if let Some(f) = &self.freezer {
+            v.push(f);
+        }
+        v
+    }
+}
+
+impl CgroupDriver for V1Driver {
+    fn version(&self) -> CgroupVersion {
+        CgroupVersion::V1
+    }
+
+    fn create(&self, exec_id: &str, limits: &Limits) -> io::Result<Box<dyn RunCgroup>> {
+        if !valid_run_name(exec_id) {
+            return Err(io::Error::other("invalid cgroup name"));
+        }
+        let dirs = self.dirs(exec_id);
+        for d in &dirs {
+            if let Err(e) = fs::create_dir(d) {
+                for made in &dirs {
+                    let _ = fs::remove_dir(made);
+                }
+                return Err(e);
+            }
+        }
+        let run = V1Run {
+            memory: dirs[0].clone(),
+            cpu: dirs[1].clone(),
+            pids: dirs[2].clone(),
+            freezer: dirs.get(3).cloned(),
+        };
+        let quota = (limits.cpus * 100_000.0).round().max(1000.0) as u64;
+        let set = || -> io::Result<()> {
+            write_file(&run.memory.join("memory.limit_in_bytes"), &limits.memory_bytes.to_string())?;
+            // memsw = mem: no swap beyond the memory limit (present when swap accounting is on).
+            let memsw = run.memory.join("memory.memsw.limit_in_bytes");
+            if memsw.exists() {
+                write_file(&memsw, &limits.memory_bytes.to_string())?;
+            }
+            let _ = write_file(&run.memory.join("memory.swappiness"), "0");
+            write_file(&run.cpu.join("cpu.cfs_period_us"), "100000")?;
+            write_file(&run.cpu.join("cpu.cfs_quota_us"), &quota.to_string())?;
+            write_file(&run.pids.join("pids.max"), &limits.pids.to_string())?;
+            Ok(())
+        };
+        if let Err(e) = set() {
+            let _ = run.remove();
+            return Err(e);
+        }
+        Ok(Box::new(run))
+    }
+
+    fn sweep_orphans(&self) -> usize {
+        let mut n = 0;
+        let mut roots = vec![&self.memory, &self.cpu, &self.pids];
+        if let Some(f) = &self.freezer {
+            roots.push(f);
+        }
+        // Kill through the pids hierarchy first (every run task is there), then remove all.
+        for root in roots {
+            n += sweep_dir(root, |dir| {
+                kill_pids(&procs_of(dir));
+                rmdir_retry(dir).is_ok()
+            });
+        }
+        n
+    }
+}
+
+impl RunCgroup for V1Run {
+    fn procs_files(&self) -> Vec<PathBuf> {
+        self.all().into_iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    fn kill_all(&self) -> io::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            // Freeze first so nothing forks between reading cgroup.procs and the kill.
+            let frozen = self
+                .freezer
+                .as_ref()
+                .map(|f| write_file(&f.join("freezer.state"), "FROZEN").is_ok())
+                .unwrap_or(false);
+            kill_pids(&procs_of(&self.pids));
+            if frozen && let Some(f) = &self.freezer {
+                let _ = write_file(&f.join("freezer.state"), "THAWED");
+            }
+            if self.is_empty() || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if self.is_empty() { Ok(()) } else { Err(io::Error::other("cgroup not empty after kill")) }
+    }
+
+    fn stats(&self) -> CgroupStats {
+        CgroupStats {
+            peak_memory_kib: read_trimmed(&self.memory.join("memory.max_usage_in_bytes"))
+                .and_then(|s| s.parse::<u64>().ok())
+                .map(|b| b / 1024),
+            oom_kills: keyed_value(&self.memory.join("memory.oom_control"), "oom_kill").unwrap_or(0),
+            pids_max_hits: keyed_value(&self.pids.join("pids.events"), "max").unwrap_or(0),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.all().iter().all(|d| procs_of(d).is_empty())
+    }
+
+    fn remove(&self) -> io::Result<()> {
+        if !self.is_empty() {
+            self.kill_all()?;
+        }
+        let mut first_err = None;
+        for d in self.all() {
+            if let Err(e) = rmdir_retry(d) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+fn sweep_dir(root: &Path, mut remove: impl FnMut(&Path) -> bool) -> usize {
+    let Ok(entries) = fs::read_dir(root) else { return 0 };
+    entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+        .filter(|e| valid_run_name(&e.file_name().to_string_lossy()))
+        .filter(|e| remove(&e.path()))
+        .count()
+}
+
+/// Detects the cgroup layout and prepares the matching driver.
+pub fn detect(mount_root: &Path, name: &str) -> io::Result<Box<dyn CgroupDriver>> {
+    let self_cgroup = fs::read_to_string("/proc/self/cgroup")?;
+    // Unified-only host (or a v2 container): the top mount has cgroup.controllers.
+    if mount_root.join("cgroup.controllers").exists() {
+        let rel = self_cgroup
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .unwrap_or("/")
+            .trim_start_matches('/')
+            .to_string();
+        let mut base = mount_root.join(rel);
+        // Already moved into our leaf by an earlier start in this cgroup.
+        if base.file_name().map(|n| n == "daemon").unwrap_or(false)
+            && let Some(parent) = base.parent()
+        {
+            base = parent.to_path_buf();
+        }
+        return Ok(Box::new(V2Driver::prepare(&base, true)?));
+    }
+    Ok(Box::new(V1Driver::prepare(mount_root, &self_cgroup, name)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            cpus: 0.5,
+            memory_bytes: 64 << 20,
+            disk_bytes: 1 << 20,
+            timeout: Duration::from_secs(1),
+            pids: 16,
+            output_bytes: 1024,
+            nofile: 64,
+        }
+    }
+
+    /// A fake cgroup v2 tree: the kernel would create the interface files on mkdir; here the
+    /// test creates the ones the driver reads or writes.
+    fn fake_v2() -> tempfile::TempDir {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("cgroup.controllers"), "cpuset cpu io memory pids\n").unwrap();
+        fs::write(t.path().join("cgroup.subtree_control"), "").unwrap();
+        fs::write(t.path().join("cgroup.procs"), "").unwrap();
+        fs::create_dir(t.path().join("runs")).unwrap();
+        fs::write(t.path().join("runs/cgroup.subtree_control"), "").unwrap();
+        t
+    }
+
+    #[test]
+    fn v2_refuses_when_controllers_not_delegated() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("cgroup.controllers"), "cpu io\n").unwrap();
+        let err = V2Driver::prepare(t.path(), false).err().unwrap();
+        assert!(err.to_string().contains("memory"), "{err}");
+    }
+
+    #[test]
+    fn v2_enables_controllers_and_writes_every_limit() {
+        let t = fake_v2();
+        let driver = V2Driver::prepare(t.path(), false).unwrap();
+        assert_eq!(driver.version(), CgroupVersion::V2);
+        let st = |p: &str| fs::read_to_string(t.path().join(p)).unwrap();
+        assert_eq!(st("cgroup.subtree_control"), "+memory +cpu +pids");
+        assert_eq!(st("runs/cgroup.subtree_control"), "+memory +cpu +pids");
+        let run = driver.create("exec-1", &limits()).unwrap();
+        assert_eq!(st("runs/exec-1/memory.max"), (64u64 << 20).to_string());
+        assert_eq!(st("runs/exec-1/memory.swap.max"), "0");
+        assert_eq!(st("runs/exec-1/cpu.max"), "50000 100000");
+        assert_eq!(st("runs/exec-1/pids.max"), "16");
+        assert_eq!(run.procs_files(), vec![t.path().join("runs/exec-1/cgroup.procs")]);
+        // A second run never shares the cgroup of the first.
+        assert!(driver.create("exec-1", &limits()).is_err());
+        fs::write(t.path().join("runs/exec-1/cgroup.procs"), "").unwrap();
+        run.kill_all().unwrap();
+        assert_eq!(st("runs/exec-1/cgroup.kill"), "1");
+    }
+
+    #[test]
+    fn v2_sweeps_orphans() {
+        let t = fake_v2();
+        let driver = V2Driver::prepare(t.path(), false).unwrap();
+        fs::create_dir(t.path().join("runs/exec-old")).unwrap();
+        assert_eq!(driver.sweep_orphans(), 1);
+        assert!(!t.path().join("runs/exec-old").exists());
+    }
+
+    #[test]
+    fn v2_stats_read_peak_events_and_pids() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("memory.peak"), "10485760\n").unwrap();
+        fs::write(t.path().join("memory.events"), "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n").unwrap();
+        fs::write(t.path().join("pids.events"), "max 7\n").unwrap();
+        let run = V2Run { dir: t.path().to_path_buf() };
+        assert_eq!(
+            run.stats(),
+            CgroupStats { peak_memory_kib: Some(10240), oom_kills: 1, pids_max_hits: 7 }
+        );
+    }
+
+    #[test]
+    fn v1_reads_self_cgroup_paths() {
+        let t = tempfile::tempdir().unwrap();
+        for c in ["memory", "cpu", "pids", "freezer"] {
+            fs::create_dir_all(t.path().join(c).join("outer")).unwrap();
+            fs::write(t.path().join(c).join("cgroup.procs"), "").unwrap();
+        }
+        let self_cg = "4:memory:/outer\n1:cpu:/\n8:pids:/\n6:freezer:/\n";
+        let d = V1Driver::prepare(t.path(), self_cg, "executor-arm").unwrap();
+        assert_eq!(d.memory, t.path().join("memory/outer/executor-arm"));
+        assert_eq!(d.cpu, t.path().join("cpu/executor-arm"));
+        assert!(d.memory.is_dir());
+    }
+
+    #[test]
+    fn run_names_are_plain() {
+        assert!(valid_run_name("exec-0a1b"));
+        assert!(!valid_run_name("../x"));
+        assert!(!valid_run_name(""));
+    }
+}

@@ -1,0 +1,502 @@
+//! The `local` backend: each run is a process tree in fresh namespaces, a per-run cgroup, a
+//! minimal read-only root, Landlock, seccomp, rlimits and an unprivileged uid.
+//!
+//! Owns: turning a [`RunSpec`] into a [`child::ChildPlan`], spawning it, feeding stdin, reading
+//! capped output, enforcing the wall clock, and removing everything afterwards.
+//! Must not: look at tokens, requests or the allowlist.
+
+pub mod cgroup;
+pub mod child;
+pub mod landlock;
+pub mod seccomp;
+
+use std::collections::BTreeSet;
+use std::ffi::{CString, OsStr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::AsyncWriteExt;
+use tokio::sync::watch;
+
+use self::cgroup::{CgroupDriver, RunCgroup};
+use self::child::{ChildPlan, LandlockRule, MountOp};
+use self::seccomp::SeccompProgram;
+use super::capture::{Captured, read_capped};
+use super::probe::HostProbe;
+use super::{
+    BackendKind, BackendStatus, ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec, Sandbox,
+    SandboxError,
+};
+
+/// How long readers may take to reach EOF after the sandbox is gone.
+const DRAIN_GRACE: Duration = Duration::from_secs(2);
+
+pub struct LocalSandbox {
+    cgroups: Option<Box<dyn CgroupDriver>>,
+    probe: HostProbe,
+    /// Empty host directory the per-run root tmpfs is mounted on (inside each run's own mount
+    /// namespace, so every run can use the same one).
+    root_dir: PathBuf,
+    seccomp: Arc<SeccompProgram>,
+    /// RLIMIT_NPROC backstop: counts every process of the uid on the host, so it must allow all
+    /// concurrent runs; the per-run cgroup pids limit is the real bound.
+    concurrency: u64,
+}
+
+impl LocalSandbox {
+    /// Probes the host and prepares cgroups. Never fails: what is missing is reported by
+    /// [`Sandbox::status`] and makes runs fail closed with `Unavailable`.
+    pub fn new(cgroup_name: &str, runtime_dir: &Path, concurrency: usize) -> Self {
+        let mut probe = HostProbe::detect();
+        let cgroups = match cgroup::detect(Path::new("/sys/fs/cgroup"), cgroup_name) {
+            Ok(d) => {
+                let swept = d.sweep_orphans();
+                if swept > 0 {
+                    tracing::warn!(swept, "removed run cgroups left by an earlier daemon");
+                }
+                probe.cgroup = Some(format!("{:?}", d.version()).to_lowercase());
+                Some(d)
+            }
+            Err(e) => {
+                probe.cgroup_error = Some(e.to_string());
+                None
+            }
+        };
+        let root_dir = runtime_dir.join("sandbox-root");
+        if let Err(e) = std::fs::create_dir_all(&root_dir) {
+            probe.cgroup_error.get_or_insert(format!("cannot create {}: {e}", root_dir.display()));
+        }
+        LocalSandbox {
+            cgroups,
+            probe,
+            root_dir,
+            seccomp: Arc::new(SeccompProgram::deny_list()),
+            concurrency: concurrency.max(1) as u64,
+        }
+    }
+
+    pub fn probe(&self) -> &HostProbe {
+        &self.probe
+    }
+
+    fn plan(&self, spec: &RunSpec, cg: &dyn RunCgroup, status_fd: i32, landlock_fd: i32) -> Result<ChildPlan, SandboxError> {
+        let abi = self.probe.landlock_abi;
+        let handled = landlock::fs_rights(abi);
+        let mut b = PlanBuilder::new(&self.root_dir, handled);
+        for p in &spec.fs.read_only {
+            b.read_only(p)?;
+        }
+        for (src, dst) in &spec.fs.extra_files {
+            b.extra_file(src, dst)?;
+        }
+        let disk = spec.limits.disk_bytes;
+        b.tmpfs(&spec.fs.workdir, &format!("size={disk},nr_inodes=16384,mode=0700,uid={},gid={}", spec.uid, spec.gid))?;
+        b.tmpfs(Path::new("/tmp"), &format!("size={disk},nr_inodes=16384,mode=1777"))?;
+        b.proc()?;
+        b.dev()?;
+        b.rules.push(LandlockRule { path: c"/".into(), access: landlock::FS_READ_DIR & handled });
+
+        let argv: Vec<CString> = spec.argv.iter().map(|a| cstr(a)).collect::<Result<_, _>>()?;
+        let envp: Vec<CString> = spec
+            .env
+            .iter()
+            .map(|(k, v)| cstr(&format!("{k}={v}")))
+            .collect::<Result<_, _>>()?;
+        let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|c| c.as_ptr()).collect();
+        argv_ptrs.push(std::ptr::null());
+        let mut envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|c| c.as_ptr()).collect();
+        envp_ptrs.push(std::ptr::null());
+        let program = argv.first().cloned().ok_or_else(|| SandboxError::Setup("empty argv".into()))?;
+
+        Ok(ChildPlan {
+            cgroup_procs: cg.procs_files().iter().map(|p| path_cstr(p)).collect::<Result<_, _>>()?,
+            root: path_cstr(&self.root_dir)?,
+            root_options: c"size=1m,nr_inodes=4096,mode=0755".into(),
+            mounts: b.ops,
+            landlock_fd,
+            landlock_rules: b.rules,
+            hostname: c"sandbox".into(),
+            workdir: path_cstr(&spec.fs.workdir)?,
+            rlimits: vec![
+                (libc::RLIMIT_CORE, 0),
+                (libc::RLIMIT_NOFILE, spec.limits.nofile),
+                (libc::RLIMIT_FSIZE, spec.limits.disk_bytes),
+                (libc::RLIMIT_NPROC, spec.limits.pids.saturating_mul(self.concurrency)),
+            ],
+            uid: spec.uid,
+            gid: spec.gid,
+            seccomp: self.seccomp.as_fprog(),
+            program,
+            argv_ptrs,
+            envp_ptrs,
+            status_fd,
+            _argv: argv,
+            _envp: envp,
+        })
+    }
+}
+
+fn cstr(s: &str) -> Result<CString, SandboxError> {
+    CString::new(s).map_err(|_| SandboxError::Setup("NUL byte in argument or environment".into()))
+}
+
+fn path_cstr(p: &Path) -> Result<CString, SandboxError> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| SandboxError::Setup("NUL byte in path".into()))
+}
+
+/// Builds the mount list and Landlock rules of the minimal root.
+struct PlanBuilder {
+    root: PathBuf,
+    handled: u64,
+    made: BTreeSet<PathBuf>,
+    bound: Vec<PathBuf>,
+    ops: Vec<MountOp>,
+    rules: Vec<LandlockRule>,
+}
+
+impl PlanBuilder {
+    fn new(root: &Path, handled: u64) -> Self {
+        PlanBuilder { root: root.to_path_buf(), handled, made: BTreeSet::new(), bound: Vec::new(), ops: Vec::new(), rules: Vec::new() }
+    }
+
+    /// `/a/b` inside the sandbox -> `<root>/a/b`; refuses relative paths and `..`.
+    fn inside(&self, p: &Path) -> Result<PathBuf, SandboxError> {
+        let mut out = self.root.clone();
+        let mut comps = p.components();
+        if comps.next() != Some(Component::RootDir) {
+            return Err(SandboxError::Setup(format!("sandbox path {} is not absolute", p.display())));
+        }
+        for c in comps {
+            match c {
+                Component::Normal(n) => out.push(n),
+                _ => return Err(SandboxError::Setup(format!("sandbox path {} is not normal", p.display()))),
+            }
+        }
+        Ok(out)
+    }
+
+    fn mkdirs(&mut self, p: &Path) -> Result<(), SandboxError> {
+        let mut cur = PathBuf::from("/");
+        for c in p.components().skip(1) {
+            cur.push(c);
+            if self.made.insert(cur.clone()) {
+                let full = self.inside(&cur)?;
+                self.ops.push(MountOp::Mkdir(path_cstr(&full)?));
+            }
+        }
+        Ok(())
+    }
+
+    fn covered(&self, p: &Path) -> bool {
+        self.bound.iter().any(|b| p.starts_with(b))
+    }
+
+    fn rule(&mut self, p: &Path, access: u64, is_file: bool) -> Result<(), SandboxError> {
+        let mask = if is_file { landlock::FILE_RIGHTS } else { u64::MAX };
+        let access = access & self.handled & mask;
+        if access != 0 {
+            self.rules.push(LandlockRule { path: path_cstr(p)?, access });
+        }
+        Ok(())
+    }
+
+    fn read_only(&mut self, p: &Path) -> Result<(), SandboxError> {
+        if self.covered(p) {
+            return Ok(());
+        }
+        let Ok(meta) = std::fs::symlink_metadata(p) else {
+            return Ok(()); // a profile path this host does not have
+        };
+        if let Some(parent) = p.parent() {
+            self.mkdirs(parent)?;
+        }
+        let dst = path_cstr(&self.inside(p)?)?;
+        if meta.file_type().is_symlink() {
+            let target = std::fs::read_link(p)?;
+            self.made.insert(p.to_path_buf());
+            self.ops.push(MountOp::Symlink { target: path_cstr(&target)?, link: dst });
+            return Ok(());
+        }
+        let ro = landlock::FS_READ_FILE | landlock::FS_READ_DIR | landlock::FS_EXECUTE;
+        if meta.is_dir() {
+            self.made.insert(p.to_path_buf());
+            self.ops.push(MountOp::Mkdir(dst.clone()));
+            self.rule(p, ro, false)?;
+        } else {
+            self.ops.push(MountOp::TouchFile(dst.clone()));
+            self.rule(p, ro, true)?;
+        }
+        self.ops.push(MountOp::BindReadOnly { src: path_cstr(p)?, dst });
+        self.bound.push(p.to_path_buf());
+        Ok(())
+    }
+
+    fn extra_file(&mut self, src: &Path, dst: &Path) -> Result<(), SandboxError> {
+        if self.covered(dst) {
+            // Already visible through a read-only path of the profile.
+            return Ok(());
+        }
+        if let Some(parent) = dst.parent() {
+            self.mkdirs(parent)?;
+        }
+        let inside = path_cstr(&self.inside(dst)?)?;
+        self.ops.push(MountOp::TouchFile(inside.clone()));
+        self.ops.push(MountOp::BindReadOnly { src: path_cstr(src)?, dst: inside });
+        self.rule(dst, landlock::FS_READ_FILE | landlock::FS_EXECUTE, true)
+    }
+
+    fn tmpfs(&mut self, p: &Path, options: &str) -> Result<(), SandboxError> {
+        self.mkdirs(p)?;
+        let dst = path_cstr(&self.inside(p)?)?;
+        self.ops.push(MountOp::Tmpfs { dst, options: cstr(options)?, noexec: true });
+        self.rule(p, u64::MAX, false)
+    }
+
+    fn proc(&mut self) -> Result<(), SandboxError> {
+        let p = Path::new("/proc");
+        self.mkdirs(p)?;
+        self.ops.push(MountOp::Proc(path_cstr(&self.inside(p)?)?));
+        self.rule(p, landlock::FS_READ_FILE | landlock::FS_READ_DIR, false)
+    }
+
+    fn dev(&mut self) -> Result<(), SandboxError> {
+        self.mkdirs(Path::new("/dev"))?;
+        for name in ["null", "zero", "random", "urandom"] {
+            let p = PathBuf::from("/dev").join(name);
+            let dst = path_cstr(&self.inside(&p)?)?;
+            self.ops.push(MountOp::TouchFile(dst.clone()));
+            self.ops.push(MountOp::BindDevice { src: path_cstr(&p)?, dst });
+            let rw = landlock::FS_READ_FILE | landlock::FS_WRITE_FILE | landlock::FS_TRUNCATE | landlock::FS_IOCTL_DEV;
+            self.rule(&p, rw, true)?;
+        }
+        for (name, target) in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")] {
+            let link = path_cstr(&self.inside(&Path::new("/dev").join(name))?)?;
+            self.ops.push(MountOp::Symlink { target: cstr(target)?, link });
+        }
+        Ok(())
+    }
+}
+
+/// Kills and removes the run's cgroup however the run ends (including a dropped future).
+struct CgroupGuard(Option<Box<dyn RunCgroup>>);
+
+impl CgroupGuard {
+    fn get(&self) -> &dyn RunCgroup {
+        self.0.as_deref().expect("cgroup present until finish")
+    }
+
+    async fn finish(mut self) -> Result<(), SandboxError> {
+        let cg = self.0.take();
+        tokio::task::spawn_blocking(move || cg.map(|c| c.remove()).transpose())
+            .await
+            .map_err(|e| SandboxError::Setup(format!("cgroup cleanup task: {e}")))??;
+        Ok(())
+    }
+}
+
+impl Drop for CgroupGuard {
+    fn drop(&mut self) {
+        if let Some(cg) = self.0.take() {
+            if let Err(e) = cg.remove() {
+                tracing::error!(error = %e, "could not remove a run cgroup");
+            }
+        }
+    }
+}
+
+/// Resolves when the flag becomes true; never when its senders are gone with it still false
+/// (the output readers drop theirs at EOF).
+async fn overflowed(rx: &mut watch::Receiver<bool>) {
+    if rx.wait_for(|v| *v).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+fn status_pipe() -> Result<(OwnedFd, OwnedFd), SandboxError> {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 writes two fds into the array we pass.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: both fds were just created and are owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// The last record the child wrote, if any.
+fn read_status(fd: &OwnedFd) -> Option<[u8; child::RECORD_LEN]> {
+    let mut buf = [0u8; 64];
+    // SAFETY: read into a stack buffer of the given size (the fd is non-blocking).
+    let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    if n < child::RECORD_LEN as isize {
+        return None;
+    }
+    let n = n as usize - (n as usize % child::RECORD_LEN);
+    let mut rec = [0u8; child::RECORD_LEN];
+    rec.copy_from_slice(&buf[n - child::RECORD_LEN..n]);
+    Some(rec)
+}
+
+#[async_trait::async_trait]
+impl Sandbox for LocalSandbox {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Local
+    }
+
+    async fn status(&self) -> BackendStatus {
+        let missing = self.probe.local_missing(1);
+        BackendStatus {
+            backend: BackendKind::Local,
+            ready: missing.is_empty(),
+            detail: if missing.is_empty() {
+                format!(
+                    "cgroup {}, landlock abi {}, seccomp, namespaces",
+                    self.probe.cgroup.as_deref().unwrap_or("?"),
+                    self.probe.landlock_abi
+                )
+            } else {
+                format!("missing: {}", missing.join(", "))
+            },
+        }
+    }
+
+    async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError> {
+        // Fail closed: refuse before anything starts when a mechanism is missing.
+        let missing = self.probe.local_missing(spec.landlock_abi);
+        if !missing.is_empty() {
+            return Err(SandboxError::Unavailable(format!("local sandbox lacks {}", missing.join(", "))));
+        }
+        if let NetworkPolicy::Egress { .. } = spec.network {
+            return Err(SandboxError::Unavailable("egress not configured".into()));
+        }
+        let driver = self.cgroups.as_ref().ok_or_else(|| SandboxError::Unavailable("cgroups".into()))?;
+        let limits = spec.limits.clone();
+        let guard = CgroupGuard(Some(driver.create(&spec.exec_id, &limits)?));
+
+        let landlock_fd = if self.probe.landlock_abi > 0 {
+            let attr = landlock::ruleset_attr(self.probe.landlock_abi, matches!(spec.network, NetworkPolicy::None));
+            Some(landlock::create_ruleset(&attr)?)
+        } else {
+            None
+        };
+        let (status_r, status_w) = status_pipe()?;
+        let plan = Arc::new(self.plan(
+            &spec,
+            guard.get(),
+            status_w.as_raw_fd(),
+            landlock_fd.as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1),
+        )?);
+        let seccomp_keepalive = self.seccomp.clone();
+
+        let mut cmd = tokio::process::Command::new(OsStr::from_bytes(plan.program.as_bytes()));
+        cmd.env_clear()
+            .stdin(if spec.stdin.is_some() { std::process::Stdio::piped() } else { std::process::Stdio::null() })
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        let child_plan = plan.clone();
+        // SAFETY: the closure runs in the forked child and only calls ChildPlan::enter, which uses
+        // async-signal-safe syscalls on memory prepared before fork and never returns.
+        unsafe {
+            cmd.pre_exec(move || child_plan.enter());
+        }
+        let start = Instant::now();
+        let mut child = cmd.spawn()?;
+        // Our copies of the child's ends: the pipe must reach EOF once the sandbox is gone.
+        drop(status_w);
+        drop(landlock_fd);
+
+        let cap = limits.output_bytes;
+        let (ovf_tx, mut ovf_rx) = watch::channel(false);
+        let out_task = child.stdout.take().map(|r| tokio::spawn(read_capped(r, cap, ovf_tx.clone())));
+        let err_task = child.stderr.take().map(|r| tokio::spawn(read_capped(r, cap, ovf_tx)));
+        let stdin_task = match (child.stdin.take(), spec.stdin.clone()) {
+            (Some(mut w), Some(data)) => Some(tokio::spawn(async move {
+                let r = w.write_all(&data).await;
+                drop(w);
+                matches!(r, Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe)
+            })),
+            _ => None,
+        };
+
+        let mut cancel = spec.cancel.clone();
+        let cancelled = async {
+            match cancel.as_mut() {
+                Some(rx) => overflowed(rx).await,
+                None => std::future::pending::<()>().await,
+            }
+        };
+        let killed = tokio::select! {
+            _ = child.wait() => None,
+            _ = cancelled => Some(KilledReason::Signal),
+            _ = tokio::time::sleep(limits.timeout) => Some(KilledReason::Timeout),
+            _ = overflowed(&mut ovf_rx) => Some(KilledReason::OutputLimit),
+        };
+        if killed.is_some() {
+            let cg = guard.get();
+            // Kill every process of the run, setsid'd and double-forked ones included.
+            if let Err(e) = tokio::task::block_in_place(|| cg.kill_all()) {
+                tracing::error!(error = %e, "kill_all after limit");
+            }
+            let _ = child.wait().await;
+        }
+        let duration = start.elapsed();
+        // The shim exits only after pid 1 of the sandbox did, which kills the whole namespace;
+        // kill the cgroup anyway in case something escaped the namespace but not the cgroup.
+        let cg = guard.get();
+        if !cg.is_empty() {
+            let _ = tokio::task::block_in_place(|| cg.kill_all());
+        }
+
+        let collect = |t: Option<tokio::task::JoinHandle<Captured>>| async move {
+            match t {
+                Some(t) => tokio::time::timeout(DRAIN_GRACE, t).await.ok().and_then(Result::ok).unwrap_or_default(),
+                None => Captured::default(),
+            }
+        };
+        let (stdout, stderr) = tokio::join!(collect(out_task), collect(err_task));
+        let stdin_broken_pipe = match stdin_task {
+            Some(t) => t.await.unwrap_or(false),
+            None => false,
+        };
+        let record = read_status(&status_r);
+        let stats = cg.stats();
+        drop(seccomp_keepalive);
+        guard.finish().await?;
+
+        let exit = match record {
+            Some([child::TAG_SETUP_ERROR, stage, _, _, a, b, c, d]) => {
+                let errno = i32::from_le_bytes([a, b, c, d]);
+                return Err(SandboxError::Setup(format!(
+                    "{}: {}",
+                    child::Stage::from_u8(stage),
+                    std::io::Error::from_raw_os_error(errno)
+                )));
+            }
+            Some([child::TAG_EXITED, _, _, _, a, b, c, d]) => ExitKind::Exited(i32::from_le_bytes([a, b, c, d])),
+            Some([child::TAG_SIGNALED, _, _, _, a, b, c, d]) => ExitKind::Signaled(i32::from_le_bytes([a, b, c, d])),
+            _ => ExitKind::Killed,
+        };
+        let oom = stats.oom_kills > 0;
+        let killed_reason = killed.or(match exit {
+            _ if oom => Some(KilledReason::Oom),
+            ExitKind::Signaled(_) | ExitKind::Killed => Some(KilledReason::Signal),
+            ExitKind::Exited(c) if c != 0 && stats.pids_max_hits > 0 => Some(KilledReason::Pids),
+            ExitKind::Exited(_) => None,
+        });
+        Ok(RunOutcome {
+            exit,
+            stdout: stdout.bytes,
+            stderr: stderr.bytes,
+            stdout_truncated: stdout.truncated,
+            stderr_truncated: stderr.truncated,
+            duration,
+            peak_memory_kib: stats.peak_memory_kib,
+            oom,
+            killed_reason,
+            stdin_broken_pipe,
+        })
+    }
+}

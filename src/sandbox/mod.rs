@@ -1,0 +1,196 @@
+//! The seam between policy and mechanism.
+//!
+//! The policy layer hands a fully resolved [`RunSpec`] to a [`Sandbox`] and gets a [`RunOutcome`]
+//! back. A backend never sees tokens, requests or allowlists; the HTTP layer never sees cgroups,
+//! Landlock or Docker.
+
+pub mod capture;
+pub mod local;
+pub mod probe;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Which mechanism runs a command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Local,
+    Docker,
+    Gvisor,
+}
+
+impl BackendKind {
+    pub const ALL: [BackendKind; 3] = [BackendKind::Local, BackendKind::Docker, BackendKind::Gvisor];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Local => "local",
+            BackendKind::Docker => "docker",
+            BackendKind::Gvisor => "gvisor",
+        }
+    }
+
+    /// Parses `SANDBOX_RUNTIME` (`local` | `runc` | `gvisor`) and the config spelling (`docker`).
+    pub fn from_runtime_name(name: &str) -> Option<Self> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "local" => Some(BackendKind::Local),
+            "runc" | "docker" => Some(BackendKind::Docker),
+            "gvisor" | "runsc" => Some(BackendKind::Gvisor),
+            _ => None,
+        }
+    }
+}
+
+/// Resource limits of one run, already the tightest of profile, token and request.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Limits {
+    pub cpus: f64,
+    pub memory_bytes: u64,
+    pub disk_bytes: u64,
+    pub timeout: Duration,
+    pub pids: u64,
+    pub output_bytes: usize,
+    pub nofile: u64,
+}
+
+/// Network policy of one run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "mode", rename_all = "lowercase")]
+pub enum NetworkPolicy {
+    None,
+    Egress { allow_hosts: Vec<String>, allow_ports: Vec<u16> },
+}
+
+/// Filesystem view of one run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FsRules {
+    /// Host paths made visible read-only (local backend).
+    pub read_only: Vec<PathBuf>,
+    /// Extra host files bind-mounted read-only at a path of their own (an executor's script).
+    pub extra_files: Vec<(PathBuf, PathBuf)>,
+    /// The private writable working directory inside the sandbox.
+    pub workdir: PathBuf,
+}
+
+/// Everything a backend needs to run one command; nothing more.
+#[derive(Debug, Clone)]
+pub struct RunSpec {
+    pub exec_id: String,
+    /// argv\[0\] is the absolute path of the program inside the sandbox.
+    pub argv: Vec<String>,
+    pub stdin: Option<Vec<u8>>,
+    pub env: BTreeMap<String, String>,
+    pub limits: Limits,
+    pub network: NetworkPolicy,
+    pub fs: FsRules,
+    pub uid: u32,
+    pub gid: u32,
+    /// Minimum Landlock ABI the profile demands (0: Landlock not required).
+    pub landlock_abi: u32,
+    /// Container image (docker / gvisor backends).
+    pub image: Option<String>,
+    pub profile: String,
+    /// Becomes true when the daemon must kill the run (shutdown grace period over).
+    pub cancel: Option<tokio::sync::watch::Receiver<bool>>,
+}
+
+/// Why the daemon ended a run early.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KilledReason {
+    Timeout,
+    Oom,
+    Pids,
+    OutputLimit,
+    Signal,
+}
+
+impl KilledReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KilledReason::Timeout => "timeout",
+            KilledReason::Oom => "oom",
+            KilledReason::Pids => "pids",
+            KilledReason::OutputLimit => "output_limit",
+            KilledReason::Signal => "signal",
+        }
+    }
+}
+
+/// How the main process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitKind {
+    Exited(i32),
+    Signaled(i32),
+    /// The daemon killed it before it reported a status (timeout, output limit).
+    Killed,
+}
+
+/// What a backend reports after a run; the cgroup/container is gone by the time it is returned.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    pub exit: ExitKind,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    pub duration: Duration,
+    pub peak_memory_kib: Option<u64>,
+    pub oom: bool,
+    pub killed_reason: Option<KilledReason>,
+    /// The child exited without reading all of its stdin (broken pipe).
+    pub stdin_broken_pipe: bool,
+}
+
+impl RunOutcome {
+    /// The exit code reported on the wire: the code, or 128 + signal like a shell.
+    pub fn exit_code(&self) -> i32 {
+        match self.exit {
+            ExitKind::Exited(c) => c,
+            ExitKind::Signaled(s) => 128 + s,
+            ExitKind::Killed => 128 + libc::SIGKILL,
+        }
+    }
+
+    pub fn timed_out(&self) -> bool {
+        self.killed_reason == Some(KilledReason::Timeout)
+    }
+}
+
+/// Errors of the sandbox layer; all of them mean "the command did not run to an outcome".
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// A mechanism the run needs is missing or not fully enforced on this host.
+    #[error("sandbox unavailable: {0}")]
+    Unavailable(String),
+    /// Building the sandbox failed after the run was admitted.
+    #[error("sandbox setup failed: {0}")]
+    Setup(String),
+    #[error("i/o error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Readiness of one backend, shown in /readyz and /capabilities.
+#[derive(Debug, Clone, Serialize)]
+pub struct BackendStatus {
+    pub backend: BackendKind,
+    pub ready: bool,
+    pub detail: String,
+}
+
+/// One isolation mechanism.
+#[async_trait::async_trait]
+pub trait Sandbox: Send + Sync {
+    fn kind(&self) -> BackendKind;
+
+    /// Whether this backend can run work right now, and why not.
+    async fn status(&self) -> BackendStatus;
+
+    /// Runs `spec` to an outcome. Must leave nothing behind, whatever happens, including when the
+    /// returned future is dropped.
+    async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError>;
+}

@@ -1,0 +1,45 @@
+//! Shared request state: single-use token ids and idempotency results.
+//!
+//! The embedded in-memory store is the default; with `state.redis_url` set, both live in Redis
+//! so replicas share them. Must not: interpret the responses it stores.
+
+pub mod memory;
+pub mod redis_store;
+
+use std::time::Duration;
+
+/// A stored idempotent response.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoredResponse {
+    pub status: u16,
+    pub body: String,
+}
+
+/// What `idempotency_begin` found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdemBegin {
+    /// The key is ours now: run, then `idempotency_complete` or `idempotency_abort`.
+    Started,
+    /// Another request with this key is running.
+    InProgress { same_body: bool },
+    /// Finished earlier.
+    Done { same_body: bool, response: StoredResponse },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("state store unavailable: {0}")]
+    Unavailable(String),
+}
+
+#[async_trait::async_trait]
+pub trait StateStore: Send + Sync {
+    /// Records a single-use jti until `exp`; false when it was seen before (a replay).
+    async fn claim_jti(&self, jti: &str, exp_unix: u64) -> Result<bool, StateError>;
+    async fn idempotency_begin(&self, key: &str, body_hash: &str, ttl: Duration) -> Result<IdemBegin, StateError>;
+    async fn idempotency_complete(&self, key: &str, body_hash: &str, response: &StoredResponse, ttl: Duration) -> Result<(), StateError>;
+    async fn idempotency_abort(&self, key: &str) -> Result<(), StateError>;
+    /// For /readyz.
+    async fn healthy(&self) -> Result<(), StateError>;
+    fn kind(&self) -> &'static str;
+}
