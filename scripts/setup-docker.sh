@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# Prepare this machine to run executor-arm's docker and gvisor backends:
+#   1. install docker.io, runsc and jq when missing (apt, non-interactive);
+#   2. merge the runsc runtime (docker/daemon.json) into /etc/docker/daemon.json, keeping other keys;
+#   3. start dockerd when it is not running (no systemd assumed), or reload/restart it when it runs
+#      without runsc registered;
+#   4. wait (bounded) until `docker info` lists both the runc and runsc runtimes.
+# Idempotent: a second run changes nothing and only reports. Exits non-zero with a message on failure.
+#
+# Environment:
+#   DOCKERD_CONFIG        daemon.json to manage          (default /etc/docker/daemon.json)
+#   DOCKERD_LOG           dockerd log when started here  (default /var/log/dockerd.log)
+#   DOCKERD_PIDFILE       dockerd pid file               (default /var/run/docker.pid)
+#   DOCKERD_WAIT_SECONDS  how long to wait for dockerd   (default 60)
+set -Eeuo pipefail
+trap 'printf "[setup-docker] ERROR: line %s: \`%s\` failed (exit %s)\n" "${LINENO}" "${BASH_COMMAND}" "$?" >&2' ERR
+
+SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(cd -- "${SCRIPT_DIR}/.." && pwd)"
+cd -- "${REPO_ROOT}"
+
+DOCKERD_CONFIG="${DOCKERD_CONFIG:-/etc/docker/daemon.json}"
+DOCKERD_LOG="${DOCKERD_LOG:-/var/log/dockerd.log}"
+DOCKERD_PIDFILE="${DOCKERD_PIDFILE:-/var/run/docker.pid}"
+DOCKERD_WAIT_SECONDS="${DOCKERD_WAIT_SECONDS:-60}"
+RUNTIME_TEMPLATE="${REPO_ROOT}/docker/daemon.json"
+
+log() { printf '[setup-docker] %s\n' "$*"; }
+die() {
+    printf '[setup-docker] ERROR: %s\n' "$*" >&2
+    exit 1
+}
+
+[[ ${EUID} -eq 0 ]] || die "must run as root (installs packages, writes ${DOCKERD_CONFIG}, starts dockerd)"
+[[ -r ${RUNTIME_TEMPLATE} ]] || die "missing ${RUNTIME_TEMPLATE}"
+[[ ${DOCKERD_WAIT_SECONDS} =~ ^[0-9]+$ ]] || die "DOCKERD_WAIT_SECONDS must be a whole number of seconds"
+
+# ---------------------------------------------------------------------------------------------
+# 1. Packages
+# ---------------------------------------------------------------------------------------------
+missing=()
+if ! command -v dockerd >/dev/null 2>&1 || ! command -v docker >/dev/null 2>&1; then
+    missing+=(docker.io)
+fi
+command -v runsc >/dev/null 2>&1 || missing+=(runsc)
+command -v jq >/dev/null 2>&1 || missing+=(jq)
+
+if ((${#missing[@]} > 0)); then
+    log "installing: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+    log "packages present: dockerd, docker, runsc, jq (nothing installed)"
+fi
+
+RUNSC_PATH="$(command -v runsc)"
+runsc_version="$("${RUNSC_PATH}" --version 2>&1)"
+log "runsc: ${RUNSC_PATH} (${runsc_version%%$'\n'*})"
+
+# ---------------------------------------------------------------------------------------------
+# 2. daemon.json: merge the runsc runtime, keep every other key
+# ---------------------------------------------------------------------------------------------
+existing='{}'
+if [[ -e ${DOCKERD_CONFIG} ]]; then
+    if [[ -s ${DOCKERD_CONFIG} ]]; then
+        jq -e 'type == "object"' "${DOCKERD_CONFIG}" >/dev/null 2>&1 \
+            || die "${DOCKERD_CONFIG} is not a JSON object; fix or remove it first"
+        existing="$(jq -S . "${DOCKERD_CONFIG}")"
+    fi
+fi
+
+desired="$(
+    jq -S --slurpfile tpl "${RUNTIME_TEMPLATE}" --arg runsc "${RUNSC_PATH}" '
+        . as $cur
+        | ($tpl[0].runtimes.runsc + {path: $runsc}) as $rt
+        | $cur + {runtimes: (($cur.runtimes // {}) + {runsc: $rt})}
+    ' <<<"${existing}"
+)"
+
+config_changed=0
+if [[ ${desired} == "${existing}" ]]; then
+    log "${DOCKERD_CONFIG}: runsc runtime already registered (unchanged)"
+else
+    config_changed=1
+    mkdir -p -- "$(dirname -- "${DOCKERD_CONFIG}")"
+    if [[ -e ${DOCKERD_CONFIG} ]]; then
+        backup="${DOCKERD_CONFIG}.bak.$(date +%Y%m%d%H%M%S)"
+        cp -p -- "${DOCKERD_CONFIG}" "${backup}"
+        log "${DOCKERD_CONFIG}: previous version saved as ${backup}"
+    fi
+    tmp="$(mktemp "${DOCKERD_CONFIG}.XXXXXX")"
+    printf '%s\n' "${desired}" >"${tmp}"
+    chmod 0644 "${tmp}"
+    mv -f -- "${tmp}" "${DOCKERD_CONFIG}"
+    log "${DOCKERD_CONFIG}: wrote runsc runtime (path ${RUNSC_PATH}, args $(jq -c '.runtimes.runsc.runtimeArgs' <<<"${desired}"))"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 3. dockerd
+# ---------------------------------------------------------------------------------------------
+dockerd_pid() {
+    local pid=""
+    if [[ -r ${DOCKERD_PIDFILE} ]]; then
+        pid="$(tr -dc '0-9' <"${DOCKERD_PIDFILE}")"
+    fi
+    if [[ -n ${pid} && -r /proc/${pid}/comm && "$(cat "/proc/${pid}/comm")" == dockerd ]]; then
+        printf '%s\n' "${pid}"
+        return 0
+    fi
+    # Started without our pid file (or by a service manager): look for the process by exact name.
+    pid="$(pgrep -xo dockerd 2>/dev/null)" || return 1
+    printf '%s\n' "${pid}"
+}
+
+# Prints the runtimes dockerd reports, one per line; fails when dockerd does not answer.
+runtimes() {
+    local out
+    # shellcheck disable=SC2016 # a Go template, not shell
+    out="$(timeout 10 docker info --format '{{range $name, $_ := .Runtimes}}{{println $name}}{{end}}' 2>/dev/null)" \
+        || return 1
+    sed '/^$/d' <<<"${out}"
+}
+
+has_runtimes() {
+    local list
+    list="$(runtimes)" || return 1
+    grep -qx runc <<<"${list}" && grep -qx runsc <<<"${list}"
+}
+
+start_dockerd() {
+    log "starting dockerd (log: ${DOCKERD_LOG})"
+    mkdir -p -- "$(dirname -- "${DOCKERD_LOG}")"
+    printf '\n==== %s: started by scripts/setup-docker.sh ====\n' "$(date -Is)" >>"${DOCKERD_LOG}"
+    # setsid: own session, so the daemon outlives this script and its caller's process group.
+    setsid nohup dockerd --config-file "${DOCKERD_CONFIG}" --pidfile "${DOCKERD_PIDFILE}" \
+        </dev/null >>"${DOCKERD_LOG}" 2>&1 &
+    disown
+}
+
+stop_dockerd() {
+    local pid="$1" waited=0
+    log "stopping dockerd (pid ${pid})"
+    kill -TERM "${pid}"
+    while kill -0 "${pid}" 2>/dev/null; do
+        ((waited >= 30)) && die "dockerd (pid ${pid}) did not exit within 30 s of SIGTERM"
+        sleep 1
+        waited=$((waited + 1))
+    done
+}
+
+wait_for_runtimes() {
+    local deadline=$((SECONDS + $1))
+    while ((SECONDS < deadline)); do
+        has_runtimes && return 0
+        sleep 1
+    done
+    has_runtimes
+}
+
+if pid="$(dockerd_pid)"; then
+    if has_runtimes; then
+        if ((config_changed)); then
+            # runsc is there but its definition changed (e.g. runtimeArgs): reload to apply it.
+            log "dockerd (pid ${pid}) running; config changed, reloading (SIGHUP)"
+            kill -HUP "${pid}"
+        else
+            log "dockerd (pid ${pid}) already running with runc and runsc (left alone)"
+        fi
+    elif timeout 10 docker info >/dev/null 2>&1; then
+        # Runtimes are reloadable options: try SIGHUP before a full restart.
+        log "dockerd (pid ${pid}) running without runsc: reloading configuration (SIGHUP)"
+        kill -HUP "${pid}"
+        if ! wait_for_runtimes 10; then
+            log "runsc still not registered after reload: restarting dockerd"
+            stop_dockerd "${pid}"
+            start_dockerd
+        fi
+    else
+        log "dockerd (pid ${pid}) running but not answering yet; waiting for it"
+    fi
+else
+    start_dockerd
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 4. Wait until both runtimes are listed
+# ---------------------------------------------------------------------------------------------
+log "waiting up to ${DOCKERD_WAIT_SECONDS} s for dockerd to list runc and runsc"
+if ! wait_for_runtimes "${DOCKERD_WAIT_SECONDS}"; then
+    if [[ -r ${DOCKERD_LOG} ]]; then
+        printf '[setup-docker] last lines of %s:\n' "${DOCKERD_LOG}" >&2
+        tail -n 30 -- "${DOCKERD_LOG}" >&2
+    fi
+    if listed="$(runtimes)"; then
+        die "dockerd answers but lists runtimes [$(paste -sd ' ' - <<<"${listed}")], not both runc and runsc"
+    fi
+    die "dockerd did not answer within ${DOCKERD_WAIT_SECONDS} s"
+fi
+
+server="$(timeout 10 docker version --format 'server {{.Server.Version}} (API {{.Server.APIVersion}}), client {{.Client.Version}}')"
+log "ready: docker ${server}; runtimes: $(runtimes | paste -sd ' ' -)"
+if init_path="$(command -v docker-init)"; then
+    log "docker --init available: ${init_path} -> $(readlink -f -- "${init_path}")"
+else
+    log "docker-init not found on PATH: \`docker run --init\` will not work; use the image's tini"
+fi

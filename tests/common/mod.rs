@@ -1,0 +1,253 @@
+//! Test harness: starts the real `executor-arm` binary on a free loopback port with a private
+//! secret, audit log and config, and speaks HTTP to it.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use executor_arm::auth::{MintRequest, mint_hs256};
+use executor_arm::config::TokenKind;
+use serde_json::Value;
+
+pub const SECRET: &str = "test-secret-0123456789abcdef0123456789abcdef";
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_executor-arm")
+}
+
+/// Options for one daemon.
+#[derive(Default, Clone)]
+pub struct Opts {
+    /// Extra environment variables.
+    pub env: Vec<(String, String)>,
+    /// TOML merged over the embedded defaults.
+    pub config: Option<String>,
+}
+
+pub struct Daemon {
+    pub child: Option<Child>,
+    pub base: String,
+    pub addr: String,
+    pub dir: tempfile::TempDir,
+    pub secret: PathBuf,
+    pub audit: PathBuf,
+    pub client: reqwest::Client,
+    pub log: mpsc::Receiver<String>,
+}
+
+pub struct Resp {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub json: Value,
+    pub text: String,
+}
+
+impl Daemon {
+    pub fn start() -> Daemon {
+        Self::start_with(Opts::default())
+    }
+
+    pub fn start_with(opts: Opts) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        Self::start_in(dir, opts)
+    }
+
+    /// Starts a daemon whose files live in `dir` (reused by restart tests).
+    pub fn start_in(dir: tempfile::TempDir, opts: Opts) -> Daemon {
+        let secret = dir.path().join("jwt-secret");
+        if !secret.exists() {
+            std::fs::write(&secret, SECRET).expect("secret");
+        }
+        let audit = dir.path().join("audit.jsonl");
+        let mut cmd = Command::new(bin());
+        cmd.arg("serve").arg("--listen").arg("127.0.0.1:0");
+        if let Some(cfg) = &opts.config {
+            let p = dir.path().join("config.toml");
+            std::fs::write(&p, cfg).expect("config");
+            cmd.arg("--config").arg(&p);
+        }
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+        cmd.current_dir(repo)
+            .env_clear()
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .env("RUST_LOG", "info")
+            .env("EXECUTOR_ARM_JWT_SECRET_FILE", &secret)
+            .env("EXECUTOR_ARM_AUDIT_LOG", &audit)
+            .env("EXECUTOR_ARM_PROFILES_DIR", repo.join("sandbox-profiles"))
+            .env("EXECUTOR_ARM_EXECUTORS_DIR", dir.path().join("executors"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in &opts.env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn daemon");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut addr = None;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while addr.is_none() && std::time::Instant::now() < deadline {
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(line) => {
+                    if line.contains("\"listening\"")
+                        && let Ok(v) = serde_json::from_str::<Value>(&line)
+                    {
+                        addr = v["fields"]["addr"].as_str().map(String::from);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Ok(Some(st)) = child.try_wait() {
+                        panic!("daemon exited during startup: {st}");
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => panic!("daemon exited during startup"),
+            }
+        }
+        let addr = addr.expect("daemon did not report its address");
+        Daemon {
+            child: Some(child),
+            base: format!("http://{addr}"),
+            addr,
+            dir,
+            secret,
+            audit,
+            client: reqwest::Client::builder().timeout(Duration::from_secs(60)).build().expect("client"),
+            log: rx,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().map(|c| c.id() as i32).unwrap_or(0)
+    }
+
+    pub fn mint(&self, req: MintRequest) -> String {
+        mint_hs256(SECRET.as_bytes(), &req).expect("mint")
+    }
+
+    pub fn service_token(&self) -> String {
+        self.mint(MintRequest { kind: Some(TokenKind::Service), ttl_seconds: 300, aud: "executor-arm".into(), sub: Some("orchestrator".into()), ..Default::default() })
+    }
+
+    pub fn cap(&self, caps: &[&str]) -> String {
+        self.mint(MintRequest {
+            kind: Some(TokenKind::Capability),
+            ttl_seconds: 120,
+            aud: "executor-arm".into(),
+            sub: Some("orchestrator".into()),
+            capabilities: caps.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        })
+    }
+
+    /// A capability token with every capability.
+    pub fn cap_all(&self) -> String {
+        self.cap(&["ShellRead", "ShellExecute", "FilesystemRead", "FilesystemWrite", "NetworkAccess", "HttpRequest", "PythonExecute", "ExternalExecute"])
+    }
+
+    /// POST /execute with the default service token; `body` gets a capability_token with every
+    /// capability unless it has one.
+    pub async fn exec(&self, mut body: Value) -> Resp {
+        if body.get("capability_token").is_none() {
+            body["capability_token"] = Value::String(self.cap_all());
+        }
+        let svc = self.service_token();
+        self.post("/execute", &[("authorization", &format!("Bearer {svc}"))], body.to_string()).await
+    }
+
+    pub async fn post(&self, path: &str, headers: &[(&str, &str)], body: String) -> Resp {
+        let mut rb = self.client.post(format!("{}{path}", self.base)).header("content-type", "application/json").body(body);
+        for (k, v) in headers {
+            rb = rb.header(*k, *v);
+        }
+        Self::read(rb.send().await.expect("request")).await
+    }
+
+    pub async fn get(&self, path: &str) -> Resp {
+        Self::read(self.client.get(format!("{}{path}", self.base)).send().await.expect("request")).await
+    }
+
+    async fn read(r: reqwest::Response) -> Resp {
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        let text = r.text().await.unwrap_or_default();
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Resp { status, headers, json, text }
+    }
+
+    /// Lines of the audit log.
+    pub fn audit_lines(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.audit)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("audit line is JSON"))
+            .collect()
+    }
+
+    /// Sends SIGTERM and waits for exit; returns the exit code.
+    pub fn stop(&mut self) -> Option<i32> {
+        let mut child = self.child.take()?;
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        for _ in 0..400 {
+            if let Ok(Some(st)) = child.try_wait() {
+                return st.code();
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        let _ = child.kill();
+        child.wait().ok().and_then(|s| s.code())
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            for _ in 0..200 {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(25));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// PIDs of every process whose command line contains `needle` (checked from the host).
+pub fn pids_with_cmdline(needle: &str) -> Vec<i32> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return out };
+    for e in entries.filter_map(Result::ok) {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+            let s = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if s.contains(needle) {
+                out.push(pid);
+            }
+        }
+    }
+    out
+}
+
+/// Run cgroups currently present under the daemon's cgroup root (v1 pids hierarchy here).
+pub fn run_cgroups() -> Vec<String> {
+    let mut out = Vec::new();
+    for root in ["/sys/fs/cgroup/pids/executor-arm", "/sys/fs/cgroup/executor-arm/runs", "/sys/fs/cgroup/runs"] {
+        if let Ok(entries) = std::fs::read_dir(root) {
+            out.extend(entries.filter_map(Result::ok).filter(|e| e.path().is_dir()).map(|e| e.file_name().to_string_lossy().into_owned()));
+        }
+    }
+    out
+}
