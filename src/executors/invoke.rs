@@ -62,6 +62,11 @@ pub fn decide(st: &AppState, ask: &Ask<'_>, grant: &Grant, req: &ExecuteRequest)
     let ask = Ask { timeout_seconds: timeout, ..ask.clone() };
     let profile = def.profile.as_deref().unwrap_or(DEFAULT_PROFILE);
     let plan = st.policy.finish(&def.name, Path::new(&def.command), ActionType::External, &[Capability::ExternalExecute], profile, &ask, grant)?;
+    // Checked only once the caller is authorised: a missing or non-executable command is the
+    // operator's error (503 naming it), not a sandbox setup failure (500).
+    if !is_executable_file(Path::new(&def.command)) {
+        return Err(PolicyError::Unavailable(format!("executor '{}': {} is not an executable file", def.name, def.command)));
+    }
 
     let mut argv_tail = def.args.clone();
     if let (Some(flag), Some(model)) = (&def.model_flag, &req.model) {
@@ -89,6 +94,11 @@ pub fn decide(st: &AppState, ask: &Ask<'_>, grant: &Grant, req: &ExecuteRequest)
     let envelope = serde_json::to_vec(&envelope(req)).map_err(|e| PolicyError::Invalid(e.to_string()))?;
     let cmd = PathBuf::from(&def.command);
     Ok((plan, Some(ExternalInvocation { argv_tail, envelope, env, extra_files: vec![(cmd.clone(), cmd)], def_sha256: def.def_sha256.clone() })))
+}
+
+fn is_executable_file(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 /// The protocol's `error_code` and `error` for an outcome.

@@ -125,6 +125,13 @@ pub fn load_dir(dir: &Path) -> (BTreeMap<String, Arc<ExecutorDef>>, Vec<Skipped>
         }
         let result = std::fs::read(&path).map_err(|e| e.to_string()).and_then(|b| parse_def(&path, &b));
         match result {
+            // `acme.yaml` and `acme.yml` both claim `acme`: the first (sorted) one is kept, so a
+            // reload never swaps one for the other depending on directory order.
+            Ok(def) if defs.contains_key(&def.name) => {
+                let reason = format!("executor '{}' is already defined by another file", def.name);
+                tracing::warn!(file = %path.display(), %reason, "executor def skipped");
+                skipped.push(Skipped { file: path, reason });
+            }
             Ok(def) => {
                 defs.insert(def.name.clone(), Arc::new(def));
             }
@@ -184,5 +191,16 @@ mod tests {
         assert!(parse_def(Path::new("/x/other.yaml"), GOOD.as_bytes()).unwrap_err().contains("does not match"));
         let no_cmd = GOOD.replace("  command: /opt/acme/run\n", "");
         assert!(parse_def(Path::new("/x/acme.yaml"), no_cmd.as_bytes()).unwrap_err().contains("command"));
+    }
+
+    #[test]
+    fn a_duplicate_name_keeps_the_first_file() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("acme.yaml"), GOOD).unwrap();
+        std::fs::write(dir.path().join("acme.yml"), GOOD.replace("/opt/acme/run", "/opt/other/run")).unwrap();
+        let (defs, skipped) = load_dir(dir.path());
+        assert_eq!(defs["acme"].command, "/opt/acme/run");
+        assert_eq!(skipped.len(), 1);
+        assert!(skipped[0].file.ends_with("acme.yml"));
     }
 }

@@ -241,13 +241,32 @@ pub fn pids_with_cmdline(needle: &str) -> Vec<i32> {
     out
 }
 
-/// Run cgroups currently present under the daemon's cgroup root (v1 pids hierarchy here).
-pub fn run_cgroups() -> Vec<String> {
+/// Run cgroups a daemon (by pid) currently has (v1 pids hierarchy, or v2 runs dir).
+pub fn run_cgroups_of(daemon_pid: i32) -> Vec<String> {
     let mut out = Vec::new();
-    for root in ["/sys/fs/cgroup/pids/executor-arm", "/sys/fs/cgroup/executor-arm/runs", "/sys/fs/cgroup/runs"] {
-        if let Ok(entries) = std::fs::read_dir(root) {
+    for root in ["/sys/fs/cgroup/pids/executor-arm", "/sys/fs/cgroup/runs"] {
+        let dir = std::path::Path::new(root).join(format!("d{daemon_pid}"));
+        if let Ok(entries) = std::fs::read_dir(dir) {
             out.extend(entries.filter_map(Result::ok).filter(|e| e.path().is_dir()).map(|e| e.file_name().to_string_lossy().into_owned()));
         }
     }
     out
+}
+
+impl Daemon {
+    /// Run cgroups this daemon has now (empty when nothing runs).
+    pub fn run_cgroups(&self) -> Vec<String> {
+        run_cgroups_of(self.pid())
+    }
+}
+
+/// Writes `yaml` to `<dir>/executors/<file>` (creating the directory) and returns its path. `dir` is
+/// a daemon's directory: call it before [`Daemon::start_in`] to have the def loaded at startup, or
+/// on a running daemon's `d.dir` followed by SIGHUP to have it reloaded.
+pub fn write_executor_def(dir: &Path, file: &str, yaml: &str) -> PathBuf {
+    let executors = dir.join("executors");
+    std::fs::create_dir_all(&executors).expect("executors dir");
+    let path = executors.join(file);
+    std::fs::write(&path, yaml).expect("executor def");
+    path
 }

@@ -105,9 +105,11 @@ fn valid_run_name(name: &str) -> bool {
 // ---------------------------------------------------------------------------------------------
 // cgroup v2
 
-/// cgroup v2: runs live in `<base>/runs/<exec_id>`; the daemon itself is moved to `<base>/daemon`
-/// so `<base>` may enable controllers for its children (the "no internal processes" rule).
+/// cgroup v2: runs live in `<base>/runs/d<daemon pid>/<exec_id>`; the daemon itself is moved to
+/// `<base>/daemon` so `<base>` may enable controllers for its children (the "no internal
+/// processes" rule).
 pub struct V2Driver {
+    owners: PathBuf,
     runs: PathBuf,
 }
 
@@ -124,7 +126,8 @@ impl V2Driver {
                 )));
             }
         }
-        let runs = base.join("runs");
+        let owners = base.join("runs");
+        let runs = owners.join(owner_name());
         if move_self {
             let leaf = base.join("daemon");
             fs::create_dir_all(&leaf)?;
@@ -134,9 +137,11 @@ impl V2Driver {
             }
         }
         write_file(&base.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+        fs::create_dir_all(&owners)?;
+        write_file(&owners.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
         fs::create_dir_all(&runs)?;
         write_file(&runs.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
-        Ok(V2Driver { runs })
+        Ok(V2Driver { owners, runs })
     }
 }
 
@@ -173,9 +178,10 @@ impl CgroupDriver for V2Driver {
     }
 
     fn sweep_orphans(&self) -> usize {
-        sweep_dir(&self.runs, |dir| {
-            let run = V2Run { dir: dir.to_path_buf() };
-            run.remove().is_ok()
+        sweep_owners(&self.owners, |owner| {
+            let n = sweep_dir(owner, |dir| V2Run { dir: dir.to_path_buf() }.remove().is_ok());
+            let _ = fs::remove_dir(owner);
+            n
         })
     }
 }
@@ -229,8 +235,9 @@ impl RunCgroup for V2Run {
 // cgroup v1
 
 /// cgroup v1: one directory per hierarchy (memory, cpu, pids, freezer) under each hierarchy's
-/// copy of the daemon's own cgroup path plus `cgroup_name`.
+/// copy of the daemon's own cgroup path plus `cgroup_name/d<daemon pid>`.
 pub struct V1Driver {
+    owners: Vec<PathBuf>,
     memory: PathBuf,
     cpu: PathBuf,
     pids: PathBuf,
@@ -260,14 +267,25 @@ impl V1Driver {
             fs::create_dir_all(&dir)?;
             Ok(dir)
         };
-        let memory = base_of("memory")?;
+        let own = |shared: PathBuf| -> io::Result<PathBuf> {
+            let d = shared.join(owner_name());
+            fs::create_dir_all(&d)?;
+            Ok(d)
+        };
+        let shared_memory = base_of("memory")?;
         // Child memory cgroups must account hierarchically for limits to hold.
-        let _ = write_file(&memory.join("memory.use_hierarchy"), "1");
+        let _ = write_file(&shared_memory.join("memory.use_hierarchy"), "1");
+        let shared_cpu = base_of("cpu")?;
+        let shared_pids = base_of("pids")?;
+        let shared_freezer = base_of("freezer").ok();
+        let mut owners = vec![shared_memory.clone(), shared_cpu.clone(), shared_pids.clone()];
+        owners.extend(shared_freezer.clone());
         Ok(V1Driver {
-            memory,
-            cpu: base_of("cpu")?,
-            pids: base_of("pids")?,
-            freezer: base_of("freezer").ok(),
+            owners,
+            memory: own(shared_memory)?,
+            cpu: own(shared_cpu)?,
+            pids: own(shared_pids)?,
+            freezer: shared_freezer.map(own).transpose()?,
         })
     }
 
@@ -344,15 +362,15 @@ impl CgroupDriver for V1Driver {
 
     fn sweep_orphans(&self) -> usize {
         let mut n = 0;
-        let mut roots = vec![&self.memory, &self.cpu, &self.pids];
-        if let Some(f) = &self.freezer {
-            roots.push(f);
-        }
-        // Kill through the pids hierarchy first (every run task is there), then remove all.
-        for root in roots {
-            n += sweep_dir(root, |dir| {
-                kill_pids(&procs_of(dir));
-                rmdir_retry(dir).is_ok()
+        // Every hierarchy holds every run task, so killing what each run dir lists is complete.
+        for shared in &self.owners {
+            n += sweep_owners(shared, |owner| {
+                let n = sweep_dir(owner, |dir| {
+                    kill_pids(&procs_of(dir));
+                    rmdir_retry(dir).is_ok()
+                });
+                let _ = fs::remove_dir(owner);
+                n
             });
         }
         n
@@ -413,6 +431,35 @@ impl RunCgroup for V1Run {
     }
 }
 
+/// This daemon's directory name among the owners of run cgroups.
+fn owner_name() -> String {
+    format!("d{}", std::process::id())
+}
+
+/// Whether an owner directory belongs to a live executor-arm process (another instance on the
+/// same host, or a test's daemon): its runs are not ours to reap.
+fn owner_alive(name: &str) -> bool {
+    let Some(pid) = name.strip_prefix('d').and_then(|p| p.parse::<u32>().ok()) else { return false };
+    if pid == std::process::id() {
+        return true;
+    }
+    fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim() == "executor-arm").unwrap_or(false)
+}
+
+/// Applies `sweep` to every owner directory under `shared` whose daemon is gone.
+fn sweep_owners(shared: &Path, mut sweep: impl FnMut(&Path) -> usize) -> usize {
+    let Ok(entries) = fs::read_dir(shared) else { return 0 };
+    entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.starts_with('d') && !owner_alive(&name)
+        })
+        .map(|e| sweep(&e.path()))
+        .sum()
+}
+
 fn sweep_dir(root: &Path, mut remove: impl FnMut(&Path) -> bool) -> usize {
     let Ok(entries) = fs::read_dir(root) else { return 0 };
     entries
@@ -469,8 +516,6 @@ mod tests {
         fs::write(t.path().join("cgroup.controllers"), "cpuset cpu io memory pids\n").unwrap();
         fs::write(t.path().join("cgroup.subtree_control"), "").unwrap();
         fs::write(t.path().join("cgroup.procs"), "").unwrap();
-        fs::create_dir(t.path().join("runs")).unwrap();
-        fs::write(t.path().join("runs/cgroup.subtree_control"), "").unwrap();
         t
     }
 
@@ -490,26 +535,31 @@ mod tests {
         let st = |p: &str| fs::read_to_string(t.path().join(p)).unwrap();
         assert_eq!(st("cgroup.subtree_control"), "+memory +cpu +pids");
         assert_eq!(st("runs/cgroup.subtree_control"), "+memory +cpu +pids");
+        let own = format!("runs/{}", owner_name());
+        assert_eq!(st(&format!("{own}/cgroup.subtree_control")), "+memory +cpu +pids");
         let run = driver.create("exec-1", &limits()).unwrap();
-        assert_eq!(st("runs/exec-1/memory.max"), (64u64 << 20).to_string());
-        assert_eq!(st("runs/exec-1/memory.swap.max"), "0");
-        assert_eq!(st("runs/exec-1/cpu.max"), "50000 100000");
-        assert_eq!(st("runs/exec-1/pids.max"), "16");
-        assert_eq!(run.procs_files(), vec![t.path().join("runs/exec-1/cgroup.procs")]);
+        assert_eq!(st(&format!("{own}/exec-1/memory.max")), (64u64 << 20).to_string());
+        assert_eq!(st(&format!("{own}/exec-1/memory.swap.max")), "0");
+        assert_eq!(st(&format!("{own}/exec-1/cpu.max")), "50000 100000");
+        assert_eq!(st(&format!("{own}/exec-1/pids.max")), "16");
+        assert_eq!(run.procs_files(), vec![t.path().join(format!("{own}/exec-1/cgroup.procs"))]);
         // A second run never shares the cgroup of the first.
         assert!(driver.create("exec-1", &limits()).is_err());
-        fs::write(t.path().join("runs/exec-1/cgroup.procs"), "").unwrap();
+        fs::write(t.path().join(format!("{own}/exec-1/cgroup.procs")), "").unwrap();
         run.kill_all().unwrap();
-        assert_eq!(st("runs/exec-1/cgroup.kill"), "1");
+        assert_eq!(st(&format!("{own}/exec-1/cgroup.kill")), "1");
     }
 
     #[test]
-    fn v2_sweeps_orphans() {
+    fn v2_sweeps_only_dead_owners() {
         let t = fake_v2();
         let driver = V2Driver::prepare(t.path(), false).unwrap();
-        fs::create_dir(t.path().join("runs/exec-old")).unwrap();
+        // pid 0 is never a live daemon; our own directory is never swept.
+        fs::create_dir_all(t.path().join("runs/d0/exec-old")).unwrap();
+        driver.create("exec-live", &limits()).unwrap();
         assert_eq!(driver.sweep_orphans(), 1);
-        assert!(!t.path().join("runs/exec-old").exists());
+        assert!(!t.path().join("runs/d0").exists());
+        assert!(t.path().join(format!("runs/{}/exec-live", owner_name())).exists());
     }
 
     #[test]
@@ -534,8 +584,8 @@ mod tests {
         }
         let self_cg = "4:memory:/outer\n1:cpu:/\n8:pids:/\n6:freezer:/\n";
         let d = V1Driver::prepare(t.path(), self_cg, "executor-arm").unwrap();
-        assert_eq!(d.memory, t.path().join("memory/outer/executor-arm"));
-        assert_eq!(d.cpu, t.path().join("cpu/executor-arm"));
+        assert_eq!(d.memory, t.path().join("memory/outer/executor-arm").join(owner_name()));
+        assert_eq!(d.cpu, t.path().join("cpu/executor-arm").join(owner_name()));
         assert!(d.memory.is_dir());
     }
 

@@ -166,6 +166,7 @@ impl ChildPlan {
         // SAFETY (whole function): only async-signal-safe syscalls on memory prepared before fork.
         unsafe {
             // 1. Die with the daemon: no sandbox outlives it unattended (restart sweeps the rest).
+            //    The daemon forks from one dedicated thread that lives as long as it does.
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
 
             // 2. Join the run's cgroup before anything else can fork, so every process of the run,

@@ -44,6 +44,7 @@ pub struct LocalSandbox {
     /// RLIMIT_NPROC backstop: counts every process of the uid on the host, so it must allow all
     /// concurrent runs; the per-run cgroup pids limit is the real bound.
     concurrency: u64,
+    spawner: Option<Spawner>,
 }
 
 impl LocalSandbox {
@@ -75,6 +76,7 @@ impl LocalSandbox {
             root_dir,
             seccomp: Arc::new(SeccompProgram::deny_list()),
             concurrency: concurrency.max(1) as u64,
+            spawner: Spawner::start(),
         }
     }
 
@@ -89,12 +91,13 @@ impl LocalSandbox {
         for p in &spec.fs.read_only {
             b.read_only(p)?;
         }
-        for (src, dst) in &spec.fs.extra_files {
-            b.extra_file(src, dst)?;
-        }
         let disk = spec.limits.disk_bytes;
         b.tmpfs(&spec.fs.workdir, &format!("size={disk},nr_inodes=16384,mode=0700,uid={},gid={}", spec.uid, spec.gid))?;
         b.tmpfs(Path::new("/tmp"), &format!("size={disk},nr_inodes=16384,mode=1777"))?;
+        // After the tmpfs mounts: a file under /tmp or the workdir would otherwise be hidden by them.
+        for (src, dst) in &spec.fs.extra_files {
+            b.extra_file(src, dst)?;
+        }
         b.proc()?;
         b.dev()?;
         b.rules.push(LandlockRule { path: c"/".into(), access: landlock::FS_READ_DIR & handled });
@@ -307,6 +310,37 @@ impl Drop for CgroupGuard {
     }
 }
 
+/// Forks every sandbox from one long-lived thread: PR_SET_PDEATHSIG fires when the *thread*
+/// that forked exits, and tokio retires threads (block_in_place, idle blocking threads). A thread
+/// that lives as long as the daemon keeps "the sandbox dies with the daemon" true and nothing more.
+struct Spawner {
+    tx: std::sync::mpsc::Sender<(tokio::process::Command, tokio::sync::oneshot::Sender<std::io::Result<tokio::process::Child>>)>,
+}
+
+impl Spawner {
+    fn start() -> Option<Spawner> {
+        let handle = tokio::runtime::Handle::try_current().ok()?;
+        let (tx, rx) = std::sync::mpsc::channel::<(tokio::process::Command, tokio::sync::oneshot::Sender<std::io::Result<tokio::process::Child>>)>();
+        std::thread::Builder::new()
+            .name("sandbox-spawner".into())
+            .spawn(move || {
+                // Child registration needs the runtime's process driver.
+                let _guard = handle.enter();
+                while let Ok((mut cmd, reply)) = rx.recv() {
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .ok()?;
+        Some(Spawner { tx })
+    }
+
+    async fn spawn(&self, cmd: tokio::process::Command) -> std::io::Result<tokio::process::Child> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.tx.send((cmd, reply)).map_err(|_| std::io::Error::other("spawner thread is gone"))?;
+        rx.await.map_err(|_| std::io::Error::other("spawner thread is gone"))?
+    }
+}
+
 /// Resolves when the flag becomes true; never when its senders are gone with it still false
 /// (the output readers drop theirs at EOF).
 async fn overflowed(rx: &mut watch::Receiver<bool>) {
@@ -403,7 +437,8 @@ impl Sandbox for LocalSandbox {
             cmd.pre_exec(move || child_plan.enter());
         }
         let start = Instant::now();
-        let mut child = cmd.spawn()?;
+        let spawner = self.spawner.as_ref().ok_or_else(|| SandboxError::Unavailable("no runtime for the spawner thread".into()))?;
+        let mut child = spawner.spawn(cmd).await?;
         // Our copies of the child's ends: the pipe must reach EOF once the sandbox is gone.
         drop(status_w);
         drop(landlock_fd);

@@ -1,0 +1,488 @@
+//! The wire contract (seeds/002 + DESIGN §1–4, §7, §8) against the real daemon.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use base64::Engine;
+use common::{Daemon, Opts, SECRET};
+use executor_arm::auth::MintRequest;
+use executor_arm::config::TokenKind;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+fn b64(v: &Value) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string())
+}
+
+fn hs256(secret: &[u8], header: &Value, claims: &Value) -> String {
+    use hmac_sign::sign;
+    let signing_input = format!("{}.{}", b64(header), b64(claims));
+    format!("{signing_input}.{}", sign(secret, signing_input.as_bytes()))
+}
+
+/// HMAC-SHA256 by hand (RFC 2104), so attack tokens do not depend on the library under test.
+mod hmac_sign {
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+
+    pub fn sign(key: &[u8], msg: &[u8]) -> String {
+        let mut k = if key.len() > 64 { Sha256::digest(key).to_vec() } else { key.to_vec() };
+        k.resize(64, 0);
+        let ipad: Vec<u8> = k.iter().map(|b| b ^ 0x36).collect();
+        let opad: Vec<u8> = k.iter().map(|b| b ^ 0x5c).collect();
+        let inner = Sha256::digest([ipad.as_slice(), msg].concat());
+        let outer = Sha256::digest([opad.as_slice(), &inner[..]].concat());
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(outer)
+    }
+}
+
+fn now() -> u64 {
+    executor_arm::auth::now()
+}
+
+fn assert_error(r: &common::Resp, status: u16, error_type: &str) {
+    assert_eq!(r.status, status, "body: {}", r.text);
+    assert_eq!(r.json["success"], json!(false), "{}", r.text);
+    assert_eq!(r.json["error_type"], json!(error_type), "{}", r.text);
+    assert!(r.json["error"].as_str().is_some_and(|s| !s.is_empty()), "{}", r.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn seed_examples_and_every_documented_field() {
+    let d = Daemon::start();
+    // Example 1: ls -la /tmp
+    let r = d.exec(json!({"action_type": "shell", "command": "ls", "args": ["-la", "/tmp"], "timeout_seconds": 10, "metadata": {"task_id": "task_123", "step_number": 3}})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let j = &r.json;
+    assert_eq!(j["success"], json!(true));
+    assert!(j["stdout"].as_str().unwrap().contains("total"), "{}", r.text);
+    assert_eq!(j["stderr"], json!(""));
+    assert_eq!(j["exit_code"], json!(0));
+    assert!(j["duration_ms"].is_u64());
+    let p = &j["provenance"];
+    assert_eq!(p["arm_id"], json!("executor"));
+    assert_eq!(p["action_type"], json!("shell"));
+    assert!(chrono::DateTime::parse_from_rfc3339(p["timestamp"].as_str().unwrap()).is_ok());
+    assert_eq!(p["capabilities_used"], json!(["ShellRead", "FilesystemRead"]));
+    assert_eq!(p["metadata"]["task_id"], json!("task_123"));
+    // Pattern 3: the client recomputes the hash exactly.
+    let expected = format!("sha256:{}", hex::encode(Sha256::digest(b"ls -la /tmp")));
+    assert_eq!(p["command_hash"], json!(expected));
+    for f in ["exec_id", "request_id", "invocation_hash", "stdout_sha256", "stderr_sha256"] {
+        assert!(p[f].as_str().is_some_and(|s| !s.is_empty()), "provenance.{f}: {}", r.text);
+    }
+    assert_eq!(p["stdout_sha256"], json!(format!("sha256:{}", hex::encode(Sha256::digest(j["stdout"].as_str().unwrap().as_bytes())))));
+    assert!(p["audit_seq"].is_u64());
+    for (f, v) in [("outcome", json!("success")), ("backend", json!("local")), ("profile", json!("shell-readonly")), ("oom", json!(false)), ("stdout_truncated", json!(false)), ("stderr_truncated", json!(false)), ("killed_reason", Value::Null)] {
+        assert_eq!(j[f], v, "{f}: {}", r.text);
+    }
+    assert!(j["peak_memory_kib"].is_u64());
+
+    // Example 4: cat of a missing file -> 200, success false.
+    let r = d.exec(json!({"action_type": "shell", "command": "cat", "args": ["/nonexistent/file.txt"], "timeout_seconds": 5})).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json["success"], json!(false));
+    assert_ne!(r.json["exit_code"], json!(0));
+    assert!(r.json["stderr"].as_str().unwrap().contains("No such file"), "{}", r.text);
+    assert_eq!(r.json["outcome"], json!("failed"));
+
+    // Example 3: the python3 -c script.
+    let script = "\nimport sys\nprint(\"Python version:\", sys.version)\nprint(\"2 + 2 =\", 2 + 2)\n";
+    let r = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-c", script], "timeout_seconds": 10})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(r.json["stdout"].as_str().unwrap().contains("2 + 2 = 4"), "{}", r.text);
+    assert_eq!(r.json["provenance"]["capabilities_used"], json!(["PythonExecute"]));
+
+    // No shell anywhere: $(id) comes back literally.
+    let r = d.exec(json!({"action_type": "shell", "command": "echo", "args": ["$(id)", "`id`", "a;b", "|"]})).await;
+    assert_eq!(r.json["stdout"], json!("$(id) `id` a;b |\n"));
+    let expected = format!("sha256:{}", hex::encode(Sha256::digest(b"echo ")));
+    let r = d.exec(json!({"action_type": "shell", "command": "echo"})).await;
+    assert_eq!(r.json["provenance"]["command_hash"], json!(expected), "trailing space when args are empty");
+
+    // stdin and env (ext).
+    let r = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import sys,os;print(sys.stdin.read().upper(), os.environ.get('TZ'))"], "stdin": "piped", "env": {"TZ": "UTC"}})).await;
+    assert_eq!(r.json["stdout"], json!("PIPED UTC\n"), "{}", r.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn seed_error_bodies_403_408_401() {
+    let d = Daemon::start();
+    let r = d.exec(json!({"action_type": "shell", "command": "rm", "args": ["-rf", "/"]})).await;
+    assert_error(&r, 403, "CapabilityViolation");
+    assert_eq!(r.json["error"], json!("Command 'rm' not in allowlist"));
+    let list: Vec<String> = serde_json::from_value(r.json["allowed_commands"].clone()).unwrap();
+    for c in ["echo", "ls", "cat", "grep", "python3"] {
+        assert!(list.contains(&c.to_string()), "{list:?}");
+    }
+
+    let r = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import time,sys\nprint('partial', flush=True)\ntime.sleep(30)"], "timeout_seconds": 1})).await;
+    assert_error(&r, 408, "ExecutionTimeout");
+    assert_eq!(r.json["error"], json!("Command execution exceeded timeout of 1 seconds"));
+    assert!(r.json["duration_ms"].as_u64().unwrap() >= 1000);
+    assert_eq!(r.json["stdout"], json!("partial\n"));
+    assert_eq!(r.json["killed_reason"], json!("timeout"));
+    assert_eq!(r.json["outcome"], json!("timeout"));
+    assert!(r.json["provenance"]["command_hash"].is_string());
+
+    let svc = d.service_token();
+    let r = d.post("/execute", &[("authorization", &format!("Bearer {svc}"))], json!({"action_type": "shell", "command": "ls", "capability_token": "tok_abc123xyz"}).to_string()).await;
+    assert_error(&r, 401, "Unauthorized");
+    assert_eq!(r.json["error"], json!("Invalid or expired capability token"));
+
+    let m = d.get("/metrics").await.text;
+    assert!(m.contains("executor_timeouts_total 1"), "{m}");
+    assert!(m.contains("executor_capability_violations_total 1"), "{m}");
+    assert!(m.contains("executor_executions_total{action_type=\"python\",success=\"false\"} 1"), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn error_table_rows() {
+    let d = Daemon::start_with(Opts { config: Some("[server]\nconcurrency = { local = 1, docker = 1, gvisor = 1 }\n".into()), ..Default::default() });
+    let svc = format!("Bearer {}", d.service_token());
+    let auth = [("authorization", svc.as_str())];
+    // 400: malformed JSON, wrong types, unknown action_type, timeout out of range, unknown field.
+    for body in [
+        "{not json".to_string(),
+        "[]".to_string(),
+        json!({"action_type": "shell", "command": 5, "capability_token": d.cap_all()}).to_string(),
+        json!({"action_type": "shell", "command": "ls", "args": "-la", "capability_token": d.cap_all()}).to_string(),
+        json!({"action_type": "teleport", "command": "ls", "capability_token": d.cap_all()}).to_string(),
+        json!({"action_type": "shell", "command": "ls", "timeout_seconds": 0, "capability_token": d.cap_all()}).to_string(),
+        json!({"action_type": "shell", "command": "ls", "timeout_seconds": 301, "capability_token": d.cap_all()}).to_string(),
+        json!({"action_type": "shell", "command": "ls", "timeout": 5, "capability_token": d.cap_all()}).to_string(),
+        json!({"action_type": "shell", "command": "ls", "capability_token": d.cap_all(), "args": ["a\u{0}b"]}).to_string(),
+    ] {
+        let r = d.post("/execute", &auth, body.clone()).await;
+        assert_error(&r, 400, "InvalidRequest");
+    }
+    // 401: no bearer, malformed bearer, capability token missing.
+    let r = d.post("/execute", &[], json!({"action_type": "shell", "command": "ls", "capability_token": d.cap_all()}).to_string()).await;
+    assert_error(&r, 401, "Unauthorized");
+    let r = d.post("/execute", &[("authorization", "Bearer not.a.jwt")], json!({"action_type": "shell", "command": "ls", "capability_token": d.cap_all()}).to_string()).await;
+    assert_error(&r, 401, "Unauthorized");
+    let r = d.post("/execute", &auth, json!({"action_type": "shell", "command": "ls", "capability_token": ""}).to_string()).await;
+    assert_error(&r, 401, "Unauthorized");
+    // A capability token is not a service token, and vice versa.
+    let r = d.post("/execute", &[("authorization", &format!("Bearer {}", d.cap_all()))], json!({"action_type": "shell", "command": "ls", "capability_token": d.cap_all()}).to_string()).await;
+    assert_error(&r, 401, "Unauthorized");
+    let r = d.post("/execute", &auth, json!({"action_type": "shell", "command": "ls", "capability_token": d.service_token()}).to_string()).await;
+    assert_error(&r, 401, "Unauthorized");
+    // 403: missing capability (named), argument policy, action type, profile and env not permitted.
+    let r = d.exec(json!({"action_type": "shell", "command": "ls", "capability_token": d.cap(&["ShellRead"])})).await;
+    assert_error(&r, 403, "CapabilityViolation");
+    assert!(r.json["error"].as_str().unwrap().contains("FilesystemRead"), "{}", r.text);
+    let r = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-m", "pip", "install", "x"]})).await;
+    assert_error(&r, 403, "CapabilityViolation");
+    let r = d.exec(json!({"action_type": "python", "command": "ls"})).await;
+    assert_error(&r, 403, "CapabilityViolation");
+    let r = d.exec(json!({"action_type": "shell", "command": "ls", "profile": "python"})).await;
+    assert_error(&r, 403, "CapabilityViolation");
+    let r = d.exec(json!({"action_type": "shell", "command": "ls", "env": {"LD_PRELOAD": "/tmp/x.so"}})).await;
+    assert_error(&r, 403, "CapabilityViolation");
+    // Token narrowing claims.
+    let narrowed = d.mint(MintRequest { kind: Some(TokenKind::Capability), ttl_seconds: 60, aud: "executor-arm".into(), capabilities: vec!["ShellExecute".into(), "ShellRead".into(), "FilesystemRead".into()], commands: Some(vec!["echo".into()]), max_timeout_seconds: Some(1), ..Default::default() });
+    let r = d.exec(json!({"action_type": "shell", "command": "ls", "capability_token": narrowed})).await;
+    assert_error(&r, 403, "CapabilityViolation");
+    // 413: over 1 MiB, refused on Content-Length.
+    let big = "x".repeat((1 << 20) + 10);
+    let r = d.post("/execute", &auth, json!({"action_type": "shell", "command": "echo", "args": [big], "capability_token": d.cap_all()}).to_string()).await;
+    assert_error(&r, 413, "PayloadTooLarge");
+    // 503: egress profile without an egress filter.
+    if d.get("/capabilities").await.json["allowed_commands"].as_array().unwrap().contains(&json!("curl")) {
+        let r = d.exec(json!({"action_type": "http", "command": "curl", "args": ["http://127.0.0.1:1/"]})).await;
+        assert_error(&r, 503, "SandboxUnavailable");
+        assert!(r.json["error"].as_str().unwrap().contains("egress not configured"), "{}", r.text);
+    }
+    // 429: the one local slot is busy.
+    let slow = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(3)"]}));
+    let probe = async {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        d.exec(json!({"action_type": "shell", "command": "echo", "args": ["x"]})).await
+    };
+    let (slow, busy) = tokio::join!(slow, probe);
+    assert_eq!(slow.status, 200, "{}", slow.text);
+    assert_error(&busy, 429, "Overloaded");
+    assert_eq!(busy.headers.get("retry-after").unwrap(), "1");
+    // Unknown path.
+    assert_eq!(d.get("/nope").await.status, 404);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn token_attacks_are_401_and_audited() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("rsa.pem");
+    let pubkey = dir.path().join("rsa.pub.pem");
+    let ok = std::process::Command::new("openssl").args(["genrsa", "-out"]).arg(&key).arg("2048").output().unwrap();
+    assert!(ok.status.success());
+    let ok = std::process::Command::new("openssl").args(["rsa", "-pubout", "-in"]).arg(&key).arg("-out").arg(&pubkey).output().unwrap();
+    assert!(ok.status.success());
+    let cfg = format!("[auth]\nissuer = \"orchestrator\"\n[[auth.public_keys]]\nkid = \"rsa1\"\nalg = \"RS256\"\npem_file = \"{}\"\n", pubkey.display());
+    let d = Daemon::start_with(Opts { config: Some(cfg), ..Default::default() });
+    let svc = format!("Bearer {}", d.mint(MintRequest { kind: Some(TokenKind::Service), ttl_seconds: 60, aud: "executor-arm".into(), iss: Some("orchestrator".into()), ..Default::default() }));
+    let base = || json!({"aud": "executor-arm", "iss": "orchestrator", "exp": now() + 60, "iat": now(), "capabilities": ["ShellExecute"], "token_use": "capability"});
+    let hs = json!({"alg": "HS256", "typ": "JWT"});
+    let good = hs256(SECRET.as_bytes(), &hs, &base());
+    let run = |tok: String| {
+        let svc = svc.clone();
+        let d = &d;
+        async move { d.post("/execute", &[("authorization", svc.as_str())], json!({"action_type": "shell", "command": "echo", "args": ["hi"], "capability_token": tok}).to_string()).await }
+    };
+    assert_eq!(run(good.clone()).await.status, 200, "the control token must pass");
+
+    let mut attacks: Vec<(&str, String)> = Vec::new();
+    let parts: Vec<&str> = good.split('.').collect();
+    attacks.push(("alg none", format!("{}.{}.", b64(&json!({"alg": "none", "typ": "JWT"})), parts[1])));
+    attacks.push(("alg None", format!("{}.{}.", b64(&json!({"alg": "None"})), parts[1])));
+    let pem = std::fs::read(&pubkey).unwrap();
+    attacks.push(("HS/RS confusion", hs256(&pem, &json!({"alg": "HS256", "kid": "rsa1"}), &base())));
+    attacks.push(("unknown kid", hs256(SECRET.as_bytes(), &json!({"alg": "HS256", "kid": "other"}), &base())));
+    attacks.push(("bad signature", hs256(b"wrong-secret-wrong-secret-wrong-secret", &hs, &base())));
+    let mut tampered = base();
+    tampered["capabilities"] = json!(["ShellExecute", "NetworkAccess"]);
+    attacks.push(("tampered payload", format!("{}.{}.{}", parts[0], b64(&tampered), parts[2])));
+    let mut c = base();
+    c.as_object_mut().unwrap().remove("exp");
+    attacks.push(("missing exp", hs256(SECRET.as_bytes(), &hs, &c)));
+    let mut c = base();
+    c["exp"] = json!(now() - 120);
+    c["iat"] = json!(now() - 180);
+    attacks.push(("expired", hs256(SECRET.as_bytes(), &hs, &c)));
+    let mut c = base();
+    c["nbf"] = json!(now() + 600);
+    attacks.push(("nbf in the future", hs256(SECRET.as_bytes(), &hs, &c)));
+    let mut c = base();
+    c["aud"] = json!("someone-else");
+    attacks.push(("wrong aud", hs256(SECRET.as_bytes(), &hs, &c)));
+    let mut c = base();
+    c["iss"] = json!("mallory");
+    attacks.push(("wrong iss", hs256(SECRET.as_bytes(), &hs, &c)));
+    let mut c = base();
+    c["exp"] = json!(now() + 86_400);
+    attacks.push(("lifetime over max TTL", hs256(SECRET.as_bytes(), &hs, &c)));
+    let mut c = base();
+    c["token_use"] = json!("service");
+    attacks.push(("service token as capability", hs256(SECRET.as_bytes(), &hs, &c)));
+
+    let before = d.audit_lines().len();
+    for (name, tok) in &attacks {
+        let r = run(tok.clone()).await;
+        assert_eq!(r.status, 401, "{name}: {}", r.text);
+        assert_eq!(r.json["error"], json!("Invalid or expired capability token"), "{name}");
+    }
+    // Single-use: the second use is a replay.
+    let mut c = base();
+    c["single_use"] = json!(true);
+    c["jti"] = json!(uuid::Uuid::new_v4().to_string());
+    let once = hs256(SECRET.as_bytes(), &hs, &c);
+    assert_eq!(run(once.clone()).await.status, 200);
+    assert_eq!(run(once).await.status, 401, "replayed single-use jti");
+
+    let lines = d.audit_lines();
+    let refusals = lines[before..].iter().filter(|l| l["event"] == json!("refusal") && l["status"] == json!(401)).count();
+    assert_eq!(refusals, attacks.len() + 1, "every 401 has an audit line");
+    // A properly signed RS256 token with the configured kid works.
+    let rs = jsonwebtoken::encode(
+        &{
+            let mut h = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::RS256);
+            h.kid = Some("rsa1".into());
+            h
+        },
+        &base(),
+        &jsonwebtoken::EncodingKey::from_rsa_pem(&std::fs::read(&key).unwrap()).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(run(rs).await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn allowlist_bypasses_and_static_tokens() {
+    let hash = executor_arm::auth::sha256_hex(b"tok_abc123xyz");
+    let cfg = format!("[[auth.static_tokens]]\nid = \"seed-client\"\nkind = \"capability\"\nsha256 = \"{hash}\"\ncapabilities = [\"ShellRead\", \"FilesystemRead\"]\n");
+    let d = Daemon::start_with(Opts { config: Some(cfg), ..Default::default() });
+    for name in ["/bin/ls", "../ls", "ls;id", "ls ", " ls", "ls\u{0}", "l\u{0455}", "ｌｓ", "ls\n", "./ls", "LS", "ls|id", "$(ls)", ""] {
+        let r = d.exec(json!({"action_type": "shell", "command": name, "args": ["/"]})).await;
+        assert_eq!(r.status, if name.contains('\u{0}') { 400 } else { 403 }, "{name:?}: {}", r.text);
+    }
+    // The seed's static token works as the capability_token.
+    let r = d.exec(json!({"action_type": "shell", "command": "ls", "args": ["-la", "/tmp"], "capability_token": "tok_abc123xyz"})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["provenance"]["subject"], json!("orchestrator"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idempotency_request_id_and_ops_endpoints() {
+    let d = Daemon::start();
+    let svc = format!("Bearer {}", d.service_token());
+    let body = json!({"action_type": "python", "command": "python3", "args": ["-c", "import uuid; print(uuid.uuid4())"], "capability_token": d.cap_all()}).to_string();
+    let h = [("authorization", svc.as_str()), ("idempotency-key", "job-42-step-3")];
+    let first = d.post("/execute", &h, body.clone()).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    let executions = |d: &Daemon| d.audit_lines().iter().filter(|l| l["event"] == json!("execution")).count();
+    let n = executions(&d);
+    let again = d.post("/execute", &h, body.clone()).await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.json["exec_id"], first.json["exec_id"]);
+    assert_eq!(again.json["stdout"], first.json["stdout"], "the stored result, not a second run");
+    assert_eq!(executions(&d), n, "not run again");
+    let other = json!({"action_type": "shell", "command": "echo", "capability_token": d.cap_all()}).to_string();
+    assert_eq!(d.post("/execute", &h, other).await.json["error_type"], json!("IdempotencyConflict"));
+    // Concurrent duplicate -> 409.
+    let slow = json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(2)"], "capability_token": d.cap_all()}).to_string();
+    let h2 = [("authorization", svc.as_str()), ("idempotency-key", "concurrent-1")];
+    let (a, b) = tokio::join!(d.post("/execute", &h2, slow.clone()), async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        d.post("/execute", &h2, slow.clone()).await
+    });
+    assert_eq!(a.status, 200);
+    assert_eq!(b.status, 409, "{}", b.text);
+
+    // X-Request-ID echoed when valid, replaced when not.
+    let r = d.post("/execute", &[("authorization", svc.as_str()), ("x-request-id", "req.abc-123_X")], json!({"action_type": "shell", "command": "echo", "capability_token": d.cap_all()}).to_string()).await;
+    assert_eq!(r.headers.get("x-request-id").unwrap(), "req.abc-123_X");
+    assert_eq!(r.json["provenance"]["request_id"], json!("req.abc-123_X"));
+    let r = d.client.get(format!("{}/health", d.base)).header("x-request-id", "bad id with spaces").send().await.unwrap();
+    let id = r.headers().get("x-request-id").unwrap().to_str().unwrap().to_string();
+    assert!(uuid::Uuid::parse_str(&id).is_ok(), "{id}");
+
+    let h = d.get("/health").await;
+    assert_eq!(h.json, json!({"status": "healthy", "version": env!("CARGO_PKG_VERSION")}));
+    assert_eq!(d.get("/livez").await.status, 200);
+    for p in ["/ready", "/readyz"] {
+        let r = d.get(p).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+    let c = d.get("/capabilities").await.json;
+    assert!(c["capabilities"].as_array().unwrap().contains(&json!("shell_execution")));
+    assert!(c["allowed_commands"].as_array().unwrap().contains(&json!("echo")));
+    assert_eq!(c["host"]["landlock_abi"].as_u64().unwrap() > 0, true);
+    assert!(c["profiles"].as_array().unwrap().iter().any(|p| p["name"] == json!("http-egress") && p["available"] == json!(false)));
+    assert_eq!(d.get("/v1/executors").await.json, json!({"executors": []}));
+    let m = d.get("/metrics").await;
+    for name in ["executor_executions_total", "executor_execution_duration_seconds_bucket", "executor_capability_violations_total", "executor_timeouts_total", "executor_inflight_executions"] {
+        assert!(m.text.contains(name), "{name} missing");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_hundred_concurrent_requests_are_200_or_429() {
+    let d = Daemon::start();
+    let svc = format!("Bearer {}", d.service_token());
+    let cap = d.cap_all();
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let client = d.client.clone();
+        let url = format!("{}/execute", d.base);
+        let body = json!({"action_type": "shell", "command": "echo", "args": [format!("n{i}")], "capability_token": cap}).to_string();
+        let svc = svc.clone();
+        tasks.push(tokio::spawn(async move { client.post(url).header("authorization", svc).header("content-type", "application/json").body(body).send().await.map(|r| r.status().as_u16()) }));
+    }
+    let mut ok = 0;
+    let mut busy = 0;
+    for t in tasks {
+        match t.await.unwrap().unwrap() {
+            200 => ok += 1,
+            429 => busy += 1,
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert_eq!(ok + busy, 200);
+    assert!(ok > 0);
+    assert_eq!(d.get("/health").await.status, 200);
+    assert_eq!(d.exec(json!({"action_type": "shell", "command": "echo", "args": ["after"]})).await.json["stdout"], json!("after\n"));
+    assert_eq!(d.run_cgroups(), Vec::<String>::new(), "no run cgroup left");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn audit_verify_cli_detects_tampering() {
+    let d = Daemon::start();
+    for i in 0..3 {
+        d.exec(json!({"action_type": "shell", "command": "echo", "args": [i.to_string()]})).await;
+    }
+    d.exec(json!({"action_type": "shell", "command": "rm"})).await;
+    let verify = |p: &std::path::Path| std::process::Command::new(common::bin()).args(["audit", "verify"]).arg(p).output().unwrap();
+    let out = verify(&d.audit);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("4 entries"));
+    let lines: Vec<String> = std::fs::read_to_string(&d.audit).unwrap().lines().map(String::from).collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let check = |ls: Vec<String>, bad: usize| {
+        let p = tmp.path().join("copy.jsonl");
+        std::fs::write(&p, ls.join("\n") + "\n").unwrap();
+        let out = verify(&p);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("line {bad}")), "{err}");
+    };
+    let mut edited = lines.clone();
+    edited[1] = edited[1].replace("\"exit_code\":0", "\"exit_code\":1");
+    check(edited, 2);
+    let mut dropped = lines.clone();
+    dropped.remove(1);
+    check(dropped, 2);
+    let mut reordered = lines.clone();
+    reordered.swap(2, 3);
+    check(reordered, 3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_header_client_is_cut_off_and_sigterm_drains() {
+    let mut d = Daemon::start_with(Opts { config: Some("[server]\nheader_read_timeout_ms = 500\nshutdown_grace_seconds = 10\n".into()), ..Default::default() });
+    let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf);
+    assert!(buf.is_empty() || text.contains("408"), "slow client must be cut off: {text}");
+
+    // A running execution finishes; readiness flips at once; exit code 0.
+    let client = d.client.clone();
+    let url = format!("{}/execute", d.base);
+    let body = json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(2); print('done')"], "capability_token": d.cap_all()}).to_string();
+    let svc = format!("Bearer {}", d.service_token());
+    let inflight = tokio::spawn(async move { client.post(url).header("authorization", svc).body(body).send().await.unwrap().text().await.unwrap() });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // SAFETY: signal our own child.
+    unsafe { libc::kill(d.pid(), libc::SIGTERM) };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let ready = d.client.get(format!("{}/readyz", d.base)).send().await;
+    if let Ok(r) = ready {
+        assert_eq!(r.status().as_u16(), 503, "readyz must fail while draining");
+    }
+    let out = inflight.await.unwrap();
+    assert!(out.contains("\"stdout\":\"done\\n\""), "{out}");
+    assert_eq!(d.stop(), Some(0));
+}
+
+#[test]
+fn cli_mint_check_config_and_token_hash() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("s");
+    std::fs::write(&secret, SECRET).unwrap();
+    let out = std::process::Command::new(common::bin())
+        .args(["token", "mint", "--kind", "capability", "--secret-file"])
+        .arg(&secret)
+        .args(["--capabilities", "ShellRead,FilesystemRead", "--ttl", "60", "--single-use", "--commands", "ls,cat", "--max-timeout", "5"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let tok = String::from_utf8(out.stdout).unwrap().lines().last().unwrap().to_string();
+    let payload: Value = serde_json::from_slice(&base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(tok.split('.').nth(1).unwrap()).unwrap()).unwrap();
+    assert_eq!(payload["capabilities"], json!(["ShellRead", "FilesystemRead"]));
+    assert_eq!(payload["single_use"], json!(true));
+    assert_eq!(payload["commands"], json!(["ls", "cat"]));
+    assert_eq!(payload["token_use"], json!("capability"));
+    let out = std::process::Command::new(common::bin()).arg("check-config").env("EXECUTOR_ARM_PROFILES_DIR", concat!(env!("CARGO_MANIFEST_DIR"), "/sandbox-profiles")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("shell-readonly") && text.contains("config ok"), "{text}");
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[server]\nlisten = 5\n").unwrap();
+    let out = std::process::Command::new(common::bin()).args(["check-config", "--config"]).arg(&bad).output().unwrap();
+    assert!(!out.status.success());
+    let out = std::process::Command::new(common::bin()).args(["token", "hash", "tok_abc123xyz"]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), executor_arm::auth::sha256_hex(b"tok_abc123xyz"));
+}
