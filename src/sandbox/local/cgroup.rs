@@ -545,7 +545,9 @@ mod tests {
         assert_eq!(run.procs_files(), vec![t.path().join(format!("{own}/exec-1/cgroup.procs"))]);
         // A second run never shares the cgroup of the first.
         assert!(driver.create("exec-1", &limits()).is_err());
+        // The kernel provides cgroup.kill (5.14+); the fake gets an empty one.
         fs::write(t.path().join(format!("{own}/exec-1/cgroup.procs")), "").unwrap();
+        fs::write(t.path().join(format!("{own}/exec-1/cgroup.kill")), "").unwrap();
         run.kill_all().unwrap();
         assert_eq!(st(&format!("{own}/exec-1/cgroup.kill")), "1");
     }
