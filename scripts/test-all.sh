@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The whole executor-arm test suite, from a fresh machine: installs what the tests need (apt),
+# sets up Docker + gVisor and the sandbox image, starts Redis, then runs formatting, lints,
+# unit and integration tests (local, docker, gvisor backends), and the Helm chart validation.
+set -Eeuo pipefail
+trap 'echo "test-all: failed at line $LINENO" >&2' ERR
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "test-all: must run as root (the local sandbox builds namespaces, mounts and cgroups)" >&2
+  exit 1
+fi
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "packages"
+need=()
+for pair in python3:python3 curl:curl wget:wget nmap:nmap openssl:openssl redis-server:redis-server \
+            ip:iproute2 bwrap:bubblewrap debootstrap:debootstrap strace:strace; do
+  bin=${pair%%:*}; pkg=${pair##*:}
+  command -v "$bin" >/dev/null 2>&1 || need+=("$pkg")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing: ${need[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
+fi
+
+step "docker + gvisor"
+scripts/setup-docker.sh
+scripts/build-sandbox-image.sh
+
+step "redis"
+if ! redis-cli -p 6390 ping >/dev/null 2>&1; then
+  redis-server --port 6390 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes
+fi
+export EXECUTOR_ARM_TEST_REDIS_URL=redis://127.0.0.1:6390/0
+
+step "fmt + clippy"
+cargo fmt --all -- --check
+cargo clippy --all-targets --locked -- -D warnings
+
+step "tests"
+cargo build --release --locked
+cargo test --locked --all-targets -- --test-threads=4
+
+step "helm chart"
+scripts/validate-chart.sh
+
+echo
+echo "test-all: OK"
