@@ -44,6 +44,9 @@ step "tests"
 cargo build --release --locked
 cargo test --locked --all-targets -- --test-threads=4
 
+step "daemon image"
+scripts/test-daemon-image.sh
+
 step "helm chart"
 scripts/validate-chart.sh
 

@@ -211,13 +211,14 @@ fn serve(config: Option<PathBuf>, listen: Option<String>, dev: bool) -> Result<(
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let state = executor_arm::app::build(cfg).await?;
+        // Before "listening": a SIGHUP must never find the default (terminating) disposition.
+        spawn_sighup(state.clone())?;
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind {addr}"))?;
         let bound = listener.local_addr()?;
         tracing::info!(addr = %bound, version = executor_arm::api::VERSION, "listening");
         if dev {
             print_dev_banner(&state, bound)?;
         }
-        spawn_sighup(state.clone());
         executor_arm::api::run(listener, state, shutdown_signal()).await;
         drop(dev_dir);
         tracing::info!("stopped");
@@ -243,16 +244,16 @@ fn print_dev_banner(state: &Arc<executor_arm::api::AppState>, addr: SocketAddr) 
     Ok(())
 }
 
-fn spawn_sighup(state: Arc<executor_arm::api::AppState>) {
+/// SIGHUP reloads external executor defs (the loader logs every skipped def).
+fn spawn_sighup(state: Arc<executor_arm::api::AppState>) -> Result<()> {
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).context("install SIGHUP handler")?;
     tokio::spawn(async move {
-        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
         while hup.recv().await.is_some() {
             let skipped = state.executors.reload();
-            for s in skipped {
-                tracing::warn!(file = %s.file.display(), reason = %s.reason, "executor def skipped on reload");
-            }
+            tracing::info!(skipped = skipped.len(), "executor defs reloaded on SIGHUP");
         }
     });
+    Ok(())
 }
 
 async fn shutdown_signal() {

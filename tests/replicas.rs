@@ -38,9 +38,11 @@ fn redis() -> Option<Redis> {
         .stdout(Stdio::null())
         .spawn()
         .expect("redis-server");
+    // Owned by the guard from here on: dropping it kills and reaps the server.
+    let redis = Redis { child, url: format!("redis://127.0.0.1:{port}/0") };
     for _ in 0..100 {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Some(Redis { child, url: format!("redis://127.0.0.1:{port}/0") });
+            return Some(redis);
         }
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -29,10 +29,22 @@ pub struct ExternalInvocation {
 pub fn envelope(req: &ExecuteRequest) -> Value {
     let mut m = Map::new();
     m.insert("schemaVersion".into(), json!(1));
-    m.insert("activity".into(), req.activity.clone().unwrap_or_else(|| json!({})));
-    m.insert("input".into(), req.input.clone().unwrap_or_else(|| json!({})));
-    m.insert("skills".into(), req.skills.clone().unwrap_or_else(|| json!([])));
-    m.insert("memory".into(), req.memory.clone().unwrap_or_else(|| json!({})));
+    m.insert(
+        "activity".into(),
+        req.activity.clone().unwrap_or_else(|| json!({})),
+    );
+    m.insert(
+        "input".into(),
+        req.input.clone().unwrap_or_else(|| json!({})),
+    );
+    m.insert(
+        "skills".into(),
+        req.skills.clone().unwrap_or_else(|| json!([])),
+    );
+    m.insert(
+        "memory".into(),
+        req.memory.clone().unwrap_or_else(|| json!({})),
+    );
     if let Some(j) = &req.job {
         m.insert("job".into(), j.clone());
     }
@@ -42,30 +54,56 @@ pub fn envelope(req: &ExecuteRequest) -> Value {
     Value::Object(m)
 }
 
-pub fn decide(st: &AppState, ask: &Ask<'_>, grant: &Grant, req: &ExecuteRequest) -> Result<(Plan, Option<ExternalInvocation>), PolicyError> {
+pub fn decide(
+    st: &AppState,
+    ask: &Ask<'_>,
+    grant: &Grant,
+    req: &ExecuteRequest,
+) -> Result<(Plan, Option<ExternalInvocation>), PolicyError> {
     let Some(def) = st.executors.get(ask.command) else {
         return Err(PolicyError::Refused(Refusal {
             rule: "executors",
-            reason: format!("No external executor named '{}' is registered", ask.command.escape_debug()),
+            reason: format!(
+                "No external executor named '{}' is registered",
+                ask.command.escape_debug()
+            ),
         }));
     };
     if !req.args.is_empty() {
-        return Err(PolicyError::Invalid("args are not accepted for external executors: the def fixes them".into()));
+        return Err(PolicyError::Invalid(
+            "args are not accepted for external executors: the def fixes them".into(),
+        ));
     }
     if req.stdin.is_some() {
-        return Err(PolicyError::Invalid("stdin is not accepted for external executors: the envelope is their stdin".into()));
+        return Err(PolicyError::Invalid(
+            "stdin is not accepted for external executors: the envelope is their stdin".into(),
+        ));
     }
     let timeout = match (ask.timeout_seconds, def.timeout_seconds) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     };
-    let ask = Ask { timeout_seconds: timeout, ..ask.clone() };
+    let ask = Ask {
+        timeout_seconds: timeout,
+        ..ask.clone()
+    };
     let profile = def.profile.as_deref().unwrap_or(DEFAULT_PROFILE);
-    let plan = st.policy.finish(&def.name, Path::new(&def.command), ActionType::External, &[Capability::ExternalExecute], profile, &ask, grant)?;
+    let plan = st.policy.finish(
+        &def.name,
+        Path::new(&def.command),
+        ActionType::External,
+        &[Capability::ExternalExecute],
+        profile,
+        &ask,
+        grant,
+    )?;
     // Checked only once the caller is authorised: a missing or non-executable command is the
     // operator's error (503 naming it), not a sandbox setup failure (500).
     if !is_executable_file(Path::new(&def.command)) {
-        return Err(PolicyError::Unavailable(format!("executor '{}': {} is not an executable file", def.name, def.command)));
+        return Err(PolicyError::Unavailable(format!(
+            "executor '{}': {} is not an executable file",
+            def.name, def.command
+        )));
     }
 
     let mut argv_tail = def.args.clone();
@@ -78,22 +116,42 @@ pub fn decide(st: &AppState, ask: &Ask<'_>, grant: &Grant, req: &ExecuteRequest)
     if let Some(model) = &req.model {
         env.insert("ORBIT_AGENT_MODEL".to_string(), model.clone());
     }
-    let activity_id = req.activity.as_ref().and_then(|a| a.get("id")).and_then(|id| match id {
-        Value::String(s) => Some(s.clone()),
-        Value::Number(n) => Some(n.to_string()),
-        _ => None,
-    });
+    let activity_id = req
+        .activity
+        .as_ref()
+        .and_then(|a| a.get("id"))
+        .and_then(|id| match id {
+            Value::String(s) => Some(s.clone()),
+            Value::Number(n) => Some(n.to_string()),
+            _ => None,
+        });
     if let Some(id) = activity_id {
         env.insert("ORBIT_ACTIVITY_ID".to_string(), id);
     }
     // The operator's env wins on conflict.
     env.extend(def.env.clone());
-    if env.values().chain(argv_tail.iter()).any(|v| v.contains('\0')) {
-        return Err(PolicyError::Invalid("model or env contains a NUL byte".into()));
+    if env
+        .values()
+        .chain(argv_tail.iter())
+        .any(|v| v.contains('\0'))
+    {
+        return Err(PolicyError::Invalid(
+            "model or env contains a NUL byte".into(),
+        ));
     }
-    let envelope = serde_json::to_vec(&envelope(req)).map_err(|e| PolicyError::Invalid(e.to_string()))?;
+    let envelope =
+        serde_json::to_vec(&envelope(req)).map_err(|e| PolicyError::Invalid(e.to_string()))?;
     let cmd = PathBuf::from(&def.command);
-    Ok((plan, Some(ExternalInvocation { argv_tail, envelope, env, extra_files: vec![(cmd.clone(), cmd)], def_sha256: def.def_sha256.clone() })))
+    Ok((
+        plan,
+        Some(ExternalInvocation {
+            argv_tail,
+            envelope,
+            env,
+            extra_files: vec![(cmd.clone(), cmd)],
+            def_sha256: def.def_sha256.clone(),
+        }),
+    ))
 }
 
 fn is_executable_file(p: &Path) -> bool {
@@ -105,11 +163,17 @@ fn is_executable_file(p: &Path) -> bool {
 pub fn error_fields(o: &RunOutcome, outcome: &str) -> (Option<&'static str>, Option<String>) {
     match outcome {
         "success" => (None, None),
-        "timeout" => (Some("AGENT_TIMEOUT"), Some("executor exceeded its timeout".into())),
-        "cancelled" => (None, Some(match o.exit {
-            ExitKind::Signaled(s) => format!("executor killed by signal {s}"),
-            _ => "executor killed".into(),
-        })),
+        "timeout" => (
+            Some("AGENT_TIMEOUT"),
+            Some("executor exceeded its timeout".into()),
+        ),
+        "cancelled" => (
+            None,
+            Some(match o.exit {
+                ExitKind::Signaled(s) => format!("executor killed by signal {s}"),
+                _ => "executor killed".into(),
+            }),
+        ),
         _ => {
             let stderr = String::from_utf8_lossy(&o.stderr).trim().to_string();
             let msg = if o.stdin_broken_pipe {

@@ -71,7 +71,10 @@ pub struct Skipped {
 
 /// Parses one def; `Err` carries the reason it is skipped.
 pub fn parse_def(path: &Path, bytes: &[u8]) -> Result<ExecutorDef, String> {
-    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+    let stem = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or_default();
     let f: DefFile = serde_yaml::from_slice(bytes).map_err(|e| format!("invalid YAML: {e}"))?;
     if f.schema_version != 2 {
         return Err(format!("schemaVersion {} is not 2", f.schema_version));
@@ -80,15 +83,25 @@ pub fn parse_def(path: &Path, bytes: &[u8]) -> Result<ExecutorDef, String> {
         return Err(format!("kind '{}' is not Executor", f.kind));
     }
     if f.metadata.name != stem {
-        return Err(format!("metadata.name '{}' does not match the file name '{stem}'", f.metadata.name));
+        return Err(format!(
+            "metadata.name '{}' does not match the file name '{stem}'",
+            f.metadata.name
+        ));
     }
     if !crate::policy::is_bare_name(&f.metadata.name) {
         return Err("metadata.name must be a plain name".into());
     }
     if f.spec.executor_type != "external" {
-        return Err(format!("spec.executor_type '{}' is not external", f.spec.executor_type));
+        return Err(format!(
+            "spec.executor_type '{}' is not external",
+            f.spec.executor_type
+        ));
     }
-    let command = f.spec.command.filter(|c| !c.trim().is_empty()).ok_or("spec.command is required")?;
+    let command = f
+        .spec
+        .command
+        .filter(|c| !c.trim().is_empty())
+        .ok_or("spec.command is required")?;
     if !command.starts_with('/') {
         return Err("spec.command must be an absolute path".into());
     }
@@ -118,12 +131,17 @@ pub fn load_dir(dir: &Path) -> (BTreeMap<String, Arc<ExecutorDef>>, Vec<Skipped>
     let mut paths: Vec<PathBuf> = entries.filter_map(Result::ok).map(|e| e.path()).collect();
     paths.sort();
     for path in paths {
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
         let is_yaml = name.ends_with(".yaml") || name.ends_with(".yml");
         if !is_yaml || name.contains(".example.") || !path.is_file() {
             continue;
         }
-        let result = std::fs::read(&path).map_err(|e| e.to_string()).and_then(|b| parse_def(&path, &b));
+        let result = std::fs::read(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| parse_def(&path, &b));
         match result {
             // `acme.yaml` and `acme.yml` both claim `acme`: the first (sorted) one is kept, so a
             // reload never swaps one for the other depending on directory order.
@@ -153,7 +171,10 @@ pub struct Registry {
 impl Registry {
     pub fn load(dir: &Path) -> Self {
         let (defs, _) = load_dir(dir);
-        Registry { dir: dir.to_path_buf(), defs: RwLock::new(defs) }
+        Registry {
+            dir: dir.to_path_buf(),
+            defs: RwLock::new(defs),
+        }
     }
 
     pub fn reload(&self) -> Vec<Skipped> {
@@ -164,11 +185,20 @@ impl Registry {
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<ExecutorDef>> {
-        self.defs.read().unwrap_or_else(|p| p.into_inner()).get(name).cloned()
+        self.defs
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
     }
 
     pub fn list(&self) -> Vec<ExecutorDef> {
-        self.defs.read().unwrap_or_else(|p| p.into_inner()).values().map(|d| (**d).clone()).collect()
+        self.defs
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|d| (**d).clone())
+            .collect()
     }
 }
 
@@ -188,16 +218,28 @@ mod tests {
 
     #[test]
     fn skips_bad_defs() {
-        assert!(parse_def(Path::new("/x/other.yaml"), GOOD.as_bytes()).unwrap_err().contains("does not match"));
+        assert!(
+            parse_def(Path::new("/x/other.yaml"), GOOD.as_bytes())
+                .unwrap_err()
+                .contains("does not match")
+        );
         let no_cmd = GOOD.replace("  command: /opt/acme/run\n", "");
-        assert!(parse_def(Path::new("/x/acme.yaml"), no_cmd.as_bytes()).unwrap_err().contains("command"));
+        assert!(
+            parse_def(Path::new("/x/acme.yaml"), no_cmd.as_bytes())
+                .unwrap_err()
+                .contains("command")
+        );
     }
 
     #[test]
     fn a_duplicate_name_keeps_the_first_file() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("acme.yaml"), GOOD).unwrap();
-        std::fs::write(dir.path().join("acme.yml"), GOOD.replace("/opt/acme/run", "/opt/other/run")).unwrap();
+        std::fs::write(
+            dir.path().join("acme.yml"),
+            GOOD.replace("/opt/acme/run", "/opt/other/run"),
+        )
+        .unwrap();
         let (defs, skipped) = load_dir(dir.path());
         assert_eq!(defs["acme"].command, "/opt/acme/run");
         assert_eq!(skipped.len(), 1);

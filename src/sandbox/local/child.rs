@@ -81,6 +81,12 @@ pub enum MountOp {
     BindReadOnly { src: CString, dst: CString },
     BindDevice { src: CString, dst: CString },
     Tmpfs { dst: CString, options: CString, noexec: bool },
+    /// mkdir, then chmod and chown (the mode is explicit: mkdir's is cut by the umask).
+    MkdirOwned { path: CString, mode: u32, uid: u32, gid: u32 },
+    /// A writable bind (of a directory of the scratch tmpfs), nosuid, nodev, noexec.
+    BindWritable { src: CString, dst: CString },
+    /// Detach a staging mount and remove its (now empty) mount point.
+    Detach(CString),
     Proc(CString),
 }
 
@@ -224,9 +230,11 @@ impl ChildPlan {
                 fail(sfd, Stage::MountRoot);
             }
 
-            // 7. Read-only binds of the profile's paths, the private tmpfs workdir and /tmp, a fresh
-            //    /proc (we are pid 1 of the new pid namespace, so it shows only the sandbox) and a
-            //    /dev with null, zero, random, urandom.
+            // 7. Read-only binds of the profile's paths; the workdir and /tmp, both bound from one
+            //    private tmpfs sized to the disk limit (so the limit holds for the two together;
+            //    its staging mount point is detached and removed again here); a fresh /proc (we
+            //    are pid 1 of the new pid namespace, so it shows only the sandbox) and a /dev with
+            //    null, zero, random, urandom.
             for op in &self.mounts {
                 if !self.apply(op) {
                     fail(sfd, Stage::MountPlan);
@@ -385,6 +393,17 @@ impl ChildPlan {
                     }
                     libc::mount(c"tmpfs".as_ptr(), dst.as_ptr(), c"tmpfs".as_ptr(), flags, options.as_ptr().cast()) == 0
                 }
+                MountOp::MkdirOwned { path, mode, uid, gid } => {
+                    libc::mkdir(path.as_ptr(), 0o700) == 0
+                        && libc::chmod(path.as_ptr(), *mode) == 0
+                        && libc::chown(path.as_ptr(), *uid, *gid) == 0
+                }
+                MountOp::BindWritable { src, dst } => {
+                    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+                    libc::mount(src.as_ptr(), dst.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) == 0
+                        && libc::mount(std::ptr::null(), dst.as_ptr(), std::ptr::null(), libc::MS_REMOUNT | libc::MS_BIND | flags, std::ptr::null()) == 0
+                }
+                MountOp::Detach(p) => libc::umount2(p.as_ptr(), libc::MNT_DETACH) == 0 && libc::rmdir(p.as_ptr()) == 0,
                 MountOp::Proc(dst) => {
                     libc::mount(c"proc".as_ptr(), dst.as_ptr(), c"proc".as_ptr(), libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, std::ptr::null()) == 0
                 }

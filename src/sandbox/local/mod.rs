@@ -91,9 +91,7 @@ impl LocalSandbox {
         for p in &spec.fs.read_only {
             b.read_only(p)?;
         }
-        let disk = spec.limits.disk_bytes;
-        b.tmpfs(&spec.fs.workdir, &format!("size={disk},nr_inodes=16384,mode=0700,uid={},gid={}", spec.uid, spec.gid))?;
-        b.tmpfs(Path::new("/tmp"), &format!("size={disk},nr_inodes=16384,mode=1777"))?;
+        b.scratch(&spec.fs.workdir, spec.limits.disk_bytes, spec.uid, spec.gid)?;
         // After the tmpfs mounts: a file under /tmp or the workdir would otherwise be hidden by them.
         for (src, dst) in &spec.fs.extra_files {
             b.extra_file(src, dst)?;
@@ -251,10 +249,32 @@ impl PlanBuilder {
         self.rule(dst, landlock::FS_READ_FILE | landlock::FS_EXECUTE, true)
     }
 
-    fn tmpfs(&mut self, p: &Path, options: &str) -> Result<(), SandboxError> {
+    /// The writable space of the run: ONE tmpfs of `disk` bytes whose `tmp` and `work` subdirs
+    /// are bound at /tmp and the workdir, so the disk limit covers both together (two tmpfs of
+    /// `disk` bytes each would let a run write twice its limit). The tmpfs is mounted at a staging
+    /// directory of the new root and detached again once both binds hold it.
+    fn scratch(&mut self, workdir: &Path, disk: u64, uid: u32, gid: u32) -> Result<(), SandboxError> {
+        let stage = self.root.join(".executor-arm-scratch");
+        let stage_c = path_cstr(&stage)?;
+        self.ops.push(MountOp::Mkdir(stage_c.clone()));
+        let options = cstr(&format!("size={disk},nr_inodes=16384,mode=0700"))?;
+        self.ops.push(MountOp::Tmpfs { dst: stage_c.clone(), options, noexec: true });
+        // /tmp first: a workdir below /tmp then gets its mount point inside the bound /tmp.
+        let tmp = Path::new("/tmp");
+        if workdir != tmp {
+            self.bind_scratch(&stage.join("tmp"), tmp, 0o1777, 0, 0)?;
+        }
+        self.bind_scratch(&stage.join("work"), workdir, 0o700, uid, gid)?;
+        self.ops.push(MountOp::Detach(stage_c));
+        Ok(())
+    }
+
+    fn bind_scratch(&mut self, src: &Path, p: &Path, mode: u32, uid: u32, gid: u32) -> Result<(), SandboxError> {
+        let src = path_cstr(src)?;
+        self.ops.push(MountOp::MkdirOwned { path: src.clone(), mode, uid, gid });
         self.mkdirs(p)?;
         let dst = path_cstr(&self.inside(p)?)?;
-        self.ops.push(MountOp::Tmpfs { dst, options: cstr(options)?, noexec: true });
+        self.ops.push(MountOp::BindWritable { src, dst });
         self.rule(p, u64::MAX, false)
     }
 
@@ -302,10 +322,10 @@ impl CgroupGuard {
 
 impl Drop for CgroupGuard {
     fn drop(&mut self) {
-        if let Some(cg) = self.0.take() {
-            if let Err(e) = cg.remove() {
-                tracing::error!(error = %e, "could not remove a run cgroup");
-            }
+        if let Some(cg) = self.0.take()
+            && let Err(e) = cg.remove()
+        {
+            tracing::error!(error = %e, "could not remove a run cgroup");
         }
     }
 }

@@ -3,7 +3,11 @@
 //! Default allow, with a deny list of syscalls that widen the kernel attack surface or escape the
 //! namespaces: they fail with EPERM. `clone` with any namespace flag fails with EPERM; `clone3`
 //! (whose flags live behind a pointer BPF cannot read) fails with ENOSYS so libc falls back to
-//! `clone`. A foreign architecture or the x32 ABI is killed.
+//! `clone`. `socket` works only for the families the network namespace and Landlock confine
+//! (unix, inet, inet6, netlink); any other fails with EAFNOSUPPORT, the kernel's own answer for a
+//! missing family. That shuts AF_VSOCK, which no namespace isolates: on a VM with a vsock device
+//! a "no network" sandbox could otherwise talk to the hypervisor side. A foreign architecture or
+//! the x32 ABI is killed.
 
 /// Syscalls refused with EPERM.
 const DENIED: &[i64] = &[
@@ -69,6 +73,10 @@ const NAMESPACE_FLAGS: u32 = (libc::CLONE_NEWNS
     | libc::CLONE_NEWPID
     | libc::CLONE_NEWNET) as u32;
 
+/// Socket families `socket(2)` may create: the ones a new network namespace (and Landlock's TCP
+/// rules) confine, plus netlink, which getaddrinfo uses and which is per network namespace too.
+const SOCKET_FAMILIES: &[i32] = &[libc::AF_UNIX, libc::AF_INET, libc::AF_INET6, libc::AF_NETLINK];
+
 const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
 const X32_SYSCALL_BIT: u32 = 0x4000_0000;
 
@@ -103,7 +111,7 @@ pub struct SeccompProgram {
 impl SeccompProgram {
     /// The deny-list program described in the module header.
     pub fn deny_list() -> Self {
-        let mut f = Vec::with_capacity(DENIED.len() + 16);
+        let mut f = Vec::with_capacity(DENIED.len() + SOCKET_FAMILIES.len() + 24);
         // Architecture check: anything but x86_64 is killed (a 32-bit int 0x80 entry would
         // otherwise bypass every syscall number below).
         f.push(stmt(LD_W_ABS, OFF_ARCH));
@@ -121,6 +129,16 @@ impl SeccompProgram {
         f.push(stmt(RET_K, RET_ALLOW));
         f.push(jump(JEQ_K, libc::SYS_clone3 as u32, 0, 1));
         f.push(stmt(RET_K, RET_ERRNO | libc::ENOSYS as u32));
+        // socket: allow the listed families (the low 32 bits of arg0: the kernel takes an int),
+        // refuse every other with EAFNOSUPPORT.
+        let k = SOCKET_FAMILIES.len() as u8;
+        f.push(jump(JEQ_K, libc::SYS_socket as u32, 0, k + 3));
+        f.push(stmt(LD_W_ABS, OFF_ARG0_LO));
+        for (i, fam) in SOCKET_FAMILIES.iter().enumerate() {
+            f.push(jump(JEQ_K, *fam as u32, k - i as u8, 0));
+        }
+        f.push(stmt(RET_K, RET_ERRNO | libc::EAFNOSUPPORT as u32));
+        f.push(stmt(RET_K, RET_ALLOW));
         // The deny list: each match jumps to the EPERM return placed right after the list.
         let n = DENIED.len();
         for (i, nr) in DENIED.iter().enumerate() {
@@ -225,6 +243,17 @@ mod tests {
             run(&p, AUDIT_ARCH_X86_64, libc::SYS_clone3 as u32, 0),
             RET_ERRNO | libc::ENOSYS as u32
         );
+        let socket = libc::SYS_socket as u32;
+        for fam in [libc::AF_UNIX, libc::AF_INET, libc::AF_INET6, libc::AF_NETLINK] {
+            assert_eq!(run(&p, AUDIT_ARCH_X86_64, socket, fam as u64), RET_ALLOW, "family {fam}");
+        }
+        let no_family = RET_ERRNO | libc::EAFNOSUPPORT as u32;
+        for fam in [libc::AF_VSOCK, libc::AF_PACKET, libc::AF_ALG, libc::AF_BLUETOOTH, libc::AF_XDP] {
+            assert_eq!(run(&p, AUDIT_ARCH_X86_64, socket, fam as u64), no_family, "family {fam}");
+        }
+        // Only the low word is the family the kernel sees.
+        assert_eq!(run(&p, AUDIT_ARCH_X86_64, socket, (1u64 << 32) | libc::AF_VSOCK as u64), no_family);
+        assert_eq!(run(&p, AUDIT_ARCH_X86_64, libc::SYS_socketpair as u32, libc::AF_UNIX as u64), RET_ALLOW);
         assert_eq!(run(&p, 0x4000_0003, 1, 0), RET_KILL_PROCESS);
         assert_eq!(run(&p, AUDIT_ARCH_X86_64, X32_SYSCALL_BIT | 1, 0), RET_KILL_PROCESS);
     }

@@ -1,0 +1,572 @@
+//! External Executor Protocol v1 conformance: executor scripts run through the real daemon on the
+//! local backend, inside the `python` profile's sandbox.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::{Daemon, Opts, Resp, pids_with_cmdline, write_executor_def};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+/// A private (0700) directory of executor scripts outside the profile's read-only paths: only each
+/// script's own bind mount makes it visible in the sandbox, under fresh parent directories, so the
+/// sandbox user (uid 65534) needs nothing but the script's own mode.
+struct Scripts {
+    dir: tempfile::TempDir,
+}
+
+impl Scripts {
+    fn new() -> Scripts {
+        Self::in_dir(Path::new("/var/tmp"))
+    }
+
+    fn in_dir(parent: &Path) -> Scripts {
+        let dir = tempfile::Builder::new()
+            .prefix("executor-arm-scripts-")
+            .tempdir_in(parent)
+            .expect("tempdir");
+        Scripts { dir }
+    }
+
+    /// Writes a python3 executor script, mode 0755.
+    fn python(&self, name: &str, body: &str) -> PathBuf {
+        let path = self.dir.path().join(format!("{name}.py"));
+        std::fs::write(&path, format!("#!/usr/bin/python3\n{body}")).expect("script");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
+            .expect("chmod script");
+        path
+    }
+}
+
+/// A def in the `python` profile; `extra_spec` lines are appended under `spec:`.
+fn def_yaml(name: &str, command: &Path, extra_spec: &str) -> String {
+    format!(
+        "schemaVersion: 2\nkind: Executor\nmetadata:\n  name: {name}\nspec:\n  executor_type: external\n  command: {}\n  profile: python\n{extra_spec}",
+        command.display()
+    )
+}
+
+/// A daemon whose executors directory holds `defs` (file name, YAML) when it starts.
+fn start(defs: &[(&str, String)]) -> Daemon {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(dir.path().join("executors")).expect("executors dir");
+    for (file, yaml) in defs {
+        write_executor_def(dir.path(), file, yaml);
+    }
+    Daemon::start_in(dir, Opts::default())
+}
+
+/// POST /execute of `action_type: external` with a token holding only ExternalExecute; `extra`'s
+/// fields are merged into the body.
+async fn run(d: &Daemon, command: &str, extra: Value) -> Resp {
+    let mut body = json!({ "action_type": "external", "command": command, "capability_token": d.cap(&["ExternalExecute"]) });
+    if let Value::Object(m) = extra {
+        for (k, v) in m {
+            body[k] = v;
+        }
+    }
+    d.exec(body).await
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+fn audit_line(d: &Daemon, exec_id: &str) -> Value {
+    d.audit_lines()
+        .into_iter()
+        .find(|l| l["exec_id"] == exec_id)
+        .unwrap_or_else(|| panic!("no audit line for {exec_id}"))
+}
+
+fn executor_names(r: &Resp) -> Vec<String> {
+    r.json["executors"]
+        .as_array()
+        .expect("executors array")
+        .iter()
+        .map(|e| e["name"].as_str().expect("name").to_string())
+        .collect()
+}
+
+/// Polls /v1/executors until `done` holds for the listed names (a SIGHUP reload is asynchronous).
+async fn wait_for_executors(d: &Daemon, done: impl Fn(&[String]) -> bool) -> Vec<String> {
+    let mut names = Vec::new();
+    for _ in 0..200 {
+        names = executor_names(&d.get("/v1/executors").await);
+        if done(&names) {
+            return names;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("executors never reached the expected state; last listing: {names:?}");
+}
+
+/// Sends SIGHUP once the daemon catches it: its handler is installed by a task spawned after the
+/// "listening" line, and an uncaught SIGHUP would terminate the daemon instead of reloading.
+async fn sighup(d: &Daemon) {
+    let caught = || {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", d.pid())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+            .is_some_and(|m| m & (1 << (libc::SIGHUP - 1)) != 0)
+    };
+    for _ in 0..200 {
+        if caught() {
+            // SAFETY: kill(2) on our own child's pid.
+            assert_eq!(unsafe { libc::kill(d.pid(), libc::SIGHUP) }, 0, "SIGHUP");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the daemon never installed its SIGHUP handler");
+}
+
+const ECHO_ENVELOPE: &str =
+    "import json, sys\nenvelope = json.load(sys.stdin)\nsys.stdout.write(json.dumps(envelope))\n";
+
+#[tokio::test]
+async fn success_echoes_the_envelope_with_provenance_and_audit() {
+    let scripts = Scripts::new();
+    let script = scripts.python("echo", ECHO_ENVELOPE);
+    let d = start(&[("echo-envelope.yaml", def_yaml("echo-envelope", &script, ""))]);
+    let def_bytes = std::fs::read(d.dir.path().join("executors/echo-envelope.yaml")).expect("def");
+
+    let activity = json!({ "id": "act-1", "spec_type": "tool", "spec_config": { "k": "v" } });
+    let job = json!({ "id": "job-9", "state": "running", "steps": [] });
+    let task = json!({ "id": "task-3", "title": "t" });
+    let r = run(
+        &d,
+        "echo-envelope",
+        json!({ "input": { "q": [1, 2] }, "activity": activity, "job": job, "task": task }),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["success"], true, "{}", r.text);
+    assert_eq!(r.json["outcome"], "success");
+    assert_eq!(r.json["exit_code"], 0);
+    assert_eq!(r.json["profile"], "python");
+    assert_eq!(r.json["backend"], "local");
+    assert!(r.json["error_code"].is_null());
+    assert!(r.json.get("error").is_none());
+
+    let stdout = r.json["stdout"].as_str().expect("stdout");
+    let envelope: Value = serde_json::from_str(stdout).expect("stdout is the envelope");
+    assert_eq!(envelope["schemaVersion"], 1);
+    assert_eq!(envelope["activity"], activity);
+    assert_eq!(envelope["input"], json!({ "q": [1, 2] }));
+    assert_eq!(envelope["skills"], json!([]));
+    assert_eq!(envelope["memory"], json!({}));
+    assert_eq!(envelope["job"], job);
+    assert_eq!(envelope["task"], task);
+
+    let p = &r.json["provenance"];
+    assert_eq!(p["action_type"], "external");
+    assert_eq!(p["capabilities_used"], json!(["ExternalExecute"]));
+    assert_eq!(p["executor_def_sha256"], sha256(&def_bytes));
+    assert_eq!(p["stdout_sha256"], sha256(stdout.as_bytes()));
+
+    let line = audit_line(&d, r.json["exec_id"].as_str().expect("exec_id"));
+    assert_eq!(line["event"], "execution");
+    assert_eq!(line["outcome"], "success");
+    assert_eq!(line["executor_def_sha256"], sha256(&def_bytes));
+    assert!(line.get("error_code").is_some_and(Value::is_null), "{line}");
+
+    // Optional parts absent: job and task are left out, skills and memory keep their defaults.
+    let r = run(&d, "echo-envelope", json!({ "input": "plain", "skills": [{ "id": "s1", "content_hash": "h", "content": "c" }] })).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let envelope: Value =
+        serde_json::from_str(r.json["stdout"].as_str().expect("stdout")).expect("envelope");
+    let keys: Vec<&str> = envelope
+        .as_object()
+        .expect("object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        keys,
+        ["activity", "input", "memory", "schemaVersion", "skills"]
+    );
+    assert_eq!(envelope["input"], "plain");
+    assert_eq!(envelope["activity"], json!({}));
+    assert_eq!(
+        envelope["skills"],
+        json!([{ "id": "s1", "content_hash": "h", "content": "c" }])
+    );
+}
+
+#[tokio::test]
+async fn an_executor_under_tmp_is_visible_in_the_sandbox() {
+    // /tmp is a fresh tmpfs inside the sandbox; the executor's bind mount must not be hidden by it.
+    let scripts = Scripts::in_dir(Path::new("/tmp"));
+    let script = scripts.python("echo", ECHO_ENVELOPE);
+    let d = start(&[("in-tmp.yaml", def_yaml("in-tmp", &script, ""))]);
+    let r = run(&d, "in-tmp", json!({ "input": 7 })).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["outcome"], "success", "{}", r.text);
+    let envelope: Value =
+        serde_json::from_str(r.json["stdout"].as_str().expect("stdout")).expect("envelope");
+    assert_eq!(envelope["input"], 7);
+}
+
+#[tokio::test]
+async fn a_non_zero_exit_is_a_failure_with_the_trimmed_stderr() {
+    let scripts = Scripts::new();
+    let violation = scripts.python(
+        "violation",
+        "import sys\nsys.stdin.read()\nsys.stderr.write('\\n  protocol violation: input.q is required  \\n\\n')\nsys.exit(3)\n",
+    );
+    let silent = scripts.python("silent", "import sys\nsys.stdin.read()\nsys.exit(5)\n");
+    let d = start(&[
+        ("violation.yaml", def_yaml("violation", &violation, "")),
+        ("silent.yaml", def_yaml("silent", &silent, "")),
+    ]);
+    let def_bytes = std::fs::read(d.dir.path().join("executors/violation.yaml")).expect("def");
+
+    let r = run(&d, "violation", json!({ "input": {} })).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["success"], false);
+    assert_eq!(r.json["outcome"], "failed");
+    assert_eq!(r.json["exit_code"], 3);
+    assert_eq!(r.json["error_code"], "AGENT_INVOCATION_FAILED");
+    assert_eq!(r.json["error"], "protocol violation: input.q is required");
+    let line = audit_line(&d, r.json["exec_id"].as_str().expect("exec_id"));
+    assert_eq!(line["outcome"], "failed");
+    assert_eq!(line["error_code"], "AGENT_INVOCATION_FAILED");
+    assert_eq!(line["executor_def_sha256"], sha256(&def_bytes));
+
+    // Nothing on stderr: the message falls back to the exit code.
+    let r = run(&d, "silent", json!({})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["outcome"], "failed");
+    assert_eq!(r.json["error_code"], "AGENT_INVOCATION_FAILED");
+    assert_eq!(r.json["error"], "exit code 5");
+}
+
+#[tokio::test]
+async fn exiting_without_draining_the_envelope_is_a_failure_whatever_the_exit_code() {
+    let scripts = Scripts::new();
+    let zero = scripts.python("no-read-zero", "import sys\nsys.exit(0)\n");
+    let seven = scripts.python(
+        "no-read-seven",
+        "import sys\nsys.stderr.write('bye')\nsys.exit(7)\n",
+    );
+    let d = start(&[
+        ("no-read-zero.yaml", def_yaml("no-read-zero", &zero, "")),
+        ("no-read-seven.yaml", def_yaml("no-read-seven", &seven, "")),
+    ]);
+    // ~900 KB: far beyond a pipe's buffer, within the 1 MiB request body limit.
+    let input = "x".repeat(900 * 1024);
+
+    for (name, exit_code) in [("no-read-zero", 0), ("no-read-seven", 7)] {
+        let r = run(&d, name, json!({ "input": input })).await;
+        assert_eq!(r.status, 200, "{name}: {}", r.text);
+        assert_eq!(r.json["success"], false, "{name}");
+        assert_eq!(r.json["outcome"], "failed", "{name}");
+        assert_eq!(r.json["exit_code"], exit_code, "{name}");
+        assert_eq!(r.json["error_code"], "AGENT_INVOCATION_FAILED", "{name}");
+        let error = r.json["error"].as_str().expect("error");
+        assert!(error.contains("broken pipe"), "{name}: {error}");
+    }
+}
+
+#[tokio::test]
+async fn killed_by_a_signal_is_cancelled() {
+    let scripts = Scripts::new();
+    let script = scripts.python(
+        "self-kill",
+        "import os, signal, sys\nsys.stdin.read()\nos.kill(os.getpid(), signal.SIGKILL)\n",
+    );
+    let d = start(&[("self-kill.yaml", def_yaml("self-kill", &script, ""))]);
+    let r = run(&d, "self-kill", json!({})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["success"], false);
+    assert_eq!(r.json["outcome"], "cancelled");
+    assert_eq!(r.json["killed_reason"], "signal");
+    assert_eq!(r.json["exit_code"], 128 + libc::SIGKILL);
+    assert!(r.json["error_code"].is_null(), "{}", r.text);
+}
+
+#[tokio::test]
+async fn over_its_timeout_is_408_agent_timeout_and_nothing_is_left() {
+    let scripts = Scripts::new();
+    let script = scripts.python(
+        "sleeper",
+        "import sys, time\nsys.stdin.read()\ntime.sleep(120)\n",
+    );
+    let d = start(&[(
+        "sleeper.yaml",
+        def_yaml("sleeper", &script, "  timeout_seconds: 1\n"),
+    )]);
+    let r = run(&d, "sleeper", json!({})).await;
+    assert_eq!(r.status, 408, "{}", r.text);
+    assert_eq!(r.json["success"], false);
+    assert_eq!(r.json["outcome"], "timeout");
+    assert_eq!(r.json["killed_reason"], "timeout");
+    assert_eq!(r.json["error_code"], "AGENT_TIMEOUT");
+    let line = audit_line(&d, r.json["exec_id"].as_str().expect("exec_id"));
+    assert_eq!(line["error_code"], "AGENT_TIMEOUT");
+    // The script's path is unique to this test.
+    assert_eq!(
+        pids_with_cmdline(&script.display().to_string()),
+        Vec::<i32>::new()
+    );
+}
+
+#[tokio::test]
+async fn a_background_child_does_not_outlive_the_run() {
+    let scripts = Scripts::new();
+    // Double fork + setsid + exec with the marker in argv; the script returns only once it has
+    // seen the detached process running (from inside the sandbox).
+    let script = scripts.python(
+        "leaver",
+        r#"import os, sys, time
+sys.stdin.read()
+marker = sys.argv[1]
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv("/usr/bin/python3", ["/usr/bin/python3", "-c", "import time; time.sleep(300)", marker])
+    os._exit(0)
+os.wait()
+def running():
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read() and int(pid) != os.getpid():
+                    return True
+        except (OSError, ValueError):
+            pass
+    return False
+for _ in range(600):
+    if running():
+        print("background child running")
+        sys.exit(0)
+    time.sleep(0.05)
+sys.exit("background child never started")
+"#,
+    );
+    let marker = format!("executor-arm-leaver-{}", uuid::Uuid::new_v4().simple());
+    let d = start(&[(
+        "leaver.yaml",
+        def_yaml("leaver", &script, &format!("  args: [{marker}]\n")),
+    )]);
+    let r = run(&d, "leaver", json!({})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["outcome"], "success", "{}", r.text);
+    assert_eq!(r.json["stdout"], "background child running\n");
+    assert_eq!(
+        pids_with_cmdline(&marker),
+        Vec::<i32>::new(),
+        "a process of the run survived it"
+    );
+    assert_eq!(
+        d.get("/health").await.status,
+        200,
+        "the daemon still answers"
+    );
+}
+
+#[tokio::test]
+async fn injected_env_argv_and_model_flag() {
+    let scripts = Scripts::new();
+    let script = scripts.python(
+        "env-probe",
+        r#"import json, os, sys
+sys.stdin.read()
+keys = ["ORBIT_AGENT_NAME", "ORBIT_AGENT_MODEL", "ORBIT_ACTIVITY_ID", "ACME_PROFILE", "PATH", "HOME"]
+print(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}, "all": sorted(os.environ)}))
+"#,
+    );
+    let probe = def_yaml(
+        "env-probe",
+        &script,
+        "  args: [run, --json]\n  model_flag: --model\n  env:\n    ACME_PROFILE: ci\n",
+    );
+    let override_def = def_yaml(
+        "env-override",
+        &script,
+        "  model_flag: --model\n  env:\n    ORBIT_AGENT_NAME: operator-name\n    ORBIT_AGENT_MODEL: operator-model\n    ORBIT_ACTIVITY_ID: operator-activity\n",
+    );
+    let d = start(&[
+        ("env-probe.yaml", probe),
+        ("env-override.yaml", override_def),
+    ]);
+    let stdout = |r: &Resp| -> Value {
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.json["outcome"], "success", "{}", r.text);
+        serde_json::from_str(r.json["stdout"].as_str().expect("stdout")).expect("probe output")
+    };
+
+    let out = stdout(
+        &run(
+            &d,
+            "env-probe",
+            json!({ "model": "model-x", "activity": { "id": "act-42" } }),
+        )
+        .await,
+    );
+    assert_eq!(out["argv"], json!(["run", "--json", "--model", "model-x"]));
+    assert_eq!(out["env"]["ORBIT_AGENT_NAME"], "env-probe");
+    assert_eq!(out["env"]["ORBIT_AGENT_MODEL"], "model-x");
+    assert_eq!(out["env"]["ORBIT_ACTIVITY_ID"], "act-42");
+    assert_eq!(out["env"]["ACME_PROFILE"], "ci");
+    assert_eq!(out["env"]["PATH"], "/usr/local/bin:/usr/bin:/bin");
+    assert_eq!(out["env"]["HOME"], "/work");
+    // Nothing of the daemon's own environment reaches the executor.
+    for name in out["all"].as_array().expect("names") {
+        let name = name.as_str().expect("name");
+        assert!(
+            !name.starts_with("EXECUTOR_ARM_") && name != "RUST_LOG",
+            "leaked {name}"
+        );
+    }
+
+    // No model: neither the variable nor the flag; a numeric activity id is passed as text.
+    let out = stdout(&run(&d, "env-probe", json!({ "activity": { "id": 17 } })).await);
+    assert_eq!(out["argv"], json!(["run", "--json"]));
+    assert!(out["env"]["ORBIT_AGENT_MODEL"].is_null());
+    assert_eq!(out["env"]["ORBIT_ACTIVITY_ID"], "17");
+
+    // The operator's env wins over the injected variables; the model flag still follows the request.
+    let out = stdout(
+        &run(
+            &d,
+            "env-override",
+            json!({ "model": "model-y", "activity": { "id": "act-7" } }),
+        )
+        .await,
+    );
+    assert_eq!(out["argv"], json!(["--model", "model-y"]));
+    assert_eq!(out["env"]["ORBIT_AGENT_NAME"], "operator-name");
+    assert_eq!(out["env"]["ORBIT_AGENT_MODEL"], "operator-model");
+    assert_eq!(out["env"]["ORBIT_ACTIVITY_ID"], "operator-activity");
+}
+
+#[tokio::test]
+async fn registration_rules() {
+    let scripts = Scripts::new();
+    let script = scripts.python("ok", "import sys\nsys.stdin.read()\nprint('ok')\n");
+    let no_command = "schemaVersion: 2\nkind: Executor\nmetadata:\n  name: no-command\nspec:\n  executor_type: external\n  args: [x]\n".to_string();
+    let future = def_yaml(
+        "future",
+        &script,
+        "  sandbox: strict\n  allow_fallback: false\n  some_later_field: { nested: [1, 2] }\n",
+    );
+    let example = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("config/executors/external.example.yaml"),
+    )
+    .expect("example");
+    let d = start(&[
+        ("no-command.yaml", no_command),
+        ("file-stem.yaml", def_yaml("metadata-name", &script, "")),
+        ("future.yaml", future),
+        ("external.example.yaml", example.clone()),
+        ("acme-harness.example.yaml", example.clone()),
+    ]);
+
+    let names = executor_names(&d.get("/v1/executors").await);
+    assert_eq!(names, ["future"]);
+    // The template itself is a valid def once copied to its own name.
+    executor_arm::executors::parse_def(Path::new("/x/acme-harness.yaml"), example.as_bytes())
+        .expect("the example parses");
+
+    for name in ["no-command", "file-stem", "metadata-name", "acme-harness"] {
+        let r = run(&d, name, json!({})).await;
+        assert_eq!(r.status, 403, "{name}: {}", r.text);
+        assert_eq!(r.json["error_type"], "CapabilityViolation", "{name}");
+    }
+    let r = run(&d, "future", json!({})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["outcome"], "success", "{}", r.text);
+    assert_eq!(r.json["stdout"], "ok\n");
+
+    // The token must carry ExternalExecute.
+    let r = d.exec(json!({ "action_type": "external", "command": "future", "capability_token": d.cap(&["ShellExecute", "PythonExecute"]) })).await;
+    assert_eq!(r.status, 403, "{}", r.text);
+    assert!(
+        r.json["error"]
+            .as_str()
+            .expect("error")
+            .contains("ExternalExecute"),
+        "{}",
+        r.text
+    );
+    // The def fixes argv and stdin.
+    let r = run(&d, "future", json!({ "args": ["--evil"] })).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    let r = run(&d, "future", json!({ "stdin": "not the envelope" })).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+}
+
+#[tokio::test]
+async fn a_missing_command_file_is_503_not_a_sandbox_failure() {
+    let scripts = Scripts::new();
+    let d = start(&[(
+        "gone.yaml",
+        def_yaml("gone", &scripts.dir.path().join("gone.py"), ""),
+    )]);
+    assert_eq!(executor_names(&d.get("/v1/executors").await), ["gone"]);
+    let r = run(&d, "gone", json!({})).await;
+    assert_eq!(r.status, 503, "{}", r.text);
+    assert!(
+        r.json["error"]
+            .as_str()
+            .expect("error")
+            .contains("not an executable file"),
+        "{}",
+        r.text
+    );
+}
+
+#[tokio::test]
+async fn sighup_reloads_defs_and_listings_never_show_env_values() {
+    let scripts = Scripts::new();
+    let script = scripts.python("ok", "import sys\nsys.stdin.read()\nprint('ok')\n");
+    let secret = format!("env-value-{}", uuid::Uuid::new_v4().simple());
+    let first = def_yaml(
+        "first",
+        &script,
+        &format!("  env:\n    ACME_TOKEN: {secret}\n"),
+    );
+    let d = start(&[("first.yaml", first)]);
+    assert_eq!(executor_names(&d.get("/v1/executors").await), ["first"]);
+
+    let second_path = write_executor_def(
+        d.dir.path(),
+        "second.yaml",
+        &def_yaml("second", &script, &format!("  env:\n    OTHER: {secret}\n")),
+    );
+    sighup(&d).await;
+    let names = wait_for_executors(&d, |n| n.iter().any(|x| x == "second")).await;
+    assert_eq!(names, ["first", "second"]);
+    let r = run(&d, "second", json!({})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["outcome"], "success", "{}", r.text);
+    assert_eq!(
+        r.json["provenance"]["executor_def_sha256"],
+        sha256(&std::fs::read(&second_path).expect("def"))
+    );
+
+    for path in ["/v1/executors", "/capabilities"] {
+        let r = d.get(path).await;
+        assert_eq!(r.status, 200, "{path}");
+        assert!(
+            !r.text.contains(&secret),
+            "{path} shows an env value: {}",
+            r.text
+        );
+    }
+
+    std::fs::remove_file(d.dir.path().join("executors/first.yaml")).expect("remove def");
+    sighup(&d).await;
+    let names = wait_for_executors(&d, |n| !n.iter().any(|x| x == "first")).await;
+    assert_eq!(names, ["second"]);
+    let r = run(&d, "first", json!({})).await;
+    assert_eq!(r.status, 403, "{}", r.text);
+}
