@@ -25,6 +25,10 @@ pub struct Opts {
     pub env: Vec<(String, String)>,
     /// TOML merged over the embedded defaults.
     pub config: Option<String>,
+    /// A command the daemon is started under (e.g. `nsenter --net=…`).
+    pub wrapper: Vec<String>,
+    /// Listen address (default 127.0.0.1:0).
+    pub listen: Option<String>,
 }
 
 pub struct Daemon {
@@ -62,8 +66,15 @@ impl Daemon {
             std::fs::write(&secret, SECRET).expect("secret");
         }
         let audit = dir.path().join("audit.jsonl");
-        let mut cmd = Command::new(bin());
-        cmd.arg("serve").arg("--listen").arg("127.0.0.1:0");
+        let mut cmd = match opts.wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin());
+                c
+            }
+            None => Command::new(bin()),
+        };
+        cmd.arg("serve").arg("--listen").arg(opts.listen.as_deref().unwrap_or("127.0.0.1:0"));
         if let Some(cfg) = &opts.config {
             let p = dir.path().join("config.toml");
             std::fs::write(&p, cfg).expect("config");

@@ -124,6 +124,45 @@ pub struct ChildPlan {
 unsafe impl Send for ChildPlan {}
 unsafe impl Sync for ChildPlan {}
 
+/// `struct mount_attr` of mount_setattr(2).
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+const MOUNT_ATTR_RDONLY: u64 = 0x1;
+const MOUNT_ATTR_NOSUID: u64 = 0x2;
+const MOUNT_ATTR_NODEV: u64 = 0x4;
+const AT_RECURSIVE: u32 = 0x8000;
+
+/// Makes the bind at `dst` read-only, nosuid and nodev, submounts included: MS_REC copies the
+/// host's mounts below a bound path (a volume under /usr, a file bind under /etc), and a
+/// MS_REMOUNT reaches only the top one, leaving those writable. Kernels before 5.12 lack
+/// mount_setattr (ENOSYS): there the top mount is remounted and Landlock's read-only rule, which
+/// covers everything beneath the path, is what protects submounts. Async-signal-safe.
+///
+/// # Safety
+/// `dst` is a live C string; called in the child only.
+unsafe fn read_only_recursive(dst: &CString) -> bool {
+    let attr = MountAttr { attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, attr_clr: 0, propagation: 0, userns_fd: 0 };
+    // SAFETY: mount_setattr(2) with a C string and a pointer to a live struct of the size given.
+    let r = unsafe {
+        libc::syscall(libc::SYS_mount_setattr, libc::AT_FDCWD, dst.as_ptr(), AT_RECURSIVE, &attr as *const MountAttr, std::mem::size_of::<MountAttr>())
+    };
+    if r == 0 {
+        return true;
+    }
+    if errno() != libc::ENOSYS {
+        return false;
+    }
+    let flags = libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV;
+    // SAFETY: mount(2) with a C string and null pointers where the remount takes none.
+    unsafe { libc::mount(std::ptr::null(), dst.as_ptr(), std::ptr::null(), flags, std::ptr::null()) == 0 }
+}
+
 fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
@@ -380,7 +419,7 @@ impl ChildPlan {
                 }
                 MountOp::BindReadOnly { src, dst } => {
                     libc::mount(src.as_ptr(), dst.as_ptr(), std::ptr::null(), libc::MS_BIND | libc::MS_REC, std::ptr::null()) == 0
-                        && libc::mount(std::ptr::null(), dst.as_ptr(), std::ptr::null(), libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV, std::ptr::null()) == 0
+                        && read_only_recursive(dst)
                 }
                 MountOp::BindDevice { src, dst } => {
                     libc::mount(src.as_ptr(), dst.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) == 0

@@ -41,16 +41,16 @@ pub struct LocalSandbox {
     /// namespace, so every run can use the same one).
     root_dir: PathBuf,
     seccomp: Arc<SeccompProgram>,
-    /// RLIMIT_NPROC backstop: counts every process of the uid on the host, so it must allow all
-    /// concurrent runs; the per-run cgroup pids limit is the real bound.
-    concurrency: u64,
     spawner: Option<Spawner>,
 }
 
 impl LocalSandbox {
     /// Probes the host and prepares cgroups. Never fails: what is missing is reported by
     /// [`Sandbox::status`] and makes runs fail closed with `Unavailable`.
-    pub fn new(cgroup_name: &str, runtime_dir: &Path, concurrency: usize) -> Self {
+    ///
+    /// `_concurrency` once sized an RLIMIT_NPROC backstop; the per-run pids cgroup is the bound
+    /// (see the rlimits in `plan`), so it is unused.
+    pub fn new(cgroup_name: &str, runtime_dir: &Path, _concurrency: usize) -> Self {
         let mut probe = HostProbe::detect();
         let cgroups = match cgroup::detect(Path::new("/sys/fs/cgroup"), cgroup_name) {
             Ok(d) => {
@@ -75,7 +75,6 @@ impl LocalSandbox {
             probe,
             root_dir,
             seccomp: Arc::new(SeccompProgram::deny_list()),
-            concurrency: concurrency.max(1) as u64,
             spawner: Spawner::start(),
         }
     }
@@ -125,7 +124,10 @@ impl LocalSandbox {
                 (libc::RLIMIT_CORE, 0),
                 (libc::RLIMIT_NOFILE, spec.limits.nofile),
                 (libc::RLIMIT_FSIZE, spec.limits.disk_bytes),
-                (libc::RLIMIT_NPROC, spec.limits.pids.saturating_mul(self.concurrency)),
+                // No RLIMIT_NPROC: it counts every process of the uid on the host, and every run
+                // of every daemon (and any other uid-65534 process) shares the uid, so a value
+                // sized for this daemon lets runs elsewhere make our exec fail with EAGAIN. The
+                // run's pids cgroup, joined before anything forks, is the bound.
             ],
             uid: spec.uid,
             gid: spec.gid,
@@ -379,7 +381,10 @@ fn status_pipe() -> Result<(OwnedFd, OwnedFd), SandboxError> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// The last record the child wrote, if any.
+/// The record that decides the run: a setup error if any process wrote one, else the last record.
+/// The command process reports its own setup failures (rlimits, setuid, Landlock, seccomp, exec)
+/// and `_exit`s 126; init then reports that exit. Taking the last record would turn a sandbox
+/// that failed to start into an ordinary command exiting 126.
 fn read_status(fd: &OwnedFd) -> Option<[u8; child::RECORD_LEN]> {
     let mut buf = [0u8; 64];
     // SAFETY: read into a stack buffer of the given size (the fd is non-blocking).
@@ -387,9 +392,14 @@ fn read_status(fd: &OwnedFd) -> Option<[u8; child::RECORD_LEN]> {
     if n < child::RECORD_LEN as isize {
         return None;
     }
-    let n = n as usize - (n as usize % child::RECORD_LEN);
+    pick_record(&buf[..n as usize])
+}
+
+fn pick_record(bytes: &[u8]) -> Option<[u8; child::RECORD_LEN]> {
+    let records = bytes.chunks_exact(child::RECORD_LEN);
+    let chosen = records.clone().find(|r| r[0] == child::TAG_SETUP_ERROR).or_else(|| records.last())?;
     let mut rec = [0u8; child::RECORD_LEN];
-    rec.copy_from_slice(&buf[n - child::RECORD_LEN..n]);
+    rec.copy_from_slice(chosen);
     Some(rec)
 }
 
@@ -553,5 +563,28 @@ impl Sandbox for LocalSandbox {
             killed_reason,
             stdin_broken_pipe,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(tag: u8, stage: u8, v: i32) -> [u8; child::RECORD_LEN] {
+        let b = v.to_le_bytes();
+        [tag, stage, 0, 0, b[0], b[1], b[2], b[3]]
+    }
+
+    #[test]
+    fn a_setup_error_wins_over_the_exit_it_caused() {
+        let err = rec(child::TAG_SETUP_ERROR, child::Stage::Exec as u8, libc::EAGAIN);
+        let exit = rec(child::TAG_EXITED, 0, 126);
+        assert_eq!(pick_record(&[err, exit].concat()), Some(err));
+        assert_eq!(pick_record(&exit), Some(exit));
+        let sig = rec(child::TAG_SIGNALED, 0, libc::SIGKILL);
+        assert_eq!(pick_record(&[exit, sig].concat()), Some(sig));
+        // A torn trailing record is ignored; nothing at all is None.
+        assert_eq!(pick_record(&[&exit[..], &[1, 2, 3]].concat()), Some(exit));
+        assert_eq!(pick_record(&[]), None);
     }
 }
