@@ -14,6 +14,7 @@ use crate::executors::Registry;
 use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::provenance::audit::AuditLog;
+use crate::sandbox::docker::{DockerSandbox, PoolMetrics};
 use crate::sandbox::local::LocalSandbox;
 use crate::sandbox::{BackendKind, Sandbox};
 use crate::state::StateStore;
@@ -49,16 +50,23 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         return Err(BuildError::NoKeys);
     }
     let audit = AuditLog::open(&config.audit.path)?;
-    let policy = Policy::load(&config)?;
+    let mut policy = Policy::load(&config)?;
     let executors = Registry::load(&config.executors.dir);
     let store: Arc<dyn StateStore> = match &config.state.redis_url {
         Some(url) => Arc::new(RedisStore::connect(url).await?),
         None => Arc::new(MemoryStore::new()),
     };
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
-    let local = LocalSandbox::new(&config.sandbox.local.cgroup_name, &runtime_dir(), config.server.concurrency.local);
+    let local = LocalSandbox::new(&config.sandbox.local.cgroup_name, &runtime_dir(), Some(egress_settings(&config)));
     let host_probe = Some(local.probe().clone());
     backends.insert(BackendKind::Local, Arc::new(local));
+    let metrics = Metrics::new();
+    let instance_id = format!("{}-{}", hostname(), std::process::id());
+    for kind in [BackendKind::Docker, BackendKind::Gvisor] {
+        let pool_metrics = PoolMetrics { size: metrics.pool_size.clone(), events: metrics.pool_events.clone() };
+        backends.insert(kind, Arc::new(DockerSandbox::new(kind, &config.sandbox.docker, &instance_id, Some(pool_metrics))));
+    }
+    policy.egress_backends = backends.iter().filter(|(_, b)| b.supports_egress()).map(|(k, _)| *k).collect();
     let slots = BackendKind::ALL
         .iter()
         .map(|b| (*b, Arc::new(Semaphore::new(config.server.concurrency.for_backend(*b)))))
@@ -70,15 +78,42 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         auth,
         audit,
         store,
-        metrics: Metrics::new(),
+        metrics,
         backends,
         slots,
         draining: AtomicBool::new(false),
         kill_switch,
-        instance_id: format!("{}-{}", hostname(), std::process::id()),
+        instance_id,
         host_probe,
         config,
     }))
+}
+
+/// The proxy's resolver and the daemon's own addresses (never reachable through it).
+fn egress_settings(config: &Config) -> crate::sandbox::local::egress::EgressSettings {
+    let resolver: Arc<dyn crate::egress::Resolver> = match config.egress.dns_server.as_deref().and_then(|s| s.parse().ok()) {
+        Some(server) => Arc::new(crate::egress::DnsResolver::new(server, std::time::Duration::from_secs(3))),
+        None => Arc::new(crate::egress::SystemResolver),
+    };
+    let mut deny_addrs = Vec::new();
+    if let Ok(listen) = config.server.listen.parse::<std::net::SocketAddr>() {
+        // The daemon's port on every address of this host (it may be reachable on all of them),
+        // and its listen address itself.
+        if let Ok(addrs) = nix::ifaddrs::getifaddrs() {
+            for a in addrs {
+                let ip = a.address.as_ref().and_then(|s| {
+                    s.as_sockaddr_in()
+                        .map(|v4| std::net::IpAddr::V4(v4.ip()))
+                        .or_else(|| s.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip())))
+                });
+                if let Some(ip) = ip {
+                    deny_addrs.push(std::net::SocketAddr::new(ip, listen.port()));
+                }
+            }
+        }
+        deny_addrs.push(listen);
+    }
+    crate::sandbox::local::egress::EgressSettings { resolver, deny_addrs, port: config.egress.proxy_port }
 }
 
 fn hostname() -> String {

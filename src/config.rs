@@ -35,7 +35,16 @@ pub struct Config {
     pub state: StateConfig,
     pub sandbox: SandboxConfig,
     pub executors: ExecutorsConfig,
+    pub egress: EgressConfig,
     pub commands: BTreeMap<String, CommandEntry>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressConfig {
+    pub proxy_port: u16,
+    #[serde(default)]
+    pub dns_server: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -281,6 +290,14 @@ impl Config {
             if t.sha256.len() != 64 || hex::decode(&t.sha256).is_err() {
                 return Err(ConfigError::Invalid(format!("auth.static_tokens '{}': sha256 must be 64 hex digits", t.id)));
             }
+        }
+        if let Some(d) = &self.egress.dns_server
+            && d.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(ConfigError::Invalid(format!("egress.dns_server '{d}' is not ip:port")));
+        }
+        if self.egress.proxy_port == 0 {
+            return Err(ConfigError::Invalid("egress.proxy_port must be > 0".into()));
         }
         for (name, c) in &self.commands {
             if !crate::policy::is_bare_name(name) {

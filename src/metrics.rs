@@ -18,6 +18,7 @@ pub struct Metrics {
     pub inflight: IntGaugeVec,
     pub pool_size: IntGaugeVec,
     pub pool_events: IntCounterVec,
+    pub egress_connections: IntCounterVec,
 }
 
 const BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
@@ -45,6 +46,11 @@ impl Metrics {
         let rejected = IntCounterVec::new(Opts::new("executor_rejected_total", "Requests refused before running"), &["reason"]).expect("metric");
         let inflight = IntGaugeVec::new(Opts::new("executor_inflight_executions", "Executions running now"), &["backend"]).expect("metric");
         let pool_size = IntGaugeVec::new(Opts::new("executor_pool_idle_containers", "Idle pre-started containers"), &["backend", "profile"]).expect("metric");
+        let egress_connections = IntCounterVec::new(
+            Opts::new("executor_egress_connections_total", "Outbound connections through the egress proxy"),
+            &["verdict"],
+        )
+        .expect("metric");
         let pool_events = IntCounterVec::new(Opts::new("executor_pool_events_total", "Warm pool hits and misses"), &["backend", "event"]).expect("metric");
         for c in [
             Box::new(executions.clone()) as Box<dyn prometheus::core::Collector>,
@@ -60,6 +66,7 @@ impl Metrics {
             Box::new(inflight.clone()),
             Box::new(pool_size.clone()),
             Box::new(pool_events.clone()),
+            Box::new(egress_connections.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
@@ -78,6 +85,7 @@ impl Metrics {
             inflight,
             pool_size,
             pool_events,
+            egress_connections,
         }
     }
 

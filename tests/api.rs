@@ -190,12 +190,21 @@ async fn error_table_rows() {
     let big = "x".repeat((1 << 20) + 10);
     let r = d.post("/execute", &auth, json!({"action_type": "shell", "command": "echo", "args": [big], "capability_token": d.cap_all()}).to_string()).await;
     assert_error(&r, 413, "PayloadTooLarge");
-    // 503: egress profile without an egress filter.
-    if d.get("/capabilities").await.json["allowed_commands"].as_array().unwrap().contains(&json!("curl")) {
-        let r = d.exec(json!({"action_type": "http", "command": "curl", "args": ["http://127.0.0.1:1/"]})).await;
+    // 503: an egress profile on a backend without an egress filter (containers have no network),
+    // with the Docker engine unreachable too: never an unconfined run.
+    let no_docker = Daemon::start_with(Opts {
+        env: vec![("SANDBOX_RUNTIME".into(), "runc".into())],
+        config: Some("[sandbox.docker]\nsocket = \"unix:///nonexistent/docker.sock\"\npool_size = 0\n".into()),
+        ..Default::default()
+    });
+    if no_docker.get("/capabilities").await.json["allowed_commands"].as_array().unwrap().contains(&json!("curl")) {
+        let r = no_docker.exec(json!({"action_type": "http", "command": "curl", "args": ["http://127.0.0.1:1/"]})).await;
         assert_error(&r, 503, "SandboxUnavailable");
         assert!(r.json["error"].as_str().unwrap().contains("egress not configured"), "{}", r.text);
     }
+    let r = no_docker.exec(json!({"action_type": "shell", "command": "echo", "args": ["x"]})).await;
+    assert_error(&r, 503, "SandboxUnavailable");
+    assert_eq!(no_docker.get("/readyz").await.status, 503);
     // 429: the one local slot is busy.
     let slow = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(3)"]}));
     let probe = async {
@@ -358,7 +367,8 @@ async fn idempotency_request_id_and_ops_endpoints() {
     assert!(c["capabilities"].as_array().unwrap().contains(&json!("shell_execution")));
     assert!(c["allowed_commands"].as_array().unwrap().contains(&json!("echo")));
     assert!(c["host"]["landlock_abi"].as_u64().unwrap() > 0);
-    assert!(c["profiles"].as_array().unwrap().iter().any(|p| p["name"] == json!("http-egress") && p["available"] == json!(false)));
+    assert!(c["profiles"].as_array().unwrap().iter().any(|p| p["name"] == json!("http-egress") && p["available"] == json!(true)));
+    assert!(c["capabilities"].as_array().unwrap().contains(&json!("http_requests")));
     assert_eq!(d.get("/v1/executors").await.json, json!({"executors": []}));
     let m = d.get("/metrics").await;
     for name in ["executor_executions_total", "executor_execution_duration_seconds_bucket", "executor_capability_violations_total", "executor_timeouts_total", "executor_inflight_executions"] {

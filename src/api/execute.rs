@@ -97,6 +97,9 @@ pub struct ExecutionResult {
     pub oom: bool,
     pub killed_reason: Option<&'static str>,
     pub error_code: Option<&'static str>,
+    /// Outbound connections through the egress proxy (egress profiles only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<Vec<crate::egress::ConnRecord>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -453,6 +456,7 @@ fn build_result(plan: &Plan, o: &RunOutcome, external: bool) -> ExecutionResult 
         oom: o.oom,
         killed_reason: o.killed_reason.map(KilledReason::as_str),
         error_code,
+        network: (plan.profile.network.mode == crate::policy::profile::NetworkMode::Egress).then(|| o.network.clone()),
         error,
         error_type: None,
     }
@@ -488,6 +492,9 @@ fn audit_execution(st: &AppState, ctx: &Ctx, r: &ExecutionResult) -> Option<u64>
     if let Some(d) = &r.provenance.executor_def_sha256 {
         m.insert("executor_def_sha256".into(), json!(d));
         m.insert("error_code".into(), json!(r.error_code));
+    }
+    if let Some(net) = &r.network {
+        m.insert("network".into(), json!(net));
     }
     if let Some(md) = &r.provenance.metadata {
         m.insert("metadata".into(), Value::Object(md.clone()));
@@ -532,5 +539,15 @@ fn record_metrics(st: &AppState, plan: &Plan, r: &ExecutionResult, o: &RunOutcom
     }
     if o.killed_reason == Some(KilledReason::OutputLimit) {
         m.output_truncations.inc();
+    }
+    for c in &o.network {
+        let verdict = if c.allowed {
+            "allowed"
+        } else if c.is_refusal() {
+            "refused"
+        } else {
+            "failed"
+        };
+        m.egress_connections.with_label_values(&[verdict]).inc();
     }
 }

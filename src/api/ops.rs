@@ -76,13 +76,13 @@ pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::V
                 "description": p.description,
                 "backend": p.backend(st.policy.default_backend),
                 "network": p.network.mode,
-                "available": p.network.mode == NetworkMode::None || st.policy.egress_available,
+                "available": p.network.mode == NetworkMode::None || st.policy.egress_backends.contains(&p.backend(st.policy.default_backend)),
                 "limits": p.limits,
             })
         })
         .collect();
     let mut caps = vec!["shell_execution", "python_execution"];
-    if st.policy.egress_available {
+    if !st.policy.egress_backends.is_empty() {
         caps.push("http_requests");
     }
     if !st.executors.list().is_empty() {

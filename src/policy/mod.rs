@@ -171,6 +171,9 @@ impl Plan {
                 NetworkMode::Egress => NetworkPolicy::Egress {
                     allow_hosts: p.network.allow_hosts.clone(),
                     allow_ports: p.network.allow_ports.clone(),
+                    allow_cidrs: p.network.allow_cidrs.clone(),
+                    bandwidth_bytes_per_sec: (p.network.bandwidth_mbps * 1_000_000.0 / 8.0) as u64,
+                    byte_cap: p.network.byte_cap_mb << 20,
                 },
             },
             fs: FsRules { read_only: p.filesystem.read_only.clone(), extra_files: Vec::new(), workdir: p.filesystem.workdir.clone() },
@@ -189,8 +192,9 @@ pub struct Policy {
     pub disabled: Vec<(String, String)>,
     pub profiles: BTreeMap<String, Arc<Profile>>,
     pub default_backend: BackendKind,
-    /// Whether the daemon has an egress filter; without one, egress profiles are refused.
-    pub egress_available: bool,
+    /// Backends that route egress through the daemon's filtering proxy; an egress profile on any
+    /// other backend is refused (503), never given open network.
+    pub egress_backends: Vec<BackendKind>,
 }
 
 /// Finds `name` in the fixed search path (never the daemon's PATH).
@@ -229,7 +233,7 @@ impl Policy {
                 }
             }
         }
-        Ok(Policy { commands, disabled, profiles, default_backend: cfg.sandbox.default_backend, egress_available: false })
+        Ok(Policy { commands, disabled, profiles, default_backend: cfg.sandbox.default_backend, egress_backends: Vec::new() })
     }
 
     fn allowed(name: &str, path: PathBuf, entry: &CommandEntry) -> AllowedCommand {
@@ -304,9 +308,11 @@ impl Policy {
             }
             _ => {}
         }
-        if profile.network.mode == NetworkMode::Egress && !self.egress_available {
+        let backend = profile.backend(self.default_backend);
+        if profile.network.mode == NetworkMode::Egress && !self.egress_backends.contains(&backend) {
             return Err(PolicyError::Unavailable(format!(
-                "egress not configured: profile '{profile_name}' needs outbound network and this daemon has no egress filter"
+                "egress not configured: profile '{profile_name}' needs outbound network and the {} backend has no egress filter",
+                backend.as_str()
             )));
         }
         let mut env = profile.env.set.clone();
@@ -328,7 +334,7 @@ impl Policy {
             command: name.to_string(),
             path: path.to_path_buf(),
             action_type: action,
-            backend: profile.backend(self.default_backend),
+            backend,
             profile: profile.clone(),
             capabilities_used: required.to_vec(),
             limits: Limits {

@@ -72,6 +72,23 @@ pub struct NetworkSection {
     pub allow_hosts: Vec<String>,
     #[serde(default = "default_ports")]
     pub allow_ports: Vec<u16>,
+    /// Ranges an operator opens on purpose (lifts only the private part of the deny list).
+    #[serde(default)]
+    pub allow_cidrs: Vec<String>,
+    /// Per-execution bandwidth through the egress proxy, both directions (seed: 10 Mbps).
+    #[serde(default = "default_bandwidth")]
+    pub bandwidth_mbps: f64,
+    /// Per-execution byte cap through the egress proxy.
+    #[serde(default = "default_byte_cap")]
+    pub byte_cap_mb: u64,
+}
+
+fn default_bandwidth() -> f64 {
+    10.0
+}
+
+fn default_byte_cap() -> u64 {
+    100
 }
 
 fn default_ports() -> Vec<u16> {
@@ -193,6 +210,20 @@ impl Profile {
         }
         if self.network.mode == NetworkMode::Egress && self.network.allow_ports.is_empty() {
             return Err("network.allow_ports is empty".into());
+        }
+        if !(self.network.bandwidth_mbps > 0.0 && self.network.bandwidth_mbps <= 10_000.0) || self.network.byte_cap_mb == 0 {
+            return Err("network: bandwidth_mbps must be in (0, 10000] and byte_cap_mb > 0".into());
+        }
+        for c in &self.network.allow_cidrs {
+            if c.parse::<crate::egress::IpNet>().is_err() {
+                return Err(format!("network.allow_cidrs: '{c}' is not a CIDR range"));
+            }
+        }
+        for h in &self.network.allow_hosts {
+            let bare = h.strip_prefix("*.").unwrap_or(h);
+            if bare.is_empty() || !bare.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-') {
+                return Err(format!("network.allow_hosts: '{h}' is not a host name or *.suffix pattern"));
+            }
         }
         Ok(())
     }

@@ -5,6 +5,7 @@
 //! Landlock or Docker.
 
 pub mod capture;
+pub mod docker;
 pub mod local;
 pub mod probe;
 
@@ -62,7 +63,13 @@ pub struct Limits {
 #[serde(tag = "mode", rename_all = "lowercase")]
 pub enum NetworkPolicy {
     None,
-    Egress { allow_hosts: Vec<String>, allow_ports: Vec<u16> },
+    Egress {
+        allow_hosts: Vec<String>,
+        allow_ports: Vec<u16>,
+        allow_cidrs: Vec<String>,
+        bandwidth_bytes_per_sec: u64,
+        byte_cap: u64,
+    },
 }
 
 /// Filesystem view of one run.
@@ -144,6 +151,8 @@ pub struct RunOutcome {
     pub killed_reason: Option<KilledReason>,
     /// The child exited without reading all of its stdin (broken pipe).
     pub stdin_broken_pipe: bool,
+    /// Every outbound connection attempted through the egress proxy (empty without egress).
+    pub network: Vec<crate::egress::ConnRecord>,
 }
 
 impl RunOutcome {
@@ -186,6 +195,11 @@ pub struct BackendStatus {
 #[async_trait::async_trait]
 pub trait Sandbox: Send + Sync {
     fn kind(&self) -> BackendKind;
+
+    /// Whether runs of this backend reach the network only through the daemon's egress proxy.
+    fn supports_egress(&self) -> bool {
+        false
+    }
 
     /// Whether this backend can run work right now, and why not.
     async fn status(&self) -> BackendStatus;

@@ -38,11 +38,12 @@ pub enum Stage {
     LandlockRestrict,
     Seccomp,
     Exec,
+    WaitEgress,
 }
 
 impl Stage {
     pub fn from_u8(v: u8) -> &'static str {
-        const NAMES: [&str; 19] = [
+        const NAMES: [&str; 20] = [
             "unknown",
             "join cgroup",
             "unshare namespaces",
@@ -62,6 +63,7 @@ impl Stage {
             "landlock restrict_self",
             "seccomp",
             "execve",
+            "wait for the egress proxy",
         ];
         NAMES.get(v as usize).copied().unwrap_or("unknown")
     }
@@ -114,6 +116,9 @@ pub struct ChildPlan {
     pub argv_ptrs: Vec<*const c_char>,
     pub envp_ptrs: Vec<*const c_char>,
     pub status_fd: i32,
+    /// Read end of the go-signal pipe (-1: none). With egress, the daemon binds the proxy
+    /// listener inside our network namespace and then writes one byte; the command starts after.
+    pub sync_fd: i32,
     // Owners of the memory argv_ptrs / envp_ptrs point into.
     pub _argv: Vec<CString>,
     pub _envp: Vec<CString>,
@@ -315,10 +320,28 @@ impl ChildPlan {
                 fail(sfd, Stage::SetHostname);
             }
 
-            // 11. Only the status pipe and the ruleset survive; the command gets 0-2 only.
-            let mut keep = [sfd, self.landlock_fd];
+            // 11. Only the status pipe, the ruleset and the go-signal pipe survive; the command
+            //     gets 0-2 only.
+            let mut keep = [sfd, self.landlock_fd, self.sync_fd];
             keep.sort_unstable();
             close_other_fds(&keep);
+
+            // 12. With egress, wait until the daemon's proxy listens in our network namespace:
+            //     the command must never race it. EOF means the daemon gave up on this run.
+            if self.sync_fd >= 0 {
+                let mut b = 0u8;
+                loop {
+                    let n = libc::read(self.sync_fd, (&mut b as *mut u8).cast(), 1);
+                    if n == 1 {
+                        break;
+                    }
+                    if n < 0 && errno() == libc::EINTR {
+                        continue;
+                    }
+                    fail(sfd, Stage::WaitEgress);
+                }
+                libc::close(self.sync_fd);
+            }
 
             let cmd = libc::fork();
             if cmd < 0 {
@@ -328,7 +351,7 @@ impl ChildPlan {
                 self.command();
             }
 
-            // 12. pid 1: drop our copies of the stdio pipes (EOF and EPIPE then depend only on the
+            // 13. pid 1: drop our copies of the stdio pipes (EOF and EPIPE then depend only on the
             //     command), reap everything, report the command's own status, exit. Exiting kills
             //     whatever it left behind in the namespace.
             libc::close(0);
@@ -363,19 +386,19 @@ impl ChildPlan {
         let sfd = self.status_fd;
         // SAFETY (whole function): async-signal-safe syscalls on prepared memory only.
         unsafe {
-            // 13. Own session: no controlling terminal, no signals from the daemon's group.
+            // 14. Own session: no controlling terminal, no signals from the daemon's group.
             libc::setsid();
             if libc::chdir(self.workdir.as_ptr()) != 0 {
                 fail(sfd, Stage::Chdir);
             }
-            // 14. rlimits while still privileged (raising hard limits needs CAP_SYS_RESOURCE).
+            // 15. rlimits while still privileged (raising hard limits needs CAP_SYS_RESOURCE).
             for &(res, val) in &self.rlimits {
                 let rl = libc::rlimit { rlim_cur: val, rlim_max: val };
                 if libc::setrlimit(res, &rl) != 0 {
                     fail(sfd, Stage::Rlimit);
                 }
             }
-            // 15. Become the unprivileged user: groups first (needs CAP_SETGID), then gid, then uid
+            // 16. Become the unprivileged user: groups first (needs CAP_SETGID), then gid, then uid
             //     (after which no capability is left).
             if libc::setgroups(0, std::ptr::null()) != 0 {
                 fail(sfd, Stage::SetGroups);
@@ -383,12 +406,12 @@ impl ChildPlan {
             if libc::setresgid(self.gid, self.gid, self.gid) != 0 || libc::setresuid(self.uid, self.uid, self.uid) != 0 {
                 fail(sfd, Stage::SetUid);
             }
-            // 16. no_new_privs: required for unprivileged Landlock and seccomp, and makes setuid
+            // 17. no_new_privs: required for unprivileged Landlock and seccomp, and makes setuid
             //     binaries inert.
             if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
                 fail(sfd, Stage::NoNewPrivs);
             }
-            // 17. Landlock: from here the filesystem (and TCP, and signals/abstract sockets on
+            // 18. Landlock: from here the filesystem (and TCP, and signals/abstract sockets on
             //     ABI >= 6) is limited to the rules above, whatever the mounts say.
             if self.landlock_fd >= 0 {
                 if landlock::restrict_self(self.landlock_fd) != 0 {
@@ -396,12 +419,12 @@ impl ChildPlan {
                 }
                 libc::close(self.landlock_fd);
             }
-            // 18. seccomp last: the filter would refuse nothing we still need, but installing it
+            // 19. seccomp last: the filter would refuse nothing we still need, but installing it
             //     after everything else keeps the setup itself free of surprises.
             if super::seccomp::install(&self.seccomp) != 0 {
                 fail(sfd, Stage::Seccomp);
             }
-            // 19. exec. The status pipe is O_CLOEXEC, so the program sees fds 0-2 only.
+            // 20. exec. The status pipe is O_CLOEXEC, so the program sees fds 0-2 only.
             libc::execve(self.program.as_ptr(), self.argv_ptrs.as_ptr(), self.envp_ptrs.as_ptr());
             fail(sfd, Stage::Exec);
         }

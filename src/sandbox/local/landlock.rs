@@ -11,6 +11,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 
 pub const CREATE_RULESET_VERSION: u32 = 1;
 pub const RULE_PATH_BENEATH: libc::c_int = 1;
+pub const RULE_NET_PORT: libc::c_int = 2;
 
 // Filesystem access rights (ABI 1 unless noted).
 pub const FS_EXECUTE: u64 = 1 << 0;
@@ -54,6 +55,22 @@ pub struct RulesetAttr {
 pub struct PathBeneathAttr {
     pub allowed_access: u64,
     pub parent_fd: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct NetPortAttr {
+    pub allowed_access: u64,
+    pub port: u64,
+}
+
+/// Allows `access` (e.g. connect) to one TCP port. Called before fork, in the daemon.
+pub fn add_net_rule(ruleset: &OwnedFd, port: u16, access: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let attr = NetPortAttr { allowed_access: access, port: u64::from(port) };
+    // SAFETY: attr is a live struct of the kernel's layout; the fd is an open ruleset.
+    let r = unsafe { libc::syscall(libc::SYS_landlock_add_rule, ruleset.as_raw_fd(), RULE_NET_PORT, &attr as *const NetPortAttr, 0u32) };
+    if r != 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
 }
 
 /// The kernel's Landlock ABI version, 0 when Landlock is unavailable.

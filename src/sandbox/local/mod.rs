@@ -7,6 +7,7 @@
 
 pub mod cgroup;
 pub mod child;
+pub mod egress;
 pub mod landlock;
 pub mod seccomp;
 
@@ -42,15 +43,14 @@ pub struct LocalSandbox {
     root_dir: PathBuf,
     seccomp: Arc<SeccompProgram>,
     spawner: Option<Spawner>,
+    egress: Option<egress::EgressSettings>,
 }
 
 impl LocalSandbox {
     /// Probes the host and prepares cgroups. Never fails: what is missing is reported by
-    /// [`Sandbox::status`] and makes runs fail closed with `Unavailable`.
-    ///
-    /// `_concurrency` once sized an RLIMIT_NPROC backstop; the per-run pids cgroup is the bound
-    /// (see the rlimits in `plan`), so it is unused.
-    pub fn new(cgroup_name: &str, runtime_dir: &Path, _concurrency: usize) -> Self {
+    /// [`Sandbox::status`] and makes runs fail closed with `Unavailable`. Without `egress`,
+    /// egress profiles are refused.
+    pub fn new(cgroup_name: &str, runtime_dir: &Path, egress: Option<egress::EgressSettings>) -> Self {
         let mut probe = HostProbe::detect();
         let cgroups = match cgroup::detect(Path::new("/sys/fs/cgroup"), cgroup_name) {
             Ok(d) => {
@@ -76,6 +76,7 @@ impl LocalSandbox {
             root_dir,
             seccomp: Arc::new(SeccompProgram::deny_list()),
             spawner: Spawner::start(),
+            egress,
         }
     }
 
@@ -83,7 +84,7 @@ impl LocalSandbox {
         &self.probe
     }
 
-    fn plan(&self, spec: &RunSpec, cg: &dyn RunCgroup, status_fd: i32, landlock_fd: i32) -> Result<ChildPlan, SandboxError> {
+    fn plan(&self, spec: &RunSpec, cg: &dyn RunCgroup, fds: PlanFds, extra_env: &[(String, String)]) -> Result<ChildPlan, SandboxError> {
         let abi = self.probe.landlock_abi;
         let handled = landlock::fs_rights(abi);
         let mut b = PlanBuilder::new(&self.root_dir, handled);
@@ -103,6 +104,8 @@ impl LocalSandbox {
         let envp: Vec<CString> = spec
             .env
             .iter()
+            .filter(|(k, _)| !extra_env.iter().any(|(e, _)| e == *k))
+            .chain(extra_env.iter().map(|(k, v)| (k, v)))
             .map(|(k, v)| cstr(&format!("{k}={v}")))
             .collect::<Result<_, _>>()?;
         let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|c| c.as_ptr()).collect();
@@ -116,7 +119,7 @@ impl LocalSandbox {
             root: path_cstr(&self.root_dir)?,
             root_options: c"size=1m,nr_inodes=4096,mode=0755".into(),
             mounts: b.ops,
-            landlock_fd,
+            landlock_fd: fds.landlock,
             landlock_rules: b.rules,
             hostname: c"sandbox".into(),
             workdir: path_cstr(&spec.fs.workdir)?,
@@ -135,7 +138,8 @@ impl LocalSandbox {
             program,
             argv_ptrs,
             envp_ptrs,
-            status_fd,
+            status_fd: fds.status,
+            sync_fd: fds.sync,
             _argv: argv,
             _envp: envp,
         })
@@ -371,10 +375,22 @@ async fn overflowed(rx: &mut watch::Receiver<bool>) {
     }
 }
 
+/// Descriptors the child inherits (-1: none).
+struct PlanFds {
+    status: i32,
+    landlock: i32,
+    sync: i32,
+}
+
+/// The status pipe: non-blocking, read once after the sandbox is gone.
 fn status_pipe() -> Result<(OwnedFd, OwnedFd), SandboxError> {
+    pipe(libc::O_CLOEXEC | libc::O_NONBLOCK)
+}
+
+fn pipe(flags: libc::c_int) -> Result<(OwnedFd, OwnedFd), SandboxError> {
     let mut fds = [0i32; 2];
     // SAFETY: pipe2 writes two fds into the array we pass.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), flags) } != 0 {
         return Err(std::io::Error::last_os_error().into());
     }
     // SAFETY: both fds were just created and are owned by nobody else.
@@ -409,6 +425,10 @@ impl Sandbox for LocalSandbox {
         BackendKind::Local
     }
 
+    fn supports_egress(&self) -> bool {
+        self.egress.is_some()
+    }
+
     async fn status(&self) -> BackendStatus {
         let missing = self.probe.local_missing(1);
         BackendStatus {
@@ -432,26 +452,41 @@ impl Sandbox for LocalSandbox {
         if !missing.is_empty() {
             return Err(SandboxError::Unavailable(format!("local sandbox lacks {}", missing.join(", "))));
         }
-        if let NetworkPolicy::Egress { .. } = spec.network {
-            return Err(SandboxError::Unavailable("egress not configured".into()));
-        }
+        let egress_settings = match (&spec.network, &self.egress) {
+            (NetworkPolicy::None, _) => None,
+            (NetworkPolicy::Egress { .. }, Some(s)) => Some(s.clone()),
+            (NetworkPolicy::Egress { .. }, None) => return Err(SandboxError::Unavailable("egress not configured".into())),
+        };
         let driver = self.cgroups.as_ref().ok_or_else(|| SandboxError::Unavailable("cgroups".into()))?;
         let limits = spec.limits.clone();
         let guard = CgroupGuard(Some(driver.create(&spec.exec_id, &limits)?));
 
         let landlock_fd = if self.probe.landlock_abi > 0 {
-            let attr = landlock::ruleset_attr(self.probe.landlock_abi, matches!(spec.network, NetworkPolicy::None));
-            Some(landlock::create_ruleset(&attr)?)
+            // TCP is always handled: no rule at all without egress, connect to the proxy port only
+            // with it.
+            let ruleset = landlock::create_ruleset(&landlock::ruleset_attr(self.probe.landlock_abi, true))?;
+            if let Some(e) = &egress_settings
+                && self.probe.landlock_abi >= 4
+            {
+                landlock::add_net_rule(&ruleset, e.port, landlock::NET_CONNECT_TCP)?;
+            }
+            Some(ruleset)
         } else {
             None
         };
         let (status_r, status_w) = status_pipe()?;
-        let plan = Arc::new(self.plan(
-            &spec,
-            guard.get(),
-            status_w.as_raw_fd(),
-            landlock_fd.as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1),
-        )?);
+        let sync = match &egress_settings {
+            // Blocking: pid 1 waits on it.
+            Some(_) => Some(pipe(libc::O_CLOEXEC)?),
+            None => None,
+        };
+        let extra_env = egress_settings.as_ref().map(|e| egress::proxy_env(e.port)).unwrap_or_default();
+        let fds = PlanFds {
+            status: status_w.as_raw_fd(),
+            landlock: landlock_fd.as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1),
+            sync: sync.as_ref().map(|(r, _)| r.as_raw_fd()).unwrap_or(-1),
+        };
+        let plan = Arc::new(self.plan(&spec, guard.get(), fds, &extra_env)?);
         let seccomp_keepalive = self.seccomp.clone();
 
         let mut cmd = tokio::process::Command::new(OsStr::from_bytes(plan.program.as_bytes()));
@@ -472,6 +507,21 @@ impl Sandbox for LocalSandbox {
         // Our copies of the child's ends: the pipe must reach EOF once the sandbox is gone.
         drop(status_w);
         drop(landlock_fd);
+        // With egress: bind the proxy inside the sandbox's network namespace, then let the
+        // command start. Dropping the pipe without the byte makes the sandbox give up.
+        let egress_run = match (egress_settings, sync) {
+            (Some(settings), Some((sync_r, sync_w))) => {
+                drop(sync_r);
+                let pid = child.id().ok_or_else(|| SandboxError::Setup("sandbox exited before egress setup".into()))?;
+                let run = egress::EgressRun::start(&settings, &spec.network, pid).map_err(|e| SandboxError::Setup(format!("egress proxy: {e}")))?;
+                // SAFETY: write(2) of one byte from a static buffer to a pipe we own.
+                if unsafe { libc::write(sync_w.as_raw_fd(), b"1".as_ptr().cast(), 1) } != 1 {
+                    return Err(SandboxError::Setup(format!("egress go-signal: {}", std::io::Error::last_os_error())));
+                }
+                Some(run)
+            }
+            _ => None,
+        };
 
         let cap = limits.output_bytes;
         let (ovf_tx, mut ovf_rx) = watch::channel(false);
@@ -526,6 +576,10 @@ impl Sandbox for LocalSandbox {
             Some(t) => t.await.unwrap_or(false),
             None => false,
         };
+        let network = match egress_run {
+            Some(r) => r.finish().await,
+            None => Vec::new(),
+        };
         let record = read_status(&status_r);
         let stats = cg.stats();
         drop(seccomp_keepalive);
@@ -562,6 +616,7 @@ impl Sandbox for LocalSandbox {
             oom,
             killed_reason,
             stdin_broken_pipe,
+            network,
         })
     }
 }

@@ -1,0 +1,35 @@
+//! The daemon-owned egress proxy that sandboxed `curl`/`wget` reach through `HTTP(S)_PROXY`.
+//!
+//! It owns the egress decision for one execution: the name and port allowlist
+//! ([`EgressPolicy::check_host`]), the address deny list that operators can only partly lift
+//! ([`EgressPolicy::check_addr`]), one name resolution per connection followed by a connect to
+//! exactly the checked address (so a DNS answer cannot change between check and use), a bandwidth
+//! bucket and byte cap shared by all connections of the execution, and one [`ConnRecord`] per
+//! connection for the result and the audit line.
+//!
+//! It must not create listeners or network namespaces (the caller hands [`ProxySession::serve`] a
+//! listener bound inside the sandbox's own namespace), follow redirects, cache DNS answers, or
+//! look inside TLS.
+
+mod bandwidth;
+mod dns;
+mod policy;
+mod proxy;
+mod request;
+
+pub use dns::{DnsResolver, Resolver, StaticHosts, SystemResolver};
+pub use policy::{
+    DEFAULT_BANDWIDTH_BYTES_PER_SEC, DEFAULT_BYTE_CAP, EgressPolicy, Host, IpNet, Verdict,
+    parse_host, parse_ipv4_literal,
+};
+pub use proxy::{ConnRecord, ProxyLimits, ProxySession};
+
+/// Errors of this module's configuration surface (request-time problems become verdicts and
+/// records, never errors).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EgressError {
+    #[error("invalid CIDR '{input}': {reason}")]
+    InvalidCidr { input: String, reason: &'static str },
+    #[error("invalid egress policy: {0}")]
+    InvalidPolicy(String),
+}

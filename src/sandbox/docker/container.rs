@@ -1,0 +1,359 @@
+//! From a [`RunSpec`] to the container that runs it: hardening, limits, mounts, labels.
+//!
+//! Owns: the exact `docker create` body of a sandbox and the pool key (everything in the body that
+//! a request can change). Must not: talk to the engine. Pure, so unit-tested field by field.
+
+use std::collections::HashMap;
+use std::path::{Component, Path};
+
+use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountType, ResourcesUlimits};
+use sha2::{Digest, Sha256};
+
+use super::super::{BackendKind, NetworkPolicy, RunSpec, SandboxError};
+use super::supervisor;
+
+/// Label every container of ours carries; the startup sweep only ever touches these.
+pub const LABEL_MANAGED: &str = "executor-arm.managed";
+/// The daemon instance (`AppState::instance_id`) that created the container.
+pub const LABEL_INSTANCE: &str = "executor-arm.instance";
+/// The execution; `pool-<uuid>` while a warm container waits for one (labels are immutable, so a
+/// pooled container is renamed `executor-arm-<exec_id>` when it is taken).
+pub const LABEL_EXEC_ID: &str = "executor-arm.exec_id";
+/// `<hostname>/<pid namespace>/<pid>/<pid start time>` of the creating daemon: lets a later daemon
+/// on the same host tell a live owner from a crashed one (pids are reused; start times are not).
+pub const LABEL_OWNER: &str = "executor-arm.owner";
+/// `docker` | `gvisor`.
+pub const LABEL_BACKEND: &str = "executor-arm.backend";
+
+/// The OCI runtime of a backend, as registered in dockerd.
+pub fn runtime_of(kind: BackendKind) -> &'static str {
+    match kind {
+        BackendKind::Gvisor => "runsc",
+        BackendKind::Docker | BackendKind::Local => "runc",
+    }
+}
+
+/// Who we are, written on every container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    pub instance: String,
+    pub host: String,
+    /// `pid:[inode]` of our pid namespace: pids are only comparable within one.
+    pub pid_ns: String,
+    pub pid: u32,
+    pub start_time: u64,
+}
+
+impl Owner {
+    pub fn label(&self) -> String {
+        format!("{}/{}/{}/{}", self.host, self.pid_ns, self.pid, self.start_time)
+    }
+
+    /// Parses an owner label back; `None` when it is not one of ours.
+    pub fn parse_label(s: &str) -> Option<Owner> {
+        let mut it = s.rsplitn(4, '/');
+        let start_time = it.next()?.parse().ok()?;
+        let pid = it.next()?.parse().ok()?;
+        let pid_ns = it.next()?.to_string();
+        let host = it.next()?.to_string();
+        Some(Owner { instance: String::new(), host, pid_ns, pid, start_time })
+    }
+
+    /// Same daemon process (the instance name is not part of the label).
+    pub fn same_process(&self, other: &Owner) -> bool {
+        self.host == other.host && self.pid_ns == other.pid_ns && self.pid == other.pid && self.start_time == other.start_time
+    }
+}
+
+/// Everything that decides a sandbox container, minus its identity (name, exec_id label).
+#[derive(Debug, Clone)]
+pub struct ContainerPlan {
+    pub kind: BackendKind,
+    pub profile: String,
+    pub image: String,
+    body: ContainerCreateBody,
+    /// Hash of `profile` + `body`: equal keys are interchangeable warm containers.
+    pub key: String,
+}
+
+/// A sandbox path: absolute, no `..`, no `.`, valid in a mount spec.
+fn sandbox_path(p: &Path, what: &str) -> Result<String, SandboxError> {
+    let s = p.to_str().ok_or_else(|| SandboxError::Setup(format!("{what} {} is not UTF-8", p.display())))?;
+    let mut comps = p.components();
+    let ok = comps.next() == Some(Component::RootDir) && comps.all(|c| matches!(c, Component::Normal(_))) && s != "/";
+    if !ok || s.contains(',') || s.contains(':') {
+        return Err(SandboxError::Setup(format!("{what} {s} must be an absolute normal path without ',' or ':'")));
+    }
+    Ok(s.to_string())
+}
+
+impl ContainerPlan {
+    /// Refuses what the container backends cannot honour (egress: no egress filter exists yet,
+    /// and an unfiltered network is never the fallback).
+    pub fn new(spec: &RunSpec, kind: BackendKind, default_image: &str) -> Result<ContainerPlan, SandboxError> {
+        if let NetworkPolicy::Egress { .. } = spec.network {
+            return Err(SandboxError::Unavailable("egress not configured".into()));
+        }
+        if spec.uid == 0 || spec.gid == 0 {
+            return Err(SandboxError::Setup("a sandbox never runs as root".into()));
+        }
+        let l = &spec.limits;
+        let workdir = sandbox_path(&spec.fs.workdir, "workdir")?;
+        let image = spec.image.clone().unwrap_or_else(|| default_image.to_string());
+        let disk = l.disk_bytes.max(1 << 20);
+        let memory = i64::try_from(l.memory_bytes).map_err(|_| SandboxError::Setup("memory limit out of range".into()))?;
+        let nofile = i64::try_from(l.nofile).unwrap_or(i64::MAX);
+        let pids = i64::try_from(l.pids).unwrap_or(i64::MAX);
+        let mut ulimits = vec![
+            ResourcesUlimits { name: Some("nofile".into()), soft: Some(nofile), hard: Some(nofile) },
+            ResourcesUlimits { name: Some("core".into()), soft: Some(0), hard: Some(0) },
+        ];
+        // runc: the container's pids cgroup is the limit. gVisor: that cgroup holds the sentry's
+        // own host threads too (about 6 per guest task with the ptrace platform, and the sentry
+        // dies when it cannot make one), so it is only a generous backstop there; the limit is
+        // RLIMIT_NPROC, which the sentry enforces per sandbox (its own kernel: the uid has no
+        // other tasks). Under runc RLIMIT_NPROC would count the uid's tasks on the whole host.
+        let pids_cgroup = match kind {
+            BackendKind::Gvisor => {
+                ulimits.push(ResourcesUlimits { name: Some("nproc".into()), soft: Some(pids), hard: Some(pids) });
+                pids.saturating_mul(16).saturating_add(256)
+            }
+            BackendKind::Docker | BackendKind::Local => pids,
+        };
+        let mut tmpfs = HashMap::new();
+        // noexec: the workdir is for data; programs come from the read-only image.
+        tmpfs.insert(workdir.clone(), format!("size={disk},uid={},gid={},mode=0700,noexec,nosuid,nodev", spec.uid, spec.gid));
+        if workdir != "/tmp" {
+            tmpfs.insert("/tmp".to_string(), format!("size={disk},mode=1777,noexec,nosuid,nodev"));
+        }
+        let mut mounts = Vec::new();
+        for (src, dst) in &spec.fs.extra_files {
+            if !src.is_absolute() {
+                return Err(SandboxError::Setup(format!("extra file {} is not an absolute host path", src.display())));
+            }
+            mounts.push(Mount {
+                source: Some(src.to_string_lossy().into_owned()),
+                target: Some(sandbox_path(dst, "extra file target")?),
+                typ: Some(MountType::BIND),
+                read_only: Some(true),
+                ..Default::default()
+            });
+        }
+        let host_config = HostConfig {
+            runtime: Some(runtime_of(kind).to_string()),
+            network_mode: Some("none".to_string()),
+            readonly_rootfs: Some(true),
+            cap_drop: Some(vec!["ALL".to_string()]),
+            security_opt: Some(vec!["no-new-privileges:true".to_string()]),
+            memory: Some(memory),
+            // No swap beyond the memory limit: memory_swap is memory + swap.
+            memory_swap: Some(memory),
+            nano_cpus: Some((l.cpus * 1e9).round() as i64),
+            pids_limit: Some(pids_cgroup),
+            ulimits: Some(ulimits),
+            tmpfs: Some(tmpfs),
+            mounts: if mounts.is_empty() { None } else { Some(mounts) },
+            // The supervisor is PID 1 and reaps orphans itself (docker-init under this runsc
+            // misreports exit codes when a pids limit is set).
+            init: Some(false),
+            // Private IPC namespace without /dev/shm, like the local backend's /dev.
+            ipc_mode: Some("none".to_string()),
+            // Output goes to the attach stream only; a log driver would copy every byte to disk.
+            log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
+            auto_remove: Some(false),
+            privileged: Some(false),
+            ..Default::default()
+        };
+        let mut env: Vec<String> = supervisor::SUPERVISOR_ENV.iter().map(|s| s.to_string()).collect();
+        env.sort();
+        let body = ContainerCreateBody {
+            image: Some(image.clone()),
+            user: Some(format!("{}:{}", spec.uid, spec.gid)),
+            working_dir: Some(workdir),
+            hostname: Some("sandbox".into()),
+            entrypoint: Some(supervisor::entrypoint()),
+            cmd: None,
+            env: Some(env),
+            // stdin stays open for the supervisor's request; StdinOnce closes it when our attach
+            // connection goes away, so an idle container of a crashed daemon ends by itself.
+            open_stdin: Some(true),
+            stdin_once: Some(true),
+            attach_stdin: Some(true),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            tty: Some(false),
+            network_disabled: Some(true),
+            host_config: Some(host_config),
+            ..Default::default()
+        };
+        let mut h = Sha256::new();
+        h.update(spec.profile.as_bytes());
+        h.update([0]);
+        let value = serde_json::to_value(&body).map_err(|e| SandboxError::Setup(format!("container body: {e}")))?;
+        canonical(&value, &mut h);
+        let key = hex::encode(&h.finalize()[..12]);
+        Ok(ContainerPlan { kind, profile: spec.profile.clone(), image, body, key })
+    }
+
+    /// The create body for one container of this plan.
+    pub fn body(&self, owner: &Owner, exec_label: &str) -> ContainerCreateBody {
+        let mut body = self.body.clone();
+        body.labels = Some(HashMap::from([
+            (LABEL_MANAGED.to_string(), "true".to_string()),
+            (LABEL_INSTANCE.to_string(), owner.instance.clone()),
+            (LABEL_EXEC_ID.to_string(), exec_label.to_string()),
+            (LABEL_OWNER.to_string(), owner.label()),
+            (LABEL_BACKEND.to_string(), self.kind.as_str().to_string()),
+        ]));
+        body
+    }
+}
+
+/// Feeds `v` to the hasher with object keys sorted (maps in the body are `HashMap`s).
+fn canonical(v: &serde_json::Value, h: &mut Sha256) {
+    use serde_json::Value;
+    match v {
+        Value::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            h.update(b"{");
+            for k in keys {
+                h.update(serde_json::to_string(k).unwrap_or_default().as_bytes());
+                h.update(b":");
+                canonical(&m[k], h);
+                h.update(b",");
+            }
+            h.update(b"}");
+        }
+        Value::Array(a) => {
+            h.update(b"[");
+            for x in a {
+                canonical(x, h);
+                h.update(b",");
+            }
+            h.update(b"]");
+        }
+        other => h.update(other.to_string().as_bytes()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::{FsRules, Limits};
+    use std::collections::BTreeMap;
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    pub(crate) fn spec() -> RunSpec {
+        RunSpec {
+            exec_id: "exec-1".into(),
+            argv: vec!["/usr/bin/echo".into(), "hi".into()],
+            stdin: None,
+            env: BTreeMap::new(),
+            limits: Limits { cpus: 0.5, memory_bytes: 512 << 20, disk_bytes: 100 << 20, timeout: Duration::from_secs(30), pids: 64, output_bytes: 1 << 20, nofile: 256 },
+            network: NetworkPolicy::None,
+            fs: FsRules { read_only: vec![], extra_files: vec![], workdir: PathBuf::from("/work") },
+            uid: 65534,
+            gid: 65534,
+            landlock_abi: 1,
+            image: None,
+            profile: "shell-readonly".into(),
+            cancel: None,
+        }
+    }
+
+    fn owner() -> Owner {
+        Owner { instance: "host-1".into(), host: "host".into(), pid_ns: "pid:[7]".into(), pid: 1, start_time: 42 }
+    }
+
+    #[test]
+    fn hardening_and_limits_are_all_set() {
+        let p = ContainerPlan::new(&spec(), BackendKind::Gvisor, "img:latest").unwrap();
+        let b = p.body(&owner(), "exec-1");
+        let h = b.host_config.clone().unwrap();
+        assert_eq!(b.image.as_deref(), Some("img:latest"));
+        assert_eq!(b.user.as_deref(), Some("65534:65534"));
+        assert_eq!(b.working_dir.as_deref(), Some("/work"));
+        assert_eq!(h.runtime.as_deref(), Some("runsc"));
+        assert_eq!(h.network_mode.as_deref(), Some("none"));
+        assert_eq!(h.readonly_rootfs, Some(true));
+        assert_eq!(h.cap_drop, Some(vec!["ALL".to_string()]));
+        assert_eq!(h.security_opt, Some(vec!["no-new-privileges:true".to_string()]));
+        assert_eq!(h.memory, Some(512 << 20));
+        assert_eq!(h.memory_swap, Some(512 << 20));
+        assert_eq!(h.nano_cpus, Some(500_000_000));
+        // gVisor: RLIMIT_NPROC is the limit, the cgroup a backstop for the sentry's threads.
+        assert_eq!(h.pids_limit, Some(64 * 16 + 256));
+        let nproc = h.ulimits.as_ref().unwrap().iter().find(|u| u.name.as_deref() == Some("nproc")).cloned().unwrap();
+        assert_eq!((nproc.soft, nproc.hard), (Some(64), Some(64)));
+        assert_eq!(h.privileged, Some(false));
+        let t = h.tmpfs.unwrap();
+        assert_eq!(t["/work"], format!("size={},uid=65534,gid=65534,mode=0700,noexec,nosuid,nodev", 100 << 20));
+        assert!(t["/tmp"].contains("noexec"));
+        assert_eq!(b.entrypoint.as_ref().unwrap()[0], supervisor::PERL);
+        let labels = b.labels.unwrap();
+        assert_eq!(labels[LABEL_MANAGED], "true");
+        assert_eq!(labels[LABEL_EXEC_ID], "exec-1");
+        assert_eq!(labels[LABEL_OWNER], "host/pid:[7]/1/42");
+        let runc = ContainerPlan::new(&spec(), BackendKind::Docker, "i").unwrap().body(&owner(), "x").host_config.unwrap();
+        assert_eq!(runc.runtime.as_deref(), Some("runc"));
+        assert_eq!(runc.pids_limit, Some(64));
+        assert!(runc.ulimits.unwrap().iter().all(|u| u.name.as_deref() != Some("nproc")), "nproc is host-wide under runc");
+    }
+
+    #[test]
+    fn egress_root_and_bad_paths_are_refused() {
+        let mut s = spec();
+        s.network = NetworkPolicy::Egress { allow_hosts: vec![], allow_ports: vec![443], allow_cidrs: vec![], bandwidth_bytes_per_sec: 0, byte_cap: 0 };
+        assert!(matches!(ContainerPlan::new(&s, BackendKind::Docker, "i"), Err(SandboxError::Unavailable(m)) if m == "egress not configured"));
+        let mut s = spec();
+        s.uid = 0;
+        assert!(ContainerPlan::new(&s, BackendKind::Docker, "i").is_err());
+        for bad in ["work", "/", "/a/../b", "/a,b", "/a:b"] {
+            let mut s = spec();
+            s.fs.workdir = PathBuf::from(bad);
+            assert!(ContainerPlan::new(&s, BackendKind::Docker, "i").is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn extra_files_are_read_only_binds_and_part_of_the_key() {
+        let base = ContainerPlan::new(&spec(), BackendKind::Docker, "i").unwrap();
+        let mut s = spec();
+        s.fs.extra_files = vec![(PathBuf::from("/opt/x/run.py"), PathBuf::from("/opt/x/run.py"))];
+        let p = ContainerPlan::new(&s, BackendKind::Docker, "i").unwrap();
+        let m = p.body(&owner(), "e").host_config.unwrap().mounts.unwrap();
+        assert_eq!(m[0].read_only, Some(true));
+        assert_eq!(m[0].typ, Some(MountType::BIND));
+        assert_ne!(p.key, base.key);
+    }
+
+    #[test]
+    fn key_ignores_per_request_fields_only() {
+        let a = ContainerPlan::new(&spec(), BackendKind::Docker, "i").unwrap();
+        let mut s = spec();
+        s.argv = vec!["/usr/bin/ls".into()];
+        s.env.insert("LANG".into(), "C".into());
+        s.stdin = Some(b"x".to_vec());
+        s.limits.timeout = Duration::from_secs(1);
+        s.exec_id = "exec-2".into();
+        assert_eq!(ContainerPlan::new(&s, BackendKind::Docker, "i").unwrap().key, a.key);
+        s.limits.memory_bytes = 256 << 20;
+        assert_ne!(ContainerPlan::new(&s, BackendKind::Docker, "i").unwrap().key, a.key);
+        assert_ne!(ContainerPlan::new(&spec(), BackendKind::Gvisor, "i").unwrap().key, a.key);
+        let mut s = spec();
+        s.profile = "other".into();
+        assert_ne!(ContainerPlan::new(&s, BackendKind::Docker, "i").unwrap().key, a.key);
+    }
+
+    #[test]
+    fn owner_label_round_trips() {
+        let o = owner();
+        assert!(Owner::parse_label(&o.label()).unwrap().same_process(&o));
+        let p = Owner::parse_label("a/b/ns/7/9").unwrap();
+        assert_eq!((p.host.as_str(), p.pid_ns.as_str(), p.pid, p.start_time), ("a/b", "ns", 7, 9));
+        assert!(Owner::parse_label("nope").is_none());
+        assert!(Owner::parse_label("h/ns/x/9").is_none());
+    }
+}

@@ -1,0 +1,421 @@
+//! The container engine operations the docker/gvisor backends use, behind a small trait.
+//!
+//! Owns: talking to dockerd (bollard, API version negotiated: Debian's dockerd speaks 1.41) and
+//! classifying its failures: "unreachable" (socket gone, connection reset, timeout) is what makes
+//! a run 503 and triggers reconnect clean-up; "not found" is success for removal. Must not: decide
+//! anything about runs. Tests of the pool and janitor use a recording fake of [`Engine`].
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bollard::models::ContainerCreateBody;
+use bollard::query_parameters::{
+    AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, KillContainerOptionsBuilder, ListContainersOptionsBuilder,
+    RemoveContainerOptionsBuilder, RenameContainerOptionsBuilder, WaitContainerOptionsBuilder,
+};
+use bollard::{API_DEFAULT_VERSION, Docker};
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use tokio::io::AsyncWrite;
+
+/// Seconds bollard allows one engine request.
+const REQUEST_TIMEOUT_SECS: u64 = 30;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineError {
+    #[error("docker engine unreachable: {0}")]
+    Unreachable(String),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("docker engine error: {0}")]
+    Api(String),
+}
+
+impl EngineError {
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, EngineError::Unreachable(_))
+    }
+}
+
+impl From<bollard::errors::Error> for EngineError {
+    fn from(e: bollard::errors::Error) -> Self {
+        use bollard::errors::Error as B;
+        match e {
+            B::DockerResponseServerError { status_code: 404, message } => EngineError::NotFound(message.trim().to_string()),
+            B::DockerResponseServerError { status_code, message } => EngineError::Api(format!("{status_code}: {}", message.trim())),
+            B::SocketNotFoundError(p) => EngineError::Unreachable(format!("socket {p} not found")),
+            e @ (B::IOError { .. } | B::HyperLegacyError { .. } | B::HyperResponseError { .. } | B::RequestTimeoutError) => {
+                EngineError::Unreachable(e.to_string())
+            }
+            other => EngineError::Api(other.to_string()),
+        }
+    }
+}
+
+/// One chunk of a container's output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    Stdout(Bytes),
+    Stderr(Bytes),
+}
+
+pub type OutputStream = Pin<Box<dyn Stream<Item = Result<Output, EngineError>> + Send>>;
+
+/// An attach connection: the container's stdin and its demultiplexed stdout/stderr.
+pub struct Attached {
+    pub input: Pin<Box<dyn AsyncWrite + Send>>,
+    pub output: OutputStream,
+}
+
+/// What `inspect` tells about a container's state.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerState {
+    pub running: bool,
+    pub exit_code: Option<i64>,
+    pub oom_killed: bool,
+    pub error: Option<String>,
+}
+
+/// One container of a listing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listed {
+    pub id: String,
+    /// `created`, `running`, `exited`, `dead`, ...
+    pub state: String,
+    pub labels: HashMap<String, String>,
+}
+
+/// Engine identity for readiness.
+#[derive(Debug, Clone, Default)]
+pub struct EngineInfo {
+    pub server_version: String,
+    pub api_version: String,
+    pub runtimes: Vec<String>,
+}
+
+#[async_trait::async_trait]
+pub trait Engine: Send + Sync {
+    async fn ping(&self) -> Result<(), EngineError>;
+    async fn info(&self) -> Result<EngineInfo, EngineError>;
+    /// Creates a container named `name`; returns its id.
+    async fn create(&self, name: &str, body: ContainerCreateBody) -> Result<String, EngineError>;
+    /// Attaches stdin, stdout and stderr (before start, so no output is missed).
+    async fn attach(&self, id: &str) -> Result<Attached, EngineError>;
+    async fn start(&self, id: &str) -> Result<(), EngineError>;
+    /// SIGKILL; a container that is not running is not an error.
+    async fn kill(&self, id: &str) -> Result<(), EngineError>;
+    /// Force-removes; a container that is already gone is not an error.
+    async fn remove(&self, id: &str) -> Result<(), EngineError>;
+    async fn rename(&self, id: &str, name: &str) -> Result<(), EngineError>;
+    /// Returns once the container is not running.
+    async fn wait_stopped(&self, id: &str) -> Result<(), EngineError>;
+    async fn inspect(&self, id: &str) -> Result<ContainerState, EngineError>;
+    /// Every container (any state) carrying all of `labels` (`key=value`).
+    async fn list(&self, labels: &[String]) -> Result<Vec<Listed>, EngineError>;
+}
+
+/// The real engine, over dockerd's unix socket.
+pub struct BollardEngine {
+    socket: String,
+    /// Connected and version-negotiated client; dropped after a connection failure so the next
+    /// call reconnects and renegotiates (dockerd may have been upgraded meanwhile).
+    client: Mutex<Option<Docker>>,
+}
+
+impl BollardEngine {
+    pub fn new(socket: &str) -> Self {
+        BollardEngine { socket: socket.to_string(), client: Mutex::new(None) }
+    }
+
+    fn cached(&self) -> Option<Docker> {
+        self.client.lock().ok().and_then(|c| c.clone())
+    }
+
+    fn forget(&self) {
+        if let Ok(mut c) = self.client.lock() {
+            *c = None;
+        }
+    }
+
+    async fn docker(&self) -> Result<Docker, EngineError> {
+        if let Some(d) = self.cached() {
+            return Ok(d);
+        }
+        let path = self.socket.strip_prefix("unix://").unwrap_or(&self.socket);
+        if !path.starts_with('/') {
+            return Err(EngineError::Unreachable(format!("sandbox.docker.socket '{}': only unix sockets are supported", self.socket)));
+        }
+        let d = Docker::connect_with_unix(path, REQUEST_TIMEOUT_SECS, API_DEFAULT_VERSION)?;
+        let d = tokio::time::timeout(Duration::from_secs(10), d.negotiate_version())
+            .await
+            .map_err(|_| EngineError::Unreachable("version negotiation timed out".into()))??;
+        if let Ok(mut c) = self.client.lock() {
+            *c = Some(d.clone());
+        }
+        Ok(d)
+    }
+
+    /// Runs one call; a connection-level failure forgets the client.
+    async fn call<T, F, Fut>(&self, f: F) -> Result<T, EngineError>
+    where
+        F: FnOnce(Docker) -> Fut,
+        Fut: std::future::Future<Output = Result<T, bollard::errors::Error>>,
+    {
+        let d = self.docker().await?;
+        let r = f(d).await.map_err(EngineError::from);
+        if matches!(&r, Err(e) if e.is_unreachable()) {
+            self.forget();
+        }
+        r
+    }
+}
+
+#[async_trait::async_trait]
+impl Engine for BollardEngine {
+    async fn ping(&self) -> Result<(), EngineError> {
+        self.call(|d| async move { d.ping().await.map(|_| ()) }).await
+    }
+
+    async fn info(&self) -> Result<EngineInfo, EngineError> {
+        let (info, version) = self.call(|d| async move { Ok((d.info().await?, d.version().await?)) }).await?;
+        let mut runtimes: Vec<String> = info.runtimes.unwrap_or_default().into_keys().collect();
+        runtimes.sort();
+        Ok(EngineInfo {
+            server_version: info.server_version.unwrap_or_default(),
+            api_version: version.api_version.unwrap_or_default(),
+            runtimes,
+        })
+    }
+
+    async fn create(&self, name: &str, body: ContainerCreateBody) -> Result<String, EngineError> {
+        let opts = CreateContainerOptionsBuilder::new().name(name).build();
+        self.call(|d| async move { d.create_container(Some(opts), body).await.map(|r| r.id) }).await
+    }
+
+    async fn attach(&self, id: &str) -> Result<Attached, EngineError> {
+        let opts = AttachContainerOptionsBuilder::new().stream(true).stdin(true).stdout(true).stderr(true).logs(false).build();
+        let r = self.call(|d| async move { d.attach_container(id, Some(opts)).await }).await?;
+        let output = r.output.filter_map(|item| async move {
+            match item {
+                Ok(bollard::container::LogOutput::StdOut { message }) | Ok(bollard::container::LogOutput::Console { message }) => {
+                    Some(Ok(Output::Stdout(message)))
+                }
+                Ok(bollard::container::LogOutput::StdErr { message }) => Some(Ok(Output::Stderr(message))),
+                Ok(bollard::container::LogOutput::StdIn { .. }) => None,
+                Err(e) => Some(Err(EngineError::from(e))),
+            }
+        });
+        Ok(Attached { input: r.input, output: Box::pin(output) })
+    }
+
+    async fn start(&self, id: &str) -> Result<(), EngineError> {
+        self.call(|d| async move { d.start_container(id, None).await }).await
+    }
+
+    async fn kill(&self, id: &str) -> Result<(), EngineError> {
+        let opts = KillContainerOptionsBuilder::new().signal("SIGKILL").build();
+        match self.call(|d| async move { d.kill_container(id, Some(opts)).await }).await {
+            // 409: not running (already stopped) — the goal is reached.
+            Err(EngineError::Api(m)) if m.starts_with("409") => Ok(()),
+            other => other,
+        }
+    }
+
+    async fn remove(&self, id: &str) -> Result<(), EngineError> {
+        let opts = RemoveContainerOptionsBuilder::new().force(true).v(true).build();
+        match self.call(|d| async move { d.remove_container(id, Some(opts)).await }).await {
+            Err(EngineError::NotFound(_)) => Ok(()),
+            // 409 "removal already in progress": someone else (the startup sweep, a retry) is on it.
+            Err(EngineError::Api(m)) if m.starts_with("409") && m.contains("already in progress") => Ok(()),
+            other => other,
+        }
+    }
+
+    async fn rename(&self, id: &str, name: &str) -> Result<(), EngineError> {
+        let opts = RenameContainerOptionsBuilder::new().name(name).build();
+        self.call(|d| async move { d.rename_container(id, opts).await }).await
+    }
+
+    async fn wait_stopped(&self, id: &str) -> Result<(), EngineError> {
+        let opts = WaitContainerOptionsBuilder::new().condition("not-running").build();
+        self.call(|d| async move {
+            let mut s = Box::pin(d.wait_container(id, Some(opts)));
+            match s.next().await {
+                // A non-zero exit code comes back as this error: the container did stop.
+                Some(Ok(_)) | Some(Err(bollard::errors::Error::DockerContainerWaitError { .. })) | None => Ok(()),
+                Some(Err(e)) => Err(e),
+            }
+        })
+        .await
+    }
+
+    async fn inspect(&self, id: &str) -> Result<ContainerState, EngineError> {
+        let r = self.call(|d| async move { d.inspect_container(id, None).await }).await?;
+        let s = r.state.unwrap_or_default();
+        Ok(ContainerState {
+            running: s.running.unwrap_or(false),
+            exit_code: s.exit_code,
+            oom_killed: s.oom_killed.unwrap_or(false),
+            error: s.error.filter(|e| !e.is_empty()),
+        })
+    }
+
+    async fn list(&self, labels: &[String]) -> Result<Vec<Listed>, EngineError> {
+        let filters: HashMap<String, Vec<String>> = HashMap::from([("label".to_string(), labels.to_vec())]);
+        let opts = ListContainersOptionsBuilder::new().all(true).filters(&filters).build();
+        let r = self.call(|d| async move { d.list_containers(Some(opts)).await }).await?;
+        Ok(r.into_iter()
+            .filter_map(|c| {
+                Some(Listed {
+                    id: c.id?,
+                    state: c.state.map(|s| s.to_string()).unwrap_or_default(),
+                    labels: c.labels.unwrap_or_default(),
+                })
+            })
+            .collect())
+    }
+}
+
+/// A recording in-memory engine for the pool and janitor tests. A "container" runs until it is
+/// killed, removed or [`fake::FakeEngine::crash`]ed; its attach output ends then, like a real
+/// supervisor's would.
+#[cfg(test)]
+pub(crate) mod fake {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use tokio::sync::mpsc;
+
+    #[derive(Default)]
+    struct FakeContainer {
+        name: String,
+        labels: HashMap<String, String>,
+        running: bool,
+        /// Dropping it ends the attach output stream.
+        output: Option<mpsc::UnboundedSender<Result<Output, EngineError>>>,
+    }
+
+    #[derive(Default)]
+    pub struct FakeEngine {
+        containers: Mutex<HashMap<String, FakeContainer>>,
+        pub calls: Mutex<Vec<String>>,
+        pub down: AtomicBool,
+        pub fail_create: AtomicBool,
+        next: AtomicUsize,
+    }
+
+    impl FakeEngine {
+        fn record(&self, call: String) -> Result<(), EngineError> {
+            self.calls.lock().unwrap().push(call);
+            if self.down.load(Ordering::SeqCst) { Err(EngineError::Unreachable("fake engine down".into())) } else { Ok(()) }
+        }
+
+        /// Ids of containers that exist (any state).
+        pub fn existing(&self) -> Vec<String> {
+            let mut v: Vec<String> = self.containers.lock().unwrap().keys().cloned().collect();
+            v.sort();
+            v
+        }
+
+        pub fn name_of(&self, id: &str) -> Option<String> {
+            self.containers.lock().unwrap().get(id).map(|c| c.name.clone())
+        }
+
+        /// The container's main process dies on its own (as after a dockerd restart).
+        pub fn crash(&self, id: &str) {
+            if let Some(c) = self.containers.lock().unwrap().get_mut(id) {
+                c.running = false;
+                c.output = None;
+            }
+        }
+
+        pub fn count(&self, prefix: &str) -> usize {
+            self.calls.lock().unwrap().iter().filter(|c| c.starts_with(prefix)).count()
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Engine for FakeEngine {
+        async fn ping(&self) -> Result<(), EngineError> {
+            self.record("ping".into())
+        }
+
+        async fn info(&self) -> Result<EngineInfo, EngineError> {
+            self.record("info".into())?;
+            Ok(EngineInfo { server_version: "fake".into(), api_version: "1.41".into(), runtimes: vec!["runc".into(), "runsc".into()] })
+        }
+
+        async fn create(&self, name: &str, body: ContainerCreateBody) -> Result<String, EngineError> {
+            self.record(format!("create {name}"))?;
+            if self.fail_create.load(Ordering::SeqCst) {
+                return Err(EngineError::NotFound("No such image".into()));
+            }
+            let id = format!("c{:03}", self.next.fetch_add(1, Ordering::SeqCst));
+            let labels = body.labels.unwrap_or_default();
+            self.containers.lock().unwrap().insert(id.clone(), FakeContainer { name: name.into(), labels, ..Default::default() });
+            Ok(id)
+        }
+
+        async fn attach(&self, id: &str) -> Result<Attached, EngineError> {
+            self.record(format!("attach {id}"))?;
+            let (tx, rx) = mpsc::unbounded_channel();
+            let mut cs = self.containers.lock().unwrap();
+            let c = cs.get_mut(id).ok_or_else(|| EngineError::NotFound(id.into()))?;
+            c.output = Some(tx);
+            let output = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
+            Ok(Attached { input: Box::pin(tokio::io::sink()), output: Box::pin(output) })
+        }
+
+        async fn start(&self, id: &str) -> Result<(), EngineError> {
+            self.record(format!("start {id}"))?;
+            let mut cs = self.containers.lock().unwrap();
+            cs.get_mut(id).ok_or_else(|| EngineError::NotFound(id.into()))?.running = true;
+            Ok(())
+        }
+
+        async fn kill(&self, id: &str) -> Result<(), EngineError> {
+            self.record(format!("kill {id}"))?;
+            self.crash(id);
+            Ok(())
+        }
+
+        async fn remove(&self, id: &str) -> Result<(), EngineError> {
+            self.record(format!("remove {id}"))?;
+            self.containers.lock().unwrap().remove(id);
+            Ok(())
+        }
+
+        async fn rename(&self, id: &str, name: &str) -> Result<(), EngineError> {
+            self.record(format!("rename {id} {name}"))?;
+            match self.containers.lock().unwrap().get_mut(id) {
+                Some(c) => {
+                    c.name = name.into();
+                    Ok(())
+                }
+                None => Err(EngineError::NotFound(id.into())),
+            }
+        }
+
+        async fn wait_stopped(&self, id: &str) -> Result<(), EngineError> {
+            self.record(format!("wait {id}"))
+        }
+
+        async fn inspect(&self, id: &str) -> Result<ContainerState, EngineError> {
+            self.record(format!("inspect {id}"))?;
+            let cs = self.containers.lock().unwrap();
+            let c = cs.get(id).ok_or_else(|| EngineError::NotFound(id.into()))?;
+            Ok(ContainerState { running: c.running, ..Default::default() })
+        }
+
+        async fn list(&self, labels: &[String]) -> Result<Vec<Listed>, EngineError> {
+            self.record(format!("list {}", labels.join(",")))?;
+            let cs = self.containers.lock().unwrap();
+            Ok(cs
+                .iter()
+                .filter(|(_, c)| labels.iter().all(|l| l.split_once('=').is_some_and(|(k, v)| c.labels.get(k).map(String::as_str) == Some(v))))
+                .map(|(id, c)| Listed { id: id.clone(), state: if c.running { "running".into() } else { "exited".into() }, labels: c.labels.clone() })
+                .collect())
+        }
+    }
+}

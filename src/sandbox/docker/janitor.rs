@@ -1,0 +1,263 @@
+//! Making sure no container of ours outlives its use.
+//!
+//! Owns: disposing of containers (kill + force-remove, in the background so no response waits
+//! for teardown), retrying removals that failed because dockerd was away, the startup sweep of
+//! containers left by crashed daemons, and the clean-up when dockerd comes back. Must not: run
+//! commands.
+//!
+//! Sweep policy (see [`sweep_verdict`]): a managed container whose owner label names a daemon on
+//! this host, in our pid namespace, whose pid is gone or now belongs to another process (start
+//! time differs) is removed, whatever its state. A container of a daemon we cannot judge (another
+//! host sharing the engine) is removed only once it has stopped: none of ours is ever reused after
+//! it stops. Containers of live daemons are left to their owners, who may still be reading the
+//! state of one that just stopped.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Semaphore;
+
+use super::container::{LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, Owner};
+use super::engine::{Engine, EngineError, Listed};
+
+/// Concurrent background removals (each is a few hundred ms of dockerd work on 2 cores).
+const REMOVAL_SLOTS: usize = 4;
+
+pub struct Janitor {
+    engine: Arc<dyn Engine>,
+    owner: Owner,
+    /// Removals that failed; retried by [`Janitor::tick`].
+    pending: Mutex<HashSet<String>>,
+    /// Containers a run is using right now: never swept while the run holds them.
+    leased: Mutex<HashSet<String>>,
+    /// Set by any "unreachable" failure; cleared (with clean-up) once dockerd answers again.
+    engine_down: AtomicBool,
+    startup_swept: AtomicBool,
+    removals: Arc<Semaphore>,
+}
+
+impl Janitor {
+    pub fn new(engine: Arc<dyn Engine>, owner: Owner) -> Arc<Janitor> {
+        Arc::new(Janitor {
+            engine,
+            owner,
+            pending: Mutex::new(HashSet::new()),
+            leased: Mutex::new(HashSet::new()),
+            engine_down: AtomicBool::new(false),
+            startup_swept: AtomicBool::new(false),
+            removals: Arc::new(Semaphore::new(REMOVAL_SLOTS)),
+        })
+    }
+
+    pub fn owner(&self) -> &Owner {
+        &self.owner
+    }
+
+    pub fn engine(&self) -> &Arc<dyn Engine> {
+        &self.engine
+    }
+
+    /// Records the outcome of an engine call (an "unreachable" error arms reconnect clean-up).
+    pub fn observe<T>(&self, r: &Result<T, EngineError>) {
+        if matches!(r, Err(e) if e.is_unreachable()) && !self.engine_down.swap(true, Ordering::SeqCst) {
+            tracing::warn!("docker engine unreachable; containers will be cleaned up when it is back");
+        }
+    }
+
+    pub fn engine_down(&self) -> bool {
+        self.engine_down.load(Ordering::SeqCst)
+    }
+
+    pub fn lease(&self, id: &str) {
+        if let Ok(mut l) = self.leased.lock() {
+            l.insert(id.to_string());
+        }
+    }
+
+    fn unlease(&self, id: &str) {
+        if let Ok(mut l) = self.leased.lock() {
+            l.remove(id);
+        }
+    }
+
+    fn add_pending(&self, id: String) {
+        if let Ok(mut p) = self.pending.lock() {
+            p.insert(id);
+        }
+    }
+
+    pub fn pending_count(&self) -> usize {
+        self.pending.lock().map(|p| p.len()).unwrap_or(0)
+    }
+
+    /// Kills and removes `id` in the background; on failure it stays pending and is retried.
+    pub fn dispose(self: &Arc<Self>, id: String) {
+        self.unlease(&id);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            // No runtime (shutdown): the instance-wide clean-up on drop covers it.
+            self.add_pending(id);
+            return;
+        };
+        let me = self.clone();
+        rt.spawn(async move {
+            let _slot = me.removals.clone().acquire_owned().await;
+            let r = me.engine.remove(&id).await;
+            me.observe(&r);
+            if let Err(e) = r {
+                tracing::warn!(container = %id, error = %e, "container removal failed; will retry");
+                me.add_pending(id);
+            }
+        });
+    }
+
+    /// Removes what a crashed daemon left behind (see the module docs). Returns how many.
+    pub async fn sweep_orphans(&self) -> Result<usize, EngineError> {
+        let r = self.engine.list(&[format!("{LABEL_MANAGED}=true")]).await;
+        self.observe(&r);
+        let mut removed = 0;
+        for c in r? {
+            if sweep_verdict(&c, &self.owner, process_start_time) {
+                let r = self.engine.remove(&c.id).await;
+                self.observe(&r);
+                match r {
+                    Ok(()) => removed += 1,
+                    Err(e) => tracing::warn!(container = %c.id, error = %e, "orphan removal failed"),
+                }
+            }
+        }
+        self.startup_swept.store(true, Ordering::SeqCst);
+        if removed > 0 {
+            tracing::warn!(removed, "removed sandbox containers left by an earlier daemon");
+        }
+        Ok(removed)
+    }
+
+    /// After dockerd came back: our containers that no run holds are stale (a restarted dockerd
+    /// killed them, and their attach connections are gone).
+    async fn sweep_own(&self) -> Result<usize, EngineError> {
+        let listed = self.engine.list(&[format!("{LABEL_INSTANCE}={}", self.owner.instance)]).await?;
+        let leased: HashSet<String> = self.leased.lock().map(|l| l.clone()).unwrap_or_default();
+        let mut removed = 0;
+        for c in listed.into_iter().filter(|c| !leased.contains(&c.id)) {
+            if self.engine.remove(&c.id).await.is_ok() {
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Periodic work: when dockerd was away, check it; once it answers, run the clean-up that
+    /// was owed (startup sweep, own stale containers, pending removals). Returns true when the
+    /// engine came back during this tick (the pool must then drop its idle containers).
+    pub async fn tick(&self) -> bool {
+        let owed = self.engine_down() || self.pending_count() > 0 || !self.startup_swept.load(Ordering::SeqCst);
+        if !owed {
+            return false;
+        }
+        let ping = self.engine.ping().await;
+        self.observe(&ping);
+        if ping.is_err() {
+            return false;
+        }
+        let came_back = self.engine_down.swap(false, Ordering::SeqCst);
+        if !self.startup_swept.load(Ordering::SeqCst) {
+            let _ = self.sweep_orphans().await;
+        }
+        if came_back {
+            match self.sweep_own().await {
+                Ok(n) => tracing::info!(removed = n, "docker engine reachable again; stale containers removed"),
+                Err(e) => tracing::warn!(error = %e, "clean-up after reconnect failed"),
+            }
+        }
+        let pending: Vec<String> = self.pending.lock().map(|mut p| p.drain().collect()).unwrap_or_default();
+        for id in pending {
+            let r = self.engine.remove(&id).await;
+            self.observe(&r);
+            if r.is_err() {
+                self.add_pending(id);
+            }
+        }
+        came_back
+    }
+}
+
+/// Start time (clock ticks after boot, field 22 of `/proc/<pid>/stat`) of a live process.
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may contain spaces and parentheses: fields start after the last ')'.
+    let rest = stat.rsplit_once(')')?.1;
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Our pid namespace, so pids in owner labels are only compared within the same namespace.
+pub fn pid_namespace() -> String {
+    std::fs::read_link("/proc/self/ns/pid").map(|p| p.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// Whether the startup sweep removes `c` (see the module docs). `start_time_of(pid)` is the start
+/// time of the live process with that pid, if any.
+pub fn sweep_verdict(c: &Listed, me: &Owner, start_time_of: impl Fn(u32) -> Option<u64>) -> bool {
+    if c.labels.get(LABEL_MANAGED).map(String::as_str) != Some("true") {
+        return false;
+    }
+    let stopped = matches!(c.state.as_str(), "exited" | "dead");
+    let Some(owner) = c.labels.get(LABEL_OWNER).and_then(|l| Owner::parse_label(l)) else {
+        return stopped;
+    };
+    if owner.same_process(me) {
+        return false; // ours: the reconnect clean-up handles our own
+    }
+    if owner.host == me.host && owner.pid_ns == me.pid_ns {
+        return start_time_of(owner.pid) != Some(owner.start_time);
+    }
+    stopped
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn me() -> Owner {
+        Owner { instance: "h-10".into(), host: "h".into(), pid_ns: "pid:[1]".into(), pid: 10, start_time: 100 }
+    }
+
+    fn listed(state: &str, owner: Option<&str>) -> Listed {
+        let mut labels = HashMap::from([(LABEL_MANAGED.to_string(), "true".to_string())]);
+        if let Some(o) = owner {
+            labels.insert(LABEL_OWNER.to_string(), o.to_string());
+        }
+        Listed { id: "c".into(), state: state.into(), labels }
+    }
+
+    #[test]
+    fn verdicts() {
+        let alive = |pid: u32| if pid == 20 { Some(200) } else { None };
+        // Stopped containers of daemons we cannot judge are garbage.
+        assert!(sweep_verdict(&listed("exited", Some("other/pid:[9]/5/5")), &me(), alive));
+        assert!(sweep_verdict(&listed("exited", Some("h/pid:[2]/5/5")), &me(), alive));
+        assert!(sweep_verdict(&listed("dead", None), &me(), alive));
+        // A live owner on this host may still be reading the state of its stopped container.
+        assert!(!sweep_verdict(&listed("exited", Some("h/pid:[1]/20/200")), &me(), alive));
+        assert!(sweep_verdict(&listed("exited", Some("h/pid:[1]/30/300")), &me(), alive));
+        // Running: only when the owner is on this host, same pid ns, and gone.
+        assert!(sweep_verdict(&listed("running", Some("h/pid:[1]/30/300")), &me(), alive));
+        assert!(sweep_verdict(&listed("running", Some("h/pid:[1]/20/999")), &me(), alive), "pid reused");
+        assert!(!sweep_verdict(&listed("running", Some("h/pid:[1]/20/200")), &me(), alive), "owner alive");
+        assert!(!sweep_verdict(&listed("running", Some("other/pid:[1]/30/300")), &me(), alive), "other host");
+        assert!(!sweep_verdict(&listed("running", Some("h/pid:[2]/30/300")), &me(), alive), "other pid ns");
+        assert!(!sweep_verdict(&listed("running", Some("h/pid:[1]/10/100")), &me(), alive), "ours");
+        assert!(!sweep_verdict(&listed("exited", Some("h/pid:[1]/10/100")), &me(), alive), "ours");
+        assert!(!sweep_verdict(&listed("running", None), &me(), alive));
+        let mut unmanaged = listed("exited", None);
+        unmanaged.labels.clear();
+        assert!(!sweep_verdict(&unmanaged, &me(), alive));
+    }
+
+    #[test]
+    fn own_start_time_is_readable() {
+        assert!(process_start_time(std::process::id()).is_some());
+        assert!(pid_namespace().starts_with("pid:"));
+    }
+}

@@ -1,0 +1,385 @@
+//! The `docker` (runc) and `gvisor` (runsc) backends: every execution runs in a container that
+//! never ran anything else, normally taken from a warm pool of started ones.
+//!
+//! Owns: turning a [`RunSpec`] into a hardened container ([`container`]), getting one (warm pool
+//! or a fresh launch), handing the request to its supervisor ([`supervisor`]), enforcing the wall
+//! clock, output caps and cancellation, reading OOM from the engine, and destroying the container
+//! afterwards whatever happens ([`janitor`]). Must not: look at tokens, requests or the allowlist.
+//!
+//! The engine is behind [`engine::Engine`]; the real one is dockerd over its unix socket.
+
+pub mod container;
+pub mod engine;
+pub mod janitor;
+pub mod pool;
+pub mod supervisor;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use tokio::io::{AsyncWriteExt, DuplexStream};
+use tokio::sync::watch;
+
+use self::container::{ContainerPlan, LABEL_BACKEND, LABEL_INSTANCE, Owner, runtime_of};
+use self::engine::{BollardEngine, Engine, EngineError, Output, OutputStream};
+use self::janitor::Janitor;
+use self::pool::{Pool, WarmContainer};
+pub use self::pool::PoolMetrics;
+use self::supervisor::{ExitReport, Frame, FrameDecoder};
+use super::capture::{Captured, read_capped};
+use super::{BackendKind, BackendStatus, ExitKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError};
+
+/// How long the capped readers may take to finish once the stream is over.
+const DRAIN_GRACE: Duration = Duration::from_secs(2);
+/// How long the stream may take to end after the daemon killed a run (the container is dying).
+const KILL_DRAIN: Duration = Duration::from_secs(10);
+/// How long readiness waits for dockerd.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long an OOM verdict waits for the container to stop.
+const VERDICT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the janitor and the pool check on the engine and on idle containers.
+const MAINTENANCE_EVERY: Duration = Duration::from_secs(2);
+/// Supervisor stderr kept for error messages.
+const SUPERVISOR_STDERR_CAP: usize = 4096;
+
+pub struct DockerSandbox {
+    kind: BackendKind,
+    default_image: String,
+    janitor: Arc<Janitor>,
+    pool: Arc<Pool>,
+    /// Socket for the instance-wide removal on drop (None: a fake engine in unit tests).
+    shutdown_socket: Option<String>,
+}
+
+impl DockerSandbox {
+    /// Never fails and never blocks on dockerd: what is missing shows in [`Sandbox::status`] and
+    /// makes runs fail with `Unavailable`. Spawns the maintenance task (startup sweep first).
+    pub fn new(kind: BackendKind, config: &crate::config::DockerConfig, instance_id: &str, metrics: Option<PoolMetrics>) -> Self {
+        let engine: Arc<dyn Engine> = Arc::new(BollardEngine::new(&config.socket));
+        let owner = Owner {
+            instance: instance_id.to_string(),
+            host: nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_default(),
+            pid_ns: janitor::pid_namespace(),
+            pid: std::process::id(),
+            start_time: janitor::process_start_time(std::process::id()).unwrap_or(0),
+        };
+        let mut s = Self::with_engine(kind, engine, owner, &config.image, config.pool_size, metrics);
+        s.shutdown_socket = Some(config.socket.clone());
+        s
+    }
+
+    /// The backend over any engine (unit tests use a fake).
+    pub fn with_engine(kind: BackendKind, engine: Arc<dyn Engine>, owner: Owner, image: &str, pool_size: usize, metrics: Option<PoolMetrics>) -> Self {
+        let janitor = Janitor::new(engine, owner);
+        let pool = Pool::new(pool_size, kind, janitor.clone(), metrics);
+        let weak = Arc::downgrade(&pool);
+        let j = janitor.clone();
+        tokio::spawn(async move {
+            loop {
+                if j.tick().await
+                    && let Some(p) = weak.upgrade()
+                {
+                    p.flush();
+                }
+                match weak.upgrade() {
+                    Some(p) => p.prune(),
+                    None => break,
+                }
+                tokio::time::sleep(MAINTENANCE_EVERY).await;
+            }
+        });
+        DockerSandbox { kind, default_image: image.to_string(), janitor, pool, shutdown_socket: None }
+    }
+
+    fn engine(&self) -> &Arc<dyn Engine> {
+        self.janitor.engine()
+    }
+
+    /// A container for this run: warm if the pool has one, else launched now.
+    async fn container_for(&self, plan: &ContainerPlan, exec_id: &str) -> Result<(WarmContainer, bool), SandboxError> {
+        if let Some(w) = self.pool.take(plan) {
+            // Labels are immutable; the name tells operators which execution holds it.
+            let engine = self.engine().clone();
+            let (id, name) = (w.guard.id().to_string(), format!("executor-arm-{exec_id}"));
+            tokio::spawn(async move {
+                let _ = engine.rename(&id, &name).await;
+            });
+            return Ok((w, true));
+        }
+        let w = WarmContainer::launch(&self.janitor, plan, &format!("executor-arm-{exec_id}"), exec_id).await.map_err(|e| launch_error(plan, e))?;
+        Ok((w, false))
+    }
+
+    /// The engine's OOM verdict once the container has stopped; `None` when it cannot be had.
+    async fn oom_verdict(&self, id: &str) -> Result<bool, EngineError> {
+        let engine = self.engine();
+        let waited = tokio::time::timeout(VERDICT_TIMEOUT, engine.wait_stopped(id)).await;
+        if let Ok(r) = &waited {
+            self.janitor.observe(r);
+        }
+        let state = engine.inspect(id).await;
+        self.janitor.observe(&state);
+        Ok(state?.oom_killed)
+    }
+}
+
+/// Engine failures while getting a container: an unreachable engine, a missing image or an
+/// unregistered runtime mean the backend cannot serve this profile (503); anything else is a
+/// setup failure of this run.
+fn launch_error(plan: &ContainerPlan, e: EngineError) -> SandboxError {
+    match e {
+        EngineError::Unreachable(m) => SandboxError::Unavailable(format!("docker engine unreachable: {m}")),
+        EngineError::NotFound(m) => SandboxError::Unavailable(format!("image {}: {m}", plan.image)),
+        EngineError::Api(m) if m.to_ascii_lowercase().contains("runtime") => {
+            SandboxError::Unavailable(format!("runtime {}: {m}", runtime_of(plan.kind)))
+        }
+        EngineError::Api(m) => SandboxError::Setup(format!("could not start a sandbox container: {m}")),
+    }
+}
+
+/// How relaying the supervisor's stream ended.
+#[derive(Default)]
+struct PumpEnd {
+    /// The final frame (`Exit` or `Failed`), if it arrived.
+    report: Option<Frame>,
+    supervisor_stderr: Vec<u8>,
+    /// The stream broke or was corrupt.
+    error: Option<EngineError>,
+    /// The request could not even be written: the command never started.
+    undelivered: bool,
+}
+
+/// Writes the request, then relays command output into the capped readers until the final frame.
+async fn pump(mut attached_in: std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>, mut output: OutputStream, request: Vec<u8>, mut out_w: DuplexStream, mut err_w: DuplexStream) -> PumpEnd {
+    let mut end = PumpEnd::default();
+    let delivered = async {
+        attached_in.write_all(&request).await?;
+        attached_in.flush().await
+    };
+    if let Err(e) = delivered.await {
+        end.undelivered = true;
+        end.error = Some(EngineError::Unreachable(format!("could not hand the request to the sandbox: {e}")));
+        return end;
+    }
+    drop(request);
+    let mut decoder = FrameDecoder::default();
+    while let Some(item) = output.next().await {
+        match item {
+            Ok(Output::Stdout(chunk)) => {
+                decoder.push(&chunk);
+                loop {
+                    match decoder.next_frame() {
+                        Ok(None) => break,
+                        // A closed reader means its task is gone; keep draining so the run can end.
+                        Ok(Some(Frame::Stdout(b))) => {
+                            let _ = out_w.write_all(&b).await;
+                        }
+                        Ok(Some(Frame::Stderr(b))) => {
+                            let _ = err_w.write_all(&b).await;
+                        }
+                        Ok(Some(f)) => {
+                            end.report = Some(f);
+                            return end;
+                        }
+                        Err(e) => {
+                            end.error = Some(EngineError::Api(format!("corrupt supervisor stream: {e}")));
+                            return end;
+                        }
+                    }
+                }
+            }
+            Ok(Output::Stderr(chunk)) => {
+                let room = SUPERVISOR_STDERR_CAP.saturating_sub(end.supervisor_stderr.len());
+                end.supervisor_stderr.extend_from_slice(&chunk[..chunk.len().min(room)]);
+            }
+            Err(e) => {
+                end.error = Some(e);
+                return end;
+            }
+        }
+    }
+    end
+}
+
+/// Resolves when the flag becomes true; never when its senders are gone with it still false.
+async fn flagged(rx: &mut watch::Receiver<bool>) {
+    if rx.wait_for(|v| *v).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+#[async_trait::async_trait]
+impl Sandbox for DockerSandbox {
+    fn kind(&self) -> BackendKind {
+        self.kind
+    }
+
+    async fn status(&self) -> BackendStatus {
+        let runtime = runtime_of(self.kind);
+        let (ready, detail) = match tokio::time::timeout(STATUS_TIMEOUT, self.engine().info()).await {
+            Err(_) => (false, format!("docker engine did not answer within {} s", STATUS_TIMEOUT.as_secs())),
+            Ok(Err(e)) => (false, e.to_string()),
+            Ok(Ok(info)) if !info.runtimes.iter().any(|r| r == runtime) => {
+                (false, format!("runtime {runtime} is not registered in dockerd (it has: {})", info.runtimes.join(", ")))
+            }
+            Ok(Ok(info)) => (
+                true,
+                format!(
+                    "docker {} (API {}), runtime {runtime}, image {}, warm pool {} per profile ({} idle)",
+                    info.server_version,
+                    info.api_version,
+                    self.default_image,
+                    self.pool.size(),
+                    self.pool.idle()
+                ),
+            ),
+        };
+        BackendStatus { backend: self.kind, ready, detail }
+    }
+
+    async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError> {
+        // Everything that can be refused is refused before a container is touched.
+        let plan = ContainerPlan::new(&spec, self.kind, &self.default_image)?;
+        let request = supervisor::encode_request(&spec)?;
+        let (warm, pooled) = self.container_for(&plan, &spec.exec_id).await?;
+        let WarmContainer { attached, guard } = warm;
+        let id = guard.id().to_string();
+        tracing::info!(exec_id = %spec.exec_id, container = %id, pooled, backend = self.kind.as_str(), "sandbox container assigned");
+
+        let cap = spec.limits.output_bytes;
+        let (ovf_tx, mut ovf_rx) = watch::channel(false);
+        let (out_w, out_r) = tokio::io::duplex(64 * 1024);
+        let (err_w, err_r) = tokio::io::duplex(64 * 1024);
+        let out_task = tokio::spawn(read_capped(out_r, cap, ovf_tx.clone()));
+        let err_task = tokio::spawn(read_capped(err_r, cap, ovf_tx));
+
+        let start = Instant::now();
+        let mut relay = Box::pin(pump(attached.input, attached.output, request, out_w, err_w));
+        let mut cancel = spec.cancel.clone();
+        let cancelled = async {
+            match cancel.as_mut() {
+                Some(rx) => flagged(rx).await,
+                None => std::future::pending::<()>().await,
+            }
+        };
+        let (killed, end) = tokio::select! {
+            end = &mut relay => (None, Some(end)),
+            _ = cancelled => (Some(KilledReason::Signal), None),
+            _ = tokio::time::sleep(spec.limits.timeout) => (Some(KilledReason::Timeout), None),
+            _ = flagged(&mut ovf_rx) => (Some(KilledReason::OutputLimit), None),
+        };
+        let duration = start.elapsed();
+        let end = match end {
+            Some(end) => end,
+            None => {
+                // SIGKILL to PID 1 ends the whole container, double-forked children included.
+                // Keep draining meanwhile: dockerd finishes a kill only after the container's
+                // output reached us, so not reading would deadlock a flooding run.
+                let (k, drained) = tokio::join!(self.engine().kill(&id), tokio::time::timeout(KILL_DRAIN, &mut relay));
+                self.janitor.observe(&k);
+                if let Err(e) = k {
+                    tracing::error!(exec_id = %spec.exec_id, container = %id, error = %e, "could not kill a sandbox container");
+                    if e.is_unreachable() {
+                        return Err(SandboxError::Unavailable(format!("docker engine lost while stopping the run: {e}")));
+                    }
+                }
+                drained.unwrap_or_default()
+            }
+        };
+        drop(relay); // closes the capped readers' pipes
+        let collect = |t: tokio::task::JoinHandle<Captured>| async move { tokio::time::timeout(DRAIN_GRACE, t).await.ok().and_then(Result::ok).unwrap_or_default() };
+        let (stdout, stderr) = tokio::join!(collect(out_task), collect(err_task));
+
+        if killed.is_none() && end.undelivered {
+            let reason = end.error.map(|e| e.to_string()).unwrap_or_default();
+            return Err(SandboxError::Unavailable(format!("sandbox container {} was gone before the run: {reason}", short(&id))));
+        }
+        let report: Option<ExitReport> = match end.report {
+            Some(Frame::Failed(m)) if killed.is_none() => return Err(SandboxError::Setup(m)),
+            Some(Frame::Exit(r)) => Some(r),
+            _ => None,
+        };
+        // The engine decides OOM whenever something was SIGKILLed that we did not kill, or the
+        // supervisor vanished (gVisor: an OOM takes the whole sandbox down).
+        let suspicious = match &report {
+            None => killed.is_none(),
+            Some(r) => killed.is_none() && r.exit == ExitKind::Signaled(libc::SIGKILL) && r.oom_kills.unwrap_or(0) == 0,
+        };
+        let mut oom = report.as_ref().and_then(|r| r.oom_kills).unwrap_or(0) > 0;
+        if suspicious {
+            match self.oom_verdict(&id).await {
+                Ok(v) => oom |= v,
+                Err(e) if report.is_none() => {
+                    let why = end.error.map(|x| x.to_string()).unwrap_or_else(|| "stream ended".into());
+                    return Err(SandboxError::Unavailable(format!("docker engine lost during the run ({why}): {e}")));
+                }
+                Err(e) => tracing::warn!(exec_id = %spec.exec_id, error = %e, "no OOM verdict from the engine"),
+            }
+        }
+        if report.is_none() && killed.is_none() && !oom {
+            let why = match end.error {
+                Some(e) if e.is_unreachable() => return Err(SandboxError::Unavailable(format!("docker engine lost during the run: {e}"))),
+                Some(e) => e.to_string(),
+                None => "the supervisor exited without a report".into(),
+            };
+            return Err(SandboxError::Setup(format!("{why}; supervisor stderr: {}", String::from_utf8_lossy(&end.supervisor_stderr).trim())));
+        }
+        drop(guard);
+
+        let exit = report.as_ref().map(|r| r.exit).unwrap_or(ExitKind::Killed);
+        let pids_hits = report.as_ref().and_then(|r| r.pids_max_hits).unwrap_or(0);
+        let killed_reason = killed.or(match exit {
+            _ if oom => Some(KilledReason::Oom),
+            ExitKind::Signaled(_) | ExitKind::Killed => Some(KilledReason::Signal),
+            ExitKind::Exited(c) if c != 0 && pids_hits > 0 => Some(KilledReason::Pids),
+            ExitKind::Exited(_) => None,
+        });
+        Ok(RunOutcome {
+            exit,
+            stdout: stdout.bytes,
+            stderr: stderr.bytes,
+            stdout_truncated: stdout.truncated,
+            stderr_truncated: stderr.truncated,
+            duration,
+            peak_memory_kib: report.as_ref().and_then(|r| r.peak_memory_kib),
+            oom,
+            killed_reason,
+            stdin_broken_pipe: report.as_ref().is_some_and(|r| r.stdin_broken_pipe),
+            // Containers run with network none; egress is not routed for this backend.
+            network: Vec::new(),
+        })
+    }
+}
+
+fn short(id: &str) -> &str {
+    &id[..id.len().min(12)]
+}
+
+impl Drop for DockerSandbox {
+    /// Removes every container of this instance and backend (idle pool ones included) before the
+    /// daemon exits. Runs on its own thread and runtime: we may be inside the daemon's runtime
+    /// while it shuts down, where nothing can be awaited.
+    fn drop(&mut self) {
+        let Some(socket) = self.shutdown_socket.take() else { return };
+        let labels = vec![format!("{LABEL_INSTANCE}={}", self.janitor.owner().instance), format!("{LABEL_BACKEND}={}", self.kind.as_str())];
+        let worker = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return 0 };
+            rt.block_on(async move {
+                let engine = BollardEngine::new(&socket);
+                let work = async {
+                    let listed = engine.list(&labels).await.unwrap_or_default();
+                    let n = listed.len();
+                    futures::future::join_all(listed.iter().map(|c| engine.remove(&c.id))).await;
+                    n
+                };
+                tokio::time::timeout(Duration::from_secs(10), work).await.unwrap_or(0)
+            })
+        });
+        if let Ok(n) = worker.join()
+            && n > 0
+        {
+            tracing::info!(removed = n, backend = self.kind.as_str(), "removed this daemon's sandbox containers");
+        }
+    }
+}

@@ -1,0 +1,268 @@
+//! The warm pool: started sandbox containers whose supervisor waits for a request.
+//!
+//! Owns: per-key queues of idle containers (key = profile + everything in the create body, see
+//! [`ContainerPlan`]), handing one out per execution, replacing it in the background, dropping
+//! dead ones, and the pool metrics. A container leaves the pool exactly once and is destroyed
+//! after its run: the pool never takes one back. Must not: run commands.
+//!
+//! Pools are created on first use of a key, then kept at `pool_size` idle containers.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{FutureExt, StreamExt};
+use prometheus::{IntCounterVec, IntGaugeVec};
+use tokio::sync::Semaphore;
+
+use super::container::ContainerPlan;
+use super::engine::{Attached, EngineError};
+use super::janitor::Janitor;
+use crate::sandbox::BackendKind;
+
+/// Concurrent container launches for refills: each is a few hundred ms of dockerd and runtime
+/// work; more at once only slows the runs that are executing.
+const LAUNCH_SLOTS: usize = 2;
+/// After a failed refill (image missing, engine away) the key is not refilled for this long.
+const REFILL_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Handles into the daemon's metrics (`executor_pool_idle_containers`, `executor_pool_events_total`).
+#[derive(Clone)]
+pub struct PoolMetrics {
+    pub size: IntGaugeVec,
+    pub events: IntCounterVec,
+}
+
+/// A container we own. Dropping the guard destroys the container (in the background), so every
+/// path out of a run, including a dropped future, removes it.
+pub struct ContainerGuard {
+    id: String,
+    janitor: Arc<Janitor>,
+}
+
+impl ContainerGuard {
+    pub fn new(id: String, janitor: Arc<Janitor>) -> Self {
+        janitor.lease(&id);
+        ContainerGuard { id, janitor }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl Drop for ContainerGuard {
+    fn drop(&mut self) {
+        self.janitor.dispose(std::mem::take(&mut self.id));
+    }
+}
+
+/// A started sandbox whose supervisor waits on the attached stdin.
+pub struct WarmContainer {
+    pub attached: Attached,
+    pub guard: ContainerGuard,
+}
+
+impl WarmContainer {
+    /// Creates, attaches (before start, so nothing is missed) and starts one container.
+    pub async fn launch(janitor: &Arc<Janitor>, plan: &ContainerPlan, name: &str, exec_label: &str) -> Result<WarmContainer, EngineError> {
+        let engine = janitor.engine().clone();
+        let created = engine.create(name, plan.body(janitor.owner(), exec_label)).await;
+        janitor.observe(&created);
+        let guard = ContainerGuard::new(created?, janitor.clone());
+        let attached = engine.attach(guard.id()).await;
+        janitor.observe(&attached);
+        let attached = attached?;
+        let started = engine.start(guard.id()).await;
+        janitor.observe(&started);
+        started?;
+        Ok(WarmContainer { attached, guard })
+    }
+
+    /// An idle supervisor writes nothing; a finished stream or any output means it is gone.
+    fn alive(&mut self) -> bool {
+        self.attached.output.next().now_or_never().is_none()
+    }
+}
+
+struct KeyPool {
+    plan: Arc<ContainerPlan>,
+    idle: VecDeque<WarmContainer>,
+    filling: usize,
+    retry_after: Option<Instant>,
+}
+
+pub struct Pool {
+    size: usize,
+    kind: BackendKind,
+    janitor: Arc<Janitor>,
+    metrics: Option<PoolMetrics>,
+    keys: Mutex<HashMap<String, KeyPool>>,
+    /// Bumped by [`Pool::flush`]: launches that started before it are discarded.
+    generation: AtomicU64,
+    launches: Arc<Semaphore>,
+}
+
+impl Pool {
+    pub fn new(size: usize, kind: BackendKind, janitor: Arc<Janitor>, metrics: Option<PoolMetrics>) -> Arc<Pool> {
+        Arc::new(Pool {
+            size,
+            kind,
+            janitor,
+            metrics,
+            keys: Mutex::new(HashMap::new()),
+            generation: AtomicU64::new(0),
+            launches: Arc::new(Semaphore::new(LAUNCH_SLOTS)),
+        })
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Idle containers over all keys.
+    pub fn idle(&self) -> usize {
+        self.keys.lock().map(|k| k.values().map(|p| p.idle.len()).sum()).unwrap_or(0)
+    }
+
+    fn set_gauge(&self, profile: &str, n: usize) {
+        if let Some(m) = &self.metrics {
+            m.size.with_label_values(&[self.kind.as_str(), profile]).set(n as i64);
+        }
+    }
+
+    fn count(&self, event: &str) {
+        if let Some(m) = &self.metrics {
+            m.events.with_label_values(&[self.kind.as_str(), event]).inc();
+        }
+    }
+
+    /// A live idle container for `plan`, or `None` (a miss: the caller launches its own). Either
+    /// way the key's pool is topped up in the background.
+    pub fn take(self: &Arc<Self>, plan: &ContainerPlan) -> Option<WarmContainer> {
+        if self.size == 0 {
+            return None;
+        }
+        let mut dead = Vec::new();
+        let got = {
+            let Ok(mut keys) = self.keys.lock() else { return None };
+            let kp = keys.entry(plan.key.clone()).or_insert_with(|| KeyPool {
+                plan: Arc::new(plan.clone()),
+                idle: VecDeque::new(),
+                filling: 0,
+                retry_after: None,
+            });
+            let mut got = None;
+            while let Some(mut w) = kp.idle.pop_front() {
+                if w.alive() {
+                    got = Some(w);
+                    break;
+                }
+                dead.push(w);
+            }
+            self.set_gauge(&plan.profile, kp.idle.len());
+            got
+        };
+        if !dead.is_empty() {
+            tracing::info!(dropped = dead.len(), "warm pool: idle containers had died; replacing them");
+        }
+        drop(dead);
+        self.count(if got.is_some() { "hit" } else { "miss" });
+        self.refill(&plan.key);
+        got
+    }
+
+    /// Starts launches until the key has `size` idle or launching containers.
+    fn refill(self: &Arc<Self>, key: &str) {
+        let (plan, n, generation) = {
+            let Ok(mut keys) = self.keys.lock() else { return };
+            let Some(kp) = keys.get_mut(key) else { return };
+            if kp.retry_after.is_some_and(|t| Instant::now() < t) {
+                return;
+            }
+            let n = self.size.saturating_sub(kp.idle.len() + kp.filling);
+            kp.filling += n;
+            (kp.plan.clone(), n, self.generation.load(Ordering::SeqCst))
+        };
+        for _ in 0..n {
+            let me = self.clone();
+            let plan = plan.clone();
+            tokio::spawn(async move { me.fill_one(plan, generation).await });
+        }
+    }
+
+    async fn fill_one(self: Arc<Self>, plan: Arc<ContainerPlan>, generation: u64) {
+        let launched = match self.launches.clone().acquire_owned().await {
+            Ok(_slot) => {
+                let tag = uuid::Uuid::new_v4().simple().to_string();
+                WarmContainer::launch(&self.janitor, &plan, &format!("executor-arm-pool-{tag}"), &format!("pool-{tag}")).await
+            }
+            Err(_) => Err(EngineError::Api("pool closed".into())),
+        };
+        let mut discard = None;
+        if let Ok(mut keys) = self.keys.lock()
+            && let Some(kp) = keys.get_mut(&plan.key)
+        {
+            kp.filling = kp.filling.saturating_sub(1);
+            match launched {
+                Ok(w) if generation == self.generation.load(Ordering::SeqCst) => {
+                    kp.idle.push_back(w);
+                    kp.retry_after = None;
+                }
+                Ok(w) => discard = Some(w),
+                Err(e) => {
+                    kp.retry_after = Some(Instant::now() + REFILL_BACKOFF);
+                    tracing::warn!(backend = self.kind.as_str(), profile = %plan.profile, error = %e, "warm pool: launching a container failed");
+                }
+            }
+            self.set_gauge(&plan.profile, kp.idle.len());
+        }
+        drop(discard);
+    }
+
+    /// Drops every idle container (dockerd restarted: they are dead or unreachable) and refills.
+    pub fn flush(self: &Arc<Self>) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        let mut dropped = Vec::new();
+        let keys: Vec<String> = match self.keys.lock() {
+            Ok(mut keys) => {
+                for kp in keys.values_mut() {
+                    dropped.extend(kp.idle.drain(..));
+                    kp.retry_after = None;
+                    self.set_gauge(&kp.plan.profile, 0);
+                }
+                keys.keys().cloned().collect()
+            }
+            Err(_) => Vec::new(),
+        };
+        drop(dropped);
+        for k in keys {
+            self.refill(&k);
+        }
+    }
+
+    /// Replaces idle containers whose supervisor has gone.
+    pub fn prune(self: &Arc<Self>) {
+        let mut dead = Vec::new();
+        let mut refill = Vec::new();
+        if let Ok(mut keys) = self.keys.lock() {
+            for (key, kp) in keys.iter_mut() {
+                let before = dead.len();
+                let mut keep = VecDeque::with_capacity(kp.idle.len());
+                for mut w in kp.idle.drain(..) {
+                    if w.alive() { keep.push_back(w) } else { dead.push(w) }
+                }
+                kp.idle = keep;
+                if dead.len() > before || kp.idle.len() + kp.filling < self.size {
+                    self.set_gauge(&kp.plan.profile, kp.idle.len());
+                    refill.push(key.clone());
+                }
+            }
+        }
+        drop(dead);
+        for k in refill {
+            self.refill(&k);
+        }
+    }
+}

@@ -1,0 +1,158 @@
+# executor-arm container supervisor: PID 1 of every docker/gvisor sandbox.
+#
+# Waits (idle, possibly for a long time in the warm pool) for ONE request on stdin, runs it, reports,
+# exits. Exiting as PID 1 makes the kernel kill whatever the command left behind. Never a shell:
+# argv goes to execve as a list; nothing is interpreted.
+#
+# Request (stdin):  "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1) stdin-bytes
+# Reply (stdout):   frames  type(1) u32be(len) payload;  o = command stdout, e = command stderr,
+#                   x = "exit|signal N broken peak_kib oom_kills pids_max" (last), f = setup failure (last)
+use strict;
+use warnings;
+use POSIX ();
+use Fcntl ();
+use Config ();
+
+$SIG{PIPE} = 'IGNORE';
+# Bytes in, bytes out, whatever the image's locale or PERL_UNICODE says.
+binmode($_, ':raw') for (\*STDIN, \*STDOUT, \*STDERR);
+
+sub eintr { return !defined($_[0]) && $! == POSIX::EINTR() }
+
+# Exactly $n bytes of the request; EOF (the daemon went away while we were idle) ends the sandbox.
+sub rd {
+    my ($n) = @_;
+    my $b = '';
+    while (length($b) < $n) {
+        my $r = sysread(STDIN, $b, $n - length($b), length($b));
+        next if eintr($r);
+        POSIX::_exit(0) unless $r;
+    }
+    return $b;
+}
+
+sub frame {
+    my $m = $_[0] . pack('N', length $_[1]) . $_[1];
+    while (length $m) {
+        my $w = syswrite(STDOUT, $m);
+        next if eintr($w);
+        POSIX::_exit(3) unless defined $w;
+        substr($m, 0, $w, '');
+    }
+}
+
+sub fail { frame('f', $_[0]); POSIX::_exit(0) }
+
+rd(4) eq 'EAR1' or POSIX::_exit(2);
+my @f = split /\0/, rd(unpack('N', rd(4))), -1;
+my $argc = shift(@f) // 0;
+my @argv = splice(@f, 0, $argc);
+my $envc = shift(@f) // 0;
+my @env = splice(@f, 0, $envc);
+my $inlen = shift(@f) // -1;
+fail('empty argv') unless @argv;
+my $input = $inlen >= 0 ? rd($inlen) : undef;
+
+pipe(my $or, my $ow) or fail("pipe: $!");
+pipe(my $er, my $ew) or fail("pipe: $!");
+pipe(my $xr, my $xw) or fail("pipe: $!");
+pipe(my $sr, my $sw) or fail("pipe: $!");
+my ($ir, $iw);
+if (defined $input) { pipe($ir, $iw) or fail("pipe: $!") }
+binmode($_, ':raw') for grep { defined } ($or, $ow, $er, $ew, $xr, $xw, $sr, $sw, $ir, $iw);
+for my $h ($sr, $sw) { fcntl($h, Fcntl::F_SETFL(), fcntl($h, Fcntl::F_GETFL(), 0) | Fcntl::O_NONBLOCK()) }
+# Self-pipe: a SIGCHLD between waitpid and select must still wake select.
+$SIG{CHLD} = sub { syswrite($sw, 'c') };
+
+my $pid = fork();
+fail("fork: $!") unless defined $pid;
+if ($pid == 0) {
+    # Ignored signals stay ignored across execve: give the command default dispositions.
+    $SIG{PIPE} = 'DEFAULT';
+    $SIG{CHLD} = 'DEFAULT';
+    my $in = $ir;
+    if (!defined $in) { open($in, '<', '/dev/null') or POSIX::_exit(127) }
+    # perl opens every fd above 2 close-on-exec, so the command gets exactly 0, 1 and 2.
+    POSIX::dup2(fileno($in), 0);
+    POSIX::dup2(fileno($ow), 1);
+    POSIX::dup2(fileno($ew), 2);
+    %ENV = ();
+    for (@env) { my ($k, $v) = split /=/, $_, 2; $ENV{$k} = $v }
+    { no warnings 'exec'; exec { $argv[0] } @argv; }
+    syswrite($xw, pack('N', $! + 0));
+    POSIX::_exit(127);
+}
+close $ow; close $ew; close $xw;
+close $ir if defined $ir;
+open(STDIN, '<', '/dev/null');
+
+# EOF on the exec pipe: execve succeeded (close-on-exec); 4 bytes: its errno.
+my $x = '';
+while (length($x) < 4) {
+    my $r = sysread($xr, $x, 4 - length($x), length($x));
+    next if eintr($r);
+    last unless $r;
+}
+close $xr;
+if (length($x) == 4) {
+    local $! = unpack('N', $x);
+    fail("cannot execute $argv[0]: $!");
+}
+
+if (defined $iw) { fcntl($iw, Fcntl::F_SETFL(), fcntl($iw, Fcntl::F_GETFL(), 0) | Fcntl::O_NONBLOCK()) }
+my %rd = (fileno($or) => [$or, 'o'], fileno($er) => [$er, 'e']);
+my ($status, $drain, $broken) = (undef, 0, 0);
+while (1) {
+    # PID 1 reaps every orphan; only the command's status is reported.
+    while ((my $w = waitpid(-1, POSIX::WNOHANG())) > 0) { $status = $? if $w == $pid }
+    # After the command exits, forward what is already buffered (bounded: a leftover child may
+    # keep writing), then stop.
+    last if defined $status && (!%rd || $drain++ > 64);
+    my ($rb, $wb) = ('', '');
+    vec($rb, $_, 1) = 1 for keys %rd;
+    vec($rb, fileno($sr), 1) = 1;
+    vec($wb, fileno($iw), 1) = 1 if defined $iw && !defined $status;
+    my $n = select(my $ro = $rb, my $wo = $wb, undef, defined $status ? 0 : 1);
+    next if $n < 0;
+    last if $n == 0 && defined $status;
+    sysread($sr, my $junk, 64) if vec($ro, fileno($sr), 1);
+    for my $fd (keys %rd) {
+        next unless vec($ro, $fd, 1);
+        my ($h, $t) = @{ $rd{$fd} };
+        my $r = sysread($h, my $buf, 65536);
+        next if eintr($r);
+        if ($r) { frame($t, $buf) } else { close $h; delete $rd{$fd} }
+    }
+    if (defined $iw && vec($wo, fileno($iw), 1)) {
+        my $w = syswrite($iw, $input);
+        if (defined $w) { substr($input, 0, $w, '') }
+        elsif ($! != POSIX::EAGAIN() && $! != POSIX::EINTR()) { $broken = 1; $input = '' }
+        if ($input eq '') { close $iw; undef $iw }
+    }
+}
+$broken = 1 if defined $iw && length $input;
+
+sub first_num {
+    for my $p (@_) { open(my $h, '<', $p) or next; my $l = <$h>; return $1 if defined $l && $l =~ /^(\d+)/ }
+    return undef;
+}
+sub keyed {
+    my $key = shift;
+    for my $p (@_) { open(my $h, '<', $p) or next; while (my $l = <$h>) { return $1 if $l =~ /^\Q$key\E (\d+)/ } }
+    return '-';
+}
+# Peak memory: the container's cgroup when it is visible (runc), else the largest reaped process's
+# peak RSS from getrusage(RUSAGE_CHILDREN) (gVisor has no cgroupfs inside the sandbox).
+my $peak = first_num('/sys/fs/cgroup/memory/memory.max_usage_in_bytes', '/sys/fs/cgroup/memory.peak');
+if (defined $peak) { $peak = int($peak / 1024) }
+else {
+    my %nr = (x86_64 => 98, aarch64 => 165);
+    my ($arch) = ($Config::Config{archname} // '') =~ /^([^-]+)/;
+    my $ru = "\0" x 144;
+    $peak = (defined $arch && $nr{$arch} && syscall($nr{$arch}, -1, $ru) == 0) ? (unpack('q18', $ru))[4] : '-';
+}
+my $oom = keyed('oom_kill', '/sys/fs/cgroup/memory/memory.oom_control', '/sys/fs/cgroup/memory.events');
+my $pmax = keyed('max', '/sys/fs/cgroup/pids/pids.events', '/sys/fs/cgroup/pids.events');
+my $how = POSIX::WIFSIGNALED($status) ? 'signal ' . POSIX::WTERMSIG($status) : 'exit ' . POSIX::WEXITSTATUS($status);
+frame('x', "$how $broken $peak $oom $pmax");
+POSIX::_exit(0);

@@ -1,0 +1,291 @@
+//! The in-container supervisor: PID 1 of every docker/gvisor sandbox, and its wire protocol.
+//!
+//! Owns: the supervisor program (`supervisor.pl`, run by the image's `/usr/bin/perl`, which every
+//! Debian-based image has: perl-base is Essential), encoding a run request for it, and decoding the
+//! frames it writes back. Must not: talk to the engine or decide outcomes.
+//!
+//! Why a supervisor: a pooled container is started long before its request exists, so its main
+//! process must wait for the argv. It reads one request from stdin, forks, `execve`s the argv as a
+//! list (never a shell), relays the command's stdout/stderr as frames, reaps every orphan (it is
+//! PID 1, so no separate init is needed), reports the exact wait status in a final frame the
+//! moment the command exits (so no run waits for container teardown), then exits, which makes the
+//! kernel kill anything the command left behind.
+//!
+//! Trust: the command runs as the same uid as the supervisor and could tamper with it (ptrace,
+//! `/proc/1/fd/1`). That only lets it lie about its own result (exit status, output, the cgroup
+//! figures), all of which it controls anyway. Limits, isolation and OOM verdicts never depend on
+//! the supervisor: they come from the engine.
+
+use bytes::{Buf, Bytes, BytesMut};
+
+use super::super::{ExitKind, RunSpec, SandboxError};
+
+/// The program; passed as `perl -e` so the image needs nothing of ours.
+pub const SCRIPT: &str = include_str!("supervisor.pl");
+
+/// Where the interpreter lives in the image.
+pub const PERL: &str = "/usr/bin/perl";
+
+/// Environment of the supervisor process itself (the command gets exactly `RunSpec::env`):
+/// neutralise whatever the image sets that would make perl load code or change its I/O layers
+/// (an empty PERL_UNICODE would mean -CSDL, hence 0).
+pub const SUPERVISOR_ENV: [&str; 5] = ["PERL5OPT=", "PERL5LIB=", "PERLLIB=", "PERL5DB=", "PERL_UNICODE=0"];
+
+const MAGIC: &[u8; 4] = b"EAR1";
+
+/// Largest frame payload we accept; the supervisor writes at most 64 KiB per frame, so anything
+/// bigger is a corrupted stream (and must not make us buffer it).
+const MAX_FRAME: usize = 256 * 1024;
+
+/// The container's entrypoint.
+pub fn entrypoint() -> Vec<String> {
+    vec![PERL.to_string(), "-e".to_string(), SCRIPT.to_string()]
+}
+
+/// Serialises `spec`'s argv, env and stdin into the request the supervisor reads.
+pub fn encode_request(spec: &RunSpec) -> Result<Vec<u8>, SandboxError> {
+    let first = spec.argv.first().ok_or_else(|| SandboxError::Setup("empty argv".into()))?;
+    if !first.starts_with('/') {
+        return Err(SandboxError::Setup(format!("argv[0] '{first}' is not an absolute path")));
+    }
+    let mut fields: Vec<String> = Vec::with_capacity(spec.argv.len() + spec.env.len() + 3);
+    fields.push(spec.argv.len().to_string());
+    fields.extend(spec.argv.iter().cloned());
+    fields.push(spec.env.len().to_string());
+    for (k, v) in &spec.env {
+        if k.is_empty() || k.contains('=') {
+            return Err(SandboxError::Setup(format!("invalid environment name '{}'", k.escape_debug())));
+        }
+        fields.push(format!("{k}={v}"));
+    }
+    fields.push(spec.stdin.as_ref().map(|s| s.len() as i64).unwrap_or(-1).to_string());
+    if fields.iter().any(|f| f.contains('\0')) {
+        return Err(SandboxError::Setup("NUL byte in argument or environment".into()));
+    }
+    let header = fields.join("\0");
+    let header_len = u32::try_from(header.len()).map_err(|_| SandboxError::Setup("request too large".into()))?;
+    let stdin = spec.stdin.as_deref().unwrap_or_default();
+    let mut out = Vec::with_capacity(8 + header.len() + stdin.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&header_len.to_be_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(stdin);
+    Ok(out)
+}
+
+/// The supervisor's final report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitReport {
+    pub exit: ExitKind,
+    pub stdin_broken_pipe: bool,
+    pub peak_memory_kib: Option<u64>,
+    /// OOM kills the container's cgroup counted (None: not visible, e.g. under gVisor).
+    pub oom_kills: Option<u64>,
+    /// Times the pids limit refused a fork (None: not visible).
+    pub pids_max_hits: Option<u64>,
+}
+
+impl ExitReport {
+    fn parse(payload: &[u8]) -> Option<ExitReport> {
+        let text = std::str::from_utf8(payload).ok()?;
+        let mut it = text.split(' ');
+        let how = it.next()?;
+        let n: i32 = it.next()?.parse().ok()?;
+        let exit = match how {
+            "exit" => ExitKind::Exited(n),
+            "signal" => ExitKind::Signaled(n),
+            _ => return None,
+        };
+        let stdin_broken_pipe = it.next()? == "1";
+        let num = |s: Option<&str>| s.and_then(|v| v.parse::<u64>().ok());
+        Some(ExitReport { exit, stdin_broken_pipe, peak_memory_kib: num(it.next()), oom_kills: num(it.next()), pids_max_hits: num(it.next()) })
+    }
+}
+
+/// One decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    Stdout(Bytes),
+    Stderr(Bytes),
+    Exit(ExitReport),
+    /// The supervisor could not start the command (e.g. the program is missing in the image).
+    Failed(String),
+}
+
+/// Incremental decoder of the supervisor's stdout.
+#[derive(Debug, Default)]
+pub struct FrameDecoder {
+    buf: BytesMut,
+}
+
+impl FrameDecoder {
+    pub fn push(&mut self, chunk: &[u8]) {
+        self.buf.extend_from_slice(chunk);
+    }
+
+    /// The next complete frame; `Err` on a corrupted stream.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, String> {
+        if self.buf.len() < 5 {
+            return Ok(None);
+        }
+        let kind = self.buf[0];
+        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+        if len > MAX_FRAME {
+            return Err(format!("supervisor frame of {len} bytes"));
+        }
+        if self.buf.len() < 5 + len {
+            return Ok(None);
+        }
+        self.buf.advance(5);
+        let payload = self.buf.split_to(len).freeze();
+        let frame = match kind {
+            b'o' => Frame::Stdout(payload),
+            b'e' => Frame::Stderr(payload),
+            b'x' => Frame::Exit(ExitReport::parse(&payload).ok_or_else(|| format!("bad exit report {:?}", String::from_utf8_lossy(&payload)))?),
+            b'f' => Frame::Failed(String::from_utf8_lossy(&payload).into_owned()),
+            other => return Err(format!("unknown supervisor frame type {other:#x}")),
+        };
+        Ok(Some(frame))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::{FsRules, Limits, NetworkPolicy};
+    use std::collections::BTreeMap;
+    use std::io::Write;
+    use std::path::PathBuf;
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
+
+    fn spec(argv: &[&str], stdin: Option<&[u8]>) -> RunSpec {
+        RunSpec {
+            exec_id: "exec-test".into(),
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            stdin: stdin.map(|s| s.to_vec()),
+            env: BTreeMap::from([("PATH".to_string(), "/usr/bin:/bin".to_string()), ("X".to_string(), "a=b c".to_string())]),
+            limits: Limits { cpus: 1.0, memory_bytes: 1 << 29, disk_bytes: 1 << 20, timeout: Duration::from_secs(5), pids: 64, output_bytes: 1 << 20, nofile: 256 },
+            network: NetworkPolicy::None,
+            fs: FsRules { read_only: vec![], extra_files: vec![], workdir: PathBuf::from("/work") },
+            uid: 65534,
+            gid: 65534,
+            landlock_abi: 0,
+            image: None,
+            profile: "p".into(),
+            cancel: None,
+        }
+    }
+
+    /// Runs the real supervisor with the host's perl (not as PID 1) and decodes its reply.
+    fn supervise(spec: &RunSpec) -> Vec<Frame> {
+        // The container's environment: the image's (LANG=C.UTF-8) plus SUPERVISOR_ENV.
+        let mut cmd = Command::new(PERL);
+        cmd.env_clear().env("LANG", "C.UTF-8");
+        for kv in SUPERVISOR_ENV {
+            let (k, v) = kv.split_once('=').unwrap();
+            cmd.env(k, v);
+        }
+        let mut child = cmd
+            .args(["-e", SCRIPT])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("perl");
+        let req = encode_request(spec).unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        std::thread::spawn(move || {
+            let _ = stdin.write_all(&req);
+        });
+        let out = child.wait_with_output().unwrap();
+        let mut d = FrameDecoder::default();
+        d.push(&out.stdout);
+        let mut frames = Vec::new();
+        while let Some(f) = d.next_frame().unwrap() {
+            frames.push(f);
+        }
+        frames
+    }
+
+    fn stdout_of(frames: &[Frame]) -> Vec<u8> {
+        frames.iter().filter_map(|f| if let Frame::Stdout(b) = f { Some(b.to_vec()) } else { None }).flatten().collect()
+    }
+
+    fn exit_of(frames: &[Frame]) -> ExitReport {
+        match frames.last() {
+            Some(Frame::Exit(r)) => r.clone(),
+            other => panic!("no exit frame: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn argv_env_and_stdin_pass_through_without_a_shell() {
+        let f = supervise(&spec(&["/bin/echo", "$(id)", "a b", ""], None));
+        assert_eq!(stdout_of(&f), b"$(id) a b \n");
+        assert_eq!(exit_of(&f).exit, ExitKind::Exited(0));
+
+        let f = supervise(&spec(&["/usr/bin/env"], None));
+        let out = String::from_utf8(stdout_of(&f)).unwrap();
+        assert_eq!(out, "PATH=/usr/bin:/bin\nX=a=b c\n", "exactly the spec's env");
+
+        let f = supervise(&spec(&["/bin/cat"], Some(b"from stdin\0with nul")));
+        assert_eq!(stdout_of(&f), b"from stdin\0with nul");
+        assert!(!exit_of(&f).stdin_broken_pipe);
+    }
+
+    #[test]
+    fn statuses_failures_and_broken_pipe_are_reported() {
+        let f = supervise(&spec(&["/bin/sh", "-c", "echo err >&2; exit 3"], None));
+        assert!(f.contains(&Frame::Stderr(Bytes::from_static(b"err\n"))));
+        assert_eq!(exit_of(&f).exit, ExitKind::Exited(3));
+
+        let f = supervise(&spec(&["/bin/sh", "-c", "kill -TERM $$"], None));
+        assert_eq!(exit_of(&f).exit, ExitKind::Signaled(libc::SIGTERM));
+
+        let f = supervise(&spec(&["/nonexistent/program"], None));
+        assert!(matches!(f.last(), Some(Frame::Failed(m)) if m.contains("No such file")), "{f:?}");
+
+        let big = vec![b'y'; 1 << 20];
+        let f = supervise(&spec(&["/bin/true"], Some(&big)));
+        assert!(exit_of(&f).stdin_broken_pipe);
+    }
+
+    #[test]
+    fn only_stdio_fds_and_a_left_over_child_does_not_hold_the_report() {
+        // The same listing as ls started directly by this process: the supervisor adds no fd (in
+        // a container its own are only 0, 1 and 2; here it also inherits the test harness's).
+        let direct = Command::new("/bin/ls").arg("/proc/self/fd").stdin(Stdio::null()).output().unwrap().stdout;
+        let f = supervise(&spec(&["/bin/ls", "/proc/self/fd"], None));
+        assert_eq!(String::from_utf8(stdout_of(&f)).unwrap(), String::from_utf8(direct).unwrap());
+
+        let t = std::time::Instant::now();
+        let f = supervise(&spec(&["/bin/sh", "-c", "sleep 3 & echo started"], None));
+        assert_eq!(stdout_of(&f), b"started\n");
+        assert!(t.elapsed() < Duration::from_secs(2), "waited for the background child");
+    }
+
+    #[test]
+    fn decoder_handles_split_and_corrupt_streams() {
+        let mut d = FrameDecoder::default();
+        d.push(b"o\0\0\0\x02h");
+        assert_eq!(d.next_frame().unwrap(), None);
+        d.push(b"ix\0\0\0\x0cexit 0 0 - 1");
+        assert_eq!(d.next_frame().unwrap(), Some(Frame::Stdout(Bytes::from_static(b"hi"))));
+        let Some(Frame::Exit(r)) = d.next_frame().unwrap() else { panic!() };
+        assert_eq!(r, ExitReport { exit: ExitKind::Exited(0), stdin_broken_pipe: false, peak_memory_kib: None, oom_kills: Some(1), pids_max_hits: None });
+        let mut d = FrameDecoder::default();
+        d.push(b"o\xff\xff\xff\xff");
+        assert!(d.next_frame().is_err());
+        let mut d = FrameDecoder::default();
+        d.push(b"z\0\0\0\0");
+        assert!(d.next_frame().is_err());
+    }
+
+    #[test]
+    fn requests_refuse_relative_programs_and_nul() {
+        assert!(encode_request(&spec(&["echo"], None)).is_err());
+        assert!(encode_request(&spec(&["/bin/echo", "a\0b"], None)).is_err());
+        assert!(encode_request(&spec(&[], None)).is_err());
+    }
+}

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Test hosts for the egress tests, run inside the test's own network namespace.
+
+Serves HTTP on each address given on the command line and a DNS server on the first one.
+Every HTTP hit is appended to <logdir>/hits-<ip>.log, so a test can prove that a refused
+address saw nothing.
+
+  hosts.py LOGDIR DNS_IP ALLOWED_IP METADATA_IP PRIVATE_IP
+"""
+import socket
+import struct
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+logdir, dns_ip, allowed_ip, metadata_ip, private_ip = sys.argv[1:6]
+rebind_count = {"n": 0}
+lock = threading.Lock()
+
+
+def handler_for(ip):
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            with lock, open(f"{logdir}/hits-{ip}.log", "a") as f:
+                f.write(f"{self.command} {self.path} {self.headers.get('Host')}\n")
+            if self.path == "/redirect-to-metadata":
+                self.send_response(302)
+                self.send_header("Location", f"http://{metadata_ip}/latest/meta-data/")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            if self.path.startswith("/bytes/"):
+                n = int(self.path.split("/")[2])
+                self.send_response(200)
+                self.send_header("Content-Length", str(n))
+                self.end_headers()
+                chunk = b"x" * 65536
+                while n > 0:
+                    k = min(n, len(chunk))
+                    self.wfile.write(chunk[:k])
+                    n -= k
+                return
+            body = f"hello from {ip}\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return H
+
+
+def dns_answer(name):
+    if name == "allowed.test":
+        return allowed_ip
+    if name == "metadata.test":
+        return metadata_ip
+    if name == "private.test":
+        return private_ip
+    if name == "rebind.test":
+        # First an allowed address, then the metadata address.
+        with lock:
+            rebind_count["n"] += 1
+            return allowed_ip if rebind_count["n"] == 1 else metadata_ip
+    return None
+
+
+def serve_dns():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((dns_ip, 53))
+    while True:
+        data, peer = s.recvfrom(512)
+        try:
+            qid, flags, qd = struct.unpack(">HHH", data[:6])
+            i, labels = 12, []
+            while data[i] != 0:
+                n = data[i]
+                labels.append(data[i + 1:i + 1 + n].decode())
+                i += 1 + n
+            qtype, qclass = struct.unpack(">HH", data[i + 1:i + 5])
+            question = data[12:i + 5]
+            name = ".".join(labels).lower().rstrip(".")
+            ip = dns_answer(name) if qtype == 1 else None
+            if qtype == 1 and ip is None and name not in ("allowed.test", "metadata.test", "private.test", "rebind.test"):
+                rcode, answers = 3, b""
+            else:
+                rcode, answers = 0, b""
+            an = 0
+            if ip:
+                answers = b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 0, 4) + socket.inet_aton(ip)
+                an = 1
+            header = struct.pack(">HHHHHH", qid, 0x8180 | rcode, 1, an, 0, 0)
+            s.sendto(header + question + answers, peer)
+        except Exception:
+            continue
+
+
+for ip in (allowed_ip, metadata_ip, private_ip):
+    srv = ThreadingHTTPServer((ip, 80), handler_for(ip))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+threading.Thread(target=serve_dns, daemon=True).start()
+open(f"{logdir}/ready", "w").close()
+threading.Event().wait()
