@@ -284,6 +284,7 @@ impl Engine for BollardEngine {
 #[cfg(test)]
 pub(crate) mod fake {
     use super::*;
+    use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use tokio::sync::mpsc;
 
@@ -302,6 +303,10 @@ pub(crate) mod fake {
         pub calls: Mutex<Vec<String>>,
         pub down: AtomicBool,
         pub fail_create: AtomicBool,
+        /// What a container's supervisor answers (raw frame bytes) once it got a request.
+        pub reply: Mutex<Vec<u8>>,
+        /// Requests containers received.
+        pub requests: Arc<Mutex<Vec<Vec<u8>>>>,
         next: AtomicUsize,
     }
 
@@ -362,9 +367,27 @@ pub(crate) mod fake {
             let (tx, rx) = mpsc::unbounded_channel();
             let mut cs = self.containers.lock().unwrap();
             let c = cs.get_mut(id).ok_or_else(|| EngineError::NotFound(id.into()))?;
-            c.output = Some(tx);
+            c.output = Some(tx.clone());
             let output = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
-            Ok(Attached { input: Box::pin(tokio::io::sink()), output: Box::pin(output) })
+            // The "supervisor": answers the first request with the scripted reply.
+            let (input, mut theirs) = tokio::io::duplex(1 << 20);
+            let reply = self.reply.lock().unwrap().clone();
+            let requests = self.requests.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncReadExt;
+                let mut buf = vec![0u8; 1 << 16];
+                if let Ok(n) = theirs.read(&mut buf).await
+                    && n > 0
+                {
+                    requests.lock().unwrap().push(buf[..n].to_vec());
+                    if !reply.is_empty() {
+                        let _ = tx.send(Ok(Output::Stdout(Bytes::from(reply))));
+                    }
+                }
+                // Keep our end open while the container lives.
+                let _ = theirs.read(&mut buf).await;
+            });
+            Ok(Attached { input: Box::pin(input), output: Box::pin(output) })
         }
 
         async fn start(&self, id: &str) -> Result<(), EngineError> {
