@@ -63,8 +63,12 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     let metrics = Metrics::new();
     let instance_id = format!("{}-{}", hostname(), std::process::id());
     for kind in [BackendKind::Docker, BackendKind::Gvisor] {
-        let pool_metrics = PoolMetrics { size: metrics.pool_size.clone(), events: metrics.pool_events.clone() };
-        backends.insert(kind, Arc::new(DockerSandbox::new(kind, &config.sandbox.docker, &instance_id, Some(pool_metrics))));
+        let pool = PoolMetrics {
+            size: metrics.pool_size.clone(),
+            events: metrics.pool_events.clone(),
+        };
+        let docker = DockerSandbox::new(kind, &config.sandbox.docker, &instance_id, Some(pool));
+        backends.insert(kind, Arc::new(docker));
     }
     policy.egress_backends = backends.iter().filter(|(_, b)| b.supports_egress()).map(|(k, _)| *k).collect();
     let slots = BackendKind::ALL

@@ -74,7 +74,9 @@ impl Daemon {
             }
             None => Command::new(bin()),
         };
-        cmd.arg("serve").arg("--listen").arg(opts.listen.as_deref().unwrap_or("127.0.0.1:0"));
+        cmd.arg("serve")
+            .arg("--listen")
+            .arg(opts.listen.as_deref().unwrap_or("127.0.0.1:0"));
         if let Some(cfg) = &opts.config {
             let p = dir.path().join("config.toml");
             std::fs::write(&p, cfg).expect("config");
@@ -131,7 +133,10 @@ impl Daemon {
             dir,
             secret,
             audit,
-            client: reqwest::Client::builder().timeout(Duration::from_secs(60)).build().expect("client"),
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(60))
+                .build()
+                .expect("client"),
             log: rx,
         }
     }
@@ -145,7 +150,13 @@ impl Daemon {
     }
 
     pub fn service_token(&self) -> String {
-        self.mint(MintRequest { kind: Some(TokenKind::Service), ttl_seconds: 300, aud: "executor-arm".into(), sub: Some("orchestrator".into()), ..Default::default() })
+        self.mint(MintRequest {
+            kind: Some(TokenKind::Service),
+            ttl_seconds: 300,
+            aud: "executor-arm".into(),
+            sub: Some("orchestrator".into()),
+            ..Default::default()
+        })
     }
 
     pub fn cap(&self, caps: &[&str]) -> String {
@@ -161,7 +172,16 @@ impl Daemon {
 
     /// A capability token with every capability.
     pub fn cap_all(&self) -> String {
-        self.cap(&["ShellRead", "ShellExecute", "FilesystemRead", "FilesystemWrite", "NetworkAccess", "HttpRequest", "PythonExecute", "ExternalExecute"])
+        self.cap(&[
+            "ShellRead",
+            "ShellExecute",
+            "FilesystemRead",
+            "FilesystemWrite",
+            "NetworkAccess",
+            "HttpRequest",
+            "PythonExecute",
+            "ExternalExecute",
+        ])
     }
 
     /// POST /execute with the default service token; `body` gets a capability_token with every
@@ -171,11 +191,20 @@ impl Daemon {
             body["capability_token"] = Value::String(self.cap_all());
         }
         let svc = self.service_token();
-        self.post("/execute", &[("authorization", &format!("Bearer {svc}"))], body.to_string()).await
+        self.post(
+            "/execute",
+            &[("authorization", &format!("Bearer {svc}"))],
+            body.to_string(),
+        )
+        .await
     }
 
     pub async fn post(&self, path: &str, headers: &[(&str, &str)], body: String) -> Resp {
-        let mut rb = self.client.post(format!("{}{path}", self.base)).header("content-type", "application/json").body(body);
+        let mut rb = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body);
         for (k, v) in headers {
             rb = rb.header(*k, *v);
         }
@@ -183,7 +212,14 @@ impl Daemon {
     }
 
     pub async fn get(&self, path: &str) -> Resp {
-        Self::read(self.client.get(format!("{}{path}", self.base)).send().await.expect("request")).await
+        Self::read(
+            self.client
+                .get(format!("{}{path}", self.base))
+                .send()
+                .await
+                .expect("request"),
+        )
+        .await
     }
 
     async fn read(r: reqwest::Response) -> Resp {
@@ -191,7 +227,12 @@ impl Daemon {
         let headers = r.headers().clone();
         let text = r.text().await.unwrap_or_default();
         let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Resp { status, headers, json, text }
+        Resp {
+            status,
+            headers,
+            json,
+            text,
+        }
     }
 
     /// Lines of the audit log.
@@ -239,9 +280,13 @@ impl Drop for Daemon {
 /// PIDs of every process whose command line contains `needle` (checked from the host).
 pub fn pids_with_cmdline(needle: &str) -> Vec<i32> {
     let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else { return out };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return out;
+    };
     for e in entries.filter_map(Result::ok) {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
         if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
             let s = String::from_utf8_lossy(&cmd).replace('\0', " ");
             if s.contains(needle) {
@@ -258,7 +303,12 @@ pub fn run_cgroups_of(daemon_pid: i32) -> Vec<String> {
     for root in ["/sys/fs/cgroup/pids/executor-arm", "/sys/fs/cgroup/runs"] {
         let dir = std::path::Path::new(root).join(format!("d{daemon_pid}"));
         if let Ok(entries) = std::fs::read_dir(dir) {
-            out.extend(entries.filter_map(Result::ok).filter(|e| e.path().is_dir()).map(|e| e.file_name().to_string_lossy().into_owned()));
+            out.extend(
+                entries
+                    .filter_map(Result::ok)
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| e.file_name().to_string_lossy().into_owned()),
+            );
         }
     }
     out

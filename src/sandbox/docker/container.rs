@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 use std::path::{Component, Path};
 
-use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountType, ResourcesUlimits};
+use bollard::models::{
+    ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountType, ResourcesUlimits,
+};
 use sha2::{Digest, Sha256};
 
 use super::super::{BackendKind, NetworkPolicy, RunSpec, SandboxError};
@@ -46,7 +48,10 @@ pub struct Owner {
 
 impl Owner {
     pub fn label(&self) -> String {
-        format!("{}/{}/{}/{}", self.host, self.pid_ns, self.pid, self.start_time)
+        format!(
+            "{}/{}/{}/{}",
+            self.host, self.pid_ns, self.pid, self.start_time
+        )
     }
 
     /// Parses an owner label back; `None` when it is not one of ours.
@@ -56,12 +61,21 @@ impl Owner {
         let pid = it.next()?.parse().ok()?;
         let pid_ns = it.next()?.to_string();
         let host = it.next()?.to_string();
-        Some(Owner { instance: String::new(), host, pid_ns, pid, start_time })
+        Some(Owner {
+            instance: String::new(),
+            host,
+            pid_ns,
+            pid,
+            start_time,
+        })
     }
 
     /// Same daemon process (the instance name is not part of the label).
     pub fn same_process(&self, other: &Owner) -> bool {
-        self.host == other.host && self.pid_ns == other.pid_ns && self.pid == other.pid && self.start_time == other.start_time
+        self.host == other.host
+            && self.pid_ns == other.pid_ns
+            && self.pid == other.pid
+            && self.start_time == other.start_time
     }
 }
 
@@ -78,11 +92,17 @@ pub struct ContainerPlan {
 
 /// A sandbox path: absolute, no `..`, no `.`, valid in a mount spec.
 fn sandbox_path(p: &Path, what: &str) -> Result<String, SandboxError> {
-    let s = p.to_str().ok_or_else(|| SandboxError::Setup(format!("{what} {} is not UTF-8", p.display())))?;
+    let s = p
+        .to_str()
+        .ok_or_else(|| SandboxError::Setup(format!("{what} {} is not UTF-8", p.display())))?;
     let mut comps = p.components();
-    let ok = comps.next() == Some(Component::RootDir) && comps.all(|c| matches!(c, Component::Normal(_))) && s != "/";
+    let ok = comps.next() == Some(Component::RootDir)
+        && comps.all(|c| matches!(c, Component::Normal(_)))
+        && s != "/";
     if !ok || s.contains(',') || s.contains(':') {
-        return Err(SandboxError::Setup(format!("{what} {s} must be an absolute normal path without ',' or ':'")));
+        return Err(SandboxError::Setup(format!(
+            "{what} {s} must be an absolute normal path without ',' or ':'"
+        )));
     }
     Ok(s.to_string())
 }
@@ -90,7 +110,11 @@ fn sandbox_path(p: &Path, what: &str) -> Result<String, SandboxError> {
 impl ContainerPlan {
     /// Refuses what the container backends cannot honour (egress: no egress filter exists yet,
     /// and an unfiltered network is never the fallback).
-    pub fn new(spec: &RunSpec, kind: BackendKind, default_image: &str) -> Result<ContainerPlan, SandboxError> {
+    pub fn new(
+        spec: &RunSpec,
+        kind: BackendKind,
+        default_image: &str,
+    ) -> Result<ContainerPlan, SandboxError> {
         if let NetworkPolicy::Egress { .. } = spec.network {
             return Err(SandboxError::Unavailable("egress not configured".into()));
         }
@@ -99,14 +123,26 @@ impl ContainerPlan {
         }
         let l = &spec.limits;
         let workdir = sandbox_path(&spec.fs.workdir, "workdir")?;
-        let image = spec.image.clone().unwrap_or_else(|| default_image.to_string());
+        let image = spec
+            .image
+            .clone()
+            .unwrap_or_else(|| default_image.to_string());
         let disk = l.disk_bytes.max(1 << 20);
-        let memory = i64::try_from(l.memory_bytes).map_err(|_| SandboxError::Setup("memory limit out of range".into()))?;
+        let memory = i64::try_from(l.memory_bytes)
+            .map_err(|_| SandboxError::Setup("memory limit out of range".into()))?;
         let nofile = i64::try_from(l.nofile).unwrap_or(i64::MAX);
         let pids = i64::try_from(l.pids).unwrap_or(i64::MAX);
         let mut ulimits = vec![
-            ResourcesUlimits { name: Some("nofile".into()), soft: Some(nofile), hard: Some(nofile) },
-            ResourcesUlimits { name: Some("core".into()), soft: Some(0), hard: Some(0) },
+            ResourcesUlimits {
+                name: Some("nofile".into()),
+                soft: Some(nofile),
+                hard: Some(nofile),
+            },
+            ResourcesUlimits {
+                name: Some("core".into()),
+                soft: Some(0),
+                hard: Some(0),
+            },
         ];
         // runc: the container's pids cgroup is the limit. gVisor: that cgroup holds the sentry's
         // own host threads too (about 6 per guest task with the ptrace platform, and the sentry
@@ -115,21 +151,37 @@ impl ContainerPlan {
         // other tasks). Under runc RLIMIT_NPROC would count the uid's tasks on the whole host.
         let pids_cgroup = match kind {
             BackendKind::Gvisor => {
-                ulimits.push(ResourcesUlimits { name: Some("nproc".into()), soft: Some(pids), hard: Some(pids) });
+                ulimits.push(ResourcesUlimits {
+                    name: Some("nproc".into()),
+                    soft: Some(pids),
+                    hard: Some(pids),
+                });
                 pids.saturating_mul(16).saturating_add(256)
             }
             BackendKind::Docker | BackendKind::Local => pids,
         };
         let mut tmpfs = HashMap::new();
         // noexec: the workdir is for data; programs come from the read-only image.
-        tmpfs.insert(workdir.clone(), format!("size={disk},uid={},gid={},mode=0700,noexec,nosuid,nodev", spec.uid, spec.gid));
+        tmpfs.insert(
+            workdir.clone(),
+            format!(
+                "size={disk},uid={},gid={},mode=0700,noexec,nosuid,nodev",
+                spec.uid, spec.gid
+            ),
+        );
         if workdir != "/tmp" {
-            tmpfs.insert("/tmp".to_string(), format!("size={disk},mode=1777,noexec,nosuid,nodev"));
+            tmpfs.insert(
+                "/tmp".to_string(),
+                format!("size={disk},mode=1777,noexec,nosuid,nodev"),
+            );
         }
         let mut mounts = Vec::new();
         for (src, dst) in &spec.fs.extra_files {
             if !src.is_absolute() {
-                return Err(SandboxError::Setup(format!("extra file {} is not an absolute host path", src.display())));
+                return Err(SandboxError::Setup(format!(
+                    "extra file {} is not an absolute host path",
+                    src.display()
+                )));
             }
             mounts.push(Mount {
                 source: Some(src.to_string_lossy().into_owned()),
@@ -152,19 +204,29 @@ impl ContainerPlan {
             pids_limit: Some(pids_cgroup),
             ulimits: Some(ulimits),
             tmpfs: Some(tmpfs),
-            mounts: if mounts.is_empty() { None } else { Some(mounts) },
-            // The supervisor is PID 1 and reaps orphans itself (docker-init under this runsc
-            // misreports exit codes when a pids limit is set).
+            mounts: if mounts.is_empty() {
+                None
+            } else {
+                Some(mounts)
+            },
+            // The supervisor is PID 1 and reaps orphans itself; an init in front of it would
+            // only add a process, and its exit would hide the supervisor's.
             init: Some(false),
             // Private IPC namespace without /dev/shm, like the local backend's /dev.
             ipc_mode: Some("none".to_string()),
             // Output goes to the attach stream only; a log driver would copy every byte to disk.
-            log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
+            log_config: Some(HostConfigLogConfig {
+                typ: Some("none".into()),
+                config: None,
+            }),
             auto_remove: Some(false),
             privileged: Some(false),
             ..Default::default()
         };
-        let mut env: Vec<String> = supervisor::SUPERVISOR_ENV.iter().map(|s| s.to_string()).collect();
+        let mut env: Vec<String> = supervisor::SUPERVISOR_ENV
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         env.sort();
         let body = ContainerCreateBody {
             image: Some(image.clone()),
@@ -189,10 +251,17 @@ impl ContainerPlan {
         let mut h = Sha256::new();
         h.update(spec.profile.as_bytes());
         h.update([0]);
-        let value = serde_json::to_value(&body).map_err(|e| SandboxError::Setup(format!("container body: {e}")))?;
+        let value = serde_json::to_value(&body)
+            .map_err(|e| SandboxError::Setup(format!("container body: {e}")))?;
         canonical(&value, &mut h);
         let key = hex::encode(&h.finalize()[..12]);
-        Ok(ContainerPlan { kind, profile: spec.profile.clone(), image, body, key })
+        Ok(ContainerPlan {
+            kind,
+            profile: spec.profile.clone(),
+            image,
+            body,
+            key,
+        })
     }
 
     /// The create body for one container of this plan.
@@ -238,7 +307,7 @@ fn canonical(v: &serde_json::Value, h: &mut Sha256) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::sandbox::{FsRules, Limits};
     use std::collections::BTreeMap;
@@ -251,9 +320,21 @@ mod tests {
             argv: vec!["/usr/bin/echo".into(), "hi".into()],
             stdin: None,
             env: BTreeMap::new(),
-            limits: Limits { cpus: 0.5, memory_bytes: 512 << 20, disk_bytes: 100 << 20, timeout: Duration::from_secs(30), pids: 64, output_bytes: 1 << 20, nofile: 256 },
+            limits: Limits {
+                cpus: 0.5,
+                memory_bytes: 512 << 20,
+                disk_bytes: 100 << 20,
+                timeout: Duration::from_secs(30),
+                pids: 64,
+                output_bytes: 1 << 20,
+                nofile: 256,
+            },
             network: NetworkPolicy::None,
-            fs: FsRules { read_only: vec![], extra_files: vec![], workdir: PathBuf::from("/work") },
+            fs: FsRules {
+                read_only: vec![],
+                extra_files: vec![],
+                workdir: PathBuf::from("/work"),
+            },
             uid: 65534,
             gid: 65534,
             landlock_abi: 1,
@@ -264,7 +345,13 @@ mod tests {
     }
 
     fn owner() -> Owner {
-        Owner { instance: "host-1".into(), host: "host".into(), pid_ns: "pid:[7]".into(), pid: 1, start_time: 42 }
+        Owner {
+            instance: "host-1".into(),
+            host: "host".into(),
+            pid_ns: "pid:[7]".into(),
+            pid: 1,
+            start_time: 42,
+        }
     }
 
     #[test]
@@ -279,41 +366,78 @@ mod tests {
         assert_eq!(h.network_mode.as_deref(), Some("none"));
         assert_eq!(h.readonly_rootfs, Some(true));
         assert_eq!(h.cap_drop, Some(vec!["ALL".to_string()]));
-        assert_eq!(h.security_opt, Some(vec!["no-new-privileges:true".to_string()]));
+        assert_eq!(
+            h.security_opt,
+            Some(vec!["no-new-privileges:true".to_string()])
+        );
         assert_eq!(h.memory, Some(512 << 20));
         assert_eq!(h.memory_swap, Some(512 << 20));
         assert_eq!(h.nano_cpus, Some(500_000_000));
         // gVisor: RLIMIT_NPROC is the limit, the cgroup a backstop for the sentry's threads.
         assert_eq!(h.pids_limit, Some(64 * 16 + 256));
-        let nproc = h.ulimits.as_ref().unwrap().iter().find(|u| u.name.as_deref() == Some("nproc")).cloned().unwrap();
+        let nproc = h
+            .ulimits
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|u| u.name.as_deref() == Some("nproc"))
+            .cloned()
+            .unwrap();
         assert_eq!((nproc.soft, nproc.hard), (Some(64), Some(64)));
         assert_eq!(h.privileged, Some(false));
         let t = h.tmpfs.unwrap();
-        assert_eq!(t["/work"], format!("size={},uid=65534,gid=65534,mode=0700,noexec,nosuid,nodev", 100 << 20));
+        assert_eq!(
+            t["/work"],
+            format!(
+                "size={},uid=65534,gid=65534,mode=0700,noexec,nosuid,nodev",
+                100 << 20
+            )
+        );
         assert!(t["/tmp"].contains("noexec"));
         assert_eq!(b.entrypoint.as_ref().unwrap()[0], supervisor::PERL);
         let labels = b.labels.unwrap();
         assert_eq!(labels[LABEL_MANAGED], "true");
         assert_eq!(labels[LABEL_EXEC_ID], "exec-1");
         assert_eq!(labels[LABEL_OWNER], "host/pid:[7]/1/42");
-        let runc = ContainerPlan::new(&spec(), BackendKind::Docker, "i").unwrap().body(&owner(), "x").host_config.unwrap();
+        let runc = ContainerPlan::new(&spec(), BackendKind::Docker, "i")
+            .unwrap()
+            .body(&owner(), "x")
+            .host_config
+            .unwrap();
         assert_eq!(runc.runtime.as_deref(), Some("runc"));
         assert_eq!(runc.pids_limit, Some(64));
-        assert!(runc.ulimits.unwrap().iter().all(|u| u.name.as_deref() != Some("nproc")), "nproc is host-wide under runc");
+        assert!(
+            runc.ulimits
+                .unwrap()
+                .iter()
+                .all(|u| u.name.as_deref() != Some("nproc")),
+            "nproc is host-wide under runc"
+        );
     }
 
     #[test]
     fn egress_root_and_bad_paths_are_refused() {
         let mut s = spec();
-        s.network = NetworkPolicy::Egress { allow_hosts: vec![], allow_ports: vec![443], allow_cidrs: vec![], bandwidth_bytes_per_sec: 0, byte_cap: 0 };
-        assert!(matches!(ContainerPlan::new(&s, BackendKind::Docker, "i"), Err(SandboxError::Unavailable(m)) if m == "egress not configured"));
+        s.network = NetworkPolicy::Egress {
+            allow_hosts: vec![],
+            allow_ports: vec![443],
+            allow_cidrs: vec![],
+            bandwidth_bytes_per_sec: 0,
+            byte_cap: 0,
+        };
+        assert!(
+            matches!(ContainerPlan::new(&s, BackendKind::Docker, "i"), Err(SandboxError::Unavailable(m)) if m == "egress not configured")
+        );
         let mut s = spec();
         s.uid = 0;
         assert!(ContainerPlan::new(&s, BackendKind::Docker, "i").is_err());
         for bad in ["work", "/", "/a/../b", "/a,b", "/a:b"] {
             let mut s = spec();
             s.fs.workdir = PathBuf::from(bad);
-            assert!(ContainerPlan::new(&s, BackendKind::Docker, "i").is_err(), "{bad}");
+            assert!(
+                ContainerPlan::new(&s, BackendKind::Docker, "i").is_err(),
+                "{bad}"
+            );
         }
     }
 
@@ -321,7 +445,10 @@ mod tests {
     fn extra_files_are_read_only_binds_and_part_of_the_key() {
         let base = ContainerPlan::new(&spec(), BackendKind::Docker, "i").unwrap();
         let mut s = spec();
-        s.fs.extra_files = vec![(PathBuf::from("/opt/x/run.py"), PathBuf::from("/opt/x/run.py"))];
+        s.fs.extra_files = vec![(
+            PathBuf::from("/opt/x/run.py"),
+            PathBuf::from("/opt/x/run.py"),
+        )];
         let p = ContainerPlan::new(&s, BackendKind::Docker, "i").unwrap();
         let m = p.body(&owner(), "e").host_config.unwrap().mounts.unwrap();
         assert_eq!(m[0].read_only, Some(true));
@@ -338,13 +465,33 @@ mod tests {
         s.stdin = Some(b"x".to_vec());
         s.limits.timeout = Duration::from_secs(1);
         s.exec_id = "exec-2".into();
-        assert_eq!(ContainerPlan::new(&s, BackendKind::Docker, "i").unwrap().key, a.key);
+        assert_eq!(
+            ContainerPlan::new(&s, BackendKind::Docker, "i")
+                .unwrap()
+                .key,
+            a.key
+        );
         s.limits.memory_bytes = 256 << 20;
-        assert_ne!(ContainerPlan::new(&s, BackendKind::Docker, "i").unwrap().key, a.key);
-        assert_ne!(ContainerPlan::new(&spec(), BackendKind::Gvisor, "i").unwrap().key, a.key);
+        assert_ne!(
+            ContainerPlan::new(&s, BackendKind::Docker, "i")
+                .unwrap()
+                .key,
+            a.key
+        );
+        assert_ne!(
+            ContainerPlan::new(&spec(), BackendKind::Gvisor, "i")
+                .unwrap()
+                .key,
+            a.key
+        );
         let mut s = spec();
         s.profile = "other".into();
-        assert_ne!(ContainerPlan::new(&s, BackendKind::Docker, "i").unwrap().key, a.key);
+        assert_ne!(
+            ContainerPlan::new(&s, BackendKind::Docker, "i")
+                .unwrap()
+                .key,
+            a.key
+        );
     }
 
     #[test]
@@ -352,7 +499,10 @@ mod tests {
         let o = owner();
         assert!(Owner::parse_label(&o.label()).unwrap().same_process(&o));
         let p = Owner::parse_label("a/b/ns/7/9").unwrap();
-        assert_eq!((p.host.as_str(), p.pid_ns.as_str(), p.pid, p.start_time), ("a/b", "ns", 7, 9));
+        assert_eq!(
+            (p.host.as_str(), p.pid_ns.as_str(), p.pid, p.start_time),
+            ("a/b", "ns", 7, 9)
+        );
         assert!(Owner::parse_label("nope").is_none());
         assert!(Owner::parse_label("h/ns/x/9").is_none());
     }

@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use bollard::models::ContainerCreateBody;
 use bollard::query_parameters::{
-    AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, KillContainerOptionsBuilder, ListContainersOptionsBuilder,
-    RemoveContainerOptionsBuilder, RenameContainerOptionsBuilder, WaitContainerOptionsBuilder,
+    AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, KillContainerOptionsBuilder,
+    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, RenameContainerOptionsBuilder,
+    WaitContainerOptionsBuilder,
 };
 use bollard::{API_DEFAULT_VERSION, Docker};
 use bytes::Bytes;
@@ -27,6 +28,10 @@ const REQUEST_TIMEOUT_SECS: u64 = 30;
 pub enum EngineError {
     #[error("docker engine unreachable: {0}")]
     Unreachable(String),
+    /// dockerd accepted the request but did not answer in time (busy, or a runtime stuck on a
+    /// saturated sandbox): not a reason to think it went away.
+    #[error("docker engine did not answer in time")]
+    Timeout,
     #[error("not found: {0}")]
     NotFound(String),
     #[error("docker engine error: {0}")]
@@ -43,10 +48,17 @@ impl From<bollard::errors::Error> for EngineError {
     fn from(e: bollard::errors::Error) -> Self {
         use bollard::errors::Error as B;
         match e {
-            B::DockerResponseServerError { status_code: 404, message } => EngineError::NotFound(message.trim().to_string()),
-            B::DockerResponseServerError { status_code, message } => EngineError::Api(format!("{status_code}: {}", message.trim())),
+            B::DockerResponseServerError {
+                status_code: 404,
+                message,
+            } => EngineError::NotFound(message.trim().to_string()),
+            B::DockerResponseServerError {
+                status_code,
+                message,
+            } => EngineError::Api(format!("{status_code}: {}", message.trim())),
             B::SocketNotFoundError(p) => EngineError::Unreachable(format!("socket {p} not found")),
-            e @ (B::IOError { .. } | B::HyperLegacyError { .. } | B::HyperResponseError { .. } | B::RequestTimeoutError) => {
+            B::RequestTimeoutError => EngineError::Timeout,
+            e @ (B::IOError { .. } | B::HyperLegacyError { .. } | B::HyperResponseError { .. }) => {
                 EngineError::Unreachable(e.to_string())
             }
             other => EngineError::Api(other.to_string()),
@@ -73,6 +85,8 @@ pub struct Attached {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ContainerState {
     pub running: bool,
+    /// Host pid of the container's main process (runc: its init; runsc: the sandbox/sentry).
+    pub pid: Option<u32>,
     pub exit_code: Option<i64>,
     pub oom_killed: bool,
     pub error: Option<String>,
@@ -126,7 +140,10 @@ pub struct BollardEngine {
 
 impl BollardEngine {
     pub fn new(socket: &str) -> Self {
-        BollardEngine { socket: socket.to_string(), client: Mutex::new(None) }
+        BollardEngine {
+            socket: socket.to_string(),
+            client: Mutex::new(None),
+        }
     }
 
     fn cached(&self) -> Option<Docker> {
@@ -145,7 +162,10 @@ impl BollardEngine {
         }
         let path = self.socket.strip_prefix("unix://").unwrap_or(&self.socket);
         if !path.starts_with('/') {
-            return Err(EngineError::Unreachable(format!("sandbox.docker.socket '{}': only unix sockets are supported", self.socket)));
+            return Err(EngineError::Unreachable(format!(
+                "sandbox.docker.socket '{}': only unix sockets are supported",
+                self.socket
+            )));
         }
         let d = Docker::connect_with_unix(path, REQUEST_TIMEOUT_SECS, API_DEFAULT_VERSION)?;
         let d = tokio::time::timeout(Duration::from_secs(10), d.negotiate_version())
@@ -175,11 +195,14 @@ impl BollardEngine {
 #[async_trait::async_trait]
 impl Engine for BollardEngine {
     async fn ping(&self) -> Result<(), EngineError> {
-        self.call(|d| async move { d.ping().await.map(|_| ()) }).await
+        self.call(|d| async move { d.ping().await.map(|_| ()) })
+            .await
     }
 
     async fn info(&self) -> Result<EngineInfo, EngineError> {
-        let (info, version) = self.call(|d| async move { Ok((d.info().await?, d.version().await?)) }).await?;
+        let (info, version) = self
+            .call(|d| async move { Ok((d.info().await?, d.version().await?)) })
+            .await?;
         let mut runtimes: Vec<String> = info.runtimes.unwrap_or_default().into_keys().collect();
         runtimes.sort();
         Ok(EngineInfo {
@@ -191,32 +214,51 @@ impl Engine for BollardEngine {
 
     async fn create(&self, name: &str, body: ContainerCreateBody) -> Result<String, EngineError> {
         let opts = CreateContainerOptionsBuilder::new().name(name).build();
-        self.call(|d| async move { d.create_container(Some(opts), body).await.map(|r| r.id) }).await
+        self.call(|d| async move { d.create_container(Some(opts), body).await.map(|r| r.id) })
+            .await
     }
 
     async fn attach(&self, id: &str) -> Result<Attached, EngineError> {
-        let opts = AttachContainerOptionsBuilder::new().stream(true).stdin(true).stdout(true).stderr(true).logs(false).build();
-        let r = self.call(|d| async move { d.attach_container(id, Some(opts)).await }).await?;
+        let opts = AttachContainerOptionsBuilder::new()
+            .stream(true)
+            .stdin(true)
+            .stdout(true)
+            .stderr(true)
+            .logs(false)
+            .build();
+        let r = self
+            .call(|d| async move { d.attach_container(id, Some(opts)).await })
+            .await?;
         let output = r.output.filter_map(|item| async move {
             match item {
-                Ok(bollard::container::LogOutput::StdOut { message }) | Ok(bollard::container::LogOutput::Console { message }) => {
+                Ok(bollard::container::LogOutput::StdOut { message })
+                | Ok(bollard::container::LogOutput::Console { message }) => {
                     Some(Ok(Output::Stdout(message)))
                 }
-                Ok(bollard::container::LogOutput::StdErr { message }) => Some(Ok(Output::Stderr(message))),
+                Ok(bollard::container::LogOutput::StdErr { message }) => {
+                    Some(Ok(Output::Stderr(message)))
+                }
                 Ok(bollard::container::LogOutput::StdIn { .. }) => None,
                 Err(e) => Some(Err(EngineError::from(e))),
             }
         });
-        Ok(Attached { input: r.input, output: Box::pin(output) })
+        Ok(Attached {
+            input: r.input,
+            output: Box::pin(output),
+        })
     }
 
     async fn start(&self, id: &str) -> Result<(), EngineError> {
-        self.call(|d| async move { d.start_container(id, None).await }).await
+        self.call(|d| async move { d.start_container(id, None).await })
+            .await
     }
 
     async fn kill(&self, id: &str) -> Result<(), EngineError> {
         let opts = KillContainerOptionsBuilder::new().signal("SIGKILL").build();
-        match self.call(|d| async move { d.kill_container(id, Some(opts)).await }).await {
+        match self
+            .call(|d| async move { d.kill_container(id, Some(opts)).await })
+            .await
+        {
             // 409: not running (already stopped) — the goal is reached.
             Err(EngineError::Api(m)) if m.starts_with("409") => Ok(()),
             other => other,
@@ -224,27 +266,42 @@ impl Engine for BollardEngine {
     }
 
     async fn remove(&self, id: &str) -> Result<(), EngineError> {
-        let opts = RemoveContainerOptionsBuilder::new().force(true).v(true).build();
-        match self.call(|d| async move { d.remove_container(id, Some(opts)).await }).await {
+        let opts = RemoveContainerOptionsBuilder::new()
+            .force(true)
+            .v(true)
+            .build();
+        match self
+            .call(|d| async move { d.remove_container(id, Some(opts)).await })
+            .await
+        {
             Err(EngineError::NotFound(_)) => Ok(()),
             // 409 "removal already in progress": someone else (the startup sweep, a retry) is on it.
-            Err(EngineError::Api(m)) if m.starts_with("409") && m.contains("already in progress") => Ok(()),
+            Err(EngineError::Api(m))
+                if m.starts_with("409") && m.contains("already in progress") =>
+            {
+                Ok(())
+            }
             other => other,
         }
     }
 
     async fn rename(&self, id: &str, name: &str) -> Result<(), EngineError> {
         let opts = RenameContainerOptionsBuilder::new().name(name).build();
-        self.call(|d| async move { d.rename_container(id, opts).await }).await
+        self.call(|d| async move { d.rename_container(id, opts).await })
+            .await
     }
 
     async fn wait_stopped(&self, id: &str) -> Result<(), EngineError> {
-        let opts = WaitContainerOptionsBuilder::new().condition("not-running").build();
+        let opts = WaitContainerOptionsBuilder::new()
+            .condition("not-running")
+            .build();
         self.call(|d| async move {
             let mut s = Box::pin(d.wait_container(id, Some(opts)));
             match s.next().await {
                 // A non-zero exit code comes back as this error: the container did stop.
-                Some(Ok(_)) | Some(Err(bollard::errors::Error::DockerContainerWaitError { .. })) | None => Ok(()),
+                Some(Ok(_))
+                | Some(Err(bollard::errors::Error::DockerContainerWaitError { .. }))
+                | None => Ok(()),
                 Some(Err(e)) => Err(e),
             }
         })
@@ -252,10 +309,13 @@ impl Engine for BollardEngine {
     }
 
     async fn inspect(&self, id: &str) -> Result<ContainerState, EngineError> {
-        let r = self.call(|d| async move { d.inspect_container(id, None).await }).await?;
+        let r = self
+            .call(|d| async move { d.inspect_container(id, None).await })
+            .await?;
         let s = r.state.unwrap_or_default();
         Ok(ContainerState {
             running: s.running.unwrap_or(false),
+            pid: s.pid.and_then(|p| u32::try_from(p).ok()).filter(|p| *p > 0),
             exit_code: s.exit_code,
             oom_killed: s.oom_killed.unwrap_or(false),
             error: s.error.filter(|e| !e.is_empty()),
@@ -263,9 +323,15 @@ impl Engine for BollardEngine {
     }
 
     async fn list(&self, labels: &[String]) -> Result<Vec<Listed>, EngineError> {
-        let filters: HashMap<String, Vec<String>> = HashMap::from([("label".to_string(), labels.to_vec())]);
-        let opts = ListContainersOptionsBuilder::new().all(true).filters(&filters).build();
-        let r = self.call(|d| async move { d.list_containers(Some(opts)).await }).await?;
+        let filters: HashMap<String, Vec<String>> =
+            HashMap::from([("label".to_string(), labels.to_vec())]);
+        let opts = ListContainersOptionsBuilder::new()
+            .all(true)
+            .filters(&filters)
+            .build();
+        let r = self
+            .call(|d| async move { d.list_containers(Some(opts)).await })
+            .await?;
         Ok(r.into_iter()
             .filter_map(|c| {
                 Some(Listed {
@@ -313,7 +379,11 @@ pub(crate) mod fake {
     impl FakeEngine {
         fn record(&self, call: String) -> Result<(), EngineError> {
             self.calls.lock().unwrap().push(call);
-            if self.down.load(Ordering::SeqCst) { Err(EngineError::Unreachable("fake engine down".into())) } else { Ok(()) }
+            if self.down.load(Ordering::SeqCst) {
+                Err(EngineError::Unreachable("fake engine down".into()))
+            } else {
+                Ok(())
+            }
         }
 
         /// Ids of containers that exist (any state).
@@ -324,7 +394,11 @@ pub(crate) mod fake {
         }
 
         pub fn name_of(&self, id: &str) -> Option<String> {
-            self.containers.lock().unwrap().get(id).map(|c| c.name.clone())
+            self.containers
+                .lock()
+                .unwrap()
+                .get(id)
+                .map(|c| c.name.clone())
         }
 
         /// The container's main process dies on its own (as after a dockerd restart).
@@ -336,7 +410,12 @@ pub(crate) mod fake {
         }
 
         pub fn count(&self, prefix: &str) -> usize {
-            self.calls.lock().unwrap().iter().filter(|c| c.starts_with(prefix)).count()
+            self.calls
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|c| c.starts_with(prefix))
+                .count()
         }
     }
 
@@ -348,17 +427,32 @@ pub(crate) mod fake {
 
         async fn info(&self) -> Result<EngineInfo, EngineError> {
             self.record("info".into())?;
-            Ok(EngineInfo { server_version: "fake".into(), api_version: "1.41".into(), runtimes: vec!["runc".into(), "runsc".into()] })
+            Ok(EngineInfo {
+                server_version: "fake".into(),
+                api_version: "1.41".into(),
+                runtimes: vec!["runc".into(), "runsc".into()],
+            })
         }
 
-        async fn create(&self, name: &str, body: ContainerCreateBody) -> Result<String, EngineError> {
+        async fn create(
+            &self,
+            name: &str,
+            body: ContainerCreateBody,
+        ) -> Result<String, EngineError> {
             self.record(format!("create {name}"))?;
             if self.fail_create.load(Ordering::SeqCst) {
                 return Err(EngineError::NotFound("No such image".into()));
             }
             let id = format!("c{:03}", self.next.fetch_add(1, Ordering::SeqCst));
             let labels = body.labels.unwrap_or_default();
-            self.containers.lock().unwrap().insert(id.clone(), FakeContainer { name: name.into(), labels, ..Default::default() });
+            self.containers.lock().unwrap().insert(
+                id.clone(),
+                FakeContainer {
+                    name: name.into(),
+                    labels,
+                    ..Default::default()
+                },
+            );
             Ok(id)
         }
 
@@ -366,13 +460,19 @@ pub(crate) mod fake {
             self.record(format!("attach {id}"))?;
             let (tx, rx) = mpsc::unbounded_channel();
             let mut cs = self.containers.lock().unwrap();
-            let c = cs.get_mut(id).ok_or_else(|| EngineError::NotFound(id.into()))?;
+            let c = cs
+                .get_mut(id)
+                .ok_or_else(|| EngineError::NotFound(id.into()))?;
             c.output = Some(tx.clone());
-            let output = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
+            let output = futures::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|item| (item, rx))
+            });
             // The "supervisor": answers the first request with the scripted reply.
             let (input, mut theirs) = tokio::io::duplex(1 << 20);
             let reply = self.reply.lock().unwrap().clone();
             let requests = self.requests.clone();
+            // Weak: only the container entry keeps the output open, so kill/crash ends it.
+            let tx = tx.downgrade();
             tokio::spawn(async move {
                 use tokio::io::AsyncReadExt;
                 let mut buf = vec![0u8; 1 << 16];
@@ -380,20 +480,27 @@ pub(crate) mod fake {
                     && n > 0
                 {
                     requests.lock().unwrap().push(buf[..n].to_vec());
-                    if !reply.is_empty() {
+                    if !reply.is_empty()
+                        && let Some(tx) = tx.upgrade()
+                    {
                         let _ = tx.send(Ok(Output::Stdout(Bytes::from(reply))));
                     }
                 }
                 // Keep our end open while the container lives.
                 let _ = theirs.read(&mut buf).await;
             });
-            Ok(Attached { input: Box::pin(input), output: Box::pin(output) })
+            Ok(Attached {
+                input: Box::pin(input),
+                output: Box::pin(output),
+            })
         }
 
         async fn start(&self, id: &str) -> Result<(), EngineError> {
             self.record(format!("start {id}"))?;
             let mut cs = self.containers.lock().unwrap();
-            cs.get_mut(id).ok_or_else(|| EngineError::NotFound(id.into()))?.running = true;
+            cs.get_mut(id)
+                .ok_or_else(|| EngineError::NotFound(id.into()))?
+                .running = true;
             Ok(())
         }
 
@@ -428,7 +535,10 @@ pub(crate) mod fake {
             self.record(format!("inspect {id}"))?;
             let cs = self.containers.lock().unwrap();
             let c = cs.get(id).ok_or_else(|| EngineError::NotFound(id.into()))?;
-            Ok(ContainerState { running: c.running, ..Default::default() })
+            Ok(ContainerState {
+                running: c.running,
+                ..Default::default()
+            })
         }
 
         async fn list(&self, labels: &[String]) -> Result<Vec<Listed>, EngineError> {
@@ -436,8 +546,21 @@ pub(crate) mod fake {
             let cs = self.containers.lock().unwrap();
             Ok(cs
                 .iter()
-                .filter(|(_, c)| labels.iter().all(|l| l.split_once('=').is_some_and(|(k, v)| c.labels.get(k).map(String::as_str) == Some(v))))
-                .map(|(id, c)| Listed { id: id.clone(), state: if c.running { "running".into() } else { "exited".into() }, labels: c.labels.clone() })
+                .filter(|(_, c)| {
+                    labels.iter().all(|l| {
+                        l.split_once('=')
+                            .is_some_and(|(k, v)| c.labels.get(k).map(String::as_str) == Some(v))
+                    })
+                })
+                .map(|(id, c)| Listed {
+                    id: id.clone(),
+                    state: if c.running {
+                        "running".into()
+                    } else {
+                        "exited".into()
+                    },
+                    labels: c.labels.clone(),
+                })
                 .collect())
         }
     }

@@ -18,8 +18,9 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Semaphore;
 
-use super::container::{LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, Owner};
+use super::container::{LABEL_BACKEND, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, Owner};
 use super::engine::{Engine, EngineError, Listed};
+use crate::sandbox::BackendKind;
 
 /// Concurrent background removals (each is a few hundred ms of dockerd work on 2 cores).
 const REMOVAL_SLOTS: usize = 4;
@@ -27,6 +28,8 @@ const REMOVAL_SLOTS: usize = 4;
 pub struct Janitor {
     engine: Arc<dyn Engine>,
     owner: Owner,
+    /// Our backend: the docker and gvisor backends of one daemon share an instance label.
+    backend: BackendKind,
     /// Removals that failed; retried by [`Janitor::tick`].
     pending: Mutex<HashSet<String>>,
     /// Containers a run is using right now: never swept while the run holds them.
@@ -38,10 +41,11 @@ pub struct Janitor {
 }
 
 impl Janitor {
-    pub fn new(engine: Arc<dyn Engine>, owner: Owner) -> Arc<Janitor> {
+    pub fn new(engine: Arc<dyn Engine>, owner: Owner, backend: BackendKind) -> Arc<Janitor> {
         Arc::new(Janitor {
             engine,
             owner,
+            backend,
             pending: Mutex::new(HashSet::new()),
             leased: Mutex::new(HashSet::new()),
             engine_down: AtomicBool::new(false),
@@ -54,14 +58,26 @@ impl Janitor {
         &self.owner
     }
 
+    /// Label filters matching exactly the containers of this daemon's backend.
+    pub fn own_labels(&self) -> Vec<String> {
+        vec![
+            format!("{LABEL_INSTANCE}={}", self.owner.instance),
+            format!("{LABEL_BACKEND}={}", self.backend.as_str()),
+        ]
+    }
+
     pub fn engine(&self) -> &Arc<dyn Engine> {
         &self.engine
     }
 
     /// Records the outcome of an engine call (an "unreachable" error arms reconnect clean-up).
     pub fn observe<T>(&self, r: &Result<T, EngineError>) {
-        if matches!(r, Err(e) if e.is_unreachable()) && !self.engine_down.swap(true, Ordering::SeqCst) {
-            tracing::warn!("docker engine unreachable; containers will be cleaned up when it is back");
+        if matches!(r, Err(e) if e.is_unreachable())
+            && !self.engine_down.swap(true, Ordering::SeqCst)
+        {
+            tracing::warn!(
+                "docker engine unreachable; containers will be cleaned up when it is back"
+            );
         }
     }
 
@@ -122,13 +138,18 @@ impl Janitor {
                 self.observe(&r);
                 match r {
                     Ok(()) => removed += 1,
-                    Err(e) => tracing::warn!(container = %c.id, error = %e, "orphan removal failed"),
+                    Err(e) => {
+                        tracing::warn!(container = %c.id, error = %e, "orphan removal failed")
+                    }
                 }
             }
         }
         self.startup_swept.store(true, Ordering::SeqCst);
         if removed > 0 {
-            tracing::warn!(removed, "removed sandbox containers left by an earlier daemon");
+            tracing::warn!(
+                removed,
+                "removed sandbox containers left by an earlier daemon"
+            );
         }
         Ok(removed)
     }
@@ -136,7 +157,7 @@ impl Janitor {
     /// After dockerd came back: our containers that no run holds are stale (a restarted dockerd
     /// killed them, and their attach connections are gone).
     async fn sweep_own(&self) -> Result<usize, EngineError> {
-        let listed = self.engine.list(&[format!("{LABEL_INSTANCE}={}", self.owner.instance)]).await?;
+        let listed = self.engine.list(&self.own_labels()).await?;
         let leased: HashSet<String> = self.leased.lock().map(|l| l.clone()).unwrap_or_default();
         let mut removed = 0;
         for c in listed.into_iter().filter(|c| !leased.contains(&c.id)) {
@@ -151,7 +172,9 @@ impl Janitor {
     /// was owed (startup sweep, own stale containers, pending removals). Returns true when the
     /// engine came back during this tick (the pool must then drop its idle containers).
     pub async fn tick(&self) -> bool {
-        let owed = self.engine_down() || self.pending_count() > 0 || !self.startup_swept.load(Ordering::SeqCst);
+        let owed = self.engine_down()
+            || self.pending_count() > 0
+            || !self.startup_swept.load(Ordering::SeqCst);
         if !owed {
             return false;
         }
@@ -166,11 +189,18 @@ impl Janitor {
         }
         if came_back {
             match self.sweep_own().await {
-                Ok(n) => tracing::info!(removed = n, "docker engine reachable again; stale containers removed"),
+                Ok(n) => tracing::info!(
+                    removed = n,
+                    "docker engine reachable again; stale containers removed"
+                ),
                 Err(e) => tracing::warn!(error = %e, "clean-up after reconnect failed"),
             }
         }
-        let pending: Vec<String> = self.pending.lock().map(|mut p| p.drain().collect()).unwrap_or_default();
+        let pending: Vec<String> = self
+            .pending
+            .lock()
+            .map(|mut p| p.drain().collect())
+            .unwrap_or_default();
         for id in pending {
             let r = self.engine.remove(&id).await;
             self.observe(&r);
@@ -190,9 +220,33 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// SIGKILLs host process `pid` if it is the main process of container `id`: its cgroup path names
+/// the container, which also fails (and kills nothing) when this daemon does not share the
+/// engine's pid namespace or the pid was reused. Returns whether the signal was sent.
+pub fn host_kill(id: &str, pid: u32) -> bool {
+    if id.len() < 12 || pid <= 1 {
+        return false;
+    }
+    let Ok(cgroup) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
+        return false;
+    };
+    if !cgroup.lines().any(|l| l.contains(id)) {
+        return false;
+    }
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill(2) has no memory effects; the target was just checked to be the container's
+    // main process (a reuse of the pid between the check and the call is the usual, tiny, kill(2)
+    // race, and would need a process in that container's cgroup anyway).
+    unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
+}
+
 /// Our pid namespace, so pids in owner labels are only compared within the same namespace.
 pub fn pid_namespace() -> String {
-    std::fs::read_link("/proc/self/ns/pid").map(|p| p.to_string_lossy().into_owned()).unwrap_or_default()
+    std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// Whether the startup sweep removes `c` (see the module docs). `start_time_of(pid)` is the start
@@ -202,7 +256,11 @@ pub fn sweep_verdict(c: &Listed, me: &Owner, start_time_of: impl Fn(u32) -> Opti
         return false;
     }
     let stopped = matches!(c.state.as_str(), "exited" | "dead");
-    let Some(owner) = c.labels.get(LABEL_OWNER).and_then(|l| Owner::parse_label(l)) else {
+    let Some(owner) = c
+        .labels
+        .get(LABEL_OWNER)
+        .and_then(|l| Owner::parse_label(l))
+    else {
         return stopped;
     };
     if owner.same_process(me) {
@@ -220,7 +278,13 @@ mod tests {
     use std::collections::HashMap;
 
     fn me() -> Owner {
-        Owner { instance: "h-10".into(), host: "h".into(), pid_ns: "pid:[1]".into(), pid: 10, start_time: 100 }
+        Owner {
+            instance: "h-10".into(),
+            host: "h".into(),
+            pid_ns: "pid:[1]".into(),
+            pid: 10,
+            start_time: 100,
+        }
     }
 
     fn listed(state: &str, owner: Option<&str>) -> Listed {
@@ -228,27 +292,73 @@ mod tests {
         if let Some(o) = owner {
             labels.insert(LABEL_OWNER.to_string(), o.to_string());
         }
-        Listed { id: "c".into(), state: state.into(), labels }
+        Listed {
+            id: "c".into(),
+            state: state.into(),
+            labels,
+        }
     }
 
     #[test]
     fn verdicts() {
         let alive = |pid: u32| if pid == 20 { Some(200) } else { None };
         // Stopped containers of daemons we cannot judge are garbage.
-        assert!(sweep_verdict(&listed("exited", Some("other/pid:[9]/5/5")), &me(), alive));
-        assert!(sweep_verdict(&listed("exited", Some("h/pid:[2]/5/5")), &me(), alive));
+        assert!(sweep_verdict(
+            &listed("exited", Some("other/pid:[9]/5/5")),
+            &me(),
+            alive
+        ));
+        assert!(sweep_verdict(
+            &listed("exited", Some("h/pid:[2]/5/5")),
+            &me(),
+            alive
+        ));
         assert!(sweep_verdict(&listed("dead", None), &me(), alive));
         // A live owner on this host may still be reading the state of its stopped container.
-        assert!(!sweep_verdict(&listed("exited", Some("h/pid:[1]/20/200")), &me(), alive));
-        assert!(sweep_verdict(&listed("exited", Some("h/pid:[1]/30/300")), &me(), alive));
+        assert!(!sweep_verdict(
+            &listed("exited", Some("h/pid:[1]/20/200")),
+            &me(),
+            alive
+        ));
+        assert!(sweep_verdict(
+            &listed("exited", Some("h/pid:[1]/30/300")),
+            &me(),
+            alive
+        ));
         // Running: only when the owner is on this host, same pid ns, and gone.
-        assert!(sweep_verdict(&listed("running", Some("h/pid:[1]/30/300")), &me(), alive));
-        assert!(sweep_verdict(&listed("running", Some("h/pid:[1]/20/999")), &me(), alive), "pid reused");
-        assert!(!sweep_verdict(&listed("running", Some("h/pid:[1]/20/200")), &me(), alive), "owner alive");
-        assert!(!sweep_verdict(&listed("running", Some("other/pid:[1]/30/300")), &me(), alive), "other host");
-        assert!(!sweep_verdict(&listed("running", Some("h/pid:[2]/30/300")), &me(), alive), "other pid ns");
-        assert!(!sweep_verdict(&listed("running", Some("h/pid:[1]/10/100")), &me(), alive), "ours");
-        assert!(!sweep_verdict(&listed("exited", Some("h/pid:[1]/10/100")), &me(), alive), "ours");
+        assert!(sweep_verdict(
+            &listed("running", Some("h/pid:[1]/30/300")),
+            &me(),
+            alive
+        ));
+        assert!(
+            sweep_verdict(&listed("running", Some("h/pid:[1]/20/999")), &me(), alive),
+            "pid reused"
+        );
+        assert!(
+            !sweep_verdict(&listed("running", Some("h/pid:[1]/20/200")), &me(), alive),
+            "owner alive"
+        );
+        assert!(
+            !sweep_verdict(
+                &listed("running", Some("other/pid:[1]/30/300")),
+                &me(),
+                alive
+            ),
+            "other host"
+        );
+        assert!(
+            !sweep_verdict(&listed("running", Some("h/pid:[2]/30/300")), &me(), alive),
+            "other pid ns"
+        );
+        assert!(
+            !sweep_verdict(&listed("running", Some("h/pid:[1]/10/100")), &me(), alive),
+            "ours"
+        );
+        assert!(
+            !sweep_verdict(&listed("exited", Some("h/pid:[1]/10/100")), &me(), alive),
+            "ours"
+        );
         assert!(!sweep_verdict(&listed("running", None), &me(), alive));
         let mut unmanaged = listed("exited", None);
         unmanaged.labels.clear();
@@ -256,8 +366,142 @@ mod tests {
     }
 
     #[test]
+    fn host_kill_refuses_processes_of_other_cgroups() {
+        // Our own process is in no container whose id we make up: nothing is signalled.
+        assert!(!host_kill(&"f".repeat(64), std::process::id()));
+        assert!(!host_kill("short", std::process::id()));
+        assert!(!host_kill(&"f".repeat(64), 1));
+    }
+
+    #[test]
     fn own_start_time_is_readable() {
         assert!(process_start_time(std::process::id()).is_some());
         assert!(pid_namespace().starts_with("pid:"));
+    }
+}
+
+#[cfg(test)]
+mod engine_tests {
+    use super::*;
+    use crate::sandbox::docker::engine::Engine;
+    use crate::sandbox::docker::engine::fake::FakeEngine;
+    use bollard::models::ContainerCreateBody;
+    use std::collections::HashMap;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    fn me() -> Owner {
+        Owner {
+            instance: "h-10".into(),
+            host: "h".into(),
+            pid_ns: "pid:[1]".into(),
+            pid: 10,
+            start_time: 100,
+        }
+    }
+
+    async fn create(engine: &FakeEngine, labels: &[(&str, &str)]) -> String {
+        let labels: HashMap<String, String> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let id = engine
+            .create(
+                "x",
+                ContainerCreateBody {
+                    labels: Some(labels),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        engine.start(&id).await.unwrap();
+        id
+    }
+
+    #[tokio::test]
+    async fn removals_survive_an_engine_outage_and_reconnect_cleans_up() {
+        let engine = Arc::new(FakeEngine::default());
+        let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me(), BackendKind::Docker);
+        let ours = [
+            (LABEL_MANAGED, "true"),
+            (LABEL_INSTANCE, "h-10"),
+            (LABEL_BACKEND, "docker"),
+        ];
+        let sibling = create(
+            &engine,
+            &[
+                (LABEL_MANAGED, "true"),
+                (LABEL_INSTANCE, "h-10"),
+                (LABEL_BACKEND, "gvisor"),
+            ],
+        )
+        .await;
+        let leased = create(&engine, &ours).await;
+        let stale = create(&engine, &ours).await;
+        let disposed = create(&engine, &ours).await;
+        j.lease(&leased);
+        assert!(
+            !j.tick().await,
+            "startup sweep, engine up: nothing came back"
+        );
+
+        engine.down.store(true, Ordering::SeqCst);
+        j.dispose(disposed.clone());
+        for _ in 0..100 {
+            if j.pending_count() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(j.pending_count(), 1, "failed removal kept for retry");
+        assert!(j.engine_down());
+        assert!(!j.tick().await, "still down");
+
+        engine.down.store(false, Ordering::SeqCst);
+        assert!(j.tick().await, "came back");
+        let mut kept = vec![leased.clone(), sibling.clone()];
+        kept.sort();
+        assert_eq!(
+            engine.existing(),
+            kept,
+            "stale {stale} and pending removed; the leased one and the gvisor backend's kept"
+        );
+        assert_eq!(j.pending_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn startup_sweep_removes_only_what_crashed_daemons_left() {
+        let engine = Arc::new(FakeEngine::default());
+        let dead_owner = format!("h/{}/4194304/1", pid_namespace());
+        let me = Owner {
+            pid_ns: pid_namespace(),
+            pid: std::process::id(),
+            start_time: process_start_time(std::process::id()).unwrap(),
+            ..me()
+        };
+        let live_owner = me.label();
+        let other_host = "elsewhere/pid:[9]/1/1".to_string();
+        let orphan = create(
+            &engine,
+            &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &dead_owner)],
+        )
+        .await;
+        let mine = create(
+            &engine,
+            &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &live_owner)],
+        )
+        .await;
+        let foreign = create(
+            &engine,
+            &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &other_host)],
+        )
+        .await;
+        let unmanaged = create(&engine, &[(LABEL_OWNER, &dead_owner)]).await;
+        let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me, BackendKind::Docker);
+        assert_eq!(j.sweep_orphans().await.unwrap(), 1);
+        let left = engine.existing();
+        assert!(!left.contains(&orphan));
+        assert!(left.contains(&mine) && left.contains(&foreign) && left.contains(&unmanaged));
     }
 }

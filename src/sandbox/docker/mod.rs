@@ -21,19 +21,21 @@ use futures::StreamExt;
 use tokio::io::{AsyncWriteExt, DuplexStream};
 use tokio::sync::watch;
 
-use self::container::{ContainerPlan, LABEL_BACKEND, LABEL_INSTANCE, Owner, runtime_of};
+use self::container::{ContainerPlan, Owner, runtime_of};
 use self::engine::{BollardEngine, Engine, EngineError, Output, OutputStream};
 use self::janitor::Janitor;
-use self::pool::{Pool, WarmContainer};
 pub use self::pool::PoolMetrics;
+use self::pool::{Pool, WarmContainer};
 use self::supervisor::{ExitReport, Frame, FrameDecoder};
 use super::capture::{Captured, read_capped};
-use super::{BackendKind, BackendStatus, ExitKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError};
+use super::{
+    BackendKind, BackendStatus, ExitKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError,
+};
 
 /// How long the capped readers may take to finish once the stream is over.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
-/// How long the stream may take to end after the daemon killed a run (the container is dying).
-const KILL_DRAIN: Duration = Duration::from_secs(10);
+/// How long a kill may take the engine before the run goes on without its confirmation.
+const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long readiness waits for dockerd.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long an OOM verdict waits for the container to stop.
@@ -55,23 +57,45 @@ pub struct DockerSandbox {
 impl DockerSandbox {
     /// Never fails and never blocks on dockerd: what is missing shows in [`Sandbox::status`] and
     /// makes runs fail with `Unavailable`. Spawns the maintenance task (startup sweep first).
-    pub fn new(kind: BackendKind, config: &crate::config::DockerConfig, instance_id: &str, metrics: Option<PoolMetrics>) -> Self {
+    pub fn new(
+        kind: BackendKind,
+        config: &crate::config::DockerConfig,
+        instance_id: &str,
+        metrics: Option<PoolMetrics>,
+    ) -> Self {
         let engine: Arc<dyn Engine> = Arc::new(BollardEngine::new(&config.socket));
         let owner = Owner {
             instance: instance_id.to_string(),
-            host: nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_default(),
+            host: nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .unwrap_or_default(),
             pid_ns: janitor::pid_namespace(),
             pid: std::process::id(),
             start_time: janitor::process_start_time(std::process::id()).unwrap_or(0),
         };
-        let mut s = Self::with_engine(kind, engine, owner, &config.image, config.pool_size, metrics);
+        let mut s = Self::with_engine(
+            kind,
+            engine,
+            owner,
+            &config.image,
+            config.pool_size,
+            metrics,
+        );
         s.shutdown_socket = Some(config.socket.clone());
         s
     }
 
     /// The backend over any engine (unit tests use a fake).
-    pub fn with_engine(kind: BackendKind, engine: Arc<dyn Engine>, owner: Owner, image: &str, pool_size: usize, metrics: Option<PoolMetrics>) -> Self {
-        let janitor = Janitor::new(engine, owner);
+    pub fn with_engine(
+        kind: BackendKind,
+        engine: Arc<dyn Engine>,
+        owner: Owner,
+        image: &str,
+        pool_size: usize,
+        metrics: Option<PoolMetrics>,
+    ) -> Self {
+        let janitor = Janitor::new(engine, owner, kind);
         let pool = Pool::new(pool_size, kind, janitor.clone(), metrics);
         let weak = Arc::downgrade(&pool);
         let j = janitor.clone();
@@ -89,7 +113,13 @@ impl DockerSandbox {
                 tokio::time::sleep(MAINTENANCE_EVERY).await;
             }
         });
-        DockerSandbox { kind, default_image: image.to_string(), janitor, pool, shutdown_socket: None }
+        DockerSandbox {
+            kind,
+            default_image: image.to_string(),
+            janitor,
+            pool,
+            shutdown_socket: None,
+        }
     }
 
     fn engine(&self) -> &Arc<dyn Engine> {
@@ -97,7 +127,11 @@ impl DockerSandbox {
     }
 
     /// A container for this run: warm if the pool has one, else launched now.
-    async fn container_for(&self, plan: &ContainerPlan, exec_id: &str) -> Result<(WarmContainer, bool), SandboxError> {
+    async fn container_for(
+        &self,
+        plan: &ContainerPlan,
+        exec_id: &str,
+    ) -> Result<(WarmContainer, bool), SandboxError> {
         if let Some(w) = self.pool.take(plan) {
             // Labels are immutable; the name tells operators which execution holds it.
             let engine = self.engine().clone();
@@ -107,11 +141,38 @@ impl DockerSandbox {
             });
             return Ok((w, true));
         }
-        let w = WarmContainer::launch(&self.janitor, plan, &format!("executor-arm-{exec_id}"), exec_id).await.map_err(|e| launch_error(plan, e))?;
+        let w = WarmContainer::launch(
+            &self.janitor,
+            plan,
+            &format!("executor-arm-{exec_id}"),
+            exec_id,
+        )
+        .await
+        .map_err(|e| launch_error(plan, e))?;
         Ok((w, false))
     }
 
-    /// The engine's OOM verdict once the container has stopped; `None` when it cannot be had.
+    /// Kills the container: SIGKILL through the engine and, at the same time, straight to its
+    /// main host process when this daemon can see it, because a gVisor sandbox saturated by its
+    /// guest (a fork bomb under its CPU quota) can take half a minute to act on the engine's.
+    /// A kill the engine has not confirmed in time is not an error once the direct one landed.
+    async fn stop(&self, id: &str, pid: Option<u32>) -> Result<(), EngineError> {
+        let direct = pid.is_some_and(|pid| janitor::host_kill(id, pid));
+        let api = tokio::time::timeout(KILL_TIMEOUT, self.engine().kill(id)).await;
+        match api {
+            Ok(r) => {
+                self.janitor.observe(&r);
+                if direct { Ok(()) } else { r }
+            }
+            Err(_) if direct => Ok(()),
+            Err(_) => Err(EngineError::Api(format!(
+                "the engine did not confirm the kill within {} s",
+                KILL_TIMEOUT.as_secs()
+            ))),
+        }
+    }
+
+    /// The engine's OOM verdict, read once the container has stopped (bounded wait).
     async fn oom_verdict(&self, id: &str) -> Result<bool, EngineError> {
         let engine = self.engine();
         let waited = tokio::time::timeout(VERDICT_TIMEOUT, engine.wait_stopped(id)).await;
@@ -124,17 +185,93 @@ impl DockerSandbox {
     }
 }
 
+impl DockerSandbox {
+    /// What the run's end means: the supervisor's report (if any) and the OOM verdict, or the
+    /// error the run ends with when there is neither a report nor a kill of ours to explain it.
+    async fn settle(
+        &self,
+        id: &str,
+        exec_id: &str,
+        killed: Option<KilledReason>,
+        end: PumpEnd,
+    ) -> Result<(Option<ExitReport>, bool), SandboxError> {
+        if killed.is_none() && end.undelivered {
+            let reason = end.error.map(|e| e.to_string()).unwrap_or_default();
+            return Err(SandboxError::Unavailable(format!(
+                "sandbox container {} was gone before the run: {reason}",
+                short(id)
+            )));
+        }
+        let report = match end.report {
+            Some(Frame::Failed(m)) if killed.is_none() => return Err(SandboxError::Setup(m)),
+            Some(Frame::Exit(r)) => Some(r),
+            _ => None,
+        };
+        let mut oom = report.as_ref().and_then(|r| r.oom_kills).unwrap_or(0) > 0;
+        // The engine decides OOM whenever something was SIGKILLed that we did not kill, or the
+        // supervisor vanished (gVisor: an OOM takes the whole sandbox down).
+        let suspicious = killed.is_none()
+            && !oom
+            && report
+                .as_ref()
+                .is_none_or(|r| r.exit == ExitKind::Signaled(libc::SIGKILL));
+        if suspicious {
+            match self.oom_verdict(id).await {
+                Ok(v) => oom = v,
+                Err(e) if report.is_none() => {
+                    let why = end.error.map(|x| x.to_string());
+                    return Err(SandboxError::Unavailable(format!(
+                        "docker engine lost during the run ({}): {e}",
+                        why.as_deref().unwrap_or("stream ended")
+                    )));
+                }
+                Err(e) => {
+                    tracing::warn!(%exec_id, error = %e, "no OOM verdict from the engine")
+                }
+            }
+        }
+        if report.is_none() && killed.is_none() && !oom {
+            let why = match end.error {
+                Some(e) if e.is_unreachable() => {
+                    return Err(SandboxError::Unavailable(format!(
+                        "docker engine lost during the run: {e}"
+                    )));
+                }
+                Some(e) => e.to_string(),
+                None => "the supervisor exited without a report".into(),
+            };
+            return Err(SandboxError::Setup(format!(
+                "{why}; supervisor stderr: {}",
+                String::from_utf8_lossy(&end.supervisor_stderr).trim()
+            )));
+        }
+        Ok((report, oom))
+    }
+}
+
 /// Engine failures while getting a container: an unreachable engine, a missing image or an
 /// unregistered runtime mean the backend cannot serve this profile (503); anything else is a
 /// setup failure of this run.
 fn launch_error(plan: &ContainerPlan, e: EngineError) -> SandboxError {
     match e {
-        EngineError::Unreachable(m) => SandboxError::Unavailable(format!("docker engine unreachable: {m}")),
+        EngineError::Unreachable(m) => {
+            SandboxError::Unavailable(format!("docker engine unreachable: {m}"))
+        }
+        EngineError::Timeout => {
+            SandboxError::Unavailable("docker engine did not answer in time".to_string())
+        }
         EngineError::NotFound(m) => SandboxError::Unavailable(format!("image {}: {m}", plan.image)),
+        EngineError::Api(m) if m.contains(supervisor::PERL) => SandboxError::Unavailable(format!(
+            "image {} cannot run the sandbox supervisor ({} is missing?): {m}",
+            plan.image,
+            supervisor::PERL
+        )),
         EngineError::Api(m) if m.to_ascii_lowercase().contains("runtime") => {
             SandboxError::Unavailable(format!("runtime {}: {m}", runtime_of(plan.kind)))
         }
-        EngineError::Api(m) => SandboxError::Setup(format!("could not start a sandbox container: {m}")),
+        EngineError::Api(m) => {
+            SandboxError::Setup(format!("could not start a sandbox container: {m}"))
+        }
     }
 }
 
@@ -151,7 +288,13 @@ struct PumpEnd {
 }
 
 /// Writes the request, then relays command output into the capped readers until the final frame.
-async fn pump(mut attached_in: std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>, mut output: OutputStream, request: Vec<u8>, mut out_w: DuplexStream, mut err_w: DuplexStream) -> PumpEnd {
+async fn pump(
+    mut attached_in: std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
+    mut output: OutputStream,
+    request: Vec<u8>,
+    mut out_w: DuplexStream,
+    mut err_w: DuplexStream,
+) -> PumpEnd {
     let mut end = PumpEnd::default();
     let delivered = async {
         attached_in.write_all(&request).await?;
@@ -159,7 +302,9 @@ async fn pump(mut attached_in: std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Sen
     };
     if let Err(e) = delivered.await {
         end.undelivered = true;
-        end.error = Some(EngineError::Unreachable(format!("could not hand the request to the sandbox: {e}")));
+        end.error = Some(EngineError::Unreachable(format!(
+            "could not hand the request to the sandbox: {e}"
+        )));
         return end;
     }
     drop(request);
@@ -183,7 +328,8 @@ async fn pump(mut attached_in: std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Sen
                             return end;
                         }
                         Err(e) => {
-                            end.error = Some(EngineError::Api(format!("corrupt supervisor stream: {e}")));
+                            end.error =
+                                Some(EngineError::Api(format!("corrupt supervisor stream: {e}")));
                             return end;
                         }
                     }
@@ -191,7 +337,8 @@ async fn pump(mut attached_in: std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Sen
             }
             Ok(Output::Stderr(chunk)) => {
                 let room = SUPERVISOR_STDERR_CAP.saturating_sub(end.supervisor_stderr.len());
-                end.supervisor_stderr.extend_from_slice(&chunk[..chunk.len().min(room)]);
+                end.supervisor_stderr
+                    .extend_from_slice(&chunk[..chunk.len().min(room)]);
             }
             Err(e) => {
                 end.error = Some(e);
@@ -217,12 +364,23 @@ impl Sandbox for DockerSandbox {
 
     async fn status(&self) -> BackendStatus {
         let runtime = runtime_of(self.kind);
-        let (ready, detail) = match tokio::time::timeout(STATUS_TIMEOUT, self.engine().info()).await {
-            Err(_) => (false, format!("docker engine did not answer within {} s", STATUS_TIMEOUT.as_secs())),
+        let (ready, detail) = match tokio::time::timeout(STATUS_TIMEOUT, self.engine().info()).await
+        {
+            Err(_) => (
+                false,
+                format!(
+                    "docker engine did not answer within {} s",
+                    STATUS_TIMEOUT.as_secs()
+                ),
+            ),
             Ok(Err(e)) => (false, e.to_string()),
-            Ok(Ok(info)) if !info.runtimes.iter().any(|r| r == runtime) => {
-                (false, format!("runtime {runtime} is not registered in dockerd (it has: {})", info.runtimes.join(", ")))
-            }
+            Ok(Ok(info)) if !info.runtimes.iter().any(|r| r == runtime) => (
+                false,
+                format!(
+                    "runtime {runtime} is not registered in dockerd (it has: {})",
+                    info.runtimes.join(", ")
+                ),
+            ),
             Ok(Ok(info)) => (
                 true,
                 format!(
@@ -235,7 +393,11 @@ impl Sandbox for DockerSandbox {
                 ),
             ),
         };
-        BackendStatus { backend: self.kind, ready, detail }
+        BackendStatus {
+            backend: self.kind,
+            ready,
+            detail,
+        }
     }
 
     async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError> {
@@ -243,7 +405,11 @@ impl Sandbox for DockerSandbox {
         let plan = ContainerPlan::new(&spec, self.kind, &self.default_image)?;
         let request = supervisor::encode_request(&spec)?;
         let (warm, pooled) = self.container_for(&plan, &spec.exec_id).await?;
-        let WarmContainer { attached, guard } = warm;
+        let WarmContainer {
+            attached,
+            guard,
+            pid,
+        } = warm;
         let id = guard.id().to_string();
         tracing::info!(exec_id = %spec.exec_id, container = %id, pooled, backend = self.kind.as_str(), "sandbox container assigned");
 
@@ -274,57 +440,36 @@ impl Sandbox for DockerSandbox {
             Some(end) => end,
             None => {
                 // SIGKILL to PID 1 ends the whole container, double-forked children included.
-                // Keep draining meanwhile: dockerd finishes a kill only after the container's
-                // output reached us, so not reading would deadlock a flooding run.
-                let (k, drained) = tokio::join!(self.engine().kill(&id), tokio::time::timeout(KILL_DRAIN, &mut relay));
-                self.janitor.observe(&k);
+                // Keep draining while the kill is in progress (dockerd finishes a kill only after
+                // the container's output reached us: not reading would deadlock a flooding run),
+                // then give output still in flight a short grace.
+                let mut stop = std::pin::pin!(self.stop(&id, pid));
+                let (k, drained) = tokio::select! {
+                    end = &mut relay => ((&mut stop).await, Some(end)),
+                    k = &mut stop => (k, tokio::time::timeout(DRAIN_GRACE, &mut relay).await.ok()),
+                };
                 if let Err(e) = k {
                     tracing::error!(exec_id = %spec.exec_id, container = %id, error = %e, "could not kill a sandbox container");
                     if e.is_unreachable() {
-                        return Err(SandboxError::Unavailable(format!("docker engine lost while stopping the run: {e}")));
+                        return Err(SandboxError::Unavailable(format!(
+                            "docker engine lost while stopping the run: {e}"
+                        )));
                     }
                 }
                 drained.unwrap_or_default()
             }
         };
         drop(relay); // closes the capped readers' pipes
-        let collect = |t: tokio::task::JoinHandle<Captured>| async move { tokio::time::timeout(DRAIN_GRACE, t).await.ok().and_then(Result::ok).unwrap_or_default() };
+        let collect = |t: tokio::task::JoinHandle<Captured>| async move {
+            tokio::time::timeout(DRAIN_GRACE, t)
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default()
+        };
         let (stdout, stderr) = tokio::join!(collect(out_task), collect(err_task));
 
-        if killed.is_none() && end.undelivered {
-            let reason = end.error.map(|e| e.to_string()).unwrap_or_default();
-            return Err(SandboxError::Unavailable(format!("sandbox container {} was gone before the run: {reason}", short(&id))));
-        }
-        let report: Option<ExitReport> = match end.report {
-            Some(Frame::Failed(m)) if killed.is_none() => return Err(SandboxError::Setup(m)),
-            Some(Frame::Exit(r)) => Some(r),
-            _ => None,
-        };
-        // The engine decides OOM whenever something was SIGKILLed that we did not kill, or the
-        // supervisor vanished (gVisor: an OOM takes the whole sandbox down).
-        let suspicious = match &report {
-            None => killed.is_none(),
-            Some(r) => killed.is_none() && r.exit == ExitKind::Signaled(libc::SIGKILL) && r.oom_kills.unwrap_or(0) == 0,
-        };
-        let mut oom = report.as_ref().and_then(|r| r.oom_kills).unwrap_or(0) > 0;
-        if suspicious {
-            match self.oom_verdict(&id).await {
-                Ok(v) => oom |= v,
-                Err(e) if report.is_none() => {
-                    let why = end.error.map(|x| x.to_string()).unwrap_or_else(|| "stream ended".into());
-                    return Err(SandboxError::Unavailable(format!("docker engine lost during the run ({why}): {e}")));
-                }
-                Err(e) => tracing::warn!(exec_id = %spec.exec_id, error = %e, "no OOM verdict from the engine"),
-            }
-        }
-        if report.is_none() && killed.is_none() && !oom {
-            let why = match end.error {
-                Some(e) if e.is_unreachable() => return Err(SandboxError::Unavailable(format!("docker engine lost during the run: {e}"))),
-                Some(e) => e.to_string(),
-                None => "the supervisor exited without a report".into(),
-            };
-            return Err(SandboxError::Setup(format!("{why}; supervisor stderr: {}", String::from_utf8_lossy(&end.supervisor_stderr).trim())));
-        }
+        let (report, oom) = self.settle(&id, &spec.exec_id, killed, end).await?;
         drop(guard);
 
         let exit = report.as_ref().map(|r| r.exit).unwrap_or(ExitKind::Killed);
@@ -361,10 +506,17 @@ impl Drop for DockerSandbox {
     /// daemon exits. Runs on its own thread and runtime: we may be inside the daemon's runtime
     /// while it shuts down, where nothing can be awaited.
     fn drop(&mut self) {
-        let Some(socket) = self.shutdown_socket.take() else { return };
-        let labels = vec![format!("{LABEL_INSTANCE}={}", self.janitor.owner().instance), format!("{LABEL_BACKEND}={}", self.kind.as_str())];
+        let Some(socket) = self.shutdown_socket.take() else {
+            return;
+        };
+        let labels = self.janitor.own_labels();
         let worker = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return 0 };
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return 0;
+            };
             rt.block_on(async move {
                 let engine = BollardEngine::new(&socket);
                 let work = async {
@@ -373,13 +525,168 @@ impl Drop for DockerSandbox {
                     futures::future::join_all(listed.iter().map(|c| engine.remove(&c.id))).await;
                     n
                 };
-                tokio::time::timeout(Duration::from_secs(10), work).await.unwrap_or(0)
+                tokio::time::timeout(Duration::from_secs(10), work)
+                    .await
+                    .unwrap_or(0)
             })
         });
         if let Ok(n) = worker.join()
             && n > 0
         {
-            tracing::info!(removed = n, backend = self.kind.as_str(), "removed this daemon's sandbox containers");
+            tracing::info!(
+                removed = n,
+                backend = self.kind.as_str(),
+                "removed this daemon's sandbox containers"
+            );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::NetworkPolicy;
+    use crate::sandbox::docker::engine::fake::FakeEngine;
+    use std::sync::atomic::Ordering;
+
+    fn owner() -> Owner {
+        Owner {
+            instance: "t-1".into(),
+            host: "t".into(),
+            pid_ns: "pid:[1]".into(),
+            pid: 1,
+            start_time: 1,
+        }
+    }
+
+    fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+        let mut v = vec![kind];
+        v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        v.extend_from_slice(payload);
+        v
+    }
+
+    fn sandbox(reply: Vec<u8>) -> (Arc<FakeEngine>, DockerSandbox) {
+        let engine = Arc::new(FakeEngine::default());
+        *engine.reply.lock().unwrap() = reply;
+        let s = DockerSandbox::with_engine(
+            BackendKind::Docker,
+            engine.clone(),
+            owner(),
+            "img",
+            0,
+            None,
+        );
+        (engine, s)
+    }
+
+    async fn gone(engine: &FakeEngine) {
+        for _ in 0..200 {
+            if engine.existing().is_empty() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("container left behind: {:?}", engine.existing());
+    }
+
+    #[tokio::test]
+    async fn a_report_becomes_the_outcome_and_the_container_goes() {
+        let mut reply = frame(b'o', b"out");
+        reply.extend(frame(b'e', b"err"));
+        reply.extend(frame(b'x', b"exit 3 1 2048 0 0"));
+        let (engine, s) = sandbox(reply);
+        let mut spec = container::tests::spec();
+        spec.stdin = Some(b"in".to_vec());
+        let o = s.run(spec.clone()).await.unwrap();
+        assert_eq!(
+            (o.exit, o.stdout.as_slice(), o.stderr.as_slice()),
+            (ExitKind::Exited(3), &b"out"[..], &b"err"[..])
+        );
+        assert!(o.stdin_broken_pipe);
+        assert_eq!(o.peak_memory_kib, Some(2048));
+        assert_eq!((o.oom, o.killed_reason), (false, None));
+        assert_eq!(
+            engine.requests.lock().unwrap()[0],
+            supervisor::encode_request(&spec).unwrap()
+        );
+        gone(&engine).await;
+    }
+
+    #[tokio::test]
+    async fn oom_and_pids_come_from_the_cgroup_counters() {
+        let (_, s) = sandbox(frame(b'x', b"signal 9 0 - 1 -"));
+        let o = s.run(container::tests::spec()).await.unwrap();
+        assert_eq!(
+            (o.exit, o.oom, o.killed_reason),
+            (ExitKind::Signaled(9), true, Some(KilledReason::Oom))
+        );
+        let (_, s) = sandbox(frame(b'x', b"exit 1 0 - 0 5"));
+        let o = s.run(container::tests::spec()).await.unwrap();
+        assert_eq!(o.killed_reason, Some(KilledReason::Pids));
+    }
+
+    #[tokio::test]
+    async fn timeout_kills_the_container() {
+        let (engine, s) = sandbox(frame(b'o', b"partial"));
+        let mut spec = container::tests::spec();
+        spec.limits.timeout = Duration::from_millis(200);
+        let o = s.run(spec).await.unwrap();
+        assert_eq!(
+            (o.exit, o.killed_reason),
+            (ExitKind::Killed, Some(KilledReason::Timeout))
+        );
+        assert_eq!(o.stdout, b"partial");
+        assert_eq!(engine.count("kill"), 1);
+        gone(&engine).await;
+    }
+
+    #[tokio::test]
+    async fn setup_failures_refusals_and_a_missing_engine() {
+        let (engine, s) = sandbox(frame(b'f', b"cannot execute /x: No such file or directory"));
+        assert!(
+            matches!(s.run(container::tests::spec()).await, Err(SandboxError::Setup(m)) if m.contains("cannot execute"))
+        );
+        gone(&engine).await;
+
+        let mut spec = container::tests::spec();
+        spec.network = NetworkPolicy::Egress {
+            allow_hosts: vec![],
+            allow_ports: vec![443],
+            allow_cidrs: vec![],
+            bandwidth_bytes_per_sec: 0,
+            byte_cap: 0,
+        };
+        let (engine, s) = sandbox(Vec::new());
+        assert!(
+            matches!(s.run(spec).await, Err(SandboxError::Unavailable(m)) if m == "egress not configured")
+        );
+        assert_eq!(
+            engine.count("create"),
+            0,
+            "refused before touching the engine"
+        );
+
+        let (engine, s) = sandbox(Vec::new());
+        engine.down.store(true, Ordering::SeqCst);
+        assert!(
+            matches!(s.run(container::tests::spec()).await, Err(SandboxError::Unavailable(m)) if m.contains("unreachable"))
+        );
+        let st = s.status().await;
+        assert!(!st.ready && st.detail.contains("unreachable"), "{st:?}");
+
+        let (engine, s) = sandbox(Vec::new());
+        engine.fail_create.store(true, Ordering::SeqCst);
+        assert!(
+            matches!(s.run(container::tests::spec()).await, Err(SandboxError::Unavailable(m)) if m.contains("image img"))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dropped_run_still_removes_its_container() {
+        let (engine, s) = sandbox(Vec::new());
+        let run = s.run(container::tests::spec());
+        let _ = tokio::time::timeout(Duration::from_millis(200), run).await;
+        gone(&engine).await;
     }
 }

@@ -24,8 +24,10 @@ use crate::sandbox::BackendKind;
 /// Concurrent container launches for refills: each is a few hundred ms of dockerd and runtime
 /// work; more at once only slows the runs that are executing.
 const LAUNCH_SLOTS: usize = 2;
-/// After a failed refill (image missing, engine away) the key is not refilled for this long.
+/// After failed refills (image missing, engine away) the key is left alone for this long,
+/// doubling with each further failure up to [`REFILL_BACKOFF_MAX`].
 const REFILL_BACKOFF: Duration = Duration::from_secs(5);
+const REFILL_BACKOFF_MAX: Duration = Duration::from_secs(300);
 
 /// Handles into the daemon's metrics (`executor_pool_idle_containers`, `executor_pool_events_total`).
 #[derive(Clone)]
@@ -62,13 +64,23 @@ impl Drop for ContainerGuard {
 pub struct WarmContainer {
     pub attached: Attached,
     pub guard: ContainerGuard,
+    /// Host pid of its main process, read right after start: a kill must not need the engine
+    /// to answer first (dockerd holds the container's lock while a slow kill is in progress).
+    pub pid: Option<u32>,
 }
 
 impl WarmContainer {
     /// Creates, attaches (before start, so nothing is missed) and starts one container.
-    pub async fn launch(janitor: &Arc<Janitor>, plan: &ContainerPlan, name: &str, exec_label: &str) -> Result<WarmContainer, EngineError> {
+    pub async fn launch(
+        janitor: &Arc<Janitor>,
+        plan: &ContainerPlan,
+        name: &str,
+        exec_label: &str,
+    ) -> Result<WarmContainer, EngineError> {
         let engine = janitor.engine().clone();
-        let created = engine.create(name, plan.body(janitor.owner(), exec_label)).await;
+        let created = engine
+            .create(name, plan.body(janitor.owner(), exec_label))
+            .await;
         janitor.observe(&created);
         let guard = ContainerGuard::new(created?, janitor.clone());
         let attached = engine.attach(guard.id()).await;
@@ -77,7 +89,12 @@ impl WarmContainer {
         let started = engine.start(guard.id()).await;
         janitor.observe(&started);
         started?;
-        Ok(WarmContainer { attached, guard })
+        let pid = engine.inspect(guard.id()).await.ok().and_then(|st| st.pid);
+        Ok(WarmContainer {
+            attached,
+            guard,
+            pid,
+        })
     }
 
     /// An idle supervisor writes nothing; a finished stream or any output means it is gone.
@@ -91,6 +108,7 @@ struct KeyPool {
     idle: VecDeque<WarmContainer>,
     filling: usize,
     retry_after: Option<Instant>,
+    failures: u32,
 }
 
 pub struct Pool {
@@ -105,7 +123,12 @@ pub struct Pool {
 }
 
 impl Pool {
-    pub fn new(size: usize, kind: BackendKind, janitor: Arc<Janitor>, metrics: Option<PoolMetrics>) -> Arc<Pool> {
+    pub fn new(
+        size: usize,
+        kind: BackendKind,
+        janitor: Arc<Janitor>,
+        metrics: Option<PoolMetrics>,
+    ) -> Arc<Pool> {
         Arc::new(Pool {
             size,
             kind,
@@ -123,18 +146,32 @@ impl Pool {
 
     /// Idle containers over all keys.
     pub fn idle(&self) -> usize {
-        self.keys.lock().map(|k| k.values().map(|p| p.idle.len()).sum()).unwrap_or(0)
+        self.keys
+            .lock()
+            .map(|k| k.values().map(|p| p.idle.len()).sum())
+            .unwrap_or(0)
     }
 
-    fn set_gauge(&self, profile: &str, n: usize) {
+    /// Idle containers of `profile` over all its keys (executors with their own files share a
+    /// profile but not a key).
+    fn publish(&self, keys: &HashMap<String, KeyPool>, profile: &str) {
         if let Some(m) = &self.metrics {
-            m.size.with_label_values(&[self.kind.as_str(), profile]).set(n as i64);
+            let n: usize = keys
+                .values()
+                .filter(|k| k.plan.profile == profile)
+                .map(|k| k.idle.len())
+                .sum();
+            m.size
+                .with_label_values(&[self.kind.as_str(), profile])
+                .set(n as i64);
         }
     }
 
     fn count(&self, event: &str) {
         if let Some(m) = &self.metrics {
-            m.events.with_label_values(&[self.kind.as_str(), event]).inc();
+            m.events
+                .with_label_values(&[self.kind.as_str(), event])
+                .inc();
         }
     }
 
@@ -146,12 +183,15 @@ impl Pool {
         }
         let mut dead = Vec::new();
         let got = {
-            let Ok(mut keys) = self.keys.lock() else { return None };
+            let Ok(mut keys) = self.keys.lock() else {
+                return None;
+            };
             let kp = keys.entry(plan.key.clone()).or_insert_with(|| KeyPool {
                 plan: Arc::new(plan.clone()),
                 idle: VecDeque::new(),
                 filling: 0,
                 retry_after: None,
+                failures: 0,
             });
             let mut got = None;
             while let Some(mut w) = kp.idle.pop_front() {
@@ -161,11 +201,14 @@ impl Pool {
                 }
                 dead.push(w);
             }
-            self.set_gauge(&plan.profile, kp.idle.len());
+            self.publish(&keys, &plan.profile);
             got
         };
         if !dead.is_empty() {
-            tracing::info!(dropped = dead.len(), "warm pool: idle containers had died; replacing them");
+            tracing::info!(
+                dropped = dead.len(),
+                "warm pool: idle containers had died; replacing them"
+            );
         }
         drop(dead);
         self.count(if got.is_some() { "hit" } else { "miss" });
@@ -176,7 +219,9 @@ impl Pool {
     /// Starts launches until the key has `size` idle or launching containers.
     fn refill(self: &Arc<Self>, key: &str) {
         let (plan, n, generation) = {
-            let Ok(mut keys) = self.keys.lock() else { return };
+            let Ok(mut keys) = self.keys.lock() else {
+                return;
+            };
             let Some(kp) = keys.get_mut(key) else { return };
             if kp.retry_after.is_some_and(|t| Instant::now() < t) {
                 return;
@@ -196,27 +241,40 @@ impl Pool {
         let launched = match self.launches.clone().acquire_owned().await {
             Ok(_slot) => {
                 let tag = uuid::Uuid::new_v4().simple().to_string();
-                WarmContainer::launch(&self.janitor, &plan, &format!("executor-arm-pool-{tag}"), &format!("pool-{tag}")).await
+                WarmContainer::launch(
+                    &self.janitor,
+                    &plan,
+                    &format!("executor-arm-pool-{tag}"),
+                    &format!("pool-{tag}"),
+                )
+                .await
             }
             Err(_) => Err(EngineError::Api("pool closed".into())),
         };
         let mut discard = None;
-        if let Ok(mut keys) = self.keys.lock()
-            && let Some(kp) = keys.get_mut(&plan.key)
-        {
+        if let Ok(mut guard) = self.keys.lock() {
+            let keys = &mut *guard;
+            let Some(kp) = keys.get_mut(&plan.key) else {
+                return;
+            };
             kp.filling = kp.filling.saturating_sub(1);
             match launched {
                 Ok(w) if generation == self.generation.load(Ordering::SeqCst) => {
                     kp.idle.push_back(w);
                     kp.retry_after = None;
+                    kp.failures = 0;
                 }
                 Ok(w) => discard = Some(w),
                 Err(e) => {
-                    kp.retry_after = Some(Instant::now() + REFILL_BACKOFF);
+                    let backoff = REFILL_BACKOFF
+                        .saturating_mul(1 << kp.failures.min(10))
+                        .min(REFILL_BACKOFF_MAX);
+                    kp.failures = kp.failures.saturating_add(1);
+                    kp.retry_after = Some(Instant::now() + backoff);
                     tracing::warn!(backend = self.kind.as_str(), profile = %plan.profile, error = %e, "warm pool: launching a container failed");
                 }
             }
-            self.set_gauge(&plan.profile, kp.idle.len());
+            self.publish(keys, &plan.profile);
         }
         drop(discard);
     }
@@ -230,7 +288,13 @@ impl Pool {
                 for kp in keys.values_mut() {
                     dropped.extend(kp.idle.drain(..));
                     kp.retry_after = None;
-                    self.set_gauge(&kp.plan.profile, 0);
+                }
+                for profile in keys
+                    .values()
+                    .map(|k| k.plan.profile.clone())
+                    .collect::<Vec<_>>()
+                {
+                    self.publish(&keys, &profile);
                 }
                 keys.keys().cloned().collect()
             }
@@ -251,18 +315,180 @@ impl Pool {
                 let before = dead.len();
                 let mut keep = VecDeque::with_capacity(kp.idle.len());
                 for mut w in kp.idle.drain(..) {
-                    if w.alive() { keep.push_back(w) } else { dead.push(w) }
+                    if w.alive() {
+                        keep.push_back(w)
+                    } else {
+                        dead.push(w)
+                    }
                 }
                 kp.idle = keep;
                 if dead.len() > before || kp.idle.len() + kp.filling < self.size {
-                    self.set_gauge(&kp.plan.profile, kp.idle.len());
                     refill.push(key.clone());
                 }
+            }
+            for profile in keys
+                .values()
+                .map(|k| k.plan.profile.clone())
+                .collect::<Vec<_>>()
+            {
+                self.publish(&keys, &profile);
             }
         }
         drop(dead);
         for k in refill {
             self.refill(&k);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::docker::container::Owner;
+    use crate::sandbox::docker::engine::Engine;
+    use crate::sandbox::docker::engine::fake::FakeEngine;
+    use prometheus::Opts;
+
+    fn owner() -> Owner {
+        Owner {
+            instance: "test-1".into(),
+            host: "test".into(),
+            pid_ns: "pid:[1]".into(),
+            pid: 1,
+            start_time: 1,
+        }
+    }
+
+    fn metrics() -> PoolMetrics {
+        PoolMetrics {
+            size: IntGaugeVec::new(Opts::new("idle", "idle"), &["backend", "profile"]).unwrap(),
+            events: IntCounterVec::new(Opts::new("events", "events"), &["backend", "event"])
+                .unwrap(),
+        }
+    }
+
+    fn plan() -> ContainerPlan {
+        ContainerPlan::new(
+            &crate::sandbox::docker::container::tests::spec(),
+            BackendKind::Docker,
+            "img",
+        )
+        .unwrap()
+    }
+
+    async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+        for _ in 0..200 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("timed out: {what}");
+    }
+
+    fn setup(size: usize) -> (Arc<FakeEngine>, Arc<Pool>, PoolMetrics) {
+        let engine = Arc::new(FakeEngine::default());
+        let janitor = Janitor::new(
+            engine.clone() as Arc<dyn Engine>,
+            owner(),
+            BackendKind::Docker,
+        );
+        let m = metrics();
+        (
+            engine,
+            Pool::new(size, BackendKind::Docker, janitor, Some(m.clone())),
+            m,
+        )
+    }
+
+    #[tokio::test]
+    async fn miss_fills_then_hits_and_a_taken_container_is_destroyed_not_returned() {
+        let (engine, pool, m) = setup(2);
+        let p = plan();
+        assert!(pool.take(&p).is_none(), "first use is a miss");
+        eventually("pool filled", || pool.idle() == 2).await;
+        assert_eq!(
+            m.size
+                .with_label_values(&["docker", "shell-readonly"])
+                .get(),
+            2
+        );
+        let w = pool.take(&p).expect("hit");
+        let id = w.guard.id().to_string();
+        assert_eq!(m.events.with_label_values(&["docker", "hit"]).get(), 1);
+        assert_eq!(m.events.with_label_values(&["docker", "miss"]).get(), 1);
+        eventually("replacement launched", || pool.idle() == 2).await;
+        drop(w);
+        eventually("used container removed", || {
+            !engine.existing().contains(&id)
+        })
+        .await;
+        assert_eq!(
+            engine.count("create"),
+            3,
+            "two for the pool, one replacement"
+        );
+        assert!(
+            engine
+                .name_of(&engine.existing()[0])
+                .unwrap()
+                .starts_with("executor-arm-pool-")
+        );
+    }
+
+    #[tokio::test]
+    async fn dead_idle_containers_are_skipped_and_replaced() {
+        let (engine, pool, _) = setup(2);
+        let p = plan();
+        let _ = pool.take(&p);
+        eventually("pool filled", || pool.idle() == 2).await;
+        let first = engine.existing()[0].clone();
+        engine.crash(&first);
+        let w = pool.take(&p).expect("the live one");
+        assert_ne!(w.guard.id(), first);
+        eventually("dead one removed", || !engine.existing().contains(&first)).await;
+        engine.crash(w.guard.id());
+        pool.prune();
+        eventually("refilled", || pool.idle() == 2).await;
+    }
+
+    #[tokio::test]
+    async fn flush_replaces_every_idle_container_and_pool_off_never_launches() {
+        let (engine, pool, _) = setup(1);
+        let p = plan();
+        let _ = pool.take(&p);
+        eventually("pool filled", || pool.idle() == 1).await;
+        let old = engine.existing();
+        pool.flush();
+        eventually("old idle removed and replaced", || {
+            pool.idle() == 1 && engine.existing().iter().all(|c| !old.contains(c))
+        })
+        .await;
+
+        let (engine, pool, m) = setup(0);
+        assert!(pool.take(&p).is_none());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(engine.count("create"), 0);
+        assert_eq!(
+            m.events.with_label_values(&["docker", "miss"]).get(),
+            0,
+            "no pool, no misses"
+        );
+    }
+
+    #[tokio::test]
+    async fn failed_launches_back_off() {
+        let (engine, pool, _) = setup(2);
+        engine
+            .fail_create
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let p = plan();
+        assert!(pool.take(&p).is_none());
+        eventually("both launches tried", || engine.count("create") == 2).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(pool.take(&p).is_none());
+        pool.prune();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(engine.count("create"), 2, "no retry inside the back-off");
     }
 }

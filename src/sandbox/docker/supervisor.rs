@@ -29,7 +29,13 @@ pub const PERL: &str = "/usr/bin/perl";
 /// Environment of the supervisor process itself (the command gets exactly `RunSpec::env`):
 /// neutralise whatever the image sets that would make perl load code or change its I/O layers
 /// (an empty PERL_UNICODE would mean -CSDL, hence 0).
-pub const SUPERVISOR_ENV: [&str; 5] = ["PERL5OPT=", "PERL5LIB=", "PERLLIB=", "PERL5DB=", "PERL_UNICODE=0"];
+pub const SUPERVISOR_ENV: [&str; 5] = [
+    "PERL5OPT=",
+    "PERL5LIB=",
+    "PERLLIB=",
+    "PERL5DB=",
+    "PERL_UNICODE=0",
+];
 
 const MAGIC: &[u8; 4] = b"EAR1";
 
@@ -44,9 +50,14 @@ pub fn entrypoint() -> Vec<String> {
 
 /// Serialises `spec`'s argv, env and stdin into the request the supervisor reads.
 pub fn encode_request(spec: &RunSpec) -> Result<Vec<u8>, SandboxError> {
-    let first = spec.argv.first().ok_or_else(|| SandboxError::Setup("empty argv".into()))?;
+    let first = spec
+        .argv
+        .first()
+        .ok_or_else(|| SandboxError::Setup("empty argv".into()))?;
     if !first.starts_with('/') {
-        return Err(SandboxError::Setup(format!("argv[0] '{first}' is not an absolute path")));
+        return Err(SandboxError::Setup(format!(
+            "argv[0] '{first}' is not an absolute path"
+        )));
     }
     let mut fields: Vec<String> = Vec::with_capacity(spec.argv.len() + spec.env.len() + 3);
     fields.push(spec.argv.len().to_string());
@@ -54,16 +65,28 @@ pub fn encode_request(spec: &RunSpec) -> Result<Vec<u8>, SandboxError> {
     fields.push(spec.env.len().to_string());
     for (k, v) in &spec.env {
         if k.is_empty() || k.contains('=') {
-            return Err(SandboxError::Setup(format!("invalid environment name '{}'", k.escape_debug())));
+            return Err(SandboxError::Setup(format!(
+                "invalid environment name '{}'",
+                k.escape_debug()
+            )));
         }
         fields.push(format!("{k}={v}"));
     }
-    fields.push(spec.stdin.as_ref().map(|s| s.len() as i64).unwrap_or(-1).to_string());
+    fields.push(
+        spec.stdin
+            .as_ref()
+            .map(|s| s.len() as i64)
+            .unwrap_or(-1)
+            .to_string(),
+    );
     if fields.iter().any(|f| f.contains('\0')) {
-        return Err(SandboxError::Setup("NUL byte in argument or environment".into()));
+        return Err(SandboxError::Setup(
+            "NUL byte in argument or environment".into(),
+        ));
     }
     let header = fields.join("\0");
-    let header_len = u32::try_from(header.len()).map_err(|_| SandboxError::Setup("request too large".into()))?;
+    let header_len =
+        u32::try_from(header.len()).map_err(|_| SandboxError::Setup("request too large".into()))?;
     let stdin = spec.stdin.as_deref().unwrap_or_default();
     let mut out = Vec::with_capacity(8 + header.len() + stdin.len());
     out.extend_from_slice(MAGIC);
@@ -98,7 +121,13 @@ impl ExitReport {
         };
         let stdin_broken_pipe = it.next()? == "1";
         let num = |s: Option<&str>| s.and_then(|v| v.parse::<u64>().ok());
-        Some(ExitReport { exit, stdin_broken_pipe, peak_memory_kib: num(it.next()), oom_kills: num(it.next()), pids_max_hits: num(it.next()) })
+        Some(ExitReport {
+            exit,
+            stdin_broken_pipe,
+            peak_memory_kib: num(it.next()),
+            oom_kills: num(it.next()),
+            pids_max_hits: num(it.next()),
+        })
     }
 }
 
@@ -141,7 +170,9 @@ impl FrameDecoder {
         let frame = match kind {
             b'o' => Frame::Stdout(payload),
             b'e' => Frame::Stderr(payload),
-            b'x' => Frame::Exit(ExitReport::parse(&payload).ok_or_else(|| format!("bad exit report {:?}", String::from_utf8_lossy(&payload)))?),
+            b'x' => Frame::Exit(ExitReport::parse(&payload).ok_or_else(|| {
+                format!("bad exit report {:?}", String::from_utf8_lossy(&payload))
+            })?),
             b'f' => Frame::Failed(String::from_utf8_lossy(&payload).into_owned()),
             other => return Err(format!("unknown supervisor frame type {other:#x}")),
         };
@@ -164,10 +195,25 @@ mod tests {
             exec_id: "exec-test".into(),
             argv: argv.iter().map(|s| s.to_string()).collect(),
             stdin: stdin.map(|s| s.to_vec()),
-            env: BTreeMap::from([("PATH".to_string(), "/usr/bin:/bin".to_string()), ("X".to_string(), "a=b c".to_string())]),
-            limits: Limits { cpus: 1.0, memory_bytes: 1 << 29, disk_bytes: 1 << 20, timeout: Duration::from_secs(5), pids: 64, output_bytes: 1 << 20, nofile: 256 },
+            env: BTreeMap::from([
+                ("PATH".to_string(), "/usr/bin:/bin".to_string()),
+                ("X".to_string(), "a=b c".to_string()),
+            ]),
+            limits: Limits {
+                cpus: 1.0,
+                memory_bytes: 1 << 29,
+                disk_bytes: 1 << 20,
+                timeout: Duration::from_secs(5),
+                pids: 64,
+                output_bytes: 1 << 20,
+                nofile: 256,
+            },
             network: NetworkPolicy::None,
-            fs: FsRules { read_only: vec![], extra_files: vec![], workdir: PathBuf::from("/work") },
+            fs: FsRules {
+                read_only: vec![],
+                extra_files: vec![],
+                workdir: PathBuf::from("/work"),
+            },
             uid: 65534,
             gid: 65534,
             landlock_abi: 0,
@@ -209,7 +255,17 @@ mod tests {
     }
 
     fn stdout_of(frames: &[Frame]) -> Vec<u8> {
-        frames.iter().filter_map(|f| if let Frame::Stdout(b) = f { Some(b.to_vec()) } else { None }).flatten().collect()
+        frames
+            .iter()
+            .filter_map(|f| {
+                if let Frame::Stdout(b) = f {
+                    Some(b.to_vec())
+                } else {
+                    None
+                }
+            })
+            .flatten()
+            .collect()
     }
 
     fn exit_of(frames: &[Frame]) -> ExitReport {
@@ -227,7 +283,10 @@ mod tests {
 
         let f = supervise(&spec(&["/usr/bin/env"], None));
         let out = String::from_utf8(stdout_of(&f)).unwrap();
-        assert_eq!(out, "PATH=/usr/bin:/bin\nX=a=b c\n", "exactly the spec's env");
+        assert_eq!(
+            out, "PATH=/usr/bin:/bin\nX=a=b c\n",
+            "exactly the spec's env"
+        );
 
         let f = supervise(&spec(&["/bin/cat"], Some(b"from stdin\0with nul")));
         assert_eq!(stdout_of(&f), b"from stdin\0with nul");
@@ -244,7 +303,10 @@ mod tests {
         assert_eq!(exit_of(&f).exit, ExitKind::Signaled(libc::SIGTERM));
 
         let f = supervise(&spec(&["/nonexistent/program"], None));
-        assert!(matches!(f.last(), Some(Frame::Failed(m)) if m.contains("No such file")), "{f:?}");
+        assert!(
+            matches!(f.last(), Some(Frame::Failed(m)) if m.contains("No such file")),
+            "{f:?}"
+        );
 
         let big = vec![b'y'; 1 << 20];
         let f = supervise(&spec(&["/bin/true"], Some(&big)));
@@ -255,14 +317,25 @@ mod tests {
     fn only_stdio_fds_and_a_left_over_child_does_not_hold_the_report() {
         // The same listing as ls started directly by this process: the supervisor adds no fd (in
         // a container its own are only 0, 1 and 2; here it also inherits the test harness's).
-        let direct = Command::new("/bin/ls").arg("/proc/self/fd").stdin(Stdio::null()).output().unwrap().stdout;
+        let direct = Command::new("/bin/ls")
+            .arg("/proc/self/fd")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+            .stdout;
         let f = supervise(&spec(&["/bin/ls", "/proc/self/fd"], None));
-        assert_eq!(String::from_utf8(stdout_of(&f)).unwrap(), String::from_utf8(direct).unwrap());
+        assert_eq!(
+            String::from_utf8(stdout_of(&f)).unwrap(),
+            String::from_utf8(direct).unwrap()
+        );
 
         let t = std::time::Instant::now();
         let f = supervise(&spec(&["/bin/sh", "-c", "sleep 3 & echo started"], None));
         assert_eq!(stdout_of(&f), b"started\n");
-        assert!(t.elapsed() < Duration::from_secs(2), "waited for the background child");
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "waited for the background child"
+        );
     }
 
     #[test]
@@ -271,9 +344,23 @@ mod tests {
         d.push(b"o\0\0\0\x02h");
         assert_eq!(d.next_frame().unwrap(), None);
         d.push(b"ix\0\0\0\x0cexit 0 0 - 1");
-        assert_eq!(d.next_frame().unwrap(), Some(Frame::Stdout(Bytes::from_static(b"hi"))));
-        let Some(Frame::Exit(r)) = d.next_frame().unwrap() else { panic!() };
-        assert_eq!(r, ExitReport { exit: ExitKind::Exited(0), stdin_broken_pipe: false, peak_memory_kib: None, oom_kills: Some(1), pids_max_hits: None });
+        assert_eq!(
+            d.next_frame().unwrap(),
+            Some(Frame::Stdout(Bytes::from_static(b"hi")))
+        );
+        let Some(Frame::Exit(r)) = d.next_frame().unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            r,
+            ExitReport {
+                exit: ExitKind::Exited(0),
+                stdin_broken_pipe: false,
+                peak_memory_kib: None,
+                oom_kills: Some(1),
+                pids_max_hits: None
+            }
+        );
         let mut d = FrameDecoder::default();
         d.push(b"o\xff\xff\xff\xff");
         assert!(d.next_frame().is_err());
