@@ -22,7 +22,10 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
 fn summary(name: &str, mut v: Vec<Duration>) -> f64 {
     v.sort();
     let (p50, p95, p99) = (pct(&v, 0.50), pct(&v, 0.95), pct(&v, 0.99));
-    println!("{name:<44} n={:<4} p50={p50:>8.3} ms  p95={p95:>8.3} ms  p99={p99:>8.3} ms", v.len());
+    println!(
+        "{name:<44} n={:<4} p50={p50:>8.3} ms  p95={p95:>8.3} ms  p99={p99:>8.3} ms",
+        v.len()
+    );
     p50
 }
 
@@ -30,7 +33,12 @@ fn time_cmd(argv: &[&str]) -> Vec<Duration> {
     let mut out = Vec::with_capacity(N);
     for i in 0..N + WARMUP {
         let t = Instant::now();
-        let st = Command::new(argv[0]).args(&argv[1..]).stdout(Stdio::null()).stderr(Stdio::null()).status().expect("spawn");
+        let st = Command::new(argv[0])
+            .args(&argv[1..])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("spawn");
         let d = t.elapsed();
         assert!(st.success(), "{argv:?} failed");
         if i >= WARMUP {
@@ -45,7 +53,8 @@ async fn main() {
     let dir = tempfile::tempdir().expect("tempdir");
     let secret = "bench-secret-0123456789abcdef0123456789abcdef";
     std::fs::write(dir.path().join("secret"), secret).expect("secret");
-    let bin = std::env::var("EXECUTOR_ARM_BIN").unwrap_or_else(|_| "target/release/executor-arm".into());
+    let bin =
+        std::env::var("EXECUTOR_ARM_BIN").unwrap_or_else(|_| "target/release/executor-arm".into());
     let mut child = Command::new(&bin)
         .args(["serve", "--listen", "127.0.0.1:0"])
         .env("EXECUTOR_ARM_JWT_SECRET_FILE", dir.path().join("secret"))
@@ -67,26 +76,48 @@ async fn main() {
             }
         }
     });
-    let addr = rx.recv_timeout(Duration::from_secs(30)).expect("daemon address");
+    let addr = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("daemon address");
     let mint = |kind, caps: &[&str]| {
         mint_hs256(
             secret.as_bytes(),
-            &MintRequest { kind: Some(kind), capabilities: caps.iter().map(|s| s.to_string()).collect(), ttl_seconds: 3000, aud: "executor-arm".into(), sub: Some("bench".into()), ..Default::default() },
+            &MintRequest {
+                kind: Some(kind),
+                capabilities: caps.iter().map(|s| s.to_string()).collect(),
+                ttl_seconds: 3000,
+                aud: "executor-arm".into(),
+                sub: Some("bench".into()),
+                ..Default::default()
+            },
         )
         .expect("mint")
     };
     let svc = format!("Bearer {}", mint(TokenKind::Service, &[]));
     let body = serde_json::json!({"action_type": "shell", "command": "echo", "args": ["hi"], "capability_token": mint(TokenKind::Capability, &["ShellExecute"])}).to_string();
-    let client = reqwest::Client::builder().pool_max_idle_per_host(1).build().expect("client");
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(1)
+        .build()
+        .expect("client");
     let url = format!("http://{addr}/execute");
     let mut api = Vec::with_capacity(N);
     for i in 0..N + WARMUP {
         let t = Instant::now();
-        let r = client.post(&url).header("authorization", &svc).header("content-type", "application/json").body(body.clone()).send().await.expect("request");
+        let r = client
+            .post(&url)
+            .header("authorization", &svc)
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await
+            .expect("request");
         let status = r.status();
         let text = r.text().await.expect("body");
         let d = t.elapsed();
-        assert!(status.is_success() && text.contains("\"stdout\":\"hi\\n\""), "{status} {text}");
+        assert!(
+            status.is_success() && text.contains("\"stdout\":\"hi\\n\""),
+            "{status} {text}"
+        );
         if i >= WARMUP {
             api.push(d);
         }
@@ -95,10 +126,26 @@ async fn main() {
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let _ = child.wait();
 
-    println!("executor-arm local backend benchmark ({N} sequential requests, {WARMUP} warm-up discarded)");
+    println!(
+        "executor-arm local backend benchmark ({N} sequential requests, {WARMUP} warm-up discarded)"
+    );
     let p_api = summary("POST /execute echo hi (local, keep-alive)", api);
     let p_fork = summary("fork/exec /bin/echo", time_cmd(&["/bin/echo", "hi"]));
-    let p_bwrap = summary("bwrap --ro-bind / / --unshare-all /bin/echo", time_cmd(&["bwrap", "--ro-bind", "/", "/", "--unshare-all", "/bin/echo", "hi"]));
+    let p_bwrap = summary(
+        "bwrap --ro-bind / / --unshare-all /bin/echo",
+        time_cmd(&[
+            "bwrap",
+            "--ro-bind",
+            "/",
+            "/",
+            "--unshare-all",
+            "/bin/echo",
+            "hi",
+        ]),
+    );
     println!("ratio p50 execute / fork-exec: {:.2}x", p_api / p_fork);
-    println!("ratio p50 execute / bwrap:     {:.2}x   (target <= 1.5x)", p_api / p_bwrap);
+    println!(
+        "ratio p50 execute / bwrap:     {:.2}x   (target <= 1.5x)",
+        p_api / p_bwrap
+    );
 }

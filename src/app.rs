@@ -25,7 +25,9 @@ use crate::state::redis_store::RedisStore;
 pub enum BuildError {
     #[error("auth: {0}")]
     Keys(#[from] crate::auth::KeyError),
-    #[error("no verification key configured: set auth.jwt_secret_file (EXECUTOR_ARM_JWT_SECRET_FILE), auth.public_keys, auth.jwks_file or auth.static_tokens")]
+    #[error(
+        "no verification key configured: set auth.jwt_secret_file (EXECUTOR_ARM_JWT_SECRET_FILE), auth.public_keys, auth.jwks_file or auth.static_tokens"
+    )]
     NoKeys,
     #[error(transparent)]
     Audit(#[from] crate::provenance::audit::AuditError),
@@ -57,7 +59,11 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         None => Arc::new(MemoryStore::new()),
     };
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
-    let local = LocalSandbox::new(&config.sandbox.local.cgroup_name, &runtime_dir(), Some(egress_settings(&config)));
+    let local = LocalSandbox::new(
+        &config.sandbox.local.cgroup_name,
+        &runtime_dir(),
+        Some(egress_settings(&config)),
+    );
     let host_probe = Some(local.probe().clone());
     backends.insert(BackendKind::Local, Arc::new(local));
     let metrics = Metrics::new();
@@ -70,10 +76,19 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         let docker = DockerSandbox::new(kind, &config.sandbox.docker, &instance_id, Some(pool));
         backends.insert(kind, Arc::new(docker));
     }
-    policy.egress_backends = backends.iter().filter(|(_, b)| b.supports_egress()).map(|(k, _)| *k).collect();
+    policy.egress_backends = backends
+        .iter()
+        .filter(|(_, b)| b.supports_egress())
+        .map(|(k, _)| *k)
+        .collect();
     let slots = BackendKind::ALL
         .iter()
-        .map(|b| (*b, Arc::new(Semaphore::new(config.server.concurrency.for_backend(*b)))))
+        .map(|b| {
+            (
+                *b,
+                Arc::new(Semaphore::new(config.server.concurrency.for_backend(*b))),
+            )
+        })
         .collect();
     let (kill_switch, _) = watch::channel(false);
     Ok(Arc::new(AppState {
@@ -95,8 +110,16 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
 
 /// The proxy's resolver and the daemon's own addresses (never reachable through it).
 fn egress_settings(config: &Config) -> crate::sandbox::local::egress::EgressSettings {
-    let resolver: Arc<dyn crate::egress::Resolver> = match config.egress.dns_server.as_deref().and_then(|s| s.parse().ok()) {
-        Some(server) => Arc::new(crate::egress::DnsResolver::new(server, std::time::Duration::from_secs(3))),
+    let resolver: Arc<dyn crate::egress::Resolver> = match config
+        .egress
+        .dns_server
+        .as_deref()
+        .and_then(|s| s.parse().ok())
+    {
+        Some(server) => Arc::new(crate::egress::DnsResolver::new(
+            server,
+            std::time::Duration::from_secs(3),
+        )),
         None => Arc::new(crate::egress::SystemResolver),
     };
     let mut deny_addrs = Vec::new();
@@ -117,9 +140,16 @@ fn egress_settings(config: &Config) -> crate::sandbox::local::egress::EgressSett
         }
         deny_addrs.push(listen);
     }
-    crate::sandbox::local::egress::EgressSettings { resolver, deny_addrs, port: config.egress.proxy_port }
+    crate::sandbox::local::egress::EgressSettings {
+        resolver,
+        deny_addrs,
+        port: config.egress.proxy_port,
+    }
 }
 
 fn hostname() -> String {
-    nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "executor-arm".into())
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "executor-arm".into())
 }

@@ -17,7 +17,10 @@ pub const DEFAULT_CONFIG_TOML: &str = include_str!("../config/executor-arm.toml"
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {message}")]
     Parse { path: String, message: String },
     #[error("environment variable {name}: {message}")]
@@ -218,20 +221,35 @@ fn merge(base: &mut toml::Table, over: toml::Table) {
 impl Config {
     /// Embedded defaults, then `file` (if any), then `env`.
     pub fn load(file: Option<&Path>, env: &EnvOverrides) -> Result<Config, ConfigError> {
-        let mut table: toml::Table = DEFAULT_CONFIG_TOML
-            .parse()
-            .map_err(|e: toml::de::Error| ConfigError::Parse { path: "<embedded default>".into(), message: e.to_string() })?;
-        if let Some(path) = file {
-            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-            let over: toml::Table = text
+        let mut table: toml::Table =
+            DEFAULT_CONFIG_TOML
                 .parse()
-                .map_err(|e: toml::de::Error| ConfigError::Parse { path: path.display().to_string(), message: e.to_string() })?;
+                .map_err(|e: toml::de::Error| ConfigError::Parse {
+                    path: "<embedded default>".into(),
+                    message: e.to_string(),
+                })?;
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            let over: toml::Table =
+                text.parse()
+                    .map_err(|e: toml::de::Error| ConfigError::Parse {
+                        path: path.display().to_string(),
+                        message: e.to_string(),
+                    })?;
             merge(&mut table, over);
         }
-        let mut cfg: Config = toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| ConfigError::Parse {
-            path: file.map(|p| p.display().to_string()).unwrap_or_else(|| "<embedded default>".into()),
-            message: e.to_string(),
-        })?;
+        let mut cfg: Config =
+            toml::Value::Table(table)
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Parse {
+                    path: file
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_else(|| "<embedded default>".into()),
+                    message: e.to_string(),
+                })?;
         cfg.apply_env(env)?;
         cfg.validate()?;
         Ok(cfg)
@@ -257,13 +275,18 @@ impl Config {
             self.state.redis_url = Some(v.clone());
         }
         if let Some(v) = &env.sandbox_runtime {
-            self.sandbox.default_backend = BackendKind::from_runtime_name(v).ok_or_else(|| ConfigError::Env {
-                name: "SANDBOX_RUNTIME",
-                message: format!("'{v}' is not one of local, runc, gvisor"),
-            })?;
+            self.sandbox.default_backend =
+                BackendKind::from_runtime_name(v).ok_or_else(|| ConfigError::Env {
+                    name: "SANDBOX_RUNTIME",
+                    message: format!("'{v}' is not one of local, runc, gvisor"),
+                })?;
         }
         if let Some(list) = &env.allowed_commands {
-            let wanted: Vec<&str> = list.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+            let wanted: Vec<&str> = list
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .collect();
             for w in &wanted {
                 if !self.commands.contains_key(*w) {
                     return Err(ConfigError::Env {
@@ -279,32 +302,46 @@ impl Config {
 
     fn validate(&self) -> Result<(), ConfigError> {
         if self.server.body_limit_bytes == 0 {
-            return Err(ConfigError::Invalid("server.body_limit_bytes must be > 0".into()));
+            return Err(ConfigError::Invalid(
+                "server.body_limit_bytes must be > 0".into(),
+            ));
         }
         for b in BackendKind::ALL {
             if self.server.concurrency.for_backend(b) == 0 {
-                return Err(ConfigError::Invalid(format!("server.concurrency.{} must be > 0", b.as_str())));
+                return Err(ConfigError::Invalid(format!(
+                    "server.concurrency.{} must be > 0",
+                    b.as_str()
+                )));
             }
         }
         for t in &self.auth.static_tokens {
             if t.sha256.len() != 64 || hex::decode(&t.sha256).is_err() {
-                return Err(ConfigError::Invalid(format!("auth.static_tokens '{}': sha256 must be 64 hex digits", t.id)));
+                return Err(ConfigError::Invalid(format!(
+                    "auth.static_tokens '{}': sha256 must be 64 hex digits",
+                    t.id
+                )));
             }
         }
         if let Some(d) = &self.egress.dns_server
             && d.parse::<std::net::SocketAddr>().is_err()
         {
-            return Err(ConfigError::Invalid(format!("egress.dns_server '{d}' is not ip:port")));
+            return Err(ConfigError::Invalid(format!(
+                "egress.dns_server '{d}' is not ip:port"
+            )));
         }
         if self.egress.proxy_port == 0 {
             return Err(ConfigError::Invalid("egress.proxy_port must be > 0".into()));
         }
         for (name, c) in &self.commands {
             if !crate::policy::is_bare_name(name) {
-                return Err(ConfigError::Invalid(format!("commands.{name}: not a bare command name")));
+                return Err(ConfigError::Invalid(format!(
+                    "commands.{name}: not a bare command name"
+                )));
             }
             if c.action_types.is_empty() {
-                return Err(ConfigError::Invalid(format!("commands.{name}: action_types is empty")));
+                return Err(ConfigError::Invalid(format!(
+                    "commands.{name}: action_types is empty"
+                )));
             }
         }
         Ok(())
@@ -319,7 +356,9 @@ mod tests {
     fn embedded_default_loads_with_seed_allowlist() {
         let c = Config::load(None, &EnvOverrides::default()).unwrap();
         let names: Vec<_> = c.commands.keys().cloned().collect();
-        for n in ["echo", "ls", "cat", "grep", "curl", "wget", "python3", "nmap"] {
+        for n in [
+            "echo", "ls", "cat", "grep", "curl", "wget", "python3", "nmap",
+        ] {
             assert!(names.contains(&n.to_string()), "{n}");
         }
         assert_eq!(c.server.listen, "0.0.0.0:8003");
@@ -347,9 +386,15 @@ mod tests {
         std::fs::write(&f, "[server]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n").unwrap();
         let e = Config::load(Some(&f), &EnvOverrides::default()).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");
-        let env = EnvOverrides { sandbox_runtime: Some("kvm".into()), ..Default::default() };
+        let env = EnvOverrides {
+            sandbox_runtime: Some("kvm".into()),
+            ..Default::default()
+        };
         assert!(Config::load(None, &env).is_err());
-        let env = EnvOverrides { allowed_commands: Some("rm".into()), ..Default::default() };
+        let env = EnvOverrides {
+            allowed_commands: Some("rm".into()),
+            ..Default::default()
+        };
         assert!(Config::load(None, &env).is_err());
     }
 

@@ -13,7 +13,11 @@ use executor_arm::config::{Config, EnvOverrides, TokenKind};
 use executor_arm::provenance::audit;
 
 #[derive(Parser)]
-#[command(name = "executor-arm", version, about = "Hardened sandboxed command-execution daemon")]
+#[command(
+    name = "executor-arm",
+    version,
+    about = "Hardened sandboxed command-execution daemon"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -97,8 +101,27 @@ enum AuditCmd {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Serve { config, listen, dev } => serve(config, listen, dev),
-        Cmd::Token { cmd: TokenCmd::Mint { kind, secret_file, capabilities, ttl, sub, aud, iss, single_use, commands, profiles, max_timeout } } => {
+        Cmd::Serve {
+            config,
+            listen,
+            dev,
+        } => serve(config, listen, dev),
+        Cmd::Token {
+            cmd:
+                TokenCmd::Mint {
+                    kind,
+                    secret_file,
+                    capabilities,
+                    ttl,
+                    sub,
+                    aud,
+                    iss,
+                    single_use,
+                    commands,
+                    profiles,
+                    max_timeout,
+                },
+        } => {
             let secret = read_secret(&secret_file)?;
             let req = MintRequest {
                 kind: Some(match kind {
@@ -118,14 +141,18 @@ fn main() -> Result<()> {
             println!("{}", mint_hs256(&secret, &req)?);
             Ok(())
         }
-        Cmd::Token { cmd: TokenCmd::Hash { token } } => {
+        Cmd::Token {
+            cmd: TokenCmd::Hash { token },
+        } => {
             if !executor_arm::auth::is_static_token(&token) {
                 bail!("static tokens look like tok_<letters and digits>");
             }
             println!("{}", sha256_hex(token.as_bytes()));
             Ok(())
         }
-        Cmd::Audit { cmd: AuditCmd::Verify { file } } => match audit::verify(&file) {
+        Cmd::Audit {
+            cmd: AuditCmd::Verify { file },
+        } => match audit::verify(&file) {
             Ok((n, last)) => {
                 println!("ok: {n} entries, chain intact, last entry_hash {last}");
                 Ok(())
@@ -145,14 +172,39 @@ fn check_config(path: Option<PathBuf>) -> Result<()> {
     println!("listen: {}", cfg.server.listen);
     println!("default backend: {}", cfg.sandbox.default_backend.as_str());
     println!("audit log: {}", cfg.audit.path.display());
-    println!("state store: {}", if cfg.state.redis_url.is_some() { "redis" } else { "memory" });
+    println!(
+        "state store: {}",
+        if cfg.state.redis_url.is_some() {
+            "redis"
+        } else {
+            "memory"
+        }
+    );
     println!("profiles ({}):", cfg.sandbox.profiles_dir.display());
     for p in policy.profiles.values() {
-        println!("  {} backend={} network={:?} memory={}MB pids={} timeout={}/{}s", p.name, p.backend(cfg.sandbox.default_backend).as_str(), p.network.mode, p.limits.memory_mb, p.limits.pids, p.limits.timeout_default_seconds, p.limits.timeout_max_seconds);
+        println!(
+            "  {} backend={} network={:?} memory={}MB pids={} timeout={}/{}s",
+            p.name,
+            p.backend(cfg.sandbox.default_backend).as_str(),
+            p.network.mode,
+            p.limits.memory_mb,
+            p.limits.pids,
+            p.limits.timeout_default_seconds,
+            p.limits.timeout_max_seconds
+        );
     }
     println!("allowlist:");
     for c in policy.commands.values() {
-        println!("  {} -> {} profile={} capabilities={:?}", c.name, c.path.display(), c.profile, c.capabilities.iter().map(|c| c.as_str()).collect::<Vec<_>>());
+        println!(
+            "  {} -> {} profile={} capabilities={:?}",
+            c.name,
+            c.path.display(),
+            c.profile,
+            c.capabilities
+                .iter()
+                .map(|c| c.as_str())
+                .collect::<Vec<_>>()
+        );
     }
     for (n, why) in &policy.disabled {
         println!("  {n}: DISABLED ({why})");
@@ -160,7 +212,10 @@ fn check_config(path: Option<PathBuf>) -> Result<()> {
     let (defs, skipped) = executor_arm::executors::load_dir(&cfg.executors.dir);
     println!("executors ({}):", cfg.executors.dir.display());
     for d in defs.values() {
-        println!("  {} -> {} {:?} timeout={:?} profile={:?}", d.name, d.command, d.args, d.timeout_seconds, d.profile);
+        println!(
+            "  {} -> {} {:?} timeout={:?} profile={:?}",
+            d.name, d.command, d.args, d.timeout_seconds, d.profile
+        );
     }
     for s in skipped {
         println!("  SKIPPED {}: {}", s.file.display(), s.reason);
@@ -174,16 +229,27 @@ fn check_config(path: Option<PathBuf>) -> Result<()> {
 }
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 /// A private temp dir with a fresh 256-bit secret for `serve --dev`.
 fn dev_secret() -> Result<(tempfile::TempDir, PathBuf)> {
-    let dir = tempfile::Builder::new().prefix("executor-arm-dev-").tempdir()?;
+    let dir = tempfile::Builder::new()
+        .prefix("executor-arm-dev-")
+        .tempdir()?;
     let path = dir.path().join("jwt-secret");
     let secret: [u8; 32] = rand::random();
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)?;
     f.write_all(hex::encode(secret).as_bytes())?;
     Ok((dir, path))
 }
@@ -207,13 +273,21 @@ fn serve(config: Option<PathBuf>, listen: Option<String>, dev: bool) -> Result<(
     if let Some(l) = listen {
         cfg.server.listen = l;
     }
-    let addr: SocketAddr = cfg.server.listen.parse().with_context(|| format!("listen address '{}'", cfg.server.listen))?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let addr: SocketAddr = cfg
+        .server
+        .listen
+        .parse()
+        .with_context(|| format!("listen address '{}'", cfg.server.listen))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let state = executor_arm::app::build(cfg).await?;
         // Before "listening": a SIGHUP must never find the default (terminating) disposition.
         spawn_sighup(state.clone())?;
-        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind {addr}"))?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("bind {addr}"))?;
         let bound = listener.local_addr()?;
         tracing::info!(addr = %bound, version = executor_arm::api::VERSION, "listening");
         if dev {
@@ -227,14 +301,46 @@ fn serve(config: Option<PathBuf>, listen: Option<String>, dev: bool) -> Result<(
 }
 
 fn print_dev_banner(state: &Arc<executor_arm::api::AppState>, addr: SocketAddr) -> Result<()> {
-    let secret_file = state.config.auth.jwt_secret_file.clone().context("dev secret")?;
+    let secret_file = state
+        .config
+        .auth
+        .jwt_secret_file
+        .clone()
+        .context("dev secret")?;
     let secret = read_secret(&secret_file)?;
-    let base = MintRequest { ttl_seconds: 3600, aud: state.config.auth.audience.clone(), sub: Some("dev".into()), ..Default::default() };
-    let service = mint_hs256(&secret, &MintRequest { kind: Some(TokenKind::Service), ..base.clone() })?;
-    let caps = ["ShellRead", "ShellExecute", "FilesystemRead", "PythonExecute", "ExternalExecute"];
-    let capability = mint_hs256(&secret, &MintRequest { kind: Some(TokenKind::Capability), capabilities: caps.iter().map(|s| s.to_string()).collect(), ..base })?;
+    let base = MintRequest {
+        ttl_seconds: 3600,
+        aud: state.config.auth.audience.clone(),
+        sub: Some("dev".into()),
+        ..Default::default()
+    };
+    let service = mint_hs256(
+        &secret,
+        &MintRequest {
+            kind: Some(TokenKind::Service),
+            ..base.clone()
+        },
+    )?;
+    let caps = [
+        "ShellRead",
+        "ShellExecute",
+        "FilesystemRead",
+        "PythonExecute",
+        "ExternalExecute",
+    ];
+    let capability = mint_hs256(
+        &secret,
+        &MintRequest {
+            kind: Some(TokenKind::Capability),
+            capabilities: caps.iter().map(|s| s.to_string()).collect(),
+            ..base
+        },
+    )?;
     let port = addr.port();
-    println!("executor-arm dev mode: listening on {addr}; secret {} (deleted on exit); tokens valid 1 h", secret_file.display());
+    println!(
+        "executor-arm dev mode: listening on {addr}; secret {} (deleted on exit); tokens valid 1 h",
+        secret_file.display()
+    );
     println!("audit log: {}", state.config.audit.path.display());
     println!("try:");
     println!(
@@ -246,7 +352,8 @@ fn print_dev_banner(state: &Arc<executor_arm::api::AppState>, addr: SocketAddr) 
 
 /// SIGHUP reloads external executor defs (the loader logs every skipped def).
 fn spawn_sighup(state: Arc<executor_arm::api::AppState>) -> Result<()> {
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).context("install SIGHUP handler")?;
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .context("install SIGHUP handler")?;
     tokio::spawn(async move {
         while hup.recv().await.is_some() {
             let skipped = state.executors.reload();

@@ -1,7 +1,10 @@
 //! Prometheus metrics. Seed names are kept exactly; every label value comes from a closed enum
 //! or from configuration (profile names), never from request content.
 
-use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
 
 pub struct Metrics {
     registry: Registry,
@@ -21,37 +24,91 @@ pub struct Metrics {
     pub egress_connections: IntCounterVec,
 }
 
-const BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
+const BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
 
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
-        let executions = IntCounterVec::new(Opts::new("executor_executions_total", "Total number of executions"), &["action_type", "success"]).expect("metric");
+        let executions = IntCounterVec::new(
+            Opts::new("executor_executions_total", "Total number of executions"),
+            &["action_type", "success"],
+        )
+        .expect("metric");
         let executions_by_backend = IntCounterVec::new(
-            Opts::new("executor_backend_executions_total", "Executions by backend, profile and outcome"),
+            Opts::new(
+                "executor_backend_executions_total",
+                "Executions by backend, profile and outcome",
+            ),
             &["backend", "profile", "outcome"],
         )
         .expect("metric");
-        let duration = Histogram::with_opts(HistogramOpts::new("executor_execution_duration_seconds", "Execution duration").buckets(BUCKETS.to_vec())).expect("metric");
+        let duration = Histogram::with_opts(
+            HistogramOpts::new("executor_execution_duration_seconds", "Execution duration")
+                .buckets(BUCKETS.to_vec()),
+        )
+        .expect("metric");
         let duration_by_backend = HistogramVec::new(
-            HistogramOpts::new("executor_backend_execution_duration_seconds", "Execution duration by backend").buckets(BUCKETS.to_vec()),
+            HistogramOpts::new(
+                "executor_backend_execution_duration_seconds",
+                "Execution duration by backend",
+            )
+            .buckets(BUCKETS.to_vec()),
             &["backend"],
         )
         .expect("metric");
-        let capability_violations = IntCounter::new("executor_capability_violations_total", "Capability violations").expect("metric");
-        let timeouts = IntCounter::new("executor_timeouts_total", "Execution timeouts").expect("metric");
-        let auth_failures = IntCounter::new("executor_auth_failures_total", "Requests refused with 401").expect("metric");
-        let ooms = IntCounter::new("executor_oom_kills_total", "Executions ended by the memory limit").expect("metric");
-        let output_truncations = IntCounter::new("executor_output_truncations_total", "Executions stopped by the output limit").expect("metric");
-        let rejected = IntCounterVec::new(Opts::new("executor_rejected_total", "Requests refused before running"), &["reason"]).expect("metric");
-        let inflight = IntGaugeVec::new(Opts::new("executor_inflight_executions", "Executions running now"), &["backend"]).expect("metric");
-        let pool_size = IntGaugeVec::new(Opts::new("executor_pool_idle_containers", "Idle pre-started containers"), &["backend", "profile"]).expect("metric");
+        let capability_violations = IntCounter::new(
+            "executor_capability_violations_total",
+            "Capability violations",
+        )
+        .expect("metric");
+        let timeouts =
+            IntCounter::new("executor_timeouts_total", "Execution timeouts").expect("metric");
+        let auth_failures =
+            IntCounter::new("executor_auth_failures_total", "Requests refused with 401")
+                .expect("metric");
+        let ooms = IntCounter::new(
+            "executor_oom_kills_total",
+            "Executions ended by the memory limit",
+        )
+        .expect("metric");
+        let output_truncations = IntCounter::new(
+            "executor_output_truncations_total",
+            "Executions stopped by the output limit",
+        )
+        .expect("metric");
+        let rejected = IntCounterVec::new(
+            Opts::new("executor_rejected_total", "Requests refused before running"),
+            &["reason"],
+        )
+        .expect("metric");
+        let inflight = IntGaugeVec::new(
+            Opts::new("executor_inflight_executions", "Executions running now"),
+            &["backend"],
+        )
+        .expect("metric");
+        let pool_size = IntGaugeVec::new(
+            Opts::new(
+                "executor_pool_idle_containers",
+                "Idle pre-started containers",
+            ),
+            &["backend", "profile"],
+        )
+        .expect("metric");
         let egress_connections = IntCounterVec::new(
-            Opts::new("executor_egress_connections_total", "Outbound connections through the egress proxy"),
+            Opts::new(
+                "executor_egress_connections_total",
+                "Outbound connections through the egress proxy",
+            ),
             &["verdict"],
         )
         .expect("metric");
-        let pool_events = IntCounterVec::new(Opts::new("executor_pool_events_total", "Warm pool hits and misses"), &["backend", "event"]).expect("metric");
+        let pool_events = IntCounterVec::new(
+            Opts::new("executor_pool_events_total", "Warm pool hits and misses"),
+            &["backend", "event"],
+        )
+        .expect("metric");
         for c in [
             Box::new(executions.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(executions_by_backend.clone()),

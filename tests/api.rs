@@ -28,7 +28,11 @@ mod hmac_sign {
     use sha2::{Digest, Sha256};
 
     pub fn sign(key: &[u8], msg: &[u8]) -> String {
-        let mut k = if key.len() > 64 { Sha256::digest(key).to_vec() } else { key.to_vec() };
+        let mut k = if key.len() > 64 {
+            Sha256::digest(key).to_vec()
+        } else {
+            key.to_vec()
+        };
         k.resize(64, 0);
         let ipad: Vec<u8> = k.iter().map(|b| b ^ 0x36).collect();
         let opad: Vec<u8> = k.iter().map(|b| b ^ 0x5c).collect();
@@ -46,7 +50,11 @@ fn assert_error(r: &common::Resp, status: u16, error_type: &str) {
     assert_eq!(r.status, status, "body: {}", r.text);
     assert_eq!(r.json["success"], json!(false), "{}", r.text);
     assert_eq!(r.json["error_type"], json!(error_type), "{}", r.text);
-    assert!(r.json["error"].as_str().is_some_and(|s| !s.is_empty()), "{}", r.text);
+    assert!(
+        r.json["error"].as_str().is_some_and(|s| !s.is_empty()),
+        "{}",
+        r.text
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -57,7 +65,11 @@ async fn seed_examples_and_every_documented_field() {
     assert_eq!(r.status, 200, "{}", r.text);
     let j = &r.json;
     assert_eq!(j["success"], json!(true));
-    assert!(j["stdout"].as_str().unwrap().contains("total"), "{}", r.text);
+    assert!(
+        j["stdout"].as_str().unwrap().contains("total"),
+        "{}",
+        r.text
+    );
     assert_eq!(j["stderr"], json!(""));
     assert_eq!(j["exit_code"], json!(0));
     assert!(j["duration_ms"].is_u64());
@@ -65,17 +77,44 @@ async fn seed_examples_and_every_documented_field() {
     assert_eq!(p["arm_id"], json!("executor"));
     assert_eq!(p["action_type"], json!("shell"));
     assert!(chrono::DateTime::parse_from_rfc3339(p["timestamp"].as_str().unwrap()).is_ok());
-    assert_eq!(p["capabilities_used"], json!(["ShellRead", "FilesystemRead"]));
+    assert_eq!(
+        p["capabilities_used"],
+        json!(["ShellRead", "FilesystemRead"])
+    );
     assert_eq!(p["metadata"]["task_id"], json!("task_123"));
     // Pattern 3: the client recomputes the hash exactly.
     let expected = format!("sha256:{}", hex::encode(Sha256::digest(b"ls -la /tmp")));
     assert_eq!(p["command_hash"], json!(expected));
-    for f in ["exec_id", "request_id", "invocation_hash", "stdout_sha256", "stderr_sha256"] {
-        assert!(p[f].as_str().is_some_and(|s| !s.is_empty()), "provenance.{f}: {}", r.text);
+    for f in [
+        "exec_id",
+        "request_id",
+        "invocation_hash",
+        "stdout_sha256",
+        "stderr_sha256",
+    ] {
+        assert!(
+            p[f].as_str().is_some_and(|s| !s.is_empty()),
+            "provenance.{f}: {}",
+            r.text
+        );
     }
-    assert_eq!(p["stdout_sha256"], json!(format!("sha256:{}", hex::encode(Sha256::digest(j["stdout"].as_str().unwrap().as_bytes())))));
+    assert_eq!(
+        p["stdout_sha256"],
+        json!(format!(
+            "sha256:{}",
+            hex::encode(Sha256::digest(j["stdout"].as_str().unwrap().as_bytes()))
+        ))
+    );
     assert!(p["audit_seq"].is_u64());
-    for (f, v) in [("outcome", json!("success")), ("backend", json!("local")), ("profile", json!("shell-readonly")), ("oom", json!(false)), ("stdout_truncated", json!(false)), ("stderr_truncated", json!(false)), ("killed_reason", Value::Null)] {
+    for (f, v) in [
+        ("outcome", json!("success")),
+        ("backend", json!("local")),
+        ("profile", json!("shell-readonly")),
+        ("oom", json!(false)),
+        ("stdout_truncated", json!(false)),
+        ("stderr_truncated", json!(false)),
+        ("killed_reason", Value::Null),
+    ] {
         assert_eq!(j[f], v, "{f}: {}", r.text);
     }
     assert!(j["peak_memory_kib"].is_u64());
@@ -85,22 +124,40 @@ async fn seed_examples_and_every_documented_field() {
     assert_eq!(r.status, 200);
     assert_eq!(r.json["success"], json!(false));
     assert_ne!(r.json["exit_code"], json!(0));
-    assert!(r.json["stderr"].as_str().unwrap().contains("No such file"), "{}", r.text);
+    assert!(
+        r.json["stderr"].as_str().unwrap().contains("No such file"),
+        "{}",
+        r.text
+    );
     assert_eq!(r.json["outcome"], json!("failed"));
 
     // Example 3: the python3 -c script.
-    let script = "\nimport sys\nprint(\"Python version:\", sys.version)\nprint(\"2 + 2 =\", 2 + 2)\n";
+    let script =
+        "\nimport sys\nprint(\"Python version:\", sys.version)\nprint(\"2 + 2 =\", 2 + 2)\n";
     let r = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-c", script], "timeout_seconds": 10})).await;
     assert_eq!(r.status, 200, "{}", r.text);
-    assert!(r.json["stdout"].as_str().unwrap().contains("2 + 2 = 4"), "{}", r.text);
-    assert_eq!(r.json["provenance"]["capabilities_used"], json!(["PythonExecute"]));
+    assert!(
+        r.json["stdout"].as_str().unwrap().contains("2 + 2 = 4"),
+        "{}",
+        r.text
+    );
+    assert_eq!(
+        r.json["provenance"]["capabilities_used"],
+        json!(["PythonExecute"])
+    );
 
     // No shell anywhere: $(id) comes back literally.
     let r = d.exec(json!({"action_type": "shell", "command": "echo", "args": ["$(id)", "`id`", "a;b", "|"]})).await;
     assert_eq!(r.json["stdout"], json!("$(id) `id` a;b |\n"));
     let expected = format!("sha256:{}", hex::encode(Sha256::digest(b"echo ")));
-    let r = d.exec(json!({"action_type": "shell", "command": "echo"})).await;
-    assert_eq!(r.json["provenance"]["command_hash"], json!(expected), "trailing space when args are empty");
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo"}))
+        .await;
+    assert_eq!(
+        r.json["provenance"]["command_hash"],
+        json!(expected),
+        "trailing space when args are empty"
+    );
 
     // stdin and env (ext).
     let r = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import sys,os;print(sys.stdin.read().upper(), os.environ.get('TZ'))"], "stdin": "piped", "env": {"TZ": "UTC"}})).await;
@@ -110,7 +167,9 @@ async fn seed_examples_and_every_documented_field() {
 #[tokio::test(flavor = "multi_thread")]
 async fn seed_error_bodies_403_408_401() {
     let d = Daemon::start();
-    let r = d.exec(json!({"action_type": "shell", "command": "rm", "args": ["-rf", "/"]})).await;
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "rm", "args": ["-rf", "/"]}))
+        .await;
     assert_error(&r, 403, "CapabilityViolation");
     assert_eq!(r.json["error"], json!("Command 'rm' not in allowlist"));
     let list: Vec<String> = serde_json::from_value(r.json["allowed_commands"].clone()).unwrap();
@@ -120,7 +179,10 @@ async fn seed_error_bodies_403_408_401() {
 
     let r = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import time,sys\nprint('partial', flush=True)\ntime.sleep(30)"], "timeout_seconds": 1})).await;
     assert_error(&r, 408, "ExecutionTimeout");
-    assert_eq!(r.json["error"], json!("Command execution exceeded timeout of 1 seconds"));
+    assert_eq!(
+        r.json["error"],
+        json!("Command execution exceeded timeout of 1 seconds")
+    );
     assert!(r.json["duration_ms"].as_u64().unwrap() >= 1000);
     assert_eq!(r.json["stdout"], json!("partial\n"));
     assert_eq!(r.json["killed_reason"], json!("timeout"));
@@ -128,19 +190,35 @@ async fn seed_error_bodies_403_408_401() {
     assert!(r.json["provenance"]["command_hash"].is_string());
 
     let svc = d.service_token();
-    let r = d.post("/execute", &[("authorization", &format!("Bearer {svc}"))], json!({"action_type": "shell", "command": "ls", "capability_token": "tok_abc123xyz"}).to_string()).await;
+    let r = d
+        .post(
+            "/execute",
+            &[("authorization", &format!("Bearer {svc}"))],
+            json!({"action_type": "shell", "command": "ls", "capability_token": "tok_abc123xyz"})
+                .to_string(),
+        )
+        .await;
     assert_error(&r, 401, "Unauthorized");
-    assert_eq!(r.json["error"], json!("Invalid or expired capability token"));
+    assert_eq!(
+        r.json["error"],
+        json!("Invalid or expired capability token")
+    );
 
     let m = d.get("/metrics").await.text;
     assert!(m.contains("executor_timeouts_total 1"), "{m}");
     assert!(m.contains("executor_capability_violations_total 1"), "{m}");
-    assert!(m.contains("executor_executions_total{action_type=\"python\",success=\"false\"} 1"), "{m}");
+    assert!(
+        m.contains("executor_executions_total{action_type=\"python\",success=\"false\"} 1"),
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn error_table_rows() {
-    let d = Daemon::start_with(Opts { config: Some("[server]\nconcurrency = { local = 1, docker = 1, gvisor = 1 }\n".into()), ..Default::default() });
+    let d = Daemon::start_with(Opts {
+        config: Some("[server]\nconcurrency = { local = 1, docker = 1, gvisor = 1 }\n".into()),
+        ..Default::default()
+    });
     let svc = format!("Bearer {}", d.service_token());
     let auth = [("authorization", svc.as_str())];
     // 400: malformed JSON, wrong types, unknown action_type, timeout out of range, unknown field.
@@ -159,32 +237,90 @@ async fn error_table_rows() {
         assert_error(&r, 400, "InvalidRequest");
     }
     // 401: no bearer, malformed bearer, capability token missing.
-    let r = d.post("/execute", &[], json!({"action_type": "shell", "command": "ls", "capability_token": d.cap_all()}).to_string()).await;
+    let r = d
+        .post(
+            "/execute",
+            &[],
+            json!({"action_type": "shell", "command": "ls", "capability_token": d.cap_all()})
+                .to_string(),
+        )
+        .await;
     assert_error(&r, 401, "Unauthorized");
-    let r = d.post("/execute", &[("authorization", "Bearer not.a.jwt")], json!({"action_type": "shell", "command": "ls", "capability_token": d.cap_all()}).to_string()).await;
+    let r = d
+        .post(
+            "/execute",
+            &[("authorization", "Bearer not.a.jwt")],
+            json!({"action_type": "shell", "command": "ls", "capability_token": d.cap_all()})
+                .to_string(),
+        )
+        .await;
     assert_error(&r, 401, "Unauthorized");
-    let r = d.post("/execute", &auth, json!({"action_type": "shell", "command": "ls", "capability_token": ""}).to_string()).await;
+    let r = d
+        .post(
+            "/execute",
+            &auth,
+            json!({"action_type": "shell", "command": "ls", "capability_token": ""}).to_string(),
+        )
+        .await;
     assert_error(&r, 401, "Unauthorized");
     // A capability token is not a service token, and vice versa.
-    let r = d.post("/execute", &[("authorization", &format!("Bearer {}", d.cap_all()))], json!({"action_type": "shell", "command": "ls", "capability_token": d.cap_all()}).to_string()).await;
+    let r = d
+        .post(
+            "/execute",
+            &[("authorization", &format!("Bearer {}", d.cap_all()))],
+            json!({"action_type": "shell", "command": "ls", "capability_token": d.cap_all()})
+                .to_string(),
+        )
+        .await;
     assert_error(&r, 401, "Unauthorized");
-    let r = d.post("/execute", &auth, json!({"action_type": "shell", "command": "ls", "capability_token": d.service_token()}).to_string()).await;
+    let r = d
+        .post(
+            "/execute",
+            &auth,
+            json!({"action_type": "shell", "command": "ls", "capability_token": d.service_token()})
+                .to_string(),
+        )
+        .await;
     assert_error(&r, 401, "Unauthorized");
     // 403: missing capability (named), argument policy, action type, profile and env not permitted.
     let r = d.exec(json!({"action_type": "shell", "command": "ls", "capability_token": d.cap(&["ShellRead"])})).await;
     assert_error(&r, 403, "CapabilityViolation");
-    assert!(r.json["error"].as_str().unwrap().contains("FilesystemRead"), "{}", r.text);
+    assert!(
+        r.json["error"].as_str().unwrap().contains("FilesystemRead"),
+        "{}",
+        r.text
+    );
     let r = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-m", "pip", "install", "x"]})).await;
     assert_error(&r, 403, "CapabilityViolation");
-    let r = d.exec(json!({"action_type": "python", "command": "ls"})).await;
+    let r = d
+        .exec(json!({"action_type": "python", "command": "ls"}))
+        .await;
     assert_error(&r, 403, "CapabilityViolation");
-    let r = d.exec(json!({"action_type": "shell", "command": "ls", "profile": "python"})).await;
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "ls", "profile": "python"}))
+        .await;
     assert_error(&r, 403, "CapabilityViolation");
-    let r = d.exec(json!({"action_type": "shell", "command": "ls", "env": {"LD_PRELOAD": "/tmp/x.so"}})).await;
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "ls", "env": {"LD_PRELOAD": "/tmp/x.so"}}))
+        .await;
     assert_error(&r, 403, "CapabilityViolation");
     // Token narrowing claims.
-    let narrowed = d.mint(MintRequest { kind: Some(TokenKind::Capability), ttl_seconds: 60, aud: "executor-arm".into(), capabilities: vec!["ShellExecute".into(), "ShellRead".into(), "FilesystemRead".into()], commands: Some(vec!["echo".into()]), max_timeout_seconds: Some(1), ..Default::default() });
-    let r = d.exec(json!({"action_type": "shell", "command": "ls", "capability_token": narrowed})).await;
+    let narrowed = d.mint(MintRequest {
+        kind: Some(TokenKind::Capability),
+        ttl_seconds: 60,
+        aud: "executor-arm".into(),
+        capabilities: vec![
+            "ShellExecute".into(),
+            "ShellRead".into(),
+            "FilesystemRead".into(),
+        ],
+        commands: Some(vec!["echo".into()]),
+        max_timeout_seconds: Some(1),
+        ..Default::default()
+    });
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "ls", "capability_token": narrowed}))
+        .await;
     assert_error(&r, 403, "CapabilityViolation");
     // 413: over 1 MiB, refused on Content-Length.
     let big = "x".repeat((1 << 20) + 10);
@@ -194,22 +330,43 @@ async fn error_table_rows() {
     // with the Docker engine unreachable too: never an unconfined run.
     let no_docker = Daemon::start_with(Opts {
         env: vec![("SANDBOX_RUNTIME".into(), "runc".into())],
-        config: Some("[sandbox.docker]\nsocket = \"unix:///nonexistent/docker.sock\"\npool_size = 0\n".into()),
+        config: Some(
+            "[sandbox.docker]\nsocket = \"unix:///nonexistent/docker.sock\"\npool_size = 0\n"
+                .into(),
+        ),
         ..Default::default()
     });
-    if no_docker.get("/capabilities").await.json["allowed_commands"].as_array().unwrap().contains(&json!("curl")) {
-        let r = no_docker.exec(json!({"action_type": "http", "command": "curl", "args": ["http://127.0.0.1:1/"]})).await;
+    if no_docker.get("/capabilities").await.json["allowed_commands"]
+        .as_array()
+        .unwrap()
+        .contains(&json!("curl"))
+    {
+        let r = no_docker
+            .exec(
+                json!({"action_type": "http", "command": "curl", "args": ["http://127.0.0.1:1/"]}),
+            )
+            .await;
         assert_error(&r, 503, "SandboxUnavailable");
-        assert!(r.json["error"].as_str().unwrap().contains("egress not configured"), "{}", r.text);
+        assert!(
+            r.json["error"]
+                .as_str()
+                .unwrap()
+                .contains("egress not configured"),
+            "{}",
+            r.text
+        );
     }
-    let r = no_docker.exec(json!({"action_type": "shell", "command": "echo", "args": ["x"]})).await;
+    let r = no_docker
+        .exec(json!({"action_type": "shell", "command": "echo", "args": ["x"]}))
+        .await;
     assert_error(&r, 503, "SandboxUnavailable");
     assert_eq!(no_docker.get("/readyz").await.status, 503);
     // 429: the one local slot is busy.
     let slow = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(3)"]}));
     let probe = async {
         tokio::time::sleep(Duration::from_millis(700)).await;
-        d.exec(json!({"action_type": "shell", "command": "echo", "args": ["x"]})).await
+        d.exec(json!({"action_type": "shell", "command": "echo", "args": ["x"]}))
+            .await
     };
     let (slow, busy) = tokio::join!(slow, probe);
     assert_eq!(slow.status, 200, "{}", slow.text);
@@ -224,34 +381,92 @@ async fn token_attacks_are_401_and_audited() {
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("rsa.pem");
     let pubkey = dir.path().join("rsa.pub.pem");
-    let ok = std::process::Command::new("openssl").args(["genrsa", "-out"]).arg(&key).arg("2048").output().unwrap();
+    let ok = std::process::Command::new("openssl")
+        .args(["genrsa", "-out"])
+        .arg(&key)
+        .arg("2048")
+        .output()
+        .unwrap();
     assert!(ok.status.success());
-    let ok = std::process::Command::new("openssl").args(["rsa", "-pubout", "-in"]).arg(&key).arg("-out").arg(&pubkey).output().unwrap();
+    let ok = std::process::Command::new("openssl")
+        .args(["rsa", "-pubout", "-in"])
+        .arg(&key)
+        .arg("-out")
+        .arg(&pubkey)
+        .output()
+        .unwrap();
     assert!(ok.status.success());
-    let cfg = format!("[auth]\nissuer = \"orchestrator\"\n[[auth.public_keys]]\nkid = \"rsa1\"\nalg = \"RS256\"\npem_file = \"{}\"\n", pubkey.display());
-    let d = Daemon::start_with(Opts { config: Some(cfg), ..Default::default() });
-    let svc = format!("Bearer {}", d.mint(MintRequest { kind: Some(TokenKind::Service), ttl_seconds: 60, aud: "executor-arm".into(), iss: Some("orchestrator".into()), ..Default::default() }));
+    let cfg = format!(
+        "[auth]\nissuer = \"orchestrator\"\n[[auth.public_keys]]\nkid = \"rsa1\"\nalg = \"RS256\"\npem_file = \"{}\"\n",
+        pubkey.display()
+    );
+    let d = Daemon::start_with(Opts {
+        config: Some(cfg),
+        ..Default::default()
+    });
+    let svc = format!(
+        "Bearer {}",
+        d.mint(MintRequest {
+            kind: Some(TokenKind::Service),
+            ttl_seconds: 60,
+            aud: "executor-arm".into(),
+            iss: Some("orchestrator".into()),
+            ..Default::default()
+        })
+    );
     let base = || json!({"aud": "executor-arm", "iss": "orchestrator", "exp": now() + 60, "iat": now(), "capabilities": ["ShellExecute"], "token_use": "capability"});
     let hs = json!({"alg": "HS256", "typ": "JWT"});
     let good = hs256(SECRET.as_bytes(), &hs, &base());
     let run = |tok: String| {
         let svc = svc.clone();
         let d = &d;
-        async move { d.post("/execute", &[("authorization", svc.as_str())], json!({"action_type": "shell", "command": "echo", "args": ["hi"], "capability_token": tok}).to_string()).await }
+        async move {
+            d.post("/execute", &[("authorization", svc.as_str())], json!({"action_type": "shell", "command": "echo", "args": ["hi"], "capability_token": tok}).to_string()).await
+        }
     };
-    assert_eq!(run(good.clone()).await.status, 200, "the control token must pass");
+    assert_eq!(
+        run(good.clone()).await.status,
+        200,
+        "the control token must pass"
+    );
 
     let mut attacks: Vec<(&str, String)> = Vec::new();
     let parts: Vec<&str> = good.split('.').collect();
-    attacks.push(("alg none", format!("{}.{}.", b64(&json!({"alg": "none", "typ": "JWT"})), parts[1])));
-    attacks.push(("alg None", format!("{}.{}.", b64(&json!({"alg": "None"})), parts[1])));
+    attacks.push((
+        "alg none",
+        format!(
+            "{}.{}.",
+            b64(&json!({"alg": "none", "typ": "JWT"})),
+            parts[1]
+        ),
+    ));
+    attacks.push((
+        "alg None",
+        format!("{}.{}.", b64(&json!({"alg": "None"})), parts[1]),
+    ));
     let pem = std::fs::read(&pubkey).unwrap();
-    attacks.push(("HS/RS confusion", hs256(&pem, &json!({"alg": "HS256", "kid": "rsa1"}), &base())));
-    attacks.push(("unknown kid", hs256(SECRET.as_bytes(), &json!({"alg": "HS256", "kid": "other"}), &base())));
-    attacks.push(("bad signature", hs256(b"wrong-secret-wrong-secret-wrong-secret", &hs, &base())));
+    attacks.push((
+        "HS/RS confusion",
+        hs256(&pem, &json!({"alg": "HS256", "kid": "rsa1"}), &base()),
+    ));
+    attacks.push((
+        "unknown kid",
+        hs256(
+            SECRET.as_bytes(),
+            &json!({"alg": "HS256", "kid": "other"}),
+            &base(),
+        ),
+    ));
+    attacks.push((
+        "bad signature",
+        hs256(b"wrong-secret-wrong-secret-wrong-secret", &hs, &base()),
+    ));
     let mut tampered = base();
     tampered["capabilities"] = json!(["ShellExecute", "NetworkAccess"]);
-    attacks.push(("tampered payload", format!("{}.{}.{}", parts[0], b64(&tampered), parts[2])));
+    attacks.push((
+        "tampered payload",
+        format!("{}.{}.{}", parts[0], b64(&tampered), parts[2]),
+    ));
     let mut c = base();
     c.as_object_mut().unwrap().remove("exp");
     attacks.push(("missing exp", hs256(SECRET.as_bytes(), &hs, &c)));
@@ -273,13 +488,20 @@ async fn token_attacks_are_401_and_audited() {
     attacks.push(("lifetime over max TTL", hs256(SECRET.as_bytes(), &hs, &c)));
     let mut c = base();
     c["token_use"] = json!("service");
-    attacks.push(("service token as capability", hs256(SECRET.as_bytes(), &hs, &c)));
+    attacks.push((
+        "service token as capability",
+        hs256(SECRET.as_bytes(), &hs, &c),
+    ));
 
     let before = d.audit_lines().len();
     for (name, tok) in &attacks {
         let r = run(tok.clone()).await;
         assert_eq!(r.status, 401, "{name}: {}", r.text);
-        assert_eq!(r.json["error"], json!("Invalid or expired capability token"), "{name}");
+        assert_eq!(
+            r.json["error"],
+            json!("Invalid or expired capability token"),
+            "{name}"
+        );
     }
     // Single-use: the second use is a replay.
     let mut c = base();
@@ -290,7 +512,10 @@ async fn token_attacks_are_401_and_audited() {
     assert_eq!(run(once).await.status, 401, "replayed single-use jti");
 
     let lines = d.audit_lines();
-    let refusals = lines[before..].iter().filter(|l| l["event"] == json!("refusal") && l["status"] == json!(401)).count();
+    let refusals = lines[before..]
+        .iter()
+        .filter(|l| l["event"] == json!("refusal") && l["status"] == json!(401))
+        .count();
     assert_eq!(refusals, attacks.len() + 1, "every 401 has an audit line");
     // A properly signed RS256 token with the configured kid works.
     let rs = jsonwebtoken::encode(
@@ -309,11 +534,38 @@ async fn token_attacks_are_401_and_audited() {
 #[tokio::test(flavor = "multi_thread")]
 async fn allowlist_bypasses_and_static_tokens() {
     let hash = executor_arm::auth::sha256_hex(b"tok_abc123xyz");
-    let cfg = format!("[[auth.static_tokens]]\nid = \"seed-client\"\nkind = \"capability\"\nsha256 = \"{hash}\"\ncapabilities = [\"ShellRead\", \"FilesystemRead\"]\n");
-    let d = Daemon::start_with(Opts { config: Some(cfg), ..Default::default() });
-    for name in ["/bin/ls", "../ls", "ls;id", "ls ", " ls", "ls\u{0}", "l\u{0455}", "ｌｓ", "ls\n", "./ls", "LS", "ls|id", "$(ls)", ""] {
-        let r = d.exec(json!({"action_type": "shell", "command": name, "args": ["/"]})).await;
-        assert_eq!(r.status, if name.contains('\u{0}') { 400 } else { 403 }, "{name:?}: {}", r.text);
+    let cfg = format!(
+        "[[auth.static_tokens]]\nid = \"seed-client\"\nkind = \"capability\"\nsha256 = \"{hash}\"\ncapabilities = [\"ShellRead\", \"FilesystemRead\"]\n"
+    );
+    let d = Daemon::start_with(Opts {
+        config: Some(cfg),
+        ..Default::default()
+    });
+    for name in [
+        "/bin/ls",
+        "../ls",
+        "ls;id",
+        "ls ",
+        " ls",
+        "ls\u{0}",
+        "l\u{0455}",
+        "ｌｓ",
+        "ls\n",
+        "./ls",
+        "LS",
+        "ls|id",
+        "$(ls)",
+        "",
+    ] {
+        let r = d
+            .exec(json!({"action_type": "shell", "command": name, "args": ["/"]}))
+            .await;
+        assert_eq!(
+            r.status,
+            if name.contains('\u{0}') { 400 } else { 403 },
+            "{name:?}: {}",
+            r.text
+        );
     }
     // The seed's static token works as the capability_token.
     let r = d.exec(json!({"action_type": "shell", "command": "ls", "args": ["-la", "/tmp"], "capability_token": "tok_abc123xyz"})).await;
@@ -326,21 +578,39 @@ async fn idempotency_request_id_and_ops_endpoints() {
     let d = Daemon::start();
     let svc = format!("Bearer {}", d.service_token());
     let body = json!({"action_type": "python", "command": "python3", "args": ["-c", "import uuid; print(uuid.uuid4())"], "capability_token": d.cap_all()}).to_string();
-    let h = [("authorization", svc.as_str()), ("idempotency-key", "job-42-step-3")];
+    let h = [
+        ("authorization", svc.as_str()),
+        ("idempotency-key", "job-42-step-3"),
+    ];
     let first = d.post("/execute", &h, body.clone()).await;
     assert_eq!(first.status, 200, "{}", first.text);
-    let executions = |d: &Daemon| d.audit_lines().iter().filter(|l| l["event"] == json!("execution")).count();
+    let executions = |d: &Daemon| {
+        d.audit_lines()
+            .iter()
+            .filter(|l| l["event"] == json!("execution"))
+            .count()
+    };
     let n = executions(&d);
     let again = d.post("/execute", &h, body.clone()).await;
     assert_eq!(again.status, 200);
     assert_eq!(again.json["exec_id"], first.json["exec_id"]);
-    assert_eq!(again.json["stdout"], first.json["stdout"], "the stored result, not a second run");
+    assert_eq!(
+        again.json["stdout"], first.json["stdout"],
+        "the stored result, not a second run"
+    );
     assert_eq!(executions(&d), n, "not run again");
-    let other = json!({"action_type": "shell", "command": "echo", "capability_token": d.cap_all()}).to_string();
-    assert_eq!(d.post("/execute", &h, other).await.json["error_type"], json!("IdempotencyConflict"));
+    let other = json!({"action_type": "shell", "command": "echo", "capability_token": d.cap_all()})
+        .to_string();
+    assert_eq!(
+        d.post("/execute", &h, other).await.json["error_type"],
+        json!("IdempotencyConflict")
+    );
     // Concurrent duplicate -> 409.
     let slow = json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(2)"], "capability_token": d.cap_all()}).to_string();
-    let h2 = [("authorization", svc.as_str()), ("idempotency-key", "concurrent-1")];
+    let h2 = [
+        ("authorization", svc.as_str()),
+        ("idempotency-key", "concurrent-1"),
+    ];
     let (a, b) = tokio::join!(d.post("/execute", &h2, slow.clone()), async {
         tokio::time::sleep(Duration::from_millis(500)).await;
         d.post("/execute", &h2, slow.clone()).await
@@ -349,29 +619,81 @@ async fn idempotency_request_id_and_ops_endpoints() {
     assert_eq!(b.status, 409, "{}", b.text);
 
     // X-Request-ID echoed when valid, replaced when not.
-    let r = d.post("/execute", &[("authorization", svc.as_str()), ("x-request-id", "req.abc-123_X")], json!({"action_type": "shell", "command": "echo", "capability_token": d.cap_all()}).to_string()).await;
+    let r = d
+        .post(
+            "/execute",
+            &[
+                ("authorization", svc.as_str()),
+                ("x-request-id", "req.abc-123_X"),
+            ],
+            json!({"action_type": "shell", "command": "echo", "capability_token": d.cap_all()})
+                .to_string(),
+        )
+        .await;
     assert_eq!(r.headers.get("x-request-id").unwrap(), "req.abc-123_X");
     assert_eq!(r.json["provenance"]["request_id"], json!("req.abc-123_X"));
-    let r = d.client.get(format!("{}/health", d.base)).header("x-request-id", "bad id with spaces").send().await.unwrap();
-    let id = r.headers().get("x-request-id").unwrap().to_str().unwrap().to_string();
+    let r = d
+        .client
+        .get(format!("{}/health", d.base))
+        .header("x-request-id", "bad id with spaces")
+        .send()
+        .await
+        .unwrap();
+    let id = r
+        .headers()
+        .get("x-request-id")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
     assert!(uuid::Uuid::parse_str(&id).is_ok(), "{id}");
 
     let h = d.get("/health").await;
-    assert_eq!(h.json, json!({"status": "healthy", "version": env!("CARGO_PKG_VERSION")}));
+    assert_eq!(
+        h.json,
+        json!({"status": "healthy", "version": env!("CARGO_PKG_VERSION")})
+    );
     assert_eq!(d.get("/livez").await.status, 200);
     for p in ["/ready", "/readyz"] {
         let r = d.get(p).await;
         assert_eq!(r.status, 200, "{}", r.text);
     }
     let c = d.get("/capabilities").await.json;
-    assert!(c["capabilities"].as_array().unwrap().contains(&json!("shell_execution")));
-    assert!(c["allowed_commands"].as_array().unwrap().contains(&json!("echo")));
+    assert!(
+        c["capabilities"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("shell_execution"))
+    );
+    assert!(
+        c["allowed_commands"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("echo"))
+    );
     assert!(c["host"]["landlock_abi"].as_u64().unwrap() > 0);
-    assert!(c["profiles"].as_array().unwrap().iter().any(|p| p["name"] == json!("http-egress") && p["available"] == json!(true)));
-    assert!(c["capabilities"].as_array().unwrap().contains(&json!("http_requests")));
+    assert!(
+        c["profiles"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == json!("http-egress") && p["available"] == json!(true))
+    );
+    assert!(
+        c["capabilities"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("http_requests"))
+    );
     assert_eq!(d.get("/v1/executors").await.json, json!({"executors": []}));
     let m = d.get("/metrics").await;
-    for name in ["executor_executions_total", "executor_execution_duration_seconds_bucket", "executor_capability_violations_total", "executor_timeouts_total", "executor_inflight_executions"] {
+    for name in [
+        "executor_executions_total",
+        "executor_execution_duration_seconds_bucket",
+        "executor_capability_violations_total",
+        "executor_timeouts_total",
+        "executor_inflight_executions",
+    ] {
         assert!(m.text.contains(name), "{name} missing");
     }
 }
@@ -387,7 +709,16 @@ async fn two_hundred_concurrent_requests_are_200_or_429() {
         let url = format!("{}/execute", d.base);
         let body = json!({"action_type": "shell", "command": "echo", "args": [format!("n{i}")], "capability_token": cap}).to_string();
         let svc = svc.clone();
-        tasks.push(tokio::spawn(async move { client.post(url).header("authorization", svc).header("content-type", "application/json").body(body).send().await.map(|r| r.status().as_u16()) }));
+        tasks.push(tokio::spawn(async move {
+            client
+                .post(url)
+                .header("authorization", svc)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        }));
     }
     let mut ok = 0;
     let mut busy = 0;
@@ -401,7 +732,12 @@ async fn two_hundred_concurrent_requests_are_200_or_429() {
     assert_eq!(ok + busy, 200);
     assert!(ok > 0);
     assert_eq!(d.get("/health").await.status, 200);
-    assert_eq!(d.exec(json!({"action_type": "shell", "command": "echo", "args": ["after"]})).await.json["stdout"], json!("after\n"));
+    assert_eq!(
+        d.exec(json!({"action_type": "shell", "command": "echo", "args": ["after"]}))
+            .await
+            .json["stdout"],
+        json!("after\n")
+    );
     assert_eq!(d.run_cgroups(), Vec::<String>::new(), "no run cgroup left");
 }
 
@@ -409,14 +745,30 @@ async fn two_hundred_concurrent_requests_are_200_or_429() {
 async fn audit_verify_cli_detects_tampering() {
     let d = Daemon::start();
     for i in 0..3 {
-        d.exec(json!({"action_type": "shell", "command": "echo", "args": [i.to_string()]})).await;
+        d.exec(json!({"action_type": "shell", "command": "echo", "args": [i.to_string()]}))
+            .await;
     }
-    d.exec(json!({"action_type": "shell", "command": "rm"})).await;
-    let verify = |p: &std::path::Path| std::process::Command::new(common::bin()).args(["audit", "verify"]).arg(p).output().unwrap();
+    d.exec(json!({"action_type": "shell", "command": "rm"}))
+        .await;
+    let verify = |p: &std::path::Path| {
+        std::process::Command::new(common::bin())
+            .args(["audit", "verify"])
+            .arg(p)
+            .output()
+            .unwrap()
+    };
     let out = verify(&d.audit);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("4 entries"));
-    let lines: Vec<String> = std::fs::read_to_string(&d.audit).unwrap().lines().map(String::from).collect();
+    let lines: Vec<String> = std::fs::read_to_string(&d.audit)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
     let tmp = tempfile::tempdir().unwrap();
     let check = |ls: Vec<String>, bad: usize| {
         let p = tmp.path().join("copy.jsonl");
@@ -439,21 +791,40 @@ async fn audit_verify_cli_detects_tampering() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn slow_header_client_is_cut_off_and_sigterm_drains() {
-    let mut d = Daemon::start_with(Opts { config: Some("[server]\nheader_read_timeout_ms = 500\nshutdown_grace_seconds = 10\n".into()), ..Default::default() });
+    let mut d = Daemon::start_with(Opts {
+        config: Some(
+            "[server]\nheader_read_timeout_ms = 500\nshutdown_grace_seconds = 10\n".into(),
+        ),
+        ..Default::default()
+    });
     let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
     s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf);
     let text = String::from_utf8_lossy(&buf);
-    assert!(buf.is_empty() || text.contains("408"), "slow client must be cut off: {text}");
+    assert!(
+        buf.is_empty() || text.contains("408"),
+        "slow client must be cut off: {text}"
+    );
 
     // A running execution finishes; readiness flips at once; exit code 0.
     let client = d.client.clone();
     let url = format!("{}/execute", d.base);
     let body = json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(2); print('done')"], "capability_token": d.cap_all()}).to_string();
     let svc = format!("Bearer {}", d.service_token());
-    let inflight = tokio::spawn(async move { client.post(url).header("authorization", svc).body(body).send().await.unwrap().text().await.unwrap() });
+    let inflight = tokio::spawn(async move {
+        client
+            .post(url)
+            .header("authorization", svc)
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    });
     tokio::time::sleep(Duration::from_millis(500)).await;
     // SAFETY: signal our own child.
     unsafe { libc::kill(d.pid(), libc::SIGTERM) };
@@ -475,24 +846,71 @@ fn cli_mint_check_config_and_token_hash() {
     let out = std::process::Command::new(common::bin())
         .args(["token", "mint", "--kind", "capability", "--secret-file"])
         .arg(&secret)
-        .args(["--capabilities", "ShellRead,FilesystemRead", "--ttl", "60", "--single-use", "--commands", "ls,cat", "--max-timeout", "5"])
+        .args([
+            "--capabilities",
+            "ShellRead,FilesystemRead",
+            "--ttl",
+            "60",
+            "--single-use",
+            "--commands",
+            "ls,cat",
+            "--max-timeout",
+            "5",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success());
-    let tok = String::from_utf8(out.stdout).unwrap().lines().last().unwrap().to_string();
-    let payload: Value = serde_json::from_slice(&base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(tok.split('.').nth(1).unwrap()).unwrap()).unwrap();
-    assert_eq!(payload["capabilities"], json!(["ShellRead", "FilesystemRead"]));
+    let tok = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .last()
+        .unwrap()
+        .to_string();
+    let payload: Value = serde_json::from_slice(
+        &base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(tok.split('.').nth(1).unwrap())
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        payload["capabilities"],
+        json!(["ShellRead", "FilesystemRead"])
+    );
     assert_eq!(payload["single_use"], json!(true));
     assert_eq!(payload["commands"], json!(["ls", "cat"]));
     assert_eq!(payload["token_use"], json!("capability"));
-    let out = std::process::Command::new(common::bin()).arg("check-config").env("EXECUTOR_ARM_PROFILES_DIR", concat!(env!("CARGO_MANIFEST_DIR"), "/sandbox-profiles")).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = std::process::Command::new(common::bin())
+        .arg("check-config")
+        .env(
+            "EXECUTOR_ARM_PROFILES_DIR",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/sandbox-profiles"),
+        )
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("shell-readonly") && text.contains("config ok"), "{text}");
+    assert!(
+        text.contains("shell-readonly") && text.contains("config ok"),
+        "{text}"
+    );
     let bad = dir.path().join("bad.toml");
     std::fs::write(&bad, "[server]\nlisten = 5\n").unwrap();
-    let out = std::process::Command::new(common::bin()).args(["check-config", "--config"]).arg(&bad).output().unwrap();
+    let out = std::process::Command::new(common::bin())
+        .args(["check-config", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
     assert!(!out.status.success());
-    let out = std::process::Command::new(common::bin()).args(["token", "hash", "tok_abc123xyz"]).output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), executor_arm::auth::sha256_hex(b"tok_abc123xyz"));
+    let out = std::process::Command::new(common::bin())
+        .args(["token", "hash", "tok_abc123xyz"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        executor_arm::auth::sha256_hex(b"tok_abc123xyz")
+    );
 }

@@ -25,21 +25,43 @@ impl Drop for Redis {
 /// Starts a private redis-server on a free loopback port. Missing redis-server is a failure
 /// (the test command installs it); a developer may opt out explicitly.
 fn redis() -> Option<Redis> {
-    if Command::new("redis-server").arg("--version").output().is_err() {
+    if Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
         if std::env::var("EXECUTOR_ARM_SKIP_REDIS_TESTS").as_deref() == Ok("1") {
             eprintln!("SKIPPED: redis-server not installed and EXECUTOR_ARM_SKIP_REDIS_TESTS=1");
             return None;
         }
-        panic!("redis-server is not installed (scripts/test-all.sh installs it; set EXECUTOR_ARM_SKIP_REDIS_TESTS=1 to opt out locally)");
+        panic!(
+            "redis-server is not installed (scripts/test-all.sh installs it; set EXECUTOR_ARM_SKIP_REDIS_TESTS=1 to opt out locally)"
+        );
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let child = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
         .stdout(Stdio::null())
         .spawn()
         .expect("redis-server");
     // Owned by the guard from here on: dropping it kills and reaps the server.
-    let redis = Redis { child, url: format!("redis://127.0.0.1:{port}/0") };
+    let redis = Redis {
+        child,
+        url: format!("redis://127.0.0.1:{port}/0"),
+    };
     for _ in 0..100 {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
             return Some(redis);
@@ -50,7 +72,10 @@ fn redis() -> Option<Redis> {
 }
 
 fn replica(url: &str) -> Daemon {
-    Daemon::start_with(Opts { env: vec![("EXECUTOR_ARM_REDIS_URL".into(), url.into())], ..Default::default() })
+    Daemon::start_with(Opts {
+        env: vec![("EXECUTOR_ARM_REDIS_URL".into(), url.into())],
+        ..Default::default()
+    })
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -77,7 +102,10 @@ async fn replicas_share_replay_and_idempotency_state() {
     // An idempotency key finished on A returns A's stored result on B, without running there.
     let svc = format!("Bearer {}", a.service_token());
     let body = json!({"action_type": "python", "command": "python3", "args": ["-c", "import uuid; print(uuid.uuid4())"], "capability_token": a.cap_all()}).to_string();
-    let h = [("authorization", svc.as_str()), ("idempotency-key", "shared-key-1")];
+    let h = [
+        ("authorization", svc.as_str()),
+        ("idempotency-key", "shared-key-1"),
+    ];
     let first = a.post("/execute", &h, body.clone()).await;
     assert_eq!(first.status, 200, "{}", first.text);
     let second = b.post("/execute", &h, body).await;
@@ -85,7 +113,12 @@ async fn replicas_share_replay_and_idempotency_state() {
     assert_eq!(second.json["exec_id"], first.json["exec_id"]);
     assert_eq!(second.json["stdout"], first.json["stdout"]);
     assert_eq!(second.headers.get("idempotent-replayed").unwrap(), "true");
-    assert!(b.audit_lines().iter().all(|l| l["event"] != json!("execution")), "B ran nothing");
+    assert!(
+        b.audit_lines()
+            .iter()
+            .all(|l| l["event"] != json!("execution")),
+        "B ran nothing"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -95,19 +128,41 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
     let _ = redis.child.kill();
     let _ = redis.child.wait();
 
-    let once = d.mint(MintRequest { kind: Some(TokenKind::Capability), ttl_seconds: 60, aud: "executor-arm".into(), capabilities: vec!["ShellExecute".into()], single_use: true, ..Default::default() });
-    let r = d.exec(json!({"action_type": "shell", "command": "echo", "capability_token": once})).await;
+    let once = d.mint(MintRequest {
+        kind: Some(TokenKind::Capability),
+        ttl_seconds: 60,
+        aud: "executor-arm".into(),
+        capabilities: vec!["ShellExecute".into()],
+        single_use: true,
+        ..Default::default()
+    });
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo", "capability_token": once}))
+        .await;
     assert_eq!(r.status, 503, "{}", r.text);
     assert_eq!(r.json["error_type"], json!("SandboxUnavailable"));
-    assert!(r.json["error"].as_str().unwrap().contains("redis"), "{}", r.text);
+    assert!(
+        r.json["error"].as_str().unwrap().contains("redis"),
+        "{}",
+        r.text
+    );
 
     let svc = format!("Bearer {}", d.service_token());
-    let body = json!({"action_type": "shell", "command": "echo", "capability_token": d.cap_all()}).to_string();
-    let r = d.post("/execute", &[("authorization", svc.as_str()), ("idempotency-key", "k")], body).await;
+    let body = json!({"action_type": "shell", "command": "echo", "capability_token": d.cap_all()})
+        .to_string();
+    let r = d
+        .post(
+            "/execute",
+            &[("authorization", svc.as_str()), ("idempotency-key", "k")],
+            body,
+        )
+        .await;
     assert_eq!(r.status, 503, "{}", r.text);
 
     // Requests that need no shared state still run; readiness reports the store.
-    let r = d.exec(json!({"action_type": "shell", "command": "echo", "args": ["still"]})).await;
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": ["still"]}))
+        .await;
     assert_eq!(r.json["stdout"], json!("still\n"));
     let ready = d.get("/readyz").await;
     assert_eq!(ready.status, 503);

@@ -9,7 +9,10 @@ use serde_json::{Map, Value, json};
 pub enum ApiError {
     InvalidRequest(String),
     Unauthorized,
-    CapabilityViolation { message: String, allowed_commands: Option<Vec<String>> },
+    CapabilityViolation {
+        message: String,
+        allowed_commands: Option<Vec<String>>,
+    },
     PayloadTooLarge(usize),
     IdempotencyConflict,
     IdempotencyInProgress,
@@ -29,7 +32,9 @@ impl ApiError {
             ApiError::IdempotencyConflict => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::IdempotencyInProgress => StatusCode::CONFLICT,
             ApiError::Overloaded => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -53,9 +58,15 @@ impl ApiError {
             ApiError::InvalidRequest(m) => m.clone(),
             ApiError::Unauthorized => "Invalid or expired capability token".into(),
             ApiError::CapabilityViolation { message, .. } => message.clone(),
-            ApiError::PayloadTooLarge(limit) => format!("Request body exceeds the limit of {limit} bytes"),
-            ApiError::IdempotencyConflict => "Idempotency-Key was already used with a different request body".into(),
-            ApiError::IdempotencyInProgress => "A request with this Idempotency-Key is still running".into(),
+            ApiError::PayloadTooLarge(limit) => {
+                format!("Request body exceeds the limit of {limit} bytes")
+            }
+            ApiError::IdempotencyConflict => {
+                "Idempotency-Key was already used with a different request body".into()
+            }
+            ApiError::IdempotencyInProgress => {
+                "A request with this Idempotency-Key is still running".into()
+            }
             ApiError::Overloaded => "Too many executions in progress; retry later".into(),
             ApiError::SandboxUnavailable(m) => format!("Sandbox unavailable: {m}"),
             ApiError::ShuttingDown => "Sandbox unavailable: the daemon is shutting down".into(),
@@ -68,7 +79,11 @@ impl ApiError {
         m.insert("success".into(), json!(false));
         m.insert("error".into(), json!(self.message()));
         m.insert("error_type".into(), json!(self.error_type()));
-        if let ApiError::CapabilityViolation { allowed_commands: Some(list), .. } = self {
+        if let ApiError::CapabilityViolation {
+            allowed_commands: Some(list),
+            ..
+        } = self
+        {
             m.insert("allowed_commands".into(), json!(list));
         }
         Value::Object(m)
@@ -82,7 +97,8 @@ impl IntoResponse for ApiError {
         }
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
         if matches!(self, ApiError::Overloaded | ApiError::ShuttingDown) {
-            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         resp
     }

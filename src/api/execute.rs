@@ -120,7 +120,10 @@ impl Ctx {
     fn audit_refusal(&self, st: &AppState, status: StatusCode, error_type: &str, reason: &str) {
         let mut m = Map::new();
         m.insert("event".into(), json!("refusal"));
-        m.insert("ts".into(), json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)));
+        m.insert(
+            "ts".into(),
+            json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
+        );
         m.insert("instance".into(), json!(st.instance_id));
         m.insert("request_id".into(), json!(self.request_id));
         m.insert("status".into(), json!(status.as_u16()));
@@ -148,35 +151,56 @@ impl Ctx {
     fn forbidden(&self, st: &AppState, reason: String, list: bool) -> ApiError {
         st.metrics.capability_violations.inc();
         self.audit_refusal(st, StatusCode::FORBIDDEN, "CapabilityViolation", &reason);
-        ApiError::CapabilityViolation { message: reason, allowed_commands: list.then(|| st.policy.allowed_names()) }
+        ApiError::CapabilityViolation {
+            message: reason,
+            allowed_commands: list.then(|| st.policy.allowed_names()),
+        }
     }
 }
 
 fn bearer(headers: &HeaderMap) -> Option<&str> {
     let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = v.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then_some(token.trim()).filter(|t| !t.is_empty())
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
+        .filter(|t| !t.is_empty())
 }
 
-async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<bytes::Bytes, ApiError> {
+async fn read_body(
+    body: Body,
+    headers: &HeaderMap,
+    limit: usize,
+) -> Result<bytes::Bytes, ApiError> {
     // Refuse on the declared length before reading anything.
-    if let Some(len) = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
+    if let Some(len) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
         && len > limit as u64
     {
         return Err(ApiError::PayloadTooLarge(limit));
     }
     // Chunked bodies: stop reading at the first byte past the limit.
     to_bytes(body, limit).await.map_err(|e| {
-        let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+        let too_large = std::error::Error::source(&e)
+            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
             || e.to_string().contains("length limit");
-        if too_large { ApiError::PayloadTooLarge(limit) } else { ApiError::InvalidRequest(format!("could not read the request body: {e}")) }
+        if too_large {
+            ApiError::PayloadTooLarge(limit)
+        } else {
+            ApiError::InvalidRequest(format!("could not read the request body: {e}"))
+        }
     })
 }
 
 fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::InvalidRequest(format!("malformed JSON: {e}")))?;
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::InvalidRequest(format!("malformed JSON: {e}")))?;
     if !v.is_object() {
-        return Err(ApiError::InvalidRequest("the request body must be a JSON object".into()));
+        return Err(ApiError::InvalidRequest(
+            "the request body must be a JSON object".into(),
+        ));
     }
     serde_json::from_value(v).map_err(|e| ApiError::InvalidRequest(format!("invalid request: {e}")))
 }
@@ -195,10 +219,25 @@ fn outcome_name(o: &RunOutcome) -> &'static str {
 }
 
 pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response {
-    let rid = req.extensions().get::<RequestId>().map(|r| r.0.clone()).unwrap_or_default();
-    let idem_key = req.headers().get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let rid = req
+        .extensions()
+        .get::<RequestId>()
+        .map(|r| r.0.clone())
+        .unwrap_or_default();
+    let idem_key = req
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let (parts, body) = req.into_parts();
-    let mut ctx = Ctx { request_id: rid, subject: None, token_id: None, action_type: None, command: None, args: Vec::new() };
+    let mut ctx = Ctx {
+        request_id: rid,
+        subject: None,
+        token_id: None,
+        action_type: None,
+        command: None,
+        args: Vec::new(),
+    };
     match handle(&st, &parts.headers, body, idem_key, &mut ctx).await {
         Ok(resp) => resp,
         Err(e) => {
@@ -206,8 +245,12 @@ pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response 
                 ApiError::Overloaded => Some("overloaded"),
                 ApiError::PayloadTooLarge(_) => Some("payload_too_large"),
                 ApiError::InvalidRequest(_) => Some("invalid_request"),
-                ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => Some("sandbox_unavailable"),
-                ApiError::IdempotencyConflict | ApiError::IdempotencyInProgress => Some("idempotency"),
+                ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => {
+                    Some("sandbox_unavailable")
+                }
+                ApiError::IdempotencyConflict | ApiError::IdempotencyInProgress => {
+                    Some("idempotency")
+                }
                 _ => None,
             };
             if let Some(l) = label {
@@ -218,13 +261,22 @@ pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response 
     }
 }
 
-async fn handle(st: &Arc<AppState>, headers: &HeaderMap, body: Body, idem_key: Option<String>, ctx: &mut Ctx) -> Result<Response, ApiError> {
+async fn handle(
+    st: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: Body,
+    idem_key: Option<String>,
+    ctx: &mut Ctx,
+) -> Result<Response, ApiError> {
     if st.is_draining() {
         return Err(ApiError::ShuttingDown);
     }
     // Who is calling: checked before the body is even read.
     let service = match bearer(headers) {
-        Some(t) => st.auth.verify(t, TokenKind::Service).map_err(|e| ctx.unauthorized(st, &format!("service token: {e}")))?,
+        Some(t) => st
+            .auth
+            .verify(t, TokenKind::Service)
+            .map_err(|e| ctx.unauthorized(st, &format!("service token: {e}")))?,
         None => return Err(ctx.unauthorized(st, "missing Authorization: Bearer service token")),
     };
     ctx.subject = service.subject.clone();
@@ -233,15 +285,25 @@ async fn handle(st: &Arc<AppState>, headers: &HeaderMap, body: Body, idem_key: O
     ctx.action_type = Some(req.action_type.clone());
     ctx.command = Some(req.command.clone());
     ctx.args = req.args.clone();
-    let action = ActionType::parse(&req.action_type)
-        .ok_or_else(|| ApiError::InvalidRequest(format!("unknown action_type '{}': expected shell, http, python or external", req.action_type.escape_debug())))?;
+    let action = ActionType::parse(&req.action_type).ok_or_else(|| {
+        ApiError::InvalidRequest(format!(
+            "unknown action_type '{}': expected shell, http, python or external",
+            req.action_type.escape_debug()
+        ))
+    })?;
     let timeout = match req.timeout_seconds {
         None => None,
         Some(t) if (1..=300).contains(&t) => Some(t as u64),
-        Some(t) => return Err(ApiError::InvalidRequest(format!("timeout_seconds must be between 1 and 300, got {t}"))),
+        Some(t) => {
+            return Err(ApiError::InvalidRequest(format!(
+                "timeout_seconds must be between 1 and 300, got {t}"
+            )));
+        }
     };
     if req.args.iter().any(|a| a.contains('\0')) || req.command.contains('\0') {
-        return Err(ApiError::InvalidRequest("command and args may not contain NUL bytes".into()));
+        return Err(ApiError::InvalidRequest(
+            "command and args may not contain NUL bytes".into(),
+        ));
     }
 
     // What this call may do.
@@ -259,15 +321,30 @@ async fn handle(st: &Arc<AppState>, headers: &HeaderMap, body: Body, idem_key: O
     let idem = match idem_key {
         Some(k) => {
             if k.is_empty() || k.len() > 255 || !k.bytes().all(|b| b.is_ascii_graphic()) {
-                return Err(ApiError::InvalidRequest("Idempotency-Key must be 1-255 visible ASCII characters".into()));
+                return Err(ApiError::InvalidRequest(
+                    "Idempotency-Key must be 1-255 visible ASCII characters".into(),
+                ));
             }
             let scoped = format!("{}:{k}", service.subject.as_deref().unwrap_or("-"));
             let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
-            match st.store.idempotency_begin(&scoped, &body_hash, ttl).await.map_err(|e| ApiError::SandboxUnavailable(e.to_string()))? {
+            match st
+                .store
+                .idempotency_begin(&scoped, &body_hash, ttl)
+                .await
+                .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
+            {
                 IdemBegin::Started => Some((scoped, ttl)),
-                IdemBegin::InProgress { same_body: true } => return Err(ApiError::IdempotencyInProgress),
-                IdemBegin::InProgress { same_body: false } | IdemBegin::Done { same_body: false, .. } => return Err(ApiError::IdempotencyConflict),
-                IdemBegin::Done { same_body: true, response } => return Ok(replay(response)),
+                IdemBegin::InProgress { same_body: true } => {
+                    return Err(ApiError::IdempotencyInProgress);
+                }
+                IdemBegin::InProgress { same_body: false }
+                | IdemBegin::Done {
+                    same_body: false, ..
+                } => return Err(ApiError::IdempotencyConflict),
+                IdemBegin::Done {
+                    same_body: true,
+                    response,
+                } => return Ok(replay(response)),
             }
         }
         None => None,
@@ -276,8 +353,15 @@ async fn handle(st: &Arc<AppState>, headers: &HeaderMap, body: Body, idem_key: O
     if let Some((key, ttl)) = idem {
         match &result {
             Ok((status, body)) if status.is_success() || *status == StatusCode::REQUEST_TIMEOUT => {
-                let stored = StoredResponse { status: status.as_u16(), body: body.clone() };
-                if let Err(e) = st.store.idempotency_complete(&key, &body_hash, &stored, ttl).await {
+                let stored = StoredResponse {
+                    status: status.as_u16(),
+                    body: body.clone(),
+                };
+                if let Err(e) = st
+                    .store
+                    .idempotency_complete(&key, &body_hash, &stored, ttl)
+                    .await
+                {
                     tracing::error!(error = %e, "idempotency result not stored");
                 }
             }
@@ -287,12 +371,34 @@ async fn handle(st: &Arc<AppState>, headers: &HeaderMap, body: Body, idem_key: O
         }
     }
     let (status, body) = result?;
-    Ok((status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], body).into_response())
+    Ok((
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response())
 }
 
 fn replay(r: StoredResponse) -> Response {
     let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::OK);
-    (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json")), (header::HeaderName::from_static("idempotent-replayed"), HeaderValue::from_static("true"))], r.body).into_response()
+    (
+        status,
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            ),
+            (
+                header::HeaderName::from_static("idempotent-replayed"),
+                HeaderValue::from_static("true"),
+            ),
+        ],
+        r.body,
+    )
+        .into_response()
 }
 
 /// From an authenticated, parsed request to a finished execution's status and JSON body.
@@ -305,7 +411,14 @@ async fn run_admitted(
     ctx: &Ctx,
 ) -> Result<(StatusCode, String), ApiError> {
     // Single-use tokens are consumed only once the request is otherwise acceptable to run.
-    let ask = Ask { action_type: Some(action), command: &req.command, args: &req.args, timeout_seconds: timeout, profile: req.profile.as_deref(), env: &req.env };
+    let ask = Ask {
+        action_type: Some(action),
+        command: &req.command,
+        args: &req.args,
+        timeout_seconds: timeout,
+        profile: req.profile.as_deref(),
+        env: &req.env,
+    };
     let decided = if action == ActionType::External {
         crate::executors::invoke::decide(st, &ask, &cap.grant, &req)
     } else {
@@ -327,14 +440,35 @@ async fn run_admitted(
             Err(e) => return Err(ApiError::SandboxUnavailable(e.to_string())),
         }
     }
-    let backend = st.backends.get(&plan.backend).cloned().ok_or_else(|| ApiError::SandboxUnavailable(format!("backend {} is not configured on this daemon", plan.backend.as_str())))?;
-    let slots = st.slots.get(&plan.backend).cloned().ok_or_else(|| ApiError::SandboxUnavailable("no slots".into()))?;
-    let permit = slots.try_acquire_owned().map_err(|_| ApiError::Overloaded)?;
+    let backend = st.backends.get(&plan.backend).cloned().ok_or_else(|| {
+        ApiError::SandboxUnavailable(format!(
+            "backend {} is not configured on this daemon",
+            plan.backend.as_str()
+        ))
+    })?;
+    let slots = st
+        .slots
+        .get(&plan.backend)
+        .cloned()
+        .ok_or_else(|| ApiError::SandboxUnavailable("no slots".into()))?;
+    let permit = slots
+        .try_acquire_owned()
+        .map_err(|_| ApiError::Overloaded)?;
 
     let exec_id = format!("exec-{}", uuid::Uuid::new_v4().simple());
     let (argv_tail, stdin, extra_files, def_sha) = match &external {
-        Some(x) => (x.argv_tail.clone(), Some(x.envelope.clone()), x.extra_files.clone(), Some(x.def_sha256.clone())),
-        None => (req.args.clone(), req.stdin.as_ref().map(|s| s.clone().into_bytes()), Vec::new(), None),
+        Some(x) => (
+            x.argv_tail.clone(),
+            Some(x.envelope.clone()),
+            x.extra_files.clone(),
+            Some(x.def_sha256.clone()),
+        ),
+        None => (
+            req.args.clone(),
+            req.stdin.as_ref().map(|s| s.clone().into_bytes()),
+            Vec::new(),
+            None,
+        ),
     };
     let mut spec = plan.run_spec(&exec_id, &argv_tail, stdin, &st.config.sandbox.docker.image);
     spec.fs.extra_files = extra_files;
@@ -360,7 +494,10 @@ async fn run_admitted(
     let backend_label = plan.backend.as_str();
     tracing::info!(request_id = %ctx.request_id, %exec_id, command = %plan.command, backend = backend_label, profile = %plan.profile.name, "execution start");
 
-    st.metrics.inflight.with_label_values(&[backend_label]).inc();
+    st.metrics
+        .inflight
+        .with_label_values(&[backend_label])
+        .inc();
     // The run is its own task: a client that disconnects cannot cancel the cleanup half-way.
     let task = tokio::spawn(async move {
         let r = backend.run(spec).await;
@@ -368,7 +505,10 @@ async fn run_admitted(
         r
     });
     let joined = task.await;
-    st.metrics.inflight.with_label_values(&[backend_label]).dec();
+    st.metrics
+        .inflight
+        .with_label_values(&[backend_label])
+        .dec();
     let outcome = match joined {
         Ok(Ok(o)) => o,
         Ok(Err(SandboxError::Unavailable(m))) => return Err(ApiError::SandboxUnavailable(m)),
@@ -376,7 +516,11 @@ async fn run_admitted(
             audit_failure(st, ctx, &exec_id, &plan, &e.to_string());
             return Err(ApiError::Internal(format!("{exec_id}: {e}")));
         }
-        Err(e) => return Err(ApiError::Internal(format!("{exec_id}: run task failed: {e}"))),
+        Err(e) => {
+            return Err(ApiError::Internal(format!(
+                "{exec_id}: run task failed: {e}"
+            )));
+        }
     };
 
     let mut result = build_result(&plan, &outcome, external.is_some());
@@ -402,13 +546,20 @@ async fn run_admitted(
     };
     let timed_out = outcome.timed_out();
     if timed_out {
-        result.error = Some(format!("Command execution exceeded timeout of {} seconds", plan.timeout_seconds));
+        result.error = Some(format!(
+            "Command execution exceeded timeout of {} seconds",
+            plan.timeout_seconds
+        ));
         result.error_type = Some("ExecutionTimeout");
     }
     result.provenance.audit_seq = audit_execution(st, ctx, &result);
     record_metrics(st, &plan, &result, &outcome);
     tracing::info!(request_id = %ctx.request_id, %exec_id, outcome = result.outcome, exit_code = result.exit_code, duration_ms = result.duration_ms, "execution end");
-    let status = if timed_out { StatusCode::REQUEST_TIMEOUT } else { StatusCode::OK };
+    let status = if timed_out {
+        StatusCode::REQUEST_TIMEOUT
+    } else {
+        StatusCode::OK
+    };
     let body = serde_json::to_string(&result).map_err(|e| ApiError::Internal(e.to_string()))?;
     Ok((status, body))
 }
@@ -456,7 +607,8 @@ fn build_result(plan: &Plan, o: &RunOutcome, external: bool) -> ExecutionResult 
         oom: o.oom,
         killed_reason: o.killed_reason.map(KilledReason::as_str),
         error_code,
-        network: (plan.profile.network.mode == crate::policy::profile::NetworkMode::Egress).then(|| o.network.clone()),
+        network: (plan.profile.network.mode == crate::policy::profile::NetworkMode::Egress)
+            .then(|| o.network.clone()),
         error,
         error_type: None,
     }
@@ -465,7 +617,10 @@ fn build_result(plan: &Plan, o: &RunOutcome, external: bool) -> ExecutionResult 
 fn audit_execution(st: &AppState, ctx: &Ctx, r: &ExecutionResult) -> Option<u64> {
     let mut m = Map::new();
     m.insert("event".into(), json!("execution"));
-    m.insert("ts".into(), json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)));
+    m.insert(
+        "ts".into(),
+        json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
+    );
     m.insert("instance".into(), json!(st.instance_id));
     m.insert("request_id".into(), json!(ctx.request_id));
     m.insert("exec_id".into(), json!(r.exec_id));
@@ -475,10 +630,16 @@ fn audit_execution(st: &AppState, ctx: &Ctx, r: &ExecutionResult) -> Option<u64>
     m.insert("command".into(), json!(ctx.command));
     m.insert("args".into(), json!(ctx.args));
     m.insert("command_hash".into(), json!(r.provenance.command_hash));
-    m.insert("invocation_hash".into(), json!(r.provenance.invocation_hash));
+    m.insert(
+        "invocation_hash".into(),
+        json!(r.provenance.invocation_hash),
+    );
     m.insert("backend".into(), json!(r.backend));
     m.insert("profile".into(), json!(r.profile));
-    m.insert("capabilities_used".into(), json!(r.provenance.capabilities_used));
+    m.insert(
+        "capabilities_used".into(),
+        json!(r.provenance.capabilities_used),
+    );
     m.insert("outcome".into(), json!(r.outcome));
     m.insert("exit_code".into(), json!(r.exit_code));
     m.insert("duration_ms".into(), json!(r.duration_ms));
@@ -511,7 +672,10 @@ fn audit_execution(st: &AppState, ctx: &Ctx, r: &ExecutionResult) -> Option<u64>
 fn audit_failure(st: &AppState, ctx: &Ctx, exec_id: &str, plan: &Plan, error: &str) {
     let mut m = Map::new();
     m.insert("event".into(), json!("execution_error"));
-    m.insert("ts".into(), json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)));
+    m.insert(
+        "ts".into(),
+        json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
+    );
     m.insert("instance".into(), json!(st.instance_id));
     m.insert("request_id".into(), json!(ctx.request_id));
     m.insert("exec_id".into(), json!(exec_id));
@@ -527,10 +691,19 @@ fn audit_failure(st: &AppState, ctx: &Ctx, exec_id: &str, plan: &Plan, error: &s
 
 fn record_metrics(st: &AppState, plan: &Plan, r: &ExecutionResult, o: &RunOutcome) {
     let m = &st.metrics;
-    m.executions.with_label_values(&[plan.action_type.as_str(), if r.success { "true" } else { "false" }]).inc();
-    m.executions_by_backend.with_label_values(&[plan.backend.as_str(), &plan.profile.name, r.outcome]).inc();
+    m.executions
+        .with_label_values(&[
+            plan.action_type.as_str(),
+            if r.success { "true" } else { "false" },
+        ])
+        .inc();
+    m.executions_by_backend
+        .with_label_values(&[plan.backend.as_str(), &plan.profile.name, r.outcome])
+        .inc();
     m.duration.observe(o.duration.as_secs_f64());
-    m.duration_by_backend.with_label_values(&[plan.backend.as_str()]).observe(o.duration.as_secs_f64());
+    m.duration_by_backend
+        .with_label_values(&[plan.backend.as_str()])
+        .observe(o.duration.as_secs_f64());
     if o.timed_out() {
         m.timeouts.inc();
     }

@@ -64,7 +64,10 @@ impl AppState {
 pub struct RequestId(pub String);
 
 fn valid_request_id(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    !s.is_empty()
+        && s.len() <= 128
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 async fn request_id(mut req: Request, next: Next) -> Response {
@@ -101,7 +104,11 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// Serves until `shutdown` resolves, then drains: /readyz turns 503 at once, the listener
 /// closes, running executions get `shutdown_grace_seconds`, then are killed; returns when every
 /// connection is done.
-pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Future<Output = ()> + Send) {
+pub async fn run(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send,
+) {
     let app = router(state.clone());
     let header_timeout = Duration::from_millis(state.config.server.header_read_timeout_ms);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
@@ -122,7 +129,10 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
         let _ = stream.set_nodelay(true);
         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
         let mut builder = hyper::server::conn::http1::Builder::new();
-        builder.timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true);
+        builder
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_timeout)
+            .keep_alive(true);
         let conn = builder.serve_connection(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
@@ -150,7 +160,10 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
 /// Resolves when no execution holds a slot.
 pub async fn wait_idle(state: &AppState) {
     loop {
-        let busy = state.slots.iter().any(|(b, s)| s.available_permits() < state.config.server.concurrency.for_backend(*b));
+        let busy = state
+            .slots
+            .iter()
+            .any(|(b, s)| s.available_permits() < state.config.server.concurrency.for_backend(*b));
         if !busy {
             return;
         }

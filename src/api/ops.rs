@@ -27,17 +27,28 @@ pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
     for (kind, b) in &st.backends {
         let s = b.status().await;
         if *kind == st.policy.default_backend && !s.ready {
-            reasons.push(format!("default backend {} not ready: {}", kind.as_str(), s.detail));
+            reasons.push(format!(
+                "default backend {} not ready: {}",
+                kind.as_str(),
+                s.detail
+            ));
         }
         backends.push(s);
     }
     if !st.backends.contains_key(&st.policy.default_backend) {
-        reasons.push(format!("default backend {} is not configured", st.policy.default_backend.as_str()));
+        reasons.push(format!(
+            "default backend {} is not configured",
+            st.policy.default_backend.as_str()
+        ));
     }
     if let Err(e) = st.store.healthy().await {
         reasons.push(e.to_string());
     }
-    let status = if reasons.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if reasons.is_empty() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     let body = json!({
         "status": if reasons.is_empty() { "ready" } else { "not_ready" },
         "reasons": reasons,
@@ -112,7 +123,11 @@ pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::V
 }
 
 pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.metrics.render()).into_response()
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        st.metrics.render(),
+    )
+        .into_response()
 }
 
 pub async fn executors(State(st): State<Arc<AppState>>) -> Json<serde_json::Value> {

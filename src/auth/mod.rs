@@ -26,7 +26,10 @@ pub enum AuthError {
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
     #[error("cannot read {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("key {kid}: {message}")]
     Bad { kid: String, message: String },
 }
@@ -104,18 +107,27 @@ fn parse_alg(kid: &str, s: &str) -> Result<Algorithm, KeyError> {
         "RS256" => Ok(Algorithm::RS256),
         "ES256" => Ok(Algorithm::ES256),
         "EdDSA" => Ok(Algorithm::EdDSA),
-        other => Err(KeyError::Bad { kid: kid.into(), message: format!("unsupported alg '{other}' (RS256, ES256, EdDSA)") }),
+        other => Err(KeyError::Bad {
+            kid: kid.into(),
+            message: format!("unsupported alg '{other}' (RS256, ES256, EdDSA)"),
+        }),
     }
 }
 
 /// Reads a secret file; a trailing newline is not part of the secret.
 pub fn read_secret(path: &Path) -> Result<Vec<u8>, KeyError> {
-    let mut s = std::fs::read(path).map_err(|source| KeyError::Read { path: path.display().to_string(), source })?;
+    let mut s = std::fs::read(path).map_err(|source| KeyError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
     while s.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
         s.pop();
     }
     if s.len() < 32 {
-        return Err(KeyError::Bad { kid: path.display().to_string(), message: "HS256 secret must be at least 32 bytes".into() });
+        return Err(KeyError::Bad {
+            kid: path.display().to_string(),
+            message: "HS256 secret must be at least 32 bytes".into(),
+        });
     }
     Ok(s)
 }
@@ -125,45 +137,77 @@ pub fn sha256_hex(data: &[u8]) -> String {
 }
 
 pub fn now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// Static tokens look like the seed's: `tok_` + alphanumerics.
 pub fn is_static_token(t: &str) -> bool {
-    t.len() > 4 && t.len() <= 256 && t.starts_with("tok_") && t[4..].bytes().all(|b| b.is_ascii_alphanumeric())
+    t.len() > 4
+        && t.len() <= 256
+        && t.starts_with("tok_")
+        && t[4..].bytes().all(|b| b.is_ascii_alphanumeric())
 }
 
 impl Authenticator {
     pub fn new(cfg: &AuthConfig) -> Result<Self, KeyError> {
         let hs = match &cfg.jwt_secret_file {
-            Some(p) => Some(VerifyKey { alg: Algorithm::HS256, key: DecodingKey::from_secret(&read_secret(p)?) }),
+            Some(p) => Some(VerifyKey {
+                alg: Algorithm::HS256,
+                key: DecodingKey::from_secret(&read_secret(p)?),
+            }),
             None => None,
         };
         let mut by_kid = BTreeMap::new();
         for k in &cfg.public_keys {
             let alg = parse_alg(&k.kid, &k.alg)?;
-            let pem = std::fs::read(&k.pem_file).map_err(|source| KeyError::Read { path: k.pem_file.display().to_string(), source })?;
+            let pem = std::fs::read(&k.pem_file).map_err(|source| KeyError::Read {
+                path: k.pem_file.display().to_string(),
+                source,
+            })?;
             let key = match alg {
                 Algorithm::RS256 => DecodingKey::from_rsa_pem(&pem),
                 Algorithm::ES256 => DecodingKey::from_ec_pem(&pem),
                 _ => DecodingKey::from_ed_pem(&pem),
             }
-            .map_err(|e| KeyError::Bad { kid: k.kid.clone(), message: e.to_string() })?;
+            .map_err(|e| KeyError::Bad {
+                kid: k.kid.clone(),
+                message: e.to_string(),
+            })?;
             by_kid.insert(k.kid.clone(), VerifyKey { alg, key });
         }
         if let Some(path) = &cfg.jwks_file {
-            let text = std::fs::read_to_string(path).map_err(|source| KeyError::Read { path: path.display().to_string(), source })?;
+            let text = std::fs::read_to_string(path).map_err(|source| KeyError::Read {
+                path: path.display().to_string(),
+                source,
+            })?;
             let set: jsonwebtoken::jwk::JwkSet =
-                serde_json::from_str(&text).map_err(|e| KeyError::Bad { kid: path.display().to_string(), message: e.to_string() })?;
+                serde_json::from_str(&text).map_err(|e| KeyError::Bad {
+                    kid: path.display().to_string(),
+                    message: e.to_string(),
+                })?;
             for jwk in &set.keys {
-                let kid = jwk.common.key_id.clone().ok_or_else(|| KeyError::Bad { kid: "?".into(), message: "JWKS key without kid".into() })?;
+                let kid = jwk.common.key_id.clone().ok_or_else(|| KeyError::Bad {
+                    kid: "?".into(),
+                    message: "JWKS key without kid".into(),
+                })?;
                 let alg = match &jwk.algorithm {
                     jsonwebtoken::jwk::AlgorithmParameters::RSA(_) => Algorithm::RS256,
                     jsonwebtoken::jwk::AlgorithmParameters::EllipticCurve(_) => Algorithm::ES256,
                     jsonwebtoken::jwk::AlgorithmParameters::OctetKeyPair(_) => Algorithm::EdDSA,
-                    _ => return Err(KeyError::Bad { kid, message: "symmetric keys are not accepted from JWKS".into() }),
+                    _ => {
+                        return Err(KeyError::Bad {
+                            kid,
+                            message: "symmetric keys are not accepted from JWKS".into(),
+                        });
+                    }
                 };
-                let key = DecodingKey::from_jwk(jwk).map_err(|e| KeyError::Bad { kid: kid.clone(), message: e.to_string() })?;
+                let key = DecodingKey::from_jwk(jwk).map_err(|e| KeyError::Bad {
+                    kid: kid.clone(),
+                    message: e.to_string(),
+                })?;
                 by_kid.insert(kid, VerifyKey { alg, key });
             }
         }
@@ -172,11 +216,31 @@ impl Authenticator {
             .iter()
             .map(|t| {
                 let mut digest = [0u8; 32];
-                hex::decode_to_slice(&t.sha256, &mut digest).map_err(|e| KeyError::Bad { kid: t.id.clone(), message: e.to_string() })?;
-                Ok(StaticToken { id: t.id.clone(), kind: t.kind, digest, capabilities: t.capabilities.iter().map(|c| c.as_str().to_string()).collect() })
+                hex::decode_to_slice(&t.sha256, &mut digest).map_err(|e| KeyError::Bad {
+                    kid: t.id.clone(),
+                    message: e.to_string(),
+                })?;
+                Ok(StaticToken {
+                    id: t.id.clone(),
+                    kind: t.kind,
+                    digest,
+                    capabilities: t
+                        .capabilities
+                        .iter()
+                        .map(|c| c.as_str().to_string())
+                        .collect(),
+                })
             })
             .collect::<Result<_, KeyError>>()?;
-        Ok(Authenticator { hs, by_kid, statics, audience: cfg.audience.clone(), issuer: cfg.issuer.clone(), max_ttl: cfg.max_ttl_seconds, leeway: cfg.leeway_seconds })
+        Ok(Authenticator {
+            hs,
+            by_kid,
+            statics,
+            audience: cfg.audience.clone(),
+            issuer: cfg.issuer.clone(),
+            max_ttl: cfg.max_ttl_seconds,
+            leeway: cfg.leeway_seconds,
+        })
     }
 
     pub fn has_keys(&self) -> bool {
@@ -210,19 +274,32 @@ impl Authenticator {
             subject: Some(s.id.clone()),
             token_id: Some(s.id.clone()),
             single_use: None,
-            grant: Grant { capabilities: s.capabilities.clone(), ..Default::default() },
+            grant: Grant {
+                capabilities: s.capabilities.clone(),
+                ..Default::default()
+            },
         })
     }
 
     fn verify_jwt(&self, token: &str, kind: TokenKind) -> Result<Verified, AuthError> {
         // The header is read only to pick the key by kid; the algorithm comes from the key.
-        let header = jsonwebtoken::decode_header(token).map_err(|e| rejected(format!("malformed token header: {e}")))?;
+        let header = jsonwebtoken::decode_header(token)
+            .map_err(|e| rejected(format!("malformed token header: {e}")))?;
         let vk = match &header.kid {
-            Some(kid) => self.by_kid.get(kid).ok_or_else(|| rejected(format!("unknown kid '{}'", kid.escape_debug())))?,
-            None => self.hs.as_ref().ok_or_else(|| rejected("token has no kid and no HS256 secret is configured"))?,
+            Some(kid) => self
+                .by_kid
+                .get(kid)
+                .ok_or_else(|| rejected(format!("unknown kid '{}'", kid.escape_debug())))?,
+            None => self
+                .hs
+                .as_ref()
+                .ok_or_else(|| rejected("token has no kid and no HS256 secret is configured"))?,
         };
         if header.alg != vk.alg {
-            return Err(rejected(format!("token alg {:?} does not match the key's {:?}", header.alg, vk.alg)));
+            return Err(rejected(format!(
+                "token alg {:?} does not match the key's {:?}",
+                header.alg, vk.alg
+            )));
         }
         let mut v = Validation::new(vk.alg);
         v.leeway = self.leeway;
@@ -233,13 +310,20 @@ impl Authenticator {
         if let Some(iss) = &self.issuer {
             v.set_issuer(&[iss]);
         }
-        let data = jsonwebtoken::decode::<Claims>(token, &vk.key, &v).map_err(|e| rejected(format!("token rejected: {e}")))?;
+        let data = jsonwebtoken::decode::<Claims>(token, &vk.key, &v)
+            .map_err(|e| rejected(format!("token rejected: {e}")))?;
         let c = data.claims;
         let now = now();
         let remaining = c.exp.saturating_sub(now);
-        let lifetime = c.iat.map(|iat| c.exp.saturating_sub(iat)).unwrap_or(remaining);
+        let lifetime = c
+            .iat
+            .map(|iat| c.exp.saturating_sub(iat))
+            .unwrap_or(remaining);
         if remaining > self.max_ttl + self.leeway || lifetime > self.max_ttl + self.leeway {
-            return Err(rejected(format!("token lifetime exceeds the maximum of {}s", self.max_ttl)));
+            return Err(rejected(format!(
+                "token lifetime exceeds the maximum of {}s",
+                self.max_ttl
+            )));
         }
         if c.iat.is_some_and(|iat| iat > now + self.leeway) {
             return Err(rejected("token issued in the future"));
@@ -249,10 +333,17 @@ impl Authenticator {
             TokenKind::Capability => "capability",
         };
         if c.token_use.as_deref().is_some_and(|u| u != want) {
-            return Err(rejected(format!("a {} token is not a {want} token", c.token_use.as_deref().unwrap_or("?"))));
+            return Err(rejected(format!(
+                "a {} token is not a {want} token",
+                c.token_use.as_deref().unwrap_or("?")
+            )));
         }
         let single_use = if c.single_use {
-            let jti = c.jti.clone().filter(|j| !j.is_empty() && j.len() <= 256).ok_or_else(|| rejected("single-use token without jti"))?;
+            let jti = c
+                .jti
+                .clone()
+                .filter(|j| !j.is_empty() && j.len() <= 256)
+                .ok_or_else(|| rejected("single-use token without jti"))?;
             Some((jti, c.exp))
         } else {
             None
@@ -307,7 +398,11 @@ pub fn mint_hs256(secret: &[u8], req: &MintRequest) -> Result<String, jsonwebtok
         max_timeout_seconds: req.max_timeout_seconds,
         single_use: req.single_use,
     };
-    jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &EncodingKey::from_secret(secret))
+    jsonwebtoken::encode(
+        &Header::new(Algorithm::HS256),
+        &claims,
+        &EncodingKey::from_secret(secret),
+    )
 }
 
 #[cfg(test)]
@@ -340,7 +435,13 @@ mod tests {
     }
 
     fn req() -> MintRequest {
-        MintRequest { kind: Some(TokenKind::Capability), capabilities: vec!["ShellRead".into()], ttl_seconds: 60, aud: "executor-arm".into(), ..Default::default() }
+        MintRequest {
+            kind: Some(TokenKind::Capability),
+            capabilities: vec!["ShellRead".into()],
+            ttl_seconds: 60,
+            aud: "executor-arm".into(),
+            ..Default::default()
+        }
     }
 
     fn b64(v: &serde_json::Value) -> String {
@@ -351,7 +452,13 @@ mod tests {
     fn good_token_and_kind_separation() {
         let a = auth();
         let t = mint_hs256(SECRET, &req()).unwrap();
-        assert_eq!(a.verify(&t, TokenKind::Capability).unwrap().grant.capabilities, vec!["ShellRead"]);
+        assert_eq!(
+            a.verify(&t, TokenKind::Capability)
+                .unwrap()
+                .grant
+                .capabilities,
+            vec!["ShellRead"]
+        );
         assert!(a.verify(&t, TokenKind::Service).is_err());
     }
 
@@ -361,26 +468,88 @@ mod tests {
         let good = mint_hs256(SECRET, &req()).unwrap();
         let parts: Vec<&str> = good.split('.').collect();
         // alg none
-        let none = format!("{}.{}.", b64(&serde_json::json!({"alg":"none","typ":"JWT"})), parts[1]);
+        let none = format!(
+            "{}.{}.",
+            b64(&serde_json::json!({"alg":"none","typ":"JWT"})),
+            parts[1]
+        );
         assert!(a.verify(&none, TokenKind::Capability).is_err());
         // tampered payload
-        let payload = b64(&serde_json::json!({"exp": now() + 60, "aud": "executor-arm", "capabilities": ["ShellExecute"]}));
-        assert!(a.verify(&format!("{}.{}.{}", parts[0], payload, parts[2]), TokenKind::Capability).is_err());
+        let payload = b64(
+            &serde_json::json!({"exp": now() + 60, "aud": "executor-arm", "capabilities": ["ShellExecute"]}),
+        );
+        assert!(
+            a.verify(
+                &format!("{}.{}.{}", parts[0], payload, parts[2]),
+                TokenKind::Capability
+            )
+            .is_err()
+        );
         // bad signature
         let other = mint_hs256(b"another-secret-another-secret-another", &req()).unwrap();
         assert!(a.verify(&other, TokenKind::Capability).is_err());
         // wrong aud, overlong ttl
-        assert!(a.verify(&mint_hs256(SECRET, &MintRequest { aud: "x".into(), ..req() }).unwrap(), TokenKind::Capability).is_err());
-        assert!(a.verify(&mint_hs256(SECRET, &MintRequest { ttl_seconds: 7200, ..req() }).unwrap(), TokenKind::Capability).is_err());
+        assert!(
+            a.verify(
+                &mint_hs256(
+                    SECRET,
+                    &MintRequest {
+                        aud: "x".into(),
+                        ..req()
+                    }
+                )
+                .unwrap(),
+                TokenKind::Capability
+            )
+            .is_err()
+        );
+        assert!(
+            a.verify(
+                &mint_hs256(
+                    SECRET,
+                    &MintRequest {
+                        ttl_seconds: 7200,
+                        ..req()
+                    }
+                )
+                .unwrap(),
+                TokenKind::Capability
+            )
+            .is_err()
+        );
         // unknown kid
         let mut h = Header::new(Algorithm::HS256);
         h.kid = Some("nope".into());
-        let t = jsonwebtoken::encode(&h, &serde_json::json!({"exp": now() + 60, "aud": "executor-arm"}), &EncodingKey::from_secret(SECRET)).unwrap();
+        let t = jsonwebtoken::encode(
+            &h,
+            &serde_json::json!({"exp": now() + 60, "aud": "executor-arm"}),
+            &EncodingKey::from_secret(SECRET),
+        )
+        .unwrap();
         assert!(a.verify(&t, TokenKind::Capability).is_err());
         // missing exp, expired, nbf in future
-        let enc = |c: serde_json::Value| jsonwebtoken::encode(&Header::new(Algorithm::HS256), &c, &EncodingKey::from_secret(SECRET)).unwrap();
-        assert!(a.verify(&enc(serde_json::json!({"aud": "executor-arm"})), TokenKind::Capability).is_err());
-        assert!(a.verify(&enc(serde_json::json!({"aud": "executor-arm", "exp": now() - 100})), TokenKind::Capability).is_err());
+        let enc = |c: serde_json::Value| {
+            jsonwebtoken::encode(
+                &Header::new(Algorithm::HS256),
+                &c,
+                &EncodingKey::from_secret(SECRET),
+            )
+            .unwrap()
+        };
+        assert!(
+            a.verify(
+                &enc(serde_json::json!({"aud": "executor-arm"})),
+                TokenKind::Capability
+            )
+            .is_err()
+        );
+        assert!(
+            a.verify(
+                &enc(serde_json::json!({"aud": "executor-arm", "exp": now() - 100})),
+                TokenKind::Capability
+            )
+            .is_err()
+        );
         assert!(a.verify(&enc(serde_json::json!({"aud": "executor-arm", "exp": now() + 100, "nbf": now() + 60})), TokenKind::Capability).is_err());
         // single-use without jti
         assert!(a.verify(&enc(serde_json::json!({"aud": "executor-arm", "exp": now() + 100, "single_use": true})), TokenKind::Capability).is_err());
@@ -389,7 +558,13 @@ mod tests {
     #[test]
     fn static_tokens() {
         let a = auth();
-        assert_eq!(a.verify("tok_abc123xyz", TokenKind::Capability).unwrap().subject.as_deref(), Some("orch"));
+        assert_eq!(
+            a.verify("tok_abc123xyz", TokenKind::Capability)
+                .unwrap()
+                .subject
+                .as_deref(),
+            Some("orch")
+        );
         assert!(a.verify("tok_abc123xyy", TokenKind::Capability).is_err());
         assert!(a.verify("tok_abc123xyz", TokenKind::Service).is_err());
     }

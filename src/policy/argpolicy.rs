@@ -27,44 +27,120 @@ fn v(items: &[&str]) -> Vec<String> {
 pub fn builtin(command: &str) -> ArgPolicy {
     match command {
         "find" => ArgPolicy {
-            exact: v(&["-exec", "-execdir", "-ok", "-okdir", "-delete", "-fprint", "-fprint0", "-fprintf", "-fls"]),
+            exact: v(&[
+                "-exec", "-execdir", "-ok", "-okdir", "-delete", "-fprint", "-fprint0", "-fprintf",
+                "-fls",
+            ]),
             ..Default::default()
         },
         "curl" => ArgPolicy {
             exact: v(&[
-                "-o", "-O", "--output", "--remote-name", "--remote-name-all", "--output-dir", "-K", "--config",
-                "-T", "--upload-file", "--unix-socket", "--abstract-unix-socket", "--proto", "--proto-redir",
-                "--proto-default", "-x", "--proxy", "--preproxy", "-D", "--dump-header", "-c", "--cookie-jar",
-                "--trace", "--trace-ascii", "--libcurl", "--engine", "--netrc-file", "--create-dirs", "-q",
-                "--disable", "--etag-save", "--hsts", "--alt-svc", "--stderr",
+                "-o",
+                "-O",
+                "--output",
+                "--remote-name",
+                "--remote-name-all",
+                "--output-dir",
+                "-K",
+                "--config",
+                "-T",
+                "--upload-file",
+                "--unix-socket",
+                "--abstract-unix-socket",
+                "--proto",
+                "--proto-redir",
+                "--proto-default",
+                "-x",
+                "--proxy",
+                "--preproxy",
+                "-D",
+                "--dump-header",
+                "-c",
+                "--cookie-jar",
+                "--trace",
+                "--trace-ascii",
+                "--libcurl",
+                "--engine",
+                "--netrc-file",
+                "--create-dirs",
+                "-q",
+                "--disable",
+                "--etag-save",
+                "--hsts",
+                "--alt-svc",
+                "--stderr",
             ]),
             prefixes: v(&[
-                "file:", "gopher:", "dict:", "ftp:", "ftps:", "tftp:", "ldap:", "ldaps:", "smb:", "smbs:",
-                "telnet:", "scp:", "sftp:", "mqtt:", "imap:", "imaps:", "pop3:", "pop3s:", "smtp:", "smtps:",
-                "rtsp:", "@",
+                "file:", "gopher:", "dict:", "ftp:", "ftps:", "tftp:", "ldap:", "ldaps:", "smb:",
+                "smbs:", "telnet:", "scp:", "sftp:", "mqtt:", "imap:", "imaps:", "pop3:", "pop3s:",
+                "smtp:", "smtps:", "rtsp:", "@",
             ]),
             short_denied: vec!['o', 'O', 'K', 'T', 'D', 'c', 'x', 'q'],
             short_with_value: vec![
-                'd', 'H', 'X', 'u', 'A', 'e', 'b', 'F', 'U', 'w', 'm', 'r', 'Y', 'y', 'z', 'E', 'Q', 't', 'C', 'P',
-                'o', 'K', 'T', 'D', 'c', 'x',
+                'd', 'H', 'X', 'u', 'A', 'e', 'b', 'F', 'U', 'w', 'm', 'r', 'Y', 'y', 'z', 'E',
+                'Q', 't', 'C', 'P', 'o', 'K', 'T', 'D', 'c', 'x',
             ],
             no_file_value: v(&[
-                "-d", "--data", "--data-ascii", "--data-binary", "--data-urlencode", "-F", "--form", "--json",
-                "-H", "--header", "-b", "--cookie", "-u", "--user", "-e", "--referer", "-A", "--user-agent",
-                "--form-string", "--variable", "--url-query",
+                "-d",
+                "--data",
+                "--data-ascii",
+                "--data-binary",
+                "--data-urlencode",
+                "-F",
+                "--form",
+                "--json",
+                "-H",
+                "--header",
+                "-b",
+                "--cookie",
+                "-u",
+                "--user",
+                "-e",
+                "--referer",
+                "-A",
+                "--user-agent",
+                "--form-string",
+                "--variable",
+                "--url-query",
             ]),
             pairs: Vec::new(),
         },
         "wget" => ArgPolicy {
             exact: v(&[
-                "-O", "-o", "-a", "-e", "--execute", "--post-file", "--body-file", "--use-askpass", "-i",
-                "--input-file", "-P", "--directory-prefix", "--output-document", "--output-file",
-                "--append-output", "--config", "-x", "--force-directories", "-r", "--recursive", "-m", "--mirror",
-                "--load-cookies", "--save-cookies", "--ca-directory", "--certificate", "--private-key",
+                "-O",
+                "-o",
+                "-a",
+                "-e",
+                "--execute",
+                "--post-file",
+                "--body-file",
+                "--use-askpass",
+                "-i",
+                "--input-file",
+                "-P",
+                "--directory-prefix",
+                "--output-document",
+                "--output-file",
+                "--append-output",
+                "--config",
+                "-x",
+                "--force-directories",
+                "-r",
+                "--recursive",
+                "-m",
+                "--mirror",
+                "--load-cookies",
+                "--save-cookies",
+                "--ca-directory",
+                "--certificate",
+                "--private-key",
             ]),
             prefixes: v(&["file:", "ftp:", "ftps:"]),
             short_denied: vec!['O', 'o', 'a', 'e', 'i', 'P', 'x', 'r', 'm'],
-            short_with_value: vec!['O', 'o', 'a', 'e', 'i', 'P', 't', 'T', 'w', 'U', 'l', 'A', 'R', 'D', 'I', 'X', 'Q', 'B'],
+            short_with_value: vec![
+                'O', 'o', 'a', 'e', 'i', 'P', 't', 'T', 'w', 'U', 'l', 'A', 'R', 'D', 'I', 'X',
+                'Q', 'B',
+            ],
             ..Default::default()
         },
         "grep" | "egrep" | "fgrep" => ArgPolicy {
@@ -74,32 +150,67 @@ pub fn builtin(command: &str) -> ArgPolicy {
         "rg" => ArgPolicy {
             exact: v(&["--pre", "--pre-glob", "-z", "--search-zip"]),
             short_denied: vec!['z'],
-            short_with_value: vec!['e', 'f', 'g', 't', 'T', 'm', 'A', 'B', 'C', 'M', 'r', 'E', 'j'],
+            short_with_value: vec![
+                'e', 'f', 'g', 't', 'T', 'm', 'A', 'B', 'C', 'M', 'r', 'E', 'j',
+            ],
             ..Default::default()
         },
         "tar" => ArgPolicy {
             exact: v(&[
-                "--checkpoint-action", "--to-command", "--use-compress-program", "-I", "--rsh-command",
-                "--info-script", "--new-volume-script", "-F", "--rmt-command",
+                "--checkpoint-action",
+                "--to-command",
+                "--use-compress-program",
+                "-I",
+                "--rsh-command",
+                "--info-script",
+                "--new-volume-script",
+                "-F",
+                "--rmt-command",
             ]),
             short_denied: vec!['I', 'F'],
             short_with_value: vec!['f', 'C', 'b', 'T', 'X', 'g', 'K', 'N', 'V', 'H', 'L'],
             ..Default::default()
         },
         "git" => ArgPolicy {
-            exact: v(&["-c", "--config-env", "--exec-path", "--upload-pack", "--receive-pack", "-u", "--template", "--config"]),
+            exact: v(&[
+                "-c",
+                "--config-env",
+                "--exec-path",
+                "--upload-pack",
+                "--receive-pack",
+                "-u",
+                "--template",
+                "--config",
+            ]),
             prefixes: v(&["ext::", "fd::"]),
             ..Default::default()
         },
         "python3" | "python" => ArgPolicy {
             exact: v(&["-mpip", "-mensurepip"]),
-            pairs: vec![("-m".into(), "pip".into()), ("-m".into(), "ensurepip".into())],
+            pairs: vec![
+                ("-m".into(), "pip".into()),
+                ("-m".into(), "ensurepip".into()),
+            ],
             ..Default::default()
         },
         "nmap" => ArgPolicy {
             exact: v(&[
-                "-iL", "-oN", "-oX", "-oS", "-oG", "-oA", "--script", "--script-args", "--script-args-file",
-                "--datadir", "--servicedb", "--versiondb", "--resume", "--stylesheet", "--excludefile", "--interactive",
+                "-iL",
+                "-oN",
+                "-oX",
+                "-oS",
+                "-oG",
+                "-oA",
+                "--script",
+                "--script-args",
+                "--script-args-file",
+                "--datadir",
+                "--servicedb",
+                "--versiondb",
+                "--resume",
+                "--stylesheet",
+                "--excludefile",
+                "--interactive",
                 "--script-updatedb",
             ]),
             prefixes: v(&["-o", "-iL", "--script"]),
@@ -120,18 +231,32 @@ impl ArgPolicy {
     pub fn check(&self, args: &[String]) -> Option<String> {
         for (i, arg) in args.iter().enumerate() {
             let next = args.get(i + 1).map(String::as_str);
-            let key = if arg.starts_with("--") { arg.split_once('=').map(|(k, _)| k).unwrap_or(arg) } else { arg.as_str() };
+            let key = if arg.starts_with("--") {
+                arg.split_once('=').map(|(k, _)| k).unwrap_or(arg)
+            } else {
+                arg.as_str()
+            };
             if self.exact.iter().any(|e| e == arg || e == key) {
-                return Some(format!("argument '{arg}' is refused by the argument policy"));
+                return Some(format!(
+                    "argument '{arg}' is refused by the argument policy"
+                ));
             }
             let lower = arg.to_ascii_lowercase();
-            if let Some(p) = self.prefixes.iter().find(|p| lower.starts_with(&p.to_ascii_lowercase())) {
-                return Some(format!("argument '{arg}' is refused by the argument policy (prefix '{p}')"));
+            if let Some(p) = self
+                .prefixes
+                .iter()
+                .find(|p| lower.starts_with(&p.to_ascii_lowercase()))
+            {
+                return Some(format!(
+                    "argument '{arg}' is refused by the argument policy (prefix '{p}')"
+                ));
             }
             if arg.len() > 1 && arg.starts_with('-') && !arg.starts_with("--") {
                 for c in arg[1..].chars() {
                     if self.short_denied.contains(&c) {
-                        return Some(format!("argument '{arg}' is refused by the argument policy (flag -{c})"));
+                        return Some(format!(
+                            "argument '{arg}' is refused by the argument policy (flag -{c})"
+                        ));
                     }
                     if self.short_with_value.contains(&c) {
                         break;
@@ -140,20 +265,25 @@ impl ArgPolicy {
             }
             for opt in &self.no_file_value {
                 let glued = if opt.starts_with("--") {
-                    arg.strip_prefix(opt.as_str()).and_then(|r| r.strip_prefix('='))
+                    arg.strip_prefix(opt.as_str())
+                        .and_then(|r| r.strip_prefix('='))
                 } else {
                     arg.strip_prefix(opt.as_str()).filter(|r| !r.is_empty())
                 };
                 let reads_file = (arg == opt && next.is_some_and(|n| n.starts_with('@')))
                     || glued.is_some_and(|r| r.starts_with('@'));
                 if reads_file {
-                    return Some(format!("argument '{arg}' may not read a local file with '@'"));
+                    return Some(format!(
+                        "argument '{arg}' may not read a local file with '@'"
+                    ));
                 }
             }
             if let Some(n) = next
                 && self.pairs.iter().any(|(a, b)| a == arg && b == n)
             {
-                return Some(format!("arguments '{arg} {n}' are refused by the argument policy"));
+                return Some(format!(
+                    "arguments '{arg} {n}' are refused by the argument policy"
+                ));
             }
         }
         None
@@ -165,7 +295,9 @@ mod tests {
     use super::*;
 
     fn refused(cmd: &str, args: &[&str]) -> bool {
-        builtin(cmd).check(&args.iter().map(|s| s.to_string()).collect::<Vec<_>>()).is_some()
+        builtin(cmd)
+            .check(&args.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .is_some()
     }
 
     #[test]
@@ -187,7 +319,12 @@ mod tests {
         ] {
             assert!(refused("curl", bad), "{bad:?}");
         }
-        for ok in [&["-s", "http://a"][..], &["-XPOST", "-d", "x=1", "https://a"], &["-H", "Accept: json", "http://a"], &["-sSL", "http://a"]] {
+        for ok in [
+            &["-s", "http://a"][..],
+            &["-XPOST", "-d", "x=1", "https://a"],
+            &["-H", "Accept: json", "http://a"],
+            &["-sSL", "http://a"],
+        ] {
             assert!(!refused("curl", ok), "{ok:?}");
         }
     }

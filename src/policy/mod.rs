@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{CommandEntry, Config};
-use crate::sandbox::{BackendKind, FsRules, Limits, NetworkPolicy, RunSpec};
 use self::argpolicy::ArgPolicy;
 use self::profile::{NetworkMode, Profile};
+use crate::config::{CommandEntry, Config};
+use crate::sandbox::{BackendKind, FsRules, Limits, NetworkPolicy, RunSpec};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -84,7 +84,8 @@ pub fn is_bare_name(name: &str) -> bool {
     !b.is_empty()
         && b.len() <= 64
         && b[0].is_ascii_alphanumeric()
-        && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'+' | b'-'))
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'+' | b'-'))
 }
 
 /// What a verified capability token grants.
@@ -115,7 +116,10 @@ pub enum PolicyError {
 }
 
 fn refuse(rule: &'static str, reason: impl Into<String>) -> PolicyError {
-    PolicyError::Refused(Refusal { rule, reason: reason.into() })
+    PolicyError::Refused(Refusal {
+        rule,
+        reason: reason.into(),
+    })
 }
 
 /// One allowlist entry, resolved at startup.
@@ -156,7 +160,13 @@ pub struct Plan {
 
 impl Plan {
     /// The backend's view of the plan.
-    pub fn run_spec(&self, exec_id: &str, argv_tail: &[String], stdin: Option<Vec<u8>>, default_image: &str) -> RunSpec {
+    pub fn run_spec(
+        &self,
+        exec_id: &str,
+        argv_tail: &[String],
+        stdin: Option<Vec<u8>>,
+        default_image: &str,
+    ) -> RunSpec {
         let p = &self.profile;
         let mut argv = vec![self.path.to_string_lossy().into_owned()];
         argv.extend(argv_tail.iter().cloned());
@@ -176,7 +186,11 @@ impl Plan {
                     byte_cap: p.network.byte_cap_mb << 20,
                 },
             },
-            fs: FsRules { read_only: p.filesystem.read_only.clone(), extra_files: Vec::new(), workdir: p.filesystem.workdir.clone() },
+            fs: FsRules {
+                read_only: p.filesystem.read_only.clone(),
+                extra_files: Vec::new(),
+                workdir: p.filesystem.workdir.clone(),
+            },
             uid: p.user.uid,
             gid: p.user.gid,
             landlock_abi: p.requires.landlock_abi,
@@ -200,9 +214,15 @@ pub struct Policy {
 /// Finds `name` in the fixed search path (never the daemon's PATH).
 pub fn resolve_in(search_path: &str, name: &str) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
-    search_path.split(':').filter(|d| d.starts_with('/')).map(|d| Path::new(d).join(name)).find(|p| {
-        std::fs::metadata(p).map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
-    })
+    search_path
+        .split(':')
+        .filter(|d| d.starts_with('/'))
+        .map(|d| Path::new(d).join(name))
+        .find(|p| {
+            std::fs::metadata(p)
+                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+                .unwrap_or(false)
+        })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -216,12 +236,18 @@ pub enum PolicyLoadError {
 impl Policy {
     pub fn load(cfg: &Config) -> Result<Policy, PolicyLoadError> {
         let profiles: BTreeMap<String, Arc<Profile>> =
-            profile::load_dir(&cfg.sandbox.profiles_dir)?.into_iter().map(|(k, v)| (k, Arc::new(v))).collect();
+            profile::load_dir(&cfg.sandbox.profiles_dir)?
+                .into_iter()
+                .map(|(k, v)| (k, Arc::new(v)))
+                .collect();
         let mut commands = BTreeMap::new();
         let mut disabled = Vec::new();
         for (name, entry) in &cfg.commands {
             if !profiles.contains_key(&entry.profile) {
-                return Err(PolicyLoadError::UnknownProfile { command: name.clone(), profile: entry.profile.clone() });
+                return Err(PolicyLoadError::UnknownProfile {
+                    command: name.clone(),
+                    profile: entry.profile.clone(),
+                });
             }
             match resolve_in(&cfg.sandbox.search_path, name) {
                 Some(path) => {
@@ -229,11 +255,20 @@ impl Policy {
                 }
                 None => {
                     tracing::warn!(command = %name, search_path = %cfg.sandbox.search_path, "allowlisted command not found; disabled");
-                    disabled.push((name.clone(), format!("not found in {}", cfg.sandbox.search_path)));
+                    disabled.push((
+                        name.clone(),
+                        format!("not found in {}", cfg.sandbox.search_path),
+                    ));
                 }
             }
         }
-        Ok(Policy { commands, disabled, profiles, default_backend: cfg.sandbox.default_backend, egress_backends: Vec::new() })
+        Ok(Policy {
+            commands,
+            disabled,
+            profiles,
+            default_backend: cfg.sandbox.default_backend,
+            egress_backends: Vec::new(),
+        })
     }
 
     fn allowed(name: &str, path: PathBuf, entry: &CommandEntry) -> AllowedCommand {
@@ -254,22 +289,45 @@ impl Policy {
     /// Decides an allowlisted command request (not `external`, which the executor registry owns).
     pub fn decide(&self, ask: &Ask<'_>, grant: &Grant) -> Result<Plan, PolicyError> {
         if !is_bare_name(ask.command) {
-            return Err(refuse("allowlist", format!("Command '{}' not in allowlist", ask.command.escape_debug())));
+            return Err(refuse(
+                "allowlist",
+                format!("Command '{}' not in allowlist", ask.command.escape_debug()),
+            ));
         }
         let Some(cmd) = self.commands.get(ask.command) else {
-            return Err(refuse("allowlist", format!("Command '{}' not in allowlist", ask.command)));
+            return Err(refuse(
+                "allowlist",
+                format!("Command '{}' not in allowlist", ask.command),
+            ));
         };
-        let action = ask.action_type.ok_or_else(|| PolicyError::Invalid("action_type is required".into()))?;
+        let action = ask
+            .action_type
+            .ok_or_else(|| PolicyError::Invalid("action_type is required".into()))?;
         if !cmd.action_types.contains(&action) {
             return Err(refuse(
                 "action_type",
-                format!("Command '{}' does not serve action_type '{}'", cmd.name, action.as_str()),
+                format!(
+                    "Command '{}' does not serve action_type '{}'",
+                    cmd.name,
+                    action.as_str()
+                ),
             ));
         }
         if let Some(reason) = cmd.args.check(ask.args) {
-            return Err(refuse("argument_policy", format!("Command '{}': {reason}", cmd.name)));
+            return Err(refuse(
+                "argument_policy",
+                format!("Command '{}': {reason}", cmd.name),
+            ));
         }
-        self.finish(&cmd.name, &cmd.path, action, &cmd.capabilities, &cmd.profile, ask, grant)
+        self.finish(
+            &cmd.name,
+            &cmd.path,
+            action,
+            &cmd.capabilities,
+            &cmd.profile,
+            ask,
+            grant,
+        )
     }
 
     /// The part shared with external executors: token narrowing, capabilities, profile, env, limits.
@@ -287,24 +345,42 @@ impl Policy {
         if let Some(allowed) = &grant.commands
             && !allowed.iter().any(|c| c == name)
         {
-            return Err(refuse("token_commands", format!("capability token does not permit command '{name}'")));
+            return Err(refuse(
+                "token_commands",
+                format!("capability token does not permit command '{name}'"),
+            ));
         }
-        if let Some(missing) = required.iter().find(|c| !grant.capabilities.iter().any(|g| g == c.as_str())) {
+        if let Some(missing) = required
+            .iter()
+            .find(|c| !grant.capabilities.iter().any(|g| g == c.as_str()))
+        {
             return Err(refuse(
                 "capabilities",
-                format!("capability token lacks required capability '{}' for '{name}'", missing.as_str()),
+                format!(
+                    "capability token lacks required capability '{}' for '{name}'",
+                    missing.as_str()
+                ),
             ));
         }
         let profile_name = ask.profile.unwrap_or(default_profile);
         let Some(profile) = self.profiles.get(profile_name) else {
-            return Err(refuse("profile", format!("profile '{profile_name}' does not exist")));
+            return Err(refuse(
+                "profile",
+                format!("profile '{profile_name}' does not exist"),
+            ));
         };
         match &grant.profiles {
             Some(allowed) if !allowed.iter().any(|p| p == profile_name) => {
-                return Err(refuse("token_profiles", format!("capability token does not permit profile '{profile_name}'")));
+                return Err(refuse(
+                    "token_profiles",
+                    format!("capability token does not permit profile '{profile_name}'"),
+                ));
             }
             None if profile_name != default_profile => {
-                return Err(refuse("token_profiles", format!("capability token does not permit profile '{profile_name}'")));
+                return Err(refuse(
+                    "token_profiles",
+                    format!("capability token does not permit profile '{profile_name}'"),
+                ));
             }
             _ => {}
         }
@@ -317,16 +393,30 @@ impl Policy {
         }
         let mut env = profile.env.set.clone();
         for (k, v) in ask.env {
-            if !profile::valid_env_name(k) || profile::env_name_always_refused(k) || !profile.env.allow.iter().any(|a| a == k) {
-                return Err(refuse("env", format!("environment variable '{}' is not permitted by profile '{profile_name}'", k.escape_debug())));
+            if !profile::valid_env_name(k)
+                || profile::env_name_always_refused(k)
+                || !profile.env.allow.iter().any(|a| a == k)
+            {
+                return Err(refuse(
+                    "env",
+                    format!(
+                        "environment variable '{}' is not permitted by profile '{profile_name}'",
+                        k.escape_debug()
+                    ),
+                ));
             }
             if v.contains('\0') {
-                return Err(PolicyError::Invalid(format!("environment variable '{k}' contains a NUL byte")));
+                return Err(PolicyError::Invalid(format!(
+                    "environment variable '{k}' contains a NUL byte"
+                )));
             }
             env.insert(k.clone(), v.clone());
         }
         let l = &profile.limits;
-        let mut timeout = ask.timeout_seconds.unwrap_or(l.timeout_default_seconds).min(l.timeout_max_seconds);
+        let mut timeout = ask
+            .timeout_seconds
+            .unwrap_or(l.timeout_default_seconds)
+            .min(l.timeout_max_seconds);
         if let Some(t) = grant.max_timeout_seconds {
             timeout = timeout.min(t.max(1));
         }
@@ -363,12 +453,30 @@ mod tests {
     }
 
     fn grant(caps: &[&str]) -> Grant {
-        Grant { capabilities: caps.iter().map(|s| s.to_string()).collect(), ..Default::default() }
+        Grant {
+            capabilities: caps.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
     }
 
     #[test]
     fn bare_names() {
-        for bad in ["/bin/ls", "../ls", "ls;id", "ls ", " ls", "ls\0", "l\u{0455}", "ｌｓ", "", ".", "..", "-ls", "ls|x", "$(id)"] {
+        for bad in [
+            "/bin/ls",
+            "../ls",
+            "ls;id",
+            "ls ",
+            " ls",
+            "ls\0",
+            "l\u{0455}",
+            "ｌｓ",
+            "",
+            ".",
+            "..",
+            "-ls",
+            "ls|x",
+            "$(id)",
+        ] {
             assert!(!is_bare_name(bad), "{bad:?}");
         }
         for ok in ["ls", "python3", "g++", "x-y_z.1"] {
@@ -380,24 +488,55 @@ mod tests {
     fn decide_resolves_limits_and_refuses_with_reasons() {
         let p = policy();
         let env = BTreeMap::new();
-        let ask = Ask { action_type: Some(ActionType::Shell), command: "echo", args: &[], timeout_seconds: Some(500), profile: None, env: &env };
+        let ask = Ask {
+            action_type: Some(ActionType::Shell),
+            command: "echo",
+            args: &[],
+            timeout_seconds: Some(500),
+            profile: None,
+            env: &env,
+        };
         let plan = p.decide(&ask, &grant(&["ShellExecute"])).unwrap();
         assert_eq!(plan.timeout_seconds, 300);
         assert!(plan.path.is_absolute());
-        let g = Grant { max_timeout_seconds: Some(5), ..grant(&["ShellExecute"]) };
+        let g = Grant {
+            max_timeout_seconds: Some(5),
+            ..grant(&["ShellExecute"])
+        };
         assert_eq!(p.decide(&ask, &g).unwrap().timeout_seconds, 5);
         match p.decide(&ask, &grant(&["ShellRead"])) {
             Err(PolicyError::Refused(r)) => assert!(r.reason.contains("ShellExecute"), "{r:?}"),
             other => panic!("{other:?}"),
         }
-        let rm = Ask { command: "rm", ..ask.clone() };
-        assert!(matches!(p.decide(&rm, &grant(&["ShellExecute"])), Err(PolicyError::Refused(_))));
-        let other_profile = Ask { profile: Some("python"), ..ask.clone() };
-        assert!(matches!(p.decide(&other_profile, &grant(&["ShellExecute"])), Err(PolicyError::Refused(_))));
-        let g = Grant { profiles: Some(vec!["python".into()]), ..grant(&["ShellExecute"]) };
+        let rm = Ask {
+            command: "rm",
+            ..ask.clone()
+        };
+        assert!(matches!(
+            p.decide(&rm, &grant(&["ShellExecute"])),
+            Err(PolicyError::Refused(_))
+        ));
+        let other_profile = Ask {
+            profile: Some("python"),
+            ..ask.clone()
+        };
+        assert!(matches!(
+            p.decide(&other_profile, &grant(&["ShellExecute"])),
+            Err(PolicyError::Refused(_))
+        ));
+        let g = Grant {
+            profiles: Some(vec!["python".into()]),
+            ..grant(&["ShellExecute"])
+        };
         assert_eq!(p.decide(&other_profile, &g).unwrap().profile.name, "python");
-        let narrowed = Grant { commands: Some(vec!["ls".into()]), ..grant(&["ShellExecute"]) };
-        assert!(matches!(p.decide(&ask, &narrowed), Err(PolicyError::Refused(_))));
+        let narrowed = Grant {
+            commands: Some(vec!["ls".into()]),
+            ..grant(&["ShellExecute"])
+        };
+        assert!(matches!(
+            p.decide(&ask, &narrowed),
+            Err(PolicyError::Refused(_))
+        ));
     }
 
     #[test]
@@ -405,12 +544,29 @@ mod tests {
         let p = policy();
         let mut env = BTreeMap::new();
         env.insert("LD_PRELOAD".to_string(), "/x.so".to_string());
-        let ask = Ask { action_type: Some(ActionType::Shell), command: "echo", args: &[], timeout_seconds: None, profile: None, env: &env };
-        assert!(matches!(p.decide(&ask, &grant(&["ShellExecute"])), Err(PolicyError::Refused(_))));
+        let ask = Ask {
+            action_type: Some(ActionType::Shell),
+            command: "echo",
+            args: &[],
+            timeout_seconds: None,
+            profile: None,
+            env: &env,
+        };
+        assert!(matches!(
+            p.decide(&ask, &grant(&["ShellExecute"])),
+            Err(PolicyError::Refused(_))
+        ));
         let mut env = BTreeMap::new();
         env.insert("TZ".to_string(), "UTC".to_string());
         let ask = Ask { env: &env, ..ask };
-        assert_eq!(p.decide(&ask, &grant(&["ShellExecute"])).unwrap().env.get("TZ").unwrap(), "UTC");
+        assert_eq!(
+            p.decide(&ask, &grant(&["ShellExecute"]))
+                .unwrap()
+                .env
+                .get("TZ")
+                .unwrap(),
+            "UTC"
+        );
     }
 
     #[test]
@@ -418,9 +574,19 @@ mod tests {
         let p = policy();
         let env = BTreeMap::new();
         let args = vec!["http://example.test/".to_string()];
-        let ask = Ask { action_type: Some(ActionType::Http), command: "curl", args: &args, timeout_seconds: None, profile: None, env: &env };
+        let ask = Ask {
+            action_type: Some(ActionType::Http),
+            command: "curl",
+            args: &args,
+            timeout_seconds: None,
+            profile: None,
+            env: &env,
+        };
         if p.commands.contains_key("curl") {
-            assert!(matches!(p.decide(&ask, &grant(&["HttpRequest", "NetworkAccess"])), Err(PolicyError::Unavailable(_))));
+            assert!(matches!(
+                p.decide(&ask, &grant(&["HttpRequest", "NetworkAccess"])),
+                Err(PolicyError::Unavailable(_))
+            ));
         }
     }
 }

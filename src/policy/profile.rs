@@ -16,9 +16,15 @@ pub const MAX_TIMEOUT_SECONDS: u64 = 300;
 /// Embedded copies of the shipped profiles, used when the profiles directory does not exist
 /// (e.g. `serve --dev` from another working directory).
 pub const EMBEDDED: &[(&str, &str)] = &[
-    ("shell-readonly", include_str!("../../sandbox-profiles/shell-readonly.toml")),
+    (
+        "shell-readonly",
+        include_str!("../../sandbox-profiles/shell-readonly.toml"),
+    ),
     ("python", include_str!("../../sandbox-profiles/python.toml")),
-    ("http-egress", include_str!("../../sandbox-profiles/http-egress.toml")),
+    (
+        "http-egress",
+        include_str!("../../sandbox-profiles/http-egress.toml"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -26,7 +32,10 @@ pub enum ProfileError {
     #[error("{file}: {message}")]
     Invalid { file: String, message: String },
     #[error("cannot read profiles directory {dir}: {source}")]
-    Dir { dir: PathBuf, source: std::io::Error },
+    Dir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -135,7 +144,9 @@ pub struct RequiresSection {
 
 impl Default for RequiresSection {
     fn default() -> Self {
-        RequiresSection { landlock_abi: default_landlock_abi() }
+        RequiresSection {
+            landlock_abi: default_landlock_abi(),
+        }
     }
 }
 
@@ -146,15 +157,62 @@ fn default_landlock_abi() -> u32 {
 /// Environment names no profile can let a request set: they change what runs or how.
 pub fn env_name_always_refused(name: &str) -> bool {
     const EXACT: &[&str] = &[
-        "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONINSPECT", "PYTHONBREAKPOINT", "PYTHONUSERBASE",
-        "PYTHONEXECUTABLE", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "IFS", "PROMPT_COMMAND", "CDPATH",
-        "GLOBIGNORE", "PERL5LIB", "PERL5OPT", "PERLLIB", "RUBYOPT", "RUBYLIB", "NODE_OPTIONS", "NODE_PATH",
-        "GCONV_PATH", "HOSTALIASES", "LOCALDOMAIN", "RES_OPTIONS", "GLIBC_TUNABLES", "TMPDIR", "HOME", "SHELL",
-        "CURL_HOME", "WGETRC", "SSL_CERT_FILE", "SSL_CERT_DIR", "http_proxy", "https_proxy", "HTTP_PROXY",
-        "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "no_proxy", "all_proxy", "GIT_CONFIG", "GIT_EXEC_PATH",
-        "GIT_SSH", "GIT_SSH_COMMAND", "EDITOR", "VISUAL", "PAGER",
+        "PATH",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONSTARTUP",
+        "PYTHONINSPECT",
+        "PYTHONBREAKPOINT",
+        "PYTHONUSERBASE",
+        "PYTHONEXECUTABLE",
+        "BASH_ENV",
+        "ENV",
+        "SHELLOPTS",
+        "BASHOPTS",
+        "PS4",
+        "IFS",
+        "PROMPT_COMMAND",
+        "CDPATH",
+        "GLOBIGNORE",
+        "PERL5LIB",
+        "PERL5OPT",
+        "PERLLIB",
+        "RUBYOPT",
+        "RUBYLIB",
+        "NODE_OPTIONS",
+        "NODE_PATH",
+        "GCONV_PATH",
+        "HOSTALIASES",
+        "LOCALDOMAIN",
+        "RES_OPTIONS",
+        "GLIBC_TUNABLES",
+        "TMPDIR",
+        "HOME",
+        "SHELL",
+        "CURL_HOME",
+        "WGETRC",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "http_proxy",
+        "https_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "NO_PROXY",
+        "no_proxy",
+        "all_proxy",
+        "GIT_CONFIG",
+        "GIT_EXEC_PATH",
+        "GIT_SSH",
+        "GIT_SSH_COMMAND",
+        "EDITOR",
+        "VISUAL",
+        "PAGER",
     ];
-    name.starts_with("LD_") || name.starts_with("MALLOC_") || name.starts_with("BASH_FUNC_") || name.starts_with("ORBIT_")
+    name.starts_with("LD_")
+        || name.starts_with("MALLOC_")
+        || name.starts_with("BASH_FUNC_")
+        || name.starts_with("ORBIT_")
         || EXACT.contains(&name)
 }
 
@@ -167,8 +225,12 @@ pub fn valid_env_name(name: &str) -> bool {
 
 impl Profile {
     pub fn parse(name: &str, file: &str, text: &str) -> Result<Profile, ProfileError> {
-        let invalid = |message: String| ProfileError::Invalid { file: file.to_string(), message };
-        let mut p: Profile = toml::from_str(text).map_err(|e| invalid(e.to_string().trim().replace('\n', " ")))?;
+        let invalid = |message: String| ProfileError::Invalid {
+            file: file.to_string(),
+            message,
+        };
+        let mut p: Profile =
+            toml::from_str(text).map_err(|e| invalid(e.to_string().trim().replace('\n', " ")))?;
         p.name = name.to_string();
         p.validate().map_err(invalid)?;
         Ok(p)
@@ -182,22 +244,50 @@ impl Profile {
         if !(l.cpus > 0.0 && l.cpus <= 64.0) {
             return Err("limits.cpus must be in (0, 64]".into());
         }
-        if l.memory_mb < 16 || l.disk_mb == 0 || l.pids < 4 || l.output_bytes == 0 || l.nofile < 16 {
-            return Err("limits: memory_mb >= 16, disk_mb > 0, pids >= 4, output_bytes > 0, nofile >= 16".into());
+        if l.memory_mb < 16 || l.disk_mb == 0 || l.pids < 4 || l.output_bytes == 0 || l.nofile < 16
+        {
+            return Err(
+                "limits: memory_mb >= 16, disk_mb > 0, pids >= 4, output_bytes > 0, nofile >= 16"
+                    .into(),
+            );
         }
-        if l.timeout_default_seconds == 0 || l.timeout_default_seconds > l.timeout_max_seconds || l.timeout_max_seconds > MAX_TIMEOUT_SECONDS {
-            return Err(format!("limits: 0 < timeout_default_seconds <= timeout_max_seconds <= {MAX_TIMEOUT_SECONDS}"));
+        if l.timeout_default_seconds == 0
+            || l.timeout_default_seconds > l.timeout_max_seconds
+            || l.timeout_max_seconds > MAX_TIMEOUT_SECONDS
+        {
+            return Err(format!(
+                "limits: 0 < timeout_default_seconds <= timeout_max_seconds <= {MAX_TIMEOUT_SECONDS}"
+            ));
         }
         let wd = &self.filesystem.workdir;
-        if !wd.is_absolute() || wd == Path::new("/") || wd.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
+        if !wd.is_absolute()
+            || wd == Path::new("/")
+            || wd
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir))
+        {
             return Err("filesystem.workdir must be an absolute path below /".into());
         }
         for p in &self.filesystem.read_only {
-            if !p.is_absolute() || p == Path::new("/") || p.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
-                return Err(format!("filesystem.read_only: '{}' must be an absolute path below / without '..'", p.display()));
+            if !p.is_absolute()
+                || p == Path::new("/")
+                || p.components()
+                    .any(|c| matches!(c, std::path::Component::ParentDir))
+            {
+                return Err(format!(
+                    "filesystem.read_only: '{}' must be an absolute path below / without '..'",
+                    p.display()
+                ));
             }
-            if p.starts_with("/proc") || p.starts_with("/sys") || p.starts_with("/dev") || wd.starts_with(p) {
-                return Err(format!("filesystem.read_only: '{}' may not be exposed", p.display()));
+            if p.starts_with("/proc")
+                || p.starts_with("/sys")
+                || p.starts_with("/dev")
+                || wd.starts_with(p)
+            {
+                return Err(format!(
+                    "filesystem.read_only: '{}' may not be exposed",
+                    p.display()
+                ));
             }
         }
         for n in self.env.allow.iter().chain(self.env.set.keys()) {
@@ -211,7 +301,9 @@ impl Profile {
         if self.network.mode == NetworkMode::Egress && self.network.allow_ports.is_empty() {
             return Err("network.allow_ports is empty".into());
         }
-        if !(self.network.bandwidth_mbps > 0.0 && self.network.bandwidth_mbps <= 10_000.0) || self.network.byte_cap_mb == 0 {
+        if !(self.network.bandwidth_mbps > 0.0 && self.network.bandwidth_mbps <= 10_000.0)
+            || self.network.byte_cap_mb == 0
+        {
             return Err("network: bandwidth_mbps must be in (0, 10000] and byte_cap_mb > 0".into());
         }
         for c in &self.network.allow_cidrs {
@@ -221,8 +313,14 @@ impl Profile {
         }
         for h in &self.network.allow_hosts {
             let bare = h.strip_prefix("*.").unwrap_or(h);
-            if bare.is_empty() || !bare.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-') {
-                return Err(format!("network.allow_hosts: '{h}' is not a host name or *.suffix pattern"));
+            if bare.is_empty()
+                || !bare
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
+            {
+                return Err(format!(
+                    "network.allow_hosts: '{h}' is not a host name or *.suffix pattern"
+                ));
             }
         }
         Ok(())
@@ -238,23 +336,42 @@ pub fn load_dir(dir: &Path) -> Result<BTreeMap<String, Profile>, ProfileError> {
     let mut out = BTreeMap::new();
     if !dir.exists() {
         for (name, text) in EMBEDDED {
-            out.insert(name.to_string(), Profile::parse(name, &format!("<embedded>/{name}.toml"), text)?);
+            out.insert(
+                name.to_string(),
+                Profile::parse(name, &format!("<embedded>/{name}.toml"), text)?,
+            );
         }
         return Ok(out);
     }
-    let entries = std::fs::read_dir(dir).map_err(|source| ProfileError::Dir { dir: dir.to_path_buf(), source })?;
+    let entries = std::fs::read_dir(dir).map_err(|source| ProfileError::Dir {
+        dir: dir.to_path_buf(),
+        source,
+    })?;
     for e in entries {
-        let e = e.map_err(|source| ProfileError::Dir { dir: dir.to_path_buf(), source })?;
+        let e = e.map_err(|source| ProfileError::Dir {
+            dir: dir.to_path_buf(),
+            source,
+        })?;
         let path = e.path();
         if path.extension().and_then(|x| x.to_str()) != Some("toml") {
             continue;
         }
         let file = path.display().to_string();
-        let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_string();
+        let name = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or_default()
+            .to_string();
         if !crate::policy::is_bare_name(&name) {
-            return Err(ProfileError::Invalid { file, message: "profile file name must be a plain name".into() });
+            return Err(ProfileError::Invalid {
+                file,
+                message: "profile file name must be a plain name".into(),
+            });
         }
-        let text = std::fs::read_to_string(&path).map_err(|e| ProfileError::Invalid { file: file.clone(), message: e.to_string() })?;
+        let text = std::fs::read_to_string(&path).map_err(|e| ProfileError::Invalid {
+            file: file.clone(),
+            message: e.to_string(),
+        })?;
         out.insert(name.clone(), Profile::parse(&name, &file, &text)?);
     }
     Ok(out)
@@ -277,7 +394,9 @@ mod tests {
     #[test]
     fn unknown_key_is_named() {
         let text = EMBEDDED[0].1.replace("[limits]", "[limits]\nswap_mb = 3");
-        let e = Profile::parse("x", "x.toml", &text).unwrap_err().to_string();
+        let e = Profile::parse("x", "x.toml", &text)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("x.toml") && e.contains("swap_mb"), "{e}");
     }
 
@@ -287,7 +406,9 @@ mod tests {
         assert!(Profile::parse("x", "x.toml", &text).is_err());
         let text = EMBEDDED[0].1.replace("\"/usr\",", "\"/proc\",");
         assert!(Profile::parse("x", "x.toml", &text).is_err());
-        let text = EMBEDDED[0].1.replace("allow = [\"LANG\"", "allow = [\"LD_PRELOAD\"");
+        let text = EMBEDDED[0]
+            .1
+            .replace("allow = [\"LANG\"", "allow = [\"LD_PRELOAD\"");
         assert!(Profile::parse("x", "x.toml", &text).is_err());
     }
 }

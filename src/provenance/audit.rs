@@ -18,9 +18,16 @@ pub const GENESIS: &str = "sha256:0000000000000000000000000000000000000000000000
 #[derive(Debug, thiserror::Error)]
 pub enum AuditError {
     #[error("audit log {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("audit log {path} line {line}: {message}")]
-    Broken { path: PathBuf, line: usize, message: String },
+    Broken {
+        path: PathBuf,
+        line: usize,
+        message: String,
+    },
 }
 
 struct Tail {
@@ -43,17 +50,35 @@ impl AuditLog {
     /// Opens (creating) the log and continues its chain. A log whose chain is broken is refused:
     /// appending to it would hide the break.
     pub fn open(path: &Path) -> Result<AuditLog, AuditError> {
-        let io = |source| AuditError::Io { path: path.to_path_buf(), source };
+        let io = |source| AuditError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(io)?;
         }
-        let (seq, last_hash) = if path.exists() { verify(path)? } else { (0, GENESIS.to_string()) };
-        let file = OpenOptions::new().create(true).append(true).open(path).map_err(io)?;
+        let (seq, last_hash) = if path.exists() {
+            verify(path)?
+        } else {
+            (0, GENESIS.to_string())
+        };
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(io)?;
         {
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
         }
-        Ok(AuditLog { path: path.to_path_buf(), tail: Mutex::new(Tail { file, seq, last_hash }) })
+        Ok(AuditLog {
+            path: path.to_path_buf(),
+            tail: Mutex::new(Tail {
+                file,
+                seq,
+                last_hash,
+            }),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -71,7 +96,10 @@ impl AuditLog {
         entry.insert("entry_hash".into(), Value::from(hash.clone()));
         let mut line = canonical_json(&Value::Object(entry));
         line.push('\n');
-        let io = |source| AuditError::Io { path: self.path.clone(), source };
+        let io = |source| AuditError::Io {
+            path: self.path.clone(),
+            source,
+        };
         tail.file.write_all(line.as_bytes()).map_err(io)?;
         tail.file.sync_data().map_err(io)?;
         tail.seq = seq;
@@ -83,13 +111,23 @@ impl AuditLog {
 
 /// Verifies the chain of `path`; returns the entry count and the last hash.
 pub fn verify(path: &Path) -> Result<(u64, String), AuditError> {
-    let f = File::open(path).map_err(|source| AuditError::Io { path: path.to_path_buf(), source })?;
-    let broken = |line: usize, message: String| AuditError::Broken { path: path.to_path_buf(), line, message };
+    let f = File::open(path).map_err(|source| AuditError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let broken = |line: usize, message: String| AuditError::Broken {
+        path: path.to_path_buf(),
+        line,
+        message,
+    };
     let mut prev = GENESIS.to_string();
     let mut count = 0u64;
     for (i, line) in BufReader::new(f).lines().enumerate() {
         let n = i + 1;
-        let line = line.map_err(|source| AuditError::Io { path: path.to_path_buf(), source })?;
+        let line = line.map_err(|source| AuditError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         let mut entry: Map<String, Value> = match serde_json::from_str(&line) {
             Ok(Value::Object(m)) => m,
             _ => return Err(broken(n, "not a JSON object".into())),
@@ -98,13 +136,25 @@ pub fn verify(path: &Path) -> Result<(u64, String), AuditError> {
             return Err(broken(n, "missing entry_hash".into()));
         };
         if entry.get("seq").and_then(Value::as_u64) != Some(count + 1) {
-            return Err(broken(n, format!("sequence number is not {} (a line was dropped, inserted or moved)", count + 1)));
+            return Err(broken(
+                n,
+                format!(
+                    "sequence number is not {} (a line was dropped, inserted or moved)",
+                    count + 1
+                ),
+            ));
         }
         if entry.get("prev_hash").and_then(Value::as_str) != Some(prev.as_str()) {
-            return Err(broken(n, "prev_hash does not match the previous line".into()));
+            return Err(broken(
+                n,
+                "prev_hash does not match the previous line".into(),
+            ));
         }
         if entry_hash(&entry) != stated {
-            return Err(broken(n, "entry_hash does not match the line's content (edited)".into()));
+            return Err(broken(
+                n,
+                "entry_hash does not match the line's content (edited)".into(),
+            ));
         }
         prev = stated;
         count += 1;
@@ -137,7 +187,11 @@ mod tests {
         AuditLog::open(&p).unwrap().append(entry(9)).unwrap();
         assert_eq!(verify(&p).unwrap().0, 5);
 
-        let lines: Vec<String> = std::fs::read_to_string(&p).unwrap().lines().map(String::from).collect();
+        let lines: Vec<String> = std::fs::read_to_string(&p)
+            .unwrap()
+            .lines()
+            .map(String::from)
+            .collect();
         let check = |ls: Vec<String>, bad_line: usize| {
             let q = dir.path().join("b.jsonl");
             std::fs::write(&q, ls.join("\n") + "\n").unwrap();

@@ -39,7 +39,10 @@ mod tests {
             command_hash("ls", &["-la".into(), "/tmp".into()]),
             format!("sha256:{}", hex::encode(Sha256::digest(b"ls -la /tmp")))
         );
-        assert_eq!(command_hash("echo", &[]), format!("sha256:{}", hex::encode(Sha256::digest(b"echo "))));
+        assert_eq!(
+            command_hash("echo", &[]),
+            format!("sha256:{}", hex::encode(Sha256::digest(b"echo ")))
+        );
     }
 
     #[test]

@@ -21,7 +21,10 @@ pub async fn read_capped<R: AsyncRead + Unpin>(
     cap: usize,
     overflow: watch::Sender<bool>,
 ) -> Captured {
-    let mut out = Captured { bytes: Vec::with_capacity(cap.min(64 * 1024)), truncated: false };
+    let mut out = Captured {
+        bytes: Vec::with_capacity(cap.min(64 * 1024)),
+        truncated: false,
+    };
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = match reader.read(&mut buf).await {

@@ -25,7 +25,8 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
-    pub const ALL: [BackendKind; 3] = [BackendKind::Local, BackendKind::Docker, BackendKind::Gvisor];
+    pub const ALL: [BackendKind; 3] =
+        [BackendKind::Local, BackendKind::Docker, BackendKind::Gvisor];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -117,6 +118,22 @@ pub enum KilledReason {
 }
 
 impl KilledReason {
+    /// Why a run ended early: the daemon's own reason when it killed the run, else what the
+    /// exit says (the memory limit, a signal, or a failure after hitting the pids limit).
+    pub fn resolve(
+        killed: Option<KilledReason>,
+        exit: ExitKind,
+        oom: bool,
+        pids_max_hits: u64,
+    ) -> Option<KilledReason> {
+        killed.or(match exit {
+            _ if oom => Some(KilledReason::Oom),
+            ExitKind::Signaled(_) | ExitKind::Killed => Some(KilledReason::Signal),
+            ExitKind::Exited(c) if c != 0 && pids_max_hits > 0 => Some(KilledReason::Pids),
+            ExitKind::Exited(_) => None,
+        })
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             KilledReason::Timeout => "timeout",

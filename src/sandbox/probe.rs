@@ -59,7 +59,11 @@ impl HostProbe {
         if landlock_abi_required > 0 && self.landlock_abi < landlock_abi_required {
             m.push(format!(
                 "Landlock ABI {landlock_abi_required} (host has {})",
-                if self.landlock_abi == 0 { "none".to_string() } else { self.landlock_abi.to_string() }
+                if self.landlock_abi == 0 {
+                    "none".to_string()
+                } else {
+                    self.landlock_abi.to_string()
+                }
             ));
         }
         m

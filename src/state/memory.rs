@@ -7,8 +7,13 @@ use std::time::{Duration, Instant};
 use super::{IdemBegin, StateError, StateStore, StoredResponse};
 
 enum Slot {
-    Running { body_hash: String },
-    Done { body_hash: String, response: StoredResponse },
+    Running {
+        body_hash: String,
+    },
+    Done {
+        body_hash: String,
+        response: StoredResponse,
+    },
 }
 
 #[derive(Default)]
@@ -38,28 +43,70 @@ impl StateStore for MemoryStore {
         Ok(true)
     }
 
-    async fn idempotency_begin(&self, key: &str, body_hash: &str, ttl: Duration) -> Result<IdemBegin, StateError> {
+    async fn idempotency_begin(
+        &self,
+        key: &str,
+        body_hash: &str,
+        ttl: Duration,
+    ) -> Result<IdemBegin, StateError> {
         let now = Instant::now();
         let mut m = self.idem.lock().unwrap_or_else(|p| p.into_inner());
         m.retain(|_, (until, _)| *until > now);
         match m.get(key) {
-            Some((_, Slot::Running { body_hash: h })) => Ok(IdemBegin::InProgress { same_body: h == body_hash }),
-            Some((_, Slot::Done { body_hash: h, response })) => Ok(IdemBegin::Done { same_body: h == body_hash, response: response.clone() }),
+            Some((_, Slot::Running { body_hash: h })) => Ok(IdemBegin::InProgress {
+                same_body: h == body_hash,
+            }),
+            Some((
+                _,
+                Slot::Done {
+                    body_hash: h,
+                    response,
+                },
+            )) => Ok(IdemBegin::Done {
+                same_body: h == body_hash,
+                response: response.clone(),
+            }),
             None => {
-                m.insert(key.to_string(), (now + ttl, Slot::Running { body_hash: body_hash.to_string() }));
+                m.insert(
+                    key.to_string(),
+                    (
+                        now + ttl,
+                        Slot::Running {
+                            body_hash: body_hash.to_string(),
+                        },
+                    ),
+                );
                 Ok(IdemBegin::Started)
             }
         }
     }
 
-    async fn idempotency_complete(&self, key: &str, body_hash: &str, response: &StoredResponse, ttl: Duration) -> Result<(), StateError> {
+    async fn idempotency_complete(
+        &self,
+        key: &str,
+        body_hash: &str,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StateError> {
         let mut m = self.idem.lock().unwrap_or_else(|p| p.into_inner());
-        m.insert(key.to_string(), (Instant::now() + ttl, Slot::Done { body_hash: body_hash.to_string(), response: response.clone() }));
+        m.insert(
+            key.to_string(),
+            (
+                Instant::now() + ttl,
+                Slot::Done {
+                    body_hash: body_hash.to_string(),
+                    response: response.clone(),
+                },
+            ),
+        );
         Ok(())
     }
 
     async fn idempotency_abort(&self, key: &str) -> Result<(), StateError> {
-        self.idem.lock().unwrap_or_else(|p| p.into_inner()).remove(key);
+        self.idem
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(key);
         Ok(())
     }
 
@@ -82,10 +129,25 @@ mod tests {
         assert!(s.claim_jti("a", crate::auth::now() + 60).await.unwrap());
         assert!(!s.claim_jti("a", crate::auth::now() + 60).await.unwrap());
         let ttl = Duration::from_secs(60);
-        assert_eq!(s.idempotency_begin("k", "h1", ttl).await.unwrap(), IdemBegin::Started);
-        assert_eq!(s.idempotency_begin("k", "h1", ttl).await.unwrap(), IdemBegin::InProgress { same_body: true });
-        let r = StoredResponse { status: 200, body: "{}".into() };
+        assert_eq!(
+            s.idempotency_begin("k", "h1", ttl).await.unwrap(),
+            IdemBegin::Started
+        );
+        assert_eq!(
+            s.idempotency_begin("k", "h1", ttl).await.unwrap(),
+            IdemBegin::InProgress { same_body: true }
+        );
+        let r = StoredResponse {
+            status: 200,
+            body: "{}".into(),
+        };
         s.idempotency_complete("k", "h1", &r, ttl).await.unwrap();
-        assert_eq!(s.idempotency_begin("k", "h2", ttl).await.unwrap(), IdemBegin::Done { same_body: false, response: r });
+        assert_eq!(
+            s.idempotency_begin("k", "h2", ttl).await.unwrap(),
+            IdemBegin::Done {
+                same_body: false,
+                response: r
+            }
+        );
     }
 }

@@ -23,7 +23,10 @@ pub enum IdemBegin {
     /// Another request with this key is running.
     InProgress { same_body: bool },
     /// Finished earlier.
-    Done { same_body: bool, response: StoredResponse },
+    Done {
+        same_body: bool,
+        response: StoredResponse,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -36,8 +39,19 @@ pub enum StateError {
 pub trait StateStore: Send + Sync {
     /// Records a single-use jti until `exp`; false when it was seen before (a replay).
     async fn claim_jti(&self, jti: &str, exp_unix: u64) -> Result<bool, StateError>;
-    async fn idempotency_begin(&self, key: &str, body_hash: &str, ttl: Duration) -> Result<IdemBegin, StateError>;
-    async fn idempotency_complete(&self, key: &str, body_hash: &str, response: &StoredResponse, ttl: Duration) -> Result<(), StateError>;
+    async fn idempotency_begin(
+        &self,
+        key: &str,
+        body_hash: &str,
+        ttl: Duration,
+    ) -> Result<IdemBegin, StateError>;
+    async fn idempotency_complete(
+        &self,
+        key: &str,
+        body_hash: &str,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StateError>;
     async fn idempotency_abort(&self, key: &str) -> Result<(), StateError>;
     /// For /readyz.
     async fn healthy(&self) -> Result<(), StateError>;

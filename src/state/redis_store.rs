@@ -30,8 +30,13 @@ impl RedisStore {
             .set_connection_timeout(Duration::from_secs(2))
             .set_response_timeout(Duration::from_secs(2))
             .set_number_of_retries(1);
-        let conn = ConnectionManager::new_with_config(client, cfg).await.map_err(unavailable)?;
-        Ok(RedisStore { conn, prefix: "executor-arm:".into() })
+        let conn = ConnectionManager::new_with_config(client, cfg)
+            .await
+            .map_err(unavailable)?;
+        Ok(RedisStore {
+            conn,
+            prefix: "executor-arm:".into(),
+        })
     }
 }
 
@@ -52,11 +57,28 @@ impl StateStore for RedisStore {
         Ok(set.is_some())
     }
 
-    async fn idempotency_begin(&self, key: &str, body_hash: &str, ttl: Duration) -> Result<IdemBegin, StateError> {
+    async fn idempotency_begin(
+        &self,
+        key: &str,
+        body_hash: &str,
+        ttl: Duration,
+    ) -> Result<IdemBegin, StateError> {
         let k = format!("{}idem:{key}", self.prefix);
-        let slot = serde_json::to_string(&Slot { body_hash: body_hash.to_string(), response: None }).unwrap_or_default();
+        let slot = serde_json::to_string(&Slot {
+            body_hash: body_hash.to_string(),
+            response: None,
+        })
+        .unwrap_or_default();
         let mut c = self.conn.clone();
-        let set: Option<String> = redis::cmd("SET").arg(&k).arg(&slot).arg("NX").arg("EX").arg(ttl.as_secs().max(1)).query_async(&mut c).await.map_err(unavailable)?;
+        let set: Option<String> = redis::cmd("SET")
+            .arg(&k)
+            .arg(&slot)
+            .arg("NX")
+            .arg("EX")
+            .arg(ttl.as_secs().max(1))
+            .query_async(&mut c)
+            .await
+            .map_err(unavailable)?;
         if set.is_some() {
             return Ok(IdemBegin::Started);
         }
@@ -67,28 +89,50 @@ impl StateStore for RedisStore {
         };
         let same_body = existing.body_hash == body_hash;
         Ok(match existing.response {
-            Some(response) => IdemBegin::Done { same_body, response },
+            Some(response) => IdemBegin::Done {
+                same_body,
+                response,
+            },
             None => IdemBegin::InProgress { same_body },
         })
     }
 
-    async fn idempotency_complete(&self, key: &str, body_hash: &str, response: &StoredResponse, ttl: Duration) -> Result<(), StateError> {
+    async fn idempotency_complete(
+        &self,
+        key: &str,
+        body_hash: &str,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StateError> {
         let k = format!("{}idem:{key}", self.prefix);
-        let slot = serde_json::to_string(&Slot { body_hash: body_hash.to_string(), response: Some(response.clone()) }).unwrap_or_default();
+        let slot = serde_json::to_string(&Slot {
+            body_hash: body_hash.to_string(),
+            response: Some(response.clone()),
+        })
+        .unwrap_or_default();
         let mut c = self.conn.clone();
-        let _: () = c.set_ex(&k, slot, ttl.as_secs().max(1)).await.map_err(unavailable)?;
+        let _: () = c
+            .set_ex(&k, slot, ttl.as_secs().max(1))
+            .await
+            .map_err(unavailable)?;
         Ok(())
     }
 
     async fn idempotency_abort(&self, key: &str) -> Result<(), StateError> {
         let mut c = self.conn.clone();
-        let _: () = c.del(format!("{}idem:{key}", self.prefix)).await.map_err(unavailable)?;
+        let _: () = c
+            .del(format!("{}idem:{key}", self.prefix))
+            .await
+            .map_err(unavailable)?;
         Ok(())
     }
 
     async fn healthy(&self) -> Result<(), StateError> {
         let mut c = self.conn.clone();
-        let _: String = redis::cmd("PING").query_async(&mut c).await.map_err(unavailable)?;
+        let _: String = redis::cmd("PING")
+            .query_async(&mut c)
+            .await
+            .map_err(unavailable)?;
         Ok(())
     }
 

@@ -474,12 +474,7 @@ impl Sandbox for DockerSandbox {
 
         let exit = report.as_ref().map(|r| r.exit).unwrap_or(ExitKind::Killed);
         let pids_hits = report.as_ref().and_then(|r| r.pids_max_hits).unwrap_or(0);
-        let killed_reason = killed.or(match exit {
-            _ if oom => Some(KilledReason::Oom),
-            ExitKind::Signaled(_) | ExitKind::Killed => Some(KilledReason::Signal),
-            ExitKind::Exited(c) if c != 0 && pids_hits > 0 => Some(KilledReason::Pids),
-            ExitKind::Exited(_) => None,
-        });
+        let killed_reason = KilledReason::resolve(killed, exit, oom, pids_hits);
         Ok(RunOutcome {
             exit,
             stdout: stdout.bytes,

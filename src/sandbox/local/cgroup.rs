@@ -52,7 +52,11 @@ pub enum CgroupVersion {
 /// Writes a cgroup interface file. `create` is harmless on cgroupfs (files exist or the open
 /// fails) and lets the unit tests run the same code against a plain directory tree.
 fn write_file(path: &Path, value: &str) -> io::Result<()> {
-    let mut f = fs::OpenOptions::new().write(true).create(true).truncate(false).open(path)?;
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)?;
     f.write_all(value.as_bytes())
 }
 
@@ -64,7 +68,9 @@ fn keyed_value(path: &Path, key: &str) -> Option<u64> {
     let text = fs::read_to_string(path).ok()?;
     text.lines().find_map(|l| {
         let mut it = l.split_whitespace();
-        (it.next() == Some(key)).then(|| it.next()?.parse().ok()).flatten()
+        (it.next() == Some(key))
+            .then(|| it.next()?.parse().ok())
+            .flatten()
     })
 }
 
@@ -163,7 +169,10 @@ impl CgroupDriver for V2Driver {
         let run = V2Run { dir };
         let quota = (limits.cpus * 100_000.0).round().max(1000.0) as u64;
         let set = || -> io::Result<()> {
-            write_file(&run.dir.join("memory.max"), &limits.memory_bytes.to_string())?;
+            write_file(
+                &run.dir.join("memory.max"),
+                &limits.memory_bytes.to_string(),
+            )?;
             // No swap beyond the memory limit.
             write_file(&run.dir.join("memory.swap.max"), "0")?;
             write_file(&run.dir.join("cpu.max"), &format!("{quota} 100000"))?;
@@ -179,7 +188,13 @@ impl CgroupDriver for V2Driver {
 
     fn sweep_orphans(&self) -> usize {
         sweep_owners(&self.owners, |owner| {
-            let n = sweep_dir(owner, |dir| V2Run { dir: dir.to_path_buf() }.remove().is_ok());
+            let n = sweep_dir(owner, |dir| {
+                V2Run {
+                    dir: dir.to_path_buf(),
+                }
+                .remove()
+                .is_ok()
+            });
             let _ = fs::remove_dir(owner);
             n
         })
@@ -206,7 +221,11 @@ impl RunCgroup for V2Run {
             }
             std::thread::sleep(Duration::from_millis(2));
         }
-        if self.is_empty() { Ok(()) } else { Err(io::Error::other("cgroup not empty after kill")) }
+        if self.is_empty() {
+            Ok(())
+        } else {
+            Err(io::Error::other("cgroup not empty after kill"))
+        }
     }
 
     fn stats(&self) -> CgroupStats {
@@ -253,7 +272,10 @@ impl V1Driver {
                 .find_map(|l| {
                     let mut parts = l.splitn(3, ':');
                     let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
-                    ctrls.split(',').any(|c| c == controller).then(|| path.to_string())
+                    ctrls
+                        .split(',')
+                        .any(|c| c == controller)
+                        .then(|| path.to_string())
                 })
                 .unwrap_or_else(|| "/".to_string());
             let mount = mount_root.join(controller);
@@ -278,7 +300,11 @@ impl V1Driver {
         let shared_cpu = base_of("cpu")?;
         let shared_pids = base_of("pids")?;
         let shared_freezer = base_of("freezer").ok();
-        let mut owners = vec![shared_memory.clone(), shared_cpu.clone(), shared_pids.clone()];
+        let mut owners = vec![
+            shared_memory.clone(),
+            shared_cpu.clone(),
+            shared_pids.clone(),
+        ];
         owners.extend(shared_freezer.clone());
         Ok(V1Driver {
             owners,
@@ -290,7 +316,11 @@ impl V1Driver {
     }
 
     fn dirs(&self, exec_id: &str) -> Vec<PathBuf> {
-        let mut d = vec![self.memory.join(exec_id), self.cpu.join(exec_id), self.pids.join(exec_id)];
+        let mut d = vec![
+            self.memory.join(exec_id),
+            self.cpu.join(exec_id),
+            self.pids.join(exec_id),
+        ];
         if let Some(f) = &self.freezer {
             d.push(f.join(exec_id));
         }
@@ -341,7 +371,10 @@ impl CgroupDriver for V1Driver {
         };
         let quota = (limits.cpus * 100_000.0).round().max(1000.0) as u64;
         let set = || -> io::Result<()> {
-            write_file(&run.memory.join("memory.limit_in_bytes"), &limits.memory_bytes.to_string())?;
+            write_file(
+                &run.memory.join("memory.limit_in_bytes"),
+                &limits.memory_bytes.to_string(),
+            )?;
             // memsw = mem: no swap beyond the memory limit (present when swap accounting is on).
             let memsw = run.memory.join("memory.memsw.limit_in_bytes");
             if memsw.exists() {
@@ -379,7 +412,10 @@ impl CgroupDriver for V1Driver {
 
 impl RunCgroup for V1Run {
     fn procs_files(&self) -> Vec<PathBuf> {
-        self.all().into_iter().map(|d| d.join("cgroup.procs")).collect()
+        self.all()
+            .into_iter()
+            .map(|d| d.join("cgroup.procs"))
+            .collect()
     }
 
     fn kill_all(&self) -> io::Result<()> {
@@ -400,7 +436,11 @@ impl RunCgroup for V1Run {
             }
             std::thread::sleep(Duration::from_millis(2));
         }
-        if self.is_empty() { Ok(()) } else { Err(io::Error::other("cgroup not empty after kill")) }
+        if self.is_empty() {
+            Ok(())
+        } else {
+            Err(io::Error::other("cgroup not empty after kill"))
+        }
     }
 
     fn stats(&self) -> CgroupStats {
@@ -408,7 +448,8 @@ impl RunCgroup for V1Run {
             peak_memory_kib: read_trimmed(&self.memory.join("memory.max_usage_in_bytes"))
                 .and_then(|s| s.parse::<u64>().ok())
                 .map(|b| b / 1024),
-            oom_kills: keyed_value(&self.memory.join("memory.oom_control"), "oom_kill").unwrap_or(0),
+            oom_kills: keyed_value(&self.memory.join("memory.oom_control"), "oom_kill")
+                .unwrap_or(0),
             pids_max_hits: keyed_value(&self.pids.join("pids.events"), "max").unwrap_or(0),
         }
     }
@@ -439,16 +480,22 @@ fn owner_name() -> String {
 /// Whether an owner directory belongs to a live executor-arm process (another instance on the
 /// same host, or a test's daemon): its runs are not ours to reap.
 fn owner_alive(name: &str) -> bool {
-    let Some(pid) = name.strip_prefix('d').and_then(|p| p.parse::<u32>().ok()) else { return false };
+    let Some(pid) = name.strip_prefix('d').and_then(|p| p.parse::<u32>().ok()) else {
+        return false;
+    };
     if pid == std::process::id() {
         return true;
     }
-    fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim() == "executor-arm").unwrap_or(false)
+    fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|c| c.trim() == "executor-arm")
+        .unwrap_or(false)
 }
 
 /// Applies `sweep` to every owner directory under `shared` whose daemon is gone.
 fn sweep_owners(shared: &Path, mut sweep: impl FnMut(&Path) -> usize) -> usize {
-    let Ok(entries) = fs::read_dir(shared) else { return 0 };
+    let Ok(entries) = fs::read_dir(shared) else {
+        return 0;
+    };
     entries
         .filter_map(Result::ok)
         .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
@@ -461,7 +508,9 @@ fn sweep_owners(shared: &Path, mut sweep: impl FnMut(&Path) -> usize) -> usize {
 }
 
 fn sweep_dir(root: &Path, mut remove: impl FnMut(&Path) -> bool) -> usize {
-    let Ok(entries) = fs::read_dir(root) else { return 0 };
+    let Ok(entries) = fs::read_dir(root) else {
+        return 0;
+    };
     entries
         .filter_map(Result::ok)
         .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
@@ -513,7 +562,11 @@ mod tests {
     /// test creates the ones the driver reads or writes.
     fn fake_v2() -> tempfile::TempDir {
         let t = tempfile::tempdir().unwrap();
-        fs::write(t.path().join("cgroup.controllers"), "cpuset cpu io memory pids\n").unwrap();
+        fs::write(
+            t.path().join("cgroup.controllers"),
+            "cpuset cpu io memory pids\n",
+        )
+        .unwrap();
         fs::write(t.path().join("cgroup.subtree_control"), "").unwrap();
         fs::write(t.path().join("cgroup.procs"), "").unwrap();
         t
@@ -536,13 +589,22 @@ mod tests {
         assert_eq!(st("cgroup.subtree_control"), "+memory +cpu +pids");
         assert_eq!(st("runs/cgroup.subtree_control"), "+memory +cpu +pids");
         let own = format!("runs/{}", owner_name());
-        assert_eq!(st(&format!("{own}/cgroup.subtree_control")), "+memory +cpu +pids");
+        assert_eq!(
+            st(&format!("{own}/cgroup.subtree_control")),
+            "+memory +cpu +pids"
+        );
         let run = driver.create("exec-1", &limits()).unwrap();
-        assert_eq!(st(&format!("{own}/exec-1/memory.max")), (64u64 << 20).to_string());
+        assert_eq!(
+            st(&format!("{own}/exec-1/memory.max")),
+            (64u64 << 20).to_string()
+        );
         assert_eq!(st(&format!("{own}/exec-1/memory.swap.max")), "0");
         assert_eq!(st(&format!("{own}/exec-1/cpu.max")), "50000 100000");
         assert_eq!(st(&format!("{own}/exec-1/pids.max")), "16");
-        assert_eq!(run.procs_files(), vec![t.path().join(format!("{own}/exec-1/cgroup.procs"))]);
+        assert_eq!(
+            run.procs_files(),
+            vec![t.path().join(format!("{own}/exec-1/cgroup.procs"))]
+        );
         // A second run never shares the cgroup of the first.
         assert!(driver.create("exec-1", &limits()).is_err());
         // The kernel provides cgroup.kill (5.14+); the fake gets an empty one.
@@ -561,19 +623,33 @@ mod tests {
         driver.create("exec-live", &limits()).unwrap();
         assert_eq!(driver.sweep_orphans(), 1);
         assert!(!t.path().join("runs/d0").exists());
-        assert!(t.path().join(format!("runs/{}/exec-live", owner_name())).exists());
+        assert!(
+            t.path()
+                .join(format!("runs/{}/exec-live", owner_name()))
+                .exists()
+        );
     }
 
     #[test]
     fn v2_stats_read_peak_events_and_pids() {
         let t = tempfile::tempdir().unwrap();
         fs::write(t.path().join("memory.peak"), "10485760\n").unwrap();
-        fs::write(t.path().join("memory.events"), "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n").unwrap();
+        fs::write(
+            t.path().join("memory.events"),
+            "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n",
+        )
+        .unwrap();
         fs::write(t.path().join("pids.events"), "max 7\n").unwrap();
-        let run = V2Run { dir: t.path().to_path_buf() };
+        let run = V2Run {
+            dir: t.path().to_path_buf(),
+        };
         assert_eq!(
             run.stats(),
-            CgroupStats { peak_memory_kib: Some(10240), oom_kills: 1, pids_max_hits: 7 }
+            CgroupStats {
+                peak_memory_kib: Some(10240),
+                oom_kills: 1,
+                pids_max_hits: 7
+            }
         );
     }
 
@@ -586,7 +662,12 @@ mod tests {
         }
         let self_cg = "4:memory:/outer\n1:cpu:/\n8:pids:/\n6:freezer:/\n";
         let d = V1Driver::prepare(t.path(), self_cg, "executor-arm").unwrap();
-        assert_eq!(d.memory, t.path().join("memory/outer/executor-arm").join(owner_name()));
+        assert_eq!(
+            d.memory,
+            t.path()
+                .join("memory/outer/executor-arm")
+                .join(owner_name())
+        );
         assert_eq!(d.cpu, t.path().join("cpu/executor-arm").join(owner_name()));
         assert!(d.memory.is_dir());
     }

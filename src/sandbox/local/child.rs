@@ -78,15 +78,36 @@ pub const RECORD_LEN: usize = 8;
 /// One mount-namespace operation; every path already carries the new-root prefix.
 pub enum MountOp {
     Mkdir(CString),
-    Symlink { target: CString, link: CString },
+    Symlink {
+        target: CString,
+        link: CString,
+    },
     TouchFile(CString),
-    BindReadOnly { src: CString, dst: CString },
-    BindDevice { src: CString, dst: CString },
-    Tmpfs { dst: CString, options: CString, noexec: bool },
+    BindReadOnly {
+        src: CString,
+        dst: CString,
+    },
+    BindDevice {
+        src: CString,
+        dst: CString,
+    },
+    Tmpfs {
+        dst: CString,
+        options: CString,
+        noexec: bool,
+    },
     /// mkdir, then chmod and chown (the mode is explicit: mkdir's is cut by the umask).
-    MkdirOwned { path: CString, mode: u32, uid: u32, gid: u32 },
+    MkdirOwned {
+        path: CString,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+    },
     /// A writable bind (of a directory of the scratch tmpfs), nosuid, nodev, noexec.
-    BindWritable { src: CString, dst: CString },
+    BindWritable {
+        src: CString,
+        dst: CString,
+    },
     /// Detach a staging mount and remove its (now empty) mount point.
     Detach(CString),
     Proc(CString),
@@ -152,10 +173,22 @@ const AT_RECURSIVE: u32 = 0x8000;
 /// # Safety
 /// `dst` is a live C string; called in the child only.
 unsafe fn read_only_recursive(dst: &CString) -> bool {
-    let attr = MountAttr { attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, attr_clr: 0, propagation: 0, userns_fd: 0 };
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
     // SAFETY: mount_setattr(2) with a C string and a pointer to a live struct of the size given.
     let r = unsafe {
-        libc::syscall(libc::SYS_mount_setattr, libc::AT_FDCWD, dst.as_ptr(), AT_RECURSIVE, &attr as *const MountAttr, std::mem::size_of::<MountAttr>())
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            libc::AT_FDCWD,
+            dst.as_ptr(),
+            AT_RECURSIVE,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
     };
     if r == 0 {
         return true;
@@ -163,9 +196,18 @@ unsafe fn read_only_recursive(dst: &CString) -> bool {
     if errno() != libc::ENOSYS {
         return false;
     }
-    let flags = libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV;
+    let flags =
+        libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV;
     // SAFETY: mount(2) with a C string and null pointers where the remount takes none.
-    unsafe { libc::mount(std::ptr::null(), dst.as_ptr(), std::ptr::null(), flags, std::ptr::null()) == 0 }
+    unsafe {
+        libc::mount(
+            std::ptr::null(),
+            dst.as_ptr(),
+            std::ptr::null(),
+            flags,
+            std::ptr::null(),
+        ) == 0
+    }
 }
 
 fn errno() -> i32 {
@@ -265,12 +307,26 @@ impl ChildPlan {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
 
             // 5. Nothing we mount may propagate back to the host.
-            if libc::mount(c"none".as_ptr(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()) != 0 {
+            if libc::mount(
+                c"none".as_ptr(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) != 0
+            {
                 fail(sfd, Stage::MountPrivate);
             }
 
             // 6. The new root is an empty tmpfs: only what the profile names appears in it.
-            if libc::mount(c"tmpfs".as_ptr(), self.root.as_ptr(), c"tmpfs".as_ptr(), libc::MS_NOSUID | libc::MS_NODEV, self.root_options.as_ptr().cast()) != 0 {
+            if libc::mount(
+                c"tmpfs".as_ptr(),
+                self.root.as_ptr(),
+                c"tmpfs".as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                self.root_options.as_ptr().cast(),
+            ) != 0
+            {
                 fail(sfd, Stage::MountRoot);
             }
 
@@ -295,7 +351,18 @@ impl ChildPlan {
             }
 
             // 9. The root tmpfs itself becomes read-only now that its skeleton is built.
-            if libc::mount(std::ptr::null(), c"/".as_ptr(), std::ptr::null(), libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV, std::ptr::null()) != 0 {
+            if libc::mount(
+                std::ptr::null(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REMOUNT
+                    | libc::MS_BIND
+                    | libc::MS_RDONLY
+                    | libc::MS_NOSUID
+                    | libc::MS_NODEV,
+                std::ptr::null(),
+            ) != 0
+            {
                 fail(sfd, Stage::RemountRoot);
             }
 
@@ -308,7 +375,10 @@ impl ChildPlan {
                     if fd < 0 {
                         fail(sfd, Stage::Landlock);
                     }
-                    let attr = PathBeneathAttr { allowed_access: rule.access, parent_fd: fd };
+                    let attr = PathBeneathAttr {
+                        allowed_access: rule.access,
+                        parent_fd: fd,
+                    };
                     if landlock::add_path_rule(self.landlock_fd, &attr) != 0 {
                         fail(sfd, Stage::Landlock);
                     }
@@ -393,7 +463,10 @@ impl ChildPlan {
             }
             // 15. rlimits while still privileged (raising hard limits needs CAP_SYS_RESOURCE).
             for &(res, val) in &self.rlimits {
-                let rl = libc::rlimit { rlim_cur: val, rlim_max: val };
+                let rl = libc::rlimit {
+                    rlim_cur: val,
+                    rlim_max: val,
+                };
                 if libc::setrlimit(res, &rl) != 0 {
                     fail(sfd, Stage::Rlimit);
                 }
@@ -403,7 +476,9 @@ impl ChildPlan {
             if libc::setgroups(0, std::ptr::null()) != 0 {
                 fail(sfd, Stage::SetGroups);
             }
-            if libc::setresgid(self.gid, self.gid, self.gid) != 0 || libc::setresuid(self.uid, self.uid, self.uid) != 0 {
+            if libc::setresgid(self.gid, self.gid, self.gid) != 0
+                || libc::setresuid(self.uid, self.uid, self.uid) != 0
+            {
                 fail(sfd, Stage::SetUid);
             }
             // 17. no_new_privs: required for unprivileged Landlock and seccomp, and makes setuid
@@ -425,7 +500,11 @@ impl ChildPlan {
                 fail(sfd, Stage::Seccomp);
             }
             // 20. exec. The status pipe is O_CLOEXEC, so the program sees fds 0-2 only.
-            libc::execve(self.program.as_ptr(), self.argv_ptrs.as_ptr(), self.envp_ptrs.as_ptr());
+            libc::execve(
+                self.program.as_ptr(),
+                self.argv_ptrs.as_ptr(),
+                self.envp_ptrs.as_ptr(),
+            );
             fail(sfd, Stage::Exec);
         }
     }
@@ -435,39 +514,98 @@ impl ChildPlan {
         unsafe {
             match op {
                 MountOp::Mkdir(p) => libc::mkdir(p.as_ptr(), 0o755) == 0 || errno() == libc::EEXIST,
-                MountOp::Symlink { target, link } => libc::symlink(target.as_ptr(), link.as_ptr()) == 0,
+                MountOp::Symlink { target, link } => {
+                    libc::symlink(target.as_ptr(), link.as_ptr()) == 0
+                }
                 MountOp::TouchFile(p) => {
-                    let fd = libc::open(p.as_ptr(), libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC, 0o644);
+                    let fd = libc::open(
+                        p.as_ptr(),
+                        libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC,
+                        0o644,
+                    );
                     fd >= 0 && libc::close(fd) == 0
                 }
                 MountOp::BindReadOnly { src, dst } => {
-                    libc::mount(src.as_ptr(), dst.as_ptr(), std::ptr::null(), libc::MS_BIND | libc::MS_REC, std::ptr::null()) == 0
+                    libc::mount(
+                        src.as_ptr(),
+                        dst.as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_BIND | libc::MS_REC,
+                        std::ptr::null(),
+                    ) == 0
                         && read_only_recursive(dst)
                 }
                 MountOp::BindDevice { src, dst } => {
-                    libc::mount(src.as_ptr(), dst.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) == 0
-                        && libc::mount(std::ptr::null(), dst.as_ptr(), std::ptr::null(), libc::MS_REMOUNT | libc::MS_BIND | libc::MS_NOSUID | libc::MS_NOEXEC, std::ptr::null()) == 0
+                    libc::mount(
+                        src.as_ptr(),
+                        dst.as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_BIND,
+                        std::ptr::null(),
+                    ) == 0
+                        && libc::mount(
+                            std::ptr::null(),
+                            dst.as_ptr(),
+                            std::ptr::null(),
+                            libc::MS_REMOUNT | libc::MS_BIND | libc::MS_NOSUID | libc::MS_NOEXEC,
+                            std::ptr::null(),
+                        ) == 0
                 }
-                MountOp::Tmpfs { dst, options, noexec } => {
+                MountOp::Tmpfs {
+                    dst,
+                    options,
+                    noexec,
+                } => {
                     let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
                     if *noexec {
                         flags |= libc::MS_NOEXEC;
                     }
-                    libc::mount(c"tmpfs".as_ptr(), dst.as_ptr(), c"tmpfs".as_ptr(), flags, options.as_ptr().cast()) == 0
+                    libc::mount(
+                        c"tmpfs".as_ptr(),
+                        dst.as_ptr(),
+                        c"tmpfs".as_ptr(),
+                        flags,
+                        options.as_ptr().cast(),
+                    ) == 0
                 }
-                MountOp::MkdirOwned { path, mode, uid, gid } => {
+                MountOp::MkdirOwned {
+                    path,
+                    mode,
+                    uid,
+                    gid,
+                } => {
                     libc::mkdir(path.as_ptr(), 0o700) == 0
                         && libc::chmod(path.as_ptr(), *mode) == 0
                         && libc::chown(path.as_ptr(), *uid, *gid) == 0
                 }
                 MountOp::BindWritable { src, dst } => {
                     let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
-                    libc::mount(src.as_ptr(), dst.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) == 0
-                        && libc::mount(std::ptr::null(), dst.as_ptr(), std::ptr::null(), libc::MS_REMOUNT | libc::MS_BIND | flags, std::ptr::null()) == 0
+                    libc::mount(
+                        src.as_ptr(),
+                        dst.as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_BIND,
+                        std::ptr::null(),
+                    ) == 0
+                        && libc::mount(
+                            std::ptr::null(),
+                            dst.as_ptr(),
+                            std::ptr::null(),
+                            libc::MS_REMOUNT | libc::MS_BIND | flags,
+                            std::ptr::null(),
+                        ) == 0
                 }
-                MountOp::Detach(p) => libc::umount2(p.as_ptr(), libc::MNT_DETACH) == 0 && libc::rmdir(p.as_ptr()) == 0,
+                MountOp::Detach(p) => {
+                    libc::umount2(p.as_ptr(), libc::MNT_DETACH) == 0 && libc::rmdir(p.as_ptr()) == 0
+                }
                 MountOp::Proc(dst) => {
-                    libc::mount(c"proc".as_ptr(), dst.as_ptr(), c"proc".as_ptr(), libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, std::ptr::null()) == 0
+                    libc::mount(
+                        c"proc".as_ptr(),
+                        dst.as_ptr(),
+                        c"proc".as_ptr(),
+                        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                        std::ptr::null(),
+                    ) == 0
                 }
             }
         }

@@ -45,7 +45,11 @@ fn bind_in_netns(pid: u32, port: u16) -> std::io::Result<std::net::TcpListener> 
         }
         // Any AF_INET socket of this namespace serves for the interface ioctls.
         let sock = std::net::UdpSocket::bind("0.0.0.0:0")?;
-        let mut req = IfReq { name: [0; libc::IFNAMSIZ], flags: 0, _pad: [0; 22] };
+        let mut req = IfReq {
+            name: [0; libc::IFNAMSIZ],
+            flags: 0,
+            _pad: [0; 22],
+        };
         req.name[..2].copy_from_slice(b"lo");
         // SAFETY: SIOCGIFFLAGS / SIOCSIFFLAGS read and write an ifreq of the kernel's size.
         unsafe {
@@ -74,20 +78,37 @@ pub struct EgressRun {
 
 impl EgressRun {
     /// Starts the proxy for the sandbox whose shim is `pid`.
-    pub fn start(settings: &EgressSettings, network: &NetworkPolicy, pid: u32) -> std::io::Result<EgressRun> {
-        let NetworkPolicy::Egress { allow_hosts, allow_ports, allow_cidrs, bandwidth_bytes_per_sec, byte_cap } = network else {
+    pub fn start(
+        settings: &EgressSettings,
+        network: &NetworkPolicy,
+        pid: u32,
+    ) -> std::io::Result<EgressRun> {
+        let NetworkPolicy::Egress {
+            allow_hosts,
+            allow_ports,
+            allow_cidrs,
+            bandwidth_bytes_per_sec,
+            byte_cap,
+        } = network
+        else {
             return Err(std::io::Error::other("not an egress run"));
         };
         let policy = EgressPolicy {
             allow_hosts: allow_hosts.clone(),
             allow_ports: allow_ports.clone(),
-            allow_cidrs: allow_cidrs.iter().filter_map(|c| c.parse::<IpNet>().ok()).collect(),
+            allow_cidrs: allow_cidrs
+                .iter()
+                .filter_map(|c| c.parse::<IpNet>().ok())
+                .collect(),
             deny_addrs: settings.deny_addrs.clone(),
             bandwidth_bytes_per_sec: *bandwidth_bytes_per_sec,
             byte_cap: *byte_cap,
         };
         let listener = tokio::net::TcpListener::from_std(bind_in_netns(pid, settings.port)?)?;
-        let session = Arc::new(ProxySession::new(Arc::new(policy), settings.resolver.clone()));
+        let session = Arc::new(ProxySession::new(
+            Arc::new(policy),
+            settings.resolver.clone(),
+        ));
         let (stop, stopped) = oneshot::channel::<()>();
         let s = session.clone();
         let task = tokio::spawn(async move {
@@ -96,7 +117,11 @@ impl EgressRun {
             })
             .await;
         });
-        Ok(EgressRun { session, stop: Some(stop), task })
+        Ok(EgressRun {
+            session,
+            stop: Some(stop),
+            task,
+        })
     }
 
     /// Stops the proxy (the sandbox is gone) and returns what it saw.
@@ -119,8 +144,15 @@ impl Drop for EgressRun {
 /// Proxy environment for the command: every spelling curl and wget read.
 pub fn proxy_env(port: u16) -> Vec<(String, String)> {
     let url = format!("http://127.0.0.1:{port}");
-    ["http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"]
-        .iter()
-        .map(|k| (k.to_string(), url.clone()))
-        .collect()
+    [
+        "http_proxy",
+        "https_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "all_proxy",
+    ]
+    .iter()
+    .map(|k| (k.to_string(), url.clone()))
+    .collect()
 }

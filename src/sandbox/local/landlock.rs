@@ -67,10 +67,25 @@ pub struct NetPortAttr {
 /// Allows `access` (e.g. connect) to one TCP port. Called before fork, in the daemon.
 pub fn add_net_rule(ruleset: &OwnedFd, port: u16, access: u64) -> io::Result<()> {
     use std::os::fd::AsRawFd;
-    let attr = NetPortAttr { allowed_access: access, port: u64::from(port) };
+    let attr = NetPortAttr {
+        allowed_access: access,
+        port: u64::from(port),
+    };
     // SAFETY: attr is a live struct of the kernel's layout; the fd is an open ruleset.
-    let r = unsafe { libc::syscall(libc::SYS_landlock_add_rule, ruleset.as_raw_fd(), RULE_NET_PORT, &attr as *const NetPortAttr, 0u32) };
-    if r != 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_add_rule,
+            ruleset.as_raw_fd(),
+            RULE_NET_PORT,
+            &attr as *const NetPortAttr,
+            0u32,
+        )
+    };
+    if r != 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 /// The kernel's Landlock ABI version, 0 when Landlock is unavailable.
@@ -106,8 +121,16 @@ pub fn fs_rights(abi: u32) -> u64 {
 pub fn ruleset_attr(abi: u32, deny_tcp: bool) -> RulesetAttr {
     RulesetAttr {
         handled_access_fs: fs_rights(abi),
-        handled_access_net: if abi >= 4 && deny_tcp { NET_BIND_TCP | NET_CONNECT_TCP } else { 0 },
-        scoped: if abi >= 6 { SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL } else { 0 },
+        handled_access_net: if abi >= 4 && deny_tcp {
+            NET_BIND_TCP | NET_CONNECT_TCP
+        } else {
+            0
+        },
+        scoped: if abi >= 6 {
+            SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
+        } else {
+            0
+        },
     }
 }
 

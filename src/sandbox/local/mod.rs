@@ -28,8 +28,8 @@ use self::seccomp::SeccompProgram;
 use super::capture::{Captured, read_capped};
 use super::probe::HostProbe;
 use super::{
-    BackendKind, BackendStatus, ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec, Sandbox,
-    SandboxError,
+    BackendKind, BackendStatus, ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec,
+    Sandbox, SandboxError,
 };
 
 /// How long readers may take to reach EOF after the sandbox is gone.
@@ -50,7 +50,11 @@ impl LocalSandbox {
     /// Probes the host and prepares cgroups. Never fails: what is missing is reported by
     /// [`Sandbox::status`] and makes runs fail closed with `Unavailable`. Without `egress`,
     /// egress profiles are refused.
-    pub fn new(cgroup_name: &str, runtime_dir: &Path, egress: Option<egress::EgressSettings>) -> Self {
+    pub fn new(
+        cgroup_name: &str,
+        runtime_dir: &Path,
+        egress: Option<egress::EgressSettings>,
+    ) -> Self {
         let mut probe = HostProbe::detect();
         let cgroups = match cgroup::detect(Path::new("/sys/fs/cgroup"), cgroup_name) {
             Ok(d) => {
@@ -68,7 +72,9 @@ impl LocalSandbox {
         };
         let root_dir = runtime_dir.join("sandbox-root");
         if let Err(e) = std::fs::create_dir_all(&root_dir) {
-            probe.cgroup_error.get_or_insert(format!("cannot create {}: {e}", root_dir.display()));
+            probe
+                .cgroup_error
+                .get_or_insert(format!("cannot create {}: {e}", root_dir.display()));
         }
         LocalSandbox {
             cgroups,
@@ -84,7 +90,13 @@ impl LocalSandbox {
         &self.probe
     }
 
-    fn plan(&self, spec: &RunSpec, cg: &dyn RunCgroup, fds: PlanFds, extra_env: &[(String, String)]) -> Result<ChildPlan, SandboxError> {
+    fn plan(
+        &self,
+        spec: &RunSpec,
+        cg: &dyn RunCgroup,
+        fds: PlanFds,
+        extra_env: &[(String, String)],
+    ) -> Result<ChildPlan, SandboxError> {
         let abi = self.probe.landlock_abi;
         let handled = landlock::fs_rights(abi);
         let mut b = PlanBuilder::new(&self.root_dir, handled);
@@ -98,9 +110,16 @@ impl LocalSandbox {
         }
         b.proc()?;
         b.dev()?;
-        b.rules.push(LandlockRule { path: c"/".into(), access: landlock::FS_READ_DIR & handled });
+        b.rules.push(LandlockRule {
+            path: c"/".into(),
+            access: landlock::FS_READ_DIR & handled,
+        });
 
-        let argv: Vec<CString> = spec.argv.iter().map(|a| cstr(a)).collect::<Result<_, _>>()?;
+        let argv: Vec<CString> = spec
+            .argv
+            .iter()
+            .map(|a| cstr(a))
+            .collect::<Result<_, _>>()?;
         let envp: Vec<CString> = spec
             .env
             .iter()
@@ -112,10 +131,17 @@ impl LocalSandbox {
         argv_ptrs.push(std::ptr::null());
         let mut envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|c| c.as_ptr()).collect();
         envp_ptrs.push(std::ptr::null());
-        let program = argv.first().cloned().ok_or_else(|| SandboxError::Setup("empty argv".into()))?;
+        let program = argv
+            .first()
+            .cloned()
+            .ok_or_else(|| SandboxError::Setup("empty argv".into()))?;
 
         Ok(ChildPlan {
-            cgroup_procs: cg.procs_files().iter().map(|p| path_cstr(p)).collect::<Result<_, _>>()?,
+            cgroup_procs: cg
+                .procs_files()
+                .iter()
+                .map(|p| path_cstr(p))
+                .collect::<Result<_, _>>()?,
             root: path_cstr(&self.root_dir)?,
             root_options: c"size=1m,nr_inodes=4096,mode=0755".into(),
             mounts: b.ops,
@@ -151,7 +177,8 @@ fn cstr(s: &str) -> Result<CString, SandboxError> {
 }
 
 fn path_cstr(p: &Path) -> Result<CString, SandboxError> {
-    CString::new(p.as_os_str().as_bytes()).map_err(|_| SandboxError::Setup("NUL byte in path".into()))
+    CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| SandboxError::Setup("NUL byte in path".into()))
 }
 
 /// Builds the mount list and Landlock rules of the minimal root.
@@ -166,7 +193,14 @@ struct PlanBuilder {
 
 impl PlanBuilder {
     fn new(root: &Path, handled: u64) -> Self {
-        PlanBuilder { root: root.to_path_buf(), handled, made: BTreeSet::new(), bound: Vec::new(), ops: Vec::new(), rules: Vec::new() }
+        PlanBuilder {
+            root: root.to_path_buf(),
+            handled,
+            made: BTreeSet::new(),
+            bound: Vec::new(),
+            ops: Vec::new(),
+            rules: Vec::new(),
+        }
     }
 
     /// `/a/b` inside the sandbox -> `<root>/a/b`; refuses relative paths and `..`.
@@ -174,12 +208,20 @@ impl PlanBuilder {
         let mut out = self.root.clone();
         let mut comps = p.components();
         if comps.next() != Some(Component::RootDir) {
-            return Err(SandboxError::Setup(format!("sandbox path {} is not absolute", p.display())));
+            return Err(SandboxError::Setup(format!(
+                "sandbox path {} is not absolute",
+                p.display()
+            )));
         }
         for c in comps {
             match c {
                 Component::Normal(n) => out.push(n),
-                _ => return Err(SandboxError::Setup(format!("sandbox path {} is not normal", p.display()))),
+                _ => {
+                    return Err(SandboxError::Setup(format!(
+                        "sandbox path {} is not normal",
+                        p.display()
+                    )));
+                }
             }
         }
         Ok(out)
@@ -202,10 +244,17 @@ impl PlanBuilder {
     }
 
     fn rule(&mut self, p: &Path, access: u64, is_file: bool) -> Result<(), SandboxError> {
-        let mask = if is_file { landlock::FILE_RIGHTS } else { u64::MAX };
+        let mask = if is_file {
+            landlock::FILE_RIGHTS
+        } else {
+            u64::MAX
+        };
         let access = access & self.handled & mask;
         if access != 0 {
-            self.rules.push(LandlockRule { path: path_cstr(p)?, access });
+            self.rules.push(LandlockRule {
+                path: path_cstr(p)?,
+                access,
+            });
         }
         Ok(())
     }
@@ -224,7 +273,10 @@ impl PlanBuilder {
         if meta.file_type().is_symlink() {
             let target = std::fs::read_link(p)?;
             self.made.insert(p.to_path_buf());
-            self.ops.push(MountOp::Symlink { target: path_cstr(&target)?, link: dst });
+            self.ops.push(MountOp::Symlink {
+                target: path_cstr(&target)?,
+                link: dst,
+            });
             return Ok(());
         }
         let ro = landlock::FS_READ_FILE | landlock::FS_READ_DIR | landlock::FS_EXECUTE;
@@ -236,7 +288,10 @@ impl PlanBuilder {
             self.ops.push(MountOp::TouchFile(dst.clone()));
             self.rule(p, ro, true)?;
         }
-        self.ops.push(MountOp::BindReadOnly { src: path_cstr(p)?, dst });
+        self.ops.push(MountOp::BindReadOnly {
+            src: path_cstr(p)?,
+            dst,
+        });
         self.bound.push(p.to_path_buf());
         Ok(())
     }
@@ -251,7 +306,10 @@ impl PlanBuilder {
         }
         let inside = path_cstr(&self.inside(dst)?)?;
         self.ops.push(MountOp::TouchFile(inside.clone()));
-        self.ops.push(MountOp::BindReadOnly { src: path_cstr(src)?, dst: inside });
+        self.ops.push(MountOp::BindReadOnly {
+            src: path_cstr(src)?,
+            dst: inside,
+        });
         self.rule(dst, landlock::FS_READ_FILE | landlock::FS_EXECUTE, true)
     }
 
@@ -259,12 +317,22 @@ impl PlanBuilder {
     /// are bound at /tmp and the workdir, so the disk limit covers both together (two tmpfs of
     /// `disk` bytes each would let a run write twice its limit). The tmpfs is mounted at a staging
     /// directory of the new root and detached again once both binds hold it.
-    fn scratch(&mut self, workdir: &Path, disk: u64, uid: u32, gid: u32) -> Result<(), SandboxError> {
+    fn scratch(
+        &mut self,
+        workdir: &Path,
+        disk: u64,
+        uid: u32,
+        gid: u32,
+    ) -> Result<(), SandboxError> {
         let stage = self.root.join(".executor-arm-scratch");
         let stage_c = path_cstr(&stage)?;
         self.ops.push(MountOp::Mkdir(stage_c.clone()));
         let options = cstr(&format!("size={disk},nr_inodes=16384,mode=0700"))?;
-        self.ops.push(MountOp::Tmpfs { dst: stage_c.clone(), options, noexec: true });
+        self.ops.push(MountOp::Tmpfs {
+            dst: stage_c.clone(),
+            options,
+            noexec: true,
+        });
         // /tmp first: a workdir below /tmp then gets its mount point inside the bound /tmp.
         let tmp = Path::new("/tmp");
         if workdir != tmp {
@@ -275,9 +343,21 @@ impl PlanBuilder {
         Ok(())
     }
 
-    fn bind_scratch(&mut self, src: &Path, p: &Path, mode: u32, uid: u32, gid: u32) -> Result<(), SandboxError> {
+    fn bind_scratch(
+        &mut self,
+        src: &Path,
+        p: &Path,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+    ) -> Result<(), SandboxError> {
         let src = path_cstr(src)?;
-        self.ops.push(MountOp::MkdirOwned { path: src.clone(), mode, uid, gid });
+        self.ops.push(MountOp::MkdirOwned {
+            path: src.clone(),
+            mode,
+            uid,
+            gid,
+        });
         self.mkdirs(p)?;
         let dst = path_cstr(&self.inside(p)?)?;
         self.ops.push(MountOp::BindWritable { src, dst });
@@ -297,13 +377,27 @@ impl PlanBuilder {
             let p = PathBuf::from("/dev").join(name);
             let dst = path_cstr(&self.inside(&p)?)?;
             self.ops.push(MountOp::TouchFile(dst.clone()));
-            self.ops.push(MountOp::BindDevice { src: path_cstr(&p)?, dst });
-            let rw = landlock::FS_READ_FILE | landlock::FS_WRITE_FILE | landlock::FS_TRUNCATE | landlock::FS_IOCTL_DEV;
+            self.ops.push(MountOp::BindDevice {
+                src: path_cstr(&p)?,
+                dst,
+            });
+            let rw = landlock::FS_READ_FILE
+                | landlock::FS_WRITE_FILE
+                | landlock::FS_TRUNCATE
+                | landlock::FS_IOCTL_DEV;
             self.rule(&p, rw, true)?;
         }
-        for (name, target) in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")] {
+        for (name, target) in [
+            ("fd", "/proc/self/fd"),
+            ("stdin", "/proc/self/fd/0"),
+            ("stdout", "/proc/self/fd/1"),
+            ("stderr", "/proc/self/fd/2"),
+        ] {
             let link = path_cstr(&self.inside(&Path::new("/dev").join(name))?)?;
-            self.ops.push(MountOp::Symlink { target: cstr(target)?, link });
+            self.ops.push(MountOp::Symlink {
+                target: cstr(target)?,
+                link,
+            });
         }
         Ok(())
     }
@@ -340,13 +434,19 @@ impl Drop for CgroupGuard {
 /// that forked exits, and tokio retires threads (block_in_place, idle blocking threads). A thread
 /// that lives as long as the daemon keeps "the sandbox dies with the daemon" true and nothing more.
 struct Spawner {
-    tx: std::sync::mpsc::Sender<(tokio::process::Command, tokio::sync::oneshot::Sender<std::io::Result<tokio::process::Child>>)>,
+    tx: std::sync::mpsc::Sender<(
+        tokio::process::Command,
+        tokio::sync::oneshot::Sender<std::io::Result<tokio::process::Child>>,
+    )>,
 }
 
 impl Spawner {
     fn start() -> Option<Spawner> {
         let handle = tokio::runtime::Handle::try_current().ok()?;
-        let (tx, rx) = std::sync::mpsc::channel::<(tokio::process::Command, tokio::sync::oneshot::Sender<std::io::Result<tokio::process::Child>>)>();
+        let (tx, rx) = std::sync::mpsc::channel::<(
+            tokio::process::Command,
+            tokio::sync::oneshot::Sender<std::io::Result<tokio::process::Child>>,
+        )>();
         std::thread::Builder::new()
             .name("sandbox-spawner".into())
             .spawn(move || {
@@ -362,8 +462,11 @@ impl Spawner {
 
     async fn spawn(&self, cmd: tokio::process::Command) -> std::io::Result<tokio::process::Child> {
         let (reply, rx) = tokio::sync::oneshot::channel();
-        self.tx.send((cmd, reply)).map_err(|_| std::io::Error::other("spawner thread is gone"))?;
-        rx.await.map_err(|_| std::io::Error::other("spawner thread is gone"))?
+        self.tx
+            .send((cmd, reply))
+            .map_err(|_| std::io::Error::other("spawner thread is gone"))?;
+        rx.await
+            .map_err(|_| std::io::Error::other("spawner thread is gone"))?
     }
 }
 
@@ -413,7 +516,10 @@ fn read_status(fd: &OwnedFd) -> Option<[u8; child::RECORD_LEN]> {
 
 fn pick_record(bytes: &[u8]) -> Option<[u8; child::RECORD_LEN]> {
     let records = bytes.chunks_exact(child::RECORD_LEN);
-    let chosen = records.clone().find(|r| r[0] == child::TAG_SETUP_ERROR).or_else(|| records.last())?;
+    let chosen = records
+        .clone()
+        .find(|r| r[0] == child::TAG_SETUP_ERROR)
+        .or_else(|| records.last())?;
     let mut rec = [0u8; child::RECORD_LEN];
     rec.copy_from_slice(chosen);
     Some(rec)
@@ -450,21 +556,30 @@ impl Sandbox for LocalSandbox {
         // Fail closed: refuse before anything starts when a mechanism is missing.
         let missing = self.probe.local_missing(spec.landlock_abi);
         if !missing.is_empty() {
-            return Err(SandboxError::Unavailable(format!("local sandbox lacks {}", missing.join(", "))));
+            return Err(SandboxError::Unavailable(format!(
+                "local sandbox lacks {}",
+                missing.join(", ")
+            )));
         }
         let egress_settings = match (&spec.network, &self.egress) {
             (NetworkPolicy::None, _) => None,
             (NetworkPolicy::Egress { .. }, Some(s)) => Some(s.clone()),
-            (NetworkPolicy::Egress { .. }, None) => return Err(SandboxError::Unavailable("egress not configured".into())),
+            (NetworkPolicy::Egress { .. }, None) => {
+                return Err(SandboxError::Unavailable("egress not configured".into()));
+            }
         };
-        let driver = self.cgroups.as_ref().ok_or_else(|| SandboxError::Unavailable("cgroups".into()))?;
+        let driver = self
+            .cgroups
+            .as_ref()
+            .ok_or_else(|| SandboxError::Unavailable("cgroups".into()))?;
         let limits = spec.limits.clone();
         let guard = CgroupGuard(Some(driver.create(&spec.exec_id, &limits)?));
 
         let landlock_fd = if self.probe.landlock_abi > 0 {
             // TCP is always handled: no rule at all without egress, connect to the proxy port only
             // with it.
-            let ruleset = landlock::create_ruleset(&landlock::ruleset_attr(self.probe.landlock_abi, true))?;
+            let ruleset =
+                landlock::create_ruleset(&landlock::ruleset_attr(self.probe.landlock_abi, true))?;
             if let Some(e) = &egress_settings
                 && self.probe.landlock_abi >= 4
             {
@@ -480,7 +595,10 @@ impl Sandbox for LocalSandbox {
             Some(_) => Some(pipe(libc::O_CLOEXEC)?),
             None => None,
         };
-        let extra_env = egress_settings.as_ref().map(|e| egress::proxy_env(e.port)).unwrap_or_default();
+        let extra_env = egress_settings
+            .as_ref()
+            .map(|e| egress::proxy_env(e.port))
+            .unwrap_or_default();
         let fds = PlanFds {
             status: status_w.as_raw_fd(),
             landlock: landlock_fd.as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1),
@@ -491,7 +609,11 @@ impl Sandbox for LocalSandbox {
 
         let mut cmd = tokio::process::Command::new(OsStr::from_bytes(plan.program.as_bytes()));
         cmd.env_clear()
-            .stdin(if spec.stdin.is_some() { std::process::Stdio::piped() } else { std::process::Stdio::null() })
+            .stdin(if spec.stdin.is_some() {
+                std::process::Stdio::piped()
+            } else {
+                std::process::Stdio::null()
+            })
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .kill_on_drop(true);
@@ -502,7 +624,10 @@ impl Sandbox for LocalSandbox {
             cmd.pre_exec(move || child_plan.enter());
         }
         let start = Instant::now();
-        let spawner = self.spawner.as_ref().ok_or_else(|| SandboxError::Unavailable("no runtime for the spawner thread".into()))?;
+        let spawner = self
+            .spawner
+            .as_ref()
+            .ok_or_else(|| SandboxError::Unavailable("no runtime for the spawner thread".into()))?;
         let mut child = spawner.spawn(cmd).await?;
         // Our copies of the child's ends: the pipe must reach EOF once the sandbox is gone.
         drop(status_w);
@@ -512,11 +637,17 @@ impl Sandbox for LocalSandbox {
         let egress_run = match (egress_settings, sync) {
             (Some(settings), Some((sync_r, sync_w))) => {
                 drop(sync_r);
-                let pid = child.id().ok_or_else(|| SandboxError::Setup("sandbox exited before egress setup".into()))?;
-                let run = egress::EgressRun::start(&settings, &spec.network, pid).map_err(|e| SandboxError::Setup(format!("egress proxy: {e}")))?;
+                let pid = child.id().ok_or_else(|| {
+                    SandboxError::Setup("sandbox exited before egress setup".into())
+                })?;
+                let run = egress::EgressRun::start(&settings, &spec.network, pid)
+                    .map_err(|e| SandboxError::Setup(format!("egress proxy: {e}")))?;
                 // SAFETY: write(2) of one byte from a static buffer to a pipe we own.
                 if unsafe { libc::write(sync_w.as_raw_fd(), b"1".as_ptr().cast(), 1) } != 1 {
-                    return Err(SandboxError::Setup(format!("egress go-signal: {}", std::io::Error::last_os_error())));
+                    return Err(SandboxError::Setup(format!(
+                        "egress go-signal: {}",
+                        std::io::Error::last_os_error()
+                    )));
                 }
                 Some(run)
             }
@@ -525,8 +656,14 @@ impl Sandbox for LocalSandbox {
 
         let cap = limits.output_bytes;
         let (ovf_tx, mut ovf_rx) = watch::channel(false);
-        let out_task = child.stdout.take().map(|r| tokio::spawn(read_capped(r, cap, ovf_tx.clone())));
-        let err_task = child.stderr.take().map(|r| tokio::spawn(read_capped(r, cap, ovf_tx)));
+        let out_task = child
+            .stdout
+            .take()
+            .map(|r| tokio::spawn(read_capped(r, cap, ovf_tx.clone())));
+        let err_task = child
+            .stderr
+            .take()
+            .map(|r| tokio::spawn(read_capped(r, cap, ovf_tx)));
         let stdin_task = match (child.stdin.take(), spec.stdin.clone()) {
             (Some(mut w), Some(data)) => Some(tokio::spawn(async move {
                 let r = w.write_all(&data).await;
@@ -567,7 +704,11 @@ impl Sandbox for LocalSandbox {
 
         let collect = |t: Option<tokio::task::JoinHandle<Captured>>| async move {
             match t {
-                Some(t) => tokio::time::timeout(DRAIN_GRACE, t).await.ok().and_then(Result::ok).unwrap_or_default(),
+                Some(t) => tokio::time::timeout(DRAIN_GRACE, t)
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .unwrap_or_default(),
                 None => Captured::default(),
             }
         };
@@ -594,17 +735,16 @@ impl Sandbox for LocalSandbox {
                     std::io::Error::from_raw_os_error(errno)
                 )));
             }
-            Some([child::TAG_EXITED, _, _, _, a, b, c, d]) => ExitKind::Exited(i32::from_le_bytes([a, b, c, d])),
-            Some([child::TAG_SIGNALED, _, _, _, a, b, c, d]) => ExitKind::Signaled(i32::from_le_bytes([a, b, c, d])),
+            Some([child::TAG_EXITED, _, _, _, a, b, c, d]) => {
+                ExitKind::Exited(i32::from_le_bytes([a, b, c, d]))
+            }
+            Some([child::TAG_SIGNALED, _, _, _, a, b, c, d]) => {
+                ExitKind::Signaled(i32::from_le_bytes([a, b, c, d]))
+            }
             _ => ExitKind::Killed,
         };
         let oom = stats.oom_kills > 0;
-        let killed_reason = killed.or(match exit {
-            _ if oom => Some(KilledReason::Oom),
-            ExitKind::Signaled(_) | ExitKind::Killed => Some(KilledReason::Signal),
-            ExitKind::Exited(c) if c != 0 && stats.pids_max_hits > 0 => Some(KilledReason::Pids),
-            ExitKind::Exited(_) => None,
-        });
+        let killed_reason = KilledReason::resolve(killed, exit, oom, stats.pids_max_hits);
         Ok(RunOutcome {
             exit,
             stdout: stdout.bytes,
@@ -632,7 +772,11 @@ mod tests {
 
     #[test]
     fn a_setup_error_wins_over_the_exit_it_caused() {
-        let err = rec(child::TAG_SETUP_ERROR, child::Stage::Exec as u8, libc::EAGAIN);
+        let err = rec(
+            child::TAG_SETUP_ERROR,
+            child::Stage::Exec as u8,
+            libc::EAGAIN,
+        );
         let exit = rec(child::TAG_EXITED, 0, 126);
         assert_eq!(pick_record(&[err, exit].concat()), Some(err));
         assert_eq!(pick_record(&exit), Some(exit));

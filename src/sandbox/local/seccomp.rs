@@ -75,7 +75,12 @@ const NAMESPACE_FLAGS: u32 = (libc::CLONE_NEWNS
 
 /// Socket families `socket(2)` may create: the ones a new network namespace (and Landlock's TCP
 /// rules) confine, plus netlink, which getaddrinfo uses and which is per network namespace too.
-const SOCKET_FAMILIES: &[i32] = &[libc::AF_UNIX, libc::AF_INET, libc::AF_INET6, libc::AF_NETLINK];
+const SOCKET_FAMILIES: &[i32] = &[
+    libc::AF_UNIX,
+    libc::AF_INET,
+    libc::AF_INET6,
+    libc::AF_NETLINK,
+];
 
 const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
 const X32_SYSCALL_BIT: u32 = 0x4000_0000;
@@ -90,7 +95,12 @@ const RET_KILL_PROCESS: u32 = 0x8000_0000;
 const RET_ERRNO: u32 = 0x0005_0000;
 
 fn stmt(code: u16, k: u32) -> libc::sock_filter {
-    libc::sock_filter { code, jt: 0, jf: 0, k }
+    libc::sock_filter {
+        code,
+        jt: 0,
+        jf: 0,
+        k,
+    }
 }
 
 fn jump(code: u16, k: u32, jt: u8, jf: u8) -> libc::sock_filter {
@@ -228,15 +238,34 @@ mod tests {
     fn decisions() {
         let p = SeccompProgram::deny_list();
         let eperm = RET_ERRNO | libc::EPERM as u32;
-        assert_eq!(run(&p, AUDIT_ARCH_X86_64, libc::SYS_read as u32, 0), RET_ALLOW);
-        assert_eq!(run(&p, AUDIT_ARCH_X86_64, libc::SYS_execve as u32, 0), RET_ALLOW);
-        for nr in DENIED {
-            assert_eq!(run(&p, AUDIT_ARCH_X86_64, *nr as u32, 0), eperm, "syscall {nr}");
-        }
-        let fork_flags = (libc::SIGCHLD | libc::CLONE_CHILD_SETTID | libc::CLONE_CHILD_CLEARTID) as u64;
-        assert_eq!(run(&p, AUDIT_ARCH_X86_64, libc::SYS_clone as u32, fork_flags), RET_ALLOW);
         assert_eq!(
-            run(&p, AUDIT_ARCH_X86_64, libc::SYS_clone as u32, libc::CLONE_NEWUSER as u64),
+            run(&p, AUDIT_ARCH_X86_64, libc::SYS_read as u32, 0),
+            RET_ALLOW
+        );
+        assert_eq!(
+            run(&p, AUDIT_ARCH_X86_64, libc::SYS_execve as u32, 0),
+            RET_ALLOW
+        );
+        for nr in DENIED {
+            assert_eq!(
+                run(&p, AUDIT_ARCH_X86_64, *nr as u32, 0),
+                eperm,
+                "syscall {nr}"
+            );
+        }
+        let fork_flags =
+            (libc::SIGCHLD | libc::CLONE_CHILD_SETTID | libc::CLONE_CHILD_CLEARTID) as u64;
+        assert_eq!(
+            run(&p, AUDIT_ARCH_X86_64, libc::SYS_clone as u32, fork_flags),
+            RET_ALLOW
+        );
+        assert_eq!(
+            run(
+                &p,
+                AUDIT_ARCH_X86_64,
+                libc::SYS_clone as u32,
+                libc::CLONE_NEWUSER as u64
+            ),
             eperm
         );
         assert_eq!(
@@ -244,17 +273,55 @@ mod tests {
             RET_ERRNO | libc::ENOSYS as u32
         );
         let socket = libc::SYS_socket as u32;
-        for fam in [libc::AF_UNIX, libc::AF_INET, libc::AF_INET6, libc::AF_NETLINK] {
-            assert_eq!(run(&p, AUDIT_ARCH_X86_64, socket, fam as u64), RET_ALLOW, "family {fam}");
+        for fam in [
+            libc::AF_UNIX,
+            libc::AF_INET,
+            libc::AF_INET6,
+            libc::AF_NETLINK,
+        ] {
+            assert_eq!(
+                run(&p, AUDIT_ARCH_X86_64, socket, fam as u64),
+                RET_ALLOW,
+                "family {fam}"
+            );
         }
         let no_family = RET_ERRNO | libc::EAFNOSUPPORT as u32;
-        for fam in [libc::AF_VSOCK, libc::AF_PACKET, libc::AF_ALG, libc::AF_BLUETOOTH, libc::AF_XDP] {
-            assert_eq!(run(&p, AUDIT_ARCH_X86_64, socket, fam as u64), no_family, "family {fam}");
+        for fam in [
+            libc::AF_VSOCK,
+            libc::AF_PACKET,
+            libc::AF_ALG,
+            libc::AF_BLUETOOTH,
+            libc::AF_XDP,
+        ] {
+            assert_eq!(
+                run(&p, AUDIT_ARCH_X86_64, socket, fam as u64),
+                no_family,
+                "family {fam}"
+            );
         }
         // Only the low word is the family the kernel sees.
-        assert_eq!(run(&p, AUDIT_ARCH_X86_64, socket, (1u64 << 32) | libc::AF_VSOCK as u64), no_family);
-        assert_eq!(run(&p, AUDIT_ARCH_X86_64, libc::SYS_socketpair as u32, libc::AF_UNIX as u64), RET_ALLOW);
+        assert_eq!(
+            run(
+                &p,
+                AUDIT_ARCH_X86_64,
+                socket,
+                (1u64 << 32) | libc::AF_VSOCK as u64
+            ),
+            no_family
+        );
+        assert_eq!(
+            run(
+                &p,
+                AUDIT_ARCH_X86_64,
+                libc::SYS_socketpair as u32,
+                libc::AF_UNIX as u64
+            ),
+            RET_ALLOW
+        );
         assert_eq!(run(&p, 0x4000_0003, 1, 0), RET_KILL_PROCESS);
-        assert_eq!(run(&p, AUDIT_ARCH_X86_64, X32_SYSCALL_BIT | 1, 0), RET_KILL_PROCESS);
+        assert_eq!(
+            run(&p, AUDIT_ARCH_X86_64, X32_SYSCALL_BIT | 1, 0),
+            RET_KILL_PROCESS
+        );
     }
 }
