@@ -40,6 +40,8 @@ pub trait CgroupDriver: Send + Sync {
     fn create(&self, exec_id: &str, limits: &Limits) -> io::Result<Box<dyn RunCgroup>>;
     /// Removes run cgroups left behind by a crashed daemon.
     fn sweep_orphans(&self) -> usize;
+    /// Removes this daemon's (empty) owner directories at exit; a run still present keeps them.
+    fn release(&self);
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -184,6 +186,10 @@ impl CgroupDriver for V2Driver {
             return Err(e);
         }
         Ok(Box::new(run))
+    }
+
+    fn release(&self) {
+        let _ = fs::remove_dir(&self.runs);
     }
 
     fn sweep_orphans(&self) -> usize {
@@ -391,6 +397,14 @@ impl CgroupDriver for V1Driver {
             return Err(e);
         }
         Ok(Box::new(run))
+    }
+
+    fn release(&self) {
+        let mut own = vec![&self.memory, &self.cpu, &self.pids];
+        own.extend(self.freezer.as_ref());
+        for d in own {
+            let _ = fs::remove_dir(d);
+        }
     }
 
     fn sweep_orphans(&self) -> usize {

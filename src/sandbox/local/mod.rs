@@ -403,6 +403,16 @@ impl PlanBuilder {
     }
 }
 
+impl Drop for LocalSandbox {
+    /// At exit (the runtime drops the daemon's state): remove this daemon's empty cgroup owner
+    /// directories, so a clean shutdown leaves nothing for the next start to sweep.
+    fn drop(&mut self) {
+        if let Some(d) = &self.cgroups {
+            d.release();
+        }
+    }
+}
+
 /// Kills and removes the run's cgroup however the run ends (including a dropped future).
 struct CgroupGuard(Option<Box<dyn RunCgroup>>);
 
