@@ -172,6 +172,28 @@ const AT_RECURSIVE: u32 = 0x8000;
 ///
 /// # Safety
 /// `dst` is a live C string; called in the child only.
+/// Binds `src` on `dst` (one mount, not recursive), then remounts the bind with `flags`.
+/// Async-signal-safe: two mount(2) calls on prepared strings.
+unsafe fn bind_remount(src: &CString, dst: &CString, flags: libc::c_ulong) -> bool {
+    // SAFETY: mount(2) with NUL-terminated strings owned by the plan and null data.
+    unsafe {
+        libc::mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        ) == 0
+            && libc::mount(
+                std::ptr::null(),
+                dst.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REMOUNT | libc::MS_BIND | flags,
+                std::ptr::null(),
+            ) == 0
+    }
+}
+
 unsafe fn read_only_recursive(dst: &CString) -> bool {
     let attr = MountAttr {
         attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
@@ -536,20 +558,7 @@ impl ChildPlan {
                         && read_only_recursive(dst)
                 }
                 MountOp::BindDevice { src, dst } => {
-                    libc::mount(
-                        src.as_ptr(),
-                        dst.as_ptr(),
-                        std::ptr::null(),
-                        libc::MS_BIND,
-                        std::ptr::null(),
-                    ) == 0
-                        && libc::mount(
-                            std::ptr::null(),
-                            dst.as_ptr(),
-                            std::ptr::null(),
-                            libc::MS_REMOUNT | libc::MS_BIND | libc::MS_NOSUID | libc::MS_NOEXEC,
-                            std::ptr::null(),
-                        ) == 0
+                    bind_remount(src, dst, libc::MS_NOSUID | libc::MS_NOEXEC)
                 }
                 MountOp::Tmpfs {
                     dst,
@@ -579,21 +588,7 @@ impl ChildPlan {
                         && libc::chown(path.as_ptr(), *uid, *gid) == 0
                 }
                 MountOp::BindWritable { src, dst } => {
-                    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
-                    libc::mount(
-                        src.as_ptr(),
-                        dst.as_ptr(),
-                        std::ptr::null(),
-                        libc::MS_BIND,
-                        std::ptr::null(),
-                    ) == 0
-                        && libc::mount(
-                            std::ptr::null(),
-                            dst.as_ptr(),
-                            std::ptr::null(),
-                            libc::MS_REMOUNT | libc::MS_BIND | flags,
-                            std::ptr::null(),
-                        ) == 0
+                    bind_remount(src, dst, libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC)
                 }
                 MountOp::Detach(p) => {
                     libc::umount2(p.as_ptr(), libc::MNT_DETACH) == 0 && libc::rmdir(p.as_ptr()) == 0
