@@ -1,8 +1,9 @@
-//! What runs between fork and exec for a local sandbox.
+//! What runs between clone and exec for a local sandbox.
 //!
 //! [`ChildPlan`] is built in the daemon (allocations, path strings, the Landlock ruleset fd, the
-//! seccomp program); [`ChildPlan::enter`] runs in the forked child and uses only async-signal-safe
-//! syscalls on that prepared memory. The process tree is:
+//! seccomp program, the children's stacks); [`ChildPlan::spawn_and_wait`] starts the sandbox and
+//! the code it starts uses only async-signal-safe syscalls on that prepared memory. The process
+//! tree is:
 //!
 //! ```text
 //! daemon ── shim (host pid ns, in the run's cgroup) ── init (pid 1 of the new pid ns) ── command
@@ -10,6 +11,17 @@
 //!
 //! `init` builds the root and reaps orphans; when the command exits it reports the status on the
 //! status pipe and exits, and the kernel then kills everything left in the pid namespace.
+//!
+//! Shim, init and the command (until its execve) are `CLONE_VM | CLONE_VFORK` children, the way
+//! posix_spawn starts a program: none copies the daemon's page tables, and each parent is
+//! suspended while its child uses the shared memory, so exactly one of spawning thread, shim,
+//! init and pre-exec command runs at a time on that thread's TLS. The kernel never picks a vfork
+//! child sharing its parent's memory as an OOM victim (`in_vfork`), so a memory bomb in the run's
+//! cgroup cannot make the OOM killer take the daemon down with a shim. Consequences the code
+//! honours: no glibc call that keeps process-wide state (setuid and friends go through raw
+//! syscalls, since glibc's wrappers would signal the daemon's threads), every signal handler of
+//! the daemon is reset before signals are unblocked, and the stacks outlive every child (the
+//! daemon frees them only once the run's cgroup is empty).
 
 use std::ffi::CString;
 use std::os::raw::c_char;
@@ -39,11 +51,13 @@ pub enum Stage {
     Seccomp,
     Exec,
     WaitEgress,
+    Stdio,
+    Hello,
 }
 
 impl Stage {
     pub fn from_u8(v: u8) -> &'static str {
-        const NAMES: [&str; 20] = [
+        const NAMES: [&str; 22] = [
             "unknown",
             "join cgroup",
             "unshare namespaces",
@@ -64,6 +78,8 @@ impl Stage {
             "seccomp",
             "execve",
             "wait for the egress proxy",
+            "stdio",
+            "report pid",
         ];
         NAMES.get(v as usize).copied().unwrap_or("unknown")
     }
@@ -119,7 +135,69 @@ pub struct LandlockRule {
     pub access: u64,
 }
 
-/// Everything the child needs, prepared before fork.
+/// The three children's stacks: one anonymous mapping, a PROT_NONE guard page below each stack,
+/// so an overflow faults in the child instead of writing into the daemon's memory.
+pub struct Stacks {
+    base: *mut libc::c_void,
+    len: usize,
+    page: usize,
+}
+
+const STACK_BYTES: usize = 256 * 1024;
+
+impl Stacks {
+    pub fn new() -> std::io::Result<Stacks> {
+        // SAFETY: sysconf has no memory arguments.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+        let len = 3 * (STACK_BYTES + page);
+        // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let stacks = Stacks { base, len, page };
+        for i in 0..3 {
+            // SAFETY: the guard page lies inside the mapping just made.
+            if unsafe { libc::mprotect(stacks.region(i).cast(), page, libc::PROT_NONE) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        Ok(stacks)
+    }
+
+    fn region(&self, i: usize) -> *mut u8 {
+        // SAFETY: i < 3, so the offset stays inside the mapping.
+        unsafe { self.base.cast::<u8>().add(i * (STACK_BYTES + self.page)) }
+    }
+
+    /// Top of stack `i` (stacks grow down; glibc's clone aligns it).
+    fn top(&self, i: usize) -> *mut libc::c_void {
+        // SAFETY: the end of region i, still inside (or one past) the mapping.
+        unsafe { self.region(i).add(self.page + STACK_BYTES).cast() }
+    }
+}
+
+impl Drop for Stacks {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping we made; the owner guarantees no child runs on it.
+        unsafe { libc::munmap(self.base, self.len) };
+    }
+}
+
+const SHIM_STACK: usize = 0;
+const INIT_STACK: usize = 1;
+const COMMAND_STACK: usize = 2;
+
+/// Everything the child needs, prepared before clone.
 pub struct ChildPlan {
     pub cgroup_procs: Vec<CString>,
     pub root: CString,
@@ -137,6 +215,12 @@ pub struct ChildPlan {
     pub argv_ptrs: Vec<*const c_char>,
     pub envp_ptrs: Vec<*const c_char>,
     pub status_fd: i32,
+    /// The command's stdin, stdout and stderr (the child's ends).
+    pub stdio: [i32; 3],
+    /// Write end of the hello pipe (-1: none): the shim writes its host pid there once its
+    /// namespaces exist, for a daemon that has to enter them (egress).
+    pub hello_fd: i32,
+    pub stacks: Stacks,
     /// Read end of the go-signal pipe (-1: none). With egress, the daemon binds the proxy
     /// listener inside our network namespace and then writes one byte; the command starts after.
     pub sync_fd: i32,
@@ -145,8 +229,8 @@ pub struct ChildPlan {
     pub _envp: Vec<CString>,
 }
 
-// SAFETY: the raw pointers point into CStrings owned by the same struct; the plan is built on
-// one thread and only read (after fork) by the child.
+// SAFETY: the raw pointers point into CStrings and a mapping owned by the same struct; the plan
+// is built on one thread and only read by the children it starts.
 unsafe impl Send for ChildPlan {}
 unsafe impl Sync for ChildPlan {}
 
@@ -268,22 +352,103 @@ fn close_other_fds(keep: &[i32]) {
     unsafe { libc::syscall(libc::SYS_close_range, from, u32::MAX, 0u32) };
 }
 
+/// `clone` entry points: `arg` is the plan, alive for as long as any child runs (see [`Stacks`]).
+extern "C" fn shim_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: spawn_and_wait passes a pointer to a live plan.
+    unsafe { (*(arg as *const ChildPlan)).enter() }
+}
+
+extern "C" fn init_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: as above; the shim passes the same pointer on.
+    unsafe { (*(arg as *const ChildPlan)).init_and_exec() }
+}
+
+extern "C" fn command_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: as above.
+    unsafe { (*(arg as *const ChildPlan)).command() }
+}
+
+/// Starts a `CLONE_VM | CLONE_VFORK` child on one of the plan's stacks; returns once it has
+/// exec'd or exited. Async-signal-safe.
+///
+/// # Safety
+/// `plan` must outlive the child; `entry` must never return.
+unsafe fn clone_vfork(
+    plan: &ChildPlan,
+    entry: extern "C" fn(*mut libc::c_void) -> libc::c_int,
+    stack: usize,
+    extra_flags: libc::c_int,
+) -> libc::pid_t {
+    // SAFETY: clone(2) through glibc's wrapper, running `entry` on a stack of our mapping.
+    unsafe {
+        libc::clone(
+            entry,
+            plan.stacks.top(stack),
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD | extra_flags,
+            plan as *const ChildPlan as *mut libc::c_void,
+        )
+    }
+}
+
 impl ChildPlan {
-    /// Runs in the forked child (the shim). Never returns: every branch execs or `_exit`s.
-    ///
-    /// The order is the security argument, so each step says why it sits where it does.
+    /// Starts the sandbox from the calling thread and returns once the shim has exited (the
+    /// whole run). Meant for a blocking thread of its own: the thread is suspended while the shim
+    /// runs, and PR_SET_PDEATHSIG ties the shim to this thread, which is alive exactly as long.
     ///
     /// # Safety
-    /// Must be called only in a freshly forked child of the daemon, with the plan's memory intact.
-    pub unsafe fn enter(&self) -> ! {
-        let sfd = self.status_fd;
-        // SAFETY (whole function): only async-signal-safe syscalls on memory prepared before fork.
+    /// The plan must stay alive until the run's cgroup is empty, not only until this returns: a
+    /// killed shim releases us before its init has died.
+    pub unsafe fn spawn_and_wait(&self) -> std::io::Result<()> {
+        // SAFETY: signal-mask calls on stack sigsets; clone_vfork on our live plan; waitpid.
         unsafe {
-            // 1. Die with the daemon: no sandbox outlives it unattended (restart sweeps the rest).
-            //    The daemon forks from one dedicated thread that lives as long as it does.
+            // Signals stay blocked in this thread until the shim has reset every handler the
+            // daemon installed: a daemon handler must never run on the shim's side.
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+            let pid = clone_vfork(self, shim_main, SHIM_STACK, 0);
+            let err = std::io::Error::last_os_error();
+            libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+            if pid < 0 {
+                return Err(err);
+            }
+            let mut st = 0;
+            while libc::waitpid(pid, &mut st, 0) < 0 && errno() == libc::EINTR {}
+            Ok(())
+        }
+    }
+
+    /// The shim. Never returns: every branch `_exit`s.
+    ///
+    /// The order is the security argument, so each step says why it sits where it does.
+    unsafe fn enter(&self) -> ! {
+        let sfd = self.status_fd;
+        // SAFETY (whole function): only async-signal-safe syscalls on memory prepared before clone.
+        unsafe {
+            // 1. Default dispositions for every signal (the daemon's handlers live in the memory
+            //    we share), then unblock. glibc refuses its two internal signals; that is fine.
+            for sig in 1..=64 {
+                if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+                    libc::signal(sig, libc::SIG_DFL);
+                }
+            }
+            let mut none: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut none);
+            libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+
+            // 2. Die with the daemon: no sandbox outlives it unattended (restart sweeps the rest).
+            //    Our parent is the daemon thread blocked in spawn_and_wait for the whole run.
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
 
-            // 2. Join the run's cgroup before anything else can fork, so every process of the run,
+            // 3. The command's stdio on 0-2.
+            for (target, &fd) in self.stdio.iter().enumerate() {
+                if libc::dup2(fd, target as i32) < 0 {
+                    fail(sfd, Stage::Stdio);
+                }
+            }
+
+            // 4. Join the run's cgroup before anything else can fork, so every process of the run,
             //    however it detaches later (setsid, double fork), is in the cgroup we kill.
             for path in &self.cgroup_procs {
                 let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
@@ -293,7 +458,7 @@ impl ChildPlan {
                 libc::close(fd);
             }
 
-            // 3. New mount, ipc, uts, net and cgroup namespaces for this process; a new pid
+            // 5. New mount, ipc, uts, net and cgroup namespaces for this process; a new pid
             //    namespace for its children. The net namespace has only a down loopback: no route.
             let flags = libc::CLONE_NEWNS
                 | libc::CLONE_NEWPID
@@ -304,20 +469,25 @@ impl ChildPlan {
             if libc::unshare(flags) != 0 {
                 fail(sfd, Stage::Unshare);
             }
+            if self.hello_fd >= 0 {
+                let pid = (libc::syscall(libc::SYS_getpid) as i32).to_le_bytes();
+                if libc::write(self.hello_fd, pid.as_ptr().cast(), pid.len()) != pid.len() as isize
+                {
+                    fail(sfd, Stage::Hello);
+                }
+            }
 
-            // 4. Fork pid 1 of the new pid namespace. The shim keeps nothing open (so pipes see EOF
-            //    only from the sandbox) and waits; its exit tells the daemon the sandbox is gone.
-            let init = libc::fork();
+            // 6. Start pid 1 of the new pid namespace, sharing our fd table so that what init
+            //    closes the shim no longer holds either (pipes then see EOF only from the
+            //    sandbox). We are suspended until init exits; its exit tells the daemon the
+            //    sandbox is gone.
+            let init = clone_vfork(self, init_main, INIT_STACK, libc::CLONE_FILES);
             if init < 0 {
                 fail(sfd, Stage::Fork);
             }
-            if init > 0 {
-                libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32);
-                let mut st = 0;
-                while libc::waitpid(init, &mut st, 0) < 0 && errno() == libc::EINTR {}
-                libc::_exit(0);
-            }
-            self.init_and_exec()
+            let mut st = 0;
+            while libc::waitpid(init, &mut st, 0) < 0 && errno() == libc::EINTR {}
+            libc::_exit(0);
         }
     }
 
@@ -326,9 +496,10 @@ impl ChildPlan {
         let sfd = self.status_fd;
         // SAFETY (whole function): async-signal-safe syscalls on prepared memory only.
         unsafe {
+            // Die with the shim (which dies with the daemon).
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
 
-            // 5. Nothing we mount may propagate back to the host.
+            // 7. Nothing we mount may propagate back to the host.
             if libc::mount(
                 c"none".as_ptr(),
                 c"/".as_ptr(),
@@ -340,7 +511,7 @@ impl ChildPlan {
                 fail(sfd, Stage::MountPrivate);
             }
 
-            // 6. The new root is an empty tmpfs: only what the profile names appears in it.
+            // 8. The new root is an empty tmpfs: only what the profile names appears in it.
             if libc::mount(
                 c"tmpfs".as_ptr(),
                 self.root.as_ptr(),
@@ -352,7 +523,7 @@ impl ChildPlan {
                 fail(sfd, Stage::MountRoot);
             }
 
-            // 7. Read-only binds of the profile's paths; the workdir and /tmp, both bound from one
+            // 9. Read-only binds of the profile's paths; the workdir and /tmp, both bound from one
             //    private tmpfs sized to the disk limit (so the limit holds for the two together;
             //    its staging mount point is detached and removed again here); a fresh /proc (we
             //    are pid 1 of the new pid namespace, so it shows only the sandbox) and a /dev with
@@ -363,7 +534,7 @@ impl ChildPlan {
                 }
             }
 
-            // 8. Swap roots and drop the old one entirely: host paths are no longer reachable.
+            // 10. Swap roots and drop the old one entirely: host paths are no longer reachable.
             if libc::chdir(self.root.as_ptr()) != 0
                 || libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) != 0
                 || libc::umount2(c".".as_ptr(), libc::MNT_DETACH) != 0
@@ -372,7 +543,7 @@ impl ChildPlan {
                 fail(sfd, Stage::PivotRoot);
             }
 
-            // 9. The root tmpfs itself becomes read-only now that its skeleton is built.
+            // 11. The root tmpfs itself becomes read-only now that its skeleton is built.
             if libc::mount(
                 std::ptr::null(),
                 c"/".as_ptr(),
@@ -388,7 +559,7 @@ impl ChildPlan {
                 fail(sfd, Stage::RemountRoot);
             }
 
-            // 10. Landlock rules for paths as they exist in the new root (the fresh mounts have no
+            // 12. Landlock rules for paths as they exist in the new root (the fresh mounts have no
             //     host fd the daemon could have opened before fork). The ruleset itself, with its
             //     handled rights, was created before fork.
             if self.landlock_fd >= 0 {
@@ -412,13 +583,13 @@ impl ChildPlan {
                 fail(sfd, Stage::SetHostname);
             }
 
-            // 11. Only the status pipe, the ruleset and the go-signal pipe survive; the command
+            // 13. Only the status pipe, the ruleset and the go-signal pipe survive; the command
             //     gets 0-2 only.
             let mut keep = [sfd, self.landlock_fd, self.sync_fd];
             keep.sort_unstable();
             close_other_fds(&keep);
 
-            // 12. With egress, wait until the daemon's proxy listens in our network namespace:
+            // 14. With egress, wait until the daemon's proxy listens in our network namespace:
             //     the command must never race it. EOF means the daemon gave up on this run.
             if self.sync_fd >= 0 {
                 let mut b = 0u8;
@@ -435,15 +606,14 @@ impl ChildPlan {
                 libc::close(self.sync_fd);
             }
 
-            let cmd = libc::fork();
+            // The command runs on its own stack until execve gives it its own memory; we are
+            // suspended until then.
+            let cmd = clone_vfork(self, command_main, COMMAND_STACK, 0);
             if cmd < 0 {
                 fail(sfd, Stage::Fork);
             }
-            if cmd == 0 {
-                self.command();
-            }
 
-            // 13. pid 1: drop our copies of the stdio pipes (EOF and EPIPE then depend only on the
+            // 15. pid 1: drop our copies of the stdio pipes (EOF and EPIPE then depend only on the
             //     command), reap everything, report the command's own status, exit. Exiting kills
             //     whatever it left behind in the namespace.
             libc::close(0);
@@ -478,12 +648,12 @@ impl ChildPlan {
         let sfd = self.status_fd;
         // SAFETY (whole function): async-signal-safe syscalls on prepared memory only.
         unsafe {
-            // 14. Own session: no controlling terminal, no signals from the daemon's group.
+            // 16. Own session: no controlling terminal, no signals from the daemon's group.
             libc::setsid();
             if libc::chdir(self.workdir.as_ptr()) != 0 {
                 fail(sfd, Stage::Chdir);
             }
-            // 15. rlimits while still privileged (raising hard limits needs CAP_SYS_RESOURCE).
+            // 17. rlimits while still privileged (raising hard limits needs CAP_SYS_RESOURCE).
             for &(res, val) in &self.rlimits {
                 let rl = libc::rlimit {
                     rlim_cur: val,
@@ -493,22 +663,24 @@ impl ChildPlan {
                     fail(sfd, Stage::Rlimit);
                 }
             }
-            // 16. Become the unprivileged user: groups first (needs CAP_SETGID), then gid, then uid
+            // 18. Become the unprivileged user: groups first (needs CAP_SETGID), then gid, then uid
             //     (after which no capability is left).
-            if libc::setgroups(0, std::ptr::null()) != 0 {
+            //     Raw syscalls: glibc's wrappers would apply the change to every thread they know
+            //     of, and the thread list they would read is the daemon's.
+            if libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) != 0 {
                 fail(sfd, Stage::SetGroups);
             }
-            if libc::setresgid(self.gid, self.gid, self.gid) != 0
-                || libc::setresuid(self.uid, self.uid, self.uid) != 0
+            if libc::syscall(libc::SYS_setresgid, self.gid, self.gid, self.gid) != 0
+                || libc::syscall(libc::SYS_setresuid, self.uid, self.uid, self.uid) != 0
             {
                 fail(sfd, Stage::SetUid);
             }
-            // 17. no_new_privs: required for unprivileged Landlock and seccomp, and makes setuid
+            // 19. no_new_privs: required for unprivileged Landlock and seccomp, and makes setuid
             //     binaries inert.
             if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
                 fail(sfd, Stage::NoNewPrivs);
             }
-            // 18. Landlock: from here the filesystem (and TCP, and signals/abstract sockets on
+            // 20. Landlock: from here the filesystem (and TCP, and signals/abstract sockets on
             //     ABI >= 6) is limited to the rules above, whatever the mounts say.
             if self.landlock_fd >= 0 {
                 if landlock::restrict_self(self.landlock_fd) != 0 {
@@ -516,12 +688,12 @@ impl ChildPlan {
                 }
                 libc::close(self.landlock_fd);
             }
-            // 19. seccomp last: the filter would refuse nothing we still need, but installing it
+            // 21. seccomp last: the filter would refuse nothing we still need, but installing it
             //     after everything else keeps the setup itself free of surprises.
             if super::seccomp::install(&self.seccomp) != 0 {
                 fail(sfd, Stage::Seccomp);
             }
-            // 20. exec. The status pipe is O_CLOEXEC, so the program sees fds 0-2 only.
+            // 22. exec. The status pipe is O_CLOEXEC, so the program sees fds 0-2 only.
             libc::execve(
                 self.program.as_ptr(),
                 self.argv_ptrs.as_ptr(),

@@ -12,14 +12,15 @@ pub mod landlock;
 pub mod seccomp;
 
 use std::collections::BTreeSet;
-use std::ffi::{CString, OsStr};
+use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::pipe as upipe;
 use tokio::sync::watch;
 
 use self::cgroup::{CgroupDriver, RunCgroup};
@@ -42,7 +43,6 @@ pub struct LocalSandbox {
     /// namespace, so every run can use the same one).
     root_dir: PathBuf,
     seccomp: Arc<SeccompProgram>,
-    spawner: Option<Spawner>,
     egress: Option<egress::EgressSettings>,
 }
 
@@ -81,7 +81,6 @@ impl LocalSandbox {
             probe,
             root_dir,
             seccomp: Arc::new(SeccompProgram::deny_list()),
-            spawner: Spawner::start(),
             egress,
         }
     }
@@ -165,6 +164,9 @@ impl LocalSandbox {
             argv_ptrs,
             envp_ptrs,
             status_fd: fds.status,
+            stdio: fds.stdio,
+            hello_fd: fds.hello,
+            stacks: child::Stacks::new()?,
             sync_fd: fds.sync,
             _argv: argv,
             _envp: envp,
@@ -413,70 +415,65 @@ impl Drop for LocalSandbox {
     }
 }
 
-/// Kills and removes the run's cgroup however the run ends (including a dropped future).
-struct CgroupGuard(Option<Box<dyn RunCgroup>>);
+/// Kills and removes the run's cgroup however the run ends (including a dropped future), and
+/// only then releases the plan: the sandbox's children run on the plan's stacks, in memory shared
+/// with the daemon, until they are gone, and an empty cgroup is the proof that they are.
+struct CgroupGuard {
+    cg: Option<Box<dyn RunCgroup>>,
+    plan: Option<Arc<ChildPlan>>,
+}
 
 impl CgroupGuard {
+    fn new(cg: Box<dyn RunCgroup>) -> Self {
+        CgroupGuard {
+            cg: Some(cg),
+            plan: None,
+        }
+    }
+
     fn get(&self) -> &dyn RunCgroup {
-        self.0.as_deref().expect("cgroup present until finish")
+        self.cg.as_deref().expect("cgroup present until finish")
+    }
+
+    fn keep(&mut self, plan: Arc<ChildPlan>) {
+        self.plan = Some(plan);
+    }
+
+    /// After a failed removal nothing proves the children are gone: keep their stacks mapped
+    /// for the daemon's lifetime rather than free memory a child may still run on.
+    fn release_plan(plan: Option<Arc<ChildPlan>>, removed: bool) {
+        if removed {
+            drop(plan);
+        } else {
+            std::mem::forget(plan);
+        }
     }
 
     async fn finish(mut self) -> Result<(), SandboxError> {
-        let cg = self.0.take();
-        tokio::task::spawn_blocking(move || cg.map(|c| c.remove()).transpose())
+        let cg = self.cg.take();
+        let plan = self.plan.take();
+        let removed = tokio::task::spawn_blocking(move || cg.map(|c| c.remove()).transpose())
             .await
-            .map_err(|e| SandboxError::Setup(format!("cgroup cleanup task: {e}")))??;
+            .map_err(|e| SandboxError::Setup(format!("cgroup cleanup task: {e}")))?;
+        Self::release_plan(plan, removed.is_ok());
+        removed?;
         Ok(())
     }
 }
 
 impl Drop for CgroupGuard {
     fn drop(&mut self) {
-        if let Some(cg) = self.0.take()
-            && let Err(e) = cg.remove()
-        {
-            tracing::error!(error = %e, "could not remove a run cgroup");
-        }
-    }
-}
-
-/// Forks every sandbox from one long-lived thread: PR_SET_PDEATHSIG fires when the *thread*
-/// that forked exits, and tokio retires threads (block_in_place, idle blocking threads). A thread
-/// that lives as long as the daemon keeps "the sandbox dies with the daemon" true and nothing more.
-struct Spawner {
-    tx: std::sync::mpsc::Sender<(
-        tokio::process::Command,
-        tokio::sync::oneshot::Sender<std::io::Result<tokio::process::Child>>,
-    )>,
-}
-
-impl Spawner {
-    fn start() -> Option<Spawner> {
-        let handle = tokio::runtime::Handle::try_current().ok()?;
-        let (tx, rx) = std::sync::mpsc::channel::<(
-            tokio::process::Command,
-            tokio::sync::oneshot::Sender<std::io::Result<tokio::process::Child>>,
-        )>();
-        std::thread::Builder::new()
-            .name("sandbox-spawner".into())
-            .spawn(move || {
-                // Child registration needs the runtime's process driver.
-                let _guard = handle.enter();
-                while let Ok((mut cmd, reply)) = rx.recv() {
-                    let _ = reply.send(cmd.spawn());
+        let removed = match self.cg.take() {
+            Some(cg) => match cg.remove() {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::error!(error = %e, "could not remove a run cgroup");
+                    false
                 }
-            })
-            .ok()?;
-        Some(Spawner { tx })
-    }
-
-    async fn spawn(&self, cmd: tokio::process::Command) -> std::io::Result<tokio::process::Child> {
-        let (reply, rx) = tokio::sync::oneshot::channel();
-        self.tx
-            .send((cmd, reply))
-            .map_err(|_| std::io::Error::other("spawner thread is gone"))?;
-        rx.await
-            .map_err(|_| std::io::Error::other("spawner thread is gone"))?
+            },
+            None => true,
+        };
+        Self::release_plan(self.plan.take(), removed);
     }
 }
 
@@ -493,11 +490,25 @@ struct PlanFds {
     status: i32,
     landlock: i32,
     sync: i32,
+    hello: i32,
+    stdio: [i32; 3],
 }
 
 /// The status pipe: non-blocking, read once after the sandbox is gone.
 fn status_pipe() -> Result<(OwnedFd, OwnedFd), SandboxError> {
     pipe(libc::O_CLOEXEC | libc::O_NONBLOCK)
+}
+
+fn dev_null() -> Result<OwnedFd, SandboxError> {
+    Ok(std::fs::File::open("/dev/null")?.into())
+}
+
+/// Reads the shim's host pid from the hello pipe.
+async fn read_pid(r: OwnedFd) -> std::io::Result<u32> {
+    let mut r = tokio::net::unix::pipe::Receiver::from_owned_fd(r)?;
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b).await?;
+    Ok(u32::from_le_bytes(b))
 }
 
 fn pipe(flags: libc::c_int) -> Result<(OwnedFd, OwnedFd), SandboxError> {
@@ -522,6 +533,24 @@ fn read_status(fd: &OwnedFd) -> Option<[u8; child::RECORD_LEN]> {
         return None;
     }
     pick_record(&buf[..n as usize])
+}
+
+/// The setup failure a sandbox process reported, if any.
+fn setup_error(fd: &OwnedFd) -> Option<SandboxError> {
+    match read_status(fd)? {
+        [child::TAG_SETUP_ERROR, stage, _, _, a, b, c, d] => {
+            Some(setup_failure(stage, [a, b, c, d]))
+        }
+        _ => None,
+    }
+}
+
+fn setup_failure(stage: u8, errno: [u8; 4]) -> SandboxError {
+    SandboxError::Setup(format!(
+        "{}: {}",
+        child::Stage::from_u8(stage),
+        std::io::Error::from_raw_os_error(i32::from_le_bytes(errno))
+    ))
 }
 
 fn pick_record(bytes: &[u8]) -> Option<[u8; child::RECORD_LEN]> {
@@ -583,7 +612,7 @@ impl Sandbox for LocalSandbox {
             .as_ref()
             .ok_or_else(|| SandboxError::Unavailable("cgroups".into()))?;
         let limits = spec.limits.clone();
-        let guard = CgroupGuard(Some(driver.create(&spec.exec_id, &limits)?));
+        let mut guard = CgroupGuard::new(driver.create(&spec.exec_id, &limits)?);
 
         let landlock_fd = if self.probe.landlock_abi > 0 {
             // TCP is always handled: no rule at all without egress, connect to the proxy port only
@@ -600,11 +629,21 @@ impl Sandbox for LocalSandbox {
             None
         };
         let (status_r, status_w) = status_pipe()?;
-        let sync = match &egress_settings {
-            // Blocking: pid 1 waits on it.
-            Some(_) => Some(pipe(libc::O_CLOEXEC)?),
-            None => None,
+        // With egress: the go-signal pipe (blocking: pid 1 waits on it) and the hello pipe that
+        // tells us the shim's pid once its namespaces exist.
+        let (sync, hello) = match &egress_settings {
+            Some(_) => (Some(pipe(libc::O_CLOEXEC)?), Some(pipe(libc::O_CLOEXEC)?)),
+            None => (None, None),
         };
+        let (stdin_child, stdin_ours) = match &spec.stdin {
+            Some(_) => {
+                let (r, w) = pipe(libc::O_CLOEXEC)?;
+                (r, Some(w))
+            }
+            None => (dev_null()?, None),
+        };
+        let (stdout_ours, stdout_child) = pipe(libc::O_CLOEXEC)?;
+        let (stderr_ours, stderr_child) = pipe(libc::O_CLOEXEC)?;
         let extra_env = egress_settings
             .as_ref()
             .map(|e| egress::proxy_env(e.port))
@@ -613,43 +652,53 @@ impl Sandbox for LocalSandbox {
             status: status_w.as_raw_fd(),
             landlock: landlock_fd.as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1),
             sync: sync.as_ref().map(|(r, _)| r.as_raw_fd()).unwrap_or(-1),
+            hello: hello.as_ref().map(|(_, w)| w.as_raw_fd()).unwrap_or(-1),
+            stdio: [
+                stdin_child.as_raw_fd(),
+                stdout_child.as_raw_fd(),
+                stderr_child.as_raw_fd(),
+            ],
         };
         let plan = Arc::new(self.plan(&spec, guard.get(), fds, &extra_env)?);
+        guard.keep(plan.clone());
         let seccomp_keepalive = self.seccomp.clone();
+        let (sync_r, sync_w) = sync.unzip();
+        let (hello_r, hello_w) = hello.unzip();
+        // The child's ends stay open on the spawning thread until the shim is gone: the shim
+        // copies the fd table when it is cloned, which happens there and not before.
+        let child_ends = (
+            status_w,
+            landlock_fd,
+            stdin_child,
+            stdout_child,
+            stderr_child,
+            sync_r,
+            hello_w,
+        );
 
-        let mut cmd = tokio::process::Command::new(OsStr::from_bytes(plan.program.as_bytes()));
-        cmd.env_clear()
-            .stdin(if spec.stdin.is_some() {
-                std::process::Stdio::piped()
-            } else {
-                std::process::Stdio::null()
-            })
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true);
-        let child_plan = plan.clone();
-        // SAFETY: the closure runs in the forked child and only calls ChildPlan::enter, which uses
-        // async-signal-safe syscalls on memory prepared before fork and never returns.
-        unsafe {
-            cmd.pre_exec(move || child_plan.enter());
-        }
         let start = Instant::now();
-        let spawner = self
-            .spawner
-            .as_ref()
-            .ok_or_else(|| SandboxError::Unavailable("no runtime for the spawner thread".into()))?;
-        let mut child = spawner.spawn(cmd).await?;
-        // Our copies of the child's ends: the pipe must reach EOF once the sandbox is gone.
-        drop(status_w);
-        drop(landlock_fd);
+        let shim_plan = plan;
+        let mut exited = tokio::task::spawn_blocking(move || {
+            // SAFETY: the guard keeps the plan (and the stacks the children run on) alive until
+            // the run's cgroup is empty.
+            let r = unsafe { shim_plan.spawn_and_wait() };
+            drop(child_ends);
+            r
+        });
         // With egress: bind the proxy inside the sandbox's network namespace, then let the
         // command start. Dropping the pipe without the byte makes the sandbox give up.
-        let egress_run = match (egress_settings, sync) {
-            (Some(settings), Some((sync_r, sync_w))) => {
-                drop(sync_r);
-                let pid = child.id().ok_or_else(|| {
-                    SandboxError::Setup("sandbox exited before egress setup".into())
-                })?;
+        let egress_run = match (egress_settings, sync_w, hello_r) {
+            (Some(settings), Some(sync_w), Some(hello_r)) => {
+                let pid = tokio::select! {
+                    pid = read_pid(hello_r) => pid.map_err(|e| {
+                        SandboxError::Setup(format!("sandbox pid for egress setup: {e}"))
+                    })?,
+                    _ = &mut exited => {
+                        return Err(setup_error(&status_r).unwrap_or_else(|| {
+                            SandboxError::Setup("sandbox exited before egress setup".into())
+                        }));
+                    }
+                };
                 let run = egress::EgressRun::start(&settings, &spec.network, pid)
                     .map_err(|e| SandboxError::Setup(format!("egress proxy: {e}")))?;
                 // SAFETY: write(2) of one byte from a static buffer to a pipe we own.
@@ -666,16 +715,22 @@ impl Sandbox for LocalSandbox {
 
         let cap = limits.output_bytes;
         let (ovf_tx, mut ovf_rx) = watch::channel(false);
-        let out_task = child
-            .stdout
-            .take()
-            .map(|r| tokio::spawn(read_capped(r, cap, ovf_tx.clone())));
-        let err_task = child
-            .stderr
-            .take()
-            .map(|r| tokio::spawn(read_capped(r, cap, ovf_tx)));
-        let stdin_task = match (child.stdin.take(), spec.stdin.clone()) {
-            (Some(mut w), Some(data)) => Some(tokio::spawn(async move {
+        let out_task = Some(tokio::spawn(read_capped(
+            upipe::Receiver::from_owned_fd(stdout_ours)?,
+            cap,
+            ovf_tx.clone(),
+        )));
+        let err_task = Some(tokio::spawn(read_capped(
+            upipe::Receiver::from_owned_fd(stderr_ours)?,
+            cap,
+            ovf_tx,
+        )));
+        let stdin_task = match (stdin_ours, spec.stdin.clone()) {
+            (Some(w), Some(data)) => Some(tokio::spawn(async move {
+                let mut w = match upipe::Sender::from_owned_fd(w) {
+                    Ok(w) => w,
+                    Err(_) => return false,
+                };
                 let r = w.write_all(&data).await;
                 drop(w);
                 matches!(r, Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe)
@@ -690,8 +745,12 @@ impl Sandbox for LocalSandbox {
                 None => std::future::pending::<()>().await,
             }
         };
+        let mut spawn_result = None;
         let killed = tokio::select! {
-            _ = child.wait() => None,
+            r = &mut exited => {
+                spawn_result = Some(r);
+                None
+            }
             _ = cancelled => Some(KilledReason::Signal),
             _ = tokio::time::sleep(limits.timeout) => Some(KilledReason::Timeout),
             _ = overflowed(&mut ovf_rx) => Some(KilledReason::OutputLimit),
@@ -702,7 +761,14 @@ impl Sandbox for LocalSandbox {
             if let Err(e) = tokio::task::block_in_place(|| cg.kill_all()) {
                 tracing::error!(error = %e, "kill_all after limit");
             }
-            let _ = child.wait().await;
+            spawn_result = Some((&mut exited).await);
+        }
+        match spawn_result {
+            Some(Ok(Ok(()))) => {}
+            Some(Ok(Err(e))) => return Err(SandboxError::Setup(format!("clone: {e}"))),
+            Some(Err(e)) => return Err(SandboxError::Setup(format!("spawning thread: {e}"))),
+            // Every branch above has awaited the spawning thread.
+            None => {}
         }
         let duration = start.elapsed();
         // The shim exits only after pid 1 of the sandbox did, which kills the whole namespace;
@@ -738,12 +804,7 @@ impl Sandbox for LocalSandbox {
 
         let exit = match record {
             Some([child::TAG_SETUP_ERROR, stage, _, _, a, b, c, d]) => {
-                let errno = i32::from_le_bytes([a, b, c, d]);
-                return Err(SandboxError::Setup(format!(
-                    "{}: {}",
-                    child::Stage::from_u8(stage),
-                    std::io::Error::from_raw_os_error(errno)
-                )));
+                return Err(setup_failure(stage, [a, b, c, d]));
             }
             Some([child::TAG_EXITED, _, _, _, a, b, c, d]) => {
                 ExitKind::Exited(i32::from_le_bytes([a, b, c, d]))
