@@ -61,6 +61,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
     let local = LocalSandbox::new(
         &config.sandbox.local.cgroup_name,
+        config.sandbox.local.warm_slots,
         &runtime_dir(),
         Some(egress_settings(&config)),
     );

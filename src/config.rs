@@ -149,6 +149,13 @@ pub struct SandboxConfig {
 #[serde(deny_unknown_fields)]
 pub struct LocalConfig {
     pub cgroup_name: String,
+    /// Prepared run slots (a cgroup with a sandbox shim already in it) kept ready; 0 disables.
+    #[serde(default = "default_warm_slots")]
+    pub warm_slots: usize,
+}
+
+fn default_warm_slots() -> usize {
+    2
 }
 
 #[derive(Debug, Clone, Deserialize)]

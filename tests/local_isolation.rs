@@ -152,20 +152,26 @@ fn owner_dirs(daemon_pid: i32) -> Vec<PathBuf> {
     out
 }
 
-/// After a request: nothing of the run is left. No cgroup of this daemon (requests within a test
-/// are sequential, so "none at all" is exact), none named after the exec_id, no process with the
-/// run's marker in its argv.
+/// After a request: nothing of the run is left. No run cgroup of this daemon (requests within a
+/// test are sequential, so "none at all" is exact; a slot taken by a run is renamed to its exec_id,
+/// and idle prepared slots never exceed the configured two), none named after the exec_id, no
+/// process with the run's marker in its argv.
 fn assert_run_left_nothing(d: &Daemon, r: &Resp, marker: &str) {
     for dir in owner_dirs(d.pid()) {
-        let left: Vec<_> = std::fs::read_dir(&dir)
+        let (warm, left): (Vec<_>, Vec<_>) = std::fs::read_dir(&dir)
             .expect("owner dir")
             .filter_map(Result::ok)
             .filter(|e| e.path().is_dir())
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
+            .partition(|n| n.starts_with("warm-"));
         assert!(
             left.is_empty(),
             "run cgroups left in {}: {left:?}",
+            dir.display()
+        );
+        assert!(
+            warm.len() <= 2,
+            "more prepared slots than configured in {}: {warm:?}",
             dir.display()
         );
         if let Some(id) = r.json["exec_id"].as_str().filter(|s| !s.is_empty()) {
@@ -1635,4 +1641,69 @@ async fn every_run_leaves_no_cgroup_and_no_process() {
         assert_run_left_nothing(&d, &r, &m);
     }
     assert_healthy(&d).await;
+}
+
+/// The `warm-*` slot directories (cgroup + waiting shim) of a daemon, per hierarchy.
+fn warm_slots(daemon_pid: i32) -> Vec<PathBuf> {
+    owner_dirs(daemon_pid)
+        .iter()
+        .flat_map(|d| std::fs::read_dir(d).into_iter().flatten())
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("warm-"))
+        })
+        .collect()
+}
+
+/// Prepared run slots and on-demand run cgroups both leave nothing: with `warm_slots = 2` the
+/// daemon keeps two slots, each holding one waiting process; with `0` it keeps none and runs
+/// still work. A clean stop removes the slots, their processes and the owner directories.
+#[tokio::test(flavor = "multi_thread")]
+async fn prepared_slots_and_on_demand_runs_leave_nothing_at_exit() {
+    for slots in [2usize, 0] {
+        let mut d = Daemon::start_with(Opts {
+            config: Some(format!("[sandbox.local]\nwarm_slots = {slots}\n")),
+            ..Default::default()
+        });
+        let m = marker();
+        let r = d
+            .exec(json!({"action_type": "shell", "command": "echo", "args": [&m]}))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(stdout(&r), format!("{m}\n"));
+        assert_run_left_nothing(&d, &r, &m);
+        let dirs = owner_dirs(d.pid());
+        let hierarchies = dirs.len();
+        // Slots are prepared in the background: wait (bounded) until they are all there.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while warm_slots(d.pid()).len() != slots * hierarchies && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let warm = warm_slots(d.pid());
+        assert_eq!(warm.len(), slots * hierarchies, "{warm:?}");
+        let mut waiting = BTreeSet::new();
+        for w in &warm {
+            let procs = std::fs::read_to_string(w.join("cgroup.procs")).expect("procs");
+            let pids: Vec<i32> = procs.lines().filter_map(|l| l.parse().ok()).collect();
+            assert_eq!(
+                pids.len(),
+                1,
+                "one waiting process per slot: {w:?} {pids:?}"
+            );
+            waiting.extend(pids);
+        }
+        assert_eq!(waiting.len(), slots, "{waiting:?}");
+        assert_eq!(d.stop(), Some(0));
+        for dir in &dirs {
+            assert!(!dir.exists(), "{} left after exit", dir.display());
+        }
+        for pid in waiting {
+            assert!(
+                !Path::new(&format!("/proc/{pid}")).exists(),
+                "slot process {pid} outlived the daemon"
+            );
+        }
+    }
 }

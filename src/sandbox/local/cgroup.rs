@@ -32,12 +32,26 @@ pub trait RunCgroup: Send + Sync {
     fn is_empty(&self) -> bool;
     /// Removes the cgroup directories; kills first if anything is left.
     fn remove(&self) -> io::Result<()>;
+    /// Sets memory (no swap beyond it), cpu quota and pids limits.
+    fn apply_limits(&self, limits: &Limits) -> io::Result<()>;
+    /// Renames the cgroup (a prepared one, once it knows its run). cgroup v1 only: v2 has no
+    /// rename, so there the name stays. Best effort: a hierarchy that refuses keeps its name.
+    fn rename(&mut self, name: &str);
 }
 
 /// Creates run cgroups.
 pub trait CgroupDriver: Send + Sync {
     fn version(&self) -> CgroupVersion;
-    fn create(&self, exec_id: &str, limits: &Limits) -> io::Result<Box<dyn RunCgroup>>;
+    fn create(&self, exec_id: &str, limits: &Limits) -> io::Result<Box<dyn RunCgroup>> {
+        let run = self.create_empty(exec_id)?;
+        if let Err(e) = run.apply_limits(limits) {
+            let _ = run.remove();
+            return Err(e);
+        }
+        Ok(run)
+    }
+    /// Creates the cgroup without setting limits (a prepared slot; limits come with its run).
+    fn create_empty(&self, name: &str) -> io::Result<Box<dyn RunCgroup>>;
     /// Removes run cgroups left behind by a crashed daemon.
     fn sweep_orphans(&self) -> usize;
     /// Removes this daemon's (empty) owner directories at exit; a run still present keeps them.
@@ -106,6 +120,11 @@ fn rmdir_retry(dir: &Path) -> io::Result<()> {
     }
 }
 
+/// CFS quota in microseconds per 100 ms period (at least 1 ms).
+fn cpu_quota(limits: &Limits) -> u64 {
+    (limits.cpus * 100_000.0).round().max(1000.0) as u64
+}
+
 fn valid_run_name(name: &str) -> bool {
     !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
@@ -162,30 +181,13 @@ impl CgroupDriver for V2Driver {
         CgroupVersion::V2
     }
 
-    fn create(&self, exec_id: &str, limits: &Limits) -> io::Result<Box<dyn RunCgroup>> {
-        if !valid_run_name(exec_id) {
+    fn create_empty(&self, name: &str) -> io::Result<Box<dyn RunCgroup>> {
+        if !valid_run_name(name) {
             return Err(io::Error::other("invalid cgroup name"));
         }
-        let dir = self.runs.join(exec_id);
+        let dir = self.runs.join(name);
         fs::create_dir(&dir)?;
-        let run = V2Run { dir };
-        let quota = (limits.cpus * 100_000.0).round().max(1000.0) as u64;
-        let set = || -> io::Result<()> {
-            write_file(
-                &run.dir.join("memory.max"),
-                &limits.memory_bytes.to_string(),
-            )?;
-            // No swap beyond the memory limit.
-            write_file(&run.dir.join("memory.swap.max"), "0")?;
-            write_file(&run.dir.join("cpu.max"), &format!("{quota} 100000"))?;
-            write_file(&run.dir.join("pids.max"), &limits.pids.to_string())?;
-            Ok(())
-        };
-        if let Err(e) = set() {
-            let _ = run.remove();
-            return Err(e);
-        }
-        Ok(Box::new(run))
+        Ok(Box::new(V2Run { dir }))
     }
 
     fn release(&self) {
@@ -211,6 +213,22 @@ impl RunCgroup for V2Run {
     fn procs_files(&self) -> Vec<PathBuf> {
         vec![self.dir.join("cgroup.procs")]
     }
+
+    fn apply_limits(&self, limits: &Limits) -> io::Result<()> {
+        write_file(
+            &self.dir.join("memory.max"),
+            &limits.memory_bytes.to_string(),
+        )?;
+        // No swap beyond the memory limit.
+        write_file(&self.dir.join("memory.swap.max"), "0")?;
+        write_file(
+            &self.dir.join("cpu.max"),
+            &format!("{} 100000", cpu_quota(limits)),
+        )?;
+        write_file(&self.dir.join("pids.max"), &limits.pids.to_string())
+    }
+
+    fn rename(&mut self, _name: &str) {}
 
     fn kill_all(&self) -> io::Result<()> {
         let kill_file = self.dir.join("cgroup.kill");
@@ -356,11 +374,11 @@ impl CgroupDriver for V1Driver {
         CgroupVersion::V1
     }
 
-    fn create(&self, exec_id: &str, limits: &Limits) -> io::Result<Box<dyn RunCgroup>> {
-        if !valid_run_name(exec_id) {
+    fn create_empty(&self, name: &str) -> io::Result<Box<dyn RunCgroup>> {
+        if !valid_run_name(name) {
             return Err(io::Error::other("invalid cgroup name"));
         }
-        let dirs = self.dirs(exec_id);
+        let dirs = self.dirs(name);
         for d in &dirs {
             if let Err(e) = fs::create_dir(d) {
                 for made in &dirs {
@@ -369,34 +387,12 @@ impl CgroupDriver for V1Driver {
                 return Err(e);
             }
         }
-        let run = V1Run {
+        Ok(Box::new(V1Run {
             memory: dirs[0].clone(),
             cpu: dirs[1].clone(),
             pids: dirs[2].clone(),
             freezer: dirs.get(3).cloned(),
-        };
-        let quota = (limits.cpus * 100_000.0).round().max(1000.0) as u64;
-        let set = || -> io::Result<()> {
-            write_file(
-                &run.memory.join("memory.limit_in_bytes"),
-                &limits.memory_bytes.to_string(),
-            )?;
-            // memsw = mem: no swap beyond the memory limit (present when swap accounting is on).
-            let memsw = run.memory.join("memory.memsw.limit_in_bytes");
-            if memsw.exists() {
-                write_file(&memsw, &limits.memory_bytes.to_string())?;
-            }
-            let _ = write_file(&run.memory.join("memory.swappiness"), "0");
-            write_file(&run.cpu.join("cpu.cfs_period_us"), "100000")?;
-            write_file(&run.cpu.join("cpu.cfs_quota_us"), &quota.to_string())?;
-            write_file(&run.pids.join("pids.max"), &limits.pids.to_string())?;
-            Ok(())
-        };
-        if let Err(e) = set() {
-            let _ = run.remove();
-            return Err(e);
-        }
-        Ok(Box::new(run))
+        }))
     }
 
     fn release(&self) {
@@ -430,6 +426,40 @@ impl RunCgroup for V1Run {
             .into_iter()
             .map(|d| d.join("cgroup.procs"))
             .collect()
+    }
+
+    fn apply_limits(&self, limits: &Limits) -> io::Result<()> {
+        let bytes = limits.memory_bytes.to_string();
+        write_file(&self.memory.join("memory.limit_in_bytes"), &bytes)?;
+        // memsw = mem: no swap beyond the memory limit (present when swap accounting is on).
+        let memsw = self.memory.join("memory.memsw.limit_in_bytes");
+        if memsw.exists() {
+            write_file(&memsw, &bytes)?;
+        }
+        let _ = write_file(&self.memory.join("memory.swappiness"), "0");
+        write_file(&self.cpu.join("cpu.cfs_period_us"), "100000")?;
+        write_file(
+            &self.cpu.join("cpu.cfs_quota_us"),
+            &cpu_quota(limits).to_string(),
+        )?;
+        write_file(&self.pids.join("pids.max"), &limits.pids.to_string())
+    }
+
+    fn rename(&mut self, name: &str) {
+        if !valid_run_name(name) {
+            return;
+        }
+        let mut dirs = vec![&mut self.memory, &mut self.cpu, &mut self.pids];
+        if let Some(f) = self.freezer.as_mut() {
+            dirs.push(f);
+        }
+        for d in dirs {
+            let to = d.with_file_name(name);
+            match fs::rename(&*d, &to) {
+                Ok(()) => *d = to,
+                Err(e) => tracing::warn!(error = %e, dir = %d.display(), "cgroup rename"),
+            }
+        }
     }
 
     fn kill_all(&self) -> io::Result<()> {

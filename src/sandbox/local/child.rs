@@ -25,6 +25,8 @@
 
 use std::ffi::CString;
 use std::os::raw::c_char;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use super::landlock::{self, PathBeneathAttr};
 
@@ -186,6 +188,10 @@ impl Stacks {
     }
 }
 
+// SAFETY: the mapping is owned by the struct and only handed to children as stack memory.
+unsafe impl Send for Stacks {}
+unsafe impl Sync for Stacks {}
+
 impl Drop for Stacks {
     fn drop(&mut self) {
         // SAFETY: unmapping exactly the mapping we made; the owner guarantees no child runs on it.
@@ -220,7 +226,7 @@ pub struct ChildPlan {
     /// Write end of the hello pipe (-1: none): the shim writes its host pid there once its
     /// namespaces exist, for a daemon that has to enter them (egress).
     pub hello_fd: i32,
-    pub stacks: Stacks,
+    pub stacks: Arc<Stacks>,
     /// Read end of the go-signal pipe (-1: none). With egress, the daemon binds the proxy
     /// listener inside our network namespace and then writes one byte; the command starts after.
     pub sync_fd: i32,
@@ -229,8 +235,8 @@ pub struct ChildPlan {
     pub _envp: Vec<CString>,
 }
 
-// SAFETY: the raw pointers point into CStrings and a mapping owned by the same struct; the plan
-// is built on one thread and only read by the children it starts.
+// SAFETY: the raw pointers point into CStrings owned by the same struct; the plan is built on one
+// thread and only read by the children it starts.
 unsafe impl Send for ChildPlan {}
 unsafe impl Sync for ChildPlan {}
 
@@ -368,97 +374,251 @@ extern "C" fn command_main(arg: *mut libc::c_void) -> libc::c_int {
     unsafe { (*(arg as *const ChildPlan)).command() }
 }
 
-/// Starts a `CLONE_VM | CLONE_VFORK` child on one of the plan's stacks; returns once it has
-/// exec'd or exited. Async-signal-safe.
+extern "C" fn warm_shim_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: WarmShim::spawn_and_wait passes a pointer to a live WarmShim.
+    unsafe { (*(arg as *const WarmShim)).enter() }
+}
+
+/// Starts a `CLONE_VM | CLONE_VFORK` child running `entry(arg)` on `stack_top`; returns once it
+/// has exec'd or exited. Async-signal-safe.
 ///
 /// # Safety
-/// `plan` must outlive the child; `entry` must never return.
+/// `arg` and the stack must outlive the child; `entry` must never return.
 unsafe fn clone_vfork(
-    plan: &ChildPlan,
     entry: extern "C" fn(*mut libc::c_void) -> libc::c_int,
-    stack: usize,
+    arg: *const libc::c_void,
+    stack_top: *mut libc::c_void,
     extra_flags: libc::c_int,
 ) -> libc::pid_t {
     // SAFETY: clone(2) through glibc's wrapper, running `entry` on a stack of our mapping.
     unsafe {
         libc::clone(
             entry,
-            plan.stacks.top(stack),
+            stack_top,
             libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD | extra_flags,
-            plan as *const ChildPlan as *mut libc::c_void,
+            arg as *mut libc::c_void,
         )
     }
 }
 
+/// Starts a shim from the calling thread and returns once it has exited (the whole run). Meant
+/// for a blocking thread of its own: the thread is suspended while the shim runs, and
+/// PR_SET_PDEATHSIG ties the shim to this thread, which is alive exactly as long.
+///
+/// # Safety
+/// `arg` and `stacks` must stay alive until the run's cgroup is empty, not only until this
+/// returns: a killed shim releases us before its init has died.
+unsafe fn run_shim(
+    entry: extern "C" fn(*mut libc::c_void) -> libc::c_int,
+    arg: *const libc::c_void,
+    stacks: &Stacks,
+    extra_flags: libc::c_int,
+) -> std::io::Result<()> {
+    // SAFETY: signal-mask calls on stack sigsets; clone_vfork per the caller's guarantee; waitpid.
+    unsafe {
+        // Signals stay blocked in this thread until the shim has reset every handler the daemon
+        // installed: a daemon handler must never run on the shim's side.
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+        let pid = clone_vfork(entry, arg, stacks.top(SHIM_STACK), extra_flags);
+        let err = std::io::Error::last_os_error();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+        if pid < 0 {
+            return Err(err);
+        }
+        let mut st = 0;
+        while libc::waitpid(pid, &mut st, 0) < 0 && errno() == libc::EINTR {}
+        Ok(())
+    }
+}
+
+/// First steps of every shim: default dispositions for every signal (the daemon's handlers live
+/// in the memory we share), unblock, and die with the daemon (our parent is the daemon thread
+/// blocked in [`run_shim`] for the whole run; a restart sweeps whatever a crash leaves).
+/// Async-signal-safe.
+unsafe fn shim_prologue() {
+    // SAFETY: signal(2), sigprocmask(2) and prctl(2) on stack values.
+    unsafe {
+        // glibc refuses its two internal signals; that is fine.
+        for sig in 1..=64 {
+            if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+                libc::signal(sig, libc::SIG_DFL);
+            }
+        }
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut none);
+        libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+    }
+}
+
+/// Joins a cgroup by writing "0" to each of its `cgroup.procs` files. Async-signal-safe.
+unsafe fn join_cgroup(procs: &[CString]) -> bool {
+    // SAFETY: open/write/close on prepared C strings and a static buffer.
+    unsafe {
+        for path in procs {
+            let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                return false;
+            }
+            let ok = libc::write(fd, b"0".as_ptr().cast(), 1) == 1;
+            libc::close(fd);
+            if !ok {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// A shim started before its run: it joins a prepared cgroup at once (joining is the slow part
+/// of starting a run on cgroup v1, one RCU grace period after an idle spell) and then waits for
+/// the plan of the run it will serve. It shares the daemon's fd table while it waits, so the
+/// run's pipes, made later, are there when it takes its own copy.
+pub struct WarmShim {
+    /// `cgroup.procs` of the slot's cgroup, opened by the daemon: the slot may be renamed for
+    /// its run before a slow shim got to join it.
+    cgroup_procs: Vec<std::os::fd::OwnedFd>,
+    go_fd: i32,
+    plan: AtomicPtr<ChildPlan>,
+    stacks: Arc<Stacks>,
+}
+
+impl WarmShim {
+    /// `go_fd` is the read end of the pipe [`WarmShim::arm`]'s caller writes one byte to; EOF
+    /// makes the shim exit unused. It must stay open until the shim is gone.
+    pub fn new(
+        cgroup_procs: Vec<std::os::fd::OwnedFd>,
+        go_fd: i32,
+        stacks: Arc<Stacks>,
+    ) -> WarmShim {
+        WarmShim {
+            cgroup_procs,
+            go_fd,
+            plan: AtomicPtr::new(std::ptr::null_mut()),
+            stacks,
+        }
+    }
+
+    pub fn stacks(&self) -> &Arc<Stacks> {
+        &self.stacks
+    }
+
+    /// Hands the shim its run; the caller then writes the go byte. The plan must use this
+    /// shim's stacks and outlive the run's cgroup like the shim itself.
+    pub fn arm(&self, plan: &Arc<ChildPlan>) {
+        self.plan
+            .store(Arc::as_ptr(plan) as *mut ChildPlan, Ordering::Release);
+    }
+
+    /// Starts the shim and returns once it has exited. See [`ChildPlan::spawn_and_wait`].
+    ///
+    /// # Safety
+    /// `self`, its stacks and the plan it is armed with must stay alive until the cgroup it
+    /// joins is empty.
+    pub unsafe fn spawn_and_wait(&self) -> std::io::Result<()> {
+        // SAFETY: the caller keeps self and the stacks alive; CLONE_FILES shares our fd table
+        // until the shim takes its own copy.
+        unsafe {
+            run_shim(
+                warm_shim_main,
+                self as *const WarmShim as *const libc::c_void,
+                &self.stacks,
+                libc::CLONE_FILES,
+            )
+        }
+    }
+
+    /// The waiting shim. Never returns.
+    unsafe fn enter(&self) -> ! {
+        // SAFETY (whole function): only async-signal-safe syscalls on memory prepared before
+        // clone; the plan is read only after the go byte, which the daemon writes after arm().
+        unsafe {
+            shim_prologue();
+            let joined = self.cgroup_procs.iter().all(|fd| {
+                libc::write(std::os::fd::AsRawFd::as_raw_fd(fd), b"0".as_ptr().cast(), 1) == 1
+            });
+            let mut b = 0u8;
+            loop {
+                let n = libc::read(self.go_fd, (&mut b as *mut u8).cast(), 1);
+                if n == 1 {
+                    break;
+                }
+                if n < 0 && errno() == libc::EINTR {
+                    continue;
+                }
+                libc::_exit(0); // the slot was discarded
+            }
+            let plan = self.plan.load(Ordering::Acquire);
+            if plan.is_null() {
+                libc::_exit(0);
+            }
+            let plan = &*plan;
+            if !joined {
+                fail(plan.status_fd, Stage::JoinCgroup);
+            }
+            // Our own fd table from here on: a copy of the daemon's as it is now, with the run's
+            // pipes in it.
+            if libc::unshare(libc::CLONE_FILES) != 0 {
+                fail(plan.status_fd, Stage::Unshare);
+            }
+            plan.start_sandbox()
+        }
+    }
+}
+
 impl ChildPlan {
-    /// Starts the sandbox from the calling thread and returns once the shim has exited (the
-    /// whole run). Meant for a blocking thread of its own: the thread is suspended while the shim
-    /// runs, and PR_SET_PDEATHSIG ties the shim to this thread, which is alive exactly as long.
+    /// Starts the sandbox from the calling thread (a shim that joins the plan's cgroup itself)
+    /// and returns once the shim has exited (the whole run). Meant for a blocking thread of its
+    /// own.
     ///
     /// # Safety
     /// The plan must stay alive until the run's cgroup is empty, not only until this returns: a
     /// killed shim releases us before its init has died.
     pub unsafe fn spawn_and_wait(&self) -> std::io::Result<()> {
-        // SAFETY: signal-mask calls on stack sigsets; clone_vfork on our live plan; waitpid.
+        // SAFETY: per the caller's guarantee.
         unsafe {
-            // Signals stay blocked in this thread until the shim has reset every handler the
-            // daemon installed: a daemon handler must never run on the shim's side.
-            let mut all: libc::sigset_t = std::mem::zeroed();
-            let mut old: libc::sigset_t = std::mem::zeroed();
-            libc::sigfillset(&mut all);
-            libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
-            let pid = clone_vfork(self, shim_main, SHIM_STACK, 0);
-            let err = std::io::Error::last_os_error();
-            libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
-            if pid < 0 {
-                return Err(err);
-            }
-            let mut st = 0;
-            while libc::waitpid(pid, &mut st, 0) < 0 && errno() == libc::EINTR {}
-            Ok(())
+            run_shim(
+                shim_main,
+                self as *const ChildPlan as *const libc::c_void,
+                &self.stacks,
+                0,
+            )
         }
     }
 
-    /// The shim. Never returns: every branch `_exit`s.
+    /// The shim started for this plan. Never returns.
+    unsafe fn enter(&self) -> ! {
+        // SAFETY (whole function): only async-signal-safe syscalls on memory prepared before clone.
+        unsafe {
+            shim_prologue();
+            // Join the run's cgroup before anything else can fork, so every process of the run,
+            // however it detaches later (setsid, double fork), is in the cgroup we kill.
+            if !join_cgroup(&self.cgroup_procs) {
+                fail(self.status_fd, Stage::JoinCgroup);
+            }
+            self.start_sandbox()
+        }
+    }
+
+    /// The rest of the shim, in the run's cgroup with signals reset (by [`ChildPlan::enter`] or
+    /// [`WarmShim::enter`]). Never returns.
     ///
     /// The order is the security argument, so each step says why it sits where it does.
-    unsafe fn enter(&self) -> ! {
+    unsafe fn start_sandbox(&self) -> ! {
         let sfd = self.status_fd;
         // SAFETY (whole function): only async-signal-safe syscalls on memory prepared before clone.
         unsafe {
-            // 1. Default dispositions for every signal (the daemon's handlers live in the memory
-            //    we share), then unblock. glibc refuses its two internal signals; that is fine.
-            for sig in 1..=64 {
-                if sig != libc::SIGKILL && sig != libc::SIGSTOP {
-                    libc::signal(sig, libc::SIG_DFL);
-                }
-            }
-            let mut none: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut none);
-            libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
-
-            // 2. Die with the daemon: no sandbox outlives it unattended (restart sweeps the rest).
-            //    Our parent is the daemon thread blocked in spawn_and_wait for the whole run.
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
-
-            // 3. The command's stdio on 0-2.
+            // 1. The command's stdio on 0-2.
             for (target, &fd) in self.stdio.iter().enumerate() {
                 if libc::dup2(fd, target as i32) < 0 {
                     fail(sfd, Stage::Stdio);
                 }
             }
 
-            // 4. Join the run's cgroup before anything else can fork, so every process of the run,
-            //    however it detaches later (setsid, double fork), is in the cgroup we kill.
-            for path in &self.cgroup_procs {
-                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
-                    fail(sfd, Stage::JoinCgroup);
-                }
-                libc::close(fd);
-            }
-
-            // 5. New mount, ipc, uts, net and cgroup namespaces for this process; a new pid
+            // 2. New mount, ipc, uts, net and cgroup namespaces for this process; a new pid
             //    namespace for its children. The net namespace has only a down loopback: no route.
             let flags = libc::CLONE_NEWNS
                 | libc::CLONE_NEWPID
@@ -477,11 +637,17 @@ impl ChildPlan {
                 }
             }
 
-            // 6. Start pid 1 of the new pid namespace, sharing our fd table so that what init
+            // 3. Start pid 1 of the new pid namespace, sharing our fd table so that what init
             //    closes the shim no longer holds either (pipes then see EOF only from the
             //    sandbox). We are suspended until init exits; its exit tells the daemon the
             //    sandbox is gone.
-            let init = clone_vfork(self, init_main, INIT_STACK, libc::CLONE_FILES);
+            let self_ptr = self as *const ChildPlan as *const libc::c_void;
+            let init = clone_vfork(
+                init_main,
+                self_ptr,
+                self.stacks.top(INIT_STACK),
+                libc::CLONE_FILES,
+            );
             if init < 0 {
                 fail(sfd, Stage::Fork);
             }
@@ -499,7 +665,7 @@ impl ChildPlan {
             // Die with the shim (which dies with the daemon).
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
 
-            // 7. Nothing we mount may propagate back to the host.
+            // 4. Nothing we mount may propagate back to the host.
             if libc::mount(
                 c"none".as_ptr(),
                 c"/".as_ptr(),
@@ -511,7 +677,7 @@ impl ChildPlan {
                 fail(sfd, Stage::MountPrivate);
             }
 
-            // 8. The new root is an empty tmpfs: only what the profile names appears in it.
+            // 5. The new root is an empty tmpfs: only what the profile names appears in it.
             if libc::mount(
                 c"tmpfs".as_ptr(),
                 self.root.as_ptr(),
@@ -523,7 +689,7 @@ impl ChildPlan {
                 fail(sfd, Stage::MountRoot);
             }
 
-            // 9. Read-only binds of the profile's paths; the workdir and /tmp, both bound from one
+            // 6. Read-only binds of the profile's paths; the workdir and /tmp, both bound from one
             //    private tmpfs sized to the disk limit (so the limit holds for the two together;
             //    its staging mount point is detached and removed again here); a fresh /proc (we
             //    are pid 1 of the new pid namespace, so it shows only the sandbox) and a /dev with
@@ -534,7 +700,7 @@ impl ChildPlan {
                 }
             }
 
-            // 10. Swap roots and drop the old one entirely: host paths are no longer reachable.
+            // 7. Swap roots and drop the old one entirely: host paths are no longer reachable.
             if libc::chdir(self.root.as_ptr()) != 0
                 || libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) != 0
                 || libc::umount2(c".".as_ptr(), libc::MNT_DETACH) != 0
@@ -543,7 +709,7 @@ impl ChildPlan {
                 fail(sfd, Stage::PivotRoot);
             }
 
-            // 11. The root tmpfs itself becomes read-only now that its skeleton is built.
+            // 8. The root tmpfs itself becomes read-only now that its skeleton is built.
             if libc::mount(
                 std::ptr::null(),
                 c"/".as_ptr(),
@@ -559,7 +725,7 @@ impl ChildPlan {
                 fail(sfd, Stage::RemountRoot);
             }
 
-            // 12. Landlock rules for paths as they exist in the new root (the fresh mounts have no
+            // 9. Landlock rules for paths as they exist in the new root (the fresh mounts have no
             //     host fd the daemon could have opened before fork). The ruleset itself, with its
             //     handled rights, was created before fork.
             if self.landlock_fd >= 0 {
@@ -583,13 +749,13 @@ impl ChildPlan {
                 fail(sfd, Stage::SetHostname);
             }
 
-            // 13. Only the status pipe, the ruleset and the go-signal pipe survive; the command
+            // 10. Only the status pipe, the ruleset and the go-signal pipe survive; the command
             //     gets 0-2 only.
             let mut keep = [sfd, self.landlock_fd, self.sync_fd];
             keep.sort_unstable();
             close_other_fds(&keep);
 
-            // 14. With egress, wait until the daemon's proxy listens in our network namespace:
+            // 11. With egress, wait until the daemon's proxy listens in our network namespace:
             //     the command must never race it. EOF means the daemon gave up on this run.
             if self.sync_fd >= 0 {
                 let mut b = 0u8;
@@ -608,12 +774,17 @@ impl ChildPlan {
 
             // The command runs on its own stack until execve gives it its own memory; we are
             // suspended until then.
-            let cmd = clone_vfork(self, command_main, COMMAND_STACK, 0);
+            let cmd = clone_vfork(
+                command_main,
+                self as *const ChildPlan as *const libc::c_void,
+                self.stacks.top(COMMAND_STACK),
+                0,
+            );
             if cmd < 0 {
                 fail(sfd, Stage::Fork);
             }
 
-            // 15. pid 1: drop our copies of the stdio pipes (EOF and EPIPE then depend only on the
+            // 12. pid 1: drop our copies of the stdio pipes (EOF and EPIPE then depend only on the
             //     command), reap everything, report the command's own status, exit. Exiting kills
             //     whatever it left behind in the namespace.
             libc::close(0);
@@ -648,12 +819,12 @@ impl ChildPlan {
         let sfd = self.status_fd;
         // SAFETY (whole function): async-signal-safe syscalls on prepared memory only.
         unsafe {
-            // 16. Own session: no controlling terminal, no signals from the daemon's group.
+            // 13. Own session: no controlling terminal, no signals from the daemon's group.
             libc::setsid();
             if libc::chdir(self.workdir.as_ptr()) != 0 {
                 fail(sfd, Stage::Chdir);
             }
-            // 17. rlimits while still privileged (raising hard limits needs CAP_SYS_RESOURCE).
+            // 14. rlimits while still privileged (raising hard limits needs CAP_SYS_RESOURCE).
             for &(res, val) in &self.rlimits {
                 let rl = libc::rlimit {
                     rlim_cur: val,
@@ -663,7 +834,7 @@ impl ChildPlan {
                     fail(sfd, Stage::Rlimit);
                 }
             }
-            // 18. Become the unprivileged user: groups first (needs CAP_SETGID), then gid, then uid
+            // 15. Become the unprivileged user: groups first (needs CAP_SETGID), then gid, then uid
             //     (after which no capability is left).
             //     Raw syscalls: glibc's wrappers would apply the change to every thread they know
             //     of, and the thread list they would read is the daemon's.
@@ -675,12 +846,12 @@ impl ChildPlan {
             {
                 fail(sfd, Stage::SetUid);
             }
-            // 19. no_new_privs: required for unprivileged Landlock and seccomp, and makes setuid
+            // 16. no_new_privs: required for unprivileged Landlock and seccomp, and makes setuid
             //     binaries inert.
             if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
                 fail(sfd, Stage::NoNewPrivs);
             }
-            // 20. Landlock: from here the filesystem (and TCP, and signals/abstract sockets on
+            // 17. Landlock: from here the filesystem (and TCP, and signals/abstract sockets on
             //     ABI >= 6) is limited to the rules above, whatever the mounts say.
             if self.landlock_fd >= 0 {
                 if landlock::restrict_self(self.landlock_fd) != 0 {
@@ -688,12 +859,12 @@ impl ChildPlan {
                 }
                 libc::close(self.landlock_fd);
             }
-            // 21. seccomp last: the filter would refuse nothing we still need, but installing it
+            // 18. seccomp last: the filter would refuse nothing we still need, but installing it
             //     after everything else keeps the setup itself free of surprises.
             if super::seccomp::install(&self.seccomp) != 0 {
                 fail(sfd, Stage::Seccomp);
             }
-            // 22. exec. The status pipe is O_CLOEXEC, so the program sees fds 0-2 only.
+            // 19. exec. The status pipe is O_CLOEXEC, so the program sees fds 0-2 only.
             libc::execve(
                 self.program.as_ptr(),
                 self.argv_ptrs.as_ptr(),

@@ -37,7 +37,9 @@ use super::{
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
 pub struct LocalSandbox {
-    cgroups: Option<Box<dyn CgroupDriver>>,
+    cgroups: Option<Arc<dyn CgroupDriver>>,
+    /// Run slots prepared ahead (absent without cgroups or when configured to 0).
+    warm: Option<Arc<WarmSlots>>,
     probe: HostProbe,
     /// Empty host directory the per-run root tmpfs is mounted on (inside each run's own mount
     /// namespace, so every run can use the same one).
@@ -52,6 +54,7 @@ impl LocalSandbox {
     /// egress profiles are refused.
     pub fn new(
         cgroup_name: &str,
+        warm_slots: usize,
         runtime_dir: &Path,
         egress: Option<egress::EgressSettings>,
     ) -> Self {
@@ -63,7 +66,7 @@ impl LocalSandbox {
                     tracing::warn!(swept, "removed run cgroups left by an earlier daemon");
                 }
                 probe.cgroup = Some(format!("{:?}", d.version()).to_lowercase());
-                Some(d)
+                Some(Arc::<dyn CgroupDriver>::from(d))
             }
             Err(e) => {
                 probe.cgroup_error = Some(e.to_string());
@@ -76,8 +79,17 @@ impl LocalSandbox {
                 .cgroup_error
                 .get_or_insert(format!("cannot create {}: {e}", root_dir.display()));
         }
+        let warm = match (&cgroups, warm_slots) {
+            (Some(driver), n) if n > 0 && probe.local_missing(1).is_empty() => {
+                let w = Arc::new(WarmSlots::new(driver.clone(), n));
+                w.refill();
+                Some(w)
+            }
+            _ => None,
+        };
         LocalSandbox {
             cgroups,
+            warm,
             probe,
             root_dir,
             seccomp: Arc::new(SeccompProgram::deny_list()),
@@ -89,10 +101,13 @@ impl LocalSandbox {
         &self.probe
     }
 
+    /// The child plan of a run. `join` lists the `cgroup.procs` files the shim joins (none when
+    /// a prepared shim is in the cgroup already); `stacks` are the children's stacks.
     fn plan(
         &self,
         spec: &RunSpec,
-        cg: &dyn RunCgroup,
+        join: &[PathBuf],
+        stacks: Arc<child::Stacks>,
         fds: PlanFds,
         extra_env: &[(String, String)],
     ) -> Result<ChildPlan, SandboxError> {
@@ -136,8 +151,7 @@ impl LocalSandbox {
             .ok_or_else(|| SandboxError::Setup("empty argv".into()))?;
 
         Ok(ChildPlan {
-            cgroup_procs: cg
-                .procs_files()
+            cgroup_procs: join
                 .iter()
                 .map(|p| path_cstr(p))
                 .collect::<Result<_, _>>()?,
@@ -166,7 +180,7 @@ impl LocalSandbox {
             status_fd: fds.status,
             stdio: fds.stdio,
             hello_fd: fds.hello,
-            stacks: child::Stacks::new()?,
+            stacks,
             sync_fd: fds.sync,
             _argv: argv,
             _envp: envp,
@@ -409,6 +423,10 @@ impl Drop for LocalSandbox {
     /// At exit (the runtime drops the daemon's state): remove this daemon's empty cgroup owner
     /// directories, so a clean shutdown leaves nothing for the next start to sweep.
     fn drop(&mut self) {
+        // Prepared slots first: their cgroups live in the owner directories.
+        if let Some(w) = &self.warm {
+            w.drain();
+        }
         if let Some(d) = &self.cgroups {
             d.release();
         }
@@ -420,14 +438,17 @@ impl Drop for LocalSandbox {
 /// with the daemon, until they are gone, and an empty cgroup is the proof that they are.
 struct CgroupGuard {
     cg: Option<Box<dyn RunCgroup>>,
-    plan: Option<Arc<ChildPlan>>,
+    keep: Vec<Keepalive>,
 }
+
+/// Memory the sandbox's children may use until they are gone (plan, stacks, prepared shim).
+type Keepalive = Arc<dyn std::any::Any + Send + Sync>;
 
 impl CgroupGuard {
     fn new(cg: Box<dyn RunCgroup>) -> Self {
         CgroupGuard {
             cg: Some(cg),
-            plan: None,
+            keep: Vec::new(),
         }
     }
 
@@ -435,23 +456,27 @@ impl CgroupGuard {
         self.cg.as_deref().expect("cgroup present until finish")
     }
 
-    fn keep(&mut self, plan: Arc<ChildPlan>) {
-        self.plan = Some(plan);
+    fn get_mut(&mut self) -> &mut dyn RunCgroup {
+        self.cg.as_deref_mut().expect("cgroup present until finish")
     }
 
-    /// After a failed removal nothing proves the children are gone: keep their stacks mapped
-    /// for the daemon's lifetime rather than free memory a child may still run on.
-    fn release_plan(plan: Option<Arc<ChildPlan>>, removed: bool) {
+    fn keep(&mut self, k: Keepalive) {
+        self.keep.push(k);
+    }
+
+    /// After a failed removal nothing proves the children are gone: keep their memory for the
+    /// daemon's lifetime rather than free memory a child may still run on.
+    fn release_plan(keep: Vec<Keepalive>, removed: bool) {
         if removed {
-            drop(plan);
+            drop(keep);
         } else {
-            std::mem::forget(plan);
+            std::mem::forget(keep);
         }
     }
 
     async fn finish(mut self) -> Result<(), SandboxError> {
         let cg = self.cg.take();
-        let plan = self.plan.take();
+        let plan = std::mem::take(&mut self.keep);
         let removed = tokio::task::spawn_blocking(move || cg.map(|c| c.remove()).transpose())
             .await
             .map_err(|e| SandboxError::Setup(format!("cgroup cleanup task: {e}")))?;
@@ -473,8 +498,125 @@ impl Drop for CgroupGuard {
             },
             None => true,
         };
-        Self::release_plan(self.plan.take(), removed);
+        Self::release_plan(std::mem::take(&mut self.keep), removed);
     }
+}
+
+/// A run slot prepared ahead: a cgroup with a shim already in it, waiting for its plan.
+struct Slot {
+    guard: CgroupGuard,
+    shim: Arc<child::WarmShim>,
+    /// Write end of the go pipe; dropping it unused makes the shim exit.
+    go: OwnedFd,
+    /// Resolves once the shim has exited.
+    exited: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+/// Keeps `target` slots prepared. Joining a cgroup (a `cgroup.procs` write) waits for an RCU
+/// grace period after an idle spell, tens of milliseconds on some hosts; a prepared slot has paid
+/// it before its run arrives, and creating the cgroup is off the request path too.
+struct WarmSlots {
+    driver: Arc<dyn CgroupDriver>,
+    target: usize,
+    ready: std::sync::Mutex<std::collections::VecDeque<Slot>>,
+    /// Slots being prepared right now.
+    pending: std::sync::atomic::AtomicUsize,
+    seq: std::sync::atomic::AtomicU64,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl WarmSlots {
+    fn new(driver: Arc<dyn CgroupDriver>, target: usize) -> Self {
+        WarmSlots {
+            driver,
+            target,
+            ready: std::sync::Mutex::new(Default::default()),
+            pending: Default::default(),
+            seq: Default::default(),
+            closed: Default::default(),
+        }
+    }
+
+    /// The oldest prepared slot: the likeliest to have joined its cgroup already.
+    fn take(&self) -> Option<Slot> {
+        self.ready.lock().ok()?.pop_front()
+    }
+
+    /// Starts preparing slots until `target` are ready or on their way (needs a runtime).
+    fn refill(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let have = self.ready.lock().map(|r| r.len()).unwrap_or(self.target);
+        let want = self.target.saturating_sub(have + self.pending.load(SeqCst));
+        for _ in 0..want {
+            self.pending.fetch_add(1, SeqCst);
+            let this = self.clone();
+            handle.spawn(async move {
+                let seq = this.seq.fetch_add(1, SeqCst);
+                let driver = this.driver.clone();
+                let made = tokio::task::spawn_blocking(move || prepare_slot(&*driver, seq)).await;
+                this.pending.fetch_sub(1, SeqCst);
+                match made {
+                    Ok(Ok(slot)) if !this.closed.load(SeqCst) => {
+                        if let Ok(mut r) = this.ready.lock() {
+                            r.push_back(slot);
+                        }
+                    }
+                    Ok(Ok(_)) => {} // shutting down: dropping the slot removes it
+                    Ok(Err(e)) => tracing::warn!(error = %e, "could not prepare a run slot"),
+                    Err(e) => tracing::warn!(error = %e, "run slot task"),
+                }
+            });
+        }
+    }
+
+    /// Removes every prepared slot (at exit).
+    fn drain(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let slots = self
+            .ready
+            .lock()
+            .map(|mut r| std::mem::take(&mut *r))
+            .unwrap_or_default();
+        drop(slots);
+    }
+}
+
+/// Creates a slot's cgroup and starts its shim on a blocking thread of its own. Runs on a
+/// blocking thread (cgroup directories are created here) inside the runtime.
+fn prepare_slot(driver: &dyn CgroupDriver, seq: u64) -> Result<Slot, SandboxError> {
+    let mut guard = CgroupGuard::new(driver.create_empty(&format!("warm-{seq}"))?);
+    let procs = guard
+        .get()
+        .procs_files()
+        .iter()
+        .map(|p| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(p)
+                .map(OwnedFd::from)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let stacks = Arc::new(child::Stacks::new()?);
+    let (go_r, go_w) = pipe(libc::O_CLOEXEC)?;
+    let shim = Arc::new(child::WarmShim::new(procs, go_r.as_raw_fd(), stacks));
+    guard.keep(shim.clone());
+    let runner = shim.clone();
+    let exited = tokio::task::spawn_blocking(move || {
+        // SAFETY: the slot's guard keeps the shim, its stacks and (once armed) its plan alive
+        // until the cgroup is empty; go_r stays open until the shim is gone.
+        let r = unsafe { runner.spawn_and_wait() };
+        drop(go_r);
+        r
+    });
+    Ok(Slot {
+        guard,
+        shim,
+        go: go_w,
+        exited,
+    })
 }
 
 /// Resolves when the flag becomes true; never when its senders are gone with it still false
@@ -612,7 +754,26 @@ impl Sandbox for LocalSandbox {
             .as_ref()
             .ok_or_else(|| SandboxError::Unavailable("cgroups".into()))?;
         let limits = spec.limits.clone();
-        let mut guard = CgroupGuard::new(driver.create(&spec.exec_id, &limits)?);
+        let slot = self.warm.as_ref().and_then(|w| w.take());
+        if let Some(w) = &self.warm {
+            w.refill();
+        }
+        let (mut guard, warm) = match slot {
+            Some(mut slot) => {
+                let cg = slot.guard.get_mut();
+                cg.rename(&spec.exec_id);
+                cg.apply_limits(&limits)?;
+                (slot.guard, Some((slot.shim, slot.go, slot.exited)))
+            }
+            None => {
+                let driver = driver.clone();
+                let (id, l) = (spec.exec_id.clone(), limits.clone());
+                let cg = tokio::task::spawn_blocking(move || driver.create(&id, &l))
+                    .await
+                    .map_err(|e| SandboxError::Setup(format!("cgroup task: {e}")))??;
+                (CgroupGuard::new(cg), None)
+            }
+        };
 
         let landlock_fd = if self.probe.landlock_abi > 0 {
             // TCP is always handled: no rule at all without egress, connect to the proxy port only
@@ -659,13 +820,17 @@ impl Sandbox for LocalSandbox {
                 stderr_child.as_raw_fd(),
             ],
         };
-        let plan = Arc::new(self.plan(&spec, guard.get(), fds, &extra_env)?);
+        let (join, stacks) = match &warm {
+            Some((shim, _, _)) => (Vec::new(), shim.stacks().clone()),
+            None => (guard.get().procs_files(), Arc::new(child::Stacks::new()?)),
+        };
+        let plan = Arc::new(self.plan(&spec, &join, stacks, fds, &extra_env)?);
         guard.keep(plan.clone());
         let seccomp_keepalive = self.seccomp.clone();
         let (sync_r, sync_w) = sync.unzip();
         let (hello_r, hello_w) = hello.unzip();
-        // The child's ends stay open on the spawning thread until the shim is gone: the shim
-        // copies the fd table when it is cloned, which happens there and not before.
+        // The child's ends stay open until the shim is gone: the shim copies the fd table when it
+        // is cloned (or, prepared, when it is told to go), which happens on another thread.
         let child_ends = (
             status_w,
             landlock_fd,
@@ -677,14 +842,21 @@ impl Sandbox for LocalSandbox {
         );
 
         let start = Instant::now();
-        let shim_plan = plan;
-        let mut exited = tokio::task::spawn_blocking(move || {
-            // SAFETY: the guard keeps the plan (and the stacks the children run on) alive until
-            // the run's cgroup is empty.
-            let r = unsafe { shim_plan.spawn_and_wait() };
-            drop(child_ends);
-            r
-        });
+        let mut exited = match warm {
+            Some((shim, go, exited)) => {
+                shim.arm(&plan);
+                // SAFETY: write(2) of one byte from a static buffer to a pipe we own.
+                if unsafe { libc::write(go.as_raw_fd(), b"1".as_ptr().cast(), 1) } != 1 {
+                    return Err(std::io::Error::last_os_error().into());
+                }
+                exited
+            }
+            None => tokio::task::spawn_blocking(move || {
+                // SAFETY: the guard keeps the plan (and the stacks the children run on) alive
+                // until the run's cgroup is empty.
+                unsafe { plan.spawn_and_wait() }
+            }),
+        };
         // With egress: bind the proxy inside the sandbox's network namespace, then let the
         // command start. Dropping the pipe without the byte makes the sandbox give up.
         let egress_run = match (egress_settings, sync_w, hello_r) {
@@ -763,6 +935,7 @@ impl Sandbox for LocalSandbox {
             }
             spawn_result = Some((&mut exited).await);
         }
+        drop(child_ends);
         match spawn_result {
             Some(Ok(Ok(()))) => {}
             Some(Ok(Err(e))) => return Err(SandboxError::Setup(format!("clone: {e}"))),
