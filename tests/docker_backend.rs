@@ -9,72 +9,21 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::docker::{
+    SOCKET, config, container_exists, container_of, containers, docker, docker_ps, docker_ready,
+    finish, instance_of, wait_until,
+};
 use common::{Daemon, Opts};
 use serde_json::{Value, json};
 
 const RUNTIMES: [&str; 2] = ["runc", "gvisor"];
-const SOCKET: &str = "/var/run/docker.sock";
-const IMAGE: &str = "executor-arm-sandbox:latest";
 
 // ---------------------------------------------------------------------------------------------
 // Harness
 // ---------------------------------------------------------------------------------------------
-
-fn docker(args: &[&str]) -> Option<String> {
-    let out = Command::new("docker").args(args).output().ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// Whether the docker tests run: fails when the engine is missing, unless the developer opted out.
-fn docker_ready(test: &str) -> bool {
-    let problem = match docker(&[
-        "info",
-        "--format",
-        "{{range $k, $v := .Runtimes}}{{$k}} {{end}}",
-    ]) {
-        None => Some("dockerd is not reachable".to_string()),
-        Some(rt)
-            if !(rt.split_whitespace().any(|r| r == "runc")
-                && rt.split_whitespace().any(|r| r == "runsc")) =>
-        {
-            Some(format!(
-                "dockerd lacks the runc or runsc runtime (has: {})",
-                rt.trim()
-            ))
-        }
-        Some(_) if docker(&["image", "inspect", IMAGE]).is_none() => {
-            Some(format!("image {IMAGE} is missing"))
-        }
-        Some(_) => None,
-    };
-    match problem {
-        None => true,
-        Some(p) if std::env::var("EXECUTOR_ARM_SKIP_DOCKER_TESTS").as_deref() == Ok("1") => {
-            // Straight to the fd: libtest captures eprintln! of passing tests, and a skip must show.
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED {test}: {p} (EXECUTOR_ARM_SKIP_DOCKER_TESTS=1)"
-            );
-            false
-        }
-        Some(p) => panic!(
-            "{test}: {p}. Run scripts/setup-docker.sh and scripts/build-sandbox-image.sh, or set EXECUTOR_ARM_SKIP_DOCKER_TESTS=1 to skip the docker tests"
-        ),
-    }
-}
-
-fn config(pool: usize, socket: &str) -> String {
-    format!(
-        "[sandbox.docker]\nsocket = \"unix://{socket}\"\nimage = \"{IMAGE}\"\npool_size = {pool}\n"
-    )
-}
 
 fn start(runtime: &str, pool: usize) -> Daemon {
     start_with_socket(runtime, pool, SOCKET)
@@ -88,94 +37,12 @@ fn start_with_socket(runtime: &str, pool: usize, socket: &str) -> Daemon {
     })
 }
 
-fn instance_of(d: &Daemon) -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    format!("{}-{}", host.trim(), d.pid())
-}
-
-/// Ids of the containers (any state) matching every filter; a failing `docker ps` fails the test
-/// (an empty answer must mean "none", never "could not look").
-fn docker_ps(filters: &[String]) -> Vec<String> {
-    let mut args = vec!["ps", "-aq", "--no-trunc"];
-    for f in filters {
-        args.extend(["--filter", f.as_str()]);
-    }
-    docker(&args)
-        .unwrap_or_else(|| panic!("docker {args:?} failed"))
-        .lines()
-        .map(str::to_string)
-        .collect()
-}
-
-/// Containers (any state) carrying `label`.
-fn containers(label: &str) -> Vec<String> {
-    docker_ps(&[format!("label={label}")])
-}
-
 /// Idle (never used) pool containers of a daemon instance: used ones are renamed.
 fn pool_containers(instance: &str) -> Vec<String> {
     docker_ps(&[
         format!("label=executor-arm.instance={instance}"),
         "name=executor-arm-pool-".to_string(),
     ])
-}
-
-fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !done() {
-        assert!(
-            t.elapsed() < limit,
-            "timed out after {limit:?} waiting for: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// Stops the daemon and checks from the host that none of its containers remain.
-fn finish(mut d: Daemon) {
-    let instance = instance_of(&d);
-    d.stop();
-    let label = format!("executor-arm.instance={instance}");
-    wait_until(
-        &format!("no container labelled {label}"),
-        Duration::from_secs(15),
-        || containers(&label).is_empty(),
-    );
-}
-
-/// The container the daemon assigned to `exec_id` (from its log).
-fn container_of(d: &Daemon, exec_id: &str, seen: &mut Vec<String>) -> String {
-    let t = Instant::now();
-    loop {
-        seen.extend(d.log.try_iter());
-        for line in seen.iter() {
-            if line.contains("sandbox container assigned")
-                && let Ok(v) = serde_json::from_str::<Value>(line)
-                && v["fields"]["exec_id"] == exec_id
-                && let Some(c) = v["fields"]["container"].as_str()
-            {
-                return c.to_string();
-            }
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "no container logged for {exec_id}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn container_exists(id: &str) -> bool {
-    let out = Command::new("docker")
-        .args(["inspect", "--format", "{{.Id}}", id])
-        .output()
-        .expect("docker inspect");
-    if out.status.success() {
-        return true;
-    }
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("No such"), "docker inspect {id} failed: {err}");
-    false
 }
 
 async fn py(d: &Daemon, code: &str, extra: Value) -> common::Resp {
@@ -858,71 +725,4 @@ async fn unreachable_engine_is_not_ready_and_refuses_with_503() {
     assert_eq!(r.json["error_type"], "SandboxUnavailable", "{}", r.text);
     assert!(r.text.contains("docker engine unreachable"), "{}", r.text);
     finish(d);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn external_executors_run_from_a_read_only_bind() {
-    use std::os::unix::fs::PermissionsExt;
-    if !docker_ready("external_executors_run_from_a_read_only_bind") {
-        return;
-    }
-    // A private (0700) directory: only the script's own read-only bind makes it visible inside.
-    let scripts = tempfile::Builder::new()
-        .prefix("executor-arm-scripts-")
-        .tempdir_in("/var/tmp")
-        .expect("tempdir");
-    let script = scripts.path().join("echo.py");
-    let body = r#"#!/usr/bin/python3
-import json, os, sys
-envelope = json.load(sys.stdin)
-try:
-    open(__file__, "a").write("tampered")
-    wrote = "yes"
-except OSError:
-    wrote = "no"
-print(json.dumps({"input": envelope["input"], "agent": os.environ.get("ORBIT_AGENT_NAME"), "wrote": wrote}))
-sys.exit(int(envelope["input"].get("exit", 0)))
-"#;
-    std::fs::write(&script, body).expect("script");
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let def = format!(
-        "schemaVersion: 2\nkind: Executor\nmetadata:\n  name: echo-envelope\nspec:\n  executor_type: external\n  command: {}\n  profile: python\n",
-        script.display()
-    );
-    for rt in RUNTIMES {
-        let dir = tempfile::tempdir().expect("tempdir");
-        common::write_executor_def(dir.path(), "echo-envelope.yaml", &def);
-        let d = Daemon::start_in(
-            dir,
-            Opts {
-                env: vec![("SANDBOX_RUNTIME".into(), rt.into())],
-                config: Some(config(1, SOCKET)),
-                ..Default::default()
-            },
-        );
-        for (exit, success) in [(0, true), (3, false), (0, true)] {
-            let r = d
-                .exec(json!({"action_type": "external", "command": "echo-envelope", "input": {"q": [1, 2], "exit": exit}, "capability_token": d.cap(&["ExternalExecute"])}))
-                .await;
-            assert_eq!(r.status, 200, "{rt}: {}", r.text);
-            assert_eq!(r.json["success"], success, "{rt}: {}", r.text);
-            let got: Value = serde_json::from_str(out(&r).trim()).unwrap_or(Value::Null);
-            assert_eq!(got["input"]["q"], json!([1, 2]), "{rt}: {}", r.text);
-            assert_eq!(got["agent"], "echo-envelope", "{rt}: {}", r.text);
-            assert_eq!(got["wrote"], "no", "{rt}: the bind is read-only");
-            if !success {
-                assert_eq!(
-                    r.json["error_code"], "AGENT_INVOCATION_FAILED",
-                    "{rt}: {}",
-                    r.text
-                );
-            }
-        }
-        assert_eq!(
-            std::fs::read_to_string(&script).expect("script"),
-            body,
-            "{rt}: the host file is unchanged"
-        );
-        finish(d);
-    }
 }

@@ -2,6 +2,8 @@
 //! secret, audit log and config, and speaks HTTP to it.
 #![allow(dead_code)]
 
+pub mod docker;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

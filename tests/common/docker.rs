@@ -1,0 +1,148 @@
+//! Docker harness shared by the tests that run on the docker (runc) and gvisor (runsc) backends:
+//! whether the engine is there, the daemon's config for it, and host-side checks of containers.
+
+use std::io::Write;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::Daemon;
+
+pub const SOCKET: &str = "/var/run/docker.sock";
+pub const IMAGE: &str = "executor-arm-sandbox:latest";
+
+pub fn docker(args: &[&str]) -> Option<String> {
+    let out = Command::new("docker").args(args).output().ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Whether the docker tests run: fails when the engine is missing, unless the developer opted out.
+pub fn docker_ready(test: &str) -> bool {
+    let problem = match docker(&[
+        "info",
+        "--format",
+        "{{range $k, $v := .Runtimes}}{{$k}} {{end}}",
+    ]) {
+        None => Some("dockerd is not reachable".to_string()),
+        Some(rt)
+            if !(rt.split_whitespace().any(|r| r == "runc")
+                && rt.split_whitespace().any(|r| r == "runsc")) =>
+        {
+            Some(format!(
+                "dockerd lacks the runc or runsc runtime (has: {})",
+                rt.trim()
+            ))
+        }
+        Some(_) if docker(&["image", "inspect", IMAGE]).is_none() => {
+            Some(format!("image {IMAGE} is missing"))
+        }
+        Some(_) => None,
+    };
+    match problem {
+        None => true,
+        Some(p) if std::env::var("EXECUTOR_ARM_SKIP_DOCKER_TESTS").as_deref() == Ok("1") => {
+            // Straight to the fd: libtest captures eprintln! of passing tests, and a skip must show.
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED {test}: {p} (EXECUTOR_ARM_SKIP_DOCKER_TESTS=1)"
+            );
+            false
+        }
+        Some(p) => panic!(
+            "{test}: {p}. Run scripts/setup-docker.sh and scripts/build-sandbox-image.sh, or set EXECUTOR_ARM_SKIP_DOCKER_TESTS=1 to skip the docker tests"
+        ),
+    }
+}
+
+/// The daemon's `[sandbox.docker]` config.
+pub fn config(pool: usize, socket: &str) -> String {
+    format!(
+        "[sandbox.docker]\nsocket = \"unix://{socket}\"\nimage = \"{IMAGE}\"\npool_size = {pool}\n"
+    )
+}
+
+/// The `executor-arm.instance` label value of a daemon's containers.
+pub fn instance_of(d: &Daemon) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{}-{}", host.trim(), d.pid())
+}
+
+/// Ids of the containers (any state) matching every filter; a failing `docker ps` fails the test
+/// (an empty answer must mean "none", never "could not look").
+pub fn docker_ps(filters: &[String]) -> Vec<String> {
+    let mut args = vec!["ps", "-aq", "--no-trunc"];
+    for f in filters {
+        args.extend(["--filter", f.as_str()]);
+    }
+    docker(&args)
+        .unwrap_or_else(|| panic!("docker {args:?} failed"))
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Containers (any state) carrying `label`.
+pub fn containers(label: &str) -> Vec<String> {
+    docker_ps(&[format!("label={label}")])
+}
+
+pub fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !done() {
+        assert!(
+            t.elapsed() < limit,
+            "timed out after {limit:?} waiting for: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Stops the daemon and checks from the host that none of its containers remain.
+pub fn finish(mut d: Daemon) {
+    let instance = instance_of(&d);
+    d.stop();
+    let label = format!("executor-arm.instance={instance}");
+    wait_until(
+        &format!("no container labelled {label}"),
+        Duration::from_secs(15),
+        || containers(&label).is_empty(),
+    );
+}
+
+/// The container the daemon assigned to `exec_id` (from its log).
+pub fn container_of(d: &Daemon, exec_id: &str, seen: &mut Vec<String>) -> String {
+    let t = Instant::now();
+    loop {
+        seen.extend(d.log.try_iter());
+        for line in seen.iter() {
+            if line.contains("sandbox container assigned")
+                && let Ok(v) = serde_json::from_str::<Value>(line)
+                && v["fields"]["exec_id"] == exec_id
+                && let Some(c) = v["fields"]["container"].as_str()
+            {
+                return c.to_string();
+            }
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no container logged for {exec_id}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub fn container_exists(id: &str) -> bool {
+    let out = Command::new("docker")
+        .args(["inspect", "--format", "{{.Id}}", id])
+        .output()
+        .expect("docker inspect");
+    if out.status.success() {
+        return true;
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("No such"), "docker inspect {id} failed: {err}");
+    false
+}
