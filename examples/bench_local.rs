@@ -1,6 +1,8 @@
 //! Benchmark: end-to-end `POST /execute` of `echo hi` on the local backend, 500 sequential
 //! requests over one keep-alive connection, beside two baselines measured in the same run:
 //! a raw fork/exec of /bin/echo and `bwrap --ro-bind / / --unshare-all /bin/echo`.
+//! The three series are interleaved in blocks of 25, so a change in machine load during the run
+//! weighs on all of them alike instead of on whichever series happened to run then.
 //!
 //! Run: `scripts/bench.sh` (builds release and runs this as root). Prints p50/p95/p99 and ratios.
 
@@ -13,6 +15,7 @@ use executor_arm::config::TokenKind;
 
 const N: usize = 500;
 const WARMUP: usize = 20;
+const BLOCK: usize = 25;
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -29,9 +32,8 @@ fn summary(name: &str, mut v: Vec<Duration>) -> f64 {
     p50
 }
 
-fn time_cmd(argv: &[&str]) -> Vec<Duration> {
-    let mut out = Vec::with_capacity(N);
-    for i in 0..N + WARMUP {
+fn time_cmd(argv: &[&str], n: usize, out: &mut Vec<Duration>) {
+    for _ in 0..n {
         let t = Instant::now();
         let st = Command::new(argv[0])
             .args(&argv[1..])
@@ -41,11 +43,8 @@ fn time_cmd(argv: &[&str]) -> Vec<Duration> {
             .expect("spawn");
         let d = t.elapsed();
         assert!(st.success(), "{argv:?} failed");
-        if i >= WARMUP {
-            out.push(d);
-        }
+        out.push(d);
     }
-    out
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -100,8 +99,7 @@ async fn main() {
         .build()
         .expect("client");
     let url = format!("http://{addr}/execute");
-    let mut api = Vec::with_capacity(N);
-    for i in 0..N + WARMUP {
+    let request = || async {
         let t = Instant::now();
         let r = client
             .post(&url)
@@ -118,31 +116,42 @@ async fn main() {
             status.is_success() && text.contains("\"stdout\":\"hi\\n\""),
             "{status} {text}"
         );
-        if i >= WARMUP {
-            api.push(d);
+        d
+    };
+    let bwrap = [
+        "bwrap",
+        "--ro-bind",
+        "/",
+        "/",
+        "--unshare-all",
+        "/bin/echo",
+        "hi",
+    ];
+    let mut discard = Vec::new();
+    for _ in 0..WARMUP {
+        request().await;
+    }
+    time_cmd(&["/bin/echo", "hi"], WARMUP, &mut discard);
+    time_cmd(&bwrap, WARMUP, &mut discard);
+    let (mut api, mut fork, mut bw) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..N / BLOCK {
+        for _ in 0..BLOCK {
+            api.push(request().await);
         }
+        time_cmd(&["/bin/echo", "hi"], BLOCK, &mut fork);
+        time_cmd(&bwrap, BLOCK, &mut bw);
     }
     // SAFETY: signal our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let _ = child.wait();
 
     println!(
-        "executor-arm local backend benchmark ({N} sequential requests, {WARMUP} warm-up discarded)"
+        "executor-arm local backend benchmark ({N} sequential requests per series, interleaved in \
+         blocks of {BLOCK}, {WARMUP} warm-up discarded)"
     );
     let p_api = summary("POST /execute echo hi (local, keep-alive)", api);
-    let p_fork = summary("fork/exec /bin/echo", time_cmd(&["/bin/echo", "hi"]));
-    let p_bwrap = summary(
-        "bwrap --ro-bind / / --unshare-all /bin/echo",
-        time_cmd(&[
-            "bwrap",
-            "--ro-bind",
-            "/",
-            "/",
-            "--unshare-all",
-            "/bin/echo",
-            "hi",
-        ]),
-    );
+    let p_fork = summary("fork/exec /bin/echo", fork);
+    let p_bwrap = summary("bwrap --ro-bind / / --unshare-all /bin/echo", bw);
     println!("ratio p50 execute / fork-exec: {:.2}x", p_api / p_fork);
     println!(
         "ratio p50 execute / bwrap:     {:.2}x   (target <= 1.5x)",
