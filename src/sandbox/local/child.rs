@@ -358,6 +358,12 @@ fn close_other_fds(keep: &[i32]) {
     unsafe { libc::syscall(libc::SYS_close_range, from, u32::MAX, 0u32) };
 }
 
+/// Namespaces a prepared shim makes before its run arrives (a network namespace is the dearest
+/// part of starting a run), and the ones made at the start of the run: the mount namespace copies
+/// the host's mounts as they are then, and the pid and cgroup namespaces are cheap.
+const EARLY_NAMESPACES: libc::c_int = libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+const LATE_NAMESPACES: libc::c_int = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWCGROUP;
+
 /// `clone` entry points: `arg` is the plan, alive for as long as any child runs (see [`Stacks`]).
 extern "C" fn shim_main(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: spawn_and_wait passes a pointer to a live plan.
@@ -540,6 +546,8 @@ impl WarmShim {
             let joined = self.cgroup_procs.iter().all(|fd| {
                 libc::write(std::os::fd::AsRawFd::as_raw_fd(fd), b"0".as_ptr().cast(), 1) == 1
             });
+            // After joining: nothing of the run may exist outside its cgroup.
+            let unshared = joined && libc::unshare(EARLY_NAMESPACES) == 0;
             let mut b = 0u8;
             loop {
                 let n = libc::read(self.go_fd, (&mut b as *mut u8).cast(), 1);
@@ -559,12 +567,15 @@ impl WarmShim {
             if !joined {
                 fail(plan.status_fd, Stage::JoinCgroup);
             }
+            if !unshared {
+                fail(plan.status_fd, Stage::Unshare);
+            }
             // Our own fd table from here on: a copy of the daemon's as it is now, with the run's
             // pipes in it.
             if libc::unshare(libc::CLONE_FILES) != 0 {
                 fail(plan.status_fd, Stage::Unshare);
             }
-            plan.start_sandbox()
+            plan.start_sandbox(LATE_NAMESPACES)
         }
     }
 }
@@ -599,15 +610,15 @@ impl ChildPlan {
             if !join_cgroup(&self.cgroup_procs) {
                 fail(self.status_fd, Stage::JoinCgroup);
             }
-            self.start_sandbox()
+            self.start_sandbox(EARLY_NAMESPACES | LATE_NAMESPACES)
         }
     }
 
     /// The rest of the shim, in the run's cgroup with signals reset (by [`ChildPlan::enter`] or
-    /// [`WarmShim::enter`]). Never returns.
+    /// [`WarmShim::enter`]), unsharing the `namespaces` it does not have yet. Never returns.
     ///
     /// The order is the security argument, so each step says why it sits where it does.
-    unsafe fn start_sandbox(&self) -> ! {
+    unsafe fn start_sandbox(&self, namespaces: libc::c_int) -> ! {
         let sfd = self.status_fd;
         // SAFETY (whole function): only async-signal-safe syscalls on memory prepared before clone.
         unsafe {
@@ -620,13 +631,8 @@ impl ChildPlan {
 
             // 2. New mount, ipc, uts, net and cgroup namespaces for this process; a new pid
             //    namespace for its children. The net namespace has only a down loopback: no route.
-            let flags = libc::CLONE_NEWNS
-                | libc::CLONE_NEWPID
-                | libc::CLONE_NEWNET
-                | libc::CLONE_NEWIPC
-                | libc::CLONE_NEWUTS
-                | libc::CLONE_NEWCGROUP;
-            if libc::unshare(flags) != 0 {
+            //    (A prepared shim made its net, ipc and uts namespaces while it waited.)
+            if libc::unshare(namespaces) != 0 {
                 fail(sfd, Stage::Unshare);
             }
             if self.hello_fd >= 0 {
