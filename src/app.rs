@@ -59,11 +59,12 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         None => Arc::new(MemoryStore::new()),
     };
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
+    let egress = egress_settings(&config);
     let local = LocalSandbox::new(
         &config.sandbox.local.cgroup_name,
         config.sandbox.local.warm_slots,
         &runtime_dir(),
-        Some(egress_settings(&config)),
+        Some(egress.clone()),
     );
     let host_probe = Some(local.probe().clone());
     backends.insert(BackendKind::Local, Arc::new(local));
@@ -74,7 +75,19 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
             size: metrics.pool_size.clone(),
             events: metrics.pool_events.clone(),
         };
-        let docker = DockerSandbox::new(kind, &config.sandbox.docker, &instance_id, Some(pool));
+        let docker_egress = crate::sandbox::docker::egress::EgressSettings {
+            resolver: egress.resolver.clone(),
+            deny_addrs: egress.deny_addrs.clone(),
+            port: egress.port,
+            dir: config.sandbox.docker.egress_dir.clone(),
+        };
+        let docker = DockerSandbox::new(
+            kind,
+            &config.sandbox.docker,
+            &instance_id,
+            Some(pool),
+            Some(docker_egress),
+        );
         backends.insert(kind, Arc::new(docker));
     }
     policy.egress_backends = backends

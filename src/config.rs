@@ -164,6 +164,9 @@ pub struct DockerConfig {
     pub socket: String,
     pub image: String,
     pub pool_size: usize,
+    /// Host directory of the egress proxy's per-container sockets; dockerd bind-mounts from it,
+    /// so it must see it at the same path.
+    pub egress_dir: PathBuf,
 }
 
 #[derive(Debug, Clone, Deserialize)]

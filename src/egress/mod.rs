@@ -7,22 +7,25 @@
 //! bucket and byte cap shared by all connections of the execution, and one [`ConnRecord`] per
 //! connection for the result and the audit line.
 //!
-//! It must not create listeners or network namespaces (the caller hands [`ProxySession::serve`] a
-//! listener bound inside the sandbox's own namespace), follow redirects, cache DNS answers, or
-//! look inside TLS.
+//! It must not create listeners or network namespaces (the backend hands [`ProxySession::serve`]
+//! or [`ProxyRun::start`] a listener only its sandbox can reach: TCP bound inside the sandbox's
+//! own network namespace, or a unix socket bind-mounted into a container), follow redirects,
+//! cache DNS answers, or look inside TLS.
 
 mod bandwidth;
 mod dns;
 mod policy;
 mod proxy;
 mod request;
+mod run;
 
 pub use dns::{DnsResolver, Resolver, StaticHosts, SystemResolver};
 pub use policy::{
     DEFAULT_BANDWIDTH_BYTES_PER_SEC, DEFAULT_BYTE_CAP, EgressPolicy, Host, IpNet, Verdict,
     parse_host, parse_ipv4_literal,
 };
-pub use proxy::{ConnRecord, ProxyLimits, ProxySession};
+pub use proxy::{ConnRecord, ProxyLimits, ProxyListener, ProxySession};
+pub use run::{ProxyRun, proxy_env};
 
 /// Errors of this module's configuration surface (request-time problems become verdicts and
 /// records, never errors).

@@ -5,17 +5,23 @@
 //! request head (size, time, syntax) → [`EgressPolicy::check_host`] (name, port) → resolution
 //! (IP literals are parsed, never resolved) → [`EgressPolicy::check_addr`] on every address →
 //! connect to the first passing address, and only to it.
+//!
+//! Clients arrive on a [`ProxyListener`]: TCP inside a sandbox's own network namespace (local
+//! backend), or a unix socket a container reaches through a read-only bind mount (docker, gvisor).
+//! The checks and records are the same for both.
 
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use serde::Serialize;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -86,6 +92,104 @@ impl Default for ProxyLimits {
             connect_timeout: Duration::from_secs(5),
             burst_bytes: 64 * 1024,
             max_records: 1024,
+        }
+    }
+}
+
+/// Where one execution's proxy accepts its clients.
+pub enum ProxyListener {
+    /// Bound inside the sandbox's own network namespace (local backend).
+    Tcp(TcpListener),
+    /// A socket in a directory bind-mounted read-only into the container (docker, gvisor); the
+    /// container's supervisor relays its loopback port to it.
+    Unix(UnixListener),
+}
+
+impl From<TcpListener> for ProxyListener {
+    fn from(l: TcpListener) -> Self {
+        ProxyListener::Tcp(l)
+    }
+}
+
+impl From<UnixListener> for ProxyListener {
+    fn from(l: UnixListener) -> Self {
+        ProxyListener::Unix(l)
+    }
+}
+
+impl ProxyListener {
+    async fn accept(&self) -> io::Result<Client> {
+        match self {
+            ProxyListener::Tcp(l) => l.accept().await.map(|(s, _)| Client::Tcp(s)),
+            ProxyListener::Unix(l) => l.accept().await.map(|(s, _)| Client::Unix(s)),
+        }
+    }
+}
+
+/// One client connection, whichever listener it came from.
+enum Client {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Client {
+    fn set_nodelay(&self) {
+        if let Client::Tcp(s) = self {
+            let _ = s.set_nodelay(true);
+        }
+    }
+
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Client::Tcp(s) => s.try_write(buf),
+            Client::Unix(s) => s.try_write(buf),
+        }
+    }
+
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Client::Tcp(s) => s.try_read(buf),
+            Client::Unix(s) => s.try_read(buf),
+        }
+    }
+}
+
+impl AsyncRead for Client {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Client::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Client::Unix(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Client {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Client::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Client::Unix(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Client::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Client::Unix(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Client::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Client::Unix(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
 }
@@ -170,7 +274,8 @@ impl ProxySession {
 
     /// Accepts and serves connections until `stop` resolves, then closes the listener and
     /// aborts the connections still open (their records are kept). Never panics on bad input.
-    pub async fn serve(&self, listener: TcpListener, stop: impl Future<Output = ()>) {
+    pub async fn serve(&self, listener: impl Into<ProxyListener>, stop: impl Future<Output = ()>) {
+        let listener = listener.into();
         let mut tasks = JoinSet::new();
         tokio::pin!(stop);
         loop {
@@ -179,7 +284,7 @@ impl ProxySession {
                 () = &mut stop => break,
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => self.admit(stream, &mut tasks),
+                    Ok(stream) => self.admit(stream, &mut tasks),
                     Err(e) => {
                         // Out of descriptors and the like: back off instead of spinning.
                         tracing::warn!(error = %e, "egress proxy accept failed");
@@ -213,7 +318,7 @@ impl ProxySession {
         self.inner.bandwidth.is_exhausted()
     }
 
-    fn admit(&self, stream: TcpStream, tasks: &mut JoinSet<()>) {
+    fn admit(&self, stream: Client, tasks: &mut JoinSet<()>) {
         let inner = &self.inner;
         if inner.served.load(Ordering::Relaxed) >= inner.limits.max_total {
             inner.turn_away(stream, "connection limit of this execution reached");
@@ -328,7 +433,7 @@ impl Inner {
 
     /// Over a limit: a best-effort 503 without waiting, then close. Nothing is spawned and the
     /// descriptor is released at once, so a flood of connections costs the daemon nothing.
-    fn turn_away(&self, stream: TcpStream, reason: &str) {
+    fn turn_away(&self, stream: Client, reason: &str) {
         let _ = stream.try_write(&response(503, &format!("egress refused: {reason}\n")));
         // Discard what already arrived, so closing sends FIN rather than a reset that would
         // destroy the 503 before the client reads it.
@@ -349,8 +454,8 @@ impl Inner {
         self.policy.check_addr_inner(ip, port, self.allow_loopback)
     }
 
-    async fn handle(&self, mut client: TcpStream) {
-        let _ = client.set_nodelay(true);
+    async fn handle(&self, mut client: Client) {
+        client.set_nodelay();
         let mut log = ConnLog::new(self);
 
         let read = tokio::time::timeout(
@@ -518,7 +623,7 @@ impl Inner {
 
 /// Answers a refusal or error, records it, and closes politely (reading what the client still
 /// sends for a moment, so it sees the answer rather than a reset).
-async fn reply_error(client: &mut TcpStream, log: &mut ConnLog<'_>, refusal: Refusal) {
+async fn reply_error(client: &mut Client, log: &mut ConnLog<'_>, refusal: Refusal) {
     let Refusal { status, reason } = refusal;
     let body = if status == 403 {
         format!("egress refused: {reason}\n")
@@ -590,7 +695,7 @@ async fn connect_first(
 /// Relays both directions until the mode says the exchange is over, an error occurs or the
 /// byte cap is reached (by this connection or another one of the execution).
 async fn relay(
-    client: &mut TcpStream,
+    client: &mut Client,
     upstream: &mut TcpStream,
     bw: &Bandwidth,
     up: &AtomicU64,
@@ -598,7 +703,26 @@ async fn relay(
     sniff: Option<&AtomicU16>,
     mode: Mode,
 ) -> Option<PumpEnd> {
-    let (mut cr, mut cw) = client.split();
+    // Borrowed halves of the concrete stream: no lock between the two directions.
+    match client {
+        Client::Tcp(c) => relay_halves(c.split(), upstream, bw, up, down, sniff, mode).await,
+        Client::Unix(c) => relay_halves(c.split(), upstream, bw, up, down, sniff, mode).await,
+    }
+}
+
+async fn relay_halves<CR, CW>(
+    (mut cr, mut cw): (CR, CW),
+    upstream: &mut TcpStream,
+    bw: &Bandwidth,
+    up: &AtomicU64,
+    down: &AtomicU64,
+    sniff: Option<&AtomicU16>,
+    mode: Mode,
+) -> Option<PumpEnd>
+where
+    CR: AsyncRead + Unpin,
+    CW: AsyncWrite + Unpin,
+{
     let (mut ur, mut uw) = upstream.split();
     let forward = matches!(mode, Mode::Forward(_));
     let to_upstream = async {

@@ -290,6 +290,9 @@ def test_dind_mode_daemon_unprivileged_sidecar_privileged():
     assert cfg["state"]["redis_url"].startswith("redis://")
     daemon_json = yaml.safe_load(one(docs, "ConfigMap")["data"]["dind-daemon.json"])
     assert daemon_json["runtimes"]["runsc"]["path"] == "/usr/local/bin/runsc"
+    # Egress: the proxy sockets live on the volume dockerd shares, and runsc may connect to them.
+    assert cfg["sandbox"]["docker"]["egress_dir"] == f"{sock_dir}/egress"
+    assert daemon_json["runtimes"]["runsc"]["runtimeArgs"] == ["--platform=systrap", "--host-uds=open"]
     # Two replicas with shared state: PDB on.
     assert one(docs, "Deployment")["spec"]["replicas"] == 2
     assert one(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1

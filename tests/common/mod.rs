@@ -336,3 +336,50 @@ pub fn write_executor_def(dir: &Path, file: &str, yaml: &str) -> PathBuf {
     std::fs::write(&path, yaml).expect("executor def");
     path
 }
+
+/// Whether a test that needs dockerd with runc and runsc and the image `image` may run. Fails the
+/// test when any of them is missing, unless the developer opted out with
+/// `EXECUTOR_ARM_SKIP_DOCKER_TESTS=1`, in which case it prints why and returns false.
+pub fn docker_ready(test: &str, image: &str) -> bool {
+    let docker = |args: &[&str]| -> Option<String> {
+        let out = Command::new("docker").args(args).output().ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let problem = match docker(&[
+        "info",
+        "--format",
+        "{{range $k, $v := .Runtimes}}{{$k}} {{end}}",
+    ]) {
+        None => Some("dockerd is not reachable".to_string()),
+        Some(rt)
+            if !(rt.split_whitespace().any(|r| r == "runc")
+                && rt.split_whitespace().any(|r| r == "runsc")) =>
+        {
+            Some(format!(
+                "dockerd lacks the runc or runsc runtime (has: {})",
+                rt.trim()
+            ))
+        }
+        Some(_) if docker(&["image", "inspect", image]).is_none() => {
+            Some(format!("image {image} is missing"))
+        }
+        Some(_) => None,
+    };
+    match problem {
+        None => true,
+        Some(p) if std::env::var("EXECUTOR_ARM_SKIP_DOCKER_TESTS").as_deref() == Ok("1") => {
+            // Straight to the fd: libtest captures eprintln! of passing tests, and a skip must show.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED {test}: {p} (EXECUTOR_ARM_SKIP_DOCKER_TESTS=1)"
+            );
+            false
+        }
+        Some(p) => panic!(
+            "{test}: {p}. Run scripts/setup-docker.sh and scripts/build-sandbox-image.sh, or set EXECUTOR_ARM_SKIP_DOCKER_TESTS=1 to skip the docker tests"
+        ),
+    }
+}

@@ -6,11 +6,17 @@ Every HTTP hit is appended to <logdir>/hits-<ip>.log, so a test can prove that a
 address saw nothing.
 
   hosts.py LOGDIR DNS_IP ALLOWED_IP METADATA_IP PRIVATE_IP
+
+Paths: /redirect-to-metadata (302 to the metadata host), /bytes/N (N bytes), /slow (answers
+after 60 s: holds a connection open while a run times out or its client goes away), anything
+else "hello from <ip>". Names: allowed.test, metadata.test, private.test, loopback.test
+(127.0.0.1) and rebind.test (first the allowed, then the metadata address).
 """
 import socket
 import struct
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 logdir, dns_ip, allowed_ip, metadata_ip, private_ip = sys.argv[1:6]
@@ -32,6 +38,8 @@ def handler_for(ip):
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
+            if self.path == "/slow":
+                time.sleep(60)
             if self.path.startswith("/bytes/"):
                 n = int(self.path.split("/")[2])
                 self.send_response(200)
@@ -59,6 +67,8 @@ def dns_answer(name):
         return metadata_ip
     if name == "private.test":
         return private_ip
+    if name == "loopback.test":
+        return "127.0.0.1"
     if name == "rebind.test":
         # First an allowed address, then the metadata address.
         with lock:
@@ -83,7 +93,7 @@ def serve_dns():
             question = data[12:i + 5]
             name = ".".join(labels).lower().rstrip(".")
             ip = dns_answer(name) if qtype == 1 else None
-            if qtype == 1 and ip is None and name not in ("allowed.test", "metadata.test", "private.test", "rebind.test"):
+            if qtype == 1 and ip is None and name not in ("allowed.test", "metadata.test", "private.test", "rebind.test", "loopback.test"):
                 rcode, answers = 3, b""
             else:
                 rcode, answers = 0, b""

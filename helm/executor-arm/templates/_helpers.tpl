@@ -339,6 +339,8 @@ cgroup_name = {{ $v.config.sandbox.local.cgroupName | toJson }}
 [sandbox.docker]
 {{- if eq $v.mode "dind" }}
 socket = {{ printf "unix://%s" (include "executor-arm.dockerSocket" .) | toJson }}
+# Egress proxy sockets: on the volume the dockerd sidecar mounts at the same path.
+egress_dir = {{ printf "%s/egress" (include "executor-arm.dockerSocketDir" .) | toJson }}
 {{- else }}
 socket = "unix:///var/run/docker.sock"
 {{- end }}
@@ -371,9 +373,8 @@ deny_prefixes = {{ include "executor-arm.tomlStrings" $c.denyPrefixes }}
 {{- $cfg := dict }}
 {{- if .Values.dind.gvisor.enabled }}
 {{- $runsc := dict "path" .Values.dind.gvisor.runscPath }}
-{{- if .Values.dind.gvisor.runscArgs }}
-{{- $_ := set $runsc "runtimeArgs" .Values.dind.gvisor.runscArgs }}
-{{- end }}
+{{- /* --host-uds=open: egress containers reach the daemon's proxy through a bind-mounted unix socket. */}}
+{{- $_ := set $runsc "runtimeArgs" (concat (.Values.dind.gvisor.runscArgs | default list) (list "--host-uds=open") | uniq) }}
 {{- $_ := set $cfg "runtimes" (dict "runsc" $runsc) }}
 {{- end }}
 {{- toPrettyJson $cfg }}

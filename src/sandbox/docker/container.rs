@@ -6,6 +6,8 @@
 use std::collections::HashMap;
 use std::path::{Component, Path};
 
+use super::egress::CONTAINER_DIR;
+
 use bollard::models::{
     ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountType, ResourcesUlimits,
 };
@@ -85,8 +87,11 @@ pub struct ContainerPlan {
     pub kind: BackendKind,
     pub profile: String,
     pub image: String,
+    /// Outbound network through the daemon's proxy: each container gets its own socket
+    /// directory, bind-mounted read-only at [`CONTAINER_DIR`] (added by [`ContainerPlan::body`]).
+    pub egress: bool,
     body: ContainerCreateBody,
-    /// Hash of `profile` + `body`: equal keys are interchangeable warm containers.
+    /// Hash of `profile`, `egress` and `body`: equal keys are interchangeable warm containers.
     pub key: String,
 }
 
@@ -108,16 +113,14 @@ fn sandbox_path(p: &Path, what: &str) -> Result<String, SandboxError> {
 }
 
 impl ContainerPlan {
-    /// Refuses what the container backends cannot honour (egress: no egress filter exists yet,
-    /// and an unfiltered network is never the fallback).
+    /// Refuses what the container backends cannot honour. The network stays `none` with egress
+    /// too: the only way out is the proxy's socket (see [`super::egress`]).
     pub fn new(
         spec: &RunSpec,
         kind: BackendKind,
         default_image: &str,
     ) -> Result<ContainerPlan, SandboxError> {
-        if let NetworkPolicy::Egress { .. } = spec.network {
-            return Err(SandboxError::Unavailable("egress not configured".into()));
-        }
+        let egress = matches!(spec.network, NetworkPolicy::Egress { .. });
         if spec.uid == 0 || spec.gid == 0 {
             return Err(SandboxError::Setup("a sandbox never runs as root".into()));
         }
@@ -250,7 +253,7 @@ impl ContainerPlan {
         };
         let mut h = Sha256::new();
         h.update(spec.profile.as_bytes());
-        h.update([0]);
+        h.update([0, u8::from(egress)]);
         let value = serde_json::to_value(&body)
             .map_err(|e| SandboxError::Setup(format!("container body: {e}")))?;
         canonical(&value, &mut h);
@@ -259,14 +262,32 @@ impl ContainerPlan {
             kind,
             profile: spec.profile.clone(),
             image,
+            egress,
             body,
             key,
         })
     }
 
-    /// The create body for one container of this plan.
-    pub fn body(&self, owner: &Owner, exec_label: &str) -> ContainerCreateBody {
+    /// The create body for one container of this plan; `egress_dir` is its own socket directory
+    /// (egress plans only).
+    pub fn body(
+        &self,
+        owner: &Owner,
+        exec_label: &str,
+        egress_dir: Option<&Path>,
+    ) -> ContainerCreateBody {
         let mut body = self.body.clone();
+        if let (true, Some(dir), Some(hc)) = (self.egress, egress_dir, body.host_config.as_mut()) {
+            // Read-only: the container connects to the socket but cannot create anything on the
+            // host through this mount.
+            hc.mounts.get_or_insert_with(Vec::new).push(Mount {
+                source: Some(dir.to_string_lossy().into_owned()),
+                target: Some(CONTAINER_DIR.to_string()),
+                typ: Some(MountType::BIND),
+                read_only: Some(true),
+                ..Default::default()
+            });
+        }
         body.labels = Some(HashMap::from([
             (LABEL_MANAGED.to_string(), "true".to_string()),
             (LABEL_INSTANCE.to_string(), owner.instance.clone()),
@@ -357,7 +378,7 @@ pub(crate) mod tests {
     #[test]
     fn hardening_and_limits_are_all_set() {
         let p = ContainerPlan::new(&spec(), BackendKind::Gvisor, "img:latest").unwrap();
-        let b = p.body(&owner(), "exec-1");
+        let b = p.body(&owner(), "exec-1", None);
         let h = b.host_config.clone().unwrap();
         assert_eq!(b.image.as_deref(), Some("img:latest"));
         assert_eq!(b.user.as_deref(), Some("65534:65534"));
@@ -401,7 +422,7 @@ pub(crate) mod tests {
         assert_eq!(labels[LABEL_OWNER], "host/pid:[7]/1/42");
         let runc = ContainerPlan::new(&spec(), BackendKind::Docker, "i")
             .unwrap()
-            .body(&owner(), "x")
+            .body(&owner(), "x", None)
             .host_config
             .unwrap();
         assert_eq!(runc.runtime.as_deref(), Some("runc"));
@@ -415,19 +436,49 @@ pub(crate) mod tests {
         );
     }
 
-    #[test]
-    fn egress_root_and_bad_paths_are_refused() {
+    pub(crate) fn egress_spec() -> RunSpec {
         let mut s = spec();
+        s.profile = "http-egress".into();
         s.network = NetworkPolicy::Egress {
-            allow_hosts: vec![],
-            allow_ports: vec![443],
+            allow_hosts: vec!["allowed.test".into()],
+            allow_ports: vec![80],
             allow_cidrs: vec![],
-            bandwidth_bytes_per_sec: 0,
-            byte_cap: 0,
+            bandwidth_bytes_per_sec: 1 << 20,
+            byte_cap: 1 << 20,
         };
-        assert!(
-            matches!(ContainerPlan::new(&s, BackendKind::Docker, "i"), Err(SandboxError::Unavailable(m)) if m == "egress not configured")
+        s
+    }
+
+    #[test]
+    fn egress_keeps_network_none_and_mounts_only_its_own_directory_read_only() {
+        let p = ContainerPlan::new(&egress_spec(), BackendKind::Gvisor, "i").unwrap();
+        assert!(p.egress);
+        let b = p.body(&owner(), "e", Some(Path::new("/run/x/egress/c1")));
+        assert_eq!(b.network_disabled, Some(true));
+        let h = b.host_config.unwrap();
+        assert_eq!(h.network_mode.as_deref(), Some("none"));
+        let m = h.mounts.unwrap();
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].source.as_deref(), Some("/run/x/egress/c1"));
+        assert_eq!(m[0].target.as_deref(), Some(CONTAINER_DIR));
+        assert_eq!(
+            (m[0].typ, m[0].read_only),
+            (Some(MountType::BIND), Some(true))
         );
+        // Without egress no directory is mounted, whatever the caller passes.
+        let none = ContainerPlan::new(&spec(), BackendKind::Gvisor, "i").unwrap();
+        assert!(!none.egress);
+        let b = none.body(&owner(), "e", Some(Path::new("/run/x/egress/c1")));
+        assert!(b.host_config.unwrap().mounts.is_none());
+        // Egress and plain containers are never interchangeable in the pool.
+        let mut same_profile = spec();
+        same_profile.profile = "http-egress".into();
+        let plain = ContainerPlan::new(&same_profile, BackendKind::Gvisor, "i").unwrap();
+        assert_ne!(plain.key, p.key);
+    }
+
+    #[test]
+    fn root_and_bad_paths_are_refused() {
         let mut s = spec();
         s.uid = 0;
         assert!(ContainerPlan::new(&s, BackendKind::Docker, "i").is_err());
@@ -450,7 +501,12 @@ pub(crate) mod tests {
             PathBuf::from("/opt/x/run.py"),
         )];
         let p = ContainerPlan::new(&s, BackendKind::Docker, "i").unwrap();
-        let m = p.body(&owner(), "e").host_config.unwrap().mounts.unwrap();
+        let m = p
+            .body(&owner(), "e", None)
+            .host_config
+            .unwrap()
+            .mounts
+            .unwrap();
         assert_eq!(m[0].read_only, Some(true));
         assert_eq!(m[0].typ, Some(MountType::BIND));
         assert_ne!(p.key, base.key);

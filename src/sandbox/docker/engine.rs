@@ -107,6 +107,8 @@ pub struct EngineInfo {
     pub server_version: String,
     pub api_version: String,
     pub runtimes: Vec<String>,
+    /// Extra arguments each runtime is registered with.
+    pub runtime_args: HashMap<String, Vec<String>>,
 }
 
 #[async_trait::async_trait]
@@ -203,12 +205,18 @@ impl Engine for BollardEngine {
         let (info, version) = self
             .call(|d| async move { Ok((d.info().await?, d.version().await?)) })
             .await?;
-        let mut runtimes: Vec<String> = info.runtimes.unwrap_or_default().into_keys().collect();
+        let registered = info.runtimes.unwrap_or_default();
+        let mut runtimes: Vec<String> = registered.keys().cloned().collect();
         runtimes.sort();
+        let runtime_args = registered
+            .into_iter()
+            .map(|(name, r)| (name, r.runtime_args.unwrap_or_default()))
+            .collect();
         Ok(EngineInfo {
             server_version: info.server_version.unwrap_or_default(),
             api_version: version.api_version.unwrap_or_default(),
             runtimes,
+            runtime_args,
         })
     }
 
@@ -358,6 +366,8 @@ pub(crate) mod fake {
     struct FakeContainer {
         name: String,
         labels: HashMap<String, String>,
+        /// Host directory bind-mounted at the egress directory, if any.
+        egress_dir: Option<String>,
         running: bool,
         /// Dropping it ends the attach output stream.
         output: Option<mpsc::UnboundedSender<Result<Output, EngineError>>>,
@@ -373,6 +383,13 @@ pub(crate) mod fake {
         pub reply: Mutex<Vec<u8>>,
         /// Requests containers received.
         pub requests: Arc<Mutex<Vec<Vec<u8>>>>,
+        /// Bytes the "command" sends through the container's egress socket (as the relay would)
+        /// after the request arrived and before the reply.
+        pub egress_send: Mutex<Option<Vec<u8>>>,
+        /// What came back on that socket.
+        pub egress_answers: Arc<Mutex<Vec<Vec<u8>>>>,
+        /// runsc's registered arguments.
+        pub runsc_args: Mutex<Vec<String>>,
         next: AtomicUsize,
     }
 
@@ -431,6 +448,10 @@ pub(crate) mod fake {
                 server_version: "fake".into(),
                 api_version: "1.41".into(),
                 runtimes: vec!["runc".into(), "runsc".into()],
+                runtime_args: HashMap::from([(
+                    "runsc".to_string(),
+                    self.runsc_args.lock().unwrap().clone(),
+                )]),
             })
         }
 
@@ -444,12 +465,23 @@ pub(crate) mod fake {
                 return Err(EngineError::NotFound("No such image".into()));
             }
             let id = format!("c{:03}", self.next.fetch_add(1, Ordering::SeqCst));
+            let egress_dir = body
+                .host_config
+                .as_ref()
+                .and_then(|h| h.mounts.as_ref())
+                .and_then(|m| {
+                    m.iter().find(|m| {
+                        m.target.as_deref() == Some(crate::sandbox::docker::egress::CONTAINER_DIR)
+                    })
+                })
+                .and_then(|m| m.source.clone());
             let labels = body.labels.unwrap_or_default();
             self.containers.lock().unwrap().insert(
                 id.clone(),
                 FakeContainer {
                     name: name.into(),
                     labels,
+                    egress_dir,
                     ..Default::default()
                 },
             );
@@ -464,6 +496,11 @@ pub(crate) mod fake {
                 .get_mut(id)
                 .ok_or_else(|| EngineError::NotFound(id.into()))?;
             c.output = Some(tx.clone());
+            let egress = c
+                .egress_dir
+                .clone()
+                .zip(self.egress_send.lock().unwrap().clone());
+            let answers = self.egress_answers.clone();
             let output = futures::stream::unfold(rx, |mut rx| async move {
                 rx.recv().await.map(|item| (item, rx))
             });
@@ -480,6 +517,17 @@ pub(crate) mod fake {
                     && n > 0
                 {
                     requests.lock().unwrap().push(buf[..n].to_vec());
+                    if let Some((dir, send)) = egress {
+                        use tokio::io::AsyncWriteExt;
+                        let socket = std::path::Path::new(&dir)
+                            .join(crate::sandbox::docker::egress::SOCKET_NAME);
+                        let mut answer = Vec::new();
+                        if let Ok(mut s) = tokio::net::UnixStream::connect(socket).await {
+                            let _ = s.write_all(&send).await;
+                            let _ = s.read_to_end(&mut answer).await;
+                        }
+                        answers.lock().unwrap().push(answer);
+                    }
                     if !reply.is_empty()
                         && let Some(tx) = tx.upgrade()
                     {

@@ -6,9 +6,13 @@
 //! clock, output caps and cancellation, reading OOM from the engine, and destroying the container
 //! afterwards whatever happens ([`janitor`]). Must not: look at tokens, requests or the allowlist.
 //!
+//! Egress profiles keep `--network none`; their only way out is the daemon's proxy on a unix
+//! socket bind-mounted into the container, relayed by the supervisor ([`egress`]).
+//!
 //! The engine is behind [`engine::Engine`]; the real one is dockerd over its unix socket.
 
 pub mod container;
+pub mod egress;
 pub mod engine;
 pub mod janitor;
 pub mod pool;
@@ -22,6 +26,7 @@ use tokio::io::{AsyncWriteExt, DuplexStream};
 use tokio::sync::watch;
 
 use self::container::{ContainerPlan, Owner, runtime_of};
+use self::egress::{CONTAINER_DIR, EgressSettings, SOCKET_NAME, SocketDirs};
 use self::engine::{BollardEngine, Engine, EngineError, Output, OutputStream};
 use self::janitor::Janitor;
 pub use self::pool::PoolMetrics;
@@ -29,8 +34,10 @@ use self::pool::{Pool, WarmContainer};
 use self::supervisor::{ExitReport, Frame, FrameDecoder};
 use super::capture::{Captured, read_capped};
 use super::{
-    BackendKind, BackendStatus, ExitKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError,
+    BackendKind, BackendStatus, ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec,
+    Sandbox, SandboxError,
 };
+use crate::egress::{ProxyRun, proxy_env};
 
 /// How long the capped readers may take to finish once the stream is over.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
@@ -50,6 +57,9 @@ pub struct DockerSandbox {
     default_image: String,
     janitor: Arc<Janitor>,
     pool: Arc<Pool>,
+    /// Egress settings when egress profiles can run here (their socket directories are the
+    /// pool's, see [`Pool::egress_dirs`]).
+    egress: Option<EgressSettings>,
     /// Socket for the instance-wide removal on drop (None: a fake engine in unit tests).
     shutdown_socket: Option<String>,
 }
@@ -57,11 +67,13 @@ pub struct DockerSandbox {
 impl DockerSandbox {
     /// Never fails and never blocks on dockerd: what is missing shows in [`Sandbox::status`] and
     /// makes runs fail with `Unavailable`. Spawns the maintenance task (startup sweep first).
+    /// Without `egress`, egress profiles are refused.
     pub fn new(
         kind: BackendKind,
         config: &crate::config::DockerConfig,
         instance_id: &str,
         metrics: Option<PoolMetrics>,
+        egress: Option<EgressSettings>,
     ) -> Self {
         let engine: Arc<dyn Engine> = Arc::new(BollardEngine::new(&config.socket));
         let owner = Owner {
@@ -81,6 +93,7 @@ impl DockerSandbox {
             &config.image,
             config.pool_size,
             metrics,
+            egress,
         );
         s.shutdown_socket = Some(config.socket.clone());
         s
@@ -94,9 +107,13 @@ impl DockerSandbox {
         image: &str,
         pool_size: usize,
         metrics: Option<PoolMetrics>,
+        egress: Option<EgressSettings>,
     ) -> Self {
+        let dirs = egress
+            .as_ref()
+            .map(|e| Arc::new(SocketDirs::new(&e.dir, &owner, kind)));
         let janitor = Janitor::new(engine, owner, kind);
-        let pool = Pool::new(pool_size, kind, janitor.clone(), metrics);
+        let pool = Pool::new(pool_size, kind, janitor.clone(), dirs, metrics);
         let weak = Arc::downgrade(&pool);
         let j = janitor.clone();
         tokio::spawn(async move {
@@ -118,6 +135,7 @@ impl DockerSandbox {
             default_image: image.to_string(),
             janitor,
             pool,
+            egress,
             shutdown_socket: None,
         }
     }
@@ -146,6 +164,7 @@ impl DockerSandbox {
             plan,
             &format!("executor-arm-{exec_id}"),
             exec_id,
+            self.pool.egress_dirs(),
         )
         .await
         .map_err(|e| launch_error(plan, e))?;
@@ -204,6 +223,9 @@ impl DockerSandbox {
         }
         let report = match end.report {
             Some(Frame::Failed(m)) if killed.is_none() => return Err(SandboxError::Setup(m)),
+            Some(Frame::Unavailable(m)) if killed.is_none() => {
+                return Err(SandboxError::Unavailable(m));
+            }
             Some(Frame::Exit(r)) => Some(r),
             _ => None,
         };
@@ -362,6 +384,10 @@ impl Sandbox for DockerSandbox {
         self.kind
     }
 
+    fn supports_egress(&self) -> bool {
+        self.egress.is_some()
+    }
+
     async fn status(&self) -> BackendStatus {
         let runtime = runtime_of(self.kind);
         let (ready, detail) = match tokio::time::timeout(STATUS_TIMEOUT, self.engine().info()).await
@@ -381,17 +407,27 @@ impl Sandbox for DockerSandbox {
                     info.runtimes.join(", ")
                 ),
             ),
-            Ok(Ok(info)) => (
-                true,
-                format!(
+            Ok(Ok(info)) => {
+                let mut detail = format!(
                     "docker {} (API {}), runtime {runtime}, image {}, warm pool {} per profile ({} idle)",
                     info.server_version,
                     info.api_version,
                     self.default_image,
                     self.pool.size(),
                     self.pool.idle()
-                ),
-            ),
+                );
+                // Egress runs would fail with 503 at their relay's first connect; say why here.
+                let args = info.runtime_args.get(runtime).cloned().unwrap_or_default();
+                if self.kind == BackendKind::Gvisor
+                    && self.egress.is_some()
+                    && !egress::runsc_allows_host_uds(&args)
+                {
+                    detail.push_str(
+                        "; egress profiles unavailable: runsc is not registered with --host-uds=open",
+                    );
+                }
+                (true, detail)
+            }
         };
         BackendStatus {
             backend: self.kind,
@@ -400,18 +436,63 @@ impl Sandbox for DockerSandbox {
         }
     }
 
-    async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError> {
+    async fn run(&self, mut spec: RunSpec) -> Result<RunOutcome, SandboxError> {
         // Everything that can be refused is refused before a container is touched.
+        let egress = match (&spec.network, &self.egress) {
+            (NetworkPolicy::None, _) => None,
+            (NetworkPolicy::Egress { .. }, Some(e)) => Some(e),
+            (NetworkPolicy::Egress { .. }, None) => {
+                return Err(SandboxError::Unavailable("egress not configured".into()));
+            }
+        };
         let plan = ContainerPlan::new(&spec, self.kind, &self.default_image)?;
-        let request = supervisor::encode_request(&spec)?;
+        if let (Some(e), Some(dirs)) = (egress, self.pool.egress_dirs()) {
+            // A host that cannot hold the proxy's sockets cannot run egress profiles.
+            dirs.ensure().map_err(|err| {
+                SandboxError::Unavailable(format!(
+                    "egress socket directory {}: {err}",
+                    e.dir.display()
+                ))
+            })?;
+        }
+        let relay = egress.map(|e| {
+            // Ours win over anything of the same name (the request could not set them anyway).
+            spec.env.extend(proxy_env(e.port));
+            supervisor::Relay {
+                port: e.port,
+                socket: format!("{CONTAINER_DIR}/{SOCKET_NAME}"),
+            }
+        });
+        let request = supervisor::encode_request(&spec, relay.as_ref())?;
         let (warm, pooled) = self.container_for(&plan, &spec.exec_id).await?;
         let WarmContainer {
             attached,
             guard,
             pid,
+            socket_dir,
         } = warm;
         let id = guard.id().to_string();
         tracing::info!(exec_id = %spec.exec_id, container = %id, pooled, backend = self.kind.as_str(), "sandbox container assigned");
+        // With egress the proxy listens on this container's socket before the supervisor gets
+        // the request, so the command finds it; every early return below drops (stops) it.
+        let proxy = match egress {
+            None => None,
+            Some(e) => {
+                let dir = socket_dir.as_ref().ok_or_else(|| {
+                    SandboxError::Setup("egress container without its socket directory".into())
+                })?;
+                let listener = dir.bind().map_err(|err| {
+                    SandboxError::Setup(format!(
+                        "egress proxy socket in {}: {err}",
+                        dir.path().display()
+                    ))
+                })?;
+                let policy = e
+                    .policy(&spec.network)
+                    .ok_or_else(|| SandboxError::Setup("egress policy missing".into()))?;
+                Some(ProxyRun::start(policy, e.resolver.clone(), listener))
+            }
+        };
 
         let cap = spec.limits.output_bytes;
         let (ovf_tx, mut ovf_rx) = watch::channel(false);
@@ -469,6 +550,12 @@ impl Sandbox for DockerSandbox {
         };
         let (stdout, stderr) = tokio::join!(collect(out_task), collect(err_task));
 
+        // The command is over (or killed): what it still had open through the proxy is closed.
+        let network = match proxy {
+            Some(p) => p.finish().await,
+            None => Vec::new(),
+        };
+        drop(socket_dir);
         let (report, oom) = self.settle(&id, &spec.exec_id, killed, end).await?;
         drop(guard);
 
@@ -486,8 +573,7 @@ impl Sandbox for DockerSandbox {
             oom,
             killed_reason,
             stdin_broken_pipe: report.as_ref().is_some_and(|r| r.stdin_broken_pipe),
-            // Containers run with network none; egress is not routed for this backend.
-            network: Vec::new(),
+            network,
         })
     }
 }
@@ -571,8 +657,114 @@ mod tests {
             "img",
             0,
             None,
+            None,
         );
         (engine, s)
+    }
+
+    /// A backend with egress whose socket directories live in `dir`; resolves nothing.
+    fn egress_sandbox(
+        reply: Vec<u8>,
+        dir: &std::path::Path,
+        pool_size: usize,
+    ) -> (Arc<FakeEngine>, DockerSandbox) {
+        let engine = Arc::new(FakeEngine::default());
+        *engine.reply.lock().unwrap() = reply;
+        let settings = EgressSettings {
+            resolver: Arc::new(crate::egress::StaticHosts::new(None)),
+            deny_addrs: vec![],
+            port: 3128,
+            dir: dir.to_path_buf(),
+        };
+        let s = DockerSandbox::with_engine(
+            BackendKind::Gvisor,
+            engine.clone(),
+            owner(),
+            "img",
+            pool_size,
+            None,
+            Some(settings),
+        );
+        (engine, s)
+    }
+
+    /// Directories under the daemon's egress directory (one per container that still has one).
+    fn socket_dirs(root: &std::path::Path) -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(root)
+            .unwrap()
+            .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
+            .map(|e| e.unwrap().path())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn egress_runs_reach_only_the_proxy_and_leave_no_socket_directory() {
+        let root = tempfile::tempdir().unwrap();
+        let (engine, s) = egress_sandbox(frame(b'x', b"exit 0 0 - 0 0"), root.path(), 1);
+        assert!(s.supports_egress());
+        let st = s.status().await;
+        assert!(st.ready && st.detail.contains("--host-uds=open"), "{st:?}");
+        *engine.runsc_args.lock().unwrap() = vec!["--host-uds=open".into()];
+        assert!(!s.status().await.detail.contains("unavailable"));
+        *engine.egress_send.lock().unwrap() =
+            Some(b"GET http://169.254.169.254/ HTTP/1.1\r\nHost: x\r\n\r\n".to_vec());
+        // First run: a miss, launched for the run; second: from the pool. Both the same way.
+        for _ in 0..2 {
+            let o = s.run(container::tests::egress_spec()).await.unwrap();
+            assert_eq!(o.exit, ExitKind::Exited(0));
+            assert_eq!(o.network.len(), 1, "{:?}", o.network);
+            assert!(!o.network[0].allowed);
+            assert_eq!(o.network[0].status, Some(403));
+            let answer = engine.egress_answers.lock().unwrap().pop().unwrap();
+            assert!(answer.starts_with(b"HTTP/1.1 403 "), "{answer:?}");
+            let req = engine.requests.lock().unwrap().pop().unwrap();
+            let text = String::from_utf8_lossy(&req);
+            assert!(
+                text.contains("\0http_proxy=http://127.0.0.1:3128\0"),
+                "{text}"
+            );
+            assert!(
+                text.contains("\x003128\0/run/executor-arm/egress/proxy.sock"),
+                "{text}"
+            );
+        }
+        // Only the idle pool container still has a directory, and the daemon's goes with it.
+        for _ in 0..200 {
+            if socket_dirs(root.path()).len() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(socket_dirs(root.path()).len(), 1);
+        drop(s);
+        assert_eq!(std::fs::read_dir(root.path()).unwrap().count(), 0);
+    }
+
+    #[tokio::test]
+    async fn egress_failures_leave_nothing_behind() {
+        let root = tempfile::tempdir().unwrap();
+        // The relay could not reach the proxy: unavailable, not a setup error.
+        let (engine, s) = egress_sandbox(frame(b'u', b"egress relay cannot reach"), root.path(), 0);
+        assert!(
+            matches!(s.run(container::tests::egress_spec()).await, Err(SandboxError::Unavailable(m)) if m.contains("cannot reach"))
+        );
+        gone(&engine).await;
+        assert!(socket_dirs(root.path()).is_empty());
+        // Timeout with a connection still open through the proxy.
+        let (engine, s) = egress_sandbox(Vec::new(), root.path(), 0);
+        *engine.egress_send.lock().unwrap() = Some(b"GET http://allowed.test/ HTT".to_vec());
+        let mut spec = container::tests::egress_spec();
+        spec.limits.timeout = Duration::from_millis(300);
+        let o = s.run(spec).await.unwrap();
+        assert_eq!(o.killed_reason, Some(KilledReason::Timeout));
+        gone(&engine).await;
+        assert!(socket_dirs(root.path()).is_empty());
+        // A dropped run.
+        let (engine, s) = egress_sandbox(Vec::new(), root.path(), 0);
+        let run = s.run(container::tests::egress_spec());
+        let _ = tokio::time::timeout(Duration::from_millis(200), run).await;
+        gone(&engine).await;
+        assert!(socket_dirs(root.path()).is_empty());
     }
 
     async fn gone(engine: &FakeEngine) {
@@ -603,7 +795,7 @@ mod tests {
         assert_eq!((o.oom, o.killed_reason), (false, None));
         assert_eq!(
             engine.requests.lock().unwrap()[0],
-            supervisor::encode_request(&spec).unwrap()
+            supervisor::encode_request(&spec, None).unwrap()
         );
         gone(&engine).await;
     }

@@ -17,6 +17,7 @@ use prometheus::{IntCounterVec, IntGaugeVec};
 use tokio::sync::Semaphore;
 
 use super::container::ContainerPlan;
+use super::egress::{SocketDir, SocketDirs};
 use super::engine::{Attached, EngineError};
 use super::janitor::Janitor;
 use crate::sandbox::BackendKind;
@@ -67,19 +68,41 @@ pub struct WarmContainer {
     /// Host pid of its main process, read right after start: a kill must not need the engine
     /// to answer first (dockerd holds the container's lock while a slow kill is in progress).
     pub pid: Option<u32>,
+    /// Its own egress socket directory (egress plans); removed when dropped.
+    pub socket_dir: Option<SocketDir>,
 }
 
 impl WarmContainer {
-    /// Creates, attaches (before start, so nothing is missed) and starts one container.
+    /// Creates, attaches (before start, so nothing is missed) and starts one container; an
+    /// egress plan first gets its socket directory from `dirs`.
     pub async fn launch(
         janitor: &Arc<Janitor>,
         plan: &ContainerPlan,
         name: &str,
         exec_label: &str,
+        dirs: Option<&SocketDirs>,
     ) -> Result<WarmContainer, EngineError> {
+        let socket_dir = match (plan.egress, dirs) {
+            (false, _) => None,
+            (true, Some(d)) => Some(d.create().map_err(|e| {
+                EngineError::Api(format!("cannot create an egress socket directory: {e}"))
+            })?),
+            (true, None) => {
+                return Err(EngineError::Api(
+                    "egress plan without egress socket directories".into(),
+                ));
+            }
+        };
         let engine = janitor.engine().clone();
         let created = engine
-            .create(name, plan.body(janitor.owner(), exec_label))
+            .create(
+                name,
+                plan.body(
+                    janitor.owner(),
+                    exec_label,
+                    socket_dir.as_ref().map(SocketDir::path),
+                ),
+            )
             .await;
         janitor.observe(&created);
         let guard = ContainerGuard::new(created?, janitor.clone());
@@ -94,6 +117,7 @@ impl WarmContainer {
             attached,
             guard,
             pid,
+            socket_dir,
         })
     }
 
@@ -115,6 +139,8 @@ pub struct Pool {
     size: usize,
     kind: BackendKind,
     janitor: Arc<Janitor>,
+    /// Socket directories of egress containers (None: this backend has no egress).
+    egress_dirs: Option<Arc<SocketDirs>>,
     metrics: Option<PoolMetrics>,
     keys: Mutex<HashMap<String, KeyPool>>,
     /// Bumped by [`Pool::flush`]: launches that started before it are discarded.
@@ -127,12 +153,14 @@ impl Pool {
         size: usize,
         kind: BackendKind,
         janitor: Arc<Janitor>,
+        egress_dirs: Option<Arc<SocketDirs>>,
         metrics: Option<PoolMetrics>,
     ) -> Arc<Pool> {
         Arc::new(Pool {
             size,
             kind,
             janitor,
+            egress_dirs,
             metrics,
             keys: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
@@ -142,6 +170,10 @@ impl Pool {
 
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    pub fn egress_dirs(&self) -> Option<&SocketDirs> {
+        self.egress_dirs.as_deref()
     }
 
     /// Idle containers over all keys.
@@ -246,6 +278,7 @@ impl Pool {
                     &plan,
                     &format!("executor-arm-pool-{tag}"),
                     &format!("pool-{tag}"),
+                    self.egress_dirs(),
                 )
                 .await
             }
@@ -396,7 +429,7 @@ mod tests {
         let m = metrics();
         (
             engine,
-            Pool::new(size, BackendKind::Docker, janitor, Some(m.clone())),
+            Pool::new(size, BackendKind::Docker, janitor, None, Some(m.clone())),
             m,
         )
     }

@@ -4,9 +4,16 @@
 # exits. Exiting as PID 1 makes the kernel kill whatever the command left behind. Never a shell:
 # argv goes to execve as a list; nothing is interpreted.
 #
-# Request (stdin):  "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1) stdin-bytes
+# Request (stdin):  "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1,
+#                   relay_port|0, relay_socket) stdin-bytes
 # Reply (stdout):   frames  type(1) u32be(len) payload;  o = command stdout, e = command stderr,
-#                   x = "exit|signal N broken peak_kib oom_kills pids_max" (last), f = setup failure (last)
+#                   x = "exit|signal N broken peak_kib oom_kills pids_max" (last), f = setup failure (last),
+#                   u = the egress relay cannot reach the daemon (last)
+#
+# Egress relay (relay_port > 0): before the command starts, listen on 127.0.0.1:relay_port and relay
+# every connection to the daemon's proxy on the unix socket relay_socket. The container has no other
+# network; all policy lives in the daemon's proxy. The relay runs in this process (PID 1), which
+# the command cannot kill.
 use strict;
 use warnings;
 use POSIX ();
@@ -42,6 +49,8 @@ sub frame {
 }
 
 sub fail { frame('f', $_[0]); POSIX::_exit(0) }
+sub unavailable { frame('u', $_[0]); POSIX::_exit(0) }
+sub nonblock { fcntl($_[0], Fcntl::F_SETFL(), fcntl($_[0], Fcntl::F_GETFL(), 0) | Fcntl::O_NONBLOCK()) }
 
 rd(4) eq 'EAR1' or POSIX::_exit(2);
 my @f = split /\0/, rd(unpack('N', rd(4))), -1;
@@ -50,8 +59,88 @@ my @argv = splice(@f, 0, $argc);
 my $envc = shift(@f) // 0;
 my @env = splice(@f, 0, $envc);
 my $inlen = shift(@f) // -1;
+my $relay_port = shift(@f) || 0;
+my $relay_socket = shift(@f) // '';
 fail('empty argv') unless @argv;
 my $input = $inlen >= 0 ? rd($inlen) : undef;
+
+# Egress relay state: the loopback listener, and per descriptor of a relayed connection its handle,
+# its peer's descriptor, bytes waiting to be written to it, whether it sent EOF, whether we did.
+my ($lsn, %rl);
+my $RELAY_MAX = 64;       # connections at a time (two descriptors each; nofile is the profile's)
+my $RELAY_BUF = 65536;    # bytes buffered per direction
+sub uds {
+    socket(my $s, Socket::PF_UNIX(), Socket::SOCK_STREAM(), 0) or return;
+    connect($s, Socket::pack_sockaddr_un($_[0])) or return;
+    return $s;
+}
+if ($relay_port) {
+    require Socket;
+    # Fail before the command runs when the daemon's socket is out of reach (e.g. runsc without
+    # --host-uds=open). The proxy records nothing for a connection that sends nothing.
+    my $probe = uds($relay_socket) or unavailable("egress relay cannot reach the daemon's proxy at $relay_socket: $!");
+    close $probe;
+    socket($lsn, Socket::PF_INET(), Socket::SOCK_STREAM(), 0) or unavailable("egress relay: socket: $!");
+    setsockopt($lsn, Socket::SOL_SOCKET(), Socket::SO_REUSEADDR(), pack('i', 1));
+    bind($lsn, Socket::pack_sockaddr_in($relay_port, Socket::INADDR_LOOPBACK()))
+        or unavailable("egress relay: cannot listen on 127.0.0.1:$relay_port: $!");
+    listen($lsn, 64) or unavailable("egress relay: listen: $!");
+    nonblock($lsn);
+}
+
+sub relay_watch {
+    my ($rb, $wb) = @_;
+    vec($$rb, fileno($lsn), 1) = 1 if keys(%rl) < 2 * $RELAY_MAX;
+    for my $fd (keys %rl) {
+        my $c = $rl{$fd};
+        vec($$rb, $fd, 1) = 1 if !$c->{eof} && length($rl{$c->{peer}}{out}) < $RELAY_BUF;
+        vec($$wb, $fd, 1) = 1 if length $c->{out};
+    }
+}
+
+sub relay_close {
+    my ($fd) = @_;
+    my $c = delete $rl{$fd} or return;
+    close $c->{h};
+    if (my $p = delete $rl{$c->{peer}}) { close $p->{h} }
+}
+
+sub again { return $! == POSIX::EAGAIN() || $! == POSIX::EINTR() }
+
+sub relay_step {
+    my ($ro, $wo) = @_;
+    if (vec($ro, fileno($lsn), 1) && accept(my $t, $lsn)) {
+        if (my $u = uds($relay_socket)) {
+            nonblock($_) for ($t, $u);
+            $rl{fileno $t} = { h => $t, peer => fileno $u, out => '', eof => 0, shut => 0 };
+            $rl{fileno $u} = { h => $u, peer => fileno $t, out => '', eof => 0, shut => 0 };
+        } else {
+            close $t;
+        }
+    }
+    # Descriptors are non-blocking: a bit left over from a descriptor closed above only yields EAGAIN.
+    for my $fd (keys %rl) {
+        my $c = $rl{$fd} or next;
+        if (vec($ro, $fd, 1) && !$c->{eof}) {
+            my $r = sysread($c->{h}, my $buf, $RELAY_BUF);
+            if (!defined $r) { relay_close($fd) unless again(); next }
+            if ($r) { $rl{$c->{peer}}{out} .= $buf } else { $c->{eof} = 1 }
+        }
+        if (vec($wo, $fd, 1) && length $c->{out}) {
+            my $w = syswrite($c->{h}, $c->{out});
+            if (!defined $w) { relay_close($fd) unless again(); next }
+            substr($c->{out}, 0, $w, '');
+        }
+    }
+    # An EOF is passed on once what came before it is delivered; a pair is done when both
+    # directions are.
+    for my $fd (keys %rl) {
+        my $c = $rl{$fd} or next;
+        my $p = $rl{$c->{peer}};
+        if ($c->{eof} && !$p->{shut} && !length $p->{out}) { shutdown($p->{h}, 1); $p->{shut} = 1 }
+        relay_close($fd) if $c->{shut} && $p->{shut};
+    }
+}
 
 pipe(my $or, my $ow) or fail("pipe: $!");
 pipe(my $er, my $ew) or fail("pipe: $!");
@@ -112,6 +201,7 @@ while (1) {
     vec($rb, $_, 1) = 1 for keys %rd;
     vec($rb, fileno($sr), 1) = 1;
     vec($wb, fileno($iw), 1) = 1 if defined $iw && !defined $status;
+    relay_watch(\$rb, \$wb) if $lsn;
     my $n = select(my $ro = $rb, my $wo = $wb, undef, defined $status ? 0 : 1);
     next if $n < 0;
     last if $n == 0 && defined $status;
@@ -129,6 +219,7 @@ while (1) {
         elsif ($! != POSIX::EAGAIN() && $! != POSIX::EINTR()) { $broken = 1; $input = '' }
         if ($input eq '') { close $iw; undef $iw }
     }
+    relay_step($ro, $wo) if $lsn;
 }
 $broken = 1 if defined $iw && length $input;
 

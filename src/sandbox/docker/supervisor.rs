@@ -11,6 +11,9 @@
 //! moment the command exits (so no run waits for container teardown), then exits, which makes the
 //! kernel kill anything the command left behind.
 //!
+//! With egress the supervisor also relays `127.0.0.1:<port>` inside the container to the daemon's
+//! proxy socket ([`Relay`]; see [`super::egress`] for why).
+//!
 //! Trust: the command runs as the same uid as the supervisor and could tamper with it (ptrace,
 //! `/proc/1/fd/1`). That only lets it lie about its own result (exit status, output, the cgroup
 //! figures), all of which it controls anyway. Limits, isolation and OOM verdicts never depend on
@@ -43,13 +46,23 @@ const MAGIC: &[u8; 4] = b"EAR1";
 /// bigger is a corrupted stream (and must not make us buffer it).
 const MAX_FRAME: usize = 256 * 1024;
 
+/// The egress relay the supervisor sets up before the command starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Relay {
+    /// Loopback port inside the container (the command's proxy settings name it).
+    pub port: u16,
+    /// The daemon's proxy socket, as the container sees it.
+    pub socket: String,
+}
+
 /// The container's entrypoint.
 pub fn entrypoint() -> Vec<String> {
     vec![PERL.to_string(), "-e".to_string(), SCRIPT.to_string()]
 }
 
-/// Serialises `spec`'s argv, env and stdin into the request the supervisor reads.
-pub fn encode_request(spec: &RunSpec) -> Result<Vec<u8>, SandboxError> {
+/// Serialises `spec`'s argv, env and stdin, and the egress relay, into the request the
+/// supervisor reads.
+pub fn encode_request(spec: &RunSpec, relay: Option<&Relay>) -> Result<Vec<u8>, SandboxError> {
     let first = spec
         .argv
         .first()
@@ -79,6 +92,22 @@ pub fn encode_request(spec: &RunSpec) -> Result<Vec<u8>, SandboxError> {
             .unwrap_or(-1)
             .to_string(),
     );
+    match relay {
+        Some(r) if r.port != 0 && r.socket.starts_with('/') => {
+            fields.push(r.port.to_string());
+            fields.push(r.socket.clone());
+        }
+        Some(r) => {
+            return Err(SandboxError::Setup(format!(
+                "invalid egress relay {}:{}",
+                r.port, r.socket
+            )));
+        }
+        None => {
+            fields.push("0".into());
+            fields.push(String::new());
+        }
+    }
     if fields.iter().any(|f| f.contains('\0')) {
         return Err(SandboxError::Setup(
             "NUL byte in argument or environment".into(),
@@ -139,6 +168,8 @@ pub enum Frame {
     Exit(ExitReport),
     /// The supervisor could not start the command (e.g. the program is missing in the image).
     Failed(String),
+    /// The egress relay cannot reach the daemon's proxy: the host lacks what egress needs.
+    Unavailable(String),
 }
 
 /// Incremental decoder of the supervisor's stdout.
@@ -174,6 +205,7 @@ impl FrameDecoder {
                 format!("bad exit report {:?}", String::from_utf8_lossy(&payload))
             })?),
             b'f' => Frame::Failed(String::from_utf8_lossy(&payload).into_owned()),
+            b'u' => Frame::Unavailable(String::from_utf8_lossy(&payload).into_owned()),
             other => return Err(format!("unknown supervisor frame type {other:#x}")),
         };
         Ok(Some(frame))
@@ -225,6 +257,11 @@ mod tests {
 
     /// Runs the real supervisor with the host's perl (not as PID 1) and decodes its reply.
     fn supervise(spec: &RunSpec) -> Vec<Frame> {
+        supervise_with(spec, None)
+    }
+
+    /// As [`supervise`], with an egress relay.
+    fn supervise_with(spec: &RunSpec, relay: Option<&Relay>) -> Vec<Frame> {
         // The container's environment: the image's (LANG=C.UTF-8) plus SUPERVISOR_ENV.
         let mut cmd = Command::new(PERL);
         cmd.env_clear().env("LANG", "C.UTF-8");
@@ -239,7 +276,7 @@ mod tests {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("perl");
-        let req = encode_request(spec).unwrap();
+        let req = encode_request(spec, relay).unwrap();
         let mut stdin = child.stdin.take().unwrap();
         std::thread::spawn(move || {
             let _ = stdin.write_all(&req);
@@ -369,10 +406,108 @@ mod tests {
         assert!(d.next_frame().is_err());
     }
 
+    /// A free loopback port (a small race with other processes is acceptable in a test).
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// A stand-in for the daemon's proxy on a unix socket: reads a connection to its end, then
+    /// answers "<bytes read> " followed by `reply_len` bytes of 'z', and closes.
+    fn socket_server(path: &std::path::Path, reply_len: usize) -> std::sync::mpsc::Receiver<usize> {
+        use std::io::Read;
+        let listener = std::os::unix::net::UnixListener::bind(path).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut c) = conn else { return };
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    let mut got = Vec::new();
+                    let _ = c.read_to_end(&mut got);
+                    let _ = tx.send(got.len());
+                    let mut reply = format!("{} ", got.len()).into_bytes();
+                    reply.resize(reply.len() + reply_len, b'z');
+                    let _ = c.write_all(&reply);
+                });
+            }
+        });
+        rx
+    }
+
+    /// The command: connect to 127.0.0.1:PORT, send SEND bytes, half-close, print what came back
+    /// as "<first word> <length of the rest>".
+    const CLIENT: &str = r#"use Socket; my ($port, $send) = @ARGV;
+        socket(my $s, PF_INET, SOCK_STREAM, 0) or die "socket: $!";
+        connect($s, pack_sockaddr_in($port, inet_aton("127.0.0.1"))) or die "connect: $!";
+        my $data = "a" x $send; while (length $data) { my $w = syswrite($s, $data) // die "write: $!"; substr($data, 0, $w, "") }
+        shutdown($s, 1); my $in = ""; while (sysread($s, $in, 65536, length $in)) {}
+        my ($n, $rest) = split / /, $in, 2; print "$n ", length($rest // ""), "\n";"#;
+
+    #[test]
+    fn the_egress_relay_carries_both_directions_and_half_closes() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("proxy.sock");
+        let served = socket_server(&socket, 3 << 20);
+        let port = free_port();
+        let relay = Relay {
+            port,
+            socket: socket.to_string_lossy().into_owned(),
+        };
+        let argv = ["/usr/bin/perl", "-e", CLIENT, &port.to_string(), "300000"];
+        let f = supervise_with(&spec(&argv, None), Some(&relay));
+        assert_eq!(exit_of(&f).exit, ExitKind::Exited(0), "{f:?}");
+        // 300 000 bytes up, 3 MiB down, through 64 KiB buffers, each EOF passed on.
+        assert_eq!(
+            String::from_utf8(stdout_of(&f)).unwrap(),
+            format!("300000 {}\n", 3 << 20)
+        );
+        // The set-up probe (nothing sent) and the command's connection.
+        let mut seen: Vec<usize> = served.try_iter().collect();
+        seen.sort();
+        assert_eq!(seen, vec![0, 300_000]);
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+            "the relay's listener ends with the supervisor"
+        );
+    }
+
+    #[test]
+    fn an_unreachable_proxy_socket_stops_the_run_before_the_command() {
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("ran");
+        let relay = Relay {
+            port: free_port(),
+            socket: dir
+                .path()
+                .join("missing.sock")
+                .to_string_lossy()
+                .into_owned(),
+        };
+        let argv = ["/usr/bin/touch", marker.to_str().unwrap()];
+        let f = supervise_with(&spec(&argv, None), Some(&relay));
+        assert!(
+            matches!(f.last(), Some(Frame::Unavailable(m)) if m.contains("cannot reach the daemon's proxy")),
+            "{f:?}"
+        );
+        assert!(!marker.exists(), "the command never started");
+    }
+
     #[test]
     fn requests_refuse_relative_programs_and_nul() {
-        assert!(encode_request(&spec(&["echo"], None)).is_err());
-        assert!(encode_request(&spec(&["/bin/echo", "a\0b"], None)).is_err());
-        assert!(encode_request(&spec(&[], None)).is_err());
+        assert!(encode_request(&spec(&["echo"], None), None).is_err());
+        assert!(encode_request(&spec(&["/bin/echo", "a\0b"], None), None).is_err());
+        assert!(encode_request(&spec(&[], None), None).is_err());
+        let echo = spec(&["/bin/echo"], None);
+        for bad in [(0, "/s"), (3128, "relative"), (3128, "/a\0b")] {
+            let r = Relay {
+                port: bad.0,
+                socket: bad.1.into(),
+            };
+            assert!(encode_request(&echo, Some(&r)).is_err(), "{bad:?}");
+        }
     }
 }

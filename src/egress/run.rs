@@ -1,0 +1,139 @@
+//! The proxy serving one execution, from the moment its listener exists until the sandbox is
+//! gone: a task that accepts on the listener the backend bound, and the records it leaves.
+//!
+//! Backend-neutral: the caller decides where the listener lives (a network namespace, a unix
+//! socket bind-mounted into a container) and when the execution is over.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use super::dns::Resolver;
+use super::policy::EgressPolicy;
+use super::proxy::{ConnRecord, ProxyListener, ProxySession};
+
+/// How long [`ProxyRun::finish`] lets connections still open wind down.
+const FINISH_GRACE: Duration = Duration::from_secs(2);
+
+/// One execution's proxy. Dropping it aborts the task (and with it every connection), so an
+/// abandoned run leaves no listener or task behind.
+pub struct ProxyRun {
+    session: Arc<ProxySession>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ProxyRun {
+    /// Starts serving `listener` under `policy`. Must be called inside a tokio runtime.
+    pub fn start(
+        policy: EgressPolicy,
+        resolver: Arc<dyn Resolver>,
+        listener: impl Into<ProxyListener>,
+    ) -> ProxyRun {
+        let listener = listener.into();
+        let session = Arc::new(ProxySession::new(Arc::new(policy), resolver));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let s = session.clone();
+        let task = tokio::spawn(async move {
+            s.serve(listener, async {
+                let _ = stopped.await;
+            })
+            .await;
+        });
+        ProxyRun {
+            session,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// Stops accepting, closes what is still open (the sandbox is gone) and returns every
+    /// connection's record.
+    pub async fn finish(mut self) -> Vec<ConnRecord> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = tokio::time::timeout(FINISH_GRACE, &mut self.task).await;
+        self.task.abort();
+        self.session.records()
+    }
+}
+
+impl Drop for ProxyRun {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Proxy environment for a command whose proxy listens on `127.0.0.1:port`: every spelling curl
+/// and wget read.
+pub fn proxy_env(port: u16) -> Vec<(String, String)> {
+    let url = format!("http://127.0.0.1:{port}");
+    [
+        "http_proxy",
+        "https_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "all_proxy",
+    ]
+    .iter()
+    .map(|k| (k.to_string(), url.clone()))
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::egress::StaticHosts;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn policy() -> EgressPolicy {
+        EgressPolicy {
+            allow_hosts: vec!["allowed.test".into()],
+            allow_ports: vec![80],
+            allow_cidrs: vec![],
+            deny_addrs: vec![],
+            bandwidth_bytes_per_sec: 1 << 20,
+            byte_cap: 1 << 20,
+        }
+    }
+
+    /// A client on the unix socket is served like a TCP one: checked, refused, recorded; the
+    /// socket accepts nothing once the run is finished.
+    #[tokio::test]
+    async fn serves_a_unix_socket_and_records_refusals() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("proxy.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let hosts = StaticHosts::new(None);
+        let run = ProxyRun::start(policy(), Arc::new(hosts), listener);
+
+        let mut c = tokio::net::UnixStream::connect(&path).await.unwrap();
+        c.write_all(b"GET http://169.254.169.254/ HTTP/1.1\r\nHost: 169.254.169.254\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).await.unwrap();
+        assert!(out.starts_with("HTTP/1.1 403 "), "{out}");
+
+        let records = run.finish().await;
+        assert_eq!(records.len(), 1, "{records:?}");
+        assert!(!records[0].allowed);
+        assert_eq!(records[0].host, "169.254.169.254");
+        assert_eq!(records[0].status, Some(403));
+        assert!(
+            tokio::net::UnixStream::connect(&path).await.is_err(),
+            "nothing listens after finish"
+        );
+    }
+
+    #[test]
+    fn proxy_env_names_every_spelling() {
+        let env = proxy_env(3128);
+        assert_eq!(env.len(), 6);
+        assert!(env.iter().all(|(_, v)| v == "http://127.0.0.1:3128"));
+        assert!(env.iter().any(|(k, _)| k == "HTTPS_PROXY"));
+    }
+}
