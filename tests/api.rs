@@ -914,3 +914,86 @@ fn cli_mint_check_config_and_token_hash() {
         executor_arm::auth::sha256_hex(b"tok_abc123xyz")
     );
 }
+
+/// A client that hangs up mid-run cancels only its reply: the run still ends in one audit line
+/// (with its exec_id and command hash), its metrics are recorded, and the in-flight gauge returns
+/// to zero.
+#[tokio::test]
+async fn a_client_disconnect_mid_run_still_audits_and_records_the_run() {
+    let d = Daemon::start();
+    let marker = format!("disconnect-{}", uuid::Uuid::new_v4().simple());
+    let body = json!({
+        "action_type": "python",
+        "command": "python3",
+        "args": ["-c", format!("import time; time.sleep(1.5); print('{marker}')")],
+        "capability_token": d.cap_all(),
+    });
+    let hung_up = reqwest::Client::builder()
+        .timeout(Duration::from_millis(400))
+        .build()
+        .unwrap()
+        .post(format!("{}/execute", d.base))
+        .header("authorization", format!("Bearer {}", d.service_token()))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await;
+    assert!(hung_up.is_err(), "the client was meant to give up first");
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let line = loop {
+        let found = d
+            .audit_lines()
+            .into_iter()
+            .find(|l| l["event"] == json!("execution") && l["args"].to_string().contains(&marker));
+        if let Some(l) = found {
+            break l;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no audit line for the abandoned run: {:?}",
+            d.audit_lines()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(line["outcome"], json!("success"), "{line}");
+    assert!(
+        line["exec_id"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("exec-")),
+        "{line}"
+    );
+    // Metrics are recorded right after the audit line: poll (bounded) until they show the run.
+    let recorded = |metrics: &str| {
+        let inflight: Vec<&str> = metrics
+            .lines()
+            .filter(|l| l.starts_with("executor_inflight_executions{"))
+            .collect();
+        !inflight.is_empty()
+            && inflight.iter().all(|l| l.ends_with(" 0"))
+            && metrics
+                .lines()
+                .any(|l| l.starts_with("executor_executions_total{") && !l.ends_with(" 0"))
+    };
+    loop {
+        let metrics = d.get("/metrics").await.text;
+        if recorded(&metrics) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the abandoned run is not in the metrics (or still in flight): {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let out = std::process::Command::new(common::bin())
+        .args(["audit", "verify"])
+        .arg(&d.audit)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -219,6 +219,15 @@ fn outcome_name(o: &RunOutcome) -> &'static str {
 }
 
 pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    // The whole request is its own task: a client that disconnects mid-run does not cancel the
+    // run's audit line, metrics, in-flight gauge or stored idempotent result, only its reply.
+    match tokio::spawn(execute_detached(st, req)).await {
+        Ok(resp) => resp,
+        Err(e) => ApiError::Internal(format!("request task failed: {e}")).into_response(),
+    }
+}
+
+async fn execute_detached(st: Arc<AppState>, req: Request) -> Response {
     let rid = req
         .extensions()
         .get::<RequestId>()
@@ -498,7 +507,7 @@ async fn run_admitted(
         .inflight
         .with_label_values(&[backend_label])
         .inc();
-    // The run is its own task: a client that disconnects cannot cancel the cleanup half-way.
+    // The run is its own task too: a panic in a backend fails this request, not the daemon.
     let task = tokio::spawn(async move {
         let r = backend.run(spec).await;
         drop(permit);
