@@ -73,6 +73,38 @@ pub enum NetworkPolicy {
     },
 }
 
+impl NetworkPolicy {
+    /// The egress proxy's policy for this run (`None` without egress); `deny_addrs` are the
+    /// daemon's own addresses and ports.
+    pub fn proxy_policy(
+        &self,
+        deny_addrs: &[std::net::SocketAddr],
+    ) -> Option<crate::egress::EgressPolicy> {
+        let NetworkPolicy::Egress {
+            allow_hosts,
+            allow_ports,
+            allow_cidrs,
+            bandwidth_bytes_per_sec,
+            byte_cap,
+        } = self
+        else {
+            return None;
+        };
+        Some(crate::egress::EgressPolicy {
+            allow_hosts: allow_hosts.clone(),
+            allow_ports: allow_ports.clone(),
+            // Profiles are validated at load: every entry parses.
+            allow_cidrs: allow_cidrs
+                .iter()
+                .filter_map(|c| c.parse::<crate::egress::IpNet>().ok())
+                .collect(),
+            deny_addrs: deny_addrs.to_vec(),
+            bandwidth_bytes_per_sec: *bandwidth_bytes_per_sec,
+            byte_cap: *byte_cap,
+        })
+    }
+}
+
 /// Filesystem view of one run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct FsRules {

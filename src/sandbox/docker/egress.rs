@@ -29,7 +29,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::egress::{EgressPolicy, IpNet, Resolver};
+use crate::egress::{EgressPolicy, Resolver};
 use crate::sandbox::{BackendKind, NetworkPolicy};
 
 use super::container::Owner;
@@ -55,28 +55,7 @@ pub struct EgressSettings {
 impl EgressSettings {
     /// The proxy policy of one execution (`None` without egress).
     pub fn policy(&self, network: &NetworkPolicy) -> Option<EgressPolicy> {
-        let NetworkPolicy::Egress {
-            allow_hosts,
-            allow_ports,
-            allow_cidrs,
-            bandwidth_bytes_per_sec,
-            byte_cap,
-        } = network
-        else {
-            return None;
-        };
-        Some(EgressPolicy {
-            allow_hosts: allow_hosts.clone(),
-            allow_ports: allow_ports.clone(),
-            // Profiles are validated at load: every entry parses.
-            allow_cidrs: allow_cidrs
-                .iter()
-                .filter_map(|c| c.parse::<IpNet>().ok())
-                .collect(),
-            deny_addrs: self.deny_addrs.clone(),
-            bandwidth_bytes_per_sec: *bandwidth_bytes_per_sec,
-            byte_cap: *byte_cap,
-        })
+        network.proxy_policy(&self.deny_addrs)
     }
 }
 

@@ -12,9 +12,7 @@ use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use tokio::sync::oneshot;
-
-use crate::egress::{ConnRecord, EgressPolicy, IpNet, ProxySession, Resolver};
+use crate::egress::{ProxyRun, Resolver};
 use crate::sandbox::NetworkPolicy;
 
 /// Daemon-wide egress settings.
@@ -69,90 +67,16 @@ fn bind_in_netns(pid: u32, port: u16) -> std::io::Result<std::net::TcpListener> 
     .map_err(|_| std::io::Error::other("netns thread panicked"))?
 }
 
-/// The proxy serving one run.
-pub struct EgressRun {
-    session: Arc<ProxySession>,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl EgressRun {
-    /// Starts the proxy for the sandbox whose shim is `pid`.
-    pub fn start(
-        settings: &EgressSettings,
-        network: &NetworkPolicy,
-        pid: u32,
-    ) -> std::io::Result<EgressRun> {
-        let NetworkPolicy::Egress {
-            allow_hosts,
-            allow_ports,
-            allow_cidrs,
-            bandwidth_bytes_per_sec,
-            byte_cap,
-        } = network
-        else {
-            return Err(std::io::Error::other("not an egress run"));
-        };
-        let policy = EgressPolicy {
-            allow_hosts: allow_hosts.clone(),
-            allow_ports: allow_ports.clone(),
-            allow_cidrs: allow_cidrs
-                .iter()
-                .filter_map(|c| c.parse::<IpNet>().ok())
-                .collect(),
-            deny_addrs: settings.deny_addrs.clone(),
-            bandwidth_bytes_per_sec: *bandwidth_bytes_per_sec,
-            byte_cap: *byte_cap,
-        };
-        let listener = tokio::net::TcpListener::from_std(bind_in_netns(pid, settings.port)?)?;
-        let session = Arc::new(ProxySession::new(
-            Arc::new(policy),
-            settings.resolver.clone(),
-        ));
-        let (stop, stopped) = oneshot::channel::<()>();
-        let s = session.clone();
-        let task = tokio::spawn(async move {
-            s.serve(listener, async {
-                let _ = stopped.await;
-            })
-            .await;
-        });
-        Ok(EgressRun {
-            session,
-            stop: Some(stop),
-            task,
-        })
-    }
-
-    /// Stops the proxy (the sandbox is gone) and returns what it saw.
-    pub async fn finish(mut self) -> Vec<ConnRecord> {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), &mut self.task).await;
-        self.task.abort();
-        self.session.records()
-    }
-}
-
-impl Drop for EgressRun {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// Proxy environment for the command: every spelling curl and wget read.
-pub fn proxy_env(port: u16) -> Vec<(String, String)> {
-    let url = format!("http://127.0.0.1:{port}");
-    [
-        "http_proxy",
-        "https_proxy",
-        "HTTP_PROXY",
-        "HTTPS_PROXY",
-        "ALL_PROXY",
-        "all_proxy",
-    ]
-    .iter()
-    .map(|k| (k.to_string(), url.clone()))
-    .collect()
+/// Starts the proxy for the sandbox whose shim is `pid`: its listener on 127.0.0.1 inside the
+/// sandbox's network namespace.
+pub fn start(
+    settings: &EgressSettings,
+    network: &NetworkPolicy,
+    pid: u32,
+) -> std::io::Result<ProxyRun> {
+    let policy = network
+        .proxy_policy(&settings.deny_addrs)
+        .ok_or_else(|| std::io::Error::other("not an egress run"))?;
+    let listener = tokio::net::TcpListener::from_std(bind_in_netns(pid, settings.port)?)?;
+    Ok(ProxyRun::start(policy, settings.resolver.clone(), listener))
 }

@@ -807,7 +807,7 @@ impl Sandbox for LocalSandbox {
         let (stderr_ours, stderr_child) = pipe(libc::O_CLOEXEC)?;
         let extra_env = egress_settings
             .as_ref()
-            .map(|e| egress::proxy_env(e.port))
+            .map(|e| crate::egress::proxy_env(e.port))
             .unwrap_or_default();
         let fds = PlanFds {
             status: status_w.as_raw_fd(),
@@ -871,7 +871,7 @@ impl Sandbox for LocalSandbox {
                         }));
                     }
                 };
-                let run = egress::EgressRun::start(&settings, &spec.network, pid)
+                let run = egress::start(&settings, &spec.network, pid)
                     .map_err(|e| SandboxError::Setup(format!("egress proxy: {e}")))?;
                 // SAFETY: write(2) of one byte from a static buffer to a pipe we own.
                 if unsafe { libc::write(sync_w.as_raw_fd(), b"1".as_ptr().cast(), 1) } != 1 {
