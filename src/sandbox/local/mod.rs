@@ -584,6 +584,17 @@ impl WarmSlots {
     }
 }
 
+/// Tops the prepared slots up when dropped.
+struct RefillOnDrop(Option<Arc<WarmSlots>>);
+
+impl Drop for RefillOnDrop {
+    fn drop(&mut self) {
+        if let Some(w) = &self.0 {
+            w.refill();
+        }
+    }
+}
+
 /// Creates a slot's cgroup and starts its shim on a blocking thread of its own. Runs on a
 /// blocking thread (cgroup directories are created here) inside the runtime.
 fn prepare_slot(driver: &dyn CgroupDriver, seq: u64) -> Result<Slot, SandboxError> {
@@ -755,9 +766,11 @@ impl Sandbox for LocalSandbox {
             .ok_or_else(|| SandboxError::Unavailable("cgroups".into()))?;
         let limits = spec.limits.clone();
         let slot = self.warm.as_ref().and_then(|w| w.take());
-        if let Some(w) = &self.warm {
-            w.refill();
-        }
+        // Replace the slot once this run's cgroup is gone, not now: a new slot's shim joins its
+        // cgroup holding the kernel's cgroup mutex for a grace period, which would stall this
+        // run's own cgroup work (rename, limits, removal) behind it. Declared before the guard,
+        // so it acts after the guard's removal on every path.
+        let _refill = RefillOnDrop(self.warm.clone());
         let (mut guard, warm) = match slot {
             Some(mut slot) => {
                 let cg = slot.guard.get_mut();
