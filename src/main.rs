@@ -98,7 +98,21 @@ enum AuditCmd {
     Verify { file: PathBuf },
 }
 
+/// Opens /dev/null on any of fds 0-2 that is closed, so no descriptor the daemon opens later (a
+/// run's pipe, a socket) can land on a standard stream number.
+fn ensure_std_fds() {
+    for fd in 0..3 {
+        // SAFETY: fcntl(2) F_GETFD on a number; open(2) of a static C string.
+        unsafe {
+            if libc::fcntl(fd, libc::F_GETFD) == -1 {
+                libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+            }
+        }
+    }
+}
+
 fn main() -> Result<()> {
+    ensure_std_fds();
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Serve {

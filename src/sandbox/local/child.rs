@@ -227,6 +227,7 @@ pub struct ChildPlan {
     /// namespaces exist, for a daemon that has to enter them (egress).
     pub hello_fd: i32,
     pub stacks: Arc<Stacks>,
+    pub shim_state: ShimState,
     /// Read end of the go-signal pipe (-1: none). With egress, the daemon binds the proxy
     /// listener inside our network namespace and then writes one byte; the command starts after.
     pub sync_fd: i32,
@@ -364,6 +365,30 @@ fn close_other_fds(keep: &[i32]) {
 const EARLY_NAMESPACES: libc::c_int = libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
 const LATE_NAMESPACES: libc::c_int = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWCGROUP;
 
+/// What a shim leaves for the thread that started it: its init's pid (written by the kernel,
+/// `CLONE_PARENT_SETTID`, before init runs) and whether the shim reaped it.
+///
+/// The daemon is a child subreaper (see [`become_subreaper`]): if the shim dies before its init
+/// (a kill reaching the shim first), init is re-parented to a daemon thread, not to the host's
+/// init. Its parent then still shares its memory, so the kernel keeps treating it as a vfork
+/// child that the OOM killer never picks; were it re-parented elsewhere, a memory-bomb OOM in the
+/// run's cgroup could pick init and, with it, kill every process sharing its memory: the daemon.
+/// The starting thread reaps such an init.
+#[derive(Default)]
+pub struct ShimState {
+    init_pid: std::sync::atomic::AtomicI32,
+    init_reaped: std::sync::atomic::AtomicBool,
+}
+
+/// Makes the daemon a child subreaper (see [`ShimState`]). Idempotent.
+pub fn become_subreaper() -> std::io::Result<()> {
+    // SAFETY: prctl(2) with integer arguments.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// `clone` entry points: `arg` is the plan, alive for as long as any child runs (see [`Stacks`]).
 extern "C" fn shim_main(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: spawn_and_wait passes a pointer to a live plan.
@@ -395,14 +420,17 @@ unsafe fn clone_vfork(
     arg: *const libc::c_void,
     stack_top: *mut libc::c_void,
     extra_flags: libc::c_int,
+    parent_tid: *mut libc::pid_t,
 ) -> libc::pid_t {
-    // SAFETY: clone(2) through glibc's wrapper, running `entry` on a stack of our mapping.
+    // SAFETY: clone(2) through glibc's wrapper, running `entry` on a stack of our mapping;
+    // parent_tid is only written with CLONE_PARENT_SETTID.
     unsafe {
         libc::clone(
             entry,
             stack_top,
             libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD | extra_flags,
             arg as *mut libc::c_void,
+            parent_tid,
         )
     }
 }
@@ -419,6 +447,7 @@ unsafe fn run_shim(
     arg: *const libc::c_void,
     stacks: &Stacks,
     extra_flags: libc::c_int,
+    state: &ShimState,
 ) -> std::io::Result<()> {
     // SAFETY: signal-mask calls on stack sigsets; clone_vfork per the caller's guarantee; waitpid.
     unsafe {
@@ -428,7 +457,13 @@ unsafe fn run_shim(
         let mut old: libc::sigset_t = std::mem::zeroed();
         libc::sigfillset(&mut all);
         libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
-        let pid = clone_vfork(entry, arg, stacks.top(SHIM_STACK), extra_flags);
+        let pid = clone_vfork(
+            entry,
+            arg,
+            stacks.top(SHIM_STACK),
+            extra_flags,
+            std::ptr::null_mut(),
+        );
         let err = std::io::Error::last_os_error();
         libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
         if pid < 0 {
@@ -436,6 +471,11 @@ unsafe fn run_shim(
         }
         let mut st = 0;
         while libc::waitpid(pid, &mut st, 0) < 0 && errno() == libc::EINTR {}
+        // An init the shim did not live to reap is ours now (we are its subreaper).
+        let init = state.init_pid.load(Ordering::Acquire);
+        if init > 0 && !state.init_reaped.load(Ordering::Acquire) {
+            while libc::waitpid(init, &mut st, 0) < 0 && errno() == libc::EINTR {}
+        }
         Ok(())
     }
 }
@@ -489,7 +529,10 @@ pub struct WarmShim {
     cgroup_procs: Vec<std::os::fd::OwnedFd>,
     go_fd: i32,
     plan: AtomicPtr<ChildPlan>,
+    /// Keeps the armed plan alive as long as the shim's starting thread runs.
+    armed: std::sync::OnceLock<Arc<ChildPlan>>,
     stacks: Arc<Stacks>,
+    state: ShimState,
 }
 
 impl WarmShim {
@@ -504,7 +547,9 @@ impl WarmShim {
             cgroup_procs,
             go_fd,
             plan: AtomicPtr::new(std::ptr::null_mut()),
+            armed: std::sync::OnceLock::new(),
             stacks,
+            state: ShimState::default(),
         }
     }
 
@@ -515,6 +560,7 @@ impl WarmShim {
     /// Hands the shim its run; the caller then writes the go byte. The plan must use this
     /// shim's stacks and outlive the run's cgroup like the shim itself.
     pub fn arm(&self, plan: &Arc<ChildPlan>) {
+        let _ = self.armed.set(plan.clone());
         self.plan
             .store(Arc::as_ptr(plan) as *mut ChildPlan, Ordering::Release);
     }
@@ -533,6 +579,7 @@ impl WarmShim {
                 self as *const WarmShim as *const libc::c_void,
                 &self.stacks,
                 libc::CLONE_FILES,
+                &self.state,
             )
         }
     }
@@ -546,8 +593,13 @@ impl WarmShim {
             let joined = self.cgroup_procs.iter().all(|fd| {
                 libc::write(std::os::fd::AsRawFd::as_raw_fd(fd), b"0".as_ptr().cast(), 1) == 1
             });
+            // A shim outside its cgroup must never serve a run: the daemon then finds the slot
+            // finished and prepares its run on demand.
+            if !joined {
+                libc::_exit(0);
+            }
             // After joining: nothing of the run may exist outside its cgroup.
-            let unshared = joined && libc::unshare(EARLY_NAMESPACES) == 0;
+            let unshared = libc::unshare(EARLY_NAMESPACES) == 0;
             let mut b = 0u8;
             loop {
                 let n = libc::read(self.go_fd, (&mut b as *mut u8).cast(), 1);
@@ -564,9 +616,6 @@ impl WarmShim {
                 libc::_exit(0);
             }
             let plan = &*plan;
-            if !joined {
-                fail(plan.status_fd, Stage::JoinCgroup);
-            }
             if !unshared {
                 fail(plan.status_fd, Stage::Unshare);
             }
@@ -575,7 +624,7 @@ impl WarmShim {
             if libc::unshare(libc::CLONE_FILES) != 0 {
                 fail(plan.status_fd, Stage::Unshare);
             }
-            plan.start_sandbox(LATE_NAMESPACES)
+            plan.start_sandbox(LATE_NAMESPACES, &self.state)
         }
     }
 }
@@ -596,6 +645,7 @@ impl ChildPlan {
                 self as *const ChildPlan as *const libc::c_void,
                 &self.stacks,
                 0,
+                &self.shim_state,
             )
         }
     }
@@ -610,7 +660,7 @@ impl ChildPlan {
             if !join_cgroup(&self.cgroup_procs) {
                 fail(self.status_fd, Stage::JoinCgroup);
             }
-            self.start_sandbox(EARLY_NAMESPACES | LATE_NAMESPACES)
+            self.start_sandbox(EARLY_NAMESPACES | LATE_NAMESPACES, &self.shim_state)
         }
     }
 
@@ -618,7 +668,7 @@ impl ChildPlan {
     /// [`WarmShim::enter`]), unsharing the `namespaces` it does not have yet. Never returns.
     ///
     /// The order is the security argument, so each step says why it sits where it does.
-    unsafe fn start_sandbox(&self, namespaces: libc::c_int) -> ! {
+    unsafe fn start_sandbox(&self, namespaces: libc::c_int, state: &ShimState) -> ! {
         let sfd = self.status_fd;
         // SAFETY (whole function): only async-signal-safe syscalls on memory prepared before clone.
         unsafe {
@@ -652,13 +702,15 @@ impl ChildPlan {
                 init_main,
                 self_ptr,
                 self.stacks.top(INIT_STACK),
-                libc::CLONE_FILES,
+                libc::CLONE_FILES | libc::CLONE_PARENT_SETTID,
+                state.init_pid.as_ptr(),
             );
             if init < 0 {
                 fail(sfd, Stage::Fork);
             }
             let mut st = 0;
             while libc::waitpid(init, &mut st, 0) < 0 && errno() == libc::EINTR {}
+            state.init_reaped.store(true, Ordering::Release);
             libc::_exit(0);
         }
     }
@@ -785,6 +837,7 @@ impl ChildPlan {
                 self as *const ChildPlan as *const libc::c_void,
                 self.stacks.top(COMMAND_STACK),
                 0,
+                std::ptr::null_mut(),
             );
             if cmd < 0 {
                 fail(sfd, Stage::Fork);

@@ -79,6 +79,12 @@ impl LocalSandbox {
                 .cgroup_error
                 .get_or_insert(format!("cannot create {}: {e}", root_dir.display()));
         }
+        // Orphaned sandbox inits come back to us, not to the host's init (see child::ShimState).
+        if let Err(e) = child::become_subreaper() {
+            probe
+                .cgroup_error
+                .get_or_insert(format!("cannot become a child subreaper: {e}"));
+        }
         let warm = match (&cgroups, warm_slots) {
             (Some(driver), n) if n > 0 && probe.local_missing(1).is_empty() => {
                 let w = Arc::new(WarmSlots::new(driver.clone(), n));
@@ -181,6 +187,7 @@ impl LocalSandbox {
             stdio: fds.stdio,
             hello_fd: fds.hello,
             stacks,
+            shim_state: Default::default(),
             sync_fd: fds.sync,
             _argv: argv,
             _envp: envp,
@@ -438,7 +445,7 @@ impl Drop for LocalSandbox {
 /// with the daemon, until they are gone, and an empty cgroup is the proof that they are.
 struct CgroupGuard {
     cg: Option<Box<dyn RunCgroup>>,
-    keep: Vec<Keepalive>,
+    keep: Pinned,
 }
 
 /// Memory the sandbox's children may use until they are gone (plan, stacks, prepared shim).
@@ -448,7 +455,7 @@ impl CgroupGuard {
     fn new(cg: Box<dyn RunCgroup>) -> Self {
         CgroupGuard {
             cg: Some(cg),
-            keep: Vec::new(),
+            keep: Pinned::default(),
         }
     }
 
@@ -461,28 +468,44 @@ impl CgroupGuard {
     }
 
     fn keep(&mut self, k: Keepalive) {
-        self.keep.push(k);
-    }
-
-    /// After a failed removal nothing proves the children are gone: keep their memory for the
-    /// daemon's lifetime rather than free memory a child may still run on.
-    fn release_plan(keep: Vec<Keepalive>, removed: bool) {
-        if removed {
-            drop(keep);
-        } else {
-            std::mem::forget(keep);
-        }
+        self.keep.0.push(k);
     }
 
     async fn finish(mut self) -> Result<(), SandboxError> {
         let cg = self.cg.take();
-        let plan = std::mem::take(&mut self.keep);
-        let removed = tokio::task::spawn_blocking(move || cg.map(|c| c.remove()).transpose())
-            .await
-            .map_err(|e| SandboxError::Setup(format!("cgroup cleanup task: {e}")))?;
-        Self::release_plan(plan, removed.is_ok());
+        let keep = std::mem::take(&mut self.keep);
+        // The memory is released by the task that saw the cgroup removed, so neither a dropped
+        // future nor a task that never ran can free it early (an unreleased Pinned leaks).
+        let removed = tokio::task::spawn_blocking(move || {
+            let r = cg.map(|c| c.remove()).transpose();
+            if r.is_ok() {
+                keep.release();
+            }
+            r
+        })
+        .await
+        .map_err(|e| SandboxError::Setup(format!("cgroup cleanup task: {e}")))?;
         removed?;
         Ok(())
+    }
+}
+
+/// Memory the sandbox's children may use until they are gone. Freed only through
+/// [`Pinned::release`], once the run's cgroup is confirmed empty and removed; dropped otherwise
+/// (nothing proves the children are gone), it is leaked for the daemon's lifetime rather than
+/// freed under a child that may still run on it.
+#[derive(Default)]
+struct Pinned(Vec<Keepalive>);
+
+impl Pinned {
+    fn release(mut self) {
+        drop(std::mem::take(&mut self.0));
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.0));
     }
 }
 
@@ -498,7 +521,10 @@ impl Drop for CgroupGuard {
             },
             None => true,
         };
-        Self::release_plan(std::mem::take(&mut self.keep), removed);
+        let keep = std::mem::take(&mut self.keep);
+        if removed {
+            keep.release();
+        }
     }
 }
 
@@ -765,12 +791,22 @@ impl Sandbox for LocalSandbox {
             .as_ref()
             .ok_or_else(|| SandboxError::Unavailable("cgroups".into()))?;
         let limits = spec.limits.clone();
-        let slot = self.warm.as_ref().and_then(|w| w.take());
+        // A slot whose shim is gone (it could not join its cgroup) is dropped, and the run
+        // prepares its cgroup on demand.
+        let slot = self
+            .warm
+            .as_ref()
+            .and_then(|w| w.take())
+            .filter(|s| !s.exited.is_finished());
         // Replace the slot once this run's cgroup is gone, not now: a new slot's shim joins its
         // cgroup holding the kernel's cgroup mutex for a grace period, which would stall this
         // run's own cgroup work (rename, limits, removal) behind it. Declared before the guard,
         // so it acts after the guard's removal on every path.
         let _refill = RefillOnDrop(self.warm.clone());
+        // The child's ends of the run's pipes, declared before the guard so that on every early
+        // return the run is killed before their numbers are freed: a prepared shim shares our fd
+        // table until it takes its own copy.
+        let mut child_ends_slot;
         let (mut guard, warm) = match slot {
             Some(mut slot) => {
                 let cg = slot.guard.get_mut();
@@ -839,12 +875,13 @@ impl Sandbox for LocalSandbox {
         };
         let plan = Arc::new(self.plan(&spec, &join, stacks, fds, &extra_env)?);
         guard.keep(plan.clone());
-        let seccomp_keepalive = self.seccomp.clone();
+        // The seccomp program the command installs lives in it until its execve.
+        guard.keep(self.seccomp.clone());
         let (sync_r, sync_w) = sync.unzip();
         let (hello_r, hello_w) = hello.unzip();
         // The child's ends stay open until the shim is gone: the shim copies the fd table when it
         // is cloned (or, prepared, when it is told to go), which happens on another thread.
-        let child_ends = (
+        child_ends_slot = Some((
             status_w,
             landlock_fd,
             stdin_child,
@@ -852,7 +889,7 @@ impl Sandbox for LocalSandbox {
             stderr_child,
             sync_r,
             hello_w,
-        );
+        ));
 
         let start = Instant::now();
         let mut exited = match warm {
@@ -942,13 +979,20 @@ impl Sandbox for LocalSandbox {
         };
         if killed.is_some() {
             let cg = guard.get();
-            // Kill every process of the run, setsid'd and double-forked ones included.
-            if let Err(e) = tokio::task::block_in_place(|| cg.kill_all()) {
-                tracing::error!(error = %e, "kill_all after limit");
-            }
-            spawn_result = Some((&mut exited).await);
+            // Kill every process of the run, setsid'd and double-forked ones included, and keep
+            // at it until the shim is gone: a shim still on its way into the cgroup (a slow
+            // join) is not there for the first kill.
+            spawn_result = Some(loop {
+                if let Err(e) = tokio::task::block_in_place(|| cg.kill_all()) {
+                    tracing::error!(error = %e, "kill_all after limit");
+                }
+                tokio::select! {
+                    r = &mut exited => break r,
+                    _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+                }
+            });
         }
-        drop(child_ends);
+        drop(child_ends_slot.take());
         match spawn_result {
             Some(Ok(Ok(()))) => {}
             Some(Ok(Err(e))) => return Err(SandboxError::Setup(format!("clone: {e}"))),
@@ -985,7 +1029,6 @@ impl Sandbox for LocalSandbox {
         };
         let record = read_status(&status_r);
         let stats = cg.stats();
-        drop(seccomp_keepalive);
         guard.finish().await?;
 
         let exit = match record {
@@ -1042,5 +1085,60 @@ mod tests {
         // A torn trailing record is ignored; nothing at all is None.
         assert_eq!(pick_record(&[&exit[..], &[1, 2, 3]].concat()), Some(exit));
         assert_eq!(pick_record(&[]), None);
+    }
+
+    fn sleep_spec(id: &str, timeout: Duration) -> RunSpec {
+        RunSpec {
+            exec_id: id.into(),
+            argv: vec!["/bin/sleep".into(), "4".into()],
+            stdin: None,
+            env: Default::default(),
+            limits: crate::sandbox::Limits {
+                cpus: 1.0,
+                memory_bytes: 256 << 20,
+                disk_bytes: 16 << 20,
+                timeout,
+                pids: 64,
+                output_bytes: 1 << 16,
+                nofile: 256,
+            },
+            network: NetworkPolicy::None,
+            fs: crate::sandbox::FsRules {
+                read_only: ["/usr", "/bin", "/lib", "/lib64", "/etc"]
+                    .iter()
+                    .map(PathBuf::from)
+                    .collect(),
+                extra_files: vec![],
+                workdir: "/work".into(),
+            },
+            uid: 65534,
+            gid: 65534,
+            landlock_abi: 0,
+            image: None,
+            profile: "t".into(),
+            cancel: None,
+        }
+    }
+
+    /// A wall clock that fires before a prepared shim has joined its cgroup (1 ms, freshly
+    /// prepared slots) still kills the run: the kill is repeated until the shim is gone, so
+    /// `sleep 4` never gets to exit 0. Needs root and cgroups, like the rest of the suite.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wall_clock_that_fires_before_the_shim_joined_still_kills_the_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let sb = LocalSandbox::new("executor-arm", 4, dir.path(), None);
+        assert!(sb.probe.local_missing(1).is_empty(), "{:?}", sb.probe);
+        for i in 0..12 {
+            let o = sb
+                .run(sleep_spec(&format!("unit-{i}"), Duration::from_millis(1)))
+                .await
+                .expect("run");
+            assert_ne!(
+                o.exit,
+                ExitKind::Exited(0),
+                "run {i} escaped its wall clock"
+            );
+            assert_eq!(o.killed_reason, Some(KilledReason::Timeout), "run {i}");
+        }
     }
 }
