@@ -264,6 +264,17 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        // A failing test shows what the daemon logged above info level: CI keeps no other trace.
+        if std::thread::panicking() {
+            let lines: Vec<String> = self
+                .log
+                .try_iter()
+                .filter(|l| l.contains("\"WARN\"") || l.contains("\"ERROR\""))
+                .collect();
+            for l in &lines[lines.len().saturating_sub(40)..] {
+                eprintln!("daemon log: {l}");
+            }
+        }
         if let Some(mut c) = self.child.take() {
             // SAFETY: kill(2) on our own child's pid.
             unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };

@@ -194,7 +194,13 @@ impl DockerSandbox {
     /// The engine's OOM verdict, read once the container has stopped (bounded wait).
     async fn oom_verdict(&self, id: &str) -> Result<bool, EngineError> {
         let engine = self.engine();
-        let waited = tokio::time::timeout(VERDICT_TIMEOUT, engine.wait_stopped(id)).await;
+        let mut waited = tokio::time::timeout(VERDICT_TIMEOUT, engine.wait_stopped(id)).await;
+        if waited.is_err() {
+            // Still running after its supervisor vanished (a gVisor sandbox busy dying on a
+            // loaded host): stop it, so the engine's record is final before it is read.
+            let _ = engine.kill(id).await;
+            waited = tokio::time::timeout(VERDICT_TIMEOUT, engine.wait_stopped(id)).await;
+        }
         if let Ok(r) = &waited {
             self.janitor.observe(r);
         }
