@@ -2,7 +2,7 @@
 //!
 //! Needs a running dockerd with the runc and runsc runtimes and the sandbox image
 //! (`scripts/setup-docker.sh`, `scripts/build-sandbox-image.sh`). Without them every test fails;
-//! a developer may skip them only with `EXECUTOR_ARM_SKIP_DOCKER_TESTS=1`, which prints a line.
+//! they never skip.
 //!
 //! Every test checks from the host that no container of its daemon is left once it stops.
 
@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::docker::{
-    SOCKET, config, container_exists, container_of, containers, docker, docker_ps, docker_ready,
-    finish, instance_of, wait_until,
+    SOCKET, config, container_exists, container_of, containers, docker, docker_ps, finish,
+    instance_of, require_docker, wait_until,
 };
 use common::{Daemon, Opts};
 use serde_json::{Value, json};
@@ -76,9 +76,7 @@ fn host_processes(needle: &str) -> Vec<i32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_examples_run_in_a_fresh_container_each() {
-    if !docker_ready("seed_examples_run_in_a_fresh_container_each") {
-        return;
-    }
+    require_docker("seed_examples_run_in_a_fresh_container_each");
     for rt in RUNTIMES {
         let d = start(rt, 1);
         let mut log = Vec::new();
@@ -168,9 +166,7 @@ async fn seed_examples_run_in_a_fresh_container_each() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn confinement_holds() {
-    if !docker_ready("confinement_holds") {
-        return;
-    }
+    require_docker("confinement_holds");
     let listener = std::net::TcpListener::bind("0.0.0.0:0").expect("listener");
     let port = listener.local_addr().expect("addr").port();
     listener.set_nonblocking(true).expect("nonblocking");
@@ -261,9 +257,7 @@ print([n for _, n in socket.if_nameindex()])
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_stop_bombs_and_floods() {
-    if !docker_ready("limits_stop_bombs_and_floods") {
-        return;
-    }
+    require_docker("limits_stop_bombs_and_floods");
     for rt in RUNTIMES {
         let d = start(rt, 1);
 
@@ -334,9 +328,7 @@ except OSError as e:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeouts_kill_everything_and_orphans_are_reaped() {
-    if !docker_ready("timeouts_kill_everything_and_orphans_are_reaped") {
-        return;
-    }
+    require_docker("timeouts_kill_everything_and_orphans_are_reaped");
     for rt in RUNTIMES {
         let d = start(rt, 1);
         let mut log = Vec::new();
@@ -425,9 +417,7 @@ print("zombies", len(z))
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gvisor_runs_under_gvisor_and_runc_does_not() {
-    if !docker_ready("gvisor_runs_under_gvisor_and_runc_does_not") {
-        return;
-    }
+    require_docker("gvisor_runs_under_gvisor_and_runc_does_not");
     let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     for rt in RUNTIMES {
         let d = start(rt, 0);
@@ -458,9 +448,7 @@ async fn gvisor_runs_under_gvisor_and_runc_does_not() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warm_pool_serves_hits_and_pool_off_still_works() {
-    if !docker_ready("warm_pool_serves_hits_and_pool_off_still_works") {
-        return;
-    }
+    require_docker("warm_pool_serves_hits_and_pool_off_still_works");
     for rt in RUNTIMES {
         let backend = if rt == "runc" { "docker" } else { "gvisor" };
         let d = start(rt, 2);
@@ -528,9 +516,7 @@ async fn warm_pool_serves_hits_and_pool_off_still_works() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orphans_of_a_killed_daemon_are_removed_at_restart() {
-    if !docker_ready("orphans_of_a_killed_daemon_are_removed_at_restart") {
-        return;
-    }
+    require_docker("orphans_of_a_killed_daemon_are_removed_at_restart");
     let mut d = start("runc", 1);
     let old = instance_of(&d);
     let mut log = Vec::new();
@@ -629,9 +615,7 @@ impl EngineProxy {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_loss_fails_the_run_and_leaves_nothing_once_back() {
-    if !docker_ready("engine_loss_fails_the_run_and_leaves_nothing_once_back") {
-        return;
-    }
+    require_docker("engine_loss_fails_the_run_and_leaves_nothing_once_back");
     let dir = tempfile::tempdir().expect("tempdir");
     let sock = dir.path().join("engine.sock");
     let mut proxy = EngineProxy::start(&sock);
@@ -709,9 +693,7 @@ async fn engine_loss_fails_the_run_and_leaves_nothing_once_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_engine_is_not_ready_and_refuses_with_503() {
-    if !docker_ready("unreachable_engine_is_not_ready_and_refuses_with_503") {
-        return;
-    }
+    require_docker("unreachable_engine_is_not_ready_and_refuses_with_503");
     let d = start_with_socket("runc", 1, "/nonexistent/docker.sock");
     let ready = d.get("/ready").await;
     assert_eq!(ready.status, 503, "{}", ready.text);

@@ -12,7 +12,7 @@
 //!
 //! The container backends need dockerd with runc and runsc and the sandbox image
 //! (`scripts/setup-docker.sh`, `scripts/build-sandbox-image.sh`); without them those tests fail,
-//! unless a developer opts out with `EXECUTOR_ARM_SKIP_DOCKER_TESTS=1` (printed).
+//! they never skip.
 
 mod common;
 
@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 
 const ALLOWED: &str = "203.0.113.10"; // "public-looking" (TEST-NET-3)
 const METADATA: &str = "169.254.169.254";
-const IMAGE: &str = "executor-arm-sandbox:latest";
+use common::docker::IMAGE;
 /// Warm pool size of the container backends: the first run launches its container, later ones
 /// take a pooled one, so both paths carry egress.
 const POOL: usize = 1;
@@ -60,9 +60,11 @@ impl Backend {
         self != Backend::Local
     }
 
-    /// Whether this backend's tests may run (see the module docs).
-    fn ready(self, test: &str) -> bool {
-        !self.is_container() || common::docker_ready(&format!("{test} on {self:?}"), IMAGE)
+    /// Fails the test when a container backend's engine is missing (see the module docs).
+    fn require(self, test: &str) {
+        if self.is_container() {
+            common::docker::require_docker(&format!("{test} on {self:?}"));
+        }
     }
 }
 
@@ -509,9 +511,7 @@ async fn egress_is_allowlisted_and_ssrf_safe_on_gvisor() {
 }
 
 async fn egress_is_allowlisted_and_ssrf_safe(backend: Backend) {
-    if !backend.ready("egress_is_allowlisted_and_ssrf_safe") {
-        return;
-    }
+    backend.require("egress_is_allowlisted_and_ssrf_safe");
     let net = Net::new();
     let setup = net.daemon(NETWORK, backend);
     let d = &setup.d;
@@ -752,9 +752,7 @@ async fn bandwidth_is_limited_on_gvisor() {
 }
 
 async fn bandwidth_is_limited(backend: Backend) {
-    if !backend.ready("bandwidth_is_limited") {
-        return;
-    }
+    backend.require("bandwidth_is_limited");
     let net = Net::new();
     // 8 Mbps = 1 000 000 B/s; the output cap is raised so the whole body reaches curl's stdout
     // (`-o` is refused) and curl can report its own transfer rate after it.

@@ -7,8 +7,8 @@
 //! SIGHUP reloads, what is refused before anything runs) do not depend on the backend and run once.
 //!
 //! The docker and gvisor cases need dockerd with the runc and runsc runtimes and the sandbox image
-//! (`scripts/setup-docker.sh`, `scripts/build-sandbox-image.sh`). Without them they fail; a
-//! developer may skip them only with `EXECUTOR_ARM_SKIP_DOCKER_TESTS=1`, which prints a line.
+//! (`scripts/setup-docker.sh`, `scripts/build-sandbox-image.sh`). Without them they fail;
+//! they never skip.
 
 mod common;
 
@@ -48,12 +48,10 @@ impl Backend {
         }
     }
 
-    /// Whether `test` runs: always on the local backend; on the others when the engine is there
-    /// (otherwise it fails, unless the developer opted out).
-    fn ready(self, test: &str) -> bool {
-        match self {
-            Backend::Local => true,
-            Backend::Docker | Backend::Gvisor => common::docker::docker_ready(test),
+    /// Fails the test when a container backend's engine is missing.
+    fn require(self, test: &str) {
+        if self != Backend::Local {
+            common::docker::require_docker(test);
         }
     }
 }
@@ -73,9 +71,8 @@ macro_rules! on_every_backend {
                 #[tokio::test]
                 async fn $case() {
                     let backend = super::Backend::$backend;
-                    if backend.ready(concat!(stringify!($module), "::", stringify!($case))) {
-                        super::$case(backend).await.finish();
-                    }
+                    backend.require(concat!(stringify!($module), "::", stringify!($case)));
+                    super::$case(backend).await.finish();
                 }
             )+
         }
