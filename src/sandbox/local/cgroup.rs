@@ -105,6 +105,21 @@ fn kill_pids(pids: &[i32]) {
     }
 }
 
+/// Repeats `kill_once` until the cgroup is empty, for at most two seconds.
+fn kill_until_empty(cg: &dyn RunCgroup, mut kill_once: impl FnMut()) -> io::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        kill_once();
+        if cg.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(io::Error::other("cgroup not empty after kill"));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// rmdir with a short retry: a cgroup is removable only once its last task is fully gone.
 fn rmdir_retry(dir: &Path) -> io::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(2);
@@ -232,24 +247,14 @@ impl RunCgroup for V2Run {
 
     fn kill_all(&self) -> io::Result<()> {
         let kill_file = self.dir.join("cgroup.kill");
-        let deadline = Instant::now() + Duration::from_secs(2);
-        loop {
+        kill_until_empty(self, || {
             if kill_file.exists() {
                 // cgroup.kill (5.14+) kills atomically, including tasks forking right now.
                 let _ = write_file(&kill_file, "1");
             } else {
                 kill_pids(&procs_of(&self.dir));
             }
-            if self.is_empty() || Instant::now() >= deadline {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        if self.is_empty() {
-            Ok(())
-        } else {
-            Err(io::Error::other("cgroup not empty after kill"))
-        }
+        })
     }
 
     fn stats(&self) -> CgroupStats {
@@ -463,8 +468,7 @@ impl RunCgroup for V1Run {
     }
 
     fn kill_all(&self) -> io::Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(2);
-        loop {
+        kill_until_empty(self, || {
             // Freeze first so nothing forks between reading cgroup.procs and the kill.
             let frozen = self
                 .freezer
@@ -475,16 +479,7 @@ impl RunCgroup for V1Run {
             if frozen && let Some(f) = &self.freezer {
                 let _ = write_file(&f.join("freezer.state"), "THAWED");
             }
-            if self.is_empty() || Instant::now() >= deadline {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        if self.is_empty() {
-            Ok(())
-        } else {
-            Err(io::Error::other("cgroup not empty after kill"))
-        }
+        })
     }
 
     fn stats(&self) -> CgroupStats {

@@ -26,7 +26,7 @@
 use std::ffi::CString;
 use std::os::raw::c_char;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::Ordering;
 
 use super::landlock::{self, PathBeneathAttr};
 
@@ -528,8 +528,8 @@ pub struct WarmShim {
     /// its run before a slow shim got to join it.
     cgroup_procs: Vec<std::os::fd::OwnedFd>,
     go_fd: i32,
-    plan: AtomicPtr<ChildPlan>,
-    /// Keeps the armed plan alive as long as the shim's starting thread runs.
+    /// The run's plan, set once before the go byte; holding it here keeps it alive as long as
+    /// the shim's starting thread runs. Reading it is one atomic load (async-signal-safe).
     armed: std::sync::OnceLock<Arc<ChildPlan>>,
     stacks: Arc<Stacks>,
     state: ShimState,
@@ -546,7 +546,6 @@ impl WarmShim {
         WarmShim {
             cgroup_procs,
             go_fd,
-            plan: AtomicPtr::new(std::ptr::null_mut()),
             armed: std::sync::OnceLock::new(),
             stacks,
             state: ShimState::default(),
@@ -561,8 +560,6 @@ impl WarmShim {
     /// shim's stacks and outlive the run's cgroup like the shim itself.
     pub fn arm(&self, plan: &Arc<ChildPlan>) {
         let _ = self.armed.set(plan.clone());
-        self.plan
-            .store(Arc::as_ptr(plan) as *mut ChildPlan, Ordering::Release);
     }
 
     /// Starts the shim and returns once it has exited. See [`ChildPlan::spawn_and_wait`].
@@ -611,11 +608,9 @@ impl WarmShim {
                 }
                 libc::_exit(0); // the slot was discarded
             }
-            let plan = self.plan.load(Ordering::Acquire);
-            if plan.is_null() {
+            let Some(plan) = self.armed.get() else {
                 libc::_exit(0);
-            }
-            let plan = &*plan;
+            };
             if !unshared {
                 fail(plan.status_fd, Stage::Unshare);
             }
