@@ -257,3 +257,36 @@ pub trait Sandbox: Send + Sync {
     /// returned future is dropped.
     async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError>;
 }
+
+/// A run spec for unit tests of the backends: `argv` as given, the seed's default-sized limits,
+/// no network, no paths, uid/gid 65534. Tests override what they exercise.
+#[cfg(test)]
+pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {
+    RunSpec {
+        exec_id: "exec-test".into(),
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        stdin: None,
+        env: BTreeMap::new(),
+        limits: Limits {
+            cpus: 0.5,
+            memory_bytes: 512 << 20,
+            disk_bytes: 100 << 20,
+            timeout: Duration::from_secs(30),
+            pids: 64,
+            output_bytes: 1 << 20,
+            nofile: 256,
+        },
+        network: NetworkPolicy::None,
+        fs: FsRules {
+            read_only: vec![],
+            extra_files: vec![],
+            workdir: PathBuf::from("/work"),
+        },
+        uid: 65534,
+        gid: 65534,
+        landlock_abi: 0,
+        image: None,
+        profile: "test".into(),
+        cancel: None,
+    }
+}

@@ -330,38 +330,15 @@ fn canonical(v: &serde_json::Value, h: &mut Sha256) {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::sandbox::{FsRules, Limits};
-    use std::collections::BTreeMap;
     use std::path::PathBuf;
     use std::time::Duration;
 
     pub(crate) fn spec() -> RunSpec {
         RunSpec {
             exec_id: "exec-1".into(),
-            argv: vec!["/usr/bin/echo".into(), "hi".into()],
-            stdin: None,
-            env: BTreeMap::new(),
-            limits: Limits {
-                cpus: 0.5,
-                memory_bytes: 512 << 20,
-                disk_bytes: 100 << 20,
-                timeout: Duration::from_secs(30),
-                pids: 64,
-                output_bytes: 1 << 20,
-                nofile: 256,
-            },
-            network: NetworkPolicy::None,
-            fs: FsRules {
-                read_only: vec![],
-                extra_files: vec![],
-                workdir: PathBuf::from("/work"),
-            },
-            uid: 65534,
-            gid: 65534,
             landlock_abi: 1,
-            image: None,
             profile: "shell-readonly".into(),
-            cancel: None,
+            ..crate::sandbox::test_spec(&["/usr/bin/echo", "hi"])
         }
     }
 

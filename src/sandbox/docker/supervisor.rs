@@ -215,17 +215,15 @@ impl FrameDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sandbox::{FsRules, Limits, NetworkPolicy};
+    use crate::sandbox::Limits;
     use std::collections::BTreeMap;
     use std::io::Write;
-    use std::path::PathBuf;
     use std::process::{Command, Stdio};
     use std::time::Duration;
 
     fn spec(argv: &[&str], stdin: Option<&[u8]>) -> RunSpec {
+        let base = crate::sandbox::test_spec(argv);
         RunSpec {
-            exec_id: "exec-test".into(),
-            argv: argv.iter().map(|s| s.to_string()).collect(),
             stdin: stdin.map(|s| s.to_vec()),
             env: BTreeMap::from([
                 ("PATH".to_string(), "/usr/bin:/bin".to_string()),
@@ -233,25 +231,12 @@ mod tests {
             ]),
             limits: Limits {
                 cpus: 1.0,
-                memory_bytes: 1 << 29,
                 disk_bytes: 1 << 20,
                 timeout: Duration::from_secs(5),
-                pids: 64,
-                output_bytes: 1 << 20,
-                nofile: 256,
+                ..base.limits.clone()
             },
-            network: NetworkPolicy::None,
-            fs: FsRules {
-                read_only: vec![],
-                extra_files: vec![],
-                workdir: PathBuf::from("/work"),
-            },
-            uid: 65534,
-            gid: 65534,
-            landlock_abi: 0,
-            image: None,
             profile: "p".into(),
-            cancel: None,
+            ..base
         }
     }
 

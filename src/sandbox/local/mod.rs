@@ -1088,35 +1088,26 @@ mod tests {
     }
 
     fn sleep_spec(id: &str, timeout: Duration) -> RunSpec {
+        let base = crate::sandbox::test_spec(&["/bin/sleep", "4"]);
         RunSpec {
             exec_id: id.into(),
-            argv: vec!["/bin/sleep".into(), "4".into()],
-            stdin: None,
-            env: Default::default(),
             limits: crate::sandbox::Limits {
                 cpus: 1.0,
                 memory_bytes: 256 << 20,
                 disk_bytes: 16 << 20,
                 timeout,
-                pids: 64,
                 output_bytes: 1 << 16,
-                nofile: 256,
+                ..base.limits.clone()
             },
-            network: NetworkPolicy::None,
             fs: crate::sandbox::FsRules {
                 read_only: ["/usr", "/bin", "/lib", "/lib64", "/etc"]
                     .iter()
                     .map(PathBuf::from)
                     .collect(),
-                extra_files: vec![],
-                workdir: "/work".into(),
+                ..base.fs.clone()
             },
-            uid: 65534,
-            gid: 65534,
-            landlock_abi: 0,
-            image: None,
             profile: "t".into(),
-            cancel: None,
+            ..base
         }
     }
 
