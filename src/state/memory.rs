@@ -43,6 +43,14 @@ impl StateStore for MemoryStore {
         Ok(true)
     }
 
+    async fn release_jti(&self, jti: &str) -> Result<(), StateError> {
+        self.jtis
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(jti);
+        Ok(())
+    }
+
     async fn idempotency_begin(
         &self,
         key: &str,
@@ -126,6 +134,9 @@ mod tests {
     #[tokio::test]
     async fn jti_once_and_idempotency_states() {
         let s = MemoryStore::new();
+        assert!(s.claim_jti("a", crate::auth::now() + 60).await.unwrap());
+        assert!(!s.claim_jti("a", crate::auth::now() + 60).await.unwrap());
+        s.release_jti("a").await.unwrap();
         assert!(s.claim_jti("a", crate::auth::now() + 60).await.unwrap());
         assert!(!s.claim_jti("a", crate::auth::now() + 60).await.unwrap());
         let ttl = Duration::from_secs(60);

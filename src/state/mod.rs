@@ -39,6 +39,9 @@ pub enum StateError {
 pub trait StateStore: Send + Sync {
     /// Records a single-use jti until `exp`; false when it was seen before (a replay).
     async fn claim_jti(&self, jti: &str, exp_unix: u64) -> Result<bool, StateError>;
+    /// Forgets a claimed jti whose request never ran (its start could not be audited), so the
+    /// token stays usable.
+    async fn release_jti(&self, jti: &str) -> Result<(), StateError>;
     async fn idempotency_begin(
         &self,
         key: &str,

@@ -57,6 +57,15 @@ impl StateStore for RedisStore {
         Ok(set.is_some())
     }
 
+    async fn release_jti(&self, jti: &str) -> Result<(), StateError> {
+        let mut c = self.conn.clone();
+        let _: () = c
+            .del(format!("{}jti:{jti}", self.prefix))
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
     async fn idempotency_begin(
         &self,
         key: &str,
