@@ -51,7 +51,12 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     if !auth.has_keys() {
         return Err(BuildError::NoKeys);
     }
-    let audit = AuditLog::open(&config.audit.path)?;
+    let instance_id = format!("{}-{}", hostname(), std::process::id());
+    let metrics = Metrics::new();
+    let audit = AuditLog::open(&config.audit.path, &instance_id)?;
+    if audit.recovered().is_some() {
+        metrics.audit_segments_recovered.inc();
+    }
     let mut policy = Policy::load(&config)?;
     let executors = Registry::load(&config.executors.dir);
     let store: Arc<dyn StateStore> = match &config.state.redis_url {
@@ -68,8 +73,6 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     );
     let host_probe = Some(local.probe().clone());
     backends.insert(BackendKind::Local, Arc::new(local));
-    let metrics = Metrics::new();
-    let instance_id = format!("{}-{}", hostname(), std::process::id());
     for kind in [BackendKind::Docker, BackendKind::Gvisor] {
         let pool = PoolMetrics {
             size: metrics.pool_size.clone(),

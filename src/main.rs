@@ -167,8 +167,16 @@ fn main() -> Result<()> {
         Cmd::Audit {
             cmd: AuditCmd::Verify { file },
         } => match audit::verify(&file) {
-            Ok((n, last)) => {
-                println!("ok: {n} entries, chain intact, last entry_hash {last}");
+            Ok(v) => {
+                println!(
+                    "ok: {} entries, chain intact, last seq {}, last entry_hash {}",
+                    v.lines, v.last_seq, v.last_hash
+                );
+                if let Some((seq, hash)) = v.continues {
+                    println!(
+                        "this segment continues a previous one (see its segment_start line) after seq {seq}, entry_hash {hash}"
+                    );
+                }
                 Ok(())
             }
             Err(e) => {

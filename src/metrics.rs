@@ -22,6 +22,8 @@ pub struct Metrics {
     pub pool_size: IntGaugeVec,
     pub pool_events: IntCounterVec,
     pub egress_connections: IntCounterVec,
+    pub audit_segments_recovered: IntCounter,
+    pub audit_append_failures: IntCounterVec,
 }
 
 const BUCKETS: &[f64] = &[
@@ -109,6 +111,19 @@ impl Metrics {
             &["backend", "event"],
         )
         .expect("metric");
+        let audit_segments_recovered = IntCounter::new(
+            "executor_audit_segments_recovered_total",
+            "Audit logs that did not verify at start, moved aside for a new segment",
+        )
+        .expect("metric");
+        let audit_append_failures = IntCounterVec::new(
+            Opts::new(
+                "executor_audit_append_failures_total",
+                "Audit lines that could not be written, by event",
+            ),
+            &["event"],
+        )
+        .expect("metric");
         for c in [
             Box::new(executions.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(executions_by_backend.clone()),
@@ -124,6 +139,8 @@ impl Metrics {
             Box::new(pool_size.clone()),
             Box::new(pool_events.clone()),
             Box::new(egress_connections.clone()),
+            Box::new(audit_segments_recovered.clone()),
+            Box::new(audit_append_failures.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
@@ -143,6 +160,8 @@ impl Metrics {
             pool_size,
             pool_events,
             egress_connections,
+            audit_segments_recovered,
+            audit_append_failures,
         }
     }
 

@@ -585,7 +585,9 @@ async fn idempotency_request_id_and_ops_endpoints() {
     let first = d.post("/execute", &h, body.clone()).await;
     assert_eq!(first.status, 200, "{}", first.text);
     let executions = |d: &Daemon| {
-        d.audit_lines()
+        let lines = d.audit_lines();
+        common::assert_runs_paired(&lines);
+        lines
             .iter()
             .filter(|l| l["event"] == json!("execution"))
             .count()
@@ -763,7 +765,27 @@ async fn audit_verify_cli_detects_tampering() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("4 entries"));
+    // Three runs (a start and an end line each) and a refusal.
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("7 entries"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let parsed = d.audit_lines();
+    common::assert_runs_paired(&parsed);
+    let events: Vec<&str> = parsed.iter().filter_map(|l| l["event"].as_str()).collect();
+    assert_eq!(
+        events,
+        [
+            "execution_start",
+            "execution",
+            "execution_start",
+            "execution",
+            "execution_start",
+            "execution",
+            "refusal"
+        ]
+    );
     let lines: Vec<String> = std::fs::read_to_string(&d.audit)
         .unwrap()
         .lines()
@@ -986,11 +1008,330 @@ async fn a_client_disconnect_mid_run_still_audits_and_records_the_run() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    common::assert_runs_paired(&d.audit_lines());
     let out = std::process::Command::new(common::bin())
         .args(["audit", "verify"])
         .arg(&d.audit)
         .output()
         .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Caller-controlled JSON ends up in the audit line. Values that do not survive a parse/print
+/// round trip (this float), integers past u64, -0.0, escapes, duplicate keys and deep nesting must
+/// not make the chain fail to verify, and so must not stop the daemon from restarting.
+#[tokio::test(flavor = "multi_thread")]
+async fn caller_json_in_metadata_cannot_poison_the_audit_log() {
+    let d = Daemon::start();
+    let deep = format!("{}0{}", "[".repeat(100), "]".repeat(100));
+    let metadata = format!(
+        r#"{{"score": 1.0715660391465826e-75, "big": 123456789012345678901234567890, "neg_zero": -0.0, "text": "\u00e9\ud83d\ude00\u2028\u0000\"\\", "dup": 1, "dup": 2, "deep": {deep}}}"#
+    );
+    let body = format!(
+        r#"{{"action_type": "shell", "command": "echo", "args": ["poison"], "capability_token": "{}", "metadata": {metadata}}}"#,
+        d.cap_all()
+    );
+    let svc = format!("Bearer {}", d.service_token());
+    let r = d.post("/execute", &[("authorization", &svc)], body).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(
+        r.json["provenance"]["metadata"]["dup"],
+        json!(2),
+        "{}",
+        r.text
+    );
+    let out = common::audit_verify(&d.audit);
+    assert!(
+        out.status.success(),
+        "the log does not verify: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let d = d.restart(Opts::default());
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": ["after restart"]}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let out = common::audit_verify(&d.audit);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A log that does not verify (an edited line, a line torn by a crash, garbage) never keeps the
+/// daemon from starting: the old file is moved aside untouched, a new segment starts with a
+/// `segment_start` line that records it and chains from its last good line, and it is alerted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_corrupt_audit_log_is_moved_aside_and_a_new_segment_starts() {
+    type Corrupt = fn(&[String]) -> (Vec<u8>, usize);
+    let cases: [(&str, Corrupt); 3] = [
+        ("edited line", |lines| {
+            let mut ls = lines.to_vec();
+            ls[1] = ls[1].replace("\"exit_code\":0", "\"exit_code\":1");
+            assert_ne!(ls[1], lines[1], "the edit changed nothing");
+            ((ls.join("\n") + "\n").into_bytes(), 1)
+        }),
+        ("torn last line", |lines| {
+            let last = &lines[lines.len() - 1];
+            let torn = format!("{}\n{}", lines.join("\n"), &last[..last.len() / 2]);
+            (torn.into_bytes(), lines.len())
+        }),
+        ("garbage", |_| {
+            (b"\x00\xff not json\n{\"seq\":1}\n".to_vec(), 0)
+        }),
+    ];
+    for (case, corrupt) in cases {
+        let mut d = Daemon::start();
+        for i in 0..2 {
+            let r = d
+                .exec(json!({"action_type": "shell", "command": "echo", "args": [i.to_string()]}))
+                .await;
+            assert_eq!(r.status, 200, "{case}: {}", r.text);
+        }
+        d.stop();
+        let lines: Vec<String> = std::fs::read_to_string(&d.audit)
+            .expect("audit log")
+            .lines()
+            .map(String::from)
+            .collect();
+        let (bytes, good) = corrupt(&lines);
+        std::fs::write(&d.audit, &bytes).expect("corrupt the log");
+        let (good_seq, good_hash) = match good {
+            0 => (json!(0), json!(executor_arm::provenance::audit::GENESIS)),
+            n => {
+                let l: Value = serde_json::from_str(&lines[n - 1]).expect("line");
+                (l["seq"].clone(), l["entry_hash"].clone())
+            }
+        };
+
+        let d = d.restart(Opts::default());
+        let moved: Vec<std::path::PathBuf> = std::fs::read_dir(d.dir.path())
+            .expect("dir")
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| {
+                let n = p.file_name().unwrap_or_default().to_string_lossy();
+                n.starts_with("audit.jsonl.") && n.ends_with(".broken")
+            })
+            .collect();
+        assert_eq!(moved.len(), 1, "{case}: {moved:?}");
+        assert_eq!(
+            std::fs::read(&moved[0]).expect("moved log"),
+            bytes,
+            "{case}: the old segment is kept byte for byte"
+        );
+        let first = &d.audit_lines()[0];
+        assert_eq!(first["event"], json!("segment_start"), "{case}: {first}");
+        assert_eq!(
+            first["previous_file"],
+            json!(moved[0].file_name().unwrap().to_string_lossy()),
+            "{case}: {first}"
+        );
+        assert_eq!(first["previous_state"], json!("broken"), "{case}: {first}");
+        assert!(
+            first["previous_error"]
+                .as_str()
+                .is_some_and(|e| e.contains(&format!("line {}", good + 1))),
+            "{case}: {first}"
+        );
+        assert_eq!(
+            first["previous_verified_lines"],
+            json!(good),
+            "{case}: {first}"
+        );
+        assert_eq!(first["previous_last_seq"], good_seq, "{case}: {first}");
+        assert_eq!(first["previous_last_hash"], good_hash, "{case}: {first}");
+        assert_eq!(
+            first["prev_hash"], good_hash,
+            "{case}: chains from the last good line"
+        );
+        assert_eq!(
+            first["previous_sha256"],
+            json!(format!("sha256:{}", hex::encode(Sha256::digest(&bytes)))),
+            "{case}: {first}"
+        );
+        assert!(
+            d.startup_log
+                .iter()
+                .any(|l| l.contains("\"ERROR\"") && l.contains("audit log")),
+            "{case}: no ERROR line: {:#?}",
+            d.startup_log
+        );
+        let metrics = d.get("/metrics").await.text;
+        assert!(
+            metrics
+                .lines()
+                .any(|l| l == "executor_audit_segments_recovered_total 1"),
+            "{case}: {metrics}"
+        );
+        let r = d
+            .exec(json!({"action_type": "shell", "command": "echo", "args": ["next"]}))
+            .await;
+        assert_eq!(r.status, 200, "{case}: {}", r.text);
+        let out = common::audit_verify(&d.audit);
+        assert!(
+            out.status.success(),
+            "{case}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// A tmpfs mounted for one test; unmounted when dropped (lazily if something still holds it).
+struct Tmpfs(tempfile::TempDir);
+
+impl Tmpfs {
+    fn mount(size: &str) -> Tmpfs {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let st = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
+            .arg(dir.path())
+            .status()
+            .expect("run mount");
+        assert!(st.success(), "mount tmpfs on {}", dir.path().display());
+        Tmpfs(dir)
+    }
+
+    fn path(&self) -> &std::path::Path {
+        self.0.path()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let umount = |lazy: bool| {
+            let mut c = std::process::Command::new("umount");
+            if lazy {
+                c.arg("-l");
+            }
+            c.arg(self.0.path()).status().is_ok_and(|s| s.success())
+        };
+        if !umount(false) {
+            umount(true);
+        }
+    }
+}
+
+/// Writes to `dir` until its filesystem is full; returns the filler's path.
+fn fill(dir: &std::path::Path) -> std::path::PathBuf {
+    let p = dir.join("filler");
+    let mut f = std::fs::File::create(&p).expect("filler");
+    let chunk = vec![0u8; 4096];
+    loop {
+        match f.write(&chunk) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+            Err(e) => panic!("fill {}: {e}", p.display()),
+        }
+    }
+    p
+}
+
+fn executions_total(metrics: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("executor_executions_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// With no room for the audit log, an admitted request is refused with 503 and nothing runs
+/// unaudited; its single-use token and idempotency key stay usable. /readyz says why, and both
+/// recover once space is freed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_disk_under_the_audit_log_refuses_with_503_and_runs_nothing() {
+    let fs = Tmpfs::mount("1m");
+    let log = fs.path().join("audit.jsonl");
+    let d = Daemon::start_with(Opts {
+        env: vec![("EXECUTOR_ARM_AUDIT_LOG".into(), log.display().to_string())],
+        ..Default::default()
+    });
+    let lines = || -> Vec<Value> {
+        std::fs::read_to_string(&log)
+            .expect("audit log")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("audit line is JSON"))
+            .collect()
+    };
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": ["before"]}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(d.get("/readyz").await.status, 200);
+
+    let filler = fill(fs.path());
+    let before_lines = lines().len();
+    let before_len = std::fs::metadata(&log).expect("log").len();
+    let before_runs = executions_total(&d.get("/metrics").await.text);
+    // Longer than a page, so no tail of an allocated page can hold its line.
+    let marker = format!("full-{}", "x".repeat(6000));
+    let cap = d.mint(MintRequest {
+        kind: Some(TokenKind::Capability),
+        ttl_seconds: 120,
+        aud: "executor-arm".into(),
+        sub: Some("orchestrator".into()),
+        capabilities: vec!["ShellExecute".into()],
+        single_use: true,
+        ..Default::default()
+    });
+    let svc = format!("Bearer {}", d.service_token());
+    let h = [
+        ("authorization", svc.as_str()),
+        ("idempotency-key", "full-disk-1"),
+    ];
+    let body = json!({"action_type": "shell", "command": "echo", "args": [&marker], "capability_token": cap}).to_string();
+    let r = d.post("/execute", &h, body.clone()).await;
+    assert_error(&r, 503, "SandboxUnavailable");
+    assert!(
+        r.json["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("audit log unavailable")),
+        "{}",
+        r.text
+    );
+    assert!(!r.text.contains("full-xxx"), "{}", r.text);
+    // Nothing ran and nothing of it is in the log, not even a torn line.
+    assert_eq!(lines().len(), before_lines);
+    assert_eq!(std::fs::metadata(&log).expect("log").len(), before_len);
+    let metrics = d.get("/metrics").await.text;
+    assert_eq!(executions_total(&metrics), before_runs, "{metrics}");
+    let ready = d.get("/readyz").await;
+    assert_eq!(ready.status, 503, "{}", ready.text);
+    assert!(ready.text.contains("audit log"), "{}", ready.text);
+
+    std::fs::remove_file(&filler).expect("free the space");
+    let ready = d.get("/readyz").await;
+    assert_eq!(ready.status, 200, "{}", ready.text);
+    // The same token and key: neither was consumed by the refused request.
+    let r = d.post("/execute", &h, body).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(r.headers.get("idempotent-replayed").is_none());
+    assert!(
+        r.json["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(&marker)
+    );
+    let exec_id = r.json["exec_id"].clone();
+    let all = lines();
+    let events: Vec<&Value> = all.iter().filter(|l| l["exec_id"] == exec_id).collect();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0]["event"], json!("execution_start"));
+    assert_eq!(events[1]["event"], json!("execution"));
+    let out = common::audit_verify(&log);
     assert!(
         out.status.success(),
         "{}",

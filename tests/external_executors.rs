@@ -241,10 +241,7 @@ fn sha256(bytes: &[u8]) -> String {
 }
 
 fn audit_line(d: &Daemon, exec_id: &str) -> Value {
-    d.audit_lines()
-        .into_iter()
-        .find(|l| l["exec_id"] == exec_id)
-        .unwrap_or_else(|| panic!("no audit line for {exec_id}"))
+    d.execution_line(exec_id)
 }
 
 fn executor_names(r: &Resp) -> Vec<String> {

@@ -1584,6 +1584,40 @@ async fn a_profile_requiring_an_absent_mechanism_is_503_sandbox_unavailable() {
     // Nothing ran: no output, no process, no cgroup.
     assert!(!r.text.contains(&format!("{m}\\n")), "{}", r.text);
     assert_run_left_nothing(&d, &r, &m);
+    // It was admitted, so it is audited: a start line and its error line, paired by exec_id,
+    // and counted.
+    let lines = d.audit_lines();
+    let start = lines
+        .iter()
+        .find(|l| l["event"] == json!("execution_start") && l["args"] == json!([&m]))
+        .unwrap_or_else(|| panic!("no execution_start line: {lines:?}"));
+    let ends: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["exec_id"] == start["exec_id"] && l["event"] != json!("execution_start"))
+        .collect();
+    assert_eq!(ends.len(), 1, "{lines:?}");
+    assert_eq!(ends[0]["event"], json!("execution_error"), "{lines:?}");
+    assert_eq!(
+        ends[0]["error_type"],
+        json!("SandboxUnavailable"),
+        "{lines:?}"
+    );
+    assert!(
+        ends[0]["error"].as_str().is_some_and(|e| e.contains("99")),
+        "{lines:?}"
+    );
+    let metrics = d.get("/metrics").await.text;
+    assert!(
+        metrics.lines().any(|l| l
+            == "executor_backend_executions_total{backend=\"local\",outcome=\"error\",profile=\"needs-abi-99\"} 1"),
+        "{metrics}"
+    );
+    let out = common::audit_verify(&d.audit);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_healthy(&d).await;
 }
 

@@ -15,7 +15,9 @@ use super::error::ApiError;
 use super::{AppState, RequestId};
 use crate::auth::Verified;
 use crate::config::TokenKind;
+use crate::metrics::Metrics;
 use crate::policy::{ActionType, Ask, Plan, PolicyError};
+use crate::provenance::audit::{self, AuditError, AuditEvent, AuditLog, Refusal, RunEnd};
 use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
 use crate::sandbox::{KilledReason, RunOutcome, SandboxError};
 use crate::state::{IdemBegin, StoredResponse};
@@ -117,28 +119,25 @@ struct Ctx {
 }
 
 impl Ctx {
-    fn audit_refusal(&self, st: &AppState, status: StatusCode, error_type: &str, reason: &str) {
-        let mut m = Map::new();
-        m.insert("event".into(), json!("refusal"));
-        m.insert(
-            "ts".into(),
-            json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
-        );
-        m.insert("instance".into(), json!(st.instance_id));
-        m.insert("request_id".into(), json!(self.request_id));
-        m.insert("status".into(), json!(status.as_u16()));
-        m.insert("error_type".into(), json!(error_type));
-        m.insert("reason".into(), json!(reason));
-        m.insert("subject".into(), json!(self.subject));
-        m.insert("token_id".into(), json!(self.token_id));
-        m.insert("action_type".into(), json!(self.action_type));
-        m.insert("command".into(), json!(self.command));
-        if let Some(c) = &self.command {
-            m.insert("command_hash".into(), json!(command_hash(c, &self.args)));
-        }
-        if let Err(e) = st.audit.append(m) {
-            tracing::error!(error = %e, "audit append failed");
-        }
+    fn audit_refusal(
+        &self,
+        st: &AppState,
+        status: StatusCode,
+        error_type: &'static str,
+        reason: &str,
+    ) {
+        let event = AuditEvent::Refusal(Refusal {
+            request_id: self.request_id.clone(),
+            status: status.as_u16(),
+            error_type,
+            reason: reason.to_string(),
+            subject: self.subject.clone(),
+            token_id: self.token_id.clone(),
+            action_type: self.action_type.clone(),
+            command: self.command.clone(),
+            command_hash: self.command.as_ref().map(|c| command_hash(c, &self.args)),
+        });
+        record(&st.audit, &st.metrics, &event);
     }
 
     fn unauthorized(&self, st: &AppState, reason: &str) -> ApiError {
@@ -411,6 +410,10 @@ fn replay(r: StoredResponse) -> Response {
 }
 
 /// From an authenticated, parsed request to a finished execution's status and JSON body.
+///
+/// The order matters: everything that can refuse the request (policy, backend, a run slot) comes
+/// before the single-use token is claimed, and the claim before the `execution_start` line; from
+/// that line on the request is admitted and ends in exactly one end line (see [`AdmittedRun`]).
 async fn run_admitted(
     st: &Arc<AppState>,
     req: ExecuteRequest,
@@ -419,7 +422,6 @@ async fn run_admitted(
     cap: &Verified,
     ctx: &Ctx,
 ) -> Result<(StatusCode, String), ApiError> {
-    // Single-use tokens are consumed only once the request is otherwise acceptable to run.
     let ask = Ask {
         action_type: Some(action),
         command: &req.command,
@@ -442,13 +444,6 @@ async fn run_admitted(
         Err(PolicyError::Invalid(m)) => return Err(ApiError::InvalidRequest(m)),
         Err(PolicyError::Unavailable(m)) => return Err(ApiError::SandboxUnavailable(m)),
     };
-    if let Some((jti, exp)) = &cap.single_use {
-        match st.store.claim_jti(jti, *exp).await {
-            Ok(true) => {}
-            Ok(false) => return Err(ctx.unauthorized(st, "replayed single-use token")),
-            Err(e) => return Err(ApiError::SandboxUnavailable(e.to_string())),
-        }
-    }
     let backend = st.backends.get(&plan.backend).cloned().ok_or_else(|| {
         ApiError::SandboxUnavailable(format!(
             "backend {} is not configured on this daemon",
@@ -501,6 +496,45 @@ async fn run_admitted(
     let cmd_hash = command_hash(&req.command, &req.args);
     let timestamp = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
     let backend_label = plan.backend.as_str();
+
+    // Single-use tokens are consumed only once the request is otherwise acceptable to run.
+    let claimed = match &cap.single_use {
+        Some((jti, exp)) => match st.store.claim_jti(jti, *exp).await {
+            Ok(true) => Some(jti),
+            Ok(false) => return Err(ctx.unauthorized(st, "replayed single-use token")),
+            Err(e) => return Err(ApiError::SandboxUnavailable(e.to_string())),
+        },
+        None => None,
+    };
+    let run = audit::Run {
+        request_id: ctx.request_id.clone(),
+        exec_id: exec_id.clone(),
+        subject: ctx.subject.clone(),
+        token_id: cap.token_id.clone(),
+        action_type: action.as_str(),
+        command: req.command.clone(),
+        args: req.args.clone(),
+        command_hash: cmd_hash.clone(),
+        invocation_hash: inv_hash.clone(),
+        backend: backend_label,
+        profile: plan.profile.name.clone(),
+    };
+    // Nothing runs unaudited. A refused start bought no run: the token stays usable (and the
+    // caller releases the idempotency key on any error).
+    let admitted = match AdmittedRun::admit(&st.audit, &st.metrics, run) {
+        Ok(a) => a,
+        Err(e) => {
+            if let Some(jti) = claimed
+                && let Err(e) = st.store.release_jti(jti).await
+            {
+                tracing::error!(request_id = %ctx.request_id, error = %e, "single-use token not released");
+            }
+            return Err(ApiError::SandboxUnavailable(format!(
+                "audit log unavailable: {}",
+                e.cause()
+            )));
+        }
+    };
     tracing::info!(request_id = %ctx.request_id, %exec_id, command = %plan.command, backend = backend_label, profile = %plan.profile.name, "execution start");
 
     st.metrics
@@ -518,17 +552,21 @@ async fn run_admitted(
         .inflight
         .with_label_values(&[backend_label])
         .dec();
-    let outcome = match joined {
-        Ok(Ok(o)) => o,
-        Ok(Err(SandboxError::Unavailable(m))) => return Err(ApiError::SandboxUnavailable(m)),
-        Ok(Err(e)) => {
-            audit_failure(st, ctx, &exec_id, &plan, &e.to_string());
-            return Err(ApiError::Internal(format!("{exec_id}: {e}")));
-        }
-        Err(e) => {
-            return Err(ApiError::Internal(format!(
-                "{exec_id}: run task failed: {e}"
-            )));
+    // No outcome: the end line is an execution_error with what the caller is told and why.
+    let failed = match joined {
+        Ok(Ok(o)) => Ok(o),
+        Ok(Err(SandboxError::Unavailable(m))) => Err((ApiError::SandboxUnavailable(m.clone()), m)),
+        Ok(Err(e)) => Err((ApiError::Internal(format!("{exec_id}: {e}")), e.to_string())),
+        Err(e) => Err((
+            ApiError::Internal(format!("{exec_id}: run task failed: {e}")),
+            format!("run task failed: {e}"),
+        )),
+    };
+    let outcome = match failed {
+        Ok(o) => o,
+        Err((answer, error)) => {
+            admitted.fail(answer.error_type(), &error);
+            return Err(answer);
         }
     };
 
@@ -561,7 +599,7 @@ async fn run_admitted(
         ));
         result.error_type = Some("ExecutionTimeout");
     }
-    result.provenance.audit_seq = audit_execution(st, ctx, &result);
+    result.provenance.audit_seq = admitted.finish(run_end(&result));
     record_metrics(st, &plan, &result, &outcome);
     tracing::info!(request_id = %ctx.request_id, %exec_id, outcome = result.outcome, exit_code = result.exit_code, duration_ms = result.duration_ms, "execution end");
     let status = if timed_out {
@@ -571,6 +609,102 @@ async fn run_admitted(
     };
     let body = serde_json::to_string(&result).map_err(|e| ApiError::Internal(e.to_string()))?;
     Ok((status, body))
+}
+
+/// An admitted execution: its `execution_start` line is written, and exactly one end line
+/// follows whatever happens — `execution` ([`AdmittedRun::finish`]), `execution_error`
+/// ([`AdmittedRun::fail`]), or, when it is dropped without either (a panic on the request
+/// path), an `execution_error` written on drop.
+struct AdmittedRun<'a> {
+    audit: &'a AuditLog,
+    metrics: &'a Metrics,
+    run: audit::Run,
+    ended: bool,
+}
+
+impl<'a> AdmittedRun<'a> {
+    /// Writes the start line; when that fails nothing may run. The line is not fsync'd on its
+    /// own: the end line's fsync covers it, one per request.
+    fn admit(
+        audit: &'a AuditLog,
+        metrics: &'a Metrics,
+        run: audit::Run,
+    ) -> Result<Self, AuditError> {
+        let event = AuditEvent::ExecutionStart(run.clone());
+        if let Err(e) = audit.append(&event) {
+            count_failed_append(metrics, &event, &e);
+            return Err(e);
+        }
+        Ok(AdmittedRun {
+            audit,
+            metrics,
+            run,
+            ended: false,
+        })
+    }
+
+    /// The run reached an outcome; returns the end line's seq.
+    fn finish(mut self, end: RunEnd) -> Option<u64> {
+        self.ended = true;
+        let event = AuditEvent::Execution {
+            run: self.run.clone(),
+            end: Box::new(end),
+        };
+        record(self.audit, self.metrics, &event)
+    }
+
+    /// The run ended without an outcome.
+    fn fail(mut self, error_type: &'static str, error: &str) -> Option<u64> {
+        self.ended = true;
+        self.write_error(error_type, error)
+    }
+
+    fn write_error(&self, error_type: &'static str, error: &str) -> Option<u64> {
+        self.metrics
+            .executions
+            .with_label_values(&[self.run.action_type, "false"])
+            .inc();
+        self.metrics
+            .executions_by_backend
+            .with_label_values(&[self.run.backend, &self.run.profile, "error"])
+            .inc();
+        let event = AuditEvent::ExecutionError {
+            run: self.run.clone(),
+            error_type,
+            error: error.to_string(),
+        };
+        record(self.audit, self.metrics, &event)
+    }
+}
+
+impl Drop for AdmittedRun<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.write_error(
+                "InternalError",
+                "the request ended before its run's end line was written",
+            );
+        }
+    }
+}
+
+/// Appends `event`. A failure is logged and counted, not returned: the answer still goes out.
+fn record(audit: &AuditLog, metrics: &Metrics, event: &AuditEvent) -> Option<u64> {
+    match audit.append(event) {
+        Ok(seq) => Some(seq),
+        Err(e) => {
+            count_failed_append(metrics, event, &e);
+            None
+        }
+    }
+}
+
+fn count_failed_append(metrics: &Metrics, event: &AuditEvent, e: &AuditError) {
+    metrics
+        .audit_append_failures
+        .with_label_values(&[event.name()])
+        .inc();
+    tracing::error!(error = %e, event = event.name(), "audit append failed");
 }
 
 fn build_result(plan: &Plan, o: &RunOutcome, external: bool) -> ExecutionResult {
@@ -623,78 +757,28 @@ fn build_result(plan: &Plan, o: &RunOutcome, external: bool) -> ExecutionResult 
     }
 }
 
-fn audit_execution(st: &AppState, ctx: &Ctx, r: &ExecutionResult) -> Option<u64> {
-    let mut m = Map::new();
-    m.insert("event".into(), json!("execution"));
-    m.insert(
-        "ts".into(),
-        json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
-    );
-    m.insert("instance".into(), json!(st.instance_id));
-    m.insert("request_id".into(), json!(ctx.request_id));
-    m.insert("exec_id".into(), json!(r.exec_id));
-    m.insert("subject".into(), json!(ctx.subject));
-    m.insert("token_id".into(), json!(r.provenance.token_id));
-    m.insert("action_type".into(), json!(r.provenance.action_type));
-    m.insert("command".into(), json!(ctx.command));
-    m.insert("args".into(), json!(ctx.args));
-    m.insert("command_hash".into(), json!(r.provenance.command_hash));
-    m.insert(
-        "invocation_hash".into(),
-        json!(r.provenance.invocation_hash),
-    );
-    m.insert("backend".into(), json!(r.backend));
-    m.insert("profile".into(), json!(r.profile));
-    m.insert(
-        "capabilities_used".into(),
-        json!(r.provenance.capabilities_used),
-    );
-    m.insert("outcome".into(), json!(r.outcome));
-    m.insert("exit_code".into(), json!(r.exit_code));
-    m.insert("duration_ms".into(), json!(r.duration_ms));
-    m.insert("killed_reason".into(), json!(r.killed_reason));
-    m.insert("oom".into(), json!(r.oom));
-    m.insert("peak_memory_kib".into(), json!(r.peak_memory_kib));
-    m.insert("stdout_sha256".into(), json!(r.provenance.stdout_sha256));
-    m.insert("stderr_sha256".into(), json!(r.provenance.stderr_sha256));
-    m.insert("stdout_truncated".into(), json!(r.stdout_truncated));
-    m.insert("stderr_truncated".into(), json!(r.stderr_truncated));
-    if let Some(d) = &r.provenance.executor_def_sha256 {
-        m.insert("executor_def_sha256".into(), json!(d));
-        m.insert("error_code".into(), json!(r.error_code));
-    }
-    if let Some(net) = &r.network {
-        m.insert("network".into(), json!(net));
-    }
-    if let Some(md) = &r.provenance.metadata {
-        m.insert("metadata".into(), Value::Object(md.clone()));
-    }
-    match st.audit.append(m) {
-        Ok(seq) => Some(seq),
-        Err(e) => {
-            tracing::error!(error = %e, "audit append failed");
-            None
-        }
-    }
-}
-
-fn audit_failure(st: &AppState, ctx: &Ctx, exec_id: &str, plan: &Plan, error: &str) {
-    let mut m = Map::new();
-    m.insert("event".into(), json!("execution_error"));
-    m.insert(
-        "ts".into(),
-        json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
-    );
-    m.insert("instance".into(), json!(st.instance_id));
-    m.insert("request_id".into(), json!(ctx.request_id));
-    m.insert("exec_id".into(), json!(exec_id));
-    m.insert("subject".into(), json!(ctx.subject));
-    m.insert("command".into(), json!(plan.command));
-    m.insert("backend".into(), json!(plan.backend.as_str()));
-    m.insert("profile".into(), json!(plan.profile.name));
-    m.insert("error".into(), json!(error));
-    if let Err(e) = st.audit.append(m) {
-        tracing::error!(error = %e, "audit append failed");
+/// The audit end line's view of a result.
+fn run_end(r: &ExecutionResult) -> RunEnd {
+    RunEnd {
+        capabilities_used: r.provenance.capabilities_used.clone(),
+        outcome: r.outcome,
+        exit_code: r.exit_code,
+        duration_ms: r.duration_ms,
+        killed_reason: r.killed_reason,
+        oom: r.oom,
+        peak_memory_kib: r.peak_memory_kib,
+        stdout_sha256: r.provenance.stdout_sha256.clone(),
+        stderr_sha256: r.provenance.stderr_sha256.clone(),
+        stdout_truncated: r.stdout_truncated,
+        stderr_truncated: r.stderr_truncated,
+        executor_def_sha256: r.provenance.executor_def_sha256.clone(),
+        error_code: r
+            .provenance
+            .executor_def_sha256
+            .is_some()
+            .then_some(r.error_code),
+        network: r.network.clone(),
+        metadata: r.provenance.metadata.clone(),
     }
 }
 
@@ -733,3 +817,6 @@ fn record_metrics(st: &AppState, plan: &Plan, r: &ExecutionResult, o: &RunOutcom
         m.egress_connections.with_label_values(&[verdict]).inc();
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -16,8 +16,8 @@ pub async fn health() -> Json<serde_json::Value> {
     Json(json!({"status": "healthy", "version": VERSION}))
 }
 
-/// 200 only when the configured default backend can run work, the state store answers and the
-/// daemon is not draining; 503 with the reasons otherwise.
+/// 200 only when the configured default backend can run work, the state store answers, the audit
+/// log can be appended to and the daemon is not draining; 503 with the reasons otherwise.
 pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
     let mut reasons = Vec::new();
     if st.is_draining() {
@@ -43,6 +43,9 @@ pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
     }
     if let Err(e) = st.store.healthy().await {
         reasons.push(e.to_string());
+    }
+    if let Err(e) = st.audit.check_writable() {
+        reasons.push(format!("audit log cannot be appended to: {e}"));
     }
     let status = if reasons.is_empty() {
         StatusCode::OK

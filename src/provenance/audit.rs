@@ -1,19 +1,41 @@
-//! The audit log: one JSON line per execution and per refusal, fsync'd, hash-chained.
+//! The audit log: one typed event per line — refusals, each admitted execution's start and end,
+//! segment starts — hash-chained and fsync'd.
 //!
-//! Each line carries `seq`, `prev_hash` and `entry_hash = sha256(canonical JSON of the line
-//! without entry_hash)`. `verify` walks the chain: an edited line breaks its own hash, a dropped
-//! or inserted line breaks `seq` and `prev_hash`, a reordered pair breaks both.
+//! A line is `B` with `,"entry_hash":"sha256:<hex>"}` in place of its closing brace, where `B` is
+//! the canonical JSON (sorted keys) of the event plus `seq`, `prev_hash`, `ts` and `instance`, and
+//! `<hex>` is sha256 of exactly those bytes. `verify` hashes the bytes it reads, never a
+//! re-serialisation, so no value a caller sends (a float that does not survive a parse/print round
+//! trip, an integer past u64) can make a line fail to verify. It parses a line only to read `seq`,
+//! `prev_hash` and, on a first line, the segment start. An edited line breaks its own hash, a
+//! dropped or inserted line breaks `seq` and `prev_hash`, a reordered pair breaks both.
+//!
+//! Lines of the previous format (`entry_hash` among the sorted keys, hashed over the canonical
+//! re-serialisation of the parsed line) still verify by that rule, up to the first line of this one.
+//!
+//! A log that does not verify at start is moved aside, never deleted nor extended; a new segment
+//! starts with a `segment_start` line that records it and chains from its last good line.
+//!
+//! Owns: the line format, the chain and segments, `seq`/`prev_hash`/`entry_hash`/`ts`/`instance`.
+//! Must not: decide what is audited (the api layer builds the events).
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
 
 use super::{canonical_json, sha256_prefixed};
+use crate::egress::ConnRecord;
 
 pub const GENESIS: &str = "sha256:0000000000000000000000000000000000000000000000000000000000000000";
+
+const ENTRY_HASH_KEY: &str = ",\"entry_hash\":\"sha256:";
+/// `,"entry_hash":"sha256:` + 64 hex digits + `"}`.
+const ENTRY_HASH_SUFFIX_LEN: usize = ENTRY_HASH_KEY.len() + 64 + 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AuditError {
@@ -25,31 +47,181 @@ pub enum AuditError {
     #[error("audit log {path} line {line}: {message}")]
     Broken {
         path: PathBuf,
-        line: usize,
+        line: u64,
         message: String,
     },
+    #[error("audit log {path}: cannot encode a {event} event: {message}")]
+    Encode {
+        path: PathBuf,
+        event: &'static str,
+        message: String,
+    },
+}
+
+impl AuditError {
+    /// What failed, without the log's path (for answers to callers and /readyz).
+    pub fn cause(&self) -> String {
+        match self {
+            AuditError::Io { source, .. } => source.to_string(),
+            AuditError::Broken { line, message, .. } => format!("line {line}: {message}"),
+            AuditError::Encode { message, .. } => message.clone(),
+        }
+    }
+}
+
+/// One audit event. The log adds `seq`, `prev_hash`, `entry_hash`, `ts` and `instance`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum AuditEvent {
+    /// A request refused with 401 or 403.
+    Refusal(Refusal),
+    /// An admitted execution, before it runs. Not fsync'd on its own: its end line's fsync is.
+    ExecutionStart(Run),
+    /// An execution that ran to an outcome.
+    Execution {
+        #[serde(flatten)]
+        run: Run,
+        #[serde(flatten)]
+        end: Box<RunEnd>,
+    },
+    /// An admitted execution that ended without an outcome (backend unavailable, internal
+    /// error, panic).
+    ExecutionError {
+        #[serde(flatten)]
+        run: Run,
+        error_type: &'static str,
+        error: String,
+    },
+    /// The first line of a segment that replaces a log which did not verify.
+    SegmentStart(SegmentStart),
+}
+
+impl AuditEvent {
+    /// The `event` field, a closed set (metric label).
+    pub fn name(&self) -> &'static str {
+        match self {
+            AuditEvent::Refusal(_) => "refusal",
+            AuditEvent::ExecutionStart(_) => "execution_start",
+            AuditEvent::Execution { .. } => "execution",
+            AuditEvent::ExecutionError { .. } => "execution_error",
+            AuditEvent::SegmentStart(_) => "segment_start",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Refusal {
+    pub request_id: String,
+    pub status: u16,
+    pub error_type: &'static str,
+    pub reason: String,
+    pub subject: Option<String>,
+    pub token_id: Option<String>,
+    pub action_type: Option<String>,
+    pub command: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command_hash: Option<String>,
+}
+
+/// What every line of one admitted execution carries: its start, its end or its error.
+#[derive(Debug, Clone, Serialize)]
+pub struct Run {
+    pub request_id: String,
+    pub exec_id: String,
+    pub subject: Option<String>,
+    pub token_id: Option<String>,
+    pub action_type: &'static str,
+    pub command: String,
+    pub args: Vec<String>,
+    pub command_hash: String,
+    pub invocation_hash: String,
+    pub backend: &'static str,
+    pub profile: String,
+}
+
+/// How an execution ended.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunEnd {
+    pub capabilities_used: Vec<&'static str>,
+    pub outcome: &'static str,
+    pub exit_code: i32,
+    pub duration_ms: u64,
+    pub killed_reason: Option<&'static str>,
+    pub oom: bool,
+    pub peak_memory_kib: Option<u64>,
+    pub stdout_sha256: String,
+    pub stderr_sha256: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub executor_def_sha256: Option<String>,
+    /// External executions only (present there, null on success).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<Option<&'static str>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<Vec<ConnRecord>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Map<String, Value>>,
+}
+
+/// The segment a new one replaces: where it went, why, and the end of its good part.
+#[derive(Debug, Clone, Serialize)]
+pub struct SegmentStart {
+    /// File name the old segment was moved to, in the same directory.
+    pub previous_file: String,
+    pub previous_state: &'static str,
+    pub previous_error: String,
+    pub previous_verified_lines: u64,
+    pub previous_last_seq: u64,
+    pub previous_last_hash: String,
+    /// sha256 of the whole old file, as moved.
+    pub previous_sha256: String,
+}
+
+/// An intact chain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    pub lines: u64,
+    pub last_seq: u64,
+    pub last_hash: String,
+    /// For a segment that starts with `segment_start`: the previous segment's last seq and hash.
+    pub continues: Option<(u64, String)>,
+}
+
+impl Verified {
+    fn empty() -> Self {
+        Verified {
+            lines: 0,
+            last_seq: 0,
+            last_hash: GENESIS.to_string(),
+            continues: None,
+        }
+    }
 }
 
 struct Tail {
     file: File,
     seq: u64,
     last_hash: String,
+    /// Length of the file up to its last whole line.
+    len: u64,
+    /// A failed append may have left part of a line past `len` that could not be cut off yet.
+    torn: bool,
 }
 
 pub struct AuditLog {
     path: PathBuf,
+    instance: String,
     tail: Mutex<Tail>,
-}
-
-/// Computes the hash of an entry (which must not contain `entry_hash`).
-fn entry_hash(entry: &Map<String, Value>) -> String {
-    sha256_prefixed(canonical_json(&Value::Object(entry.clone())).as_bytes())
+    /// Why the last append failed, until an append or a probe succeeds (for /readyz).
+    failing: Mutex<Option<String>>,
+    recovered: Option<SegmentStart>,
 }
 
 impl AuditLog {
-    /// Opens (creating) the log and continues its chain. A log whose chain is broken is refused:
-    /// appending to it would hide the break.
-    pub fn open(path: &Path) -> Result<AuditLog, AuditError> {
+    /// Opens (creating) the log and continues its chain; every line gets `instance`. A log that
+    /// does not verify is moved aside and a new segment started (see [`AuditLog::recovered`]).
+    pub fn open(path: &Path, instance: &str) -> Result<AuditLog, AuditError> {
         let io = |source| AuditError::Io {
             path: path.to_path_buf(),
             source,
@@ -57,160 +229,444 @@ impl AuditLog {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(io)?;
         }
-        let (seq, last_hash) = if path.exists() {
-            verify(path)?
-        } else {
-            (0, GENESIS.to_string())
+        let walked = match File::open(path) {
+            Ok(f) => Some(walk(path, f)?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(io(e)),
+        };
+        let (chain, segment) = match walked {
+            None => (Verified::empty(), None),
+            Some(Walk::Intact(v)) => (v, None),
+            Some(Walk::Broken { good, error }) => {
+                let segment = move_aside(path, &good, &error)?;
+                let chain = Verified {
+                    lines: 0,
+                    last_seq: good.last_seq,
+                    last_hash: good.last_hash,
+                    continues: None,
+                };
+                (chain, Some(segment))
+            }
         };
         let file = OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(path)
             .map_err(io)?;
         {
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
         }
-        Ok(AuditLog {
+        let len = file.metadata().map_err(io)?.len();
+        let log = AuditLog {
             path: path.to_path_buf(),
+            instance: instance.to_string(),
             tail: Mutex::new(Tail {
                 file,
-                seq,
-                last_hash,
+                seq: chain.last_seq,
+                last_hash: chain.last_hash,
+                len,
+                torn: false,
             }),
-        })
+            failing: Mutex::new(None),
+            recovered: segment.clone(),
+        };
+        if let Some(s) = segment {
+            tracing::error!(
+                target: "audit",
+                previous_file = %s.previous_file,
+                error = %s.previous_error,
+                verified_lines = s.previous_verified_lines,
+                "audit log did not verify: moved aside, a new segment starts"
+            );
+            log.append(&AuditEvent::SegmentStart(s))?;
+            sync_dir(path).map_err(io)?;
+        }
+        Ok(log)
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Appends one entry and fsyncs it; returns its sequence number.
-    pub fn append(&self, mut entry: Map<String, Value>) -> Result<u64, AuditError> {
+    /// The segment this log replaced at open, when the previous one did not verify.
+    pub fn recovered(&self) -> Option<&SegmentStart> {
+        self.recovered.as_ref()
+    }
+
+    /// Appends one event; returns its sequence number. Every event but `execution_start` is
+    /// fsync'd (an execution's end line covers its start line). A failed append leaves no part of
+    /// its line behind.
+    pub fn append(&self, event: &AuditEvent) -> Result<u64, AuditError> {
+        let sync = !matches!(event, AuditEvent::ExecutionStart(_));
         let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        let seq = tail.seq + 1;
-        entry.remove("entry_hash");
-        entry.insert("seq".into(), Value::from(seq));
-        entry.insert("prev_hash".into(), Value::from(tail.last_hash.clone()));
-        let hash = entry_hash(&entry);
-        entry.insert("entry_hash".into(), Value::from(hash.clone()));
-        let mut line = canonical_json(&Value::Object(entry));
-        line.push('\n');
+        let r = self.append_locked(&mut tail, event, sync);
+        drop(tail);
+        *self.failing.lock().unwrap_or_else(|p| p.into_inner()) =
+            r.as_ref().err().map(AuditError::cause);
+        r
+    }
+
+    fn append_locked(
+        &self,
+        tail: &mut Tail,
+        event: &AuditEvent,
+        sync: bool,
+    ) -> Result<u64, AuditError> {
         let io = |source| AuditError::Io {
             path: self.path.clone(),
             source,
         };
-        tail.file.write_all(line.as_bytes()).map_err(io)?;
-        tail.file.sync_data().map_err(io)?;
+        if tail.torn {
+            tail.file.set_len(tail.len).map_err(io)?;
+            tail.torn = false;
+        }
+        let seq = tail.seq + 1;
+        let ts = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let (line, hash) =
+            encode(event, seq, &tail.last_hash, &ts, &self.instance).map_err(|message| {
+                AuditError::Encode {
+                    path: self.path.clone(),
+                    event: event.name(),
+                    message,
+                }
+            })?;
+        let written = tail
+            .file
+            .write_all(&line)
+            .and_then(|()| if sync { tail.file.sync_data() } else { Ok(()) });
+        if let Err(e) = written {
+            // A short write (a full disk) may have left part of the line: cut it off now, which
+            // frees its space, or before the next append.
+            tail.torn = tail.file.set_len(tail.len).is_err();
+            return Err(io(e));
+        }
+        tail.len += line.len() as u64;
         tail.seq = seq;
         tail.last_hash = hash;
-        tracing::info!(target: "audit", "{}", line.trim_end());
+        tracing::info!(target: "audit", "{}", String::from_utf8_lossy(&line).trim_end());
         Ok(seq)
+    }
+
+    /// Ok while appends succeed. After a failed one, probes for room (a few KiB written and
+    /// synced beside the log), so the daemon turns ready again by itself once space is freed.
+    pub fn check_writable(&self) -> Result<(), String> {
+        let failing = self
+            .failing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some(why) = failing else {
+            return Ok(());
+        };
+        match self.probe() {
+            Ok(()) => {
+                *self.failing.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                Ok(())
+            }
+            Err(e) => Err(format!("{why} (probe: {e})")),
+        }
+    }
+
+    fn probe(&self) -> std::io::Result<()> {
+        {
+            let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+            if tail.torn {
+                tail.file.set_len(tail.len)?;
+                tail.torn = false;
+            }
+        }
+        let name = self
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let probe = self.path.with_file_name(format!(".{name}.probe"));
+        let written = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&probe)
+            .and_then(|mut f| {
+                f.write_all(&[0u8; 16 << 10])?;
+                f.sync_data()
+            });
+        let _ = std::fs::remove_file(&probe);
+        written
     }
 }
 
-/// Verifies the chain of `path`; returns the entry count and the last hash.
-pub fn verify(path: &Path) -> Result<(u64, String), AuditError> {
+/// The line for `event` (newline included) and its entry hash.
+fn encode(
+    event: &AuditEvent,
+    seq: u64,
+    prev_hash: &str,
+    ts: &str,
+    instance: &str,
+) -> Result<(Vec<u8>, String), String> {
+    let Value::Object(mut m) = serde_json::to_value(event).map_err(|e| e.to_string())? else {
+        return Err("not a JSON object".into());
+    };
+    m.insert("seq".into(), Value::from(seq));
+    m.insert("prev_hash".into(), Value::from(prev_hash));
+    m.insert("ts".into(), Value::from(ts));
+    m.insert("instance".into(), Value::from(instance));
+    let mut line = canonical_json(&Value::Object(m)).into_bytes();
+    let hash = sha256_prefixed(&line);
+    if line.pop() != Some(b'}') {
+        return Err("canonical JSON does not end with '}'".into());
+    }
+    line.extend_from_slice(format!(",\"entry_hash\":\"{hash}\"}}\n").as_bytes());
+    Ok((line, hash))
+}
+
+/// Moves a log that did not verify aside (never deleting it) and describes it.
+fn move_aside(
+    path: &Path,
+    good: &Verified,
+    error: &AuditError,
+) -> Result<SegmentStart, AuditError> {
+    let io = |source| AuditError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let previous_sha256 = file_sha256(path).map_err(io)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "audit.jsonl".into());
+    let stamp = chrono::Utc::now().format("%Y%m%dT%H%M%S%.3fZ");
+    let mut n = 0u32;
+    let target = loop {
+        let suffix = if n == 0 {
+            String::new()
+        } else {
+            format!("-{n}")
+        };
+        let t = path.with_file_name(format!("{name}.{stamp}{suffix}.broken"));
+        if !t.exists() {
+            break t;
+        }
+        n += 1;
+    };
+    std::fs::rename(path, &target).map_err(io)?;
+    Ok(SegmentStart {
+        previous_file: target
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        previous_state: "broken",
+        previous_error: error.to_string(),
+        previous_verified_lines: good.lines,
+        previous_last_seq: good.last_seq,
+        previous_last_hash: good.last_hash.clone(),
+        previous_sha256,
+    })
+}
+
+fn file_sha256(path: &Path) -> std::io::Result<String> {
+    let mut f = File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(format!("sha256:{}", hex::encode(h.finalize())))
+}
+
+/// fsyncs the directory of `path`, so a rename or a new file in it survives a crash.
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(d) => d,
+        None => Path::new("."),
+    };
+    File::open(dir)?.sync_all()
+}
+
+/// Verifies the chain of `path`.
+pub fn verify(path: &Path) -> Result<Verified, AuditError> {
     let f = File::open(path).map_err(|source| AuditError::Io {
         path: path.to_path_buf(),
         source,
     })?;
-    let broken = |line: usize, message: String| AuditError::Broken {
-        path: path.to_path_buf(),
-        line,
-        message,
-    };
-    let mut prev = GENESIS.to_string();
-    let mut count = 0u64;
-    for (i, line) in BufReader::new(f).lines().enumerate() {
-        let n = i + 1;
-        let line = line.map_err(|source| AuditError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let mut entry: Map<String, Value> = match serde_json::from_str(&line) {
-            Ok(Value::Object(m)) => m,
-            _ => return Err(broken(n, "not a JSON object".into())),
-        };
-        let Some(Value::String(stated)) = entry.remove("entry_hash") else {
-            return Err(broken(n, "missing entry_hash".into()));
-        };
-        if entry.get("seq").and_then(Value::as_u64) != Some(count + 1) {
-            return Err(broken(
-                n,
-                format!(
-                    "sequence number is not {} (a line was dropped, inserted or moved)",
-                    count + 1
-                ),
-            ));
-        }
-        if entry.get("prev_hash").and_then(Value::as_str) != Some(prev.as_str()) {
-            return Err(broken(
-                n,
-                "prev_hash does not match the previous line".into(),
-            ));
-        }
-        if entry_hash(&entry) != stated {
-            return Err(broken(
-                n,
-                "entry_hash does not match the line's content (edited)".into(),
-            ));
-        }
-        prev = stated;
-        count += 1;
+    match walk(path, f)? {
+        Walk::Intact(v) => Ok(v),
+        Walk::Broken { error, .. } => Err(error),
     }
-    Ok((count, prev))
+}
+
+enum Walk {
+    Intact(Verified),
+    /// `good`: the chain up to the line before the first bad one.
+    Broken {
+        good: Verified,
+        error: AuditError,
+    },
+}
+
+/// The fields of a line `verify` reads. `entry_hash` is read too so that a second one inside the
+/// hashed bytes is a duplicate key, not a second opinion.
+#[derive(Deserialize)]
+struct Head {
+    seq: u64,
+    prev_hash: String,
+    #[allow(dead_code)]
+    entry_hash: String,
+    event: String,
+    #[serde(default)]
+    previous_last_seq: Option<u64>,
+    #[serde(default)]
+    previous_last_hash: Option<String>,
+}
+
+fn walk(path: &Path, f: File) -> Result<Walk, AuditError> {
+    let mut reader = BufReader::new(f);
+    let mut good = Verified::empty();
+    let mut current_format_seen = false;
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        let n = reader
+            .read_until(b'\n', &mut buf)
+            .map_err(|source| AuditError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        if n == 0 {
+            return Ok(Walk::Intact(good));
+        }
+        let line = good.lines + 1;
+        let checked = if buf.pop() != Some(b'\n') {
+            Err("torn line: no newline at the end of the file (a write was cut short)".into())
+        } else {
+            check_line(&buf, &good, &mut current_format_seen)
+        };
+        match checked {
+            Ok(link) => {
+                good.lines = line;
+                good.last_seq = link.seq;
+                good.last_hash = link.hash;
+                if link.continues.is_some() {
+                    good.continues = link.continues;
+                }
+            }
+            Err(message) => {
+                return Ok(Walk::Broken {
+                    good,
+                    error: AuditError::Broken {
+                        path: path.to_path_buf(),
+                        line,
+                        message,
+                    },
+                });
+            }
+        }
+    }
+}
+
+/// A line that verified: its seq, its hash and, for a segment start, the previous segment's last
+/// seq and hash.
+struct Link {
+    seq: u64,
+    hash: String,
+    continues: Option<(u64, String)>,
+}
+
+/// Checks one line (without its newline) against the chain so far.
+fn check_line(
+    bytes: &[u8],
+    chain: &Verified,
+    current_format_seen: &mut bool,
+) -> Result<Link, String> {
+    let text = std::str::from_utf8(bytes).map_err(|_| "not UTF-8".to_string())?;
+    let Some((hashed, stated)) = split_entry_hash(text) else {
+        if *current_format_seen {
+            return Err("not a line of this format (entry_hash is not at its end)".into());
+        }
+        return check_legacy_line(text, chain);
+    };
+    *current_format_seen = true;
+    let head: Head = serde_json::from_str(text)
+        .map_err(|e| format!("not a JSON object with seq, prev_hash and event: {e}"))?;
+    let continues = match (chain.lines, head.event.as_str()) {
+        (0, "segment_start") => Some((
+            head.previous_last_seq
+                .ok_or("segment_start without previous_last_seq")?,
+            head.previous_last_hash
+                .clone()
+                .ok_or("segment_start without previous_last_hash")?,
+        )),
+        _ => None,
+    };
+    let (last_seq, last_hash) = match &continues {
+        Some((seq, hash)) => (*seq, hash.as_str()),
+        None => (chain.last_seq, chain.last_hash.as_str()),
+    };
+    check_links(head.seq, &head.prev_hash, last_seq, last_hash)?;
+    let mut h = Sha256::new();
+    h.update(hashed.as_bytes());
+    h.update(b"}");
+    if format!("sha256:{}", hex::encode(h.finalize())) != stated {
+        return Err("entry_hash does not match the line's bytes (edited)".into());
+    }
+    Ok(Link {
+        seq: head.seq,
+        hash: stated,
+        continues,
+    })
+}
+
+fn check_links(seq: u64, prev_hash: &str, last_seq: u64, last_hash: &str) -> Result<(), String> {
+    if seq != last_seq + 1 {
+        return Err(format!(
+            "sequence number is not {} (a line was dropped, inserted or moved)",
+            last_seq + 1
+        ));
+    }
+    if prev_hash != last_hash {
+        return Err("prev_hash does not match the previous line".into());
+    }
+    Ok(())
+}
+
+/// Splits a line of this format into the hashed bytes without their closing brace, and the stated
+/// hash; None when the line does not end with `,"entry_hash":"sha256:<64 hex>"}`.
+fn split_entry_hash(text: &str) -> Option<(&str, String)> {
+    let cut = text.len().checked_sub(ENTRY_HASH_SUFFIX_LEN)?;
+    let (hashed, suffix) = (text.get(..cut)?, text.get(cut..)?);
+    let hex = suffix.strip_prefix(ENTRY_HASH_KEY)?.strip_suffix("\"}")?;
+    (hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+        .then(|| (hashed, format!("sha256:{hex}")))
+}
+
+/// The previous format: `entry_hash` among the sorted keys, hashed over the canonical JSON of the
+/// parsed line without it.
+fn check_legacy_line(text: &str, chain: &Verified) -> Result<Link, String> {
+    let mut entry: Map<String, Value> = match serde_json::from_str(text) {
+        Ok(Value::Object(m)) => m,
+        _ => return Err("not a JSON object".into()),
+    };
+    let Some(Value::String(stated)) = entry.remove("entry_hash") else {
+        return Err("missing entry_hash".into());
+    };
+    let seq = entry.get("seq").and_then(Value::as_u64).unwrap_or(0);
+    let prev = entry.get("prev_hash").and_then(Value::as_str).unwrap_or("");
+    check_links(seq, prev, chain.last_seq, &chain.last_hash)?;
+    if sha256_prefixed(canonical_json(&Value::Object(entry)).as_bytes()) != stated {
+        return Err("entry_hash does not match the line's content (edited)".into());
+    }
+    Ok(Link {
+        seq,
+        hash: stated,
+        continues: None,
+    })
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn entry(i: u64) -> Map<String, Value> {
-        let mut m = Map::new();
-        m.insert("event".into(), Value::from("execution"));
-        m.insert("n".into(), Value::from(i));
-        m
-    }
-
-    #[test]
-    fn chain_detects_edit_drop_insert_reorder() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("a.jsonl");
-        let log = AuditLog::open(&p).unwrap();
-        for i in 0..4 {
-            log.append(entry(i)).unwrap();
-        }
-        drop(log);
-        assert_eq!(verify(&p).unwrap().0, 4);
-        // Reopening continues the chain.
-        AuditLog::open(&p).unwrap().append(entry(9)).unwrap();
-        assert_eq!(verify(&p).unwrap().0, 5);
-
-        let lines: Vec<String> = std::fs::read_to_string(&p)
-            .unwrap()
-            .lines()
-            .map(String::from)
-            .collect();
-        let check = |ls: Vec<String>, bad_line: usize| {
-            let q = dir.path().join("b.jsonl");
-            std::fs::write(&q, ls.join("\n") + "\n").unwrap();
-            match verify(&q) {
-                Err(AuditError::Broken { line, .. }) => assert_eq!(line, bad_line),
-                other => panic!("expected broken chain, got {other:?}"),
-            }
-        };
-        let mut edited = lines.clone();
-        edited[1] = edited[1].replace("\"n\":1", "\"n\":7");
-        check(edited, 2);
-        let mut dropped = lines.clone();
-        dropped.remove(2);
-        check(dropped, 3);
-        let mut reordered = lines.clone();
-        reordered.swap(1, 2);
-        check(reordered, 2);
-        let mut inserted = lines.clone();
-        inserted.insert(1, lines[0].clone());
-        check(inserted, 2);
-    }
-}
+mod tests;

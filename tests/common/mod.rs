@@ -42,6 +42,8 @@ pub struct Daemon {
     pub audit: PathBuf,
     pub client: reqwest::Client,
     pub log: mpsc::Receiver<String>,
+    /// What the daemon logged before it reported its address.
+    pub startup_log: Vec<String>,
 }
 
 pub struct Resp {
@@ -109,6 +111,7 @@ impl Daemon {
             }
         });
         let mut addr = None;
+        let mut startup_log = Vec::new();
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while addr.is_none() && std::time::Instant::now() < deadline {
             match rx.recv_timeout(Duration::from_millis(200)) {
@@ -118,13 +121,16 @@ impl Daemon {
                     {
                         addr = v["fields"]["addr"].as_str().map(String::from);
                     }
+                    startup_log.push(line);
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     if let Ok(Some(st)) = child.try_wait() {
-                        panic!("daemon exited during startup: {st}");
+                        panic!("daemon exited during startup: {st}; it logged: {startup_log:#?}");
                     }
                 }
-                Err(mpsc::RecvTimeoutError::Disconnected) => panic!("daemon exited during startup"),
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    panic!("daemon exited during startup; it logged: {startup_log:#?}")
+                }
             }
         }
         let addr = addr.expect("daemon did not report its address");
@@ -140,7 +146,15 @@ impl Daemon {
                 .build()
                 .expect("client"),
             log: rx,
+            startup_log,
         }
+    }
+
+    /// Stops the daemon and starts a new one on the same directory (secret, audit log, config).
+    pub fn restart(mut self, opts: Opts) -> Daemon {
+        self.stop();
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().expect("tempdir"));
+        Self::start_in(dir, opts)
     }
 
     pub fn pid(&self) -> i32 {
@@ -246,6 +260,17 @@ impl Daemon {
             .collect()
     }
 
+    /// The `execution` line of `exec_id`, after checking that the run's lines pair up: one
+    /// `execution_start` line, then exactly one end line.
+    pub fn execution_line(&self, exec_id: &str) -> Value {
+        let lines = self.audit_lines();
+        assert_runs_paired(&lines);
+        lines
+            .into_iter()
+            .find(|l| l["exec_id"] == exec_id && l["event"] == "execution")
+            .unwrap_or_else(|| panic!("no execution line for {exec_id}"))
+    }
+
     /// Sends SIGTERM and waits for exit; returns the exit code.
     pub fn stop(&mut self) -> Option<i32> {
         let mut child = self.child.take()?;
@@ -288,6 +313,49 @@ impl Drop for Daemon {
             let _ = c.wait();
         }
     }
+}
+
+/// Every admitted run in `lines` has its `execution_start` line followed by exactly one end line
+/// (`execution` or `execution_error`) with the same exec_id, and every end line has its start.
+pub fn assert_runs_paired(lines: &[Value]) {
+    let mut open: Vec<&str> = Vec::new();
+    for l in lines {
+        let exec_id = l["exec_id"].as_str();
+        match (l["event"].as_str(), exec_id) {
+            (Some("execution_start"), Some(id)) => {
+                assert!(!open.contains(&id), "{id} started twice: {lines:#?}");
+                assert!(
+                    !lines
+                        .iter()
+                        .take_while(|x| !std::ptr::eq(*x, l))
+                        .any(|x| x["exec_id"] == id),
+                    "a line of {id} before its start: {lines:#?}"
+                );
+                open.push(id);
+            }
+            (Some("execution" | "execution_error"), Some(id)) => {
+                let i = open
+                    .iter()
+                    .position(|o| *o == id)
+                    .unwrap_or_else(|| panic!("end line of {id} without its start: {lines:#?}"));
+                open.remove(i);
+            }
+            (Some("execution_start" | "execution" | "execution_error"), None) => {
+                panic!("execution line without exec_id: {l}")
+            }
+            _ => {}
+        }
+    }
+    assert!(open.is_empty(), "runs without an end line: {open:?}");
+}
+
+/// `executor-arm audit verify FILE`.
+pub fn audit_verify(file: &Path) -> std::process::Output {
+    Command::new(bin())
+        .args(["audit", "verify"])
+        .arg(file)
+        .output()
+        .expect("run executor-arm audit verify")
 }
 
 /// PIDs of every process whose command line contains `needle` (checked from the host).
