@@ -20,7 +20,7 @@ use crate::policy::{ActionType, Ask, Plan, PolicyError};
 use crate::provenance::audit::{self, AuditError, AuditEvent, AuditLog, Refusal, RunEnd};
 use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
 use crate::sandbox::{KilledReason, RunOutcome, SandboxError};
-use crate::state::{IdemBegin, StoredResponse};
+use crate::state::{IdemBegin, StateStore, StoredResponse};
 
 /// The request body. Unknown fields are refused: a misspelt limit must not be silently ignored.
 #[derive(Debug, Deserialize)]
@@ -334,14 +334,14 @@ async fn handle(
                 ));
             }
             let scoped = format!("{}:{k}", service.subject.as_deref().unwrap_or("-"));
-            let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
+            let lease = Duration::from_secs(st.config.state.idempotency_lease_seconds);
             match st
                 .store
-                .idempotency_begin(&scoped, &body_hash, ttl)
+                .idempotency_begin(&scoped, &body_hash, &st.instance_id, lease)
                 .await
                 .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
             {
-                IdemBegin::Started => Some((scoped, ttl)),
+                IdemBegin::Started => Some(LeaseRenewal::start(st, &scoped, lease)),
                 IdemBegin::InProgress { same_body: true } => {
                     return Err(ApiError::IdempotencyInProgress);
                 }
@@ -357,8 +357,11 @@ async fn handle(
         }
         None => None,
     };
-    let result = run_admitted(st, req, action, timeout, &cap, ctx).await;
-    if let Some((key, ttl)) = idem {
+    let idem_key = idem.as_ref().map(|l| l.key.clone());
+    let result = run_admitted(st, req, action, timeout, &cap, ctx, idem_key).await;
+    if let Some(lease) = idem {
+        let key = lease.stop();
+        let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
         match &result {
             Ok((status, body)) if status.is_success() || *status == StatusCode::REQUEST_TIMEOUT => {
                 let stored = StoredResponse {
@@ -374,7 +377,9 @@ async fn handle(
                 }
             }
             _ => {
-                let _ = st.store.idempotency_abort(&key).await;
+                if let Err(e) = st.store.idempotency_release(&key, &st.instance_id).await {
+                    tracing::error!(error = %e, "idempotency key not released");
+                }
             }
         }
     }
@@ -388,6 +393,56 @@ async fn handle(
         body,
     )
         .into_response())
+}
+
+/// Keeps this daemon's claim on an Idempotency-Key alive while its request runs: renews the lease
+/// every third of it, until stopped or dropped.
+struct LeaseRenewal {
+    key: String,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LeaseRenewal {
+    fn start(st: &Arc<AppState>, key: &str, lease: Duration) -> LeaseRenewal {
+        let st = st.clone();
+        let k = key.to_string();
+        let task = tokio::spawn(async move {
+            let mut every = tokio::time::interval(lease / 3);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            every.tick().await; // the first tick is now: the claim is fresh
+            loop {
+                every.tick().await;
+                match st.store.idempotency_renew(&k, &st.instance_id, lease).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // Lapsed (the daemon stalled past the lease) and maybe taken: a retry
+                        // may run concurrently; nothing more to renew.
+                        tracing::warn!(key = %k, "idempotency key lease lost while its request runs");
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(key = %k, error = %e, "idempotency key lease not renewed")
+                    }
+                }
+            }
+        });
+        LeaseRenewal {
+            key: key.to_string(),
+            task,
+        }
+    }
+
+    /// Stops renewing; returns the key.
+    fn stop(self) -> String {
+        self.task.abort();
+        self.key.clone()
+    }
+}
+
+impl Drop for LeaseRenewal {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 fn replay(r: StoredResponse) -> Response {
@@ -421,6 +476,7 @@ async fn run_admitted(
     timeout: Option<u64>,
     cap: &Verified,
     ctx: &Ctx,
+    idempotency_key: Option<String>,
 ) -> Result<(StatusCode, String), ApiError> {
     let ask = Ask {
         action_type: Some(action),
@@ -511,13 +567,14 @@ async fn run_admitted(
         exec_id: exec_id.clone(),
         subject: ctx.subject.clone(),
         token_id: cap.token_id.clone(),
-        action_type: action.as_str(),
+        action_type: action.as_str().into(),
         command: req.command.clone(),
         args: req.args.clone(),
         command_hash: cmd_hash.clone(),
         invocation_hash: inv_hash.clone(),
-        backend: backend_label,
+        backend: backend_label.into(),
         profile: plan.profile.name.clone(),
+        idempotency_key,
     };
     // Nothing runs unaudited. A refused start bought no run: the token stays usable (and the
     // caller releases the idempotency key on any error).
@@ -662,11 +719,11 @@ impl<'a> AdmittedRun<'a> {
     fn write_error(&self, error_type: &'static str, error: &str) -> Option<u64> {
         self.metrics
             .executions
-            .with_label_values(&[self.run.action_type, "false"])
+            .with_label_values(&[self.run.action_type.as_ref(), "false"])
             .inc();
         self.metrics
             .executions_by_backend
-            .with_label_values(&[self.run.backend, &self.run.profile, "error"])
+            .with_label_values(&[self.run.backend.as_ref(), &self.run.profile, "error"])
             .inc();
         let event = AuditEvent::ExecutionError {
             run: self.run.clone(),
@@ -684,6 +741,35 @@ impl Drop for AdmittedRun<'_> {
                 "InternalError",
                 "the request ended before its run's end line was written",
             );
+        }
+    }
+}
+
+/// Ends the runs an earlier daemon process started on this audit log and never ended (it
+/// stopped mid-run: a crash, a kill): one `execution_error` line each, and the Idempotency-Key
+/// such a run held is released so that a retry runs. Called once at start, before serving.
+pub async fn record_interrupted(audit: &AuditLog, store: &dyn StateStore, metrics: &Metrics) {
+    for i in audit.interrupted() {
+        tracing::warn!(
+            exec_id = %i.run.exec_id,
+            instance = %i.instance,
+            start_seq = i.seq,
+            "a run of an earlier daemon process never ended: recording it"
+        );
+        let event = AuditEvent::ExecutionError {
+            run: i.run.clone(),
+            error_type: "DaemonStopped",
+            error: format!(
+                "the daemon (instance {}) stopped during the run",
+                i.instance
+            ),
+        };
+        record(audit, metrics, &event);
+        metrics.interrupted_runs.inc();
+        if let Some(key) = &i.run.idempotency_key
+            && let Err(e) = store.idempotency_release(key, &i.instance).await
+        {
+            tracing::error!(exec_id = %i.run.exec_id, error = %e, "idempotency key of an interrupted run not released");
         }
     }
 }

@@ -42,12 +42,25 @@ pub trait StateStore: Send + Sync {
     /// Forgets a claimed jti whose request never ran (its start could not be audited), so the
     /// token stays usable.
     async fn release_jti(&self, jti: &str) -> Result<(), StateError>;
+    /// Claims `key` for a request of `owner` (a daemon instance) when it is free. The claim is a
+    /// lease: it lapses after `lease` unless renewed, so the key of a daemon that died mid-run
+    /// frees itself.
     async fn idempotency_begin(
         &self,
         key: &str,
         body_hash: &str,
-        ttl: Duration,
+        owner: &str,
+        lease: Duration,
     ) -> Result<IdemBegin, StateError>;
+    /// Extends `owner`'s claim on `key` to `lease` from now; false when `owner` holds no claim on
+    /// it (finished, released, or lapsed and taken by another request).
+    async fn idempotency_renew(
+        &self,
+        key: &str,
+        owner: &str,
+        lease: Duration,
+    ) -> Result<bool, StateError>;
+    /// Stores the finished request's response for `ttl`.
     async fn idempotency_complete(
         &self,
         key: &str,
@@ -55,7 +68,9 @@ pub trait StateStore: Send + Sync {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StateError>;
-    async fn idempotency_abort(&self, key: &str) -> Result<(), StateError>;
+    /// Releases `owner`'s claim on `key` (a request that ended without a response to keep, or
+    /// one of a daemon that stopped mid-run); a finished entry or another owner's claim stays.
+    async fn idempotency_release(&self, key: &str, owner: &str) -> Result<(), StateError>;
     /// For /readyz.
     async fn healthy(&self) -> Result<(), StateError>;
     fn kind(&self) -> &'static str;
