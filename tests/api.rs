@@ -997,3 +997,44 @@ async fn a_client_disconnect_mid_run_still_audits_and_records_the_run() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// execve refuses one argument over MAX_ARG_STRLEN (E2BIG): the request is refused as the
+/// caller's error before anything runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_argv_over_the_execve_limits_is_a_400_before_the_run() {
+    let d = Daemon::start_with(Opts {
+        config: Some("[server]\nbody_limit_bytes = 4194304\n".into()),
+        ..Default::default()
+    });
+    let big = "a".repeat(900_000);
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": [big]}))
+        .await;
+    assert_error(&r, 400, "InvalidRequest");
+    let e = r.json["error"].as_str().unwrap();
+    assert!(e.contains("argument 1") && e.contains("131071"), "{e}");
+
+    // Each argument fits, together they do not.
+    let args: Vec<String> = (0..20).map(|_| "b".repeat(100_000)).collect();
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": args}))
+        .await;
+    assert_error(&r, 400, "InvalidRequest");
+    assert!(r.text.contains("1048576"), "{}", r.text);
+
+    // Just under the per-argument limit runs.
+    let fits = "c".repeat(131_071);
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": ["-n", fits]}))
+        .await;
+    assert_eq!(r.status, 200, "{}", &r.text[..r.text.len().min(300)]);
+    assert_eq!(r.json["stdout"].as_str().map(str::len), Some(131_071));
+    assert_eq!(
+        d.audit_lines()
+            .iter()
+            .filter(|l| l["event"] == json!("execution"))
+            .count(),
+        1,
+        "only the fitting request ran"
+    );
+}
