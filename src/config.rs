@@ -56,6 +56,8 @@ pub struct ServerConfig {
     pub listen: String,
     pub body_limit_bytes: usize,
     pub header_read_timeout_ms: u64,
+    /// The whole request body must arrive within this time after the headers (408 otherwise).
+    pub body_read_timeout_seconds: u64,
     pub shutdown_grace_seconds: u64,
     pub concurrency: ConcurrencyConfig,
 }
@@ -316,6 +318,12 @@ impl Config {
                 "server.body_limit_bytes must be > 0".into(),
             ));
         }
+        if self.server.body_read_timeout_seconds == 0 || self.server.header_read_timeout_ms == 0 {
+            return Err(ConfigError::Invalid(
+                "server.body_read_timeout_seconds and server.header_read_timeout_ms must be > 0"
+                    .into(),
+            ));
+        }
         for b in BackendKind::ALL {
             if self.server.concurrency.for_backend(b) == 0 {
                 return Err(ConfigError::Invalid(format!(
@@ -373,6 +381,7 @@ mod tests {
         }
         assert_eq!(c.server.listen, "0.0.0.0:8003");
         assert_eq!(c.server.body_limit_bytes, 1 << 20);
+        assert_eq!(c.server.body_read_timeout_seconds, 10);
     }
 
     #[test]

@@ -1038,3 +1038,102 @@ async fn an_argv_over_the_execve_limits_is_a_400_before_the_run() {
         "only the fitting request ran"
     );
 }
+
+/// Reads from `s` until EOF, an error (a reset after the answer) or `bound`; returns what arrived
+/// and whether the connection ended within the bound.
+async fn read_until_closed(
+    s: &mut tokio::net::tcp::OwnedReadHalf,
+    bound: Duration,
+) -> (String, bool) {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let ended = tokio::time::timeout(bound, async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await
+    .is_ok();
+    (String::from_utf8_lossy(&got).into_owned(), ended)
+}
+
+/// Writes `bytes` one at a time, `every` apart, until they run out or the peer is gone.
+fn trickle(
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    bytes: Vec<u8>,
+    every: Duration,
+) -> tokio::task::JoinHandle<()> {
+    use tokio::io::AsyncWriteExt;
+    tokio::spawn(async move {
+        for b in bytes {
+            if w.write_all(&[b]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(every).await;
+        }
+    })
+}
+
+/// A client that trickles its body (or its headers, or sends nothing) is answered and cut off
+/// by a deadline on the whole body, not an idle timer that each byte resets.
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_bodies_and_headers_are_cut_off() {
+    use tokio::io::AsyncWriteExt;
+    let d = Daemon::start_with(Opts {
+        config: Some(
+            "[server]\nbody_read_timeout_seconds = 2\nheader_read_timeout_ms = 2000\n".into(),
+        ),
+        ..Default::default()
+    });
+    // Generous: the deadlines are 2 s; a loaded machine may be slow to answer, never 60 s slow.
+    let bound = Duration::from_secs(60);
+
+    // Body: Content-Length 1000, one byte every 300 ms (300 s to finish).
+    let s = tokio::net::TcpStream::connect(&d.addr).await.unwrap();
+    let (mut r, mut w) = s.into_split();
+    let head = format!(
+        "POST /execute HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n",
+        d.service_token()
+    );
+    w.write_all(head.as_bytes()).await.unwrap();
+    let writer = trickle(w, vec![b' '; 1000], Duration::from_millis(300));
+    let (text, ended) = read_until_closed(&mut r, bound).await;
+    writer.abort();
+    assert!(ended, "the connection stayed open: {text}");
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or_default();
+    let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+    assert_eq!(v["success"], json!(false), "{text}");
+    assert_eq!(v["error_type"], json!("RequestTimeout"), "{text}");
+    assert!(
+        v["error"].as_str().is_some_and(|e| e.contains("2 seconds")),
+        "{text}"
+    );
+
+    // Headers: one byte every 300 ms, never finishing.
+    let s = tokio::net::TcpStream::connect(&d.addr).await.unwrap();
+    let (mut r, w) = s.into_split();
+    let mut endless = b"GET /health HTTP/1.1\r\nHost: x\r\n".to_vec();
+    endless.extend(std::iter::repeat_n(b'X', 1000));
+    let writer = trickle(w, endless, Duration::from_millis(300));
+    let (text, ended) = read_until_closed(&mut r, bound).await;
+    writer.abort();
+    assert!(ended, "a trickled header kept the connection: {text}");
+    assert!(text.is_empty() || text.contains("408"), "{text}");
+
+    // Nothing at all after connecting.
+    let s = tokio::net::TcpStream::connect(&d.addr).await.unwrap();
+    let (mut r, _w) = s.into_split();
+    let (text, ended) = read_until_closed(&mut r, bound).await;
+    assert!(ended, "a silent connection was kept: {text}");
+
+    assert_eq!(
+        d.get("/health").await.status,
+        200,
+        "the daemon still answers"
+    );
+}

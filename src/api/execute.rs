@@ -171,6 +171,7 @@ async fn read_body(
     body: Body,
     headers: &HeaderMap,
     limit: usize,
+    deadline: Duration,
 ) -> Result<bytes::Bytes, ApiError> {
     // Refuse on the declared length before reading anything.
     if let Some(len) = headers
@@ -181,8 +182,12 @@ async fn read_body(
     {
         return Err(ApiError::PayloadTooLarge(limit));
     }
-    // Chunked bodies: stop reading at the first byte past the limit.
-    to_bytes(body, limit).await.map_err(|e| {
+    // Chunked bodies: stop reading at the first byte past the limit. The whole body must arrive
+    // within the deadline, or a trickling client holds a connection and a task forever.
+    let read = tokio::time::timeout(deadline, to_bytes(body, limit))
+        .await
+        .map_err(|_| ApiError::BodyTimeout(deadline))?;
+    read.map_err(|e| {
         let too_large = std::error::Error::source(&e)
             .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
             || e.to_string().contains("length limit");
@@ -253,6 +258,7 @@ async fn execute_detached(st: Arc<AppState>, req: Request) -> Response {
             let label = match &e {
                 ApiError::Overloaded => Some("overloaded"),
                 ApiError::PayloadTooLarge(_) => Some("payload_too_large"),
+                ApiError::BodyTimeout(_) => Some("body_timeout"),
                 ApiError::InvalidRequest(_) => Some("invalid_request"),
                 ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => {
                     Some("sandbox_unavailable")
@@ -289,7 +295,13 @@ async fn handle(
         None => return Err(ctx.unauthorized(st, "missing Authorization: Bearer service token")),
     };
     ctx.subject = service.subject.clone();
-    let raw = read_body(body, headers, st.config.server.body_limit_bytes).await?;
+    let raw = read_body(
+        body,
+        headers,
+        st.config.server.body_limit_bytes,
+        Duration::from_secs(st.config.server.body_read_timeout_seconds),
+    )
+    .await?;
     let req = parse_request(&raw)?;
     ctx.action_type = Some(req.action_type.clone());
     ctx.command = Some(req.command.clone());
