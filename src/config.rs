@@ -135,6 +135,8 @@ pub struct StateConfig {
     #[serde(default)]
     pub redis_url: Option<String>,
     pub idempotency_ttl_seconds: u64,
+    /// Bytes of completed idempotent results the embedded store holds (Redis: its own maxmemory).
+    pub idempotency_max_bytes: usize,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -324,6 +326,11 @@ impl Config {
                     .into(),
             ));
         }
+        if self.state.idempotency_max_bytes == 0 {
+            return Err(ConfigError::Invalid(
+                "state.idempotency_max_bytes must be > 0".into(),
+            ));
+        }
         for b in BackendKind::ALL {
             if self.server.concurrency.for_backend(b) == 0 {
                 return Err(ConfigError::Invalid(format!(
@@ -382,6 +389,7 @@ mod tests {
         assert_eq!(c.server.listen, "0.0.0.0:8003");
         assert_eq!(c.server.body_limit_bytes, 1 << 20);
         assert_eq!(c.server.body_read_timeout_seconds, 10);
+        assert_eq!(c.state.idempotency_max_bytes, 64 << 20);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::config::TokenKind;
 use crate::policy::{ActionType, Ask, Plan, PolicyError};
 use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
 use crate::sandbox::{KilledReason, RunOutcome, SandboxError};
-use crate::state::{IdemBegin, StoredResponse};
+use crate::state::{IdemBegin, IdemKey, JtiClaim, StoredResponse};
 
 /// The request body. Unknown fields are refused: a misspelt limit must not be silently ignored.
 #[derive(Debug, Deserialize)]
@@ -295,6 +295,7 @@ async fn handle(
         None => return Err(ctx.unauthorized(st, "missing Authorization: Bearer service token")),
     };
     ctx.subject = service.subject.clone();
+    claim_single_use(st, ctx, &service).await?;
     let raw = read_body(
         body,
         headers,
@@ -346,7 +347,10 @@ async fn handle(
                     "Idempotency-Key must be 1-255 visible ASCII characters".into(),
                 ));
             }
-            let scoped = format!("{}:{k}", service.subject.as_deref().unwrap_or("-"));
+            let scoped = IdemKey {
+                subject: service.subject.clone().unwrap_or_else(|| "-".into()),
+                key: k,
+            };
             let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
             match st
                 .store
@@ -403,6 +407,28 @@ async fn handle(
         .into_response())
 }
 
+/// Uses up a single-use token's jti. A replay, or a token the store cannot vouch for (issued
+/// before the embedded store's record began), is a 401.
+async fn claim_single_use(st: &AppState, ctx: &Ctx, token: &Verified) -> Result<(), ApiError> {
+    let Some(su) = &token.single_use else {
+        return Ok(());
+    };
+    let kind = match su.kind {
+        TokenKind::Service => "service token",
+        TokenKind::Capability => "capability token",
+    };
+    let reason = match st.store.claim_jti(su).await {
+        Ok(JtiClaim::Claimed) => return Ok(()),
+        Ok(JtiClaim::Replayed) => format!("{kind}: replayed single-use token"),
+        Ok(JtiClaim::PredatesRecord { since }) => format!(
+            "{kind}: single-use token issued before {since} (unix), when this daemon's replay \
+             record begins; the embedded store forgets used tokens on restart"
+        ),
+        Err(e) => return Err(ApiError::SandboxUnavailable(e.to_string())),
+    };
+    Err(ctx.unauthorized(st, &reason))
+}
+
 fn replay(r: StoredResponse) -> Response {
     let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::OK);
     (
@@ -454,13 +480,7 @@ async fn run_admitted(
         Err(PolicyError::Invalid(m)) => return Err(ApiError::InvalidRequest(m)),
         Err(PolicyError::Unavailable(m)) => return Err(ApiError::SandboxUnavailable(m)),
     };
-    if let Some((jti, exp)) = &cap.single_use {
-        match st.store.claim_jti(jti, *exp).await {
-            Ok(true) => {}
-            Ok(false) => return Err(ctx.unauthorized(st, "replayed single-use token")),
-            Err(e) => return Err(ApiError::SandboxUnavailable(e.to_string())),
-        }
-    }
+    claim_single_use(st, ctx, cap).await?;
     let backend = st.backends.get(&plan.backend).cloned().ok_or_else(|| {
         ApiError::SandboxUnavailable(format!(
             "backend {} is not configured on this daemon",

@@ -42,6 +42,8 @@ pub struct Daemon {
     pub audit: PathBuf,
     pub client: reqwest::Client,
     pub log: mpsc::Receiver<String>,
+    /// The unix second in which the daemon reported it was listening (it started no later).
+    pub listening_at: u64,
 }
 
 pub struct Resp {
@@ -109,6 +111,7 @@ impl Daemon {
             }
         });
         let mut addr = None;
+        let mut listening_at = 0;
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while addr.is_none() && std::time::Instant::now() < deadline {
             match rx.recv_timeout(Duration::from_millis(200)) {
@@ -117,6 +120,7 @@ impl Daemon {
                         && let Ok(v) = serde_json::from_str::<Value>(&line)
                     {
                         addr = v["fields"]["addr"].as_str().map(String::from);
+                        listening_at = executor_arm::auth::now();
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -140,6 +144,30 @@ impl Daemon {
                 .build()
                 .expect("client"),
             log: rx,
+            listening_at,
+        }
+    }
+
+    /// Stops the daemon and starts a new one on the same directory (secret, audit log, executor
+    /// defs) with `opts`.
+    pub fn restart(mut self, opts: Opts) -> Daemon {
+        self.stop();
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().expect("tempdir"));
+        drop(self);
+        Daemon::start_in(dir, opts)
+    }
+
+    /// Waits until a token minted now has an `iat` after the second the daemon started in. The
+    /// embedded replay store refuses single-use tokens that may predate its start, and a token
+    /// minted in the daemon's first second may. Waits on the clock, at most about a second.
+    pub fn wait_until_tokens_postdate_start(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while executor_arm::auth::now() <= self.listening_at {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the clock did not advance"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
