@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use self::argpolicy::ArgPolicy;
 use self::profile::{NetworkMode, Profile};
 use crate::config::{CommandEntry, Config};
-use crate::sandbox::{BackendKind, FsRules, Limits, NetworkPolicy, RunSpec};
+use crate::sandbox::{BackendKind, FsRules, Limits, NetworkPolicy, RunSpec, check_exec_size};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -412,6 +412,11 @@ impl Policy {
             }
             env.insert(k.clone(), v.clone());
         }
+        // Checked here, before any backend: execve would refuse it (E2BIG) after admission.
+        let program = path.to_string_lossy();
+        let argv = std::iter::once(program.as_ref()).chain(ask.args.iter().map(String::as_str));
+        check_exec_size(argv, env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .map_err(PolicyError::Invalid)?;
         let l = &profile.limits;
         let mut timeout = ask
             .timeout_seconds

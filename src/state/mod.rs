@@ -1,12 +1,43 @@
 //! Shared request state: single-use token ids and idempotency results.
 //!
 //! The embedded in-memory store is the default; with `state.redis_url` set, both live in Redis
-//! so replicas share them. Must not: interpret the responses it stores.
+//! so replicas share them. The embedded store forgets everything on restart, so it refuses
+//! single-use tokens that may predate its start ([`JtiClaim::PredatesRecord`]). Must not:
+//! interpret the responses it stores.
 
 pub mod memory;
 pub mod redis_store;
 
 use std::time::Duration;
+
+use crate::auth::SingleUse;
+
+/// An Idempotency-Key as the caller sent it, scoped to the calling service's subject.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdemKey {
+    pub subject: String,
+    pub key: String,
+}
+
+impl IdemKey {
+    /// The store key. The subject's length comes first, so no (subject, key) pair can spell
+    /// another's (`a` + `b:c` vs `a:b` + `c`).
+    pub fn scoped(&self) -> String {
+        format!("{}:{}:{}", self.subject.len(), self.subject, self.key)
+    }
+}
+
+/// What claiming a single-use token's jti found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JtiClaim {
+    /// First use: the jti is recorded until the token expires.
+    Claimed,
+    /// Seen before: a replay.
+    Replayed,
+    /// The token may have been issued before this store's record begins (unix second `since`),
+    /// so it may have been used before: refused, never recorded.
+    PredatesRecord { since: u64 },
+}
 
 /// A stored idempotent response.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -37,25 +68,28 @@ pub enum StateError {
 
 #[async_trait::async_trait]
 pub trait StateStore: Send + Sync {
-    /// Records a single-use jti until `exp`; false when it was seen before (a replay).
-    async fn claim_jti(&self, jti: &str, exp_unix: u64) -> Result<bool, StateError>;
+    /// Records a single-use token's jti until it expires, unless it was seen before or may
+    /// predate what the store remembers.
+    async fn claim_jti(&self, token: &SingleUse) -> Result<JtiClaim, StateError>;
     /// Forgets a claimed jti whose request never ran (its start could not be audited), so the
     /// token stays usable.
-    async fn release_jti(&self, jti: &str) -> Result<(), StateError>;
+    async fn release_jti(&self, token: &SingleUse) -> Result<(), StateError>;
     async fn idempotency_begin(
         &self,
-        key: &str,
+        key: &IdemKey,
         body_hash: &str,
         ttl: Duration,
     ) -> Result<IdemBegin, StateError>;
+    /// Stores a finished response. A store may drop it (too large for its budget); a retry then
+    /// runs again, as after the TTL.
     async fn idempotency_complete(
         &self,
-        key: &str,
+        key: &IdemKey,
         body_hash: &str,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StateError>;
-    async fn idempotency_abort(&self, key: &str) -> Result<(), StateError>;
+    async fn idempotency_abort(&self, key: &IdemKey) -> Result<(), StateError>;
     /// For /readyz.
     async fn healthy(&self) -> Result<(), StateError>;
     fn kind(&self) -> &'static str;
