@@ -24,11 +24,20 @@ use self::grammar::{Grammar, Item};
 
 /// A tool with an option table: the options it refuses (canonical `--long` or `-s`) and the
 /// rules for values and operands.
-#[derive(Debug)]
 pub struct Tool {
     pub grammar: &'static Grammar,
     pub denied: &'static [&'static str],
     pub judge: fn(&[Item<'_>]) -> Option<String>,
+}
+
+impl std::fmt::Debug for Tool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The table is long; its source names it.
+        f.debug_struct("Tool")
+            .field("grammar", &self.grammar.tool)
+            .field("denied", &self.denied)
+            .finish()
+    }
 }
 
 fn no_extra_rule(_: &[Item<'_>]) -> Option<String> {
@@ -159,7 +168,7 @@ impl ArgPolicy {
             Ok(items) => items,
             Err(e) => {
                 return Some(format!(
-                    "argument {e} to {tool}; the argument policy refuses what it cannot resolve"
+                    "{tool}: argument {e}; the argument policy refuses what it cannot resolve"
                 ));
             }
         };
