@@ -15,8 +15,8 @@ step() { printf '\n== %s\n' "$*"; }
 
 step "packages"
 need=()
-for pair in python3:python3 curl:curl wget:wget nmap:nmap openssl:openssl redis-server:redis-server \
-            ip:iproute2 bwrap:bubblewrap debootstrap:debootstrap strace:strace; do
+for pair in python3:python3 curl:curl wget:wget nmap:nmap tar:tar git:git openssl:openssl \
+            redis-server:redis-server ip:iproute2 bwrap:bubblewrap debootstrap:debootstrap strace:strace; do
   bin=${pair%%:*}; pkg=${pair##*:}
   command -v "$bin" >/dev/null 2>&1 || need+=("$pkg")
 done

@@ -1710,3 +1710,78 @@ async fn the_idempotency_store_is_bounded_and_fair_per_caller() {
     );
     assert_ne!(oldest.json["exec_id"], first[0]);
 }
+
+/// Abbreviated and re-spelled options (issue #11): each request ran a program or read a file in
+/// the sandbox while the argument policy matched exact spellings. The policy now judges what
+/// the tool's own parser makes of the argument, so each is a 403 before anything runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn abbreviated_options_are_judged_as_the_tool_parses_them() {
+    let mut cfg = String::new();
+    for name in ["curl", "wget", "tar", "git", "nmap", "python3"] {
+        cfg.push_str(&format!(
+            "[commands.{name}]\naction_types = [\"shell\"]\ncapabilities = [\"ShellExecute\"]\nprofile = \"shell-readonly\"\n"
+        ));
+    }
+    let d = Daemon::start_with(Opts {
+        config: Some(cfg),
+        ..Default::default()
+    });
+    let attacks = [
+        (
+            json!({"command": "wget", "args": ["--use-askpas=/usr/bin/id", "http://allowed.test/"]}),
+            "--use-askpass",
+        ),
+        (
+            json!({"command": "curl", "args": ["--conf", "-"], "stdin": "url = \"file:///etc/passwd\"\n"}),
+            "--config",
+        ),
+        (
+            json!({"command": "tar", "args": ["-c", "-f", "/work/a.tar", "--checkpoint=1", "--checkpoint-act=exec=id", "/etc/passwd"]}),
+            "--checkpoint-action",
+        ),
+        (
+            json!({"command": "git", "args": ["ls-remote", "--upload-p=id >&2; false", "/tmp"]}),
+            "--upload-pack",
+        ),
+        // Also found while building the tables: tar's multi-volume prompt runs a shell on
+        // `!` read from stdin; nmap's deprecated `-i` reads a target list (echoed back in
+        // its errors); python3 bundles `-I` and `-m`.
+        (
+            json!({"command": "tar", "args": ["-cL", "10", "-f", "/work/a.tar", "/usr/bin/tar"], "stdin": "!\nid\n"}),
+            "--tape-length",
+        ),
+        (
+            json!({"command": "nmap", "args": ["-sL", "-n", "-i", "/etc/passwd"]}),
+            "-i",
+        ),
+        (
+            json!({"command": "python3", "args": ["-Impip", "--version"]}),
+            "module 'pip'",
+        ),
+    ];
+    for (mut body, option) in attacks {
+        body["action_type"] = json!("shell");
+        let r = d.exec(body.clone()).await;
+        assert_error(&r, 403, "CapabilityViolation");
+        let msg = r.json["error"].as_str().unwrap_or_default();
+        assert!(msg.contains(option), "{body}: {}", r.text);
+        assert!(
+            r.json.get("stdout").is_none_or(|s| s == ""),
+            "{body}: {}",
+            r.text
+        );
+    }
+    // Ordinary use still runs.
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "tar", "args": ["--version"]}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(
+        r.json["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("GNU tar"),
+        "{}",
+        r.text
+    );
+}
