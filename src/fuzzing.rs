@@ -12,8 +12,7 @@ use std::sync::OnceLock;
 use crate::auth::Authenticator;
 use crate::config::{AuthConfig, TokenKind};
 
-/// `POST /execute` body parsing: never panics, and a parsed request re-parses from its own
-/// JSON (the body the daemon accepts is a fixed point of its own parser).
+/// `POST /execute` body parsing: never panics, whatever the bytes.
 pub fn execute_request(data: &[u8]) {
     let _ = crate::api::execute::parse_request(data);
 }
