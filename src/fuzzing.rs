@@ -185,3 +185,89 @@ pub fn profile_toml(data: &[u8]) {
         let _ = crate::policy::profile::Profile::parse("fuzz", "fuzz.toml", text);
     }
 }
+
+/// The audit log's write → verify round trip: whatever JSON a caller puts in `metadata`, and
+/// whatever text it puts in a refused request's fields, the line written verifies, chained to
+/// the one before it. The input is parsed as JSON when it is JSON (numbers of any size and
+/// precision, escapes, duplicate keys), and used as text otherwise.
+pub fn audit_roundtrip(data: &[u8]) {
+    use crate::provenance::audit::{AuditEvent, AuditLog, Refusal, Run, RunEnd, verify};
+    use serde_json::{Map, Value};
+
+    let text = String::from_utf8_lossy(data).into_owned();
+    let value = serde_json::from_slice::<Value>(data).unwrap_or_else(|_| Value::String(text.clone()));
+    let mut metadata = Map::new();
+    metadata.insert(text.clone(), value);
+    let run = Run {
+        request_id: text.clone(),
+        exec_id: "exec-fuzz".into(),
+        subject: Some(text.clone()),
+        token_id: None,
+        action_type: "shell",
+        command: text.clone(),
+        args: vec![text.clone()],
+        command_hash: crate::provenance::command_hash(&text, &[]),
+        invocation_hash: String::new(),
+        backend: "local",
+        profile: "fuzz".into(),
+    };
+    let end = RunEnd {
+        capabilities_used: Vec::new(),
+        outcome: "success",
+        exit_code: 0,
+        duration_ms: 0,
+        killed_reason: None,
+        oom: false,
+        peak_memory_kib: None,
+        stdout_sha256: String::new(),
+        stderr_sha256: String::new(),
+        stdout_truncated: false,
+        stderr_truncated: false,
+        executor_def_sha256: None,
+        error_code: None,
+        network: None,
+        metadata: Some(metadata),
+    };
+    let events = [
+        AuditEvent::Refusal(Refusal {
+            request_id: text.clone(),
+            status: 403,
+            error_type: "CapabilityViolation",
+            reason: text.clone(),
+            subject: None,
+            token_id: None,
+            action_type: Some(text.clone()),
+            command: Some(text),
+            command_hash: None,
+        }),
+        AuditEvent::ExecutionStart(run.clone()),
+        AuditEvent::Execution {
+            run,
+            end: Box::new(end),
+        },
+    ];
+    // A fresh log per input, on a memory-backed directory when there is one (fsync is cheap).
+    let base = if Path::new("/dev/shm").is_dir() {
+        std::path::PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let dir = match tempfile::tempdir_in(base) {
+        Ok(d) => d,
+        Err(e) => panic!("tempdir: {e}"),
+    };
+    let path = dir.path().join("audit.jsonl");
+    let log = match AuditLog::open(&path, "fuzz") {
+        Ok(l) => l,
+        Err(e) => panic!("open: {e}"),
+    };
+    for e in &events {
+        if let Err(err) = log.append(e) {
+            panic!("append: {err}");
+        }
+    }
+    match verify(&path) {
+        Ok(v) => assert_eq!(v.lines, events.len() as u64, "lines lost"),
+        Err(e) => panic!("a line the daemon wrote does not verify: {e}"),
+    }
+}
