@@ -195,7 +195,8 @@ pub fn audit_roundtrip(data: &[u8]) {
     use serde_json::{Map, Value};
 
     let text = String::from_utf8_lossy(data).into_owned();
-    let value = serde_json::from_slice::<Value>(data).unwrap_or_else(|_| Value::String(text.clone()));
+    let value =
+        serde_json::from_slice::<Value>(data).unwrap_or_else(|_| Value::String(text.clone()));
     let mut metadata = Map::new();
     metadata.insert(text.clone(), value);
     let run = Run {
@@ -270,4 +271,66 @@ pub fn audit_roundtrip(data: &[u8]) {
         Ok(v) => assert_eq!(v.lines, events.len() as u64, "lines lost"),
         Err(e) => panic!("a line the daemon wrote does not verify: {e}"),
     }
+}
+
+/// The commands with a built-in argument policy.
+const POLICED: &[&str] = &["curl", "wget", "tar", "git", "nmap", "python3", "find"];
+
+/// The argument policy. The input is `command spelling spelling args…`: a byte choosing the
+/// command, two choosing one spelling of one of its denied options, then NUL-separated args.
+///
+/// Properties: judging any argv never panics; and a denied option is refused in every spelling
+/// that names it (prefixes, `=value`, bundles, old-style keys), whatever arguments follow it and
+/// whatever its value.
+pub fn argpolicy(data: &[u8]) {
+    use crate::policy::argpolicy::{check, denied_spellings};
+    let [sel, s0, s1, rest @ ..] = data else {
+        return;
+    };
+    let command = POLICED[usize::from(*sel) % POLICED.len()];
+    let mut args: Vec<String> = rest
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let _ = check(command, &args);
+    // The first argument is the denied option's value; the rest follow the spelling.
+    let value = if args.is_empty() {
+        "v".to_string()
+    } else {
+        args.remove(0)
+    };
+    if value.is_empty() || value.starts_with('-') {
+        // An option's value that looks like an option is another question (a tool may read it
+        // as the next option); the property is about the option itself.
+        return;
+    }
+    // Every spelling of every denied option, built once per command around a placeholder value.
+    const PLACEHOLDER: &str = "\u{1}value\u{1}";
+    static SPELLINGS: OnceLock<Vec<Vec<(String, Vec<String>)>>> = OnceLock::new();
+    let all = SPELLINGS.get_or_init(|| {
+        POLICED
+            .iter()
+            .map(|c| {
+                denied_spellings(c, PLACEHOLDER)
+                    .into_iter()
+                    .flat_map(|(o, ss)| ss.into_iter().map(move |s| (o.clone(), s)))
+                    .collect()
+            })
+            .collect()
+    });
+    let spellings = &all[usize::from(*sel) % POLICED.len()];
+    if spellings.is_empty() {
+        return;
+    }
+    let (option, argv) = &spellings[usize::from(u16::from_be_bytes([*s0, *s1])) % spellings.len()];
+    let argv: Vec<String> = argv
+        .iter()
+        .map(|a| a.replace(PLACEHOLDER, &value))
+        .collect();
+    let mut full = argv.clone();
+    full.extend(args);
+    assert!(
+        check(command, &full).is_some(),
+        "{command}: {option} spelt {argv:?} was not refused in {full:?}"
+    );
 }
