@@ -198,7 +198,7 @@ async fn read_body(
     })
 }
 
-fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
+pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::InvalidRequest(format!("malformed JSON: {e}")))?;
     if !v.is_object() {
