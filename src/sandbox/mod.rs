@@ -8,6 +8,7 @@ pub mod capture;
 pub mod docker;
 pub mod local;
 pub mod probe;
+pub mod syscalls;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
