@@ -19,7 +19,7 @@ mod proxy;
 mod request;
 mod run;
 
-// The byte parsers a sandboxed command can feed, for the fuzz targets (see crate::fuzzing).
+// The byte parsers a sandboxed command can feed, for the fuzz targets (src/fuzzing.rs).
 #[cfg(fuzzing)]
 pub(crate) use dns::decode_reply;
 #[cfg(fuzzing)]
