@@ -4,7 +4,9 @@
 #   2. merge the runsc runtime (docker/daemon.json) into /etc/docker/daemon.json, keeping other keys;
 #   3. start dockerd when it is not running (no systemd assumed), or reload/restart it when it runs
 #      without runsc registered;
-#   4. wait (bounded) until `docker info` lists both the runc and runsc runtimes.
+#   4. wait (bounded) until `docker info` lists both the runc and runsc runtimes, runsc with the
+#      template's runtimeArgs (--host-uds=open for egress, --oci-seccomp so runsc applies the
+#      sandbox's seccomp profile: executor-arm refuses gVisor runs without it).
 # Idempotent: a second run changes nothing and only reports. Exits non-zero with a message on failure.
 #
 # Environment:
@@ -197,6 +199,21 @@ if ! wait_for_runtimes "${DOCKERD_WAIT_SECONDS}"; then
     fi
     die "dockerd did not answer within ${DOCKERD_WAIT_SECONDS} s"
 fi
+
+# A reload that did not take (or a dockerd started with other flags) leaves runsc without the
+# flags the gvisor backend needs; it would then refuse every run.
+want_args="$(jq -c '.runtimes.runsc.runtimeArgs' "${RUNTIME_TEMPLATE}")"
+has_args() {
+    local got
+    # shellcheck disable=SC2016 # a Go template, not shell
+    got="$(timeout 10 docker info --format '{{json (index .Runtimes "runsc").Args}}' 2>/dev/null)" || return 1
+    [[ "$(jq -c . <<<"${got}")" == "${want_args}" ]]
+}
+deadline=$((SECONDS + 10))
+until has_args; do
+    ((SECONDS < deadline)) || die "dockerd's runsc is not registered with ${want_args}; restart dockerd to apply ${DOCKERD_CONFIG}"
+    sleep 1
+done
 
 server="$(timeout 10 docker version --format 'server {{.Server.Version}} (API {{.Server.APIVersion}}), client {{.Client.Version}}')"
 log "ready: docker ${server}; runtimes: $(runtimes | paste -sd ' ' -)"

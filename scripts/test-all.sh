@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole executor-arm test suite, from a fresh machine: installs what the tests need (apt),
 # sets up Docker + gVisor and the sandbox image, starts Redis, then runs formatting, lints,
-# unit and integration tests (local, docker, gvisor backends), and the Helm chart validation.
+# unit and integration tests (local, docker, gvisor backends), every fuzz target for a bounded time
+# (FUZZ_SECONDS each, default 20), and the Helm chart validation.
 set -Eeuo pipefail
 trap 'echo "test-all: failed at line $LINENO" >&2' ERR
 cd "$(dirname "$0")/.."
@@ -15,8 +16,8 @@ step() { printf '\n== %s\n' "$*"; }
 
 step "packages"
 need=()
-for pair in python3:python3 curl:curl wget:wget nmap:nmap openssl:openssl redis-server:redis-server \
-            ip:iproute2 bwrap:bubblewrap debootstrap:debootstrap strace:strace; do
+for pair in python3:python3 curl:curl wget:wget nmap:nmap tar:tar git:git openssl:openssl \
+            redis-server:redis-server ip:iproute2 bwrap:bubblewrap debootstrap:debootstrap strace:strace; do
   bin=${pair%%:*}; pkg=${pair##*:}
   command -v "$bin" >/dev/null 2>&1 || need+=("$pkg")
 done
@@ -43,6 +44,9 @@ cargo clippy --all-targets --locked -- -D warnings
 step "tests"
 cargo build --release --locked
 cargo test --locked --all-targets -- --test-threads=4
+
+step "fuzz (every target, bounded)"
+FUZZ_JOBS=2 scripts/fuzz.sh "${FUZZ_SECONDS:-20}"
 
 step "daemon image"
 scripts/test-daemon-image.sh

@@ -56,6 +56,8 @@ pub struct ServerConfig {
     pub listen: String,
     pub body_limit_bytes: usize,
     pub header_read_timeout_ms: u64,
+    /// The whole request body must arrive within this time after the headers (408 otherwise).
+    pub body_read_timeout_seconds: u64,
     pub shutdown_grace_seconds: u64,
     pub concurrency: ConcurrencyConfig,
 }
@@ -137,6 +139,8 @@ pub struct StateConfig {
     /// daemon renews it every third of this, so a key of a daemon that died is free this long
     /// after (or at once when the daemon restarts on its audit log).
     pub idempotency_lease_seconds: u64,
+    /// Bytes of completed idempotent results the embedded store holds (Redis: its own maxmemory).
+    pub idempotency_max_bytes: usize,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -320,6 +324,17 @@ impl Config {
                 "server.body_limit_bytes must be > 0".into(),
             ));
         }
+        if self.server.body_read_timeout_seconds == 0 || self.server.header_read_timeout_ms == 0 {
+            return Err(ConfigError::Invalid(
+                "server.body_read_timeout_seconds and server.header_read_timeout_ms must be > 0"
+                    .into(),
+            ));
+        }
+        if self.state.idempotency_max_bytes == 0 {
+            return Err(ConfigError::Invalid(
+                "state.idempotency_max_bytes must be > 0".into(),
+            ));
+        }
         for b in BackendKind::ALL {
             if self.server.concurrency.for_backend(b) == 0 {
                 return Err(ConfigError::Invalid(format!(
@@ -383,6 +398,8 @@ mod tests {
         }
         assert_eq!(c.server.listen, "0.0.0.0:8003");
         assert_eq!(c.server.body_limit_bytes, 1 << 20);
+        assert_eq!(c.server.body_read_timeout_seconds, 10);
+        assert_eq!(c.state.idempotency_max_bytes, 64 << 20);
     }
 
     #[test]

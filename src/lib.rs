@@ -7,6 +7,8 @@ pub mod auth;
 pub mod config;
 pub mod egress;
 pub mod executors;
+#[cfg(fuzzing)]
+pub mod fuzzing;
 pub mod metrics;
 pub mod policy;
 pub mod provenance;

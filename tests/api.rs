@@ -484,6 +484,12 @@ async fn token_attacks_are_401_and_audited() {
     c["iss"] = json!("mallory");
     attacks.push(("wrong iss", hs256(SECRET.as_bytes(), &hs, &c)));
     let mut c = base();
+    c.as_object_mut().unwrap().remove("iss");
+    attacks.push((
+        "missing iss with auth.issuer set",
+        hs256(SECRET.as_bytes(), &hs, &c),
+    ));
+    let mut c = base();
     c["exp"] = json!(now() + 86_400);
     attacks.push(("lifetime over max TTL", hs256(SECRET.as_bytes(), &hs, &c)));
     let mut c = base();
@@ -504,6 +510,7 @@ async fn token_attacks_are_401_and_audited() {
         );
     }
     // Single-use: the second use is a replay.
+    d.wait_until_tokens_postdate_start();
     let mut c = base();
     c["single_use"] = json!(true);
     c["jti"] = json!(uuid::Uuid::new_v4().to_string());
@@ -1278,6 +1285,7 @@ async fn a_full_disk_under_the_audit_log_refuses_with_503_and_runs_nothing() {
     let before_runs = executions_total(&d.get("/metrics").await.text);
     // Longer than a page, so no tail of an allocated page can hold its line.
     let marker = format!("full-{}", "x".repeat(6000));
+    d.wait_until_tokens_postdate_start();
     let cap = d.mint(MintRequest {
         kind: Some(TokenKind::Capability),
         ttl_seconds: 120,
@@ -1336,5 +1344,444 @@ async fn a_full_disk_under_the_audit_log_refuses_with_503_and_runs_nothing() {
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// execve refuses one argument over MAX_ARG_STRLEN (E2BIG): the request is refused as the
+/// caller's error before anything runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_argv_over_the_execve_limits_is_a_400_before_the_run() {
+    let d = Daemon::start_with(Opts {
+        config: Some("[server]\nbody_limit_bytes = 4194304\n".into()),
+        ..Default::default()
+    });
+    let big = "a".repeat(900_000);
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": [big]}))
+        .await;
+    assert_error(&r, 400, "InvalidRequest");
+    let e = r.json["error"].as_str().unwrap();
+    assert!(e.contains("argument 1") && e.contains("131071"), "{e}");
+
+    // Each argument fits, together they do not.
+    let args: Vec<String> = (0..20).map(|_| "b".repeat(100_000)).collect();
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": args}))
+        .await;
+    assert_error(&r, 400, "InvalidRequest");
+    assert!(r.text.contains("1048576"), "{}", r.text);
+
+    // Just under the per-argument limit runs.
+    let fits = "c".repeat(131_071);
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": ["-n", fits]}))
+        .await;
+    assert_eq!(r.status, 200, "{}", &r.text[..r.text.len().min(300)]);
+    assert_eq!(r.json["stdout"].as_str().map(str::len), Some(131_071));
+    assert_eq!(
+        d.audit_lines()
+            .iter()
+            .filter(|l| l["event"] == json!("execution"))
+            .count(),
+        1,
+        "only the fitting request ran"
+    );
+}
+
+/// Reads from `s` until EOF, an error (a reset after the answer) or `bound`; returns what arrived
+/// and whether the connection ended within the bound.
+async fn read_until_closed(
+    s: &mut tokio::net::tcp::OwnedReadHalf,
+    bound: Duration,
+) -> (String, bool) {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let ended = tokio::time::timeout(bound, async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await
+    .is_ok();
+    (String::from_utf8_lossy(&got).into_owned(), ended)
+}
+
+/// Writes `bytes` one at a time, `every` apart, until they run out or the peer is gone.
+fn trickle(
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    bytes: Vec<u8>,
+    every: Duration,
+) -> tokio::task::JoinHandle<()> {
+    use tokio::io::AsyncWriteExt;
+    tokio::spawn(async move {
+        for b in bytes {
+            if w.write_all(&[b]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(every).await;
+        }
+    })
+}
+
+/// A client that trickles its body (or its headers, or sends nothing) is answered and cut off
+/// by a deadline on the whole body, not an idle timer that each byte resets.
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_bodies_and_headers_are_cut_off() {
+    use tokio::io::AsyncWriteExt;
+    let d = Daemon::start_with(Opts {
+        config: Some(
+            "[server]\nbody_read_timeout_seconds = 2\nheader_read_timeout_ms = 2000\n".into(),
+        ),
+        ..Default::default()
+    });
+    // Generous: the deadlines are 2 s; a loaded machine may be slow to answer, never 60 s slow.
+    let bound = Duration::from_secs(60);
+
+    // Body: Content-Length 1000, one byte every 300 ms (300 s to finish).
+    let s = tokio::net::TcpStream::connect(&d.addr).await.unwrap();
+    let (mut r, mut w) = s.into_split();
+    let head = format!(
+        "POST /execute HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n",
+        d.service_token()
+    );
+    w.write_all(head.as_bytes()).await.unwrap();
+    let writer = trickle(w, vec![b' '; 1000], Duration::from_millis(300));
+    let (text, ended) = read_until_closed(&mut r, bound).await;
+    writer.abort();
+    assert!(ended, "the connection stayed open: {text}");
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or_default();
+    let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+    assert_eq!(v["success"], json!(false), "{text}");
+    assert_eq!(v["error_type"], json!("RequestTimeout"), "{text}");
+    assert!(
+        v["error"].as_str().is_some_and(|e| e.contains("2 seconds")),
+        "{text}"
+    );
+
+    // Headers: one byte every 300 ms, never finishing.
+    let s = tokio::net::TcpStream::connect(&d.addr).await.unwrap();
+    let (mut r, w) = s.into_split();
+    let mut endless = b"GET /health HTTP/1.1\r\nHost: x\r\n".to_vec();
+    endless.extend(std::iter::repeat_n(b'X', 1000));
+    let writer = trickle(w, endless, Duration::from_millis(300));
+    let (text, ended) = read_until_closed(&mut r, bound).await;
+    writer.abort();
+    assert!(ended, "a trickled header kept the connection: {text}");
+    assert!(text.is_empty() || text.contains("408"), "{text}");
+
+    // Nothing at all after connecting.
+    let s = tokio::net::TcpStream::connect(&d.addr).await.unwrap();
+    let (mut r, _w) = s.into_split();
+    let (text, ended) = read_until_closed(&mut r, bound).await;
+    assert!(ended, "a silent connection was kept: {text}");
+
+    assert_eq!(
+        d.get("/health").await.status,
+        200,
+        "the daemon still answers"
+    );
+}
+
+/// The service side of authentication: with `auth.issuer` set, `iss` is required; a service JWT
+/// must say `token_use: "service"`; a single-use service token authenticates one request.
+#[tokio::test(flavor = "multi_thread")]
+async fn service_token_claims_are_required_and_single_use_is_honoured() {
+    let d = Daemon::start_with(Opts {
+        config: Some("[auth]\nissuer = \"orchestrator\"\n".into()),
+        ..Default::default()
+    });
+    d.wait_until_tokens_postdate_start();
+    let hs = json!({"alg": "HS256", "typ": "JWT"});
+    let svc_claims = || json!({"aud": "executor-arm", "iss": "orchestrator", "sub": "orchestrator", "exp": now() + 60, "iat": now(), "token_use": "service"});
+    let cap_claims = || json!({"aud": "executor-arm", "iss": "orchestrator", "exp": now() + 60, "iat": now(), "capabilities": ["ShellExecute"]});
+    let run = |svc: String, cap: String| {
+        let d = &d;
+        async move {
+            d.post(
+                "/execute",
+                &[("authorization", format!("Bearer {svc}").as_str())],
+                json!({"action_type": "shell", "command": "echo", "args": ["hi"], "capability_token": cap}).to_string(),
+            )
+            .await
+        }
+    };
+    let good_svc = hs256(SECRET.as_bytes(), &hs, &svc_claims());
+    let good_cap = hs256(SECRET.as_bytes(), &hs, &cap_claims());
+    let r = run(good_svc.clone(), good_cap.clone()).await;
+    assert_eq!(
+        r.status, 200,
+        "control (a capability token without token_use is the seed's shape): {}",
+        r.text
+    );
+
+    let mut attacks: Vec<(&str, String, String)> = Vec::new();
+    let mut c = svc_claims();
+    c.as_object_mut().unwrap().remove("iss");
+    attacks.push((
+        "service token without iss",
+        hs256(SECRET.as_bytes(), &hs, &c),
+        good_cap.clone(),
+    ));
+    let mut c = cap_claims();
+    c.as_object_mut().unwrap().remove("iss");
+    attacks.push((
+        "capability token without iss",
+        good_svc.clone(),
+        hs256(SECRET.as_bytes(), &hs, &c),
+    ));
+    // The reported attack: aud, iss, exp and capabilities, and no token_use, as Bearer.
+    let bare = json!({"aud": "executor-arm", "iss": "orchestrator", "exp": now() + 60, "capabilities": ["ShellExecute"]});
+    attacks.push((
+        "service token without token_use",
+        hs256(SECRET.as_bytes(), &hs, &bare),
+        good_cap.clone(),
+    ));
+    attacks.push((
+        "capability token as Bearer",
+        good_cap.clone(),
+        good_cap.clone(),
+    ));
+    for (name, svc, cap) in attacks {
+        let r = run(svc, cap).await;
+        assert_error(&r, 401, "Unauthorized");
+        assert_eq!(
+            r.json["error"],
+            json!("Invalid or expired capability token"),
+            "{name}"
+        );
+    }
+
+    // A single-use service token is used once; its jti is its own, apart from capability jtis.
+    let jti = uuid::Uuid::new_v4().to_string();
+    let mut c = svc_claims();
+    c["single_use"] = json!(true);
+    c["jti"] = json!(jti);
+    let once_svc = hs256(SECRET.as_bytes(), &hs, &c);
+    let mut c = cap_claims();
+    c["single_use"] = json!(true);
+    c["jti"] = json!(jti);
+    let once_cap = hs256(SECRET.as_bytes(), &hs, &c);
+    let r = run(once_svc.clone(), once_cap).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let r = run(once_svc, good_cap.clone()).await;
+    assert_error(&r, 401, "Unauthorized");
+    let refusal = d
+        .audit_lines()
+        .into_iter()
+        .rev()
+        .find(|l| l["event"] == json!("refusal"))
+        .unwrap();
+    assert!(
+        refusal["reason"]
+            .as_str()
+            .unwrap()
+            .contains("service token: replayed single-use token"),
+        "{refusal}"
+    );
+    assert_eq!(
+        run(good_svc, good_cap).await.status,
+        200,
+        "the daemon still serves"
+    );
+}
+
+/// The embedded replay store forgets on restart, so a single-use token that may have been used
+/// before the restart is refused after it; a token issued after the start works once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_single_use_token_is_not_replayable_after_a_restart() {
+    let d = Daemon::start();
+    d.wait_until_tokens_postdate_start();
+    let once = |d: &Daemon| {
+        d.mint(MintRequest {
+            kind: Some(TokenKind::Capability),
+            ttl_seconds: 300,
+            aud: "executor-arm".into(),
+            capabilities: vec!["ShellExecute".into()],
+            single_use: true,
+            ..Default::default()
+        })
+    };
+    let body = |tok: &str| json!({"action_type": "shell", "command": "echo", "args": ["once"], "capability_token": tok});
+    let tok = once(&d);
+    let r = d.exec(body(&tok)).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_error(&d.exec(body(&tok)).await, 401, "Unauthorized");
+
+    let d = d.restart(Opts::default());
+    let r = d.exec(body(&tok)).await;
+    assert_error(&r, 401, "Unauthorized");
+    let refusal = d
+        .audit_lines()
+        .into_iter()
+        .rev()
+        .find(|l| l["event"] == json!("refusal"))
+        .unwrap();
+    assert!(
+        refusal["reason"].as_str().unwrap().contains("before"),
+        "the refusal says why: {refusal}"
+    );
+    assert!(
+        d.audit_lines()
+            .iter()
+            .filter(|l| l["event"] == json!("execution"))
+            .count()
+            == 1,
+        "the replay ran nothing"
+    );
+    // Tokens issued after the restart are single-use as before.
+    d.wait_until_tokens_postdate_start();
+    let fresh = once(&d);
+    assert_eq!(d.exec(body(&fresh)).await.status, 200);
+    assert_error(&d.exec(body(&fresh)).await, 401, "Unauthorized");
+}
+
+/// The embedded idempotency store holds completed results within a byte budget; a caller that
+/// fills it evicts its own oldest results, not another caller's.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_idempotency_store_is_bounded_and_fair_per_caller() {
+    let d = Daemon::start_with(Opts {
+        config: Some("[state]\nidempotency_max_bytes = 700000\n".into()),
+        ..Default::default()
+    });
+    let svc = |sub: &str| {
+        format!(
+            "Bearer {}",
+            d.mint(MintRequest {
+                kind: Some(TokenKind::Service),
+                ttl_seconds: 300,
+                aud: "executor-arm".into(),
+                sub: Some(sub.into()),
+                ..Default::default()
+            })
+        )
+    };
+    let (greedy, quiet) = (svc("greedy"), svc("quiet"));
+    let body = |n: usize| {
+        json!({"action_type": "python", "command": "python3", "args": ["-c", format!("import uuid; print(uuid.uuid4()); print('x' * {n})")], "capability_token": d.cap_all()}).to_string()
+    };
+    let call = |auth: &str, key: &str, body: String| {
+        let d = &d;
+        let (auth, key) = (auth.to_string(), key.to_string());
+        async move {
+            d.post(
+                "/execute",
+                &[
+                    ("authorization", auth.as_str()),
+                    ("idempotency-key", key.as_str()),
+                ],
+                body,
+            )
+            .await
+        }
+    };
+    let quiet_body = body(10);
+    let q = call(&quiet, "q", quiet_body.clone()).await;
+    assert_eq!(q.status, 200, "{}", q.text);
+    // Three results of ~250 kB each from one caller: only two fit next to the quiet one.
+    let greedy_bodies: Vec<String> = (0..3).map(|i| body(250_000 + i)).collect();
+    let mut first = Vec::new();
+    for (i, b) in greedy_bodies.iter().enumerate() {
+        let r = call(&greedy, &format!("g{i}"), b.clone()).await;
+        assert_eq!(r.status, 200, "{}", &r.text[..r.text.len().min(300)]);
+        first.push(r.json["exec_id"].clone());
+    }
+    let again = call(&quiet, "q", quiet_body).await;
+    assert_eq!(
+        again
+            .headers
+            .get("idempotent-replayed")
+            .map(|v| v.to_str().unwrap()),
+        Some("true"),
+        "the quiet caller's result is kept"
+    );
+    assert_eq!(again.json["exec_id"], q.json["exec_id"]);
+    let last = call(&greedy, "g2", greedy_bodies[2].clone()).await;
+    assert_eq!(last.json["exec_id"], first[2], "the newest result is kept");
+    let oldest = call(&greedy, "g0", greedy_bodies[0].clone()).await;
+    assert_eq!(oldest.status, 200);
+    assert!(
+        oldest.headers.get("idempotent-replayed").is_none(),
+        "the oldest was evicted and runs again"
+    );
+    assert_ne!(oldest.json["exec_id"], first[0]);
+}
+
+/// Abbreviated and re-spelled options (issue #11): each request ran a program or read a file in
+/// the sandbox while the argument policy matched exact spellings. The policy now judges what
+/// the tool's own parser makes of the argument, so each is a 403 before anything runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn abbreviated_options_are_judged_as_the_tool_parses_them() {
+    let mut cfg = String::new();
+    for name in ["curl", "wget", "tar", "git", "nmap", "python3"] {
+        cfg.push_str(&format!(
+            "[commands.{name}]\naction_types = [\"shell\"]\ncapabilities = [\"ShellExecute\"]\nprofile = \"shell-readonly\"\n"
+        ));
+    }
+    let d = Daemon::start_with(Opts {
+        config: Some(cfg),
+        ..Default::default()
+    });
+    let attacks = [
+        (
+            json!({"command": "wget", "args": ["--use-askpas=/usr/bin/id", "http://allowed.test/"]}),
+            "--use-askpass",
+        ),
+        (
+            json!({"command": "curl", "args": ["--conf", "-"], "stdin": "url = \"file:///etc/passwd\"\n"}),
+            "--config",
+        ),
+        (
+            json!({"command": "tar", "args": ["-c", "-f", "/work/a.tar", "--checkpoint=1", "--checkpoint-act=exec=id", "/etc/passwd"]}),
+            "--checkpoint-action",
+        ),
+        (
+            json!({"command": "git", "args": ["ls-remote", "--upload-p=id >&2; false", "/tmp"]}),
+            "--upload-pack",
+        ),
+        // Also found while building the tables: tar's multi-volume prompt runs a shell on
+        // `!` read from stdin; nmap's deprecated `-i` reads a target list (echoed back in
+        // its errors); python3 bundles `-I` and `-m`.
+        (
+            json!({"command": "tar", "args": ["-cL", "10", "-f", "/work/a.tar", "/usr/bin/tar"], "stdin": "!\nid\n"}),
+            "--tape-length",
+        ),
+        (
+            json!({"command": "nmap", "args": ["-sL", "-n", "-i", "/etc/passwd"]}),
+            "-i",
+        ),
+        (
+            json!({"command": "python3", "args": ["-Impip", "--version"]}),
+            "module 'pip'",
+        ),
+    ];
+    for (mut body, option) in attacks {
+        body["action_type"] = json!("shell");
+        let r = d.exec(body.clone()).await;
+        assert_error(&r, 403, "CapabilityViolation");
+        let msg = r.json["error"].as_str().unwrap_or_default();
+        assert!(msg.contains(option), "{body}: {}", r.text);
+        assert!(
+            r.json.get("stdout").is_none_or(|s| s == ""),
+            "{body}: {}",
+            r.text
+        );
+    }
+    // Ordinary use still runs.
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "tar", "args": ["--version"]}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(
+        r.json["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("GNU tar"),
+        "{}",
+        r.text
     );
 }

@@ -402,7 +402,10 @@ async fn a_key_in_flight_at_a_crash_is_free_after_the_restart(env: &[(&str, &str
         .into_iter()
         .find(|l| l["exec_id"] == exec_id.as_str() && l["event"] == "execution_error")
         .expect("end line of the crashed run");
-    assert_eq!(recorded["idempotency_key"], format!("orchestrator:{key}"));
+    assert_eq!(
+        recorded["idempotency_key"],
+        format!("12:orchestrator:{key}")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -416,10 +419,11 @@ async fn redis_a_key_in_flight_at_a_crash_is_free_after_the_restart() {
     a_key_in_flight_at_a_crash_is_free_after_the_restart(&[("EXECUTOR_ARM_REDIS_URL", &url)]).await;
 }
 
-/// Milliseconds left on `key`'s claim in Redis (-2: no such key).
+/// Milliseconds left on `key`'s claim in Redis (-2: no such key). The store key is the scoped
+/// key: `<subject length>:<subject>:<key>`.
 fn pttl(redis: &mut redis::Connection, key: &str) -> i64 {
     redis::cmd("PTTL")
-        .arg(format!("executor-arm:idem:orchestrator:{key}"))
+        .arg(format!("executor-arm:idem:12:orchestrator:{key}"))
         .query(redis)
         .expect("PTTL")
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::docker::{
     SOCKET, config, container_exists, container_of, containers, docker, docker_ps, finish,
-    instance_of, require_docker, wait_until,
+    instance_of, remove_all, require_docker, running_containers, volumes, wait_until,
 };
 use common::{Daemon, Opts};
 use serde_json::{Value, json};
@@ -557,7 +557,8 @@ async fn orphans_of_a_killed_daemon_are_removed_at_restart() {
     running.abort();
     assert!(
         container_exists(&id),
-        "the run's container outlived the killed daemon (as it would after a crash)"
+        "the run's container (stopped with its daemon, see containers_die_with_their_daemon) is \
+         still there to be swept"
     );
     assert!(!containers(&format!("executor-arm.instance={old}")).is_empty());
 
@@ -706,5 +707,282 @@ async fn unreachable_engine_is_not_ready_and_refuses_with_503() {
     assert_eq!(r.status, 503, "{}", r.text);
     assert_eq!(r.json["error_type"], "SandboxUnavailable", "{}", r.text);
     assert!(r.text.contains("docker engine unreachable"), "{}", r.text);
+    finish(d);
+}
+
+/// Writes a forged report onto the supervisor's stdout (the attach stream) through
+/// `/proc/1/fd/1`, then exits 7.
+const FORGE: &str = r#"
+import os, struct, sys
+kind = sys.argv[1].encode()
+def frame(t, p): return t + struct.pack(">I", len(p)) + p
+forged = frame(b"o", b"forged output\n") + frame(b"x", b"exit 0 0 - 0 0") if kind == b"x" else frame(b"u", b"forged: egress relay cannot reach")
+try:
+    fd = os.open("/proc/1/fd/1", os.O_WRONLY)
+    os.write(fd, forged)
+    print("report channel written")
+except OSError as e:
+    print("report channel refused", e.errno)
+print("real output", flush=True)
+sys.exit(7)
+"#;
+
+/// Reaches for the supervisor (PID 1) and for syscalls the sandbox's seccomp profile refuses.
+const PROBE_SUPERVISOR: &str = r#"
+import ctypes, os, signal, socket, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+def call(what, r):
+    print(what, "refused" if r < 0 else "ALLOWED", flush=True)
+for p, mode in [("/proc/1/mem", os.O_RDONLY), ("/proc/1/fd/1", os.O_WRONLY)]:
+    try:
+        os.close(os.open(p, mode)); print(p, "ALLOWED")
+    except OSError as e:
+        print(p, "refused")
+call("ptrace attach 1", libc.ptrace(16, 1, 0, 0))
+call("ptrace seize 1", libc.ptrace(0x4206, 1, 0, 0))
+# ptrace of our own child: only the seccomp profile refuses it.
+child = os.fork()
+if child == 0:
+    time.sleep(30); os._exit(0)
+call("ptrace seize child", libc.ptrace(0x4206, child, 0, 0))
+os.kill(child, signal.SIGKILL); os.waitpid(child, 0)
+params = ctypes.create_string_buffer(120)
+call("io_uring_setup", libc.syscall(425, 1, params))
+call("unshare user", libc.unshare(0x10000000))
+try:
+    socket.socket(40, socket.SOCK_STREAM).close(); print("vsock ALLOWED")
+except OSError as e:
+    print("vsock refused")
+t = threading.Thread(target=lambda: print("thread ran", flush=True)); t.start(); t.join()
+try:
+    os.kill(1, signal.SIGKILL); print("kill 1 ALLOWED", flush=True)
+except OSError as e:
+    print("kill 1 refused", flush=True)
+time.sleep(0.5)
+print("still here", flush=True)
+raise SystemExit(3)
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_cannot_forge_its_report_or_reach_the_supervisor() {
+    require_docker("the_command_cannot_forge_its_report_or_reach_the_supervisor");
+    for rt in RUNTIMES {
+        let d = start(rt, 1);
+        // A forged output and exit frame: the run's real outcome is reported.
+        let r = d
+            .exec(
+                json!({"action_type": "python", "command": "python3", "args": ["-c", FORGE, "x"]}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{rt}: {}", r.text);
+        assert_eq!(
+            (&r.json["success"], &r.json["exit_code"], &r.json["outcome"]),
+            (&json!(false), &json!(7), &json!("failed")),
+            "{rt}: {}",
+            r.text
+        );
+        assert_eq!(
+            out(&r),
+            "report channel refused 13\nreal output\n",
+            "{rt}: {}",
+            r.text
+        );
+        // A forged "egress unavailable" frame would have made the run a 503.
+        let r = d
+            .exec(
+                json!({"action_type": "python", "command": "python3", "args": ["-c", FORGE, "u"]}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{rt}: {}", r.text);
+        assert_eq!(r.json["exit_code"], 7, "{rt}: {}", r.text);
+
+        // No trace, no memory, no descriptor, no signal: and the refused syscalls stay refused.
+        let r = py(&d, PROBE_SUPERVISOR, json!({})).await;
+        assert_eq!(r.status, 200, "{rt}: {}", r.text);
+        let o = out(&r);
+        for line in [
+            "/proc/1/mem refused",
+            "/proc/1/fd/1 refused",
+            "ptrace attach 1 refused",
+            "ptrace seize 1 refused",
+            "ptrace seize child refused",
+            "io_uring_setup refused",
+            "unshare user refused",
+            "vsock refused",
+            "thread ran",
+            "kill 1 refused",
+            "still here",
+        ] {
+            assert!(o.lines().any(|l| l == line), "{rt}: no '{line}' in: {o}");
+        }
+        assert!(!o.contains("ALLOWED"), "{rt}: {o}");
+        assert_eq!(r.json["exit_code"], 3, "{rt}: {}", r.text);
+        finish(d);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn containers_die_with_their_daemon() {
+    require_docker("containers_die_with_their_daemon");
+    for rt in RUNTIMES {
+        let mut d = start(rt, 1);
+        let instance = instance_of(&d);
+        let label = format!("executor-arm.instance={instance}");
+        let mut log = Vec::new();
+        // One run within its timeout, one far from it: only the daemon's death can end the
+        // second one in time.
+        let mut runs = Vec::new();
+        for (sleep, timeout) in [(60, 15), (250, 280)] {
+            let (base, svc, cap) = (d.base.clone(), d.service_token(), d.cap_all());
+            let code = format!("import time; time.sleep({sleep})");
+            let body = json!({"action_type": "python", "command": "python3", "args": ["-c", code],
+                              "timeout_seconds": timeout, "capability_token": cap});
+            runs.push(tokio::spawn(async move {
+                let _ = reqwest::Client::new()
+                    .post(format!("{base}/execute"))
+                    .bearer_auth(svc)
+                    .json(&body)
+                    .send()
+                    .await;
+            }));
+        }
+        let t = Instant::now();
+        let ids = loop {
+            log.extend(d.log.try_iter());
+            let ids: Vec<String> = log
+                .iter()
+                .filter(|l| l.contains("sandbox container assigned"))
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .filter_map(|v| v["fields"]["container"].as_str().map(String::from))
+                .collect();
+            let running = running_containers(&label);
+            if ids.len() == 2 && ids.iter().all(|id| running.contains(id)) {
+                break ids;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{rt}: the runs never got running containers"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        // Let the commands start, then kill -9 the daemon and never restart it.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        if let Some(mut child) = d.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        for r in runs {
+            r.abort();
+        }
+        wait_until(
+            &format!("{rt}: the runs' containers {ids:?} and the idle one stopped"),
+            Duration::from_secs(30),
+            || running_containers(&label).is_empty(),
+        );
+        remove_all(&label);
+        assert!(containers(&label).is_empty() && volumes(&label).is_empty());
+        drop(d);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_disk_limit_covers_workdir_and_tmp_together() {
+    require_docker("the_disk_limit_covers_workdir_and_tmp_together");
+    // The python profile's disk_mb is 100: 51 MiB fit in one place, not in both.
+    let code = r#"
+import os
+block = b"x" * (1 << 20)
+for path in ["/work/a", "/tmp/b"]:
+    try:
+        with open(path, "wb") as f:
+            for _ in range(51):
+                f.write(block)
+        print(path, "written")
+    except OSError as e:
+        print(path, "refused", e.errno)
+"#;
+    for rt in RUNTIMES {
+        let d = start(rt, 0);
+        let r = py(&d, code, json!({})).await;
+        assert_eq!(r.status, 200, "{rt}: {}", r.text);
+        assert_eq!(
+            out(&r),
+            "/work/a written\n/tmp/b refused 28\n",
+            "{rt}: {}",
+            r.text
+        );
+        finish(d);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_volumes_go_with_their_containers() {
+    require_docker("disk_volumes_go_with_their_containers");
+    for rt in RUNTIMES {
+        let d = start(rt, 1);
+        let label = format!("executor-arm.instance={}", instance_of(&d));
+        for _ in 0..2 {
+            let r = sh(&d, "echo", &["x"]).await;
+            assert_eq!(out(&r), "x\n", "{rt}: {}", r.text);
+        }
+        // While the daemon runs: one container and one volume per idle pool container, nothing
+        // of the runs.
+        wait_until(
+            &format!("{rt}: only the idle container and its volume left"),
+            Duration::from_secs(60),
+            || containers(&label).len() == 1 && volumes(&label).len() == 1,
+        );
+        finish(d);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_directories_of_a_dead_daemon_go_at_startup() {
+    require_docker("egress_directories_of_a_dead_daemon_go_at_startup");
+    let root = tempfile::tempdir().expect("tempdir");
+    let ns: String = std::fs::read_link("/proc/self/ns/pid")
+        .expect("pid ns")
+        .to_string_lossy()
+        .chars()
+        .filter(char::is_ascii_digit)
+        .collect();
+    let host: String = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    // A daemon that cannot be alive (4194304 is above any pid_max) and one that is: this test.
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("stat");
+    let start_time = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(19))
+        .expect("start time");
+    let dead = root.path().join(format!("docker.4194304.1.{ns}.{host}"));
+    let live = root.path().join(format!(
+        "gvisor.{}.{start_time}.{ns}.{host}",
+        std::process::id()
+    ));
+    for dir in [&dead, &live] {
+        std::fs::create_dir_all(dir.join("c1")).expect("plant");
+    }
+    let d = Daemon::start_with(Opts {
+        env: vec![("SANDBOX_RUNTIME".into(), "runc".into())],
+        config: Some(format!(
+            "{}egress_dir = \"{}\"\n",
+            config(0, SOCKET),
+            root.path().display()
+        )),
+        ..Default::default()
+    });
+    // Before any request.
+    assert!(!dead.exists(), "the dead daemon's directory is still there");
+    assert!(live.exists(), "a live daemon's directory was removed");
     finish(d);
 }

@@ -14,6 +14,8 @@ pub enum ApiError {
         allowed_commands: Option<Vec<String>>,
     },
     PayloadTooLarge(usize),
+    /// The request body did not arrive within `server.body_read_timeout_seconds`.
+    BodyTimeout(std::time::Duration),
     IdempotencyConflict,
     IdempotencyInProgress,
     Overloaded,
@@ -29,6 +31,7 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::CapabilityViolation { .. } => StatusCode::FORBIDDEN,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::IdempotencyConflict => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::IdempotencyInProgress => StatusCode::CONFLICT,
             ApiError::Overloaded => StatusCode::TOO_MANY_REQUESTS,
@@ -45,6 +48,7 @@ impl ApiError {
             ApiError::Unauthorized => "Unauthorized",
             ApiError::CapabilityViolation { .. } => "CapabilityViolation",
             ApiError::PayloadTooLarge(_) => "PayloadTooLarge",
+            ApiError::BodyTimeout(_) => "RequestTimeout",
             ApiError::IdempotencyConflict => "IdempotencyConflict",
             ApiError::IdempotencyInProgress => "IdempotencyInProgress",
             ApiError::Overloaded => "Overloaded",
@@ -61,6 +65,10 @@ impl ApiError {
             ApiError::PayloadTooLarge(limit) => {
                 format!("Request body exceeds the limit of {limit} bytes")
             }
+            ApiError::BodyTimeout(d) => format!(
+                "The request body was not received within {} seconds",
+                d.as_secs()
+            ),
             ApiError::IdempotencyConflict => {
                 "Idempotency-Key was already used with a different request body".into()
             }
@@ -99,6 +107,11 @@ impl IntoResponse for ApiError {
         if matches!(self, ApiError::Overloaded | ApiError::ShuttingDown) {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        // The rest of a late body may still be on its way: the connection cannot be reused.
+        if matches!(self, ApiError::BodyTimeout(_)) {
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp
     }

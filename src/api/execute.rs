@@ -20,7 +20,7 @@ use crate::policy::{ActionType, Ask, Plan, PolicyError};
 use crate::provenance::audit::{self, AuditError, AuditEvent, AuditLog, Refusal, RunEnd};
 use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
 use crate::sandbox::{KilledReason, RunOutcome, SandboxError};
-use crate::state::{IdemBegin, StateStore, StoredResponse};
+use crate::state::{IdemBegin, IdemKey, JtiClaim, StateStore, StoredResponse};
 
 /// The request body. Unknown fields are refused: a misspelt limit must not be silently ignored.
 #[derive(Debug, Deserialize)]
@@ -170,6 +170,7 @@ async fn read_body(
     body: Body,
     headers: &HeaderMap,
     limit: usize,
+    deadline: Duration,
 ) -> Result<bytes::Bytes, ApiError> {
     // Refuse on the declared length before reading anything.
     if let Some(len) = headers
@@ -180,8 +181,12 @@ async fn read_body(
     {
         return Err(ApiError::PayloadTooLarge(limit));
     }
-    // Chunked bodies: stop reading at the first byte past the limit.
-    to_bytes(body, limit).await.map_err(|e| {
+    // Chunked bodies: stop reading at the first byte past the limit. The whole body must arrive
+    // within the deadline, or a trickling client holds a connection and a task forever.
+    let read = tokio::time::timeout(deadline, to_bytes(body, limit))
+        .await
+        .map_err(|_| ApiError::BodyTimeout(deadline))?;
+    read.map_err(|e| {
         let too_large = std::error::Error::source(&e)
             .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
             || e.to_string().contains("length limit");
@@ -193,7 +198,7 @@ async fn read_body(
     })
 }
 
-fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
+pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::InvalidRequest(format!("malformed JSON: {e}")))?;
     if !v.is_object() {
@@ -252,6 +257,7 @@ async fn execute_detached(st: Arc<AppState>, req: Request) -> Response {
             let label = match &e {
                 ApiError::Overloaded => Some("overloaded"),
                 ApiError::PayloadTooLarge(_) => Some("payload_too_large"),
+                ApiError::BodyTimeout(_) => Some("body_timeout"),
                 ApiError::InvalidRequest(_) => Some("invalid_request"),
                 ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => {
                     Some("sandbox_unavailable")
@@ -288,7 +294,14 @@ async fn handle(
         None => return Err(ctx.unauthorized(st, "missing Authorization: Bearer service token")),
     };
     ctx.subject = service.subject.clone();
-    let raw = read_body(body, headers, st.config.server.body_limit_bytes).await?;
+    claim_single_use(st, ctx, &service).await?;
+    let raw = read_body(
+        body,
+        headers,
+        st.config.server.body_limit_bytes,
+        Duration::from_secs(st.config.server.body_read_timeout_seconds),
+    )
+    .await?;
     let req = parse_request(&raw)?;
     ctx.action_type = Some(req.action_type.clone());
     ctx.command = Some(req.command.clone());
@@ -333,7 +346,10 @@ async fn handle(
                     "Idempotency-Key must be 1-255 visible ASCII characters".into(),
                 ));
             }
-            let scoped = format!("{}:{k}", service.subject.as_deref().unwrap_or("-"));
+            let scoped = IdemKey {
+                subject: service.subject.clone().unwrap_or_else(|| "-".into()),
+                key: k,
+            };
             let lease = Duration::from_secs(st.config.state.idempotency_lease_seconds);
             match st
                 .store
@@ -357,7 +373,7 @@ async fn handle(
         }
         None => None,
     };
-    let idem_key = idem.as_ref().map(|l| l.key.clone());
+    let idem_key = idem.as_ref().map(|l| l.key.scoped());
     let result = run_admitted(st, req, action, timeout, &cap, ctx, idem_key).await;
     if let Some(lease) = idem {
         let key = lease.stop();
@@ -398,14 +414,14 @@ async fn handle(
 /// Keeps this daemon's claim on an Idempotency-Key alive while its request runs: renews the lease
 /// every third of it, until stopped or dropped.
 struct LeaseRenewal {
-    key: String,
+    key: IdemKey,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl LeaseRenewal {
-    fn start(st: &Arc<AppState>, key: &str, lease: Duration) -> LeaseRenewal {
+    fn start(st: &Arc<AppState>, key: &IdemKey, lease: Duration) -> LeaseRenewal {
         let st = st.clone();
-        let k = key.to_string();
+        let k = key.clone();
         let task = tokio::spawn(async move {
             let mut every = tokio::time::interval(lease / 3);
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -417,23 +433,23 @@ impl LeaseRenewal {
                     Ok(false) => {
                         // Lapsed (the daemon stalled past the lease) and maybe taken: a retry
                         // may run concurrently; nothing more to renew.
-                        tracing::warn!(key = %k, "idempotency key lease lost while its request runs");
+                        tracing::warn!(key = %k.scoped(), "idempotency key lease lost while its request runs");
                         return;
                     }
                     Err(e) => {
-                        tracing::warn!(key = %k, error = %e, "idempotency key lease not renewed")
+                        tracing::warn!(key = %k.scoped(), error = %e, "idempotency key lease not renewed")
                     }
                 }
             }
         });
         LeaseRenewal {
-            key: key.to_string(),
+            key: key.clone(),
             task,
         }
     }
 
     /// Stops renewing; returns the key.
-    fn stop(self) -> String {
+    fn stop(self) -> IdemKey {
         self.task.abort();
         self.key.clone()
     }
@@ -443,6 +459,28 @@ impl Drop for LeaseRenewal {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Uses up a single-use token's jti. A replay, or a token the store cannot vouch for (issued
+/// before the embedded store's record began), is a 401.
+async fn claim_single_use(st: &AppState, ctx: &Ctx, token: &Verified) -> Result<(), ApiError> {
+    let Some(su) = &token.single_use else {
+        return Ok(());
+    };
+    let kind = match su.kind {
+        TokenKind::Service => "service token",
+        TokenKind::Capability => "capability token",
+    };
+    let reason = match st.store.claim_jti(su).await {
+        Ok(JtiClaim::Claimed) => return Ok(()),
+        Ok(JtiClaim::Replayed) => format!("{kind}: replayed single-use token"),
+        Ok(JtiClaim::PredatesRecord { since }) => format!(
+            "{kind}: single-use token issued before {since} (unix), when this daemon's replay \
+             record begins; the embedded store forgets used tokens on restart"
+        ),
+        Err(e) => return Err(ApiError::SandboxUnavailable(e.to_string())),
+    };
+    Err(ctx.unauthorized(st, &reason))
 }
 
 fn replay(r: StoredResponse) -> Response {
@@ -554,14 +592,8 @@ async fn run_admitted(
     let backend_label = plan.backend.as_str();
 
     // Single-use tokens are consumed only once the request is otherwise acceptable to run.
-    let claimed = match &cap.single_use {
-        Some((jti, exp)) => match st.store.claim_jti(jti, *exp).await {
-            Ok(true) => Some(jti),
-            Ok(false) => return Err(ctx.unauthorized(st, "replayed single-use token")),
-            Err(e) => return Err(ApiError::SandboxUnavailable(e.to_string())),
-        },
-        None => None,
-    };
+    claim_single_use(st, ctx, cap).await?;
+    let claimed = cap.single_use.as_ref();
     let run = audit::Run {
         request_id: ctx.request_id.clone(),
         exec_id: exec_id.clone(),
@@ -581,8 +613,8 @@ async fn run_admitted(
     let admitted = match AdmittedRun::admit(&st.audit, &st.metrics, run) {
         Ok(a) => a,
         Err(e) => {
-            if let Some(jti) = claimed
-                && let Err(e) = st.store.release_jti(jti).await
+            if let Some(token) = claimed
+                && let Err(e) = st.store.release_jti(token).await
             {
                 tracing::error!(request_id = %ctx.request_id, error = %e, "single-use token not released");
             }
@@ -766,9 +798,14 @@ pub async fn record_interrupted(audit: &AuditLog, store: &dyn StateStore, metric
         };
         record(audit, metrics, &event);
         metrics.interrupted_runs.inc();
-        if let Some(key) = &i.run.idempotency_key
-            && let Err(e) = store.idempotency_release(key, &i.instance).await
-        {
+        let Some(scoped) = &i.run.idempotency_key else {
+            continue;
+        };
+        let Some(key) = IdemKey::from_scoped(scoped) else {
+            tracing::error!(exec_id = %i.run.exec_id, idempotency_key = %scoped, "idempotency key of an interrupted run not released: not a scoped key");
+            continue;
+        };
+        if let Err(e) = store.idempotency_release(&key, &i.instance).await {
             tracing::error!(exec_id = %i.run.exec_id, error = %e, "idempotency key of an interrupted run not released");
         }
     }

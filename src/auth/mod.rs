@@ -3,7 +3,7 @@
 //! Owns: JWT verification with the algorithm pinned by the key (never read from the token),
 //! static `tok_…` tokens stored as SHA-256 and compared in constant time, lifetime and claim
 //! checks, and minting for development. Single-use replay is checked by the caller against the
-//! state store after verification. Must not: know commands, profiles or sandboxes.
+//! state store after verification ([`SingleUse`]). Must not: know commands, profiles or sandboxes.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -74,9 +74,38 @@ pub struct Claims {
 pub struct Verified {
     pub subject: Option<String>,
     pub token_id: Option<String>,
-    /// `Some((jti, exp))` when the token is single-use and its jti must be claimed once.
-    pub single_use: Option<(String, u64)>,
+    /// Set when the token is single-use: its jti must be claimed once in the replay store.
+    pub single_use: Option<SingleUse>,
     pub grant: Grant,
+}
+
+/// A single-use token's identity, as the replay store needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SingleUse {
+    pub kind: TokenKind,
+    pub jti: String,
+    /// When the token was issued (unix seconds); a store that cannot vouch for the time before it
+    /// started refuses tokens without it.
+    pub iat: Option<u64>,
+    pub exp: u64,
+}
+
+impl SingleUse {
+    /// The replay-store key: service and capability jtis live in separate namespaces, so one kind
+    /// of token can never use up (or be refused because of) the other's jti.
+    pub fn replay_key(&self) -> String {
+        let ns = match self.kind {
+            TokenKind::Service => "service",
+            TokenKind::Capability => "capability",
+        };
+        format!("{ns}:{}", self.jti)
+    }
+
+    /// True when the token may have been issued before `horizon` (unix seconds), so a replay store
+    /// whose record starts at `horizon` cannot tell whether it was used.
+    pub fn may_predate(&self, horizon: u64) -> bool {
+        self.iat.is_none_or(|iat| iat < horizon)
+    }
 }
 
 struct VerifyKey {
@@ -305,10 +334,13 @@ impl Authenticator {
         v.leeway = self.leeway;
         v.validate_exp = true;
         v.validate_nbf = true;
-        v.set_required_spec_claims(&["exp", "aud"]);
         v.set_audience(&[&self.audience]);
         if let Some(iss) = &self.issuer {
+            // A token without `iss` is not from the configured issuer.
+            v.set_required_spec_claims(&["exp", "aud", "iss"]);
             v.set_issuer(&[iss]);
+        } else {
+            v.set_required_spec_claims(&["exp", "aud"]);
         }
         let data = jsonwebtoken::decode::<Claims>(token, &vk.key, &v)
             .map_err(|e| rejected(format!("token rejected: {e}")))?;
@@ -328,23 +360,19 @@ impl Authenticator {
         if c.iat.is_some_and(|iat| iat > now + self.leeway) {
             return Err(rejected("token issued in the future"));
         }
-        let want = match kind {
-            TokenKind::Service => "service",
-            TokenKind::Capability => "capability",
-        };
-        if c.token_use.as_deref().is_some_and(|u| u != want) {
-            return Err(rejected(format!(
-                "a {} token is not a {want} token",
-                c.token_use.as_deref().unwrap_or("?")
-            )));
-        }
+        check_token_use(c.token_use.as_deref(), kind)?;
         let single_use = if c.single_use {
             let jti = c
                 .jti
                 .clone()
                 .filter(|j| !j.is_empty() && j.len() <= 256)
                 .ok_or_else(|| rejected("single-use token without jti"))?;
-            Some((jti, c.exp))
+            Some(SingleUse {
+                kind,
+                jti,
+                iat: c.iat,
+                exp: c.exp,
+            })
         } else {
             None
         };
@@ -359,6 +387,27 @@ impl Authenticator {
                 max_timeout_seconds: c.max_timeout_seconds,
             },
         })
+    }
+}
+
+/// A service JWT must say `token_use: "service"`: a token minted for anything else (a capability
+/// token, which DESIGN §3 lets carry no `token_use`) never authenticates a caller. A capability
+/// JWT may omit the claim, but one that names another use is refused.
+fn check_token_use(token_use: Option<&str>, kind: TokenKind) -> Result<(), AuthError> {
+    match (kind, token_use) {
+        (TokenKind::Service, Some("service")) => Ok(()),
+        (TokenKind::Service, None) => {
+            Err(rejected("a service token must carry token_use \"service\""))
+        }
+        (TokenKind::Capability, None | Some("capability")) => Ok(()),
+        (_, Some(other)) => Err(rejected(format!(
+            "a token with token_use '{}' is not a {} token",
+            other.escape_debug(),
+            match kind {
+                TokenKind::Service => "service",
+                TokenKind::Capability => "capability",
+            }
+        ))),
     }
 }
 
@@ -413,13 +462,17 @@ mod tests {
     const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef-test";
 
     fn auth() -> Authenticator {
+        auth_with_issuer(None)
+    }
+
+    fn auth_with_issuer(issuer: Option<&str>) -> Authenticator {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("s");
         std::fs::write(&f, SECRET).unwrap();
         let cfg = AuthConfig {
             jwt_secret_file: Some(f),
             audience: "executor-arm".into(),
-            issuer: None,
+            issuer: issuer.map(str::to_string),
             max_ttl_seconds: 3600,
             leeway_seconds: 5,
             public_keys: vec![],
@@ -567,5 +620,102 @@ mod tests {
         );
         assert!(a.verify("tok_abc123xyy", TokenKind::Capability).is_err());
         assert!(a.verify("tok_abc123xyz", TokenKind::Service).is_err());
+    }
+
+    fn enc(c: serde_json::Value) -> String {
+        jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            &c,
+            &EncodingKey::from_secret(SECRET),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn configured_issuer_is_required_not_just_checked_when_present() {
+        let a = auth_with_issuer(Some("orchestrator"));
+        for kind in [TokenKind::Service, TokenKind::Capability] {
+            let mut c = serde_json::json!({"aud": "executor-arm", "exp": now() + 60, "iat": now()});
+            if kind == TokenKind::Service {
+                c["token_use"] = serde_json::json!("service");
+            }
+            let e = a.verify(&enc(c.clone()), kind).unwrap_err();
+            assert!(e.to_string().contains("iss"), "{kind:?}: {e}");
+            c["iss"] = serde_json::json!("orchestrator");
+            assert!(a.verify(&enc(c), kind).is_ok(), "{kind:?}");
+        }
+        // Without a configured issuer, iss stays optional.
+        assert!(
+            auth()
+                .verify(
+                    &enc(serde_json::json!({"aud": "executor-arm", "exp": now() + 60})),
+                    TokenKind::Capability
+                )
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn a_service_token_must_say_so_and_a_capability_token_need_not() {
+        let a = auth();
+        let bare = serde_json::json!({"aud": "executor-arm", "exp": now() + 60, "capabilities": ["ShellExecute"]});
+        let e = a
+            .verify(&enc(bare.clone()), TokenKind::Service)
+            .unwrap_err();
+        assert!(e.to_string().contains("token_use"), "{e}");
+        assert!(a.verify(&enc(bare.clone()), TokenKind::Capability).is_ok());
+        let mut other = bare.clone();
+        other["token_use"] = serde_json::json!("refresh");
+        assert!(a.verify(&enc(other.clone()), TokenKind::Service).is_err());
+        assert!(a.verify(&enc(other), TokenKind::Capability).is_err());
+        let mut svc = bare;
+        svc["token_use"] = serde_json::json!("service");
+        assert!(a.verify(&enc(svc.clone()), TokenKind::Service).is_ok());
+        assert!(a.verify(&enc(svc), TokenKind::Capability).is_err());
+        // What `token mint --kind service` emits passes.
+        let minted = mint_hs256(
+            SECRET,
+            &MintRequest {
+                kind: Some(TokenKind::Service),
+                ..req()
+            },
+        )
+        .unwrap();
+        assert!(a.verify(&minted, TokenKind::Service).is_ok());
+    }
+
+    #[test]
+    fn single_use_is_honoured_on_both_kinds_in_separate_namespaces() {
+        let a = auth();
+        let c = serde_json::json!({"aud": "executor-arm", "exp": now() + 60, "iat": now(), "jti": "j1", "single_use": true, "token_use": "service"});
+        let svc = a.verify(&enc(c.clone()), TokenKind::Service).unwrap();
+        let su = svc
+            .single_use
+            .expect("a single-use service token is single-use");
+        assert_eq!(su.kind, TokenKind::Service);
+        assert!(su.iat.is_some());
+        let mut cap = c;
+        cap["token_use"] = serde_json::json!("capability");
+        let cap = a.verify(&enc(cap), TokenKind::Capability).unwrap();
+        let cu = cap.single_use.unwrap();
+        assert_eq!(cu.jti, su.jti);
+        assert_ne!(cu.replay_key(), su.replay_key());
+        // A service token that is single-use without a jti is refused like a capability token.
+        let no_jti = serde_json::json!({"aud": "executor-arm", "exp": now() + 60, "single_use": true, "token_use": "service"});
+        assert!(a.verify(&enc(no_jti), TokenKind::Service).is_err());
+    }
+
+    #[test]
+    fn a_token_issued_before_the_horizon_or_without_iat_may_predate_it() {
+        let su = |iat| SingleUse {
+            kind: TokenKind::Capability,
+            jti: "j".into(),
+            iat,
+            exp: 2_000,
+        };
+        assert!(su(None).may_predate(1_000));
+        assert!(su(Some(999)).may_predate(1_000));
+        assert!(!su(Some(1_000)).may_predate(1_000));
+        assert!(!su(Some(1_001)).may_predate(1_000));
     }
 }

@@ -19,6 +19,12 @@ mod proxy;
 mod request;
 mod run;
 
+// The byte parsers a sandboxed command can feed, for the fuzz targets (src/fuzzing.rs).
+#[cfg(fuzzing)]
+pub(crate) use dns::decode_reply;
+#[cfg(fuzzing)]
+pub(crate) use request::{BodyScanner, Framing, parse_head};
+
 pub use dns::{DnsResolver, Resolver, StaticHosts, SystemResolver};
 pub use policy::{
     DEFAULT_BANDWIDTH_BYTES_PER_SEC, DEFAULT_BYTE_CAP, EgressPolicy, Host, IpNet, Verdict,

@@ -139,6 +139,17 @@ pub fn decide(
             "model or env contains a NUL byte".into(),
         ));
     }
+    let full_env: BTreeMap<&str, &str> = plan
+        .env
+        .iter()
+        .chain(env.iter())
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    crate::sandbox::check_exec_size(
+        std::iter::once(def.command.as_str()).chain(argv_tail.iter().map(String::as_str)),
+        full_env,
+    )
+    .map_err(PolicyError::Invalid)?;
     let envelope =
         serde_json::to_vec(&envelope(req)).map_err(|e| PolicyError::Invalid(e.to_string()))?;
     let cmd = PathBuf::from(&def.command);

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use self::argpolicy::ArgPolicy;
 use self::profile::{NetworkMode, Profile};
 use crate::config::{CommandEntry, Config};
-use crate::sandbox::{BackendKind, FsRules, Limits, NetworkPolicy, RunSpec};
+use crate::sandbox::{BackendKind, FsRules, Limits, NetworkPolicy, RunSpec, check_exec_size};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -231,6 +231,8 @@ pub enum PolicyLoadError {
     Profile(#[from] profile::ProfileError),
     #[error("commands.{command}: profile '{profile}' does not exist")]
     UnknownProfile { command: String, profile: String },
+    #[error("commands.{command}: {message}")]
+    ArgPolicy { command: String, message: String },
 }
 
 impl Policy {
@@ -251,7 +253,7 @@ impl Policy {
             }
             match resolve_in(&cfg.sandbox.search_path, name) {
                 Some(path) => {
-                    commands.insert(name.clone(), Self::allowed(name, path, entry));
+                    commands.insert(name.clone(), Self::allowed(name, path, entry)?);
                 }
                 None => {
                     tracing::warn!(command = %name, search_path = %cfg.sandbox.search_path, "allowlisted command not found; disabled");
@@ -271,15 +273,25 @@ impl Policy {
         })
     }
 
-    fn allowed(name: &str, path: PathBuf, entry: &CommandEntry) -> AllowedCommand {
-        AllowedCommand {
+    fn allowed(
+        name: &str,
+        path: PathBuf,
+        entry: &CommandEntry,
+    ) -> Result<AllowedCommand, PolicyLoadError> {
+        let args = ArgPolicy::for_command(name, &entry.deny_args, &entry.deny_prefixes).map_err(
+            |message| PolicyLoadError::ArgPolicy {
+                command: name.to_string(),
+                message,
+            },
+        )?;
+        Ok(AllowedCommand {
             name: name.to_string(),
             path,
             action_types: entry.action_types.clone(),
             capabilities: entry.capabilities.clone(),
             profile: entry.profile.clone(),
-            args: argpolicy::builtin(name).with_extra(&entry.deny_args, &entry.deny_prefixes),
-        }
+            args,
+        })
     }
 
     pub fn allowed_names(&self) -> Vec<String> {
@@ -412,6 +424,11 @@ impl Policy {
             }
             env.insert(k.clone(), v.clone());
         }
+        // Checked here, before any backend: execve would refuse it (E2BIG) after admission.
+        let program = path.to_string_lossy();
+        let argv = std::iter::once(program.as_ref()).chain(ask.args.iter().map(String::as_str));
+        check_exec_size(argv, env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .map_err(PolicyError::Invalid)?;
         let l = &profile.limits;
         let mut timeout = ask
             .timeout_seconds

@@ -201,18 +201,33 @@ pub fn env_name_always_refused(name: &str) -> bool {
         "NO_PROXY",
         "no_proxy",
         "all_proxy",
-        "GIT_CONFIG",
-        "GIT_EXEC_PATH",
-        "GIT_SSH",
-        "GIT_SSH_COMMAND",
         "EDITOR",
         "VISUAL",
         "PAGER",
+        "MANPAGER",
+        "LESSOPEN",
+        "LESSCLOSE",
+        // Config files and arguments the allowlisted tools read from the environment: curl
+        // and git read $XDG_CONFIG_HOME, wget $SYSTEM_WGETRC, tar $TAR_OPTIONS (options) and
+        // $TAPE (the archive, host:path runs a remote shell), nmap $NMAP_ARGS and $NMAPDIR
+        // (scripts); git runs $SSH_ASKPASS. POSIXLY_CORRECT changes how getopt reads an argv.
+        "XDG_CONFIG_HOME",
+        "SYSTEM_WGETRC",
+        "TAR_OPTIONS",
+        "TAPE",
+        "NMAP_ARGS",
+        "NMAPDIR",
+        "SSH_ASKPASS",
+        "POSIXLY_CORRECT",
     ];
     name.starts_with("LD_")
         || name.starts_with("MALLOC_")
         || name.starts_with("BASH_FUNC_")
         || name.starts_with("ORBIT_")
+        // git reads configuration (GIT_CONFIG_*, GIT_CONFIG_PARAMETERS), programs to run
+        // (GIT_SSH_COMMAND, GIT_ASKPASS, GIT_PROXY_COMMAND, GIT_EXTERNAL_DIFF, GIT_PAGER,
+        // GIT_EDITOR, GIT_EXEC_PATH) and files to write (GIT_TRACE*) from GIT_*.
+        || name.starts_with("GIT_")
         || EXACT.contains(&name)
 }
 
@@ -410,5 +425,37 @@ mod tests {
             .1
             .replace("allow = [\"LANG\"", "allow = [\"LD_PRELOAD\"");
         assert!(Profile::parse("x", "x.toml", &text).is_err());
+    }
+
+    /// Variables through which curl, wget, git, tar and nmap read configuration, options or
+    /// programs to run can never be allowed by a profile.
+    #[test]
+    fn tool_configuration_variables_are_always_refused() {
+        for name in [
+            "CURL_HOME",
+            "XDG_CONFIG_HOME",
+            "WGETRC",
+            "SYSTEM_WGETRC",
+            "GIT_CONFIG_COUNT",
+            "GIT_CONFIG_KEY_0",
+            "GIT_CONFIG_VALUE_0",
+            "GIT_CONFIG_PARAMETERS",
+            "GIT_CONFIG_GLOBAL",
+            "GIT_SSH_COMMAND",
+            "GIT_ASKPASS",
+            "GIT_PROXY_COMMAND",
+            "GIT_EXTERNAL_DIFF",
+            "SSH_ASKPASS",
+            "TAR_OPTIONS",
+            "TAPE",
+            "NMAP_ARGS",
+            "NMAPDIR",
+            "POSIXLY_CORRECT",
+        ] {
+            assert!(env_name_always_refused(name), "{name}");
+        }
+        for name in ["LANG", "TZ", "TERM", "LC_ALL"] {
+            assert!(!env_name_always_refused(name), "{name}");
+        }
     }
 }

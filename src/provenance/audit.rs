@@ -145,7 +145,8 @@ pub struct Run {
     pub invocation_hash: String,
     pub backend: Cow<'static, str>,
     pub profile: String,
-    /// The request's Idempotency-Key as the state store holds it (scoped by the caller).
+    /// The request's Idempotency-Key as the state store holds it, scoped by the calling service
+    /// (`<subject length>:<subject>:<key>`, `IdemKey::scoped`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
 }

@@ -8,6 +8,7 @@ pub mod capture;
 pub mod docker;
 pub mod local;
 pub mod probe;
+pub mod syscalls;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -219,6 +220,54 @@ impl RunOutcome {
     }
 }
 
+/// The longest single argv or envp string (`NAME=value`) Linux's execve accepts, NUL included
+/// (MAX_ARG_STRLEN: 32 pages).
+pub const MAX_ARG_STRLEN: usize = 32 * 4096;
+
+/// What argv and envp may take together: every string with its NUL and its pointer. Linux's own
+/// limit (ARG_MAX) is a quarter of the stack rlimit, 2 MiB with the usual 8 MiB stack; half of
+/// that leaves room for what a backend adds and for smaller stacks.
+pub const MAX_EXEC_BYTES: usize = 1 << 20;
+
+/// Checks `argv` and `env` against execve's limits before anything runs, so an oversized request
+/// is the caller's error (400) on every backend rather than a run that fails with E2BIG.
+pub fn check_exec_size<'a>(
+    argv: impl IntoIterator<Item = &'a str>,
+    env: impl IntoIterator<Item = (&'a str, &'a str)>,
+) -> Result<(), String> {
+    let ptr = std::mem::size_of::<usize>();
+    let mut total = 0usize;
+    for (i, a) in argv.into_iter().enumerate() {
+        let n = a.len() + 1;
+        if n > MAX_ARG_STRLEN {
+            return Err(format!(
+                "argument {i} is {} bytes; each argument may be at most {} bytes (the execve limit MAX_ARG_STRLEN of {MAX_ARG_STRLEN} bytes includes its NUL)",
+                a.len(),
+                MAX_ARG_STRLEN - 1
+            ));
+        }
+        total += n + ptr;
+    }
+    for (k, v) in env {
+        let n = k.len() + 1 + v.len() + 1;
+        if n > MAX_ARG_STRLEN {
+            return Err(format!(
+                "environment variable '{}' is {} bytes as NAME=value; each may be at most {} bytes (the execve limit MAX_ARG_STRLEN of {MAX_ARG_STRLEN} bytes includes its NUL)",
+                k.escape_debug(),
+                n - 1,
+                MAX_ARG_STRLEN - 1
+            ));
+        }
+        total += n + ptr;
+    }
+    if total > MAX_EXEC_BYTES {
+        return Err(format!(
+            "argv and environment take {total} bytes; together they may take at most {MAX_EXEC_BYTES} bytes (each string with its NUL and pointer)"
+        ));
+    }
+    Ok(())
+}
+
 /// Errors of the sandbox layer; all of them mean "the command did not run to an outcome".
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
@@ -288,5 +337,32 @@ pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {
         image: None,
         profile: "test".into(),
         cancel: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_size_follows_the_kernel_limits() {
+        let env = |k: &'static str, v: &'static str| std::iter::once((k, v));
+        let arg = |n: usize| "a".repeat(n);
+        let fits = arg(MAX_ARG_STRLEN - 1);
+        let over = arg(MAX_ARG_STRLEN);
+        assert!(check_exec_size(["/bin/echo", fits.as_str()], env("A", "b")).is_ok());
+        let e = check_exec_size(["/bin/echo", over.as_str()], env("A", "b")).unwrap_err();
+        assert!(e.contains("argument 1") && e.contains("131071"), "{e}");
+        // An env entry counts as NAME=value.
+        let v = arg(MAX_ARG_STRLEN - 3);
+        assert!(check_exec_size(["/bin/echo"], [("A", v.as_str())]).is_ok());
+        let v = arg(MAX_ARG_STRLEN - 2);
+        let e = check_exec_size(["/bin/echo"], [("A", v.as_str())]).unwrap_err();
+        assert!(e.contains("'A'"), "{e}");
+        // Many strings that each fit can still exceed the total.
+        let many: Vec<String> = (0..9).map(|_| arg(120_000)).collect();
+        let e = check_exec_size(many.iter().map(String::as_str), std::iter::empty()).unwrap_err();
+        assert!(e.contains(&MAX_EXEC_BYTES.to_string()), "{e}");
+        assert!(check_exec_size(many[..8].iter().map(String::as_str), std::iter::empty()).is_ok());
     }
 }

@@ -1,11 +1,23 @@
 //! The embedded store: one process, in memory, entries expire. A restart forgets everything,
 //! Idempotency-Keys in progress included.
+//!
+//! Two bounds keep it honest. Replay: it remembers nothing from before it started, so a
+//! single-use token that may have been issued before then is refused (it may have been used on
+//! the previous run). Idempotency: completed results are held within a byte budget; when a new
+//! one does not fit, completed results are evicted oldest first from the subject holding the most
+//! bytes, so one caller cannot push everyone else's results out. Running entries are never
+//! evicted (they lapse when their owner stops renewing their lease); a result larger than the
+//! whole budget is not stored.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::{IdemBegin, StateError, StateStore, StoredResponse};
+use super::{IdemBegin, IdemKey, JtiClaim, StateError, StateStore, StoredResponse};
+use crate::auth::SingleUse;
+
+/// Bookkeeping bytes charged per stored result on top of its strings (map nodes, headers).
+const ENTRY_OVERHEAD: usize = 128;
 
 enum Slot {
     Running {
@@ -15,127 +27,306 @@ enum Slot {
     Done {
         body_hash: String,
         response: StoredResponse,
+        /// Completion order, for oldest-first eviction.
+        seq: u64,
+        bytes: usize,
     },
 }
 
+struct Entry {
+    subject: String,
+    expires: Instant,
+    slot: Slot,
+}
+
+/// One subject's completed results, oldest first, and the bytes they hold.
 #[derive(Default)]
+struct SubjectResults {
+    bytes: usize,
+    by_age: BTreeMap<u64, String>,
+}
+
+/// What `IdemTable::complete` did with a result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Completion {
+    Stored,
+    /// Larger than the whole budget: dropped, and the key released.
+    TooLarge {
+        bytes: usize,
+    },
+}
+
+/// Idempotency entries keyed by [`IdemKey::scoped`], completed results within `max_bytes`.
+struct IdemTable {
+    entries: HashMap<String, Entry>,
+    results: BTreeMap<String, SubjectResults>,
+    result_bytes: usize,
+    max_bytes: usize,
+    next_seq: u64,
+}
+
+impl IdemTable {
+    fn new(max_bytes: usize) -> Self {
+        IdemTable {
+            entries: HashMap::new(),
+            results: BTreeMap::new(),
+            result_bytes: 0,
+            max_bytes,
+            next_seq: 0,
+        }
+    }
+
+    fn purge_expired(&mut self, now: Instant) {
+        let expired: Vec<String> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.expires <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in expired {
+            self.remove(&k);
+        }
+    }
+
+    fn remove(&mut self, scoped: &str) {
+        let Some(e) = self.entries.remove(scoped) else {
+            return;
+        };
+        if let Slot::Done { seq, bytes, .. } = e.slot
+            && let Some(r) = self.results.get_mut(&e.subject)
+        {
+            r.bytes -= bytes;
+            r.by_age.remove(&seq);
+            self.result_bytes -= bytes;
+            if r.by_age.is_empty() {
+                self.results.remove(&e.subject);
+            }
+        }
+    }
+
+    /// Evicts the oldest completed result of the subject holding the most bytes; false when
+    /// there is none.
+    fn evict_one(&mut self) -> bool {
+        let victim = self
+            .results
+            .iter()
+            .max_by_key(|(_, r)| r.bytes)
+            .and_then(|(_, r)| r.by_age.values().next().cloned());
+        match victim {
+            Some(k) => {
+                self.remove(&k);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Claims `key` for `owner` for `lease` when it is free (or its claim lapsed).
+    fn begin(
+        &mut self,
+        key: &IdemKey,
+        body_hash: &str,
+        owner: &str,
+        lease: Duration,
+        now: Instant,
+    ) -> IdemBegin {
+        self.purge_expired(now);
+        let scoped = key.scoped();
+        match self.entries.get(&scoped).map(|e| &e.slot) {
+            Some(Slot::Running { body_hash: h, .. }) => IdemBegin::InProgress {
+                same_body: h == body_hash,
+            },
+            Some(Slot::Done {
+                body_hash: h,
+                response,
+                ..
+            }) => IdemBegin::Done {
+                same_body: h == body_hash,
+                response: response.clone(),
+            },
+            None => {
+                self.entries.insert(
+                    scoped,
+                    Entry {
+                        subject: key.subject.clone(),
+                        expires: now + lease,
+                        slot: Slot::Running {
+                            body_hash: body_hash.to_string(),
+                            owner: owner.to_string(),
+                        },
+                    },
+                );
+                IdemBegin::Started
+            }
+        }
+    }
+
+    /// Extends `owner`'s live claim on `key` to `lease` from `now`; false when it holds none.
+    fn renew(&mut self, key: &IdemKey, owner: &str, lease: Duration, now: Instant) -> bool {
+        match self.entries.get_mut(&key.scoped()) {
+            Some(Entry {
+                expires,
+                slot: Slot::Running { owner: o, .. },
+                ..
+            }) if *expires > now && o == owner => {
+                *expires = now + lease;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Forgets `owner`'s claim on `key`; a finished entry or another owner's claim stays.
+    fn release(&mut self, key: &IdemKey, owner: &str) {
+        let scoped = key.scoped();
+        if matches!(
+            self.entries.get(&scoped).map(|e| &e.slot),
+            Some(Slot::Running { owner: o, .. }) if o == owner
+        ) {
+            self.remove(&scoped);
+        }
+    }
+
+    fn complete(
+        &mut self,
+        key: &IdemKey,
+        body_hash: &str,
+        response: &StoredResponse,
+        ttl: Duration,
+        now: Instant,
+    ) -> Completion {
+        let scoped = key.scoped();
+        self.remove(&scoped);
+        let bytes = ENTRY_OVERHEAD
+            + scoped.len()
+            + key.subject.len()
+            + body_hash.len()
+            + response.body.len();
+        if bytes > self.max_bytes {
+            return Completion::TooLarge { bytes };
+        }
+        while self.result_bytes + bytes > self.max_bytes && self.evict_one() {}
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let r = self.results.entry(key.subject.clone()).or_default();
+        r.bytes += bytes;
+        r.by_age.insert(seq, scoped.clone());
+        self.result_bytes += bytes;
+        self.entries.insert(
+            scoped,
+            Entry {
+                subject: key.subject.clone(),
+                expires: now + ttl,
+                slot: Slot::Done {
+                    body_hash: body_hash.to_string(),
+                    response: response.clone(),
+                    seq,
+                    bytes,
+                },
+            },
+        );
+        Completion::Stored
+    }
+}
+
 pub struct MemoryStore {
+    /// First unix second this store can vouch for: a token issued in the second the daemon
+    /// started may predate it.
+    horizon: u64,
     jtis: Mutex<HashMap<String, u64>>,
-    idem: Mutex<HashMap<String, (Instant, Slot)>>,
+    idem: Mutex<IdemTable>,
 }
 
 impl MemoryStore {
-    pub fn new() -> Self {
-        Self::default()
+    /// `idempotency_max_bytes` bounds the completed results held.
+    pub fn new(idempotency_max_bytes: usize) -> Self {
+        let started = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        MemoryStore {
+            horizon: started.as_secs() + u64::from(started.subsec_nanos() > 0),
+            jtis: Mutex::new(HashMap::new()),
+            idem: Mutex::new(IdemTable::new(idempotency_max_bytes)),
+        }
     }
 }
 
 #[async_trait::async_trait]
 impl StateStore for MemoryStore {
-    async fn claim_jti(&self, jti: &str, exp_unix: u64) -> Result<bool, StateError> {
+    async fn claim_jti(&self, token: &SingleUse) -> Result<JtiClaim, StateError> {
+        if token.may_predate(self.horizon) {
+            return Ok(JtiClaim::PredatesRecord {
+                since: self.horizon,
+            });
+        }
         let now = crate::auth::now();
         let mut m = self.jtis.lock().unwrap_or_else(|p| p.into_inner());
         if m.len() > 10_000 {
             m.retain(|_, exp| *exp + 60 >= now);
         }
-        if m.contains_key(jti) {
-            return Ok(false);
+        let key = token.replay_key();
+        if m.contains_key(&key) {
+            return Ok(JtiClaim::Replayed);
         }
-        m.insert(jti.to_string(), exp_unix);
-        Ok(true)
+        m.insert(key, token.exp);
+        Ok(JtiClaim::Claimed)
     }
 
-    async fn release_jti(&self, jti: &str) -> Result<(), StateError> {
+    async fn release_jti(&self, token: &SingleUse) -> Result<(), StateError> {
         self.jtis
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(jti);
+            .remove(&token.replay_key());
         Ok(())
     }
 
     async fn idempotency_begin(
         &self,
-        key: &str,
+        key: &IdemKey,
         body_hash: &str,
         owner: &str,
         lease: Duration,
     ) -> Result<IdemBegin, StateError> {
-        let now = Instant::now();
-        let mut m = self.idem.lock().unwrap_or_else(|p| p.into_inner());
-        m.retain(|_, (until, _)| *until > now);
-        match m.get(key) {
-            Some((_, Slot::Running { body_hash: h, .. })) => Ok(IdemBegin::InProgress {
-                same_body: h == body_hash,
-            }),
-            Some((
-                _,
-                Slot::Done {
-                    body_hash: h,
-                    response,
-                },
-            )) => Ok(IdemBegin::Done {
-                same_body: h == body_hash,
-                response: response.clone(),
-            }),
-            None => {
-                m.insert(
-                    key.to_string(),
-                    (
-                        now + lease,
-                        Slot::Running {
-                            body_hash: body_hash.to_string(),
-                            owner: owner.to_string(),
-                        },
-                    ),
-                );
-                Ok(IdemBegin::Started)
-            }
-        }
+        let mut t = self.idem.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(t.begin(key, body_hash, owner, lease, Instant::now()))
     }
 
     async fn idempotency_renew(
         &self,
-        key: &str,
+        key: &IdemKey,
         owner: &str,
         lease: Duration,
     ) -> Result<bool, StateError> {
-        let now = Instant::now();
-        let mut m = self.idem.lock().unwrap_or_else(|p| p.into_inner());
-        match m.get_mut(key) {
-            Some((until, Slot::Running { owner: o, .. })) if *until > now && o == owner => {
-                *until = now + lease;
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
+        let mut t = self.idem.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(t.renew(key, owner, lease, Instant::now()))
     }
 
     async fn idempotency_complete(
         &self,
-        key: &str,
+        key: &IdemKey,
         body_hash: &str,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StateError> {
-        let mut m = self.idem.lock().unwrap_or_else(|p| p.into_inner());
-        m.insert(
-            key.to_string(),
-            (
-                Instant::now() + ttl,
-                Slot::Done {
-                    body_hash: body_hash.to_string(),
-                    response: response.clone(),
-                },
-            ),
-        );
+        let mut t = self.idem.lock().unwrap_or_else(|p| p.into_inner());
+        if let Completion::TooLarge { bytes } =
+            t.complete(key, body_hash, response, ttl, Instant::now())
+        {
+            tracing::warn!(
+                subject = %key.subject,
+                bytes,
+                max_bytes = t.max_bytes,
+                "idempotent result larger than state.idempotency_max_bytes: not stored, a retry runs again"
+            );
+        }
         Ok(())
     }
 
-    async fn idempotency_release(&self, key: &str, owner: &str) -> Result<(), StateError> {
-        let mut m = self.idem.lock().unwrap_or_else(|p| p.into_inner());
-        if matches!(m.get(key), Some((_, Slot::Running { owner: o, .. })) if o == owner) {
-            m.remove(key);
-        }
+    async fn idempotency_release(&self, key: &IdemKey, owner: &str) -> Result<(), StateError> {
+        self.idem
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .release(key, owner);
         Ok(())
     }
 
@@ -149,78 +340,4 @@ impl StateStore for MemoryStore {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn jti_once_and_idempotency_states() {
-        let s = MemoryStore::new();
-        assert!(s.claim_jti("a", crate::auth::now() + 60).await.unwrap());
-        assert!(!s.claim_jti("a", crate::auth::now() + 60).await.unwrap());
-        s.release_jti("a").await.unwrap();
-        assert!(s.claim_jti("a", crate::auth::now() + 60).await.unwrap());
-        assert!(!s.claim_jti("a", crate::auth::now() + 60).await.unwrap());
-        let ttl = Duration::from_secs(60);
-        assert_eq!(
-            s.idempotency_begin("k", "h1", "d1", ttl).await.unwrap(),
-            IdemBegin::Started
-        );
-        assert_eq!(
-            s.idempotency_begin("k", "h1", "d2", ttl).await.unwrap(),
-            IdemBegin::InProgress { same_body: true }
-        );
-        // Only the owner's release frees a claim.
-        s.idempotency_release("k", "d2").await.unwrap();
-        assert_eq!(
-            s.idempotency_begin("k", "h2", "d2", ttl).await.unwrap(),
-            IdemBegin::InProgress { same_body: false }
-        );
-        assert!(s.idempotency_renew("k", "d1", ttl).await.unwrap());
-        assert!(!s.idempotency_renew("k", "d2", ttl).await.unwrap());
-        let r = StoredResponse {
-            status: 200,
-            body: "{}".into(),
-        };
-        s.idempotency_complete("k", "h1", &r, ttl).await.unwrap();
-        // A finished entry is neither renewed nor released.
-        assert!(!s.idempotency_renew("k", "d1", ttl).await.unwrap());
-        s.idempotency_release("k", "d1").await.unwrap();
-        assert_eq!(
-            s.idempotency_begin("k", "h2", "d2", ttl).await.unwrap(),
-            IdemBegin::Done {
-                same_body: false,
-                response: r
-            }
-        );
-    }
-
-    #[tokio::test]
-    async fn a_lapsed_claim_frees_the_key_and_cannot_be_renewed() {
-        let s = MemoryStore::new();
-        assert_eq!(
-            s.idempotency_begin("k", "h", "dead", Duration::ZERO)
-                .await
-                .unwrap(),
-            IdemBegin::Started
-        );
-        assert!(
-            !s.idempotency_renew("k", "dead", Duration::from_secs(60))
-                .await
-                .unwrap()
-        );
-        assert_eq!(
-            s.idempotency_begin("k", "h", "live", Duration::from_secs(60))
-                .await
-                .unwrap(),
-            IdemBegin::Started
-        );
-        // The dead owner's late release leaves the new claim alone.
-        s.idempotency_release("k", "dead").await.unwrap();
-        assert_eq!(
-            s.idempotency_begin("k", "h", "other", Duration::from_secs(60))
-                .await
-                .unwrap(),
-            IdemBegin::InProgress { same_body: true }
-        );
-    }
-}
+mod tests;

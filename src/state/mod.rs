@@ -1,12 +1,59 @@
 //! Shared request state: single-use token ids and idempotency results.
 //!
 //! The embedded in-memory store is the default; with `state.redis_url` set, both live in Redis
-//! so replicas share them. Must not: interpret the responses it stores.
+//! so replicas share them. The embedded store forgets everything on restart, so it refuses
+//! single-use tokens that may predate its start ([`JtiClaim::PredatesRecord`]). Must not:
+//! interpret the responses it stores.
 
 pub mod memory;
 pub mod redis_store;
 
 use std::time::Duration;
+
+use crate::auth::SingleUse;
+
+/// An Idempotency-Key as the caller sent it, scoped to the calling service's subject.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdemKey {
+    pub subject: String,
+    pub key: String,
+}
+
+impl IdemKey {
+    /// The store key. The subject's length comes first, so no (subject, key) pair can spell
+    /// another's (`a` + `b:c` vs `a:b` + `c`).
+    pub fn scoped(&self) -> String {
+        format!("{}:{}:{}", self.subject.len(), self.subject, self.key)
+    }
+
+    /// Reads back a [`IdemKey::scoped`] string (as an audit line records it); None when `s` is
+    /// not one.
+    pub fn from_scoped(s: &str) -> Option<IdemKey> {
+        let (digits, rest) = s.split_once(':')?;
+        let len: usize = digits.parse().ok()?;
+        if len.to_string() != digits {
+            return None; // "+3", "03": not what `scoped` writes
+        }
+        let subject = rest.get(..len)?;
+        let key = rest.get(len..)?.strip_prefix(':')?;
+        Some(IdemKey {
+            subject: subject.to_string(),
+            key: key.to_string(),
+        })
+    }
+}
+
+/// What claiming a single-use token's jti found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JtiClaim {
+    /// First use: the jti is recorded until the token expires.
+    Claimed,
+    /// Seen before: a replay.
+    Replayed,
+    /// The token may have been issued before this store's record begins (unix second `since`),
+    /// so it may have been used before: refused, never recorded.
+    PredatesRecord { since: u64 },
+}
 
 /// A stored idempotent response.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -18,7 +65,8 @@ pub struct StoredResponse {
 /// What `idempotency_begin` found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IdemBegin {
-    /// The key is ours now: run, then `idempotency_complete` or `idempotency_abort`.
+    /// The key is ours now: run (renewing the lease), then `idempotency_complete` or
+    /// `idempotency_release`.
     Started,
     /// Another request with this key is running.
     InProgress { same_body: bool },
@@ -37,17 +85,18 @@ pub enum StateError {
 
 #[async_trait::async_trait]
 pub trait StateStore: Send + Sync {
-    /// Records a single-use jti until `exp`; false when it was seen before (a replay).
-    async fn claim_jti(&self, jti: &str, exp_unix: u64) -> Result<bool, StateError>;
+    /// Records a single-use token's jti until it expires, unless it was seen before or may
+    /// predate what the store remembers.
+    async fn claim_jti(&self, token: &SingleUse) -> Result<JtiClaim, StateError>;
     /// Forgets a claimed jti whose request never ran (its start could not be audited), so the
     /// token stays usable.
-    async fn release_jti(&self, jti: &str) -> Result<(), StateError>;
+    async fn release_jti(&self, token: &SingleUse) -> Result<(), StateError>;
     /// Claims `key` for a request of `owner` (a daemon instance) when it is free. The claim is a
     /// lease: it lapses after `lease` unless renewed, so the key of a daemon that died mid-run
     /// frees itself.
     async fn idempotency_begin(
         &self,
-        key: &str,
+        key: &IdemKey,
         body_hash: &str,
         owner: &str,
         lease: Duration,
@@ -56,22 +105,56 @@ pub trait StateStore: Send + Sync {
     /// it (finished, released, or lapsed and taken by another request).
     async fn idempotency_renew(
         &self,
-        key: &str,
+        key: &IdemKey,
         owner: &str,
         lease: Duration,
     ) -> Result<bool, StateError>;
-    /// Stores the finished request's response for `ttl`.
+    /// Stores the finished request's response for `ttl`. A store may drop it (too large for its
+    /// budget); a retry then runs again, as after the TTL.
     async fn idempotency_complete(
         &self,
-        key: &str,
+        key: &IdemKey,
         body_hash: &str,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StateError>;
     /// Releases `owner`'s claim on `key` (a request that ended without a response to keep, or
     /// one of a daemon that stopped mid-run); a finished entry or another owner's claim stays.
-    async fn idempotency_release(&self, key: &str, owner: &str) -> Result<(), StateError>;
+    async fn idempotency_release(&self, key: &IdemKey, owner: &str) -> Result<(), StateError>;
     /// For /readyz.
     async fn healthy(&self) -> Result<(), StateError>;
     fn kind(&self) -> &'static str;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IdemKey;
+
+    #[test]
+    fn a_scoped_key_reads_back_as_the_pair_it_came_from() {
+        for (subject, key) in [
+            ("orch", "k"),
+            ("a", "b:c"),
+            ("a:b", "c"),
+            ("-", ""),
+            ("é", ":"),
+        ] {
+            let k = IdemKey {
+                subject: subject.into(),
+                key: key.into(),
+            };
+            assert_eq!(IdemKey::from_scoped(&k.scoped()), Some(k));
+        }
+        for bad in [
+            "",
+            "orch:k",
+            "4:orch",
+            "5:orch:k",
+            "04:orch:k",
+            "+4:orch:k",
+            "1:\u{e9}:k",
+        ] {
+            assert_eq!(IdemKey::from_scoped(bad), None, "{bad}");
+        }
+    }
 }

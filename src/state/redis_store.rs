@@ -10,7 +10,8 @@ use std::time::Duration;
 use redis::AsyncCommands;
 use redis::aio::ConnectionManager;
 
-use super::{IdemBegin, StateError, StateStore, StoredResponse};
+use super::{IdemBegin, IdemKey, JtiClaim, StateError, StateStore, StoredResponse};
+use crate::auth::SingleUse;
 
 pub struct RedisStore {
     conn: ConnectionManager,
@@ -82,11 +83,12 @@ impl RedisStore {
 
 #[async_trait::async_trait]
 impl StateStore for RedisStore {
-    async fn claim_jti(&self, jti: &str, exp_unix: u64) -> Result<bool, StateError> {
-        let ttl = exp_unix.saturating_sub(crate::auth::now()).max(1) + 60;
+    /// Redis outlives any one daemon, so it is the record for every token however old.
+    async fn claim_jti(&self, token: &SingleUse) -> Result<JtiClaim, StateError> {
+        let ttl = token.exp.saturating_sub(crate::auth::now()).max(1) + 60;
         let mut c = self.conn.clone();
         let set: Option<String> = redis::cmd("SET")
-            .arg(format!("{}jti:{jti}", self.prefix))
+            .arg(format!("{}jti:{}", self.prefix, token.replay_key()))
             .arg(1)
             .arg("NX")
             .arg("EX")
@@ -94,13 +96,17 @@ impl StateStore for RedisStore {
             .query_async(&mut c)
             .await
             .map_err(unavailable)?;
-        Ok(set.is_some())
+        Ok(if set.is_some() {
+            JtiClaim::Claimed
+        } else {
+            JtiClaim::Replayed
+        })
     }
 
-    async fn release_jti(&self, jti: &str) -> Result<(), StateError> {
+    async fn release_jti(&self, token: &SingleUse) -> Result<(), StateError> {
         let mut c = self.conn.clone();
         let _: () = c
-            .del(format!("{}jti:{jti}", self.prefix))
+            .del(format!("{}jti:{}", self.prefix, token.replay_key()))
             .await
             .map_err(unavailable)?;
         Ok(())
@@ -108,12 +114,12 @@ impl StateStore for RedisStore {
 
     async fn idempotency_begin(
         &self,
-        key: &str,
+        key: &IdemKey,
         body_hash: &str,
         owner: &str,
         lease: Duration,
     ) -> Result<IdemBegin, StateError> {
-        let k = format!("{}idem:{key}", self.prefix);
+        let k = format!("{}idem:{}", self.prefix, key.scoped());
         let slot = serde_json::to_string(&Slot {
             body_hash: body_hash.to_string(),
             response: None,
@@ -150,7 +156,7 @@ impl StateStore for RedisStore {
 
     async fn idempotency_renew(
         &self,
-        key: &str,
+        key: &IdemKey,
         owner: &str,
         lease: Duration,
     ) -> Result<bool, StateError> {
@@ -158,7 +164,7 @@ impl StateStore for RedisStore {
         let renewed: i64 = redis::cmd("EVAL")
             .arg(renew_script())
             .arg(1)
-            .arg(format!("{}idem:{key}", self.prefix))
+            .arg(format!("{}idem:{}", self.prefix, key.scoped()))
             .arg(owner)
             .arg(millis(lease))
             .query_async(&mut c)
@@ -169,12 +175,12 @@ impl StateStore for RedisStore {
 
     async fn idempotency_complete(
         &self,
-        key: &str,
+        key: &IdemKey,
         body_hash: &str,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StateError> {
-        let k = format!("{}idem:{key}", self.prefix);
+        let k = format!("{}idem:{}", self.prefix, key.scoped());
         let slot = serde_json::to_string(&Slot {
             body_hash: body_hash.to_string(),
             response: Some(response.clone()),
@@ -189,12 +195,12 @@ impl StateStore for RedisStore {
         Ok(())
     }
 
-    async fn idempotency_release(&self, key: &str, owner: &str) -> Result<(), StateError> {
+    async fn idempotency_release(&self, key: &IdemKey, owner: &str) -> Result<(), StateError> {
         let mut c = self.conn.clone();
         let _: i64 = redis::cmd("EVAL")
             .arg(release_script())
             .arg(1)
-            .arg(format!("{}idem:{key}", self.prefix))
+            .arg(format!("{}idem:{}", self.prefix, key.scoped()))
             .arg(owner)
             .query_async(&mut c)
             .await

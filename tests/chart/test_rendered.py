@@ -292,7 +292,11 @@ def test_dind_mode_daemon_unprivileged_sidecar_privileged():
     assert daemon_json["runtimes"]["runsc"]["path"] == "/usr/local/bin/runsc"
     # Egress: the proxy sockets live on the volume dockerd shares, and runsc may connect to them.
     assert cfg["sandbox"]["docker"]["egress_dir"] == f"{sock_dir}/egress"
-    assert daemon_json["runtimes"]["runsc"]["runtimeArgs"] == ["--platform=systrap", "--host-uds=open"]
+    assert daemon_json["runtimes"]["runsc"]["runtimeArgs"] == [
+        "--platform=systrap",
+        "--host-uds=open",
+        "--oci-seccomp",
+    ]
     # Two replicas with shared state: PDB on.
     assert one(docs, "Deployment")["spec"]["replicas"] == 2
     assert one(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1

@@ -78,6 +78,37 @@ pub fn containers(label: &str) -> Vec<String> {
     docker_ps(&[format!("label={label}")])
 }
 
+/// Running containers carrying `label`.
+pub fn running_containers(label: &str) -> Vec<String> {
+    let filter = format!("label={label}");
+    docker(&["ps", "-q", "--no-trunc", "--filter", &filter])
+        .unwrap_or_else(|| panic!("docker ps --filter {filter} failed"))
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Names of the volumes carrying `label` (the sandboxes' disk volumes).
+pub fn volumes(label: &str) -> Vec<String> {
+    let filter = format!("label={label}");
+    docker(&["volume", "ls", "-q", "--filter", &filter])
+        .unwrap_or_else(|| panic!("docker volume ls --filter {filter} failed"))
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Force-removes every container, then every volume, carrying `label` (what a killed daemon
+/// left, once a test has checked it).
+pub fn remove_all(label: &str) {
+    for id in containers(label) {
+        let _ = docker(&["rm", "-f", "-v", &id]);
+    }
+    for v in volumes(label) {
+        let _ = docker(&["volume", "rm", "-f", &v]);
+    }
+}
+
 pub fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     let t = Instant::now();
     while !done() {
@@ -89,7 +120,14 @@ pub fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// Stops the daemon and checks from the host that none of its containers remain.
+/// Stops the daemon and checks from the host that none of its containers remain, nor a disk
+/// volume in use.
+///
+/// A disk volume can only be removed once its container is gone, so a shutdown that cuts a slow
+/// teardown short (a gVisor sandbox saturated by a fork bomb) leaves the unused volume for the
+/// next daemon's startup sweep (dockerd unmounted its tmpfs with the container). Such a volume
+/// must then be removable; a volume leak during normal operation is what
+/// `disk_volumes_go_with_their_containers` checks.
 pub fn finish(mut d: Daemon) {
     let instance = instance_of(&d);
     d.stop();
@@ -101,6 +139,12 @@ pub fn finish(mut d: Daemon) {
         Duration::from_secs(60),
         || containers(&label).is_empty(),
     );
+    for v in volumes(&label) {
+        assert!(
+            docker(&["volume", "rm", &v]).is_some(),
+            "volume {v} of a stopped daemon is still in use"
+        );
+    }
 }
 
 /// The container the daemon assigned to `exec_id` (from its log).

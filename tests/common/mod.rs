@@ -44,6 +44,8 @@ pub struct Daemon {
     pub log: mpsc::Receiver<String>,
     /// What the daemon logged before it reported its address.
     pub startup_log: Vec<String>,
+    /// The unix second in which the daemon reported it was listening (it started no later).
+    pub listening_at: u64,
 }
 
 pub struct Resp {
@@ -112,6 +114,7 @@ impl Daemon {
         });
         let mut addr = None;
         let mut startup_log = Vec::new();
+        let mut listening_at = 0;
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while addr.is_none() && std::time::Instant::now() < deadline {
             match rx.recv_timeout(Duration::from_millis(200)) {
@@ -120,6 +123,7 @@ impl Daemon {
                         && let Ok(v) = serde_json::from_str::<Value>(&line)
                     {
                         addr = v["fields"]["addr"].as_str().map(String::from);
+                        listening_at = executor_arm::auth::now();
                     }
                     startup_log.push(line);
                 }
@@ -147,6 +151,21 @@ impl Daemon {
                 .expect("client"),
             log: rx,
             startup_log,
+            listening_at,
+        }
+    }
+
+    /// Waits until a token minted now has an `iat` after the second the daemon started in. The
+    /// embedded replay store refuses single-use tokens that may predate its start, and a token
+    /// minted in the daemon's first second may. Waits on the clock, at most about a second.
+    pub fn wait_until_tokens_postdate_start(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while executor_arm::auth::now() <= self.listening_at {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the clock did not advance"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 

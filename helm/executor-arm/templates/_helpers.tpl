@@ -374,8 +374,9 @@ deny_prefixes = {{ include "executor-arm.tomlStrings" $c.denyPrefixes }}
 {{- $cfg := dict }}
 {{- if .Values.dind.gvisor.enabled }}
 {{- $runsc := dict "path" .Values.dind.gvisor.runscPath }}
-{{- /* --host-uds=open: egress containers reach the daemon's proxy through a bind-mounted unix socket. */}}
-{{- $_ := set $runsc "runtimeArgs" (concat (.Values.dind.gvisor.runscArgs | default list) (list "--host-uds=open") | uniq) }}
+{{- /* --host-uds=open: egress containers reach the daemon's proxy through a bind-mounted unix socket.
+       --oci-seccomp: runsc applies the containers' seccomp profile (the daemon refuses gVisor runs without it). */}}
+{{- $_ := set $runsc "runtimeArgs" (concat (.Values.dind.gvisor.runscArgs | default list) (list "--host-uds=open" "--oci-seccomp") | uniq) }}
 {{- $_ := set $cfg "runtimes" (dict "runsc" $runsc) }}
 {{- end }}
 {{- toPrettyJson $cfg }}

@@ -110,23 +110,27 @@ fn an_admitted_run_always_ends_in_exactly_one_end_line() {
 #[tokio::test]
 async fn interrupted_runs_are_ended_once_and_their_keys_released() {
     use crate::state::memory::MemoryStore;
-    use crate::state::{IdemBegin, StateStore};
+    use crate::state::{IdemBegin, IdemKey, StateStore};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
-    let store = MemoryStore::new();
+    let store = MemoryStore::new(1 << 20);
     let lease = Duration::from_secs(60);
+    let key = |k: &str| IdemKey {
+        subject: "orchestrator".into(),
+        key: k.into(),
+    };
     let mut keyed = run("exec-a");
-    keyed.idempotency_key = Some("orchestrator:k".into());
+    keyed.idempotency_key = Some(key("k").scoped());
     assert_eq!(
         store
-            .idempotency_begin("orchestrator:k", "h", "old-1", lease)
+            .idempotency_begin(&key("k"), "h", "old-1", lease)
             .await
             .unwrap(),
         IdemBegin::Started
     );
     assert_eq!(
         store
-            .idempotency_begin("orchestrator:other", "h", "someone-else", lease)
+            .idempotency_begin(&key("other"), "h", "someone-else", lease)
             .await
             .unwrap(),
         IdemBegin::Started
@@ -163,7 +167,7 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
         lines[2]["error"],
         "the daemon (instance old-1) stopped during the run"
     );
-    assert_eq!(lines[2]["idempotency_key"], "orchestrator:k");
+    assert_eq!(lines[2]["idempotency_key"], "12:orchestrator:k");
     assert!(crate::provenance::audit::verify(&path).is_ok());
     assert!(
         metrics
@@ -175,14 +179,14 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
     // The crashed daemon's key is free; another owner's claim is not touched.
     assert_eq!(
         store
-            .idempotency_begin("orchestrator:k", "h", "new-2", lease)
+            .idempotency_begin(&key("k"), "h", "new-2", lease)
             .await
             .unwrap(),
         IdemBegin::Started
     );
     assert_eq!(
         store
-            .idempotency_begin("orchestrator:other", "h", "new-2", lease)
+            .idempotency_begin(&key("other"), "h", "new-2", lease)
             .await
             .unwrap(),
         IdemBegin::InProgress { same_body: true }

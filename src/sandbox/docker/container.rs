@@ -2,6 +2,21 @@
 //!
 //! Owns: the exact `docker create` body of a sandbox and the pool key (everything in the body that
 //! a request can change). Must not: talk to the engine. Pure, so unit-tested field by field.
+//!
+//! Identity: the container's main process is the supervisor, as root with only CAP_SETUID and
+//! CAP_SETGID (for the switch to the profile's uid/gid, which it does before `execve`) under
+//! `no-new-privileges` and the shared seccomp profile ([`super::seccomp`]); the command itself
+//! runs with no capability. See [`super::supervisor`] for why the two must differ.
+//!
+//! Disk: the workdir and /tmp are ONE tmpfs of `disk` bytes, so the limit holds for the two
+//! together. Docker's per-path tmpfs mounts cannot share a size, so each container gets a named
+//! volume of the `local` driver with tmpfs options (`executor-arm-disk-<uuid>`), mounted at both
+//! paths: they show the same files. dockerd creates it with the container (the mounts carry the
+//! driver options, so it can only ever be a tmpfs of that size) and unmounts it when the
+//! container stops, even when its daemon is gone; the janitor removes it after the container.
+//! This needs nothing of the daemon but the engine API (no host mount, no shared mount
+//! namespace), so it works for a daemon that is an unprivileged client of a dockerd sidecar.
+//! Under gVisor the volume is a host bind mount, on which the sandbox does not enforce `noexec`.
 
 use std::collections::HashMap;
 use std::path::{Component, Path};
@@ -9,12 +24,13 @@ use std::path::{Component, Path};
 use super::egress::CONTAINER_DIR;
 
 use bollard::models::{
-    ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountType, ResourcesUlimits,
+    ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountType, MountVolumeOptions,
+    MountVolumeOptionsDriverConfig, ResourcesUlimits,
 };
 use sha2::{Digest, Sha256};
 
 use super::super::{BackendKind, NetworkPolicy, RunSpec, SandboxError};
-use super::supervisor;
+use super::{seccomp, supervisor};
 
 /// Label every container of ours carries; the startup sweep only ever touches these.
 pub const LABEL_MANAGED: &str = "executor-arm.managed";
@@ -28,6 +44,8 @@ pub const LABEL_EXEC_ID: &str = "executor-arm.exec_id";
 pub const LABEL_OWNER: &str = "executor-arm.owner";
 /// `docker` | `gvisor`.
 pub const LABEL_BACKEND: &str = "executor-arm.backend";
+/// Name prefix of the per-container disk volumes.
+pub const DISK_VOLUME_PREFIX: &str = "executor-arm-disk-";
 
 /// The OCI runtime of a backend, as registered in dockerd.
 pub fn runtime_of(kind: BackendKind) -> &'static str {
@@ -91,7 +109,12 @@ pub struct ContainerPlan {
     /// directory, bind-mounted read-only at [`CONTAINER_DIR`] (added by [`ContainerPlan::body`]).
     pub egress: bool,
     body: ContainerCreateBody,
-    /// Hash of `profile`, `egress` and `body`: equal keys are interchangeable warm containers.
+    /// Where the disk volume is mounted: the workdir, and /tmp unless that is the workdir.
+    disk_targets: Vec<String>,
+    /// The `local` volume driver's options of the disk volume (a tmpfs of the disk limit).
+    disk_options: HashMap<String, String>,
+    /// Hash of `profile`, `egress`, `body` and the disk volume: equal keys are interchangeable
+    /// warm containers.
     pub key: String,
 }
 
@@ -154,29 +177,33 @@ impl ContainerPlan {
         // other tasks). Under runc RLIMIT_NPROC would count the uid's tasks on the whole host.
         let pids_cgroup = match kind {
             BackendKind::Gvisor => {
+                // The command's uid only: the supervisor (root) is the limit's one other process,
+                // as it is in the runc cgroup's.
+                let nproc = pids.saturating_sub(1).max(1);
                 ulimits.push(ResourcesUlimits {
                     name: Some("nproc".into()),
-                    soft: Some(pids),
-                    hard: Some(pids),
+                    soft: Some(nproc),
+                    hard: Some(nproc),
                 });
                 pids.saturating_mul(16).saturating_add(256)
             }
             BackendKind::Docker | BackendKind::Local => pids,
         };
-        let mut tmpfs = HashMap::new();
         // noexec: the workdir is for data; programs come from the read-only image.
-        tmpfs.insert(
-            workdir.clone(),
-            format!(
-                "size={disk},uid={},gid={},mode=0700,noexec,nosuid,nodev",
-                spec.uid, spec.gid
+        let disk_options = HashMap::from([
+            ("type".to_string(), "tmpfs".to_string()),
+            ("device".to_string(), "tmpfs".to_string()),
+            (
+                "o".to_string(),
+                format!(
+                    "size={disk},uid={},gid={},mode=0700,noexec,nosuid,nodev",
+                    spec.uid, spec.gid
+                ),
             ),
-        );
+        ]);
+        let mut disk_targets = vec![workdir.clone()];
         if workdir != "/tmp" {
-            tmpfs.insert(
-                "/tmp".to_string(),
-                format!("size={disk},mode=1777,noexec,nosuid,nodev"),
-            );
+            disk_targets.push("/tmp".to_string());
         }
         let mut mounts = Vec::new();
         for (src, dst) in &spec.fs.extra_files {
@@ -199,14 +226,18 @@ impl ContainerPlan {
             network_mode: Some("none".to_string()),
             readonly_rootfs: Some(true),
             cap_drop: Some(vec!["ALL".to_string()]),
-            security_opt: Some(vec!["no-new-privileges:true".to_string()]),
+            // The supervisor's, for the switch to the command's uid/gid only.
+            cap_add: Some(vec!["SETUID".to_string(), "SETGID".to_string()]),
+            security_opt: Some(vec![
+                "no-new-privileges:true".to_string(),
+                seccomp::security_opt(kind),
+            ]),
             memory: Some(memory),
             // No swap beyond the memory limit: memory_swap is memory + swap.
             memory_swap: Some(memory),
             nano_cpus: Some((l.cpus * 1e9).round() as i64),
             pids_limit: Some(pids_cgroup),
             ulimits: Some(ulimits),
-            tmpfs: Some(tmpfs),
             mounts: if mounts.is_empty() {
                 None
             } else {
@@ -233,10 +264,11 @@ impl ContainerPlan {
         env.sort();
         let body = ContainerCreateBody {
             image: Some(image.clone()),
-            user: Some(format!("{}:{}", spec.uid, spec.gid)),
-            working_dir: Some(workdir),
+            // The supervisor; it runs the command as spec.uid:spec.gid in the workdir.
+            user: Some("0:0".into()),
+            working_dir: Some("/".into()),
             hostname: Some("sandbox".into()),
-            entrypoint: Some(supervisor::entrypoint()),
+            entrypoint: Some(supervisor::entrypoint(spec.uid, spec.gid, &workdir)),
             cmd: None,
             env: Some(env),
             // stdin stays open for the supervisor's request; StdinOnce closes it when our attach
@@ -254,7 +286,7 @@ impl ContainerPlan {
         let mut h = Sha256::new();
         h.update(spec.profile.as_bytes());
         h.update([0, u8::from(egress)]);
-        let value = serde_json::to_value(&body)
+        let value = serde_json::to_value((&body, &disk_targets, &disk_options))
             .map_err(|e| SandboxError::Setup(format!("container body: {e}")))?;
         canonical(&value, &mut h);
         let key = hex::encode(&h.finalize()[..12]);
@@ -264,39 +296,71 @@ impl ContainerPlan {
             image,
             egress,
             body,
+            disk_targets,
+            disk_options,
             key,
         })
     }
 
-    /// The create body for one container of this plan; `egress_dir` is its own socket directory
-    /// (egress plans only).
+    /// The create body for one container of this plan: `disk_volume` is its own disk volume
+    /// (created by dockerd with the container), `egress_dir` its own socket directory (egress
+    /// plans only).
     pub fn body(
         &self,
         owner: &Owner,
         exec_label: &str,
+        disk_volume: &str,
         egress_dir: Option<&Path>,
     ) -> ContainerCreateBody {
         let mut body = self.body.clone();
-        if let (true, Some(dir), Some(hc)) = (self.egress, egress_dir, body.host_config.as_mut()) {
-            // Read-only: the container connects to the socket but cannot create anything on the
-            // host through this mount.
-            hc.mounts.get_or_insert_with(Vec::new).push(Mount {
-                source: Some(dir.to_string_lossy().into_owned()),
-                target: Some(CONTAINER_DIR.to_string()),
-                typ: Some(MountType::BIND),
-                read_only: Some(true),
-                ..Default::default()
-            });
+        let labels = labels(owner, exec_label, self.kind);
+        if let Some(hc) = body.host_config.as_mut() {
+            let mounts = hc.mounts.get_or_insert_with(Vec::new);
+            for target in &self.disk_targets {
+                mounts.push(Mount {
+                    source: Some(disk_volume.to_string()),
+                    target: Some(target.clone()),
+                    typ: Some(MountType::VOLUME),
+                    read_only: Some(false),
+                    volume_options: Some(MountVolumeOptions {
+                        // Nothing of the image's directory is copied in.
+                        no_copy: Some(true),
+                        labels: Some(labels.clone()),
+                        driver_config: Some(MountVolumeOptionsDriverConfig {
+                            name: Some("local".into()),
+                            options: Some(self.disk_options.clone()),
+                        }),
+                        subpath: None,
+                    }),
+                    ..Default::default()
+                });
+            }
+            if let (true, Some(dir)) = (self.egress, egress_dir) {
+                // Read-only: the container connects to the socket but cannot create anything on
+                // the host through this mount.
+                mounts.push(Mount {
+                    source: Some(dir.to_string_lossy().into_owned()),
+                    target: Some(CONTAINER_DIR.to_string()),
+                    typ: Some(MountType::BIND),
+                    read_only: Some(true),
+                    ..Default::default()
+                });
+            }
         }
-        body.labels = Some(HashMap::from([
-            (LABEL_MANAGED.to_string(), "true".to_string()),
-            (LABEL_INSTANCE.to_string(), owner.instance.clone()),
-            (LABEL_EXEC_ID.to_string(), exec_label.to_string()),
-            (LABEL_OWNER.to_string(), owner.label()),
-            (LABEL_BACKEND.to_string(), self.kind.as_str().to_string()),
-        ]));
+        body.labels = Some(labels);
         body
     }
+}
+
+/// The labels of one container and of its disk volume.
+fn labels(owner: &Owner, exec_label: &str, kind: BackendKind) -> HashMap<String, String> {
+    HashMap::from([
+        (LABEL_MANAGED.to_string(), "true".to_string()),
+        (LABEL_INSTANCE.to_string(), owner.instance.clone()),
+        (LABEL_EXEC_ID.to_string(), exec_label.to_string()),
+        (LABEL_OWNER.to_string(), owner.label()),
+        (LABEL_BACKEND.to_string(), kind.as_str().to_string()),
+    ])
 }
 
 /// Feeds `v` to the hasher with object keys sorted (maps in the body are `HashMap`s).
@@ -355,18 +419,29 @@ pub(crate) mod tests {
     #[test]
     fn hardening_and_limits_are_all_set() {
         let p = ContainerPlan::new(&spec(), BackendKind::Gvisor, "img:latest").unwrap();
-        let b = p.body(&owner(), "exec-1", None);
+        let b = p.body(&owner(), "exec-1", "executor-arm-disk-1", None);
         let h = b.host_config.clone().unwrap();
         assert_eq!(b.image.as_deref(), Some("img:latest"));
-        assert_eq!(b.user.as_deref(), Some("65534:65534"));
-        assert_eq!(b.working_dir.as_deref(), Some("/work"));
+        // The supervisor is root; the command gets the profile's ids from it.
+        assert_eq!(b.user.as_deref(), Some("0:0"));
+        assert_eq!(b.working_dir.as_deref(), Some("/"));
+        let ep = b.entrypoint.clone().unwrap();
+        assert_eq!(ep[0], supervisor::PERL);
+        assert_eq!(&ep[3..], ["65534", "65534", "/work"]);
         assert_eq!(h.runtime.as_deref(), Some("runsc"));
         assert_eq!(h.network_mode.as_deref(), Some("none"));
         assert_eq!(h.readonly_rootfs, Some(true));
         assert_eq!(h.cap_drop, Some(vec!["ALL".to_string()]));
         assert_eq!(
+            h.cap_add,
+            Some(vec!["SETUID".to_string(), "SETGID".to_string()])
+        );
+        assert_eq!(
             h.security_opt,
-            Some(vec!["no-new-privileges:true".to_string()])
+            Some(vec![
+                "no-new-privileges:true".to_string(),
+                seccomp::security_opt(BackendKind::Gvisor)
+            ])
         );
         assert_eq!(h.memory, Some(512 << 20));
         assert_eq!(h.memory_swap, Some(512 << 20));
@@ -381,25 +456,45 @@ pub(crate) mod tests {
             .find(|u| u.name.as_deref() == Some("nproc"))
             .cloned()
             .unwrap();
-        assert_eq!((nproc.soft, nproc.hard), (Some(64), Some(64)));
-        assert_eq!(h.privileged, Some(false));
-        let t = h.tmpfs.unwrap();
         assert_eq!(
-            t["/work"],
-            format!(
-                "size={},uid=65534,gid=65534,mode=0700,noexec,nosuid,nodev",
-                100 << 20
-            )
+            (nproc.soft, nproc.hard),
+            (Some(63), Some(63)),
+            "the supervisor is root"
         );
-        assert!(t["/tmp"].contains("noexec"));
-        assert_eq!(b.entrypoint.as_ref().unwrap()[0], supervisor::PERL);
+        assert_eq!(h.privileged, Some(false));
+        // One tmpfs volume of the disk limit at the workdir and /tmp, labelled like the container.
+        assert!(h.tmpfs.is_none());
+        let m = h.mounts.clone().unwrap();
+        assert_eq!(m.len(), 2);
+        for (mount, target) in m.iter().zip(["/work", "/tmp"]) {
+            assert_eq!(mount.target.as_deref(), Some(target));
+            assert_eq!(mount.source.as_deref(), Some("executor-arm-disk-1"));
+            assert_eq!(mount.typ, Some(MountType::VOLUME));
+            let v = mount.volume_options.clone().unwrap();
+            assert_eq!(v.no_copy, Some(true));
+            assert_eq!(v.labels.as_ref(), b.labels.as_ref());
+            let d = v.driver_config.unwrap();
+            assert_eq!(d.name.as_deref(), Some("local"));
+            let o = d.options.unwrap();
+            assert_eq!(
+                (o["type"].as_str(), o["device"].as_str()),
+                ("tmpfs", "tmpfs")
+            );
+            assert_eq!(
+                o["o"],
+                format!(
+                    "size={},uid=65534,gid=65534,mode=0700,noexec,nosuid,nodev",
+                    100 << 20
+                )
+            );
+        }
         let labels = b.labels.unwrap();
         assert_eq!(labels[LABEL_MANAGED], "true");
         assert_eq!(labels[LABEL_EXEC_ID], "exec-1");
         assert_eq!(labels[LABEL_OWNER], "host/pid:[7]/1/42");
         let runc = ContainerPlan::new(&spec(), BackendKind::Docker, "i")
             .unwrap()
-            .body(&owner(), "x", None)
+            .body(&owner(), "x", "v", None)
             .host_config
             .unwrap();
         assert_eq!(runc.runtime.as_deref(), Some("runc"));
@@ -430,23 +525,30 @@ pub(crate) mod tests {
     fn egress_keeps_network_none_and_mounts_only_its_own_directory_read_only() {
         let p = ContainerPlan::new(&egress_spec(), BackendKind::Gvisor, "i").unwrap();
         assert!(p.egress);
-        let b = p.body(&owner(), "e", Some(Path::new("/run/x/egress/c1")));
+        let b = p.body(&owner(), "e", "v", Some(Path::new("/run/x/egress/c1")));
         assert_eq!(b.network_disabled, Some(true));
         let h = b.host_config.unwrap();
         assert_eq!(h.network_mode.as_deref(), Some("none"));
         let m = h.mounts.unwrap();
-        assert_eq!(m.len(), 1);
-        assert_eq!(m[0].source.as_deref(), Some("/run/x/egress/c1"));
-        assert_eq!(m[0].target.as_deref(), Some(CONTAINER_DIR));
+        assert_eq!(m.len(), 3, "the disk volume twice and the egress directory");
+        assert_eq!(m[2].source.as_deref(), Some("/run/x/egress/c1"));
+        assert_eq!(m[2].target.as_deref(), Some(CONTAINER_DIR));
         assert_eq!(
-            (m[0].typ, m[0].read_only),
+            (m[2].typ, m[2].read_only),
             (Some(MountType::BIND), Some(true))
         );
         // Without egress no directory is mounted, whatever the caller passes.
         let none = ContainerPlan::new(&spec(), BackendKind::Gvisor, "i").unwrap();
         assert!(!none.egress);
-        let b = none.body(&owner(), "e", Some(Path::new("/run/x/egress/c1")));
-        assert!(b.host_config.unwrap().mounts.is_none());
+        let b = none.body(&owner(), "e", "v", Some(Path::new("/run/x/egress/c1")));
+        assert!(
+            b.host_config
+                .unwrap()
+                .mounts
+                .unwrap()
+                .iter()
+                .all(|m| m.typ == Some(MountType::VOLUME))
+        );
         // Egress and plain containers are never interchangeable in the pool.
         let mut same_profile = spec();
         same_profile.profile = "http-egress".into();
@@ -479,11 +581,12 @@ pub(crate) mod tests {
         )];
         let p = ContainerPlan::new(&s, BackendKind::Docker, "i").unwrap();
         let m = p
-            .body(&owner(), "e", None)
+            .body(&owner(), "e", "v", None)
             .host_config
             .unwrap()
             .mounts
             .unwrap();
+        assert_eq!(m[0].target.as_deref(), Some("/opt/x/run.py"));
         assert_eq!(m[0].read_only, Some(true));
         assert_eq!(m[0].typ, Some(MountType::BIND));
         assert_ne!(p.key, base.key);
@@ -503,6 +606,14 @@ pub(crate) mod tests {
                 .unwrap()
                 .key,
             a.key
+        );
+        s.limits.disk_bytes = 50 << 20;
+        assert_ne!(
+            ContainerPlan::new(&s, BackendKind::Docker, "i")
+                .unwrap()
+                .key,
+            a.key,
+            "the disk volume's size is part of the key"
         );
         s.limits.memory_bytes = 256 << 20;
         assert_ne!(

@@ -16,13 +16,15 @@
 //! host namespace is invisible to the guest; a bind-mounted unix socket is reachable from both
 //! runtimes (runsc needs `--host-uds=open`, see `docker/daemon.json`). One mechanism serves both,
 //! and it needs neither `setns` nor the engine's pid namespace, so it also works when the daemon
-//! is an unprivileged client of a dockerd sidecar. The supervisor runs as the command's uid and
-//! the command can reach the socket itself: that grants nothing, because the socket leads only to
-//! the proxy, which trusts nothing the client says. The mount is read-only, so the command cannot
-//! create files or sockets on the host through it.
+//! is an unprivileged client of a dockerd sidecar. The supervisor (root without
+//! CAP_DAC_OVERRIDE) connects through the directory's and the socket's permission bits, which
+//! also let the command reach the socket itself: that grants nothing, because the socket leads
+//! only to the proxy, which trusts nothing the client says. The mount is read-only, so the command
+//! cannot create files or sockets on the host through it.
 //!
 //! Owns: the directories (one per daemon and backend, one per container inside it), binding the
-//! listener, the startup removal of directories of dead daemons. Must not: decide egress policy.
+//! listener, the removal at startup of directories of dead daemons. Must not: decide egress
+//! policy.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
@@ -103,13 +105,9 @@ impl SocketDirs {
         &self.base
     }
 
-    /// Creates the directories (once), first removing those of daemons that are gone.
-    pub fn ensure(&self) -> std::io::Result<()> {
-        let mut created = self.created.lock().unwrap_or_else(|e| e.into_inner());
-        if *created {
-            return Ok(());
-        }
-        create_private(&self.root)?;
+    /// Removes the directories of daemons that are gone (called once at startup, so a crashed
+    /// daemon's directories do not wait for the next egress run). Returns how many.
+    pub fn sweep_dead(&self) -> usize {
         let swept = sweep(
             &self.root,
             &self.owner,
@@ -122,6 +120,16 @@ impl SocketDirs {
                 "removed egress socket directories left by an earlier daemon"
             );
         }
+        swept
+    }
+
+    /// Creates the directories (once).
+    pub fn ensure(&self) -> std::io::Result<()> {
+        let mut created = self.created.lock().unwrap_or_else(|e| e.into_inner());
+        if *created {
+            return Ok(());
+        }
+        create_private(&self.root)?;
         create_private(&self.base)?;
         *created = true;
         Ok(())

@@ -13,8 +13,8 @@ use std::time::Duration;
 use bollard::models::ContainerCreateBody;
 use bollard::query_parameters::{
     AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, KillContainerOptionsBuilder,
-    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, RenameContainerOptionsBuilder,
-    WaitContainerOptionsBuilder,
+    ListContainersOptionsBuilder, ListVolumesOptionsBuilder, RemoveContainerOptionsBuilder,
+    RemoveVolumeOptionsBuilder, RenameContainerOptionsBuilder, WaitContainerOptionsBuilder,
 };
 use bollard::{API_DEFAULT_VERSION, Docker};
 use bytes::Bytes;
@@ -130,6 +130,10 @@ pub trait Engine: Send + Sync {
     async fn inspect(&self, id: &str) -> Result<ContainerState, EngineError>;
     /// Every container (any state) carrying all of `labels` (`key=value`).
     async fn list(&self, labels: &[String]) -> Result<Vec<Listed>, EngineError>;
+    /// Removes a volume; one that is already gone is not an error, one still in use is.
+    async fn remove_volume(&self, name: &str) -> Result<(), EngineError>;
+    /// Every volume carrying all of `labels` (`Listed::id` is its name, `state` is empty).
+    async fn list_volumes(&self, labels: &[String]) -> Result<Vec<Listed>, EngineError>;
 }
 
 /// The real engine, over dockerd's unix socket.
@@ -350,6 +354,35 @@ impl Engine for BollardEngine {
             })
             .collect())
     }
+
+    async fn remove_volume(&self, name: &str) -> Result<(), EngineError> {
+        let opts = RemoveVolumeOptionsBuilder::new().force(false).build();
+        match self
+            .call(|d| async move { d.remove_volume(name, Some(opts)).await })
+            .await
+        {
+            Err(EngineError::NotFound(_)) => Ok(()),
+            other => other,
+        }
+    }
+
+    async fn list_volumes(&self, labels: &[String]) -> Result<Vec<Listed>, EngineError> {
+        let filters: HashMap<String, Vec<String>> =
+            HashMap::from([("label".to_string(), labels.to_vec())]);
+        let opts = ListVolumesOptionsBuilder::new().filters(&filters).build();
+        let r = self
+            .call(|d| async move { d.list_volumes(Some(opts)).await })
+            .await?;
+        Ok(r.volumes
+            .unwrap_or_default()
+            .into_iter()
+            .map(|v| Listed {
+                id: v.name,
+                state: String::new(),
+                labels: v.labels,
+            })
+            .collect())
+    }
 }
 
 /// A recording in-memory engine for the pool and janitor tests. A "container" runs until it is
@@ -368,6 +401,8 @@ pub(crate) mod fake {
         labels: HashMap<String, String>,
         /// Host directory bind-mounted at the egress directory, if any.
         egress_dir: Option<String>,
+        /// Volumes its mounts use.
+        volumes: Vec<String>,
         running: bool,
         /// Dropping it ends the attach output stream.
         output: Option<mpsc::UnboundedSender<Result<Output, EngineError>>>,
@@ -376,6 +411,8 @@ pub(crate) mod fake {
     #[derive(Default)]
     pub struct FakeEngine {
         containers: Mutex<HashMap<String, FakeContainer>>,
+        /// Volumes (name → labels), created like dockerd does from a container's mounts.
+        volumes: Mutex<HashMap<String, HashMap<String, String>>>,
         pub calls: Mutex<Vec<String>>,
         pub down: AtomicBool,
         pub fail_create: AtomicBool,
@@ -401,6 +438,13 @@ pub(crate) mod fake {
             } else {
                 Ok(())
             }
+        }
+
+        /// Names of volumes that exist.
+        pub fn existing_volumes(&self) -> Vec<String> {
+            let mut v: Vec<String> = self.volumes.lock().unwrap().keys().cloned().collect();
+            v.sort();
+            v
         }
 
         /// Ids of containers that exist (any state).
@@ -475,6 +519,25 @@ pub(crate) mod fake {
                     })
                 })
                 .and_then(|m| m.source.clone());
+            let mut volumes = Vec::new();
+            for m in body
+                .host_config
+                .as_ref()
+                .and_then(|h| h.mounts.as_ref())
+                .into_iter()
+                .flatten()
+                .filter(|m| m.typ == Some(bollard::models::MountType::VOLUME))
+            {
+                let (Some(v), Some(o)) = (&m.source, &m.volume_options) else {
+                    continue;
+                };
+                self.volumes
+                    .lock()
+                    .unwrap()
+                    .entry(v.clone())
+                    .or_insert_with(|| o.labels.clone().unwrap_or_default());
+                volumes.push(v.clone());
+            }
             let labels = body.labels.unwrap_or_default();
             self.containers.lock().unwrap().insert(
                 id.clone(),
@@ -482,6 +545,7 @@ pub(crate) mod fake {
                     name: name.into(),
                     labels,
                     egress_dir,
+                    volumes,
                     ..Default::default()
                 },
             );
@@ -608,6 +672,42 @@ pub(crate) mod fake {
                         "exited".into()
                     },
                     labels: c.labels.clone(),
+                })
+                .collect())
+        }
+
+        async fn remove_volume(&self, name: &str) -> Result<(), EngineError> {
+            self.record(format!("remove_volume {name}"))?;
+            let in_use = self
+                .containers
+                .lock()
+                .unwrap()
+                .values()
+                .any(|c| c.volumes.iter().any(|v| v == name));
+            if in_use {
+                return Err(EngineError::Api(format!(
+                    "409: remove {name}: volume is in use"
+                )));
+            }
+            self.volumes.lock().unwrap().remove(name);
+            Ok(())
+        }
+
+        async fn list_volumes(&self, labels: &[String]) -> Result<Vec<Listed>, EngineError> {
+            self.record(format!("list_volumes {}", labels.join(",")))?;
+            let vs = self.volumes.lock().unwrap();
+            Ok(vs
+                .iter()
+                .filter(|(_, l)| {
+                    labels.iter().all(|want| {
+                        want.split_once('=')
+                            .is_some_and(|(k, v)| l.get(k).map(String::as_str) == Some(v))
+                    })
+                })
+                .map(|(name, l)| Listed {
+                    id: name.clone(),
+                    state: String::new(),
+                    labels: l.clone(),
                 })
                 .collect())
         }

@@ -1,16 +1,17 @@
 //! Making sure no container of ours outlives its use.
 //!
-//! Owns: disposing of containers (kill + force-remove, in the background so no response waits
-//! for teardown), retrying removals that failed because dockerd was away, the startup sweep of
-//! containers left by crashed daemons, and the clean-up when dockerd comes back. Must not: run
-//! commands.
+//! Owns: disposing of containers and their disk volumes (kill + force-remove, then the volume, in
+//! the background so no response waits for teardown), retrying removals that failed because
+//! dockerd was away, the startup sweep of containers and volumes left by crashed daemons, and the
+//! clean-up when dockerd comes back. Must not: run commands.
 //!
 //! Sweep policy (see [`sweep_verdict`]): a managed container whose owner label names a daemon on
 //! this host, in our pid namespace, whose pid is gone or now belongs to another process (start
 //! time differs) is removed, whatever its state. A container of a daemon we cannot judge (another
 //! host sharing the engine) is removed only once it has stopped: none of ours is ever reused after
 //! it stops. Containers of live daemons are left to their owners, who may still be reading the
-//! state of one that just stopped.
+//! state of one that just stopped. Volumes follow the same owner rule, as if stopped: dockerd
+//! refuses to remove one a container still uses.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,14 +26,22 @@ use crate::sandbox::BackendKind;
 /// Concurrent background removals (each is a few hundred ms of dockerd work on 2 cores).
 const REMOVAL_SLOTS: usize = 4;
 
+/// Something of ours in the engine.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Leftover {
+    Container(String),
+    Volume(String),
+}
+
 pub struct Janitor {
     engine: Arc<dyn Engine>,
     owner: Owner,
     /// Our backend: the docker and gvisor backends of one daemon share an instance label.
     backend: BackendKind,
     /// Removals that failed; retried by [`Janitor::tick`].
-    pending: Mutex<HashSet<String>>,
-    /// Containers a run is using right now: never swept while the run holds them.
+    pending: Mutex<HashSet<Leftover>>,
+    /// Containers (ids) and their disk volumes (names) in use right now: never swept while a
+    /// run or the pool holds them.
     leased: Mutex<HashSet<String>>,
     /// Set by any "unreachable" failure; cleared (with clean-up) once dockerd answers again.
     engine_down: AtomicBool,
@@ -85,6 +94,7 @@ impl Janitor {
         self.engine_down.load(Ordering::SeqCst)
     }
 
+    /// Marks a container id or volume name as in use.
     pub fn lease(&self, id: &str) {
         if let Ok(mut l) = self.leased.lock() {
             l.insert(id.to_string());
@@ -97,9 +107,13 @@ impl Janitor {
         }
     }
 
-    fn add_pending(&self, id: String) {
+    fn leased(&self) -> HashSet<String> {
+        self.leased.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    fn add_pending(&self, what: Leftover) {
         if let Ok(mut p) = self.pending.lock() {
-            p.insert(id);
+            p.insert(what);
         }
     }
 
@@ -107,29 +121,68 @@ impl Janitor {
         self.pending.lock().map(|p| p.len()).unwrap_or(0)
     }
 
-    /// Kills and removes `id` in the background; on failure it stays pending and is retried.
-    pub fn dispose(self: &Arc<Self>, id: String) {
+    /// Kills and removes container `id`, then its disk volume, in the background; what fails
+    /// stays pending and is retried.
+    pub fn dispose(self: &Arc<Self>, id: String, volume: Option<String>) {
         self.unlease(&id);
+        if let Some(v) = &volume {
+            self.unlease(v);
+        }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             // No runtime (shutdown): the instance-wide clean-up on drop covers it.
-            self.add_pending(id);
+            self.add_pending(Leftover::Container(id));
+            if let Some(v) = volume {
+                self.add_pending(Leftover::Volume(v));
+            }
             return;
         };
         let me = self.clone();
         rt.spawn(async move {
             let _slot = me.removals.clone().acquire_owned().await;
-            let r = me.engine.remove(&id).await;
-            me.observe(&r);
-            if let Err(e) = r {
-                tracing::warn!(container = %id, error = %e, "container removal failed; will retry");
-                me.add_pending(id);
+            let left = [Some(Leftover::Container(id)), volume.map(Leftover::Volume)];
+            let mut failed = false;
+            for what in left.into_iter().flatten() {
+                // A volume stays in use until its container is gone.
+                if failed || me.remove(&what).await.is_err() {
+                    failed = true;
+                    me.add_pending(what);
+                }
             }
         });
     }
 
-    /// Removes what a crashed daemon left behind (see the module docs). Returns how many.
+    /// Removes a volume that never got its container (a failed create), in the background.
+    pub fn dispose_volume(self: &Arc<Self>, name: String) {
+        self.unlease(&name);
+        let me = self.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let what = Leftover::Volume(name);
+                if me.remove(&what).await.is_err() {
+                    me.add_pending(what);
+                }
+            });
+        }
+    }
+
+    /// One removal, logged when it fails.
+    async fn remove(&self, what: &Leftover) -> Result<(), EngineError> {
+        let r = match what {
+            Leftover::Container(id) => self.engine.remove(id).await,
+            Leftover::Volume(name) => self.engine.remove_volume(name).await,
+        };
+        self.observe(&r);
+        if let Err(e) = &r {
+            tracing::warn!(what = ?what, error = %e, "sandbox removal failed; will retry");
+        }
+        r
+    }
+
+    /// Removes what a crashed daemon left behind (see the module docs): containers, then disk
+    /// volumes. Returns how many.
     pub async fn sweep_orphans(&self) -> Result<usize, EngineError> {
-        let r = self.engine.list(&[format!("{LABEL_MANAGED}=true")]).await;
+        let managed = [format!("{LABEL_MANAGED}=true")];
+        let r = self.engine.list(&managed).await;
         self.observe(&r);
         let mut removed = 0;
         for c in r? {
@@ -144,24 +197,39 @@ impl Janitor {
                 }
             }
         }
+        let r = self.engine.list_volumes(&managed).await;
+        self.observe(&r);
+        for v in r? {
+            if owner_gone(&v.labels, true, &self.owner, process_start_time)
+                && self.engine.remove_volume(&v.id).await.is_ok()
+            {
+                removed += 1;
+            }
+        }
         self.startup_swept.store(true, Ordering::SeqCst);
         if removed > 0 {
             tracing::warn!(
                 removed,
-                "removed sandbox containers left by an earlier daemon"
+                "removed sandbox containers and volumes left by an earlier daemon"
             );
         }
         Ok(removed)
     }
 
-    /// After dockerd came back: our containers that no run holds are stale (a restarted dockerd
-    /// killed them, and their attach connections are gone).
+    /// After dockerd came back: our containers and volumes that nothing holds are stale (a
+    /// restarted dockerd killed the containers, and their attach connections are gone).
     async fn sweep_own(&self) -> Result<usize, EngineError> {
         let listed = self.engine.list(&self.own_labels()).await?;
-        let leased: HashSet<String> = self.leased.lock().map(|l| l.clone()).unwrap_or_default();
+        let leased = self.leased();
         let mut removed = 0;
         for c in listed.into_iter().filter(|c| !leased.contains(&c.id)) {
             if self.engine.remove(&c.id).await.is_ok() {
+                removed += 1;
+            }
+        }
+        let volumes = self.engine.list_volumes(&self.own_labels()).await?;
+        for v in volumes.into_iter().filter(|v| !leased.contains(&v.id)) {
+            if self.engine.remove_volume(&v.id).await.is_ok() {
                 removed += 1;
             }
         }
@@ -196,16 +264,16 @@ impl Janitor {
                 Err(e) => tracing::warn!(error = %e, "clean-up after reconnect failed"),
             }
         }
-        let pending: Vec<String> = self
+        let mut pending: Vec<Leftover> = self
             .pending
             .lock()
             .map(|mut p| p.drain().collect())
             .unwrap_or_default();
-        for id in pending {
-            let r = self.engine.remove(&id).await;
-            self.observe(&r);
-            if r.is_err() {
-                self.add_pending(id);
+        // Containers first: a volume cannot go while its container exists.
+        pending.sort_by_key(|l| matches!(l, Leftover::Volume(_)));
+        for what in pending {
+            if self.remove(&what).await.is_err() {
+                self.add_pending(what);
             }
         }
         came_back
@@ -252,15 +320,23 @@ pub fn pid_namespace() -> String {
 /// Whether the startup sweep removes `c` (see the module docs). `start_time_of(pid)` is the start
 /// time of the live process with that pid, if any.
 pub fn sweep_verdict(c: &Listed, me: &Owner, start_time_of: impl Fn(u32) -> Option<u64>) -> bool {
-    if c.labels.get(LABEL_MANAGED).map(String::as_str) != Some("true") {
+    let stopped = matches!(c.state.as_str(), "exited" | "dead");
+    owner_gone(&c.labels, stopped, me, start_time_of)
+}
+
+/// Whether something labelled `labels` (stopped or not) may be removed: managed, and its owner
+/// is a daemon of this host and pid namespace that is gone, or one we cannot judge and it has
+/// stopped.
+fn owner_gone(
+    labels: &std::collections::HashMap<String, String>,
+    stopped: bool,
+    me: &Owner,
+    start_time_of: impl Fn(u32) -> Option<u64>,
+) -> bool {
+    if labels.get(LABEL_MANAGED).map(String::as_str) != Some("true") {
         return false;
     }
-    let stopped = matches!(c.state.as_str(), "exited" | "dead");
-    let Some(owner) = c
-        .labels
-        .get(LABEL_OWNER)
-        .and_then(|l| Owner::parse_label(l))
-    else {
+    let Some(owner) = labels.get(LABEL_OWNER).and_then(|l| Owner::parse_label(l)) else {
         return stopped;
     };
     if owner.same_process(me) {
@@ -447,7 +523,7 @@ mod engine_tests {
         );
 
         engine.down.store(true, Ordering::SeqCst);
-        j.dispose(disposed.clone());
+        j.dispose(disposed.clone(), None);
         for _ in 0..100 {
             if j.pending_count() == 1 {
                 break;
@@ -503,5 +579,94 @@ mod engine_tests {
         let left = engine.existing();
         assert!(!left.contains(&orphan));
         assert!(left.contains(&mine) && left.contains(&foreign) && left.contains(&unmanaged));
+    }
+
+    /// A container using volume `volume`, both labelled `labels`.
+    async fn create_with_volume(
+        engine: &FakeEngine,
+        volume: &str,
+        labels: &[(&str, &str)],
+    ) -> String {
+        use bollard::models::{HostConfig, Mount, MountType, MountVolumeOptions};
+        let labels: HashMap<String, String> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let mount = Mount {
+            source: Some(volume.into()),
+            target: Some("/work".into()),
+            typ: Some(MountType::VOLUME),
+            volume_options: Some(MountVolumeOptions {
+                labels: Some(labels.clone()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let id = engine
+            .create(
+                "x",
+                ContainerCreateBody {
+                    labels: Some(labels),
+                    host_config: Some(HostConfig {
+                        mounts: Some(vec![mount]),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        engine.start(&id).await.unwrap();
+        id
+    }
+
+    #[tokio::test]
+    async fn disk_volumes_go_after_their_containers_and_with_dead_owners() {
+        let engine = Arc::new(FakeEngine::default());
+        let me = Owner {
+            pid_ns: pid_namespace(),
+            pid: std::process::id(),
+            start_time: process_start_time(std::process::id()).unwrap(),
+            ..me()
+        };
+        let dead = format!("h/{}/4194304/1", pid_namespace());
+        let live = me.label();
+        let orphan = create_with_volume(
+            &engine,
+            "v-dead",
+            &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &dead)],
+        )
+        .await;
+        create_with_volume(
+            &engine,
+            "v-live",
+            &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &live)],
+        )
+        .await;
+        let foreign = create_with_volume(
+            &engine,
+            "v-foreign",
+            &[
+                (LABEL_MANAGED, "true"),
+                (LABEL_OWNER, "elsewhere/pid:[9]/1/1"),
+            ],
+        )
+        .await;
+        let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me, BackendKind::Docker);
+        // The dead owner's container and then its volume; a running foreign container keeps its
+        // volume in use, and the live owner's stays.
+        assert_eq!(j.sweep_orphans().await.unwrap(), 2);
+        assert!(!engine.existing().contains(&orphan));
+        assert_eq!(engine.existing_volumes(), ["v-foreign", "v-live"]);
+        // Disposal: the container, then its volume.
+        j.dispose(foreign.clone(), Some("v-foreign".into()));
+        for _ in 0..200 {
+            if !engine.existing_volumes().contains(&"v-foreign".to_string()) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(engine.existing_volumes(), ["v-live"]);
+        assert!(!engine.existing().contains(&foreign));
     }
 }

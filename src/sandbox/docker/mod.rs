@@ -16,6 +16,7 @@ pub mod egress;
 pub mod engine;
 pub mod janitor;
 pub mod pool;
+pub mod seccomp;
 pub mod supervisor;
 
 use std::sync::Arc;
@@ -51,6 +52,8 @@ const VERDICT_TIMEOUT: Duration = Duration::from_secs(5);
 const MAINTENANCE_EVERY: Duration = Duration::from_secs(2);
 /// Supervisor stderr kept for error messages.
 const SUPERVISOR_STDERR_CAP: usize = 4096;
+/// How long a check of runsc's registered flags is trusted before runs look again.
+const RUNTIME_CHECK_TTL: Duration = Duration::from_secs(10);
 
 pub struct DockerSandbox {
     kind: BackendKind,
@@ -62,6 +65,8 @@ pub struct DockerSandbox {
     egress: Option<EgressSettings>,
     /// Socket for the instance-wide removal on drop (None: a fake engine in unit tests).
     shutdown_socket: Option<String>,
+    /// The last check that the runtime enforces the containers' seccomp profile, and when.
+    runtime_check: std::sync::Mutex<Option<(Instant, Result<(), String>)>>,
 }
 
 impl DockerSandbox {
@@ -109,9 +114,13 @@ impl DockerSandbox {
         metrics: Option<PoolMetrics>,
         egress: Option<EgressSettings>,
     ) -> Self {
-        let dirs = egress
-            .as_ref()
-            .map(|e| Arc::new(SocketDirs::new(&e.dir, &owner, kind)));
+        let dirs = egress.as_ref().map(|e| {
+            let dirs = SocketDirs::new(&e.dir, &owner, kind);
+            // Before the first request: what crashed daemons left goes now, not at the next
+            // egress run.
+            dirs.sweep_dead();
+            Arc::new(dirs)
+        });
         let janitor = Janitor::new(engine, owner, kind);
         let pool = Pool::new(pool_size, kind, janitor.clone(), dirs, metrics);
         let weak = Arc::downgrade(&pool);
@@ -137,7 +146,47 @@ impl DockerSandbox {
             pool,
             egress,
             shutdown_socket: None,
+            runtime_check: std::sync::Mutex::new(None),
         }
+    }
+
+    /// Why this backend's runtime would not enforce the containers' seccomp profile (runsc
+    /// ignores it unless registered with `--oci-seccomp`), from `args`, its registered flags.
+    fn seccomp_problem(&self, args: &[String]) -> Result<(), String> {
+        if self.kind == BackendKind::Gvisor && !seccomp::runsc_applies_oci_seccomp(args) {
+            return Err(
+                "runsc is not registered with --oci-seccomp, so it would ignore the sandbox's \
+                 seccomp profile (see docker/daemon.json)"
+                    .to_string(),
+            );
+        }
+        Ok(())
+    }
+
+    /// [`Self::seccomp_problem`] as a run needs it: from a recent check, else asked now. An
+    /// engine that does not answer is not this check's to report (the run fails on its own).
+    async fn runtime_refusal(&self) -> Option<String> {
+        if self.kind != BackendKind::Gvisor {
+            return None;
+        }
+        if let Ok(c) = self.runtime_check.lock()
+            && let Some((at, verdict)) = c.as_ref()
+            && at.elapsed() < RUNTIME_CHECK_TTL
+        {
+            return verdict.clone().err();
+        }
+        let info = tokio::time::timeout(STATUS_TIMEOUT, self.engine().info()).await;
+        let Ok(Ok(info)) = info else { return None };
+        let args = info
+            .runtime_args
+            .get(runtime_of(self.kind))
+            .cloned()
+            .unwrap_or_default();
+        let verdict = self.seccomp_problem(&args);
+        if let Ok(mut c) = self.runtime_check.lock() {
+            *c = Some((Instant::now(), verdict.clone()));
+        }
+        verdict.err()
     }
 
     fn engine(&self) -> &Arc<dyn Engine> {
@@ -414,6 +463,18 @@ impl Sandbox for DockerSandbox {
                 ),
             ),
             Ok(Ok(info)) => {
+                let args = info.runtime_args.get(runtime).cloned().unwrap_or_default();
+                let verdict = self.seccomp_problem(&args);
+                if let Ok(mut c) = self.runtime_check.lock() {
+                    *c = Some((Instant::now(), verdict.clone()));
+                }
+                if let Err(why) = verdict {
+                    return BackendStatus {
+                        backend: self.kind,
+                        ready: false,
+                        detail: why,
+                    };
+                }
                 let mut detail = format!(
                     "docker {} (API {}), runtime {runtime}, image {}, warm pool {} per profile ({} idle)",
                     info.server_version,
@@ -423,7 +484,6 @@ impl Sandbox for DockerSandbox {
                     self.pool.idle()
                 );
                 // Egress runs would fail with 503 at their relay's first connect; say why here.
-                let args = info.runtime_args.get(runtime).cloned().unwrap_or_default();
                 if self.kind == BackendKind::Gvisor
                     && self.egress.is_some()
                     && !egress::runsc_allows_host_uds(&args)
@@ -452,6 +512,10 @@ impl Sandbox for DockerSandbox {
             }
         };
         let plan = ContainerPlan::new(&spec, self.kind, &self.default_image)?;
+        // Never a container whose runtime would drop its seccomp profile.
+        if let Some(why) = self.runtime_refusal().await {
+            return Err(SandboxError::Unavailable(why));
+        }
         if let (Some(e), Some(dirs)) = (egress, self.pool.egress_dirs()) {
             // A host that cannot hold the proxy's sockets cannot run egress profiles.
             dirs.ensure().map_err(|err| {
@@ -523,6 +587,11 @@ impl Sandbox for DockerSandbox {
             _ = flagged(&mut ovf_rx) => (Some(KilledReason::OutputLimit), None),
         };
         let duration = start.elapsed();
+        // The supervisor's own deadline ended it (this daemon's clock should have been first).
+        let killed = killed.or(match end.as_ref().map(|e| &e.report) {
+            Some(Some(Frame::Deadline(_))) => Some(KilledReason::Timeout),
+            _ => None,
+        });
         let end = match end {
             Some(end) => end,
             None => {
@@ -610,6 +679,19 @@ impl Drop for DockerSandbox {
                     let listed = engine.list(&labels).await.unwrap_or_default();
                     let n = listed.len();
                     futures::future::join_all(listed.iter().map(|c| engine.remove(&c.id))).await;
+                    // Their disk volumes, once no container uses them (a background disposal
+                    // may still be removing one).
+                    loop {
+                        let volumes = engine.list_volumes(&labels).await.unwrap_or_default();
+                        let removed = futures::future::join_all(
+                            volumes.iter().map(|v| engine.remove_volume(&v.id)),
+                        )
+                        .await;
+                        if removed.iter().all(Result::is_ok) {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
                     n
                 };
                 tokio::time::timeout(Duration::from_secs(10), work)
@@ -676,6 +758,7 @@ mod tests {
     ) -> (Arc<FakeEngine>, DockerSandbox) {
         let engine = Arc::new(FakeEngine::default());
         *engine.reply.lock().unwrap() = reply;
+        *engine.runsc_args.lock().unwrap() = vec!["--oci-seccomp".into()];
         let settings = EgressSettings {
             resolver: Arc::new(crate::egress::StaticHosts::new(None)),
             deny_addrs: vec![],
@@ -710,7 +793,7 @@ mod tests {
         assert!(s.supports_egress());
         let st = s.status().await;
         assert!(st.ready && st.detail.contains("--host-uds=open"), "{st:?}");
-        *engine.runsc_args.lock().unwrap() = vec!["--host-uds=open".into()];
+        *engine.runsc_args.lock().unwrap() = vec!["--oci-seccomp".into(), "--host-uds=open".into()];
         assert!(!s.status().await.detail.contains("unavailable"));
         *engine.egress_send.lock().unwrap() =
             Some(b"GET http://169.254.169.254/ HTTP/1.1\r\nHost: x\r\n\r\n".to_vec());
@@ -872,6 +955,73 @@ mod tests {
         engine.fail_create.store(true, Ordering::SeqCst);
         assert!(
             matches!(s.run(container::tests::spec()).await, Err(SandboxError::Unavailable(m)) if m.contains("image img"))
+        );
+    }
+
+    #[tokio::test]
+    async fn the_supervisors_deadline_is_a_timeout() {
+        let (engine, s) = sandbox(frame(b't', b"the run was still going"));
+        let o = s.run(container::tests::spec()).await.unwrap();
+        assert_eq!(
+            (o.exit, o.killed_reason),
+            (ExitKind::Killed, Some(KilledReason::Timeout))
+        );
+        gone(&engine).await;
+        // The request carries the timeout the supervisor enforces.
+        let req = engine.requests.lock().unwrap().pop().unwrap();
+        assert!(
+            req.ends_with(b"\x0030000"),
+            "{:?}",
+            String::from_utf8_lossy(&req)
+        );
+    }
+
+    #[tokio::test]
+    async fn gvisor_without_oci_seccomp_is_not_ready_and_runs_nothing() {
+        let engine = Arc::new(FakeEngine::default());
+        *engine.reply.lock().unwrap() = frame(b'x', b"exit 0 0 - 0 0");
+        let s = DockerSandbox::with_engine(
+            BackendKind::Gvisor,
+            engine.clone(),
+            owner(),
+            "img",
+            0,
+            None,
+            None,
+        );
+        *engine.runsc_args.lock().unwrap() = vec!["--platform=ptrace".into()];
+        let st = s.status().await;
+        assert!(!st.ready && st.detail.contains("--oci-seccomp"), "{st:?}");
+        assert!(
+            matches!(s.run(container::tests::spec()).await, Err(SandboxError::Unavailable(m)) if m.contains("--oci-seccomp"))
+        );
+        assert_eq!(engine.count("create"), 0, "no container without its filter");
+        *engine.runsc_args.lock().unwrap() = vec!["--oci-seccomp".into()];
+        assert!(s.status().await.ready);
+        let o = s.run(container::tests::spec()).await.unwrap();
+        assert_eq!(o.exit, ExitKind::Exited(0));
+        // runc always applies it.
+        let (_, runc) = sandbox(frame(b'x', b"exit 0 0 - 0 0"));
+        assert!(runc.status().await.ready);
+    }
+
+    #[tokio::test]
+    async fn a_run_removes_its_disk_volume_after_its_container() {
+        let (engine, s) = sandbox(frame(b'x', b"exit 0 0 - 0 0"));
+        s.run(container::tests::spec()).await.unwrap();
+        gone(&engine).await;
+        for _ in 0..200 {
+            if engine.existing_volumes().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(engine.existing_volumes().is_empty());
+        let calls = engine.calls.lock().unwrap().clone();
+        let at = |p: &str| calls.iter().position(|c| c.starts_with(p)).unwrap();
+        assert!(
+            at("remove c") < at("remove_volume executor-arm-disk-"),
+            "{calls:?}"
         );
     }
 

@@ -16,7 +16,7 @@ use futures::{FutureExt, StreamExt};
 use prometheus::{IntCounterVec, IntGaugeVec};
 use tokio::sync::Semaphore;
 
-use super::container::ContainerPlan;
+use super::container::{ContainerPlan, DISK_VOLUME_PREFIX};
 use super::egress::{SocketDir, SocketDirs};
 use super::engine::{Attached, EngineError};
 use super::janitor::Janitor;
@@ -37,17 +37,23 @@ pub struct PoolMetrics {
     pub events: IntCounterVec,
 }
 
-/// A container we own. Dropping the guard destroys the container (in the background), so every
-/// path out of a run, including a dropped future, removes it.
+/// A container we own, with its disk volume. Dropping the guard destroys both (in the
+/// background), so every path out of a run, including a dropped future, removes them.
 pub struct ContainerGuard {
     id: String,
+    volume: Option<String>,
     janitor: Arc<Janitor>,
 }
 
 impl ContainerGuard {
-    pub fn new(id: String, janitor: Arc<Janitor>) -> Self {
+    /// `volume` must already be leased (see [`WarmContainer::launch`]).
+    pub fn new(id: String, volume: Option<String>, janitor: Arc<Janitor>) -> Self {
         janitor.lease(&id);
-        ContainerGuard { id, janitor }
+        ContainerGuard {
+            id,
+            volume,
+            janitor,
+        }
     }
 
     pub fn id(&self) -> &str {
@@ -57,7 +63,8 @@ impl ContainerGuard {
 
 impl Drop for ContainerGuard {
     fn drop(&mut self) {
-        self.janitor.dispose(std::mem::take(&mut self.id));
+        self.janitor
+            .dispose(std::mem::take(&mut self.id), self.volume.take());
     }
 }
 
@@ -94,18 +101,30 @@ impl WarmContainer {
             }
         };
         let engine = janitor.engine().clone();
+        // dockerd creates the disk volume with the container; leased first, so no sweep takes
+        // it in between.
+        let volume = format!("{DISK_VOLUME_PREFIX}{}", uuid::Uuid::new_v4().simple());
+        janitor.lease(&volume);
         let created = engine
             .create(
                 name,
                 plan.body(
                     janitor.owner(),
                     exec_label,
+                    &volume,
                     socket_dir.as_ref().map(SocketDir::path),
                 ),
             )
             .await;
         janitor.observe(&created);
-        let guard = ContainerGuard::new(created?, janitor.clone());
+        let created = match created {
+            Ok(id) => id,
+            Err(e) => {
+                janitor.dispose_volume(volume);
+                return Err(e);
+            }
+        };
+        let guard = ContainerGuard::new(created, Some(volume), janitor.clone());
         let attached = engine.attach(guard.id()).await;
         janitor.observe(&attached);
         let attached = attached?;

@@ -4,11 +4,21 @@
 # exits. Exiting as PID 1 makes the kernel kill whatever the command left behind. Never a shell:
 # argv goes to execve as a list; nothing is interpreted.
 #
+# Arguments:        UID GID WORKDIR (who the command runs as, and where)
 # Request (stdin):  "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1,
-#                   relay_port|0, relay_socket) stdin-bytes
+#                   relay_port|0, relay_socket, timeout_ms) stdin-bytes
 # Reply (stdout):   frames  type(1) u32be(len) payload;  o = command stdout, e = command stderr,
 #                   x = "exit|signal N broken peak_kib oom_kills pids_max" (last), f = setup failure (last),
-#                   u = the egress relay cannot reach the daemon (last)
+#                   u = the egress relay cannot reach the daemon (last), t = the deadline passed (last)
+#
+# Trust: the supervisor runs as root with only CAP_SETUID and CAP_SETGID (no-new-privileges, the
+# container's seccomp profile) and makes itself non-dumpable; the command runs as UID:GID with no
+# supplementary groups and no capabilities, so it cannot ptrace this process, read its memory,
+# open its descriptors through /proc (its stdout is the report channel) or signal it.
+#
+# The supervisor outlives neither its daemon nor its run: it keeps reading stdin, which dockerd
+# closes when the daemon's attach connection goes (the container has StdinOnce), and it ends the
+# run itself a little after the request's timeout, in case the daemon can no longer do it.
 #
 # Egress relay (relay_port > 0): before the command starts, listen on 127.0.0.1:relay_port and relay
 # every connection to the daemon's proxy on the unix socket relay_socket. The container has no other
@@ -25,6 +35,13 @@ $SIG{PIPE} = 'IGNORE';
 binmode($_, ':raw') for (\*STDIN, \*STDOUT, \*STDERR);
 
 sub eintr { return !defined($_[0]) && $! == POSIX::EINTR() }
+
+# Syscalls perl has no wrapper for, by architecture.
+my %NR = (x86_64 => { prctl => 157, getrusage => 98 }, aarch64 => { prctl => 167, getrusage => 165 });
+my ($ARCH) = ($Config::Config{archname} // '') =~ /^([^-]+)/;
+my $nr = $NR{ $ARCH // '' } // {};
+# Seconds the supervisor's own deadline leaves the daemon to end a timed-out run first.
+my $DEADLINE_GRACE = 5;
 
 # Exactly $n bytes of the request; EOF (the daemon went away while we were idle) ends the sandbox.
 sub rd {
@@ -49,8 +66,15 @@ sub frame {
 }
 
 sub fail { frame('f', $_[0]); POSIX::_exit(0) }
+
 sub unavailable { frame('u', $_[0]); POSIX::_exit(0) }
 sub nonblock { fcntl($_[0], Fcntl::F_SETFL(), fcntl($_[0], Fcntl::F_GETFL(), 0) | Fcntl::O_NONBLOCK()) }
+
+# Before anything else: nothing in this container may trace us or read us through /proc.
+my ($UID, $GID, $WORKDIR) = @ARGV;
+fail('usage: UID GID WORKDIR') unless defined $WORKDIR && $UID =~ /^[0-9]+$/ && $GID =~ /^[0-9]+$/;
+$nr->{prctl} && syscall($nr->{prctl}, 4, 0, 0, 0, 0) == 0    # PR_SET_DUMPABLE 0
+    or fail("cannot make the supervisor non-dumpable: $!");
 
 rd(4) eq 'EAR1' or POSIX::_exit(2);
 my @f = split /\0/, rd(unpack('N', rd(4))), -1;
@@ -61,8 +85,11 @@ my @env = splice(@f, 0, $envc);
 my $inlen = shift(@f) // -1;
 my $relay_port = shift(@f) || 0;
 my $relay_socket = shift(@f) // '';
+my $timeout_ms = shift(@f) // 0;
 fail('empty argv') unless @argv;
+fail('no timeout in the request') unless $timeout_ms =~ /^[0-9]+$/ && $timeout_ms > 0;
 my $input = $inlen >= 0 ? rd($inlen) : undef;
+my $deadline = time() + int(($timeout_ms + 999) / 1000) + $DEADLINE_GRACE;
 
 # Egress relay state: the loopback listener, and per descriptor of a relayed connection its handle,
 # its peer's descriptor, bytes waiting to be written to it, whether it sent EOF, whether we did.
@@ -153,6 +180,21 @@ for my $h ($sr, $sw) { fcntl($h, Fcntl::F_SETFL(), fcntl($h, Fcntl::F_GETFL(), 0
 # Self-pipe: a SIGCHLD between waitpid and select must still wake select.
 $SIG{CHLD} = sub { syswrite($sw, 'c') };
 
+# The command's identity: no supplementary groups, then the gid, then the uid (each step needs
+# the privilege the next one drops), checked before anything of the request runs.
+sub become {
+    my ($uid, $gid) = @_;
+    $) = "$gid $gid";    # setgroups([gid]) and the effective gid
+    POSIX::setgid($gid) or return "setgid($gid): $!";
+    POSIX::setuid($uid) or return "setuid($uid): $!";
+    my @egid = split / /, $);
+    my @rgid = split / /, $(;
+    return "identity not in effect (uid $< $>, gids $( / $))"
+        unless $< == $uid && $> == $uid && $rgid[0] == $gid && !grep { $_ != $gid } @egid;
+    return 'root could be regained' if $uid != 0 && POSIX::setuid(0);
+    return '';
+}
+
 my $pid = fork();
 fail("fork: $!") unless defined $pid;
 if ($pid == 0) {
@@ -161,37 +203,45 @@ if ($pid == 0) {
     $SIG{CHLD} = 'DEFAULT';
     my $in = $ir;
     if (!defined $in) { open($in, '<', '/dev/null') or POSIX::_exit(127) }
-    # perl opens every fd above 2 close-on-exec, so the command gets exactly 0, 1 and 2.
+    # perl opens every fd above 2 close-on-exec, so the command gets exactly 0, 1 and 2: none of
+    # ours (the attach streams, the relay's sockets) reaches it.
     POSIX::dup2(fileno($in), 0);
     POSIX::dup2(fileno($ow), 1);
     POSIX::dup2(fileno($ew), 2);
+    my $why = become($UID, $GID);
+    $why = "chdir $WORKDIR: $!" if !$why && !chdir($WORKDIR);
+    if ($why) {
+        syswrite($xw, "cannot run as $UID:$GID: $why");
+        POSIX::_exit(127);
+    }
     %ENV = ();
     for (@env) { my ($k, $v) = split /=/, $_, 2; $ENV{$k} = $v }
     { no warnings 'exec'; exec { $argv[0] } @argv; }
-    syswrite($xw, pack('N', $! + 0));
+    syswrite($xw, "cannot execute $argv[0]: $!");
     POSIX::_exit(127);
 }
 close $ow; close $ew; close $xw;
 close $ir if defined $ir;
-open(STDIN, '<', '/dev/null');
 
-# EOF on the exec pipe: execve succeeded (close-on-exec); 4 bytes: its errno.
+# EOF on the exec pipe: execve succeeded (close-on-exec); anything else: why the command could not
+# start.
 my $x = '';
-while (length($x) < 4) {
-    my $r = sysread($xr, $x, 4 - length($x), length($x));
+while (length($x) < 4096) {
+    my $r = sysread($xr, $x, 4096 - length($x), length($x));
     next if eintr($r);
     last unless $r;
 }
 close $xr;
-if (length($x) == 4) {
-    local $! = unpack('N', $x);
-    fail("cannot execute $argv[0]: $!");
-}
+fail($x) if length $x;
 
 if (defined $iw) { fcntl($iw, Fcntl::F_SETFL(), fcntl($iw, Fcntl::F_GETFL(), 0) | Fcntl::O_NONBLOCK()) }
 my %rd = (fileno($or) => [$or, 'o'], fileno($er) => [$er, 'e']);
 my ($status, $drain, $broken) = (undef, 0, 0);
 while (1) {
+    if (time() >= $deadline) {
+        frame('t', "the run was still going $DEADLINE_GRACE s after its timeout");
+        POSIX::_exit(0);
+    }
     # PID 1 reaps every orphan; only the command's status is reported.
     while ((my $w = waitpid(-1, POSIX::WNOHANG())) > 0) { $status = $? if $w == $pid }
     # After the command exits, forward what is already buffered (bounded: a leftover child may
@@ -200,12 +250,18 @@ while (1) {
     my ($rb, $wb) = ('', '');
     vec($rb, $_, 1) = 1 for keys %rd;
     vec($rb, fileno($sr), 1) = 1;
+    vec($rb, 0, 1) = 1;    # the daemon's end: EOF means it is gone
     vec($wb, fileno($iw), 1) = 1 if defined $iw && !defined $status;
     relay_watch(\$rb, \$wb) if $lsn;
     my $n = select(my $ro = $rb, my $wo = $wb, undef, defined $status ? 0 : 1);
     next if $n < 0;
     last if $n == 0 && defined $status;
     sysread($sr, my $junk, 64) if vec($ro, fileno($sr), 1);
+    if (vec($ro, 0, 1)) {
+        my $r = sysread(STDIN, my $extra, 4096);
+        # Exiting as PID 1 kills the command and everything it started.
+        POSIX::_exit(0) unless $r || eintr($r);
+    }
     for my $fd (keys %rd) {
         next unless vec($ro, $fd, 1);
         my ($h, $t) = @{ $rd{$fd} };
@@ -237,10 +293,8 @@ sub keyed {
 my $peak = first_num('/sys/fs/cgroup/memory/memory.max_usage_in_bytes', '/sys/fs/cgroup/memory.peak');
 if (defined $peak) { $peak = int($peak / 1024) }
 else {
-    my %nr = (x86_64 => 98, aarch64 => 165);
-    my ($arch) = ($Config::Config{archname} // '') =~ /^([^-]+)/;
     my $ru = "\0" x 144;
-    $peak = (defined $arch && $nr{$arch} && syscall($nr{$arch}, -1, $ru) == 0) ? (unpack('q18', $ru))[4] : '-';
+    $peak = ($nr->{getrusage} && syscall($nr->{getrusage}, -1, $ru) == 0) ? (unpack('q18', $ru))[4] : '-';
 }
 my $oom = keyed('oom_kill', '/sys/fs/cgroup/memory/memory.oom_control', '/sys/fs/cgroup/memory.events');
 my $pmax = keyed('max', '/sys/fs/cgroup/pids/pids.events', '/sys/fs/cgroup/pids.events');

@@ -14,10 +14,18 @@
 //! With egress the supervisor also relays `127.0.0.1:<port>` inside the container to the daemon's
 //! proxy socket ([`Relay`]; see [`super::egress`] for why).
 //!
-//! Trust: the command runs as the same uid as the supervisor and could tamper with it (ptrace,
-//! `/proc/1/fd/1`). That only lets it lie about its own result (exit status, output, the cgroup
-//! figures), all of which it controls anyway. Limits, isolation and OOM verdicts never depend on
-//! the supervisor: they come from the engine.
+//! Trust: the supervisor's stdout is the run's report, so the command must not reach it. The
+//! supervisor runs as root with only CAP_SETUID and CAP_SETGID (see [`super::container`]), makes
+//! itself non-dumpable, and starts the command as the profile's uid/gid with no supplementary
+//! groups, checking the switch took effect before `execve` (a failure is an `f` frame, never a
+//! run as root). The command therefore cannot ptrace it, read its memory, open its descriptors
+//! through `/proc/1/fd`, or signal it. Limits, isolation and OOM verdicts never depend on the
+//! supervisor: they come from the engine.
+//!
+//! Lifetime: the supervisor keeps watching its stdin during the run; dockerd closes it when the
+//! daemon's attach connection drops (the container has `StdinOnce`), and the supervisor then
+//! exits, which ends the container. It also ends the run itself a few seconds after the
+//! request's timeout (a `t` frame), in case the daemon cannot.
 
 use bytes::{Buf, Bytes, BytesMut};
 
@@ -55,12 +63,19 @@ pub struct Relay {
     pub socket: String,
 }
 
-/// The container's entrypoint.
-pub fn entrypoint() -> Vec<String> {
-    vec![PERL.to_string(), "-e".to_string(), SCRIPT.to_string()]
+/// The container's entrypoint: the supervisor, told who the command runs as and where.
+pub fn entrypoint(uid: u32, gid: u32, workdir: &str) -> Vec<String> {
+    vec![
+        PERL.to_string(),
+        "-e".to_string(),
+        SCRIPT.to_string(),
+        uid.to_string(),
+        gid.to_string(),
+        workdir.to_string(),
+    ]
 }
 
-/// Serialises `spec`'s argv, env and stdin, and the egress relay, into the request the
+/// Serialises `spec`'s argv, env, stdin and timeout, and the egress relay, into the request the
 /// supervisor reads.
 pub fn encode_request(spec: &RunSpec, relay: Option<&Relay>) -> Result<Vec<u8>, SandboxError> {
     let first = spec
@@ -72,7 +87,7 @@ pub fn encode_request(spec: &RunSpec, relay: Option<&Relay>) -> Result<Vec<u8>, 
             "argv[0] '{first}' is not an absolute path"
         )));
     }
-    let mut fields: Vec<String> = Vec::with_capacity(spec.argv.len() + spec.env.len() + 3);
+    let mut fields: Vec<String> = Vec::with_capacity(spec.argv.len() + spec.env.len() + 6);
     fields.push(spec.argv.len().to_string());
     fields.extend(spec.argv.iter().cloned());
     fields.push(spec.env.len().to_string());
@@ -108,6 +123,7 @@ pub fn encode_request(spec: &RunSpec, relay: Option<&Relay>) -> Result<Vec<u8>, 
             fields.push(String::new());
         }
     }
+    fields.push(spec.limits.timeout.as_millis().max(1).to_string());
     if fields.iter().any(|f| f.contains('\0')) {
         return Err(SandboxError::Setup(
             "NUL byte in argument or environment".into(),
@@ -170,6 +186,8 @@ pub enum Frame {
     Failed(String),
     /// The egress relay cannot reach the daemon's proxy: the host lacks what egress needs.
     Unavailable(String),
+    /// The supervisor ended the run at its own deadline (the daemon did not stop it in time).
+    Deadline(String),
 }
 
 /// Incremental decoder of the supervisor's stdout.
@@ -206,6 +224,7 @@ impl FrameDecoder {
             })?),
             b'f' => Frame::Failed(String::from_utf8_lossy(&payload).into_owned()),
             b'u' => Frame::Unavailable(String::from_utf8_lossy(&payload).into_owned()),
+            b't' => Frame::Deadline(String::from_utf8_lossy(&payload).into_owned()),
             other => return Err(format!("unknown supervisor frame type {other:#x}")),
         };
         Ok(Some(frame))
@@ -240,13 +259,24 @@ mod tests {
         }
     }
 
-    /// Runs the real supervisor with the host's perl (not as PID 1) and decodes its reply.
-    fn supervise(spec: &RunSpec) -> Vec<Frame> {
-        supervise_with(spec, None)
+    /// Who the command runs as in these tests: nobody when we are root (as in CI, so the switch
+    /// itself is exercised), else ourselves (the supervisor only checks the ids took effect).
+    fn identity() -> (u32, u32) {
+        // SAFETY: getuid/getgid/geteuid have no preconditions.
+        unsafe {
+            if libc::geteuid() == 0 {
+                (65534, 65534)
+            } else {
+                (libc::getuid(), libc::getgid())
+            }
+        }
     }
 
-    /// As [`supervise`], with an egress relay.
-    fn supervise_with(spec: &RunSpec, relay: Option<&Relay>) -> Vec<Frame> {
+    /// The supervisor (host perl, not PID 1) with the request written and stdin kept open.
+    fn start(
+        spec: &RunSpec,
+        relay: Option<&Relay>,
+    ) -> (std::process::Child, std::process::ChildStdin) {
         // The container's environment: the image's (LANG=C.UTF-8) plus SUPERVISOR_ENV.
         let mut cmd = Command::new(PERL);
         cmd.env_clear().env("LANG", "C.UTF-8");
@@ -254,8 +284,9 @@ mod tests {
             let (k, v) = kv.split_once('=').unwrap();
             cmd.env(k, v);
         }
+        let (uid, gid) = identity();
         let mut child = cmd
-            .args(["-e", SCRIPT])
+            .args(&entrypoint(uid, gid, "/")[1..])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -263,16 +294,35 @@ mod tests {
             .expect("perl");
         let req = encode_request(spec, relay).unwrap();
         let mut stdin = child.stdin.take().unwrap();
-        std::thread::spawn(move || {
-            let _ = stdin.write_all(&req);
-        });
-        let out = child.wait_with_output().unwrap();
+        stdin.write_all(&req).unwrap();
+        (child, stdin)
+    }
+
+    /// Reads frames until the supervisor closes its stdout.
+    fn frames_of(child: &mut std::process::Child) -> Vec<Frame> {
+        use std::io::Read;
+        let mut out = Vec::new();
+        child.stdout.take().unwrap().read_to_end(&mut out).unwrap();
+        child.wait().unwrap();
         let mut d = FrameDecoder::default();
-        d.push(&out.stdout);
+        d.push(&out);
         let mut frames = Vec::new();
         while let Some(f) = d.next_frame().unwrap() {
             frames.push(f);
         }
+        frames
+    }
+
+    /// Runs the real supervisor and decodes its reply.
+    fn supervise(spec: &RunSpec) -> Vec<Frame> {
+        supervise_with(spec, None)
+    }
+
+    /// As [`supervise`], with an egress relay.
+    fn supervise_with(spec: &RunSpec, relay: Option<&Relay>) -> Vec<Frame> {
+        let (mut child, stdin) = start(spec, relay);
+        let frames = frames_of(&mut child);
+        drop(stdin);
         frames
     }
 
@@ -387,6 +437,12 @@ mod tests {
         d.push(b"o\xff\xff\xff\xff");
         assert!(d.next_frame().is_err());
         let mut d = FrameDecoder::default();
+        d.push(b"t\0\0\0\x04late");
+        assert_eq!(
+            d.next_frame().unwrap(),
+            Some(Frame::Deadline("late".into()))
+        );
+        let mut d = FrameDecoder::default();
         d.push(b"z\0\0\0\0");
         assert!(d.next_frame().is_err());
     }
@@ -479,6 +535,103 @@ mod tests {
             "{f:?}"
         );
         assert!(!marker.exists(), "the command never started");
+    }
+
+    /// The pid a command printed first (`echo $$`), and SIGKILL for it: the supervisor is not
+    /// PID 1 here, so what it leaves running is the test's to end.
+    fn kill_printed_pid(frames: &[Frame]) -> i32 {
+        let out = String::from_utf8(stdout_of(frames)).unwrap();
+        let pid: i32 = out.lines().next().unwrap().trim().parse().unwrap();
+        // SAFETY: kill(2) on a pid our own command printed; no memory effects.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        pid
+    }
+
+    #[test]
+    fn the_command_gets_the_run_identity_and_not_the_supervisor_as_root() {
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(unsafe { libc::geteuid() }, 0, "this test needs root");
+        let probe = r#"my @r; push @r, join(",", $<, $>, $(, $)), (open(my $f, ">", "/proc/" . getppid() . "/fd/1") ? "opened" : "refused"), (kill(0, getppid()) ? "signalled" : "refused"); print "@r\n""#;
+        let f = supervise(&spec(&["/usr/bin/perl", "-e", probe], None));
+        assert_eq!(exit_of(&f).exit, ExitKind::Exited(0), "{f:?}");
+        assert_eq!(
+            String::from_utf8(stdout_of(&f)).unwrap(),
+            "65534,65534,65534 65534,65534 65534 refused refused\n"
+        );
+    }
+
+    #[test]
+    fn a_closed_stdin_ends_the_supervisor_mid_run() {
+        let (mut child, mut stdin) = start(
+            &spec(&["/bin/sh", "-c", "echo $$; exec sleep 60"], None),
+            None,
+        );
+        // Wait for the command to run, then go away like a crashed daemon.
+        let mut stdout = child.stdout.take().unwrap();
+        let mut first = [0u8; 5];
+        std::io::Read::read_exact(&mut stdout, &mut first).unwrap();
+        assert_eq!(first[0], b'o');
+        stdin.flush().unwrap();
+        drop(stdin);
+        let mut rest = Vec::new();
+        std::io::Read::read_to_end(&mut stdout, &mut rest).unwrap();
+        child.wait().unwrap();
+        let mut all = first.to_vec();
+        all.extend(rest);
+        let mut d = FrameDecoder::default();
+        d.push(&all);
+        let mut f = Vec::new();
+        while let Some(x) = d.next_frame().unwrap() {
+            f.push(x);
+        }
+        assert!(
+            f.iter().all(|x| matches!(x, Frame::Stdout(_))),
+            "no report once the daemon is gone: {f:?}"
+        );
+        kill_printed_pid(&f);
+    }
+
+    #[test]
+    fn the_supervisor_ends_a_run_past_its_deadline() {
+        let mut s = spec(&["/bin/sh", "-c", "echo $$; exec sleep 60"], None);
+        s.limits.timeout = Duration::from_millis(1);
+        let t = std::time::Instant::now();
+        let f = supervise(&s);
+        assert!(
+            matches!(f.last(), Some(Frame::Deadline(m)) if m.contains("after its timeout")),
+            "{f:?}"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(50),
+            "ended by the deadline"
+        );
+        kill_printed_pid(&f);
+    }
+
+    #[test]
+    fn a_request_without_a_timeout_is_refused() {
+        let mut req = encode_request(&spec(&["/bin/true"], None), None).unwrap();
+        // Drop the last header field (the timeout) and fix the length.
+        let len = u32::from_be_bytes(req[4..8].try_into().unwrap()) as usize;
+        let header = String::from_utf8(req[8..8 + len].to_vec()).unwrap();
+        let cut = header.rsplit_once('\0').unwrap().0.to_string();
+        req.truncate(4);
+        req.extend_from_slice(&(cut.len() as u32).to_be_bytes());
+        req.extend_from_slice(cut.as_bytes());
+        let (uid, gid) = identity();
+        let mut child = Command::new(PERL)
+            .args(&entrypoint(uid, gid, "/")[1..])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(&req).unwrap();
+        let f = frames_of(&mut child);
+        assert!(
+            matches!(f.last(), Some(Frame::Failed(m)) if m.contains("no timeout")),
+            "{f:?}"
+        );
     }
 
     #[test]

@@ -1,86 +1,9 @@
 //! The seccomp filter of the local sandbox, assembled as classic BPF before fork.
 //!
-//! Default allow, with a deny list of syscalls that widen the kernel attack surface or escape the
-//! namespaces: they fail with EPERM. `clone` with any namespace flag fails with EPERM; `clone3`
-//! (whose flags live behind a pointer BPF cannot read) fails with ENOSYS so libc falls back to
-//! `clone`. `socket` works only for the families the network namespace and Landlock confine
-//! (unix, inet, inet6, netlink); any other fails with EAFNOSUPPORT, the kernel's own answer for a
-//! missing family. That shuts AF_VSOCK, which no namespace isolates: on a VM with a vsock device
-//! a "no network" sandbox could otherwise talk to the hypervisor side. A foreign architecture or
-//! the x32 ABI is killed.
+//! Enforces the shared policy of [`crate::sandbox::syscalls`] (deny list, namespace `clone`
+//! flags, `clone3`, socket families). A foreign architecture or the x32 ABI is killed.
 
-/// Syscalls refused with EPERM.
-const DENIED: &[i64] = &[
-    libc::SYS_ptrace,
-    libc::SYS_process_vm_readv,
-    libc::SYS_process_vm_writev,
-    libc::SYS_mount,
-    libc::SYS_umount2,
-    libc::SYS_pivot_root,
-    libc::SYS_chroot,
-    libc::SYS_unshare,
-    libc::SYS_setns,
-    libc::SYS_bpf,
-    libc::SYS_perf_event_open,
-    libc::SYS_keyctl,
-    libc::SYS_add_key,
-    libc::SYS_request_key,
-    libc::SYS_kexec_load,
-    libc::SYS_kexec_file_load,
-    libc::SYS_init_module,
-    libc::SYS_finit_module,
-    libc::SYS_delete_module,
-    libc::SYS_io_uring_setup,
-    libc::SYS_io_uring_enter,
-    libc::SYS_io_uring_register,
-    libc::SYS_userfaultfd,
-    libc::SYS_open_by_handle_at,
-    libc::SYS_name_to_handle_at,
-    libc::SYS_reboot,
-    libc::SYS_swapon,
-    libc::SYS_swapoff,
-    libc::SYS_acct,
-    libc::SYS_iopl,
-    libc::SYS_ioperm,
-    // The new mount API is mount(2) by other names.
-    libc::SYS_fsopen,
-    libc::SYS_fsconfig,
-    libc::SYS_fsmount,
-    libc::SYS_fspick,
-    libc::SYS_move_mount,
-    libc::SYS_open_tree,
-    libc::SYS_mount_setattr,
-    libc::SYS_quotactl,
-    libc::SYS_lookup_dcookie,
-    libc::SYS_uselib,
-    libc::SYS_syslog,
-    libc::SYS_settimeofday,
-    libc::SYS_clock_settime,
-    libc::SYS_clock_adjtime,
-    libc::SYS_adjtimex,
-    libc::SYS_kcmp,
-    libc::SYS_pidfd_getfd,
-    libc::SYS_fanotify_init,
-    libc::SYS_personality,
-    libc::SYS_vhangup,
-];
-
-const NAMESPACE_FLAGS: u32 = (libc::CLONE_NEWNS
-    | libc::CLONE_NEWCGROUP
-    | libc::CLONE_NEWUTS
-    | libc::CLONE_NEWIPC
-    | libc::CLONE_NEWUSER
-    | libc::CLONE_NEWPID
-    | libc::CLONE_NEWNET) as u32;
-
-/// Socket families `socket(2)` may create: the ones a new network namespace (and Landlock's TCP
-/// rules) confine, plus netlink, which getaddrinfo uses and which is per network namespace too.
-const SOCKET_FAMILIES: &[i32] = &[
-    libc::AF_UNIX,
-    libc::AF_INET,
-    libc::AF_INET6,
-    libc::AF_NETLINK,
-];
+use crate::sandbox::syscalls::{CLONE, CLONE3, DENIED, SOCKET, SOCKET_FAMILIES, namespace_mask};
 
 const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
 const X32_SYSCALL_BIT: u32 = 0x4000_0000;
@@ -132,17 +55,17 @@ impl SeccompProgram {
         f.push(jump(JGE_K, X32_SYSCALL_BIT, 0, 1));
         f.push(stmt(RET_K, RET_KILL_PROCESS));
         // clone: deny when any namespace flag is set in the low 32 bits of arg0.
-        f.push(jump(JEQ_K, libc::SYS_clone as u32, 0, 4));
+        f.push(jump(JEQ_K, CLONE.nr as u32, 0, 4));
         f.push(stmt(LD_W_ABS, OFF_ARG0_LO));
-        f.push(jump(JSET_K, NAMESPACE_FLAGS, 0, 1));
+        f.push(jump(JSET_K, namespace_mask(), 0, 1));
         f.push(stmt(RET_K, RET_ERRNO | libc::EPERM as u32));
         f.push(stmt(RET_K, RET_ALLOW));
-        f.push(jump(JEQ_K, libc::SYS_clone3 as u32, 0, 1));
+        f.push(jump(JEQ_K, CLONE3.nr as u32, 0, 1));
         f.push(stmt(RET_K, RET_ERRNO | libc::ENOSYS as u32));
         // socket: allow the listed families (the low 32 bits of arg0: the kernel takes an int),
         // refuse every other with EAFNOSUPPORT.
         let k = SOCKET_FAMILIES.len() as u8;
-        f.push(jump(JEQ_K, libc::SYS_socket as u32, 0, k + 3));
+        f.push(jump(JEQ_K, SOCKET.nr as u32, 0, k + 3));
         f.push(stmt(LD_W_ABS, OFF_ARG0_LO));
         for (i, fam) in SOCKET_FAMILIES.iter().enumerate() {
             f.push(jump(JEQ_K, *fam as u32, k - i as u8, 0));
@@ -151,9 +74,9 @@ impl SeccompProgram {
         f.push(stmt(RET_K, RET_ALLOW));
         // The deny list: each match jumps to the EPERM return placed right after the list.
         let n = DENIED.len();
-        for (i, nr) in DENIED.iter().enumerate() {
+        for (i, sc) in DENIED.iter().enumerate() {
             let to_deny = (n - i) as u8; // distance to the EPERM return (after the allow)
-            f.push(jump(JEQ_K, *nr as u32, to_deny, 0));
+            f.push(jump(JEQ_K, sc.nr as u32, to_deny, 0));
         }
         f.push(stmt(RET_K, RET_ALLOW));
         f.push(stmt(RET_K, RET_ERRNO | libc::EPERM as u32));
@@ -246,11 +169,12 @@ mod tests {
             run(&p, AUDIT_ARCH_X86_64, libc::SYS_execve as u32, 0),
             RET_ALLOW
         );
-        for nr in DENIED {
+        for sc in DENIED {
             assert_eq!(
-                run(&p, AUDIT_ARCH_X86_64, *nr as u32, 0),
+                run(&p, AUDIT_ARCH_X86_64, sc.nr as u32, 0),
                 eperm,
-                "syscall {nr}"
+                "syscall {}",
+                sc.name()
             );
         }
         let fork_flags =

@@ -1,0 +1,336 @@
+//! Entry points of the fuzz targets (`fuzz/fuzz_targets/*.rs`), compiled only under
+//! `--cfg fuzzing`, which cargo-fuzz sets.
+//!
+//! Owns: feeding untrusted bytes to every parser that reads them (request bodies, tokens, the
+//! egress proxy's HTTP and DNS parsers, operator YAML and TOML) and checking the properties that
+//! must hold for any input. A property violation panics, which the fuzzer reports as a crash.
+//! Must not: touch the host (no files beyond one private secret, no network, no processes).
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use crate::auth::Authenticator;
+use crate::config::{AuthConfig, TokenKind};
+
+/// `POST /execute` body parsing: never panics, whatever the bytes.
+pub fn execute_request(data: &[u8]) {
+    let _ = crate::api::execute::parse_request(data);
+}
+
+const SECRET: &[u8] = b"fuzzing-secret-fuzzing-secret-32";
+const AUDIENCE: &str = "executor-arm";
+const ISSUER: &str = "fuzz-issuer";
+
+fn authenticator() -> &'static Authenticator {
+    static AUTH: OnceLock<Authenticator> = OnceLock::new();
+    AUTH.get_or_init(|| {
+        // The secret lives in a private file for the life of the process, as in production.
+        let dir = std::env::temp_dir().join(format!("executor-arm-fuzz-{}", std::process::id()));
+        if std::fs::create_dir_all(&dir).is_err() {
+            panic!("cannot create {}", dir.display());
+        }
+        let secret = dir.join("secret");
+        if std::fs::write(&secret, SECRET).is_err() {
+            panic!("cannot write {}", secret.display());
+        }
+        let cfg = AuthConfig {
+            jwt_secret_file: Some(secret),
+            audience: AUDIENCE.into(),
+            issuer: Some(ISSUER.into()),
+            max_ttl_seconds: 3600,
+            leeway_seconds: 5,
+            public_keys: Vec::new(),
+            jwks_file: None,
+            static_tokens: Vec::new(),
+        };
+        match Authenticator::new(&cfg) {
+            Ok(a) => a,
+            Err(e) => panic!("authenticator: {e}"),
+        }
+    })
+}
+
+fn b64(data: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(data)
+}
+
+/// Token verification, header and claims.
+///
+/// The input is `header JSON 0xFF claims JSON 0xFF mode`: the token is built from the two JSON
+/// texts and signed with the daemon's secret, so the fuzzer reaches claim validation instead of
+/// stopping at the signature. Properties: verification never panics; a token whose signature is
+/// not the daemon's is never accepted; a token whose header names any algorithm but HS256 is
+/// never accepted (the algorithm comes from the key, never from the token). `hmac_sha256(key,
+/// message)` comes from the fuzz target, so the daemon needs no HMAC crate of its own.
+pub fn token(data: &[u8], hmac_sha256: fn(&[u8], &[u8]) -> [u8; 32]) {
+    let auth = authenticator();
+    // The raw bytes as a token, too: the parser of the compact form itself.
+    if let Ok(s) = std::str::from_utf8(data) {
+        let _ = auth.verify(s, TokenKind::Service);
+        let _ = auth.verify(s, TokenKind::Capability);
+    }
+    let mut parts = data.splitn(3, |b| *b == 0xFF);
+    let (Some(header), Some(claims)) = (parts.next(), parts.next()) else {
+        return;
+    };
+    let mode = parts.next().and_then(|m| m.first()).copied().unwrap_or(0);
+    let signing_input = format!("{}.{}", b64(header), b64(claims));
+    let good_sig = b64(&hmac_sha256(SECRET, signing_input.as_bytes()));
+    let header_alg = serde_json::from_slice::<serde_json::Value>(header)
+        .ok()
+        .and_then(|h| h.get("alg").and_then(|a| a.as_str()).map(str::to_string));
+    let kind = if mode & 1 == 0 {
+        TokenKind::Service
+    } else {
+        TokenKind::Capability
+    };
+    let signed = format!("{signing_input}.{good_sig}");
+    if auth.verify(&signed, kind).is_ok() {
+        assert_eq!(
+            header_alg.as_deref(),
+            Some("HS256"),
+            "a token was accepted with header alg {header_alg:?}"
+        );
+    }
+    // Any other signature (flip one byte of the right one, or none at all) is refused.
+    let mut bad = good_sig.into_bytes();
+    let i = usize::from(mode) % bad.len().max(1);
+    if let Some(b) = bad.get_mut(i) {
+        *b = if *b == b'A' { b'B' } else { b'A' };
+    }
+    let forged = format!("{signing_input}.{}", String::from_utf8_lossy(&bad));
+    assert!(
+        auth.verify(&forged, kind).is_err(),
+        "a token with a wrong signature was accepted"
+    );
+    assert!(
+        auth.verify(&format!("{signing_input}."), kind).is_err(),
+        "an unsigned token was accepted"
+    );
+}
+
+/// The egress proxy's request head parser and body scanner.
+///
+/// Properties: neither panics; a parsed head yields an origin head that parses again to the same
+/// destination; the scanner finds the same body end whether the bytes arrive at once or split at
+/// any point, and never claims more bytes than it was given.
+pub fn egress_http(data: &[u8]) {
+    use crate::egress::{BodyScanner, Framing, parse_head};
+    if let Ok(head) = parse_head(data) {
+        if let Some(origin) = head.origin_head() {
+            let again = parse_head(&origin);
+            if let Ok(again) = again {
+                assert_eq!(
+                    again.body, head.body,
+                    "origin head changed the body framing"
+                );
+            }
+        }
+    }
+    let Some((&sel, rest)) = data.split_first() else {
+        return;
+    };
+    let framing = match sel % 3 {
+        0 => Framing::Chunked,
+        1 => Framing::Length(u64::from(sel)),
+        _ => Framing::None,
+    };
+    let split = usize::from(sel).min(rest.len());
+    let mut whole = BodyScanner::new(framing);
+    let whole_result = whole.scan(rest);
+    let mut pieces = BodyScanner::new(framing);
+    let pieces_result = match pieces.scan(&rest[..split]) {
+        Ok(n) if n < split || pieces.done() => Ok(n),
+        Ok(n) => pieces.scan(&rest[split..]).map(|m| n + m),
+        Err(e) => Err(e),
+    };
+    match (whole_result, pieces_result) {
+        (Ok(a), Ok(b)) => {
+            assert!(
+                a <= rest.len(),
+                "scanner claimed {a} of {} bytes",
+                rest.len()
+            );
+            assert_eq!(a, b, "body end depends on how the bytes arrived");
+            assert_eq!(whole.done(), pieces.done());
+        }
+        (Err(_), Err(_)) => {}
+        (a, b) => panic!("whole {a:?} but split {b:?}"),
+    }
+}
+
+/// The egress resolver's DNS reply decoder, asked about `a.test` with the reply's own id.
+pub fn dns_reply(data: &[u8]) {
+    let Some((&sel, msg)) = data.split_first() else {
+        return;
+    };
+    let id = match msg {
+        [a, b, ..] => u16::from_be_bytes([*a, *b]),
+        _ => 0,
+    };
+    let qtype = if sel & 1 == 0 { 1 } else { 28 };
+    let qname = [b"a".to_vec(), b"test".to_vec()];
+    let _ = crate::egress::decode_reply(msg, id, &qname, qtype);
+}
+
+/// An operator's executor definition (YAML).
+pub fn executor_yaml(data: &[u8]) {
+    let _ = crate::executors::parse_def(Path::new("/etc/executor-arm/executors/fuzz.yaml"), data);
+}
+
+/// A sandbox profile (TOML).
+pub fn profile_toml(data: &[u8]) {
+    if let Ok(text) = std::str::from_utf8(data) {
+        let _ = crate::policy::profile::Profile::parse("fuzz", "fuzz.toml", text);
+    }
+}
+
+/// The audit log's write → verify round trip: whatever JSON a caller puts in `metadata`, and
+/// whatever text it puts in a refused request's fields, the line written verifies, chained to
+/// the one before it. The input is parsed as JSON when it is JSON (numbers of any size and
+/// precision, escapes, duplicate keys), and used as text otherwise.
+pub fn audit_roundtrip(data: &[u8]) {
+    use crate::provenance::audit::{AuditEvent, AuditLog, Refusal, Run, RunEnd, verify};
+    use serde_json::{Map, Value};
+
+    let text = String::from_utf8_lossy(data).into_owned();
+    let value =
+        serde_json::from_slice::<Value>(data).unwrap_or_else(|_| Value::String(text.clone()));
+    let mut metadata = Map::new();
+    metadata.insert(text.clone(), value);
+    let run = Run {
+        request_id: text.clone(),
+        exec_id: "exec-fuzz".into(),
+        subject: Some(text.clone()),
+        token_id: None,
+        action_type: "shell",
+        command: text.clone(),
+        args: vec![text.clone()],
+        command_hash: crate::provenance::command_hash(&text, &[]),
+        invocation_hash: String::new(),
+        backend: "local",
+        profile: "fuzz".into(),
+    };
+    let end = RunEnd {
+        capabilities_used: Vec::new(),
+        outcome: "success",
+        exit_code: 0,
+        duration_ms: 0,
+        killed_reason: None,
+        oom: false,
+        peak_memory_kib: None,
+        stdout_sha256: String::new(),
+        stderr_sha256: String::new(),
+        stdout_truncated: false,
+        stderr_truncated: false,
+        executor_def_sha256: None,
+        error_code: None,
+        network: None,
+        metadata: Some(metadata),
+    };
+    let events = [
+        AuditEvent::Refusal(Refusal {
+            request_id: text.clone(),
+            status: 403,
+            error_type: "CapabilityViolation",
+            reason: text.clone(),
+            subject: None,
+            token_id: None,
+            action_type: Some(text.clone()),
+            command: Some(text),
+            command_hash: None,
+        }),
+        AuditEvent::ExecutionStart(run.clone()),
+        AuditEvent::Execution {
+            run,
+            end: Box::new(end),
+        },
+    ];
+    // A fresh log per input, on a memory-backed directory when there is one (fsync is cheap).
+    let base = if Path::new("/dev/shm").is_dir() {
+        std::path::PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let dir = match tempfile::tempdir_in(base) {
+        Ok(d) => d,
+        Err(e) => panic!("tempdir: {e}"),
+    };
+    let path = dir.path().join("audit.jsonl");
+    let log = match AuditLog::open(&path, "fuzz") {
+        Ok(l) => l,
+        Err(e) => panic!("open: {e}"),
+    };
+    for e in &events {
+        if let Err(err) = log.append(e) {
+            panic!("append: {err}");
+        }
+    }
+    match verify(&path) {
+        Ok(v) => assert_eq!(v.lines, events.len() as u64, "lines lost"),
+        Err(e) => panic!("a line the daemon wrote does not verify: {e}"),
+    }
+}
+
+/// The commands with a built-in argument policy.
+const POLICED: &[&str] = &["curl", "wget", "tar", "git", "nmap", "python3", "find"];
+
+/// The argument policy. The input is `command spelling spelling args…`: a byte choosing the
+/// command, two choosing one spelling of one of its denied options, then NUL-separated args.
+///
+/// Properties: judging any argv never panics; and a denied option is refused in every spelling
+/// that names it (prefixes, `=value`, bundles, old-style keys), whatever arguments follow it and
+/// whatever its value.
+pub fn argpolicy(data: &[u8]) {
+    use crate::policy::argpolicy::{check, denied_spellings};
+    let [sel, s0, s1, rest @ ..] = data else {
+        return;
+    };
+    let command = POLICED[usize::from(*sel) % POLICED.len()];
+    let mut args: Vec<String> = rest
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let _ = check(command, &args);
+    // The first argument is the denied option's value; the rest follow the spelling.
+    let value = if args.is_empty() {
+        "v".to_string()
+    } else {
+        args.remove(0)
+    };
+    if value.is_empty() || value.starts_with('-') {
+        // An option's value that looks like an option is another question (a tool may read it
+        // as the next option); the property is about the option itself.
+        return;
+    }
+    // Every spelling of every denied option, built once per command around a placeholder value.
+    const PLACEHOLDER: &str = "\u{1}value\u{1}";
+    static SPELLINGS: OnceLock<Vec<Vec<(String, Vec<String>)>>> = OnceLock::new();
+    let all = SPELLINGS.get_or_init(|| {
+        POLICED
+            .iter()
+            .map(|c| {
+                denied_spellings(c, PLACEHOLDER)
+                    .into_iter()
+                    .flat_map(|(o, ss)| ss.into_iter().map(move |s| (o.clone(), s)))
+                    .collect()
+            })
+            .collect()
+    });
+    let spellings = &all[usize::from(*sel) % POLICED.len()];
+    if spellings.is_empty() {
+        return;
+    }
+    let (option, argv) = &spellings[usize::from(u16::from_be_bytes([*s0, *s1])) % spellings.len()];
+    let argv: Vec<String> = argv
+        .iter()
+        .map(|a| a.replace(PLACEHOLDER, &value))
+        .collect();
+    let mut full = argv.clone();
+    full.extend(args);
+    assert!(
+        check(command, &full).is_some(),
+        "{command}: {option} spelt {argv:?} was not refused in {full:?}"
+    );
+}

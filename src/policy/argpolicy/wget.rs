@@ -1,0 +1,256 @@
+//! wget: option table and the rules for URLs.
+//!
+//! Table: `option_data[]` of wget 1.21.3 (`src/main.c`, tag v1.21.3) with the features of
+//! Debian 12's build (`wget --version`: +https +ipv6 +iri +ntlm +opie +psl +ssl/gnutls, zlib,
+//! xattr, HSTS; no c-ares, no metalink). getopt_long sees each entry as its own option, and
+//! each boolean also as `no-NAME` without value; `tests/argpolicy_binaries.rs` checks the table
+//! against `wget --help` and probes the binary.
+
+use super::Tool;
+use super::grammar::{Arity, Grammar, Item, Opt, Style};
+
+#[derive(Clone, Copy)]
+enum K {
+    /// No value.
+    N,
+    /// Boolean: `--NAME[=on|off]`, `--no-NAME`; the short letter takes no value.
+    B,
+    /// Required value.
+    V,
+    /// Optional attached value (`--NAME=v`), no short letter.
+    O,
+}
+use K::*;
+
+const fn o(long: &'static str, short: Option<char>, kind: K) -> Opt {
+    let (arity, short_arity) = match kind {
+        N => (Arity::None, Arity::None),
+        B => (Arity::Optional, Arity::None),
+        V => (Arity::Required, Arity::Required),
+        O => (Arity::Optional, Arity::None),
+    };
+    Opt {
+        long,
+        aliases: &[],
+        short,
+        arity,
+        short_arity,
+        negatable: matches!(kind, B),
+    }
+}
+
+static OPTS: &[Opt] = &[
+    o("accept", Some('A'), V),
+    o("accept-regex", None, V),
+    o("adjust-extension", Some('E'), B),
+    o("append-output", Some('a'), V),
+    o("ask-password", None, B),
+    o("auth-no-challenge", None, B),
+    o("background", Some('b'), B),
+    o("backup-converted", Some('K'), B),
+    o("backups", None, B),
+    o("base", Some('B'), V),
+    o("bind-address", None, V),
+    o("body-data", None, V),
+    o("body-file", None, V),
+    o("ca-certificate", None, V),
+    o("ca-directory", None, V),
+    o("cache", None, B),
+    o("certificate", None, V),
+    o("certificate-type", None, V),
+    o("check-certificate", None, B),
+    o("ciphers", None, V),
+    o("clobber", None, O),
+    o("compression", None, V),
+    o("config", None, V),
+    o("connect-timeout", None, V),
+    o("content-disposition", None, B),
+    o("content-on-error", None, B),
+    o("continue", Some('c'), B),
+    o("convert-file-only", None, B),
+    o("convert-links", Some('k'), B),
+    o("cookies", None, B),
+    o("crl-file", None, V),
+    o("cut-dirs", None, V),
+    o("debug", Some('d'), B),
+    o("default-page", None, V),
+    o("delete-after", None, B),
+    o("directories", None, B),
+    o("directory-prefix", Some('P'), V),
+    o("dns-cache", None, B),
+    o("dns-timeout", None, V),
+    o("domains", Some('D'), V),
+    o("dont-remove-listing", None, N),
+    o("dot-style", None, V),
+    o("egd-file", None, V),
+    o("exclude-directories", Some('X'), V),
+    o("exclude-domains", None, V),
+    o("execute", Some('e'), V),
+    o("follow-ftp", None, B),
+    o("follow-tags", None, V),
+    o("force-directories", Some('x'), B),
+    o("force-html", Some('F'), B),
+    o("ftp-password", None, V),
+    o("ftp-user", None, V),
+    o("ftps-clear-data-connection", None, B),
+    o("ftps-fallback-to-ftp", None, B),
+    o("ftps-implicit", None, B),
+    o("ftps-resume-ssl", None, B),
+    o("glob", None, B),
+    o("header", None, V),
+    o("help", Some('h'), N),
+    o("host-directories", None, B),
+    o("hsts", None, B),
+    o("hsts-file", None, V),
+    // Also `E` in wget's table (the same setting as adjust-extension); `-E` is listed once.
+    o("html-extension", None, B),
+    o("htmlify", None, B),
+    o("http-keep-alive", None, B),
+    o("http-passwd", None, V),
+    o("http-password", None, V),
+    o("http-user", None, V),
+    o("https-only", None, B),
+    o("if-modified-since", None, B),
+    o("ignore-case", None, B),
+    o("ignore-length", None, B),
+    o("ignore-tags", None, V),
+    o("include-directories", Some('I'), V),
+    o("inet4-only", Some('4'), B),
+    o("inet6-only", Some('6'), B),
+    o("input-file", Some('i'), V),
+    o("iri", None, B),
+    o("keep-badhash", None, B),
+    o("keep-session-cookies", None, B),
+    o("level", Some('l'), V),
+    o("limit-rate", None, V),
+    o("load-cookies", None, V),
+    o("local-encoding", None, V),
+    o("max-redirect", None, V),
+    o("method", None, V),
+    o("mirror", Some('m'), B),
+    o("netrc", None, B),
+    o("no", Some('n'), V),
+    o("no-clobber", None, B),
+    o("no-config", None, B),
+    o("no-parent", None, B),
+    o("output-document", Some('O'), V),
+    o("output-file", Some('o'), V),
+    o("page-requisites", Some('p'), B),
+    o("parent", None, O),
+    o("passive-ftp", None, B),
+    o("password", None, V),
+    o("pinnedpubkey", None, V),
+    o("post-data", None, V),
+    o("post-file", None, V),
+    o("prefer-family", None, V),
+    o("preserve-permissions", None, B),
+    o("private-key", None, V),
+    o("private-key-type", None, V),
+    o("progress", None, V),
+    o("protocol-directories", None, B),
+    o("proxy", None, B),
+    o("proxy-passwd", None, V),
+    o("proxy-password", None, V),
+    o("proxy-user", None, V),
+    o("proxy__compat", Some('Y'), V),
+    o("quiet", Some('q'), B),
+    o("quota", Some('Q'), V),
+    o("random-file", None, V),
+    o("random-wait", None, B),
+    o("read-timeout", None, V),
+    o("recursive", Some('r'), B),
+    o("referer", None, V),
+    o("regex-type", None, V),
+    o("reject", Some('R'), V),
+    o("reject-regex", None, V),
+    o("rejected-log", None, V),
+    o("relative", Some('L'), B),
+    o("remote-encoding", None, V),
+    o("remove-listing", None, B),
+    o("report-speed", None, B),
+    o("restrict-file-names", None, B),
+    o("retr-symlinks", None, B),
+    o("retry-connrefused", None, B),
+    o("retry-on-host-error", None, B),
+    o("retry-on-http-error", None, V),
+    o("save-cookies", None, V),
+    o("save-headers", None, B),
+    o("secure-protocol", None, V),
+    o("server-response", Some('S'), B),
+    o("show-progress", None, B),
+    o("span-hosts", Some('H'), B),
+    o("spider", None, B),
+    o("start-pos", None, V),
+    o("strict-comments", None, B),
+    o("timeout", Some('T'), V),
+    o("timestamping", Some('N'), B),
+    o("tries", Some('t'), V),
+    o("trust-server-names", None, B),
+    o("unlink", None, B),
+    o("use-askpass", None, V),
+    o("use-server-timestamps", None, B),
+    o("user", None, V),
+    o("user-agent", Some('U'), V),
+    o("verbose", Some('v'), B),
+    o("version", Some('V'), N),
+    o("wait", Some('w'), V),
+    o("waitretry", None, V),
+    o("warc-cdx", None, B),
+    o("warc-compression", None, B),
+    o("warc-dedup", None, V),
+    o("warc-digests", None, B),
+    o("warc-file", None, V),
+    o("warc-header", None, V),
+    o("warc-keep-log", None, B),
+    o("warc-max-size", None, V),
+    o("warc-tempdir", None, V),
+    o("xattr", None, B),
+];
+
+pub static GRAMMAR: Grammar = Grammar {
+    tool: "wget 1.21.3",
+    style: Style::Gnu,
+    opts: OPTS,
+    old_style_keys: false,
+    bundle_with: 'q',
+};
+
+/// Options that write or read local files, run programs or change the configuration.
+pub static TOOL: Tool = Tool {
+    grammar: &GRAMMAR,
+    denied: &[
+        "--output-document",
+        "--output-file",
+        "--append-output",
+        "--execute",
+        "--config",
+        "--use-askpass",
+        "--post-file",
+        "--body-file",
+        "--input-file",
+        "--directory-prefix",
+        "--force-directories",
+        "--recursive",
+        "--mirror",
+        "--load-cookies",
+        "--save-cookies",
+        "--ca-directory",
+        "--certificate",
+        "--private-key",
+    ],
+    judge,
+};
+
+/// URLs: no local files and no ftp (which bypasses the HTTP egress proxy).
+fn judge(items: &[Item<'_>]) -> Option<String> {
+    items.iter().find_map(|item| match item {
+        Item::Operand(url) => {
+            let lower = url.to_ascii_lowercase();
+            ["file:", "ftp:", "ftps:"]
+                .iter()
+                .any(|s| lower.starts_with(s))
+                .then(|| format!("URL '{url}' is refused: only http and https URLs are allowed"))
+        }
+        Item::Opt(_) => None,
+    })
+}
