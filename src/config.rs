@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::policy::{ActionType, Capability};
 use crate::sandbox::BackendKind;
+pub use crate::sandbox::docker::DockerConfig;
+use crate::vocabulary::{ActionType, Capability, is_bare_name};
 
 pub const DEFAULT_CONFIG_TOML: &str = include_str!("../config/executor-arm.toml");
 
@@ -164,17 +165,6 @@ pub struct LocalConfig {
 
 fn default_warm_slots() -> usize {
     2
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DockerConfig {
-    pub socket: String,
-    pub image: String,
-    pub pool_size: usize,
-    /// Host directory of the egress proxy's per-container sockets; dockerd bind-mounts from it,
-    /// so it must see it at the same path.
-    pub egress_dir: PathBuf,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -368,7 +358,7 @@ impl Config {
             return Err(ConfigError::Invalid("egress.proxy_port must be > 0".into()));
         }
         for (name, c) in &self.commands {
-            if !crate::policy::is_bare_name(name) {
+            if !is_bare_name(name) {
                 return Err(ConfigError::Invalid(format!(
                     "commands.{name}: not a bare command name"
                 )));

@@ -1,5 +1,20 @@
 //! executor-arm: a hardened daemon that runs allowlisted commands and registered external
 //! executors in sandboxes, behind `POST /execute`.
+//!
+//! # Layout
+//! A request goes down through these modules, never up:
+//! - `api`: HTTP only: routes, authentication of the caller, request parsing, errors to bodies;
+//!   `api::execute` takes a request through decide → admit → run → record.
+//! - `auth`: service and capability tokens (JWT, static), verified into a grant.
+//! - `policy`: allowlist, sandbox profiles, argument policies, limits → a resolved `Plan`.
+//! - `executors`: operator-registered external executors (YAML) and their envelope.
+//! - `sandbox`: the `Sandbox` trait and its backends (`local`, `docker` for runc and gVisor).
+//! - `egress`: the outbound proxy and resolver a sandbox with network reaches the world through.
+//! - `provenance`: result hashes and the hash-chained audit log.
+//! - `state`: replay and idempotency records (embedded, or Redis for several replicas).
+//! - `config`, `vocabulary`, `metrics`: typed configuration, the shared words (action types,
+//!   capabilities), Prometheus series.
+//! - `app`: builds the whole daemon from a config; `main.rs` is the command line around it.
 
 pub mod api;
 pub mod app;
@@ -14,3 +29,4 @@ pub mod policy;
 pub mod provenance;
 pub mod sandbox;
 pub mod state;
+pub mod vocabulary;

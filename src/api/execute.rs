@@ -15,6 +15,7 @@ use super::error::ApiError;
 use super::{AppState, RequestId};
 use crate::auth::Verified;
 use crate::config::TokenKind;
+use crate::executors::invoke::ExternalCall;
 use crate::metrics::Metrics;
 use crate::policy::{ActionType, Ask, Plan, PolicyError};
 use crate::provenance::audit::{self, AuditError, AuditEvent, AuditLog, Refusal, RunEnd};
@@ -56,6 +57,23 @@ pub struct ExecuteRequest {
     pub task: Option<Value>,
     #[serde(default)]
     pub model: Option<String>,
+}
+
+impl ExecuteRequest {
+    /// The parts of the request an external executor's invocation is built from.
+    pub fn external_call(&self) -> ExternalCall<'_> {
+        ExternalCall {
+            has_args: !self.args.is_empty(),
+            has_stdin: self.stdin.is_some(),
+            activity: self.activity.as_ref(),
+            input: self.input.as_ref(),
+            skills: self.skills.as_ref(),
+            memory: self.memory.as_ref(),
+            job: self.job.as_ref(),
+            task: self.task.as_ref(),
+            model: self.model.as_deref(),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -525,7 +543,13 @@ async fn run_admitted(
         env: &req.env,
     };
     let decided = if action == ActionType::External {
-        crate::executors::invoke::decide(st, &ask, &cap.grant, &req)
+        crate::executors::invoke::decide(
+            &st.executors,
+            &st.policy,
+            &ask,
+            &cap.grant,
+            &req.external_call(),
+        )
     } else {
         st.policy.decide(&ask, &cap.grant).map(|p| (p, None))
     };

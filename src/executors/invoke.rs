@@ -6,9 +6,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
 
-use crate::api::AppState;
-use crate::api::execute::ExecuteRequest;
-use crate::policy::{ActionType, Ask, Capability, Grant, Plan, PolicyError, Refusal};
+use super::Registry;
+use crate::policy::{ActionType, Ask, Capability, Grant, Plan, Policy, PolicyError, Refusal};
 use crate::sandbox::{ExitKind, RunOutcome};
 
 /// Profile used when a def names none.
@@ -25,42 +24,59 @@ pub struct ExternalInvocation {
     pub def_sha256: String,
 }
 
+/// What an `external` request carries besides its ask: the envelope's parts and the model, and
+/// whether it also sent what an executor does not take (args, stdin).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExternalCall<'a> {
+    pub has_args: bool,
+    pub has_stdin: bool,
+    pub activity: Option<&'a Value>,
+    pub input: Option<&'a Value>,
+    pub skills: Option<&'a Value>,
+    pub memory: Option<&'a Value>,
+    pub job: Option<&'a Value>,
+    pub task: Option<&'a Value>,
+    pub model: Option<&'a str>,
+}
+
 /// The schemaVersion-1 request envelope written to the executor's stdin.
-pub fn envelope(req: &ExecuteRequest) -> Value {
+pub fn envelope(req: &ExternalCall<'_>) -> Value {
     let mut m = Map::new();
     m.insert("schemaVersion".into(), json!(1));
     m.insert(
         "activity".into(),
-        req.activity.clone().unwrap_or_else(|| json!({})),
+        req.activity.cloned().unwrap_or_else(|| json!({})),
     );
     m.insert(
         "input".into(),
-        req.input.clone().unwrap_or_else(|| json!({})),
+        req.input.cloned().unwrap_or_else(|| json!({})),
     );
     m.insert(
         "skills".into(),
-        req.skills.clone().unwrap_or_else(|| json!([])),
+        req.skills.cloned().unwrap_or_else(|| json!([])),
     );
     m.insert(
         "memory".into(),
-        req.memory.clone().unwrap_or_else(|| json!({})),
+        req.memory.cloned().unwrap_or_else(|| json!({})),
     );
-    if let Some(j) = &req.job {
+    if let Some(j) = req.job {
         m.insert("job".into(), j.clone());
     }
-    if let Some(t) = &req.task {
+    if let Some(t) = req.task {
         m.insert("task".into(), t.clone());
     }
     Value::Object(m)
 }
 
+/// The plan and the invocation of the registered executor `ask.command`, or why not.
 pub fn decide(
-    st: &AppState,
+    executors: &Registry,
+    policy: &Policy,
     ask: &Ask<'_>,
     grant: &Grant,
-    req: &ExecuteRequest,
+    req: &ExternalCall<'_>,
 ) -> Result<(Plan, Option<ExternalInvocation>), PolicyError> {
-    let Some(def) = st.executors.get(ask.command) else {
+    let Some(def) = executors.get(ask.command) else {
         return Err(PolicyError::Refused(Refusal {
             rule: "executors",
             reason: format!(
@@ -69,12 +85,12 @@ pub fn decide(
             ),
         }));
     };
-    if !req.args.is_empty() {
+    if req.has_args {
         return Err(PolicyError::Invalid(
             "args are not accepted for external executors: the def fixes them".into(),
         ));
     }
-    if req.stdin.is_some() {
+    if req.has_stdin {
         return Err(PolicyError::Invalid(
             "stdin is not accepted for external executors: the envelope is their stdin".into(),
         ));
@@ -88,7 +104,7 @@ pub fn decide(
         ..ask.clone()
     };
     let profile = def.profile.as_deref().unwrap_or(DEFAULT_PROFILE);
-    let plan = st.policy.finish(
+    let plan = policy.finish(
         &def.name,
         Path::new(&def.command),
         ActionType::External,
@@ -107,18 +123,17 @@ pub fn decide(
     }
 
     let mut argv_tail = def.args.clone();
-    if let (Some(flag), Some(model)) = (&def.model_flag, &req.model) {
+    if let (Some(flag), Some(model)) = (&def.model_flag, req.model) {
         argv_tail.push(flag.clone());
-        argv_tail.push(model.clone());
+        argv_tail.push(model.to_string());
     }
     let mut env = BTreeMap::new();
     env.insert("ORBIT_AGENT_NAME".to_string(), def.name.clone());
-    if let Some(model) = &req.model {
-        env.insert("ORBIT_AGENT_MODEL".to_string(), model.clone());
+    if let Some(model) = req.model {
+        env.insert("ORBIT_AGENT_MODEL".to_string(), model.to_string());
     }
     let activity_id = req
         .activity
-        .as_ref()
         .and_then(|a| a.get("id"))
         .and_then(|id| match id {
             Value::String(s) => Some(s.clone()),

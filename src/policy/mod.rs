@@ -12,81 +12,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
 use self::argpolicy::ArgPolicy;
 use self::profile::{NetworkMode, Profile};
 use crate::config::{CommandEntry, Config};
 use crate::sandbox::{BackendKind, FsRules, Limits, NetworkPolicy, RunSpec, check_exec_size};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ActionType {
-    Shell,
-    Http,
-    Python,
-    External,
-}
-
-impl ActionType {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ActionType::Shell => "shell",
-            ActionType::Http => "http",
-            ActionType::Python => "python",
-            ActionType::External => "external",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "shell" => Some(ActionType::Shell),
-            "http" => Some(ActionType::Http),
-            "python" => Some(ActionType::Python),
-            "external" => Some(ActionType::External),
-            _ => None,
-        }
-    }
-}
-
-/// The capability vocabulary (seed + ours).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum Capability {
-    ShellRead,
-    ShellExecute,
-    FilesystemRead,
-    FilesystemWrite,
-    NetworkAccess,
-    HttpRequest,
-    PythonExecute,
-    ExternalExecute,
-}
-
-impl Capability {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Capability::ShellRead => "ShellRead",
-            Capability::ShellExecute => "ShellExecute",
-            Capability::FilesystemRead => "FilesystemRead",
-            Capability::FilesystemWrite => "FilesystemWrite",
-            Capability::NetworkAccess => "NetworkAccess",
-            Capability::HttpRequest => "HttpRequest",
-            Capability::PythonExecute => "PythonExecute",
-            Capability::ExternalExecute => "ExternalExecute",
-        }
-    }
-}
-
-/// A bare command name: ASCII letters, digits, `._+-`, not starting with `.` or `-`, ≤ 64 bytes.
-/// Paths, shell metacharacters, whitespace, NUL and look-alike Unicode all fail.
-pub fn is_bare_name(name: &str) -> bool {
-    let b = name.as_bytes();
-    !b.is_empty()
-        && b.len() <= 64
-        && b[0].is_ascii_alphanumeric()
-        && b.iter()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'+' | b'-'))
-}
+pub use crate::vocabulary::{ActionType, Capability, is_bare_name};
 
 /// What a verified capability token grants.
 #[derive(Debug, Clone, Default)]

@@ -69,13 +69,25 @@ pub struct DockerSandbox {
     runtime_check: std::sync::Mutex<Option<(Instant, Result<(), String>)>>,
 }
 
+/// The `[sandbox.docker]` config table.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DockerConfig {
+    pub socket: String,
+    pub image: String,
+    pub pool_size: usize,
+    /// Host directory of the egress proxy's per-container sockets; dockerd bind-mounts from it,
+    /// so it must see it at the same path.
+    pub egress_dir: std::path::PathBuf,
+}
+
 impl DockerSandbox {
     /// Never fails and never blocks on dockerd: what is missing shows in [`Sandbox::status`] and
     /// makes runs fail with `Unavailable`. Spawns the maintenance task (startup sweep first).
     /// Without `egress`, egress profiles are refused.
     pub fn new(
         kind: BackendKind,
-        config: &crate::config::DockerConfig,
+        config: &DockerConfig,
         instance_id: &str,
         metrics: Option<PoolMetrics>,
         egress: Option<EgressSettings>,
