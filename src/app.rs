@@ -63,6 +63,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         Some(url) => Arc::new(RedisStore::connect(url).await?),
         None => Arc::new(MemoryStore::new(config.state.idempotency_max_bytes)),
     };
+    crate::api::execute::record_interrupted(&audit, &*store, &metrics).await;
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
     let egress = egress_settings(&config);
     let local = LocalSandbox::new(

@@ -136,6 +136,10 @@ pub struct StateConfig {
     #[serde(default)]
     pub redis_url: Option<String>,
     pub idempotency_ttl_seconds: u64,
+    /// How long an Idempotency-Key in progress stays claimed without a renewal: the running
+    /// daemon renews it every third of this, so a key of a daemon that died is free this long
+    /// after (or at once when the daemon restarts on its audit log).
+    pub idempotency_lease_seconds: u64,
     /// Bytes of completed idempotent results the embedded store holds (Redis: its own maxmemory).
     pub idempotency_max_bytes: usize,
 }
@@ -344,6 +348,12 @@ impl Config {
                 "egress.dns_server '{d}' is not ip:port"
             )));
         }
+        if self.state.idempotency_lease_seconds < 3 {
+            return Err(ConfigError::Invalid(
+                "state.idempotency_lease_seconds must be at least 3 (it is renewed every third)"
+                    .into(),
+            ));
+        }
         if self.egress.proxy_port == 0 {
             return Err(ConfigError::Invalid("egress.proxy_port must be > 0".into()));
         }
@@ -424,5 +434,16 @@ mod tests {
         assert_eq!(c.server.listen, "127.0.0.1:9");
         assert_eq!(c.server.body_limit_bytes, 1 << 20);
         assert_eq!(c.commands.len(), 1);
+    }
+
+    #[test]
+    fn an_idempotency_lease_too_short_to_renew_is_refused() {
+        let c = Config::load(None, &EnvOverrides::default()).unwrap();
+        assert_eq!(c.state.idempotency_lease_seconds, 30);
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "[state]\nidempotency_lease_seconds = 2\n").unwrap();
+        let e = Config::load(Some(&f), &EnvOverrides::default()).unwrap_err();
+        assert!(e.to_string().contains("idempotency_lease_seconds"), "{e}");
     }
 }

@@ -24,6 +24,7 @@ pub struct Metrics {
     pub egress_connections: IntCounterVec,
     pub audit_segments_recovered: IntCounter,
     pub audit_append_failures: IntCounterVec,
+    pub interrupted_runs: IntCounter,
 }
 
 const BUCKETS: &[f64] = &[
@@ -124,6 +125,11 @@ impl Metrics {
             &["event"],
         )
         .expect("metric");
+        let interrupted_runs = IntCounter::new(
+            "executor_interrupted_runs_total",
+            "Runs an earlier daemon process started and never ended (it stopped mid-run), recorded at start",
+        )
+        .expect("metric");
         for c in [
             Box::new(executions.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(executions_by_backend.clone()),
@@ -141,6 +147,7 @@ impl Metrics {
             Box::new(egress_connections.clone()),
             Box::new(audit_segments_recovered.clone()),
             Box::new(audit_append_failures.clone()),
+            Box::new(interrupted_runs.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
@@ -162,6 +169,7 @@ impl Metrics {
             egress_connections,
             audit_segments_recovered,
             audit_append_failures,
+            interrupted_runs,
         }
     }
 

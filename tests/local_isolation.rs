@@ -14,7 +14,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Opts, Resp, SECRET, bin, pids_with_cmdline};
+use common::{Daemon, Opts, Resp, SECRET, bin, owner_dirs, pids_with_cmdline};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -107,49 +107,6 @@ fn sha256_file(p: &Path) -> String {
     hex::encode(Sha256::digest(
         std::fs::read(p).unwrap_or_else(|e| panic!("read {}: {e}", p.display())),
     ))
-}
-
-/// The run-cgroup owner directories of a daemon: `<controller>/<its cgroup>/executor-arm/d<pid>`
-/// for every v1 hierarchy the driver uses, or `<its v2 base>/runs/d<pid>`.
-fn owner_dirs(daemon_pid: i32) -> Vec<PathBuf> {
-    let text = std::fs::read_to_string(format!("/proc/{daemon_pid}/cgroup"))
-        .expect("daemon's /proc/<pid>/cgroup");
-    let owner = format!("d{daemon_pid}");
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (Some(_), Some(ctrls), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
-            continue;
-        };
-        let rel = path.trim_start_matches('/');
-        if ctrls.is_empty() {
-            let base = Path::new("/sys/fs/cgroup").join(rel);
-            let base = if base.ends_with("daemon") {
-                base.parent().map(Path::to_path_buf).unwrap_or(base)
-            } else {
-                base
-            };
-            out.push(base.join("runs").join(&owner));
-        }
-        for c in ctrls
-            .split(',')
-            .filter(|c| ["memory", "cpu", "pids", "freezer"].contains(c))
-        {
-            out.push(
-                Path::new("/sys/fs/cgroup")
-                    .join(c)
-                    .join(rel)
-                    .join("executor-arm")
-                    .join(&owner),
-            );
-        }
-    }
-    out.retain(|p| p.is_dir());
-    assert!(
-        !out.is_empty(),
-        "no run-cgroup directory of daemon {daemon_pid} found: the cleanup check would be vacuous"
-    );
-    out
 }
 
 /// After a request: nothing of the run is left. No run cgroup of this daemon (requests within a
@@ -1710,9 +1667,17 @@ async fn prepared_slots_and_on_demand_runs_leave_nothing_at_exit() {
         assert_run_left_nothing(&d, &r, &m);
         let dirs = owner_dirs(d.pid());
         let hierarchies = dirs.len();
-        // Slots are prepared in the background: wait (bounded) until they are all there.
+        // Slots are prepared in the background: wait (bounded) until they are all there, each
+        // with its process joined (a slot's cgroup exists a moment before its process is in it).
+        let joined = |w: &PathBuf| {
+            std::fs::read_to_string(w.join("cgroup.procs")).is_ok_and(|p| !p.trim().is_empty())
+        };
         let deadline = Instant::now() + Duration::from_secs(20);
-        while warm_slots(d.pid()).len() != slots * hierarchies && Instant::now() < deadline {
+        while Instant::now() < deadline {
+            let warm = warm_slots(d.pid());
+            if warm.len() == slots * hierarchies && warm.iter().all(joined) {
+                break;
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let warm = warm_slots(d.pid());

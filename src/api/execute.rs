@@ -21,7 +21,7 @@ use crate::policy::{ActionType, Ask, Plan, PolicyError};
 use crate::provenance::audit::{self, AuditError, AuditEvent, AuditLog, Refusal, RunEnd};
 use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
 use crate::sandbox::{KilledReason, RunOutcome, SandboxError};
-use crate::state::{IdemBegin, IdemKey, JtiClaim, StoredResponse};
+use crate::state::{IdemBegin, IdemKey, JtiClaim, StateStore, StoredResponse};
 
 /// The request body. Unknown fields are refused: a misspelt limit must not be silently ignored.
 #[derive(Debug, Deserialize)]
@@ -368,14 +368,14 @@ async fn handle(
                 subject: service.subject.clone().unwrap_or_else(|| "-".into()),
                 key: k,
             };
-            let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
+            let lease = Duration::from_secs(st.config.state.idempotency_lease_seconds);
             match st
                 .store
-                .idempotency_begin(&scoped, &body_hash, ttl)
+                .idempotency_begin(&scoped, &body_hash, &st.instance_id, lease)
                 .await
                 .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
             {
-                IdemBegin::Started => Some((scoped, ttl)),
+                IdemBegin::Started => Some(LeaseRenewal::start(st, &scoped, lease)),
                 IdemBegin::InProgress { same_body: true } => {
                     return Err(ApiError::IdempotencyInProgress);
                 }
@@ -391,8 +391,11 @@ async fn handle(
         }
         None => None,
     };
-    let result = run_admitted(st, req, action, timeout, &cap, ctx).await;
-    if let Some((key, ttl)) = idem {
+    let idem_key = idem.as_ref().map(|l| l.key.scoped());
+    let result = run_admitted(st, req, action, timeout, &cap, ctx, idem_key).await;
+    if let Some(lease) = idem {
+        let key = lease.stop();
+        let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
         match &result {
             Ok((status, body)) if status.is_success() || *status == StatusCode::REQUEST_TIMEOUT => {
                 let stored = StoredResponse {
@@ -408,7 +411,9 @@ async fn handle(
                 }
             }
             _ => {
-                let _ = st.store.idempotency_abort(&key).await;
+                if let Err(e) = st.store.idempotency_release(&key, &st.instance_id).await {
+                    tracing::error!(error = %e, "idempotency key not released");
+                }
             }
         }
     }
@@ -422,6 +427,56 @@ async fn handle(
         body,
     )
         .into_response())
+}
+
+/// Keeps this daemon's claim on an Idempotency-Key alive while its request runs: renews the lease
+/// every third of it, until stopped or dropped.
+struct LeaseRenewal {
+    key: IdemKey,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LeaseRenewal {
+    fn start(st: &Arc<AppState>, key: &IdemKey, lease: Duration) -> LeaseRenewal {
+        let st = st.clone();
+        let k = key.clone();
+        let task = tokio::spawn(async move {
+            let mut every = tokio::time::interval(lease / 3);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            every.tick().await; // the first tick is now: the claim is fresh
+            loop {
+                every.tick().await;
+                match st.store.idempotency_renew(&k, &st.instance_id, lease).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // Lapsed (the daemon stalled past the lease) and maybe taken: a retry
+                        // may run concurrently; nothing more to renew.
+                        tracing::warn!(key = %k.scoped(), "idempotency key lease lost while its request runs");
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(key = %k.scoped(), error = %e, "idempotency key lease not renewed")
+                    }
+                }
+            }
+        });
+        LeaseRenewal {
+            key: key.clone(),
+            task,
+        }
+    }
+
+    /// Stops renewing; returns the key.
+    fn stop(self) -> IdemKey {
+        self.task.abort();
+        self.key.clone()
+    }
+}
+
+impl Drop for LeaseRenewal {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// Uses up a single-use token's jti. A replay, or a token the store cannot vouch for (issued
@@ -477,6 +532,7 @@ async fn run_admitted(
     timeout: Option<u64>,
     cap: &Verified,
     ctx: &Ctx,
+    idempotency_key: Option<String>,
 ) -> Result<(StatusCode, String), ApiError> {
     let ask = Ask {
         action_type: Some(action),
@@ -567,13 +623,14 @@ async fn run_admitted(
         exec_id: exec_id.clone(),
         subject: ctx.subject.clone(),
         token_id: cap.token_id.clone(),
-        action_type: action.as_str(),
+        action_type: action.as_str().into(),
         command: req.command.clone(),
         args: req.args.clone(),
         command_hash: cmd_hash.clone(),
         invocation_hash: inv_hash.clone(),
-        backend: backend_label,
+        backend: backend_label.into(),
         profile: plan.profile.name.clone(),
+        idempotency_key,
     };
     // Nothing runs unaudited. A refused start bought no run: the token stays usable (and the
     // caller releases the idempotency key on any error).
@@ -718,11 +775,11 @@ impl<'a> AdmittedRun<'a> {
     fn write_error(&self, error_type: &'static str, error: &str) -> Option<u64> {
         self.metrics
             .executions
-            .with_label_values(&[self.run.action_type, "false"])
+            .with_label_values(&[self.run.action_type.as_ref(), "false"])
             .inc();
         self.metrics
             .executions_by_backend
-            .with_label_values(&[self.run.backend, &self.run.profile, "error"])
+            .with_label_values(&[self.run.backend.as_ref(), &self.run.profile, "error"])
             .inc();
         let event = AuditEvent::ExecutionError {
             run: self.run.clone(),
@@ -740,6 +797,40 @@ impl Drop for AdmittedRun<'_> {
                 "InternalError",
                 "the request ended before its run's end line was written",
             );
+        }
+    }
+}
+
+/// Ends the runs an earlier daemon process started on this audit log and never ended (it
+/// stopped mid-run: a crash, a kill): one `execution_error` line each, and the Idempotency-Key
+/// such a run held is released so that a retry runs. Called once at start, before serving.
+pub async fn record_interrupted(audit: &AuditLog, store: &dyn StateStore, metrics: &Metrics) {
+    for i in audit.interrupted() {
+        tracing::warn!(
+            exec_id = %i.run.exec_id,
+            instance = %i.instance,
+            start_seq = i.seq,
+            "a run of an earlier daemon process never ended: recording it"
+        );
+        let event = AuditEvent::ExecutionError {
+            run: i.run.clone(),
+            error_type: "DaemonStopped",
+            error: format!(
+                "the daemon (instance {}) stopped during the run",
+                i.instance
+            ),
+        };
+        record(audit, metrics, &event);
+        metrics.interrupted_runs.inc();
+        let Some(scoped) = &i.run.idempotency_key else {
+            continue;
+        };
+        let Some(key) = IdemKey::from_scoped(scoped) else {
+            tracing::error!(exec_id = %i.run.exec_id, idempotency_key = %scoped, "idempotency key of an interrupted run not released: not a scoped key");
+            continue;
+        };
+        if let Err(e) = store.idempotency_release(&key, &i.instance).await {
+            tracing::error!(exec_id = %i.run.exec_id, error = %e, "idempotency key of an interrupted run not released");
         }
     }
 }

@@ -15,9 +15,15 @@
 //! A log that does not verify at start is moved aside, never deleted nor extended; a new segment
 //! starts with a `segment_start` line that records it and chains from its last good line.
 //!
+//! The walk that verifies the log at start also keeps the `execution_start` lines that have no end
+//! line yet: runs a daemon started and never ended because it stopped (a crash, a kill). They are
+//! handed to the caller ([`AuditLog::interrupted`]), which records how they ended.
+//!
 //! Owns: the line format, the chain and segments, `seq`/`prev_hash`/`entry_hash`/`ts`/`instance`.
 //! Must not: decide what is audited (the api layer builds the events).
 
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -123,20 +129,37 @@ pub struct Refusal {
     pub command_hash: Option<String>,
 }
 
-/// What every line of one admitted execution carries: its start, its end or its error.
-#[derive(Debug, Clone, Serialize)]
+/// What every line of one admitted execution carries: its start, its end or its error. Read back
+/// from a start line for a run that never ended (a field that line lacks reads as empty).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Run {
     pub request_id: String,
     pub exec_id: String,
     pub subject: Option<String>,
     pub token_id: Option<String>,
-    pub action_type: &'static str,
+    pub action_type: Cow<'static, str>,
     pub command: String,
     pub args: Vec<String>,
     pub command_hash: String,
     pub invocation_hash: String,
-    pub backend: &'static str,
+    pub backend: Cow<'static, str>,
     pub profile: String,
+    /// The request's Idempotency-Key as the state store holds it, scoped by the calling service
+    /// (`<subject length>:<subject>:<key>`, `IdemKey::scoped`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+}
+
+/// A run whose `execution_start` line has no end line in the log as opened: the daemon that
+/// started it stopped before the run ended.
+#[derive(Debug, Clone)]
+pub struct Interrupted {
+    pub run: Run,
+    /// The instance that wrote the start line (the daemon that stopped).
+    pub instance: String,
+    /// The start line's seq.
+    pub seq: u64,
 }
 
 /// How an execution ended.
@@ -216,6 +239,7 @@ pub struct AuditLog {
     /// Why the last append failed, until an append or a probe succeeds (for /readyz).
     failing: Mutex<Option<String>>,
     recovered: Option<SegmentStart>,
+    interrupted: Vec<Interrupted>,
 }
 
 impl AuditLog {
@@ -234,10 +258,12 @@ impl AuditLog {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(io(e)),
         };
-        let (chain, segment) = match walked {
-            None => (Verified::empty(), None),
-            Some(Walk::Intact(v)) => (v, None),
-            Some(Walk::Broken { good, error }) => {
+        // Runs left open in the good part of a broken log are interrupted too: the new segment
+        // records them.
+        let (chain, segment, open) = match walked {
+            None => (Verified::empty(), None, OpenRuns::default()),
+            Some(Walk::Intact(v, open)) => (v, None, open),
+            Some(Walk::Broken { good, error, open }) => {
                 let segment = move_aside(path, &good, &error)?;
                 let chain = Verified {
                     lines: 0,
@@ -245,7 +271,7 @@ impl AuditLog {
                     last_hash: good.last_hash,
                     continues: None,
                 };
-                (chain, Some(segment))
+                (chain, Some(segment), open)
             }
         };
         let file = OpenOptions::new()
@@ -271,6 +297,7 @@ impl AuditLog {
             }),
             failing: Mutex::new(None),
             recovered: segment.clone(),
+            interrupted: open.into_interrupted(),
         };
         if let Some(s) = segment {
             tracing::error!(
@@ -293,6 +320,12 @@ impl AuditLog {
     /// The segment this log replaced at open, when the previous one did not verify.
     pub fn recovered(&self) -> Option<&SegmentStart> {
         self.recovered.as_ref()
+    }
+
+    /// Runs started in the log as opened that have no end line, in start order. The caller
+    /// records their end once (this list does not shrink when it does).
+    pub fn interrupted(&self) -> &[Interrupted] {
+        &self.interrupted
     }
 
     /// Appends one event; returns its sequence number. Every event but `execution_start` is
@@ -496,18 +529,75 @@ pub fn verify(path: &Path) -> Result<Verified, AuditError> {
         source,
     })?;
     match walk(path, f)? {
-        Walk::Intact(v) => Ok(v),
+        Walk::Intact(v, _) => Ok(v),
         Walk::Broken { error, .. } => Err(error),
     }
 }
 
 enum Walk {
-    Intact(Verified),
-    /// `good`: the chain up to the line before the first bad one.
+    Intact(Verified, OpenRuns),
+    /// `good`: the chain up to the line before the first bad one; `open`: runs open there.
     Broken {
         good: Verified,
         error: AuditError,
+        open: OpenRuns,
     },
+}
+
+/// The `execution_start` lines seen so far without an end line (a handful at any point of a log:
+/// the runs in flight when the line was written).
+#[derive(Default)]
+struct OpenRuns {
+    by_exec_id: HashMap<String, u64>,
+    /// Start lines by seq.
+    lines: BTreeMap<u64, String>,
+}
+
+/// A start line read back: the run and the instance that wrote it.
+#[derive(Deserialize)]
+struct StartLine {
+    #[serde(flatten)]
+    run: Run,
+    #[serde(default)]
+    instance: String,
+}
+
+impl OpenRuns {
+    fn observe(&mut self, link: &Link, line: &[u8]) {
+        let Some(exec_id) = &link.exec_id else {
+            return;
+        };
+        match link.event.as_str() {
+            "execution_start" => {
+                if let Some(earlier) = self.by_exec_id.insert(exec_id.clone(), link.seq) {
+                    self.lines.remove(&earlier);
+                }
+                self.lines
+                    .insert(link.seq, String::from_utf8_lossy(line).into_owned());
+            }
+            "execution" | "execution_error" => {
+                if let Some(seq) = self.by_exec_id.remove(exec_id) {
+                    self.lines.remove(&seq);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn into_interrupted(self) -> Vec<Interrupted> {
+        self.lines
+            .into_iter()
+            .filter_map(|(seq, line)| {
+                // The line verified as JSON with an exec_id, so it parses.
+                let s: StartLine = serde_json::from_str(&line).ok()?;
+                Some(Interrupted {
+                    run: s.run,
+                    instance: s.instance,
+                    seq,
+                })
+            })
+            .collect()
+    }
 }
 
 /// The fields of a line `verify` reads. `entry_hash` is read too so that a second one inside the
@@ -520,6 +610,8 @@ struct Head {
     entry_hash: String,
     event: String,
     #[serde(default)]
+    exec_id: Option<String>,
+    #[serde(default)]
     previous_last_seq: Option<u64>,
     #[serde(default)]
     previous_last_hash: Option<String>,
@@ -528,6 +620,7 @@ struct Head {
 fn walk(path: &Path, f: File) -> Result<Walk, AuditError> {
     let mut reader = BufReader::new(f);
     let mut good = Verified::empty();
+    let mut open = OpenRuns::default();
     let mut current_format_seen = false;
     let mut buf = Vec::new();
     loop {
@@ -539,7 +632,7 @@ fn walk(path: &Path, f: File) -> Result<Walk, AuditError> {
                 source,
             })?;
         if n == 0 {
-            return Ok(Walk::Intact(good));
+            return Ok(Walk::Intact(good, open));
         }
         let line = good.lines + 1;
         let checked = if buf.pop() != Some(b'\n') {
@@ -549,6 +642,7 @@ fn walk(path: &Path, f: File) -> Result<Walk, AuditError> {
         };
         match checked {
             Ok(link) => {
+                open.observe(&link, &buf);
                 good.lines = line;
                 good.last_seq = link.seq;
                 good.last_hash = link.hash;
@@ -564,17 +658,20 @@ fn walk(path: &Path, f: File) -> Result<Walk, AuditError> {
                         line,
                         message,
                     },
+                    open,
                 });
             }
         }
     }
 }
 
-/// A line that verified: its seq, its hash and, for a segment start, the previous segment's last
-/// seq and hash.
+/// A line that verified: its seq, its hash, its event and exec_id (lines of the previous format:
+/// empty, none) and, for a segment start, the previous segment's last seq and hash.
 struct Link {
     seq: u64,
     hash: String,
+    event: String,
+    exec_id: Option<String>,
     continues: Option<(u64, String)>,
 }
 
@@ -618,6 +715,8 @@ fn check_line(
     Ok(Link {
         seq: head.seq,
         hash: stated,
+        event: head.event,
+        exec_id: head.exec_id,
         continues,
     })
 }
@@ -664,6 +763,8 @@ fn check_legacy_line(text: &str, chain: &Verified) -> Result<Link, String> {
     Ok(Link {
         seq,
         hash: stated,
+        event: String::new(),
+        exec_id: None,
         continues: None,
     })
 }

@@ -1,11 +1,13 @@
-//! The embedded store: one process, in memory, entries expire.
+//! The embedded store: one process, in memory, entries expire. A restart forgets everything,
+//! Idempotency-Keys in progress included.
 //!
 //! Two bounds keep it honest. Replay: it remembers nothing from before it started, so a
 //! single-use token that may have been issued before then is refused (it may have been used on
 //! the previous run). Idempotency: completed results are held within a byte budget; when a new
 //! one does not fit, completed results are evicted oldest first from the subject holding the most
 //! bytes, so one caller cannot push everyone else's results out. Running entries are never
-//! evicted; a result larger than the whole budget is not stored.
+//! evicted (they lapse when their owner stops renewing their lease); a result larger than the
+//! whole budget is not stored.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -20,6 +22,7 @@ const ENTRY_OVERHEAD: usize = 128;
 enum Slot {
     Running {
         body_hash: String,
+        owner: String,
     },
     Done {
         body_hash: String,
@@ -118,11 +121,19 @@ impl IdemTable {
         }
     }
 
-    fn begin(&mut self, key: &IdemKey, body_hash: &str, ttl: Duration, now: Instant) -> IdemBegin {
+    /// Claims `key` for `owner` for `lease` when it is free (or its claim lapsed).
+    fn begin(
+        &mut self,
+        key: &IdemKey,
+        body_hash: &str,
+        owner: &str,
+        lease: Duration,
+        now: Instant,
+    ) -> IdemBegin {
         self.purge_expired(now);
         let scoped = key.scoped();
         match self.entries.get(&scoped).map(|e| &e.slot) {
-            Some(Slot::Running { body_hash: h }) => IdemBegin::InProgress {
+            Some(Slot::Running { body_hash: h, .. }) => IdemBegin::InProgress {
                 same_body: h == body_hash,
             },
             Some(Slot::Done {
@@ -138,14 +149,41 @@ impl IdemTable {
                     scoped,
                     Entry {
                         subject: key.subject.clone(),
-                        expires: now + ttl,
+                        expires: now + lease,
                         slot: Slot::Running {
                             body_hash: body_hash.to_string(),
+                            owner: owner.to_string(),
                         },
                     },
                 );
                 IdemBegin::Started
             }
+        }
+    }
+
+    /// Extends `owner`'s live claim on `key` to `lease` from `now`; false when it holds none.
+    fn renew(&mut self, key: &IdemKey, owner: &str, lease: Duration, now: Instant) -> bool {
+        match self.entries.get_mut(&key.scoped()) {
+            Some(Entry {
+                expires,
+                slot: Slot::Running { owner: o, .. },
+                ..
+            }) if *expires > now && o == owner => {
+                *expires = now + lease;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Forgets `owner`'s claim on `key`; a finished entry or another owner's claim stays.
+    fn release(&mut self, key: &IdemKey, owner: &str) {
+        let scoped = key.scoped();
+        if matches!(
+            self.entries.get(&scoped).map(|e| &e.slot),
+            Some(Slot::Running { owner: o, .. }) if o == owner
+        ) {
+            self.remove(&scoped);
         }
     }
 
@@ -246,10 +284,21 @@ impl StateStore for MemoryStore {
         &self,
         key: &IdemKey,
         body_hash: &str,
-        ttl: Duration,
+        owner: &str,
+        lease: Duration,
     ) -> Result<IdemBegin, StateError> {
         let mut t = self.idem.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(t.begin(key, body_hash, ttl, Instant::now()))
+        Ok(t.begin(key, body_hash, owner, lease, Instant::now()))
+    }
+
+    async fn idempotency_renew(
+        &self,
+        key: &IdemKey,
+        owner: &str,
+        lease: Duration,
+    ) -> Result<bool, StateError> {
+        let mut t = self.idem.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(t.renew(key, owner, lease, Instant::now()))
     }
 
     async fn idempotency_complete(
@@ -273,11 +322,11 @@ impl StateStore for MemoryStore {
         Ok(())
     }
 
-    async fn idempotency_abort(&self, key: &IdemKey) -> Result<(), StateError> {
+    async fn idempotency_release(&self, key: &IdemKey, owner: &str) -> Result<(), StateError> {
         self.idem
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&key.scoped());
+            .release(key, owner);
         Ok(())
     }
 

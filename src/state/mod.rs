@@ -25,6 +25,22 @@ impl IdemKey {
     pub fn scoped(&self) -> String {
         format!("{}:{}:{}", self.subject.len(), self.subject, self.key)
     }
+
+    /// Reads back a [`IdemKey::scoped`] string (as an audit line records it); None when `s` is
+    /// not one.
+    pub fn from_scoped(s: &str) -> Option<IdemKey> {
+        let (digits, rest) = s.split_once(':')?;
+        let len: usize = digits.parse().ok()?;
+        if len.to_string() != digits {
+            return None; // "+3", "03": not what `scoped` writes
+        }
+        let subject = rest.get(..len)?;
+        let key = rest.get(len..)?.strip_prefix(':')?;
+        Some(IdemKey {
+            subject: subject.to_string(),
+            key: key.to_string(),
+        })
+    }
 }
 
 /// What claiming a single-use token's jti found.
@@ -49,7 +65,8 @@ pub struct StoredResponse {
 /// What `idempotency_begin` found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IdemBegin {
-    /// The key is ours now: run, then `idempotency_complete` or `idempotency_abort`.
+    /// The key is ours now: run (renewing the lease), then `idempotency_complete` or
+    /// `idempotency_release`.
     Started,
     /// Another request with this key is running.
     InProgress { same_body: bool },
@@ -74,14 +91,26 @@ pub trait StateStore: Send + Sync {
     /// Forgets a claimed jti whose request never ran (its start could not be audited), so the
     /// token stays usable.
     async fn release_jti(&self, token: &SingleUse) -> Result<(), StateError>;
+    /// Claims `key` for a request of `owner` (a daemon instance) when it is free. The claim is a
+    /// lease: it lapses after `lease` unless renewed, so the key of a daemon that died mid-run
+    /// frees itself.
     async fn idempotency_begin(
         &self,
         key: &IdemKey,
         body_hash: &str,
-        ttl: Duration,
+        owner: &str,
+        lease: Duration,
     ) -> Result<IdemBegin, StateError>;
-    /// Stores a finished response. A store may drop it (too large for its budget); a retry then
-    /// runs again, as after the TTL.
+    /// Extends `owner`'s claim on `key` to `lease` from now; false when `owner` holds no claim on
+    /// it (finished, released, or lapsed and taken by another request).
+    async fn idempotency_renew(
+        &self,
+        key: &IdemKey,
+        owner: &str,
+        lease: Duration,
+    ) -> Result<bool, StateError>;
+    /// Stores the finished request's response for `ttl`. A store may drop it (too large for its
+    /// budget); a retry then runs again, as after the TTL.
     async fn idempotency_complete(
         &self,
         key: &IdemKey,
@@ -89,8 +118,43 @@ pub trait StateStore: Send + Sync {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StateError>;
-    async fn idempotency_abort(&self, key: &IdemKey) -> Result<(), StateError>;
+    /// Releases `owner`'s claim on `key` (a request that ended without a response to keep, or
+    /// one of a daemon that stopped mid-run); a finished entry or another owner's claim stays.
+    async fn idempotency_release(&self, key: &IdemKey, owner: &str) -> Result<(), StateError>;
     /// For /readyz.
     async fn healthy(&self) -> Result<(), StateError>;
     fn kind(&self) -> &'static str;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IdemKey;
+
+    #[test]
+    fn a_scoped_key_reads_back_as_the_pair_it_came_from() {
+        for (subject, key) in [
+            ("orch", "k"),
+            ("a", "b:c"),
+            ("a:b", "c"),
+            ("-", ""),
+            ("é", ":"),
+        ] {
+            let k = IdemKey {
+                subject: subject.into(),
+                key: key.into(),
+            };
+            assert_eq!(IdemKey::from_scoped(&k.scoped()), Some(k));
+        }
+        for bad in [
+            "",
+            "orch:k",
+            "4:orch",
+            "5:orch:k",
+            "04:orch:k",
+            "+4:orch:k",
+            "1:\u{e9}:k",
+        ] {
+            assert_eq!(IdemKey::from_scoped(bad), None, "{bad}");
+        }
+    }
 }

@@ -1,5 +1,9 @@
 //! Redis-backed state so replicas share replay protection and idempotency results.
-//! Every write is an atomic `SET NX` with a TTL; a Redis error is a 503, never a panic.
+//! Every claim is an atomic `SET NX` with a TTL; a Redis error is a 503, never a panic.
+//!
+//! An Idempotency-Key in progress is a JSON slot naming its owner (a daemon instance) whose TTL
+//! is the lease; renewing and releasing check the owner and that no response is stored yet in
+//! one server-side script, so neither can touch a finished entry or another owner's claim.
 
 use std::time::Duration;
 
@@ -22,6 +26,42 @@ fn unavailable(e: redis::RedisError) -> StateError {
 struct Slot {
     body_hash: String,
     response: Option<StoredResponse>,
+    /// The daemon instance running the request (in-progress slots only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    owner: Option<String>,
+}
+
+/// KEYS[1] a slot, ARGV[1] an owner: 1 when the slot is in progress and owned by ARGV[1].
+const OWNED_IN_PROGRESS: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if not v then return 0 end
+local ok, s = pcall(cjson.decode, v)
+if not ok or type(s) ~= 'table' or s.owner ~= ARGV[1] then return 0 end
+if s.response ~= nil and s.response ~= cjson.null then return 0 end
+"#;
+
+/// Renews an owned claim: ARGV[2] is the lease in milliseconds.
+fn renew_script() -> String {
+    format!(
+        "{OWNED_IN_PROGRESS}
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"
+    )
+}
+
+/// Deletes an owned claim.
+fn release_script() -> String {
+    format!(
+        "{OWNED_IN_PROGRESS}
+redis.call('DEL', KEYS[1])
+return 1
+"
+    )
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 impl RedisStore {
@@ -76,12 +116,14 @@ impl StateStore for RedisStore {
         &self,
         key: &IdemKey,
         body_hash: &str,
-        ttl: Duration,
+        owner: &str,
+        lease: Duration,
     ) -> Result<IdemBegin, StateError> {
         let k = format!("{}idem:{}", self.prefix, key.scoped());
         let slot = serde_json::to_string(&Slot {
             body_hash: body_hash.to_string(),
             response: None,
+            owner: Some(owner.to_string()),
         })
         .unwrap_or_default();
         let mut c = self.conn.clone();
@@ -89,8 +131,8 @@ impl StateStore for RedisStore {
             .arg(&k)
             .arg(&slot)
             .arg("NX")
-            .arg("EX")
-            .arg(ttl.as_secs().max(1))
+            .arg("PX")
+            .arg(millis(lease))
             .query_async(&mut c)
             .await
             .map_err(unavailable)?;
@@ -112,6 +154,25 @@ impl StateStore for RedisStore {
         })
     }
 
+    async fn idempotency_renew(
+        &self,
+        key: &IdemKey,
+        owner: &str,
+        lease: Duration,
+    ) -> Result<bool, StateError> {
+        let mut c = self.conn.clone();
+        let renewed: i64 = redis::cmd("EVAL")
+            .arg(renew_script())
+            .arg(1)
+            .arg(format!("{}idem:{}", self.prefix, key.scoped()))
+            .arg(owner)
+            .arg(millis(lease))
+            .query_async(&mut c)
+            .await
+            .map_err(unavailable)?;
+        Ok(renewed == 1)
+    }
+
     async fn idempotency_complete(
         &self,
         key: &IdemKey,
@@ -123,6 +184,7 @@ impl StateStore for RedisStore {
         let slot = serde_json::to_string(&Slot {
             body_hash: body_hash.to_string(),
             response: Some(response.clone()),
+            owner: None,
         })
         .unwrap_or_default();
         let mut c = self.conn.clone();
@@ -133,10 +195,14 @@ impl StateStore for RedisStore {
         Ok(())
     }
 
-    async fn idempotency_abort(&self, key: &IdemKey) -> Result<(), StateError> {
+    async fn idempotency_release(&self, key: &IdemKey, owner: &str) -> Result<(), StateError> {
         let mut c = self.conn.clone();
-        let _: () = c
-            .del(format!("{}idem:{}", self.prefix, key.scoped()))
+        let _: i64 = redis::cmd("EVAL")
+            .arg(release_script())
+            .arg(1)
+            .arg(format!("{}idem:{}", self.prefix, key.scoped()))
+            .arg(owner)
+            .query_async(&mut c)
             .await
             .map_err(unavailable)?;
         Ok(())

@@ -290,6 +290,17 @@ impl Daemon {
             .unwrap_or_else(|| panic!("no execution line for {exec_id}"))
     }
 
+    /// `kill -9`: the daemon dies at once, doing nothing more (a crash); reaped here. Returns
+    /// its pid. A later [`Daemon::restart`] starts a new daemon on the same files.
+    pub fn kill9(&mut self) -> i32 {
+        let pid = self.pid();
+        if let Some(mut child) = self.child.take() {
+            child.kill().expect("SIGKILL the daemon");
+            child.wait().expect("reap the daemon");
+        }
+        pid
+    }
+
     /// Sends SIGTERM and waits for exit; returns the exit code.
     pub fn stop(&mut self) -> Option<i32> {
         let mut child = self.child.take()?;
@@ -414,6 +425,49 @@ pub fn run_cgroups_of(daemon_pid: i32) -> Vec<String> {
             );
         }
     }
+    out
+}
+
+/// The run-cgroup owner directories of a daemon: `<controller>/<its cgroup>/executor-arm/d<pid>`
+/// for every v1 hierarchy the driver uses, or `<its v2 base>/runs/d<pid>`.
+pub fn owner_dirs(daemon_pid: i32) -> Vec<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{daemon_pid}/cgroup"))
+        .expect("daemon's /proc/<pid>/cgroup");
+    let owner = format!("d{daemon_pid}");
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(ctrls), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        let rel = path.trim_start_matches('/');
+        if ctrls.is_empty() {
+            let base = Path::new("/sys/fs/cgroup").join(rel);
+            let base = if base.ends_with("daemon") {
+                base.parent().map(Path::to_path_buf).unwrap_or(base)
+            } else {
+                base
+            };
+            out.push(base.join("runs").join(&owner));
+        }
+        for c in ctrls
+            .split(',')
+            .filter(|c| ["memory", "cpu", "pids", "freezer"].contains(c))
+        {
+            out.push(
+                Path::new("/sys/fs/cgroup")
+                    .join(c)
+                    .join(rel)
+                    .join("executor-arm")
+                    .join(&owner),
+            );
+        }
+    }
+    out.retain(|p| p.is_dir());
+    assert!(
+        !out.is_empty(),
+        "no run-cgroup directory of daemon {daemon_pid} found: the cleanup check would be vacuous"
+    );
     out
 }
 

@@ -327,6 +327,7 @@ path = {{ include "executor-arm.auditLog" . | toJson }}
 redis_url = {{ $v.state.redisUrl | toJson }}
 {{- end }}
 idempotency_ttl_seconds = {{ $v.state.idempotencyTtlSeconds | int64 }}
+idempotency_lease_seconds = {{ $v.state.idempotencyLeaseSeconds | int64 }}
 
 [sandbox]
 default_backend = {{ include "executor-arm.defaultBackend" . | toJson }}

@@ -6,13 +6,14 @@ fn run(exec_id: &str) -> audit::Run {
         exec_id: exec_id.into(),
         subject: None,
         token_id: Some("tok-1".into()),
-        action_type: "shell",
+        action_type: "shell".into(),
         command: "echo".into(),
         args: vec!["hi".into()],
         command_hash: command_hash("echo", &["hi".into()]),
         invocation_hash: "sha256:i".into(),
-        backend: "local",
+        backend: "local".into(),
         profile: "shell-readonly".into(),
+        idempotency_key: None,
     }
 }
 
@@ -102,4 +103,96 @@ fn an_admitted_run_always_ends_in_exactly_one_end_line() {
             == "executor_backend_executions_total{backend=\"local\",outcome=\"error\",profile=\"shell-readonly\"} 2"),
         "{rendered}"
     );
+}
+
+/// A run an earlier process left without an end line gets one `DaemonStopped` end line at the
+/// next start, and the Idempotency-Key it held is released (only that owner's claim).
+#[tokio::test]
+async fn interrupted_runs_are_ended_once_and_their_keys_released() {
+    use crate::state::memory::MemoryStore;
+    use crate::state::{IdemBegin, IdemKey, StateStore};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit.jsonl");
+    let store = MemoryStore::new(1 << 20);
+    let lease = Duration::from_secs(60);
+    let key = |k: &str| IdemKey {
+        subject: "orchestrator".into(),
+        key: k.into(),
+    };
+    let mut keyed = run("exec-a");
+    keyed.idempotency_key = Some(key("k").scoped());
+    assert_eq!(
+        store
+            .idempotency_begin(&key("k"), "h", "old-1", lease)
+            .await
+            .unwrap(),
+        IdemBegin::Started
+    );
+    assert_eq!(
+        store
+            .idempotency_begin(&key("other"), "h", "someone-else", lease)
+            .await
+            .unwrap(),
+        IdemBegin::Started
+    );
+    {
+        let log = AuditLog::open(&path, "old-1").unwrap();
+        let metrics = Metrics::new();
+        // A crash: the start lines are written, the runs never end.
+        std::mem::forget(AdmittedRun::admit(&log, &metrics, keyed).unwrap());
+        std::mem::forget(AdmittedRun::admit(&log, &metrics, run("exec-b")).unwrap());
+    }
+
+    let log = AuditLog::open(&path, "new-2").unwrap();
+    let metrics = Metrics::new();
+    record_interrupted(&log, &store, &metrics).await;
+    let lines: Vec<Value> = std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let ends: Vec<_> = lines
+        .iter()
+        .filter(|l| l["event"] == "execution_error")
+        .map(|l| {
+            (
+                l["exec_id"].as_str().unwrap(),
+                l["instance"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(ends, [("exec-a", "new-2"), ("exec-b", "new-2")]);
+    assert_eq!(lines[2]["error_type"], "DaemonStopped");
+    assert_eq!(
+        lines[2]["error"],
+        "the daemon (instance old-1) stopped during the run"
+    );
+    assert_eq!(lines[2]["idempotency_key"], "12:orchestrator:k");
+    assert!(crate::provenance::audit::verify(&path).is_ok());
+    assert!(
+        metrics
+            .render()
+            .contains("executor_interrupted_runs_total 2"),
+        "{}",
+        metrics.render()
+    );
+    // The crashed daemon's key is free; another owner's claim is not touched.
+    assert_eq!(
+        store
+            .idempotency_begin(&key("k"), "h", "new-2", lease)
+            .await
+            .unwrap(),
+        IdemBegin::Started
+    );
+    assert_eq!(
+        store
+            .idempotency_begin(&key("other"), "h", "new-2", lease)
+            .await
+            .unwrap(),
+        IdemBegin::InProgress { same_body: true }
+    );
+    // Recorded once.
+    drop(log);
+    let log = AuditLog::open(&path, "new-3").unwrap();
+    assert!(log.interrupted().is_empty());
 }

@@ -6,13 +6,14 @@ fn run(exec_id: &str) -> Run {
         exec_id: exec_id.into(),
         subject: Some("orchestrator".into()),
         token_id: None,
-        action_type: "shell",
+        action_type: "shell".into(),
         command: "echo".into(),
         args: vec!["hi".into()],
         command_hash: "sha256:c".into(),
         invocation_hash: "sha256:i".into(),
-        backend: "local",
+        backend: "local".into(),
         profile: "shell-readonly".into(),
+        idempotency_key: None,
     }
 }
 
@@ -358,4 +359,102 @@ fn an_execution_start_is_written_but_not_synced_on_its_own() {
     assert_eq!(end["error_type"], "InternalError");
     assert_eq!(end["args"], serde_json::json!(["hi"]));
     assert!(log.check_writable().is_ok());
+}
+
+fn start(exec_id: &str) -> AuditEvent {
+    AuditEvent::ExecutionStart(run(exec_id))
+}
+
+fn error_end(exec_id: &str) -> AuditEvent {
+    AuditEvent::ExecutionError {
+        run: run(exec_id),
+        error_type: "InternalError",
+        error: "x".into(),
+    }
+}
+
+/// Runs whose start line has no end line are handed over at open, in start order, read back
+/// whole; ended runs, refusals and lines of other events are not.
+#[test]
+fn runs_started_without_an_end_line_are_found_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("a.jsonl");
+    let log = AuditLog::open(&p, "host-1").unwrap();
+    assert!(log.interrupted().is_empty());
+    let mut keyed = run("exec-b");
+    keyed.idempotency_key = Some("orchestrator:k1".into());
+    keyed.args = vec!["a b".into(), "\u{0}".into()];
+    for e in [
+        start("exec-a"),
+        AuditEvent::ExecutionStart(keyed.clone()),
+        start("exec-c"),
+        execution(0), // exec-0: an end line without a start changes nothing
+        error_end("exec-a"),
+        start("exec-d"),
+    ] {
+        log.append(&e).unwrap();
+    }
+    log.append(&AuditEvent::Execution {
+        run: run("exec-d"),
+        end: end(None),
+    })
+    .unwrap();
+    drop(log);
+
+    let log = AuditLog::open(&p, "host-2").unwrap();
+    let got: Vec<_> = log
+        .interrupted()
+        .iter()
+        .map(|i| (i.run.exec_id.as_str(), i.instance.as_str(), i.seq))
+        .collect();
+    assert_eq!(got, [("exec-b", "host-1", 2), ("exec-c", "host-1", 3)]);
+    let b = &log.interrupted()[0].run;
+    assert_eq!(b.idempotency_key.as_deref(), Some("orchestrator:k1"));
+    assert_eq!(b.args, keyed.args);
+    assert_eq!(
+        serde_json::to_value(b).unwrap(),
+        serde_json::to_value(&keyed).unwrap()
+    );
+
+    // Once their end lines are written, the next open finds none.
+    for i in log.interrupted() {
+        log.append(&AuditEvent::ExecutionError {
+            run: i.run.clone(),
+            error_type: "DaemonStopped",
+            error: "stopped".into(),
+        })
+        .unwrap();
+    }
+    drop(log);
+    assert!(
+        AuditLog::open(&p, "host-3")
+            .unwrap()
+            .interrupted()
+            .is_empty()
+    );
+    assert_eq!(verify(&p).unwrap().lines, 9);
+}
+
+/// A broken log's good part may hold runs that never ended: the new segment is told about them.
+#[test]
+fn runs_open_in_the_good_part_of_a_broken_log_are_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("a.jsonl");
+    let log = AuditLog::open(&p, "host-1").unwrap();
+    log.append(&start("exec-a")).unwrap();
+    log.append(&start("exec-b")).unwrap();
+    drop(log);
+    // A torn line after them (a write cut short).
+    let mut text = std::fs::read_to_string(&p).unwrap();
+    text.push_str("{\"seq\":3,");
+    std::fs::write(&p, text).unwrap();
+
+    let log = AuditLog::open(&p, "host-2").unwrap();
+    assert!(log.recovered().is_some());
+    let ids: Vec<_> = log
+        .interrupted()
+        .iter()
+        .map(|i| i.run.exec_id.as_str())
+        .collect();
+    assert_eq!(ids, ["exec-a", "exec-b"]);
 }

@@ -43,17 +43,28 @@ async fn jti_once_and_idempotency_states() {
 
     let k = key("orch", "k");
     assert_eq!(
-        s.idempotency_begin(&k, "h1", TTL).await.unwrap(),
+        s.idempotency_begin(&k, "h1", "d1", TTL).await.unwrap(),
         IdemBegin::Started
     );
     assert_eq!(
-        s.idempotency_begin(&k, "h1", TTL).await.unwrap(),
+        s.idempotency_begin(&k, "h1", "d2", TTL).await.unwrap(),
         IdemBegin::InProgress { same_body: true }
     );
+    // Only the owner's release frees a claim.
+    s.idempotency_release(&k, "d2").await.unwrap();
+    assert_eq!(
+        s.idempotency_begin(&k, "h2", "d2", TTL).await.unwrap(),
+        IdemBegin::InProgress { same_body: false }
+    );
+    assert!(s.idempotency_renew(&k, "d1", TTL).await.unwrap());
+    assert!(!s.idempotency_renew(&k, "d2", TTL).await.unwrap());
     let r = response(2);
     s.idempotency_complete(&k, "h1", &r, TTL).await.unwrap();
+    // A finished entry is neither renewed nor released.
+    assert!(!s.idempotency_renew(&k, "d1", TTL).await.unwrap());
+    s.idempotency_release(&k, "d1").await.unwrap();
     assert_eq!(
-        s.idempotency_begin(&k, "h2", TTL).await.unwrap(),
+        s.idempotency_begin(&k, "h2", "d2", TTL).await.unwrap(),
         IdemBegin::Done {
             same_body: false,
             response: r
@@ -61,10 +72,33 @@ async fn jti_once_and_idempotency_states() {
     );
     // Another subject's identical key is its own.
     assert_eq!(
-        s.idempotency_begin(&key("other", "k"), "h1", TTL)
+        s.idempotency_begin(&key("other", "k"), "h1", "d1", TTL)
             .await
             .unwrap(),
         IdemBegin::Started
+    );
+}
+
+#[tokio::test]
+async fn a_lapsed_claim_frees_the_key_and_cannot_be_renewed() {
+    let s = MemoryStore::new(1 << 20);
+    let k = key("orch", "k");
+    assert_eq!(
+        s.idempotency_begin(&k, "h", "dead", Duration::ZERO)
+            .await
+            .unwrap(),
+        IdemBegin::Started
+    );
+    assert!(!s.idempotency_renew(&k, "dead", TTL).await.unwrap());
+    assert_eq!(
+        s.idempotency_begin(&k, "h", "live", TTL).await.unwrap(),
+        IdemBegin::Started
+    );
+    // The dead owner's late release leaves the new claim alone.
+    s.idempotency_release(&k, "dead").await.unwrap();
+    assert_eq!(
+        s.idempotency_begin(&k, "h", "other", TTL).await.unwrap(),
+        IdemBegin::InProgress { same_body: true }
     );
 }
 
@@ -124,17 +158,17 @@ fn eviction_takes_the_oldest_result_of_the_subject_holding_the_most_bytes() {
     let mut t = IdemTable::new(4 * unit + unit / 2);
     let quiet = key("quietx", "q0");
     assert_eq!(cost(&quiet, body), unit);
-    assert_eq!(t.begin(&quiet, "h", TTL, now), IdemBegin::Started);
+    assert_eq!(t.begin(&quiet, "h", "d", TTL, now), IdemBegin::Started);
     assert_eq!(
         t.complete(&quiet, "h", &response(body), TTL, now),
         Completion::Stored
     );
     // An in-progress entry of the greedy subject, never evicted.
     let running = key("greedy", "gr");
-    assert_eq!(t.begin(&running, "h", TTL, now), IdemBegin::Started);
+    assert_eq!(t.begin(&running, "h", "d", TTL, now), IdemBegin::Started);
     let greedy: Vec<IdemKey> = (0..10).map(|i| key("greedy", &format!("g{i}"))).collect();
     for (i, g) in greedy.iter().enumerate() {
-        assert_eq!(t.begin(g, "h", TTL, now), IdemBegin::Started);
+        assert_eq!(t.begin(g, "h", "d", TTL, now), IdemBegin::Started);
         assert_eq!(
             t.complete(g, "h", &response(body), TTL, now),
             Completion::Stored
@@ -146,7 +180,7 @@ fn eviction_takes_the_oldest_result_of_the_subject_holding_the_most_bytes() {
     for g in &greedy[..7] {
         assert!(!done(&t, g, now), "{g:?} is evicted");
         assert_eq!(
-            t.begin(g, "h", TTL, now),
+            t.begin(g, "h", "d", TTL, now),
             IdemBegin::Started,
             "{g:?} runs again"
         );
@@ -156,7 +190,7 @@ fn eviction_takes_the_oldest_result_of_the_subject_holding_the_most_bytes() {
         assert!(done(&t, g, now), "{g:?} is kept");
     }
     assert_eq!(
-        t.begin(&running, "h", TTL, now),
+        t.begin(&running, "h", "d", TTL, now),
         IdemBegin::InProgress { same_body: true },
         "an in-progress entry is never evicted"
     );
@@ -164,7 +198,7 @@ fn eviction_takes_the_oldest_result_of_the_subject_holding_the_most_bytes() {
 
     // Now the quiet subject adds results: the greedy one still holds the most, so it pays.
     let q1 = key("quietx", "q1");
-    t.begin(&q1, "h", TTL, now);
+    t.begin(&q1, "h", "d", TTL, now);
     assert_eq!(
         t.complete(&q1, "h", &response(body), TTL, now),
         Completion::Stored
@@ -180,19 +214,19 @@ fn a_result_larger_than_the_budget_is_not_stored_and_the_key_is_released() {
     let k = key("s", "big");
     let small = key("s", "small");
     let mut t = IdemTable::new(cost(&small, 10) * 2);
-    t.begin(&small, "h", TTL, now);
+    t.begin(&small, "h", "d", TTL, now);
     assert_eq!(
         t.complete(&small, "h", &response(10), TTL, now),
         Completion::Stored
     );
-    assert_eq!(t.begin(&k, "h", TTL, now), IdemBegin::Started);
+    assert_eq!(t.begin(&k, "h", "d", TTL, now), IdemBegin::Started);
     let big = cost(&k, 10_000);
     assert_eq!(
         t.complete(&k, "h", &response(10_000), TTL, now),
         Completion::TooLarge { bytes: big }
     );
     assert_eq!(
-        t.begin(&k, "h", TTL, now),
+        t.begin(&k, "h", "d", TTL, now),
         IdemBegin::Started,
         "a retry runs"
     );
@@ -204,16 +238,16 @@ fn expired_results_give_their_bytes_back() {
     let now = Instant::now();
     let k = key("s", "k");
     let mut t = IdemTable::new(1 << 20);
-    t.begin(&k, "h", TTL, now);
+    t.begin(&k, "h", "d", TTL, now);
     t.complete(&k, "h", &response(500), TTL, now);
     assert_eq!(t.result_bytes, cost(&k, 500));
     assert_eq!(
-        t.begin(&key("s", "other"), "h", TTL, now + TTL),
+        t.begin(&key("s", "other"), "h", "d", TTL, now + TTL),
         IdemBegin::Started
     );
     assert_eq!(t.result_bytes, 0);
     assert!(t.results.is_empty());
-    assert_eq!(t.begin(&k, "h", TTL, now + TTL), IdemBegin::Started);
+    assert_eq!(t.begin(&k, "h", "d", TTL, now + TTL), IdemBegin::Started);
 }
 
 #[test]
