@@ -427,6 +427,10 @@ pub(crate) mod fake {
         pub egress_answers: Arc<Mutex<Vec<Vec<u8>>>>,
         /// runsc's registered arguments.
         pub runsc_args: Mutex<Vec<String>>,
+        /// From this many `inspect` calls on, containers report an OOM kill (0: never), as
+        /// dockerd can flag an OOM a moment after the exit it already reported.
+        pub oom_from_inspect: AtomicUsize,
+        inspects: AtomicUsize,
         next: AtomicUsize,
     }
 
@@ -647,8 +651,11 @@ pub(crate) mod fake {
             self.record(format!("inspect {id}"))?;
             let cs = self.containers.lock().unwrap();
             let c = cs.get(id).ok_or_else(|| EngineError::NotFound(id.into()))?;
+            let n = self.inspects.fetch_add(1, Ordering::SeqCst) + 1;
+            let from = self.oom_from_inspect.load(Ordering::SeqCst);
             Ok(ContainerState {
                 running: c.running,
+                oom_killed: from > 0 && n >= from,
                 ..Default::default()
             })
         }

@@ -48,6 +48,8 @@ const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 const STATUS_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long an OOM verdict waits for the container to stop.
 const VERDICT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a vanished supervisor's container is re-read for an OOM flag set after its exit.
+const LATE_OOM_WAIT: Duration = Duration::from_millis(1500);
 /// How often the janitor and the pool check on the engine and on idle containers.
 const MAINTENANCE_EVERY: Duration = Duration::from_secs(2);
 /// Supervisor stderr kept for error messages.
@@ -272,6 +274,22 @@ impl DockerSandbox {
 }
 
 impl DockerSandbox {
+    /// dockerd can set a container's OOM flag a moment after it reported the container's exit:
+    /// reads it again a few times (at most [`LATE_OOM_WAIT`]) before concluding there was none.
+    async fn late_oom_verdict(&self, id: &str) -> bool {
+        let engine = self.engine();
+        let deadline = Instant::now() + LATE_OOM_WAIT;
+        while Instant::now() < deadline {
+            tokio::time::sleep(LATE_OOM_WAIT / 4).await;
+            match engine.inspect(id).await {
+                Ok(state) if state.oom_killed => return true,
+                Ok(_) => {}
+                Err(_) => return false,
+            }
+        }
+        false
+    }
+
     /// What the run's end means: the supervisor's report (if any) and the OOM verdict, or the
     /// error the run ends with when there is neither a report nor a kill of ours to explain it.
     async fn settle(
@@ -319,20 +337,32 @@ impl DockerSandbox {
                 }
             }
         }
+        if suspicious && !oom && report.is_none() {
+            oom = self.late_oom_verdict(id).await;
+        }
         if report.is_none() && killed.is_none() && !oom {
-            let why = match end.error {
+            match end.error {
                 Some(e) if e.is_unreachable() => {
                     return Err(SandboxError::Unavailable(format!(
                         "docker engine lost during the run: {e}"
                     )));
                 }
-                Some(e) => e.to_string(),
-                None => "the supervisor exited without a report".into(),
-            };
-            return Err(SandboxError::Setup(format!(
-                "{why}; supervisor stderr: {}",
-                String::from_utf8_lossy(&end.supervisor_stderr).trim()
-            )));
+                Some(e) => {
+                    return Err(SandboxError::Setup(format!(
+                        "{e}; supervisor stderr: {}",
+                        String::from_utf8_lossy(&end.supervisor_stderr).trim()
+                    )));
+                }
+                // The supervisor ended without a report and the engine is fine. The command
+                // cannot reach it (another uid, not dumpable), so what ended it was the
+                // sandbox itself going down under the run (a gVisor sandbox out of memory or
+                // threads): that is the run's outcome, a kill, not a daemon error.
+                None => tracing::warn!(
+                    %exec_id,
+                    supervisor_stderr = %String::from_utf8_lossy(&end.supervisor_stderr).trim(),
+                    "the sandbox ended without its supervisor's report; the run counts as killed"
+                ),
+            }
         }
         Ok((report, oom))
     }
@@ -912,6 +942,45 @@ mod tests {
         let (_, s) = sandbox(frame(b'x', b"exit 1 0 - 0 5"));
         let o = s.run(container::tests::spec()).await.unwrap();
         assert_eq!(o.killed_reason, Some(KilledReason::Pids));
+    }
+
+    /// Runs `spec` and, once its request arrived, makes the container's supervisor vanish
+    /// without a report (as a sandbox that died under a memory or fork bomb does).
+    async fn run_and_vanish(engine: &Arc<FakeEngine>, s: DockerSandbox) -> RunOutcome {
+        let run = tokio::spawn(async move { s.run(container::tests::spec()).await });
+        while engine.requests.lock().unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for id in engine.existing() {
+            engine.crash(&id);
+        }
+        match run.await {
+            Ok(Ok(o)) => o,
+            other => panic!("a vanished supervisor must be the run's outcome, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_vanished_supervisor_is_the_runs_outcome_not_an_error() {
+        let (engine, s) = sandbox(frame(b'o', b"partial"));
+        let o = run_and_vanish(&engine, s).await;
+        assert_eq!(
+            (o.exit, o.oom, o.killed_reason),
+            (ExitKind::Killed, false, Some(KilledReason::Signal))
+        );
+        assert_eq!(o.stdout, b"partial");
+    }
+
+    #[tokio::test]
+    async fn a_vanished_supervisor_waits_for_a_late_oom_verdict() {
+        let (engine, s) = sandbox(Vec::new());
+        // The first inspect still says "no OOM"; a later one says it was.
+        engine.oom_from_inspect.store(3, Ordering::SeqCst);
+        let o = run_and_vanish(&engine, s).await;
+        assert_eq!(
+            (o.exit, o.oom, o.killed_reason),
+            (ExitKind::Killed, true, Some(KilledReason::Oom))
+        );
     }
 
     #[tokio::test]
