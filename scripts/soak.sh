@@ -37,7 +37,7 @@ start_daemon() { # backend
   printf '[sandbox.docker]\nimage = "%s"\npool_size = 4\n[server.concurrency]\nlocal = 16\ndocker = 8\ngvisor = 8\n' \
     "$IMAGE" >"$WORK/$b/config.toml"
   SANDBOX_RUNTIME=$rt EXECUTOR_ARM_JWT_SECRET_FILE="$WORK/secret" EXECUTOR_ARM_AUDIT_LOG="$WORK/$b/audit.jsonl" \
-    RUST_LOG=warn "$BIN" serve --config "$WORK/$b/config.toml" --listen 127.0.0.1:0 2>"$WORK/$b/daemon.log" &
+    RUST_LOG=info "$BIN" serve --config "$WORK/$b/config.toml" --listen 127.0.0.1:0 2>"$WORK/$b/daemon.log" &
   PID[$b]=$!
   for _ in $(seq 300); do
     ADDR[$b]=$(grep -o '"addr":"[^"]*"' "$WORK/$b/daemon.log" | head -1 | cut -d'"' -f4) && [ -n "${ADDR[$b]}" ] && return
@@ -54,8 +54,10 @@ snapshot() { # backend
   fds=$(find "/proc/$pid/fd" -mindepth 1 -maxdepth 1 | wc -l)
   if [ "$b" = local ]; then
     # Run cgroups (v1 pids hierarchy or v2 runs dir), idle prepared slots (warm-N) aside.
-    cg=$(find "/sys/fs/cgroup/pids/executor-arm/d$pid" "/sys/fs/cgroup/runs/d$pid" -mindepth 1 -maxdepth 1 \
-         -type d ! -name 'warm-*' 2>/dev/null | wc -l)
+    local d
+    for d in "/sys/fs/cgroup/pids/executor-arm/d$pid" "/sys/fs/cgroup/runs/d$pid"; do
+      [ -d "$d" ] && cg=$((cg + $(find "$d" -mindepth 1 -maxdepth 1 -type d ! -name 'warm-*' | wc -l)))
+    done
   else
     # Containers of runs (idle pool containers are labelled pool-<uuid>).
     ct=$(docker ps -a --filter "label=executor-arm.instance=$(hostname)-$pid" \
@@ -65,8 +67,8 @@ snapshot() { # backend
 }
 
 for b in $BACKENDS; do start_daemon "$b"; done
-SVC=$("$BIN" token mint --kind service --secret-file "$WORK/secret" --ttl 7200 --sub soak | tail -1)
-CAP=$("$BIN" token mint --kind capability --secret-file "$WORK/secret" --ttl 7200 --sub soak \
+SVC=$("$BIN" token mint --kind service --secret-file "$WORK/secret" --ttl 3600 --sub soak | tail -1)
+CAP=$("$BIN" token mint --kind capability --secret-file "$WORK/secret" --ttl 3600 --sub soak \
       --capabilities ShellRead,ShellExecute,FilesystemRead,FilesystemWrite,PythonExecute | tail -1)
 
 cat >"$WORK/traffic.py" <<'PY'
@@ -82,7 +84,8 @@ MIX = [  # (weight, name, body overrides, expected statuses)
     (10, "python", {"action_type": "python", "command": "python3", "args": ["-c", "print(sum(range(10**5)))"]}, {200}),
     (5, "stdin", {"action_type": "python", "command": "python3", "args": ["-c", "import sys; print(len(sys.stdin.read()))"],
                   "stdin": "z" * 200000}, {200}),
-    (4, "timeout", {"action_type": "shell", "command": "sleep", "args": ["30"], "timeout_seconds": 2}, {408}),
+    (4, "timeout", {"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(30)"],
+                    "timeout_seconds": 2}, {408}),
     (3, "fork_bomb", {"action_type": "python", "command": "python3", "args": ["-c", PY_FORK], "timeout_seconds": 5}, {200, 408}),
     (3, "memory_bomb", {"action_type": "python", "command": "python3", "args": ["-c", PY_MEM], "timeout_seconds": 10}, {200, 408}),
     (3, "flood", {"action_type": "python", "command": "python3", "args": ["-c", PY_FLOOD], "timeout_seconds": 3}, {200, 408}),
@@ -138,8 +141,10 @@ PY
 addrs=""
 for b in $BACKENDS; do
   addrs="$addrs${addrs:+,}${ADDR[$b]}"
-  curl -sf "http://${ADDR[$b]}/execute" -H "Authorization: Bearer $SVC" -H 'Content-Type: application/json' \
-    -d "{\"action_type\":\"shell\",\"command\":\"echo\",\"args\":[\"warm\"],\"capability_token\":\"$CAP\"}" >/dev/null
+  code=$(curl -s -o "$WORK/$b/warm.json" -w '%{http_code}' "http://${ADDR[$b]}/execute" \
+    -H "Authorization: Bearer $SVC" -H 'Content-Type: application/json' \
+    -d "{\"action_type\":\"shell\",\"command\":\"echo\",\"args\":[\"warm\"],\"capability_token\":\"$CAP\"}")
+  [ "$code" = 200 ] || { echo "soak: $b: warm-up answered $code: $(cat "$WORK/$b/warm.json")" >&2; exit 1; }
 done
 sleep 5
 declare -A START
@@ -161,4 +166,10 @@ for b in $BACKENDS; do
 done
 echo "$RESULT" | python3 -c 'import json,sys; r=json.load(sys.stdin); [print(f"  {k:>22} {v}") for k,v in r["counts"].items()]; print("unexpected:", r["n_unexpected"], r["unexpected"][:10])'
 [ "$(echo "$RESULT" | python3 -c 'import json,sys; print(json.load(sys.stdin)["n_unexpected"])')" = 0 ] || status=1
+if [ $status -ne 0 ]; then
+  for b in $BACKENDS; do
+    echo "--- $b: the daemon's WARN/ERROR lines (last 20)" >&2
+    grep -E '"level":"(WARN|ERROR)"' "$WORK/$b/daemon.log" | tail -20 >&2
+  done
+fi
 exit $status
