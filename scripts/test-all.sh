@@ -43,7 +43,7 @@ cargo clippy --all-targets --locked -- -D warnings
 
 step "tests"
 cargo build --release --locked
-cargo test --locked --all-targets -- --test-threads=4
+cargo test --locked --all-targets --no-fail-fast -- --test-threads=4
 
 step "fuzz (every target, bounded)"
 FUZZ_JOBS=2 scripts/fuzz.sh "${FUZZ_SECONDS:-20}"
