@@ -61,7 +61,10 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     let executors = Registry::load(&config.executors.dir);
     let store: Arc<dyn StateStore> = match &config.state.redis_url {
         Some(url) => Arc::new(RedisStore::connect(url).await?),
-        None => Arc::new(MemoryStore::new(config.state.idempotency_max_bytes)),
+        None => Arc::new(MemoryStore::new(
+            config.state.idempotency_max_bytes,
+            config.auth.leeway_seconds,
+        )),
     };
     crate::api::execute::record_interrupted(&audit, &*store, &metrics).await;
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();

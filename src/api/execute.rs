@@ -126,6 +126,9 @@ pub struct ExecutionResult {
     pub error_type: Option<&'static str>,
 }
 
+/// Longest refusal reason an audit line carries, in characters.
+const MAX_REASON_CHARS: usize = 512;
+
 /// Everything known about the request so far, for refusals' audit lines.
 struct Ctx {
     request_id: String,
@@ -148,7 +151,9 @@ impl Ctx {
             request_id: self.request_id.clone(),
             status: status.as_u16(),
             error_type,
-            reason: reason.to_string(),
+            // Reasons quote what the caller sent (a kid, an option): bounded, so a refusal line
+            // stays small whatever arrives.
+            reason: crate::auth::clip(reason, MAX_REASON_CHARS),
             subject: self.subject.clone(),
             token_id: self.token_id.clone(),
             action_type: self.action_type.clone(),

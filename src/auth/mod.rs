@@ -165,6 +165,16 @@ pub fn sha256_hex(data: &[u8]) -> String {
     hex::encode(Sha256::digest(data))
 }
 
+/// At most `max` characters of `text` (then `…`), for a refusal reason that quotes what a caller
+/// sent: an unauthenticated peer must not set the size of the audit line it causes.
+pub fn clip(text: &str, max: usize) -> String {
+    let mut out: String = text.chars().take(max).collect();
+    if text.chars().nth(max).is_some() {
+        out.push('…');
+    }
+    out
+}
+
 pub fn now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -315,10 +325,12 @@ impl Authenticator {
         let header = jsonwebtoken::decode_header(token)
             .map_err(|e| rejected(format!("malformed token header: {e}")))?;
         let vk = match &header.kid {
-            Some(kid) => self
-                .by_kid
-                .get(kid)
-                .ok_or_else(|| rejected(format!("unknown kid '{}'", kid.escape_debug())))?,
+            Some(kid) => self.by_kid.get(kid).ok_or_else(|| {
+                rejected(format!(
+                    "unknown kid '{}'",
+                    clip(&kid.escape_debug().to_string(), 64)
+                ))
+            })?,
             None => self
                 .hs
                 .as_ref()
@@ -513,6 +525,19 @@ mod tests {
             vec!["ShellRead"]
         );
         assert!(a.verify(&t, TokenKind::Service).is_err());
+    }
+
+    #[test]
+    fn an_unknown_kid_is_quoted_only_in_part() {
+        let long = "A".repeat(5900);
+        let header = b64(&serde_json::json!({"alg": "HS256", "kid": long}));
+        let token = format!("{header}.e30.c2ln");
+        let Err(e) = auth().verify(&token, TokenKind::Service) else {
+            panic!("an unknown kid was accepted");
+        };
+        assert!(e.to_string().len() < 200, "{} bytes", e.to_string().len());
+        assert_eq!(clip("abc", 2), "ab…");
+        assert_eq!(clip("ab", 2), "ab");
     }
 
     #[test]

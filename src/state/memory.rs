@@ -238,13 +238,15 @@ pub struct MemoryStore {
 }
 
 impl MemoryStore {
-    /// `idempotency_max_bytes` bounds the completed results held.
-    pub fn new(idempotency_max_bytes: usize) -> Self {
+    /// `idempotency_max_bytes` bounds the completed results held. `leeway_seconds` is the clock
+    /// leeway token verification allows: a token issued up to that far in the future is accepted,
+    /// so one used just before a restart can carry an `iat` up to that much after it.
+    pub fn new(idempotency_max_bytes: usize, leeway_seconds: u64) -> Self {
         let started = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
         MemoryStore {
-            horizon: started.as_secs() + u64::from(started.subsec_nanos() > 0),
+            horizon: started.as_secs() + u64::from(started.subsec_nanos() > 0) + leeway_seconds,
             jtis: Mutex::new(HashMap::new()),
             idem: Mutex::new(IdemTable::new(idempotency_max_bytes)),
         }

@@ -155,12 +155,13 @@ impl Daemon {
         }
     }
 
-    /// Waits until a token minted now has an `iat` after the second the daemon started in. The
-    /// embedded replay store refuses single-use tokens that may predate its start, and a token
-    /// minted in the daemon's first second may. Waits on the clock, at most about a second.
+    /// Waits until a token minted now has an `iat` past the daemon's start plus the default
+    /// verification leeway (5 s). The embedded replay store refuses single-use tokens that may
+    /// predate its start, and a token whose `iat` is within the leeway of it may. Waits on the
+    /// clock, at most about six seconds.
     pub fn wait_until_tokens_postdate_start(&self) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while executor_arm::auth::now() <= self.listening_at {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while executor_arm::auth::now() <= self.listening_at + 5 {
             assert!(
                 std::time::Instant::now() < deadline,
                 "the clock did not advance"

@@ -113,7 +113,7 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
     use crate::state::{IdemBegin, IdemKey, StateStore};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
-    let store = MemoryStore::new(1 << 20);
+    let store = MemoryStore::new(1 << 20, 0);
     let lease = Duration::from_secs(60);
     let key = |k: &str| IdemKey {
         subject: "orchestrator".into(),

@@ -86,8 +86,17 @@ pub fn builtin(command: &str) -> ArgPolicy {
         "find" => (
             Parser::Plain,
             &[
-                "-exec", "-execdir", "-ok", "-okdir", "-delete", "-fprint", "-fprint0", "-fprintf",
+                "-exec",
+                "-execdir",
+                "-ok",
+                "-okdir",
+                "-delete",
+                "-fprint",
+                "-fprint0",
+                "-fprintf",
                 "-fls",
+                // Reads its starting points from a file (or stdin) and echoes them in errors.
+                "-files0-from",
             ],
         ),
         "grep" | "egrep" | "fgrep" => (Parser::Plain, &["--pre", "--pre-glob"]),

@@ -533,7 +533,11 @@ fn python() {
 fn others() {
     assert_refused(
         "find",
-        &[&[".", "-exec", "id", ";"], &[".", "-fprintf", "x", "%p"]],
+        &[
+            &[".", "-exec", "id", ";"],
+            &[".", "-fprintf", "x", "%p"],
+            &["-files0-from", "/etc/passwd", "-maxdepth", "0"],
+        ],
     );
     assert_allowed("find", &[&[".", "-name", "*.rs"], &[".", "-executable"]]);
     assert_refused("grep", &[&["--pre=sh", "x", "f"], &["--pr", "sh", "x"]]);

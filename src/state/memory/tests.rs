@@ -28,7 +28,7 @@ const TTL: Duration = Duration::from_secs(60);
 
 #[tokio::test]
 async fn jti_once_and_idempotency_states() {
-    let s = MemoryStore::new(1 << 20);
+    let s = MemoryStore::new(1 << 20, 0);
     let fresh = single_use(TokenKind::Capability, "a", Some(s.horizon));
     assert_eq!(s.claim_jti(&fresh).await.unwrap(), JtiClaim::Claimed);
     assert_eq!(s.claim_jti(&fresh).await.unwrap(), JtiClaim::Replayed);
@@ -81,7 +81,7 @@ async fn jti_once_and_idempotency_states() {
 
 #[tokio::test]
 async fn a_lapsed_claim_frees_the_key_and_cannot_be_renewed() {
-    let s = MemoryStore::new(1 << 20);
+    let s = MemoryStore::new(1 << 20, 0);
     let k = key("orch", "k");
     assert_eq!(
         s.idempotency_begin(&k, "h", "dead", Duration::ZERO)
@@ -104,7 +104,7 @@ async fn a_lapsed_claim_frees_the_key_and_cannot_be_renewed() {
 
 #[tokio::test]
 async fn a_single_use_token_that_may_predate_the_store_is_refused_and_not_recorded() {
-    let s = MemoryStore::new(1 << 20);
+    let s = MemoryStore::new(1 << 20, 0);
     let since = s.horizon;
     assert!(since >= 1, "the horizon is a real time");
     for iat in [None, Some(since - 1), Some(0)] {
@@ -128,7 +128,7 @@ async fn a_single_use_token_that_may_predate_the_store_is_refused_and_not_record
 #[test]
 fn the_horizon_is_the_first_whole_second_after_start() {
     let before = crate::auth::now();
-    let s = MemoryStore::new(1);
+    let s = MemoryStore::new(1, 0);
     let after = crate::auth::now();
     // A token with iat == the start second may have been issued just before the start.
     assert!(
@@ -253,4 +253,20 @@ fn expired_results_give_their_bytes_back() {
 #[test]
 fn scoped_keys_of_different_pairs_never_collide() {
     assert_ne!(key("a", "b:c").scoped(), key("a:b", "c").scoped());
+}
+
+/// Verification accepts an `iat` up to the leeway in the future: a token used just before a
+/// restart can carry an `iat` up to that much after the new start, so the horizon covers it.
+#[tokio::test]
+async fn the_horizon_covers_the_verification_leeway() {
+    let before = crate::auth::now();
+    let s = MemoryStore::new(1, 5);
+    assert!(s.horizon >= before + 5, "{before} {}", s.horizon);
+    let ahead = single_use(TokenKind::Capability, "ahead", Some(before + 4));
+    assert!(matches!(
+        s.claim_jti(&ahead).await.unwrap(),
+        JtiClaim::PredatesRecord { .. }
+    ));
+    let after = single_use(TokenKind::Capability, "after", Some(s.horizon));
+    assert_eq!(s.claim_jti(&after).await.unwrap(), JtiClaim::Claimed);
 }
