@@ -22,7 +22,7 @@ pub mod auth;
 pub mod config;
 pub mod egress;
 pub mod executors;
-#[cfg(fuzzing)]
+#[cfg(any(fuzzing, test))]
 pub mod fuzzing;
 pub mod metrics;
 pub mod policy;

@@ -20,9 +20,9 @@ mod request;
 mod run;
 
 // The byte parsers a sandboxed command can feed, for the fuzz targets (src/fuzzing.rs).
-#[cfg(fuzzing)]
+#[cfg(any(fuzzing, test))]
 pub(crate) use dns::decode_reply;
-#[cfg(fuzzing)]
+#[cfg(any(fuzzing, test))]
 pub(crate) use request::{BodyScanner, Framing, parse_head};
 
 pub use dns::{DnsResolver, Resolver, StaticHosts, SystemResolver};
