@@ -118,16 +118,14 @@ pub fn token(data: &[u8], hmac_sha256: fn(&[u8], &[u8]) -> [u8; 32]) {
 /// any point, and never claims more bytes than it was given.
 pub fn egress_http(data: &[u8]) {
     use crate::egress::{BodyScanner, Framing, parse_head};
-    if let Ok(head) = parse_head(data) {
-        if let Some(origin) = head.origin_head() {
-            let again = parse_head(&origin);
-            if let Ok(again) = again {
-                assert_eq!(
-                    again.body, head.body,
-                    "origin head changed the body framing"
-                );
-            }
-        }
+    if let Ok(head) = parse_head(data)
+        && let Some(origin) = head.origin_head()
+        && let Ok(again) = parse_head(&origin)
+    {
+        assert_eq!(
+            again.body, head.body,
+            "origin head changed the body framing"
+        );
     }
     let Some((&sel, rest)) = data.split_first() else {
         return;
@@ -308,7 +306,9 @@ pub fn argpolicy(data: &[u8]) {
     }
     // Every spelling of every denied option, built once per command around a placeholder value.
     const PLACEHOLDER: &str = "\u{1}value\u{1}";
-    static SPELLINGS: OnceLock<Vec<Vec<(String, Vec<String>)>>> = OnceLock::new();
+    /// Per command: (denied option, one argv spelling it).
+    type Spellings = Vec<Vec<(String, Vec<String>)>>;
+    static SPELLINGS: OnceLock<Spellings> = OnceLock::new();
     let all = SPELLINGS.get_or_init(|| {
         POLICED
             .iter()
@@ -362,7 +362,8 @@ mod tests {
                 .finalize()
                 .into()
         }
-        let targets: [(&str, &dyn Fn(&[u8])); 8] = [
+        type Target<'a> = (&'a str, &'a dyn Fn(&[u8]));
+        let targets: [Target; 8] = [
             ("execute_request", &super::execute_request),
             ("token", &|d| super::token(d, hmac_sha256)),
             ("egress_http", &super::egress_http),
