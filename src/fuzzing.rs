@@ -325,6 +325,16 @@ pub fn argpolicy(data: &[u8]) {
         return;
     }
     let (option, argv) = &spellings[usize::from(u16::from_be_bytes([*s0, *s1])) % spellings.len()];
+    // nmap parses with getopt_long_only: `-i<value>` is first read as a long option when it
+    // prefixes one (`-if` is `--iflist`), so an attached value spells the short option only when
+    // it names no long option. The spellings do not model that; attached nmap values stay plain.
+    let attached = |a: &String| !a.starts_with("--") && a.len() > PLACEHOLDER.len() + 1;
+    let value = if command == "nmap" && argv.iter().any(|a| a.contains(PLACEHOLDER) && attached(a))
+    {
+        "v".to_string()
+    } else {
+        value
+    };
     let argv: Vec<String> = argv
         .iter()
         .map(|a| a.replace(PLACEHOLDER, &value))
