@@ -4,6 +4,8 @@
 #
 # Usage: scripts/fuzz.sh [SECONDS_PER_TARGET=60] [TARGET...]
 #   FUZZ_JOBS [1]       targets fuzzed at once
+#   FUZZ_SEED [random]  libFuzzer's -seed: with it, a run repeats the same inputs in the same order
+#                       (the test command sets it, so a CI run explores what was explored before)
 #   FUZZ_CORPUS [temp]  where each target's growing corpus is kept (default: a temp dir, removed
 #                       at exit; fuzz/seeds/<target> is read, never written)
 #
@@ -42,7 +44,7 @@ run_one() {
   rm -rf "artifacts/$t"
   mkdir -p "$WORK/corpus/$t" "artifacts/$t"
   cargo fuzz run --sanitizer none "$t" "$WORK/corpus/$t" "seeds/$t" -- \
-    -max_total_time="$SECS" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+    ${FUZZ_SEED:+-seed="$FUZZ_SEED"} -max_total_time="$SECS" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
     -artifact_prefix="artifacts/$t/" >"$WORK/logs/$t.log" 2>&1
 }
 

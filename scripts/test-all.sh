@@ -46,7 +46,7 @@ cargo build --release --locked
 cargo test --locked --all-targets --no-fail-fast -- --test-threads=4
 
 step "fuzz (every target, bounded)"
-FUZZ_JOBS=2 scripts/fuzz.sh "${FUZZ_SECONDS:-20}"
+FUZZ_JOBS=2 FUZZ_SEED="${FUZZ_SEED:-1}" scripts/fuzz.sh "${FUZZ_SECONDS:-20}"
 
 step "daemon image"
 scripts/test-daemon-image.sh
