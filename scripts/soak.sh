@@ -61,7 +61,7 @@ snapshot() { # backend
   else
     # Containers of runs (idle pool containers are labelled pool-<uuid>).
     ct=$(docker ps -a --filter "label=executor-arm.instance=$(hostname)-$pid" \
-         --format '{{.Label "executor-arm.exec_id"}}' | grep -vc '^pool-' || true)
+         --format '{{.Label "executor-arm.exec_id"}}' | awk '!/^pool-/' | wc -l)
   fi
   echo "$rss $fds $cg $ct"
 }
