@@ -53,7 +53,8 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     }
     let instance_id = format!("{}-{}", hostname(), std::process::id());
     let metrics = Metrics::new();
-    let audit = AuditLog::open(&config.audit.path, &instance_id)?;
+    let audit = AuditLog::open(&config.audit.path, &instance_id)?
+        .with_refusal_rate(config.audit.refusal_rate());
     if audit.recovered().is_some() {
         metrics.audit_segments_recovered.inc();
     }

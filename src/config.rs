@@ -128,6 +128,31 @@ pub struct StaticTokenConfig {
 #[serde(deny_unknown_fields)]
 pub struct AuditConfig {
     pub path: PathBuf,
+    /// Refusal lines each class (unauthenticated 401s; refusals of authenticated callers) may
+    /// write per second once its burst is spent; the rest are counted in `refusals_suppressed`
+    /// lines.
+    #[serde(default = "default_refusal_lines_per_second")]
+    pub refusal_lines_per_second: f64,
+    /// Refusal lines each class may write at once.
+    #[serde(default = "default_refusal_burst")]
+    pub refusal_burst: u32,
+}
+
+fn default_refusal_lines_per_second() -> f64 {
+    crate::provenance::audit::RefusalRate::default().per_second
+}
+
+fn default_refusal_burst() -> u32 {
+    crate::provenance::audit::RefusalRate::default().burst
+}
+
+impl AuditConfig {
+    pub fn refusal_rate(&self) -> crate::provenance::audit::RefusalRate {
+        crate::provenance::audit::RefusalRate {
+            per_second: self.refusal_lines_per_second,
+            burst: self.refusal_burst,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -309,6 +334,12 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        let r = self.audit.refusal_lines_per_second;
+        if !(r.is_finite() && r >= 0.0) {
+            return Err(ConfigError::Invalid(
+                "audit.refusal_lines_per_second must be a number >= 0".into(),
+            ));
+        }
         if self.server.body_limit_bytes == 0 {
             return Err(ConfigError::Invalid(
                 "server.body_limit_bytes must be > 0".into(),

@@ -25,6 +25,7 @@ pub struct Metrics {
     pub audit_segments_recovered: IntCounter,
     pub audit_append_failures: IntCounterVec,
     pub interrupted_runs: IntCounter,
+    pub audit_refusals_suppressed: IntCounterVec,
 }
 
 const BUCKETS: &[f64] = &[
@@ -130,6 +131,14 @@ impl Metrics {
             "Runs an earlier daemon process started and never ended (it stopped mid-run), recorded at start",
         )
         .expect("metric");
+        let audit_refusals_suppressed = IntCounterVec::new(
+            Opts::new(
+                "executor_audit_refusals_suppressed_total",
+                "Refusals over their class's audit rate, counted in a refusals_suppressed line instead of a line each, by HTTP status",
+            ),
+            &["status"],
+        )
+        .expect("metric");
         for c in [
             Box::new(executions.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(executions_by_backend.clone()),
@@ -148,6 +157,7 @@ impl Metrics {
             Box::new(audit_segments_recovered.clone()),
             Box::new(audit_append_failures.clone()),
             Box::new(interrupted_runs.clone()),
+            Box::new(audit_refusals_suppressed.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
@@ -170,6 +180,7 @@ impl Metrics {
             audit_segments_recovered,
             audit_append_failures,
             interrupted_runs,
+            audit_refusals_suppressed,
         }
     }
 

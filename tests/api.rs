@@ -1785,3 +1785,116 @@ async fn abbreviated_options_are_judged_as_the_tool_parses_them() {
         r.text
     );
 }
+
+#[tokio::test]
+async fn a_refusal_flood_is_audited_at_its_rate_and_counted_in_full() {
+    let d = Daemon::start_with(Opts {
+        config: Some("[audit]\nrefusal_lines_per_second = 0.0\nrefusal_burst = 5\n".into()),
+        ..Opts::default()
+    });
+    let svc = d.service_token();
+    let body = json!({"action_type": "shell", "command": "echo", "args": ["x"],
+                      "capability_token": d.cap_all()})
+    .to_string();
+    for _ in 0..40 {
+        let r = d
+            .post(
+                "/execute",
+                &[("authorization", "Bearer not-a-token")],
+                body.clone(),
+            )
+            .await;
+        assert_eq!(r.status, 401, "{}", r.text);
+    }
+    // Refusals of an authenticated caller draw from their own bucket: the 401 flood did not
+    // spend it.
+    for _ in 0..3 {
+        let r = d
+            .post(
+                "/execute",
+                &[("authorization", &format!("Bearer {svc}"))],
+                json!({"action_type": "shell", "command": "rm", "capability_token": d.cap_all()})
+                    .to_string(),
+            )
+            .await;
+        assert_eq!(r.status, 403, "{}", r.text);
+    }
+    let ok = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": ["after"]}))
+        .await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
+
+    let lines = d.audit_lines();
+    let events: Vec<(&str, u64)> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["event"].as_str().unwrap_or(""),
+                l["status"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    let mut want = vec![("refusal", 401); 5];
+    want.push(("refusals_suppressed", 0));
+    want.extend([("refusal", 403); 3]);
+    want.extend([("execution_start", 0), ("execution", 0)]);
+    assert_eq!(events, want);
+    let summary = &lines[5];
+    assert_eq!(summary["count"], json!(35), "{summary}");
+    assert_eq!(summary["by_status"], json!({"401": 35}), "{summary}");
+    assert!(summary["first_at"].as_str().is_some_and(|t| !t.is_empty()));
+    let out = common::audit_verify(&d.audit);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metrics = d.get("/metrics").await.text;
+    assert!(
+        metrics.contains("executor_audit_refusals_suppressed_total{status=\"401\"} 35"),
+        "{metrics}"
+    );
+    // Every refused request is still counted as an authentication failure.
+    assert!(
+        metrics.contains("executor_auth_failures_total 40"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn suppressed_refusals_are_written_without_waiting_for_another_line() {
+    let d = Daemon::start_with(Opts {
+        config: Some("[audit]\nrefusal_lines_per_second = 0.0\nrefusal_burst = 1\n".into()),
+        ..Opts::default()
+    });
+    for _ in 0..3 {
+        let r = d
+            .post("/execute", &[("authorization", "Bearer nope")], "{}".into())
+            .await;
+        assert_eq!(r.status, 401, "{}", r.text);
+    }
+    // No other request comes: the daemon's periodic flush writes the counts.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let summary = loop {
+        if let Some(l) = d
+            .audit_lines()
+            .into_iter()
+            .find(|l| l["event"] == json!("refusals_suppressed"))
+        {
+            break l;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no refusals_suppressed line: {:?}",
+            d.audit_lines()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(summary["count"], json!(2), "{summary}");
+    let out = common::audit_verify(&d.audit);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

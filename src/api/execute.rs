@@ -140,13 +140,22 @@ struct Ctx {
 }
 
 impl Ctx {
+    /// Appends the refusal's line, unless its class is over its rate: then it is only counted
+    /// (see `AuditLog::admit_refusal`). Returns whether it got a line.
     fn audit_refusal(
         &self,
         st: &AppState,
         status: StatusCode,
         error_type: &'static str,
         reason: &str,
-    ) {
+    ) -> bool {
+        if !st.audit.admit_refusal(status.as_u16()) {
+            st.metrics
+                .audit_refusals_suppressed
+                .with_label_values(&[status.as_str()])
+                .inc();
+            return false;
+        }
         let event = AuditEvent::Refusal(Refusal {
             request_id: self.request_id.clone(),
             status: status.as_u16(),
@@ -161,12 +170,15 @@ impl Ctx {
             command_hash: self.command.as_ref().map(|c| command_hash(c, &self.args)),
         });
         record(&st.audit, &st.metrics, &event);
+        true
     }
 
     fn unauthorized(&self, st: &AppState, reason: &str) -> ApiError {
-        tracing::info!(request_id = %self.request_id, %reason, "401");
         st.metrics.auth_failures.inc();
-        self.audit_refusal(st, StatusCode::UNAUTHORIZED, "Unauthorized", reason);
+        // A flood of 401s is logged as far as it is audited: the rest are counted.
+        if self.audit_refusal(st, StatusCode::UNAUTHORIZED, "Unauthorized", reason) {
+            tracing::info!(request_id = %self.request_id, %reason, "401");
+        }
         ApiError::Unauthorized
     }
 

@@ -113,6 +113,7 @@ pub async fn run(
     let header_timeout = Duration::from_millis(state.config.server.header_read_timeout_ms);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
+    let flusher = tokio::spawn(flush_suppressed_refusals(state.clone()));
     loop {
         let (stream, _peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -154,6 +155,31 @@ pub async fn run(
             // Give killed runs a moment to clean up and answer.
             let _ = tokio::time::timeout(Duration::from_secs(5), wait_idle(&st)).await;
         }
+    }
+    flusher.abort();
+    flush_suppressed(&state);
+}
+
+/// How often counts of suppressed refusals are written when no other line comes to carry them.
+const SUPPRESSED_FLUSH_INTERVAL: Duration = Duration::from_secs(5);
+
+async fn flush_suppressed_refusals(state: Arc<AppState>) {
+    let mut every = tokio::time::interval(SUPPRESSED_FLUSH_INTERVAL);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        flush_suppressed(&state);
+    }
+}
+
+fn flush_suppressed(state: &AppState) {
+    if let Err(e) = state.audit.flush_suppressed() {
+        state
+            .metrics
+            .audit_append_failures
+            .with_label_values(&["refusals_suppressed"])
+            .inc();
+        tracing::error!(error = %e, event = "refusals_suppressed", "audit append failed");
     }
 }
 

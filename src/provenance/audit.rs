@@ -29,6 +29,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -36,6 +37,10 @@ use sha2::{Digest, Sha256};
 
 use super::{canonical_json, sha256_prefixed};
 use crate::egress::ConnRecord;
+
+mod refusals;
+use refusals::RefusalBudget;
+pub use refusals::{RefusalRate, RefusalsSuppressed};
 
 pub const GENESIS: &str = "sha256:0000000000000000000000000000000000000000000000000000000000000000";
 
@@ -100,6 +105,8 @@ pub enum AuditEvent {
     },
     /// The first line of a segment that replaces a log which did not verify.
     SegmentStart(SegmentStart),
+    /// Refusals over their class's rate, counted instead of written one by one.
+    RefusalsSuppressed(RefusalsSuppressed),
 }
 
 impl AuditEvent {
@@ -111,6 +118,7 @@ impl AuditEvent {
             AuditEvent::Execution { .. } => "execution",
             AuditEvent::ExecutionError { .. } => "execution_error",
             AuditEvent::SegmentStart(_) => "segment_start",
+            AuditEvent::RefusalsSuppressed(_) => "refusals_suppressed",
         }
     }
 }
@@ -240,6 +248,8 @@ pub struct AuditLog {
     failing: Mutex<Option<String>>,
     recovered: Option<SegmentStart>,
     interrupted: Vec<Interrupted>,
+    /// Which refusals get a line of their own (see `refusals`). Locked after `tail`, never before.
+    refusals: Mutex<RefusalBudget>,
 }
 
 impl AuditLog {
@@ -298,6 +308,7 @@ impl AuditLog {
             failing: Mutex::new(None),
             recovered: segment.clone(),
             interrupted: open.into_interrupted(),
+            refusals: Mutex::new(RefusalBudget::new(RefusalRate::default())),
         };
         if let Some(s) = segment {
             tracing::error!(
@@ -328,17 +339,74 @@ impl AuditLog {
         &self.interrupted
     }
 
+    /// How many refusals of each class get a line of their own (default: [`RefusalRate::default`]).
+    pub fn with_refusal_rate(self, rate: RefusalRate) -> AuditLog {
+        *self.refusals.lock().unwrap_or_else(|p| p.into_inner()) = RefusalBudget::new(rate);
+        self
+    }
+
+    /// Whether a refusal with HTTP `status` is to be appended as its own line. When it is not,
+    /// it has been counted, and the count is written as a `refusals_suppressed` line before the
+    /// next line of any kind or at the next [`AuditLog::flush_suppressed`].
+    pub fn admit_refusal(&self, status: u16) -> bool {
+        let at = now_rfc3339();
+        self.refusals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .admit(status, Instant::now(), &at)
+    }
+
+    /// Writes the counts of suppressed refusals, if any, as one fsync'd line; returns its seq.
+    /// The daemon calls it every few seconds and at shutdown, so a flood that stops is accounted
+    /// for without waiting for the next line.
+    pub fn flush_suppressed(&self) -> Result<Option<u64>, AuditError> {
+        let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+        let r = self.write_suppressed(&mut tail, true);
+        drop(tail);
+        self.note(&r);
+        r
+    }
+
     /// Appends one event; returns its sequence number. Every event but `execution_start` is
     /// fsync'd (an execution's end line covers its start line). A failed append leaves no part of
-    /// its line behind.
+    /// its line behind. Suppressed refusals counted since the last line are written first.
     pub fn append(&self, event: &AuditEvent) -> Result<u64, AuditError> {
         let sync = !matches!(event, AuditEvent::ExecutionStart(_));
         let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        let r = self.append_locked(&mut tail, event, sync);
+        let r = self
+            .write_suppressed(&mut tail, false)
+            .and_then(|_| self.append_locked(&mut tail, event, sync));
         drop(tail);
+        self.note(&r);
+        r
+    }
+
+    /// Remembers whether the last append failed and why (for /readyz).
+    fn note<T>(&self, r: &Result<T, AuditError>) {
         *self.failing.lock().unwrap_or_else(|p| p.into_inner()) =
             r.as_ref().err().map(AuditError::cause);
-        r
+    }
+
+    /// Writes the pending `refusals_suppressed` line, if any; on failure the counts stay pending.
+    fn write_suppressed(&self, tail: &mut Tail, sync: bool) -> Result<Option<u64>, AuditError> {
+        let pending = self
+            .refusals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take_pending();
+        let Some(counts) = pending else {
+            return Ok(None);
+        };
+        match self.append_locked(tail, &AuditEvent::RefusalsSuppressed(counts.clone()), sync) {
+            Ok(seq) => Ok(Some(seq)),
+            Err(e) => {
+                self.refusals
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .restore_pending(counts);
+                Err(e)
+            }
+        }
     }
 
     fn append_locked(
@@ -356,7 +424,7 @@ impl AuditLog {
             tail.torn = false;
         }
         let seq = tail.seq + 1;
-        let ts = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let ts = now_rfc3339();
         let (line, hash) =
             encode(event, seq, &tail.last_hash, &ts, &self.instance).map_err(|message| {
                 AuditError::Encode {
@@ -432,6 +500,10 @@ impl AuditLog {
 }
 
 /// The line for `event` (newline included) and its entry hash.
+fn now_rfc3339() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
 fn encode(
     event: &AuditEvent,
     seq: u64,

@@ -458,3 +458,57 @@ fn runs_open_in_the_good_part_of_a_broken_log_are_found() {
         .collect();
     assert_eq!(ids, ["exec-a", "exec-b"]);
 }
+
+fn refusal(status: u16) -> AuditEvent {
+    AuditEvent::Refusal(Refusal {
+        request_id: "req-r".into(),
+        status,
+        error_type: "Unauthorized",
+        reason: "bad token".into(),
+        subject: None,
+        token_id: None,
+        action_type: None,
+        command: None,
+        command_hash: None,
+    })
+}
+
+#[test]
+fn suppressed_refusals_are_written_as_one_line_before_the_next_and_the_chain_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("a.jsonl");
+    let log = AuditLog::open(&p, "i-1")
+        .unwrap()
+        .with_refusal_rate(RefusalRate {
+            per_second: 0.0,
+            burst: 2,
+        });
+    for _ in 0..6 {
+        if log.admit_refusal(401) {
+            log.append(&refusal(401)).unwrap();
+        }
+    }
+    assert_eq!(lines(&p).len(), 2, "only the burst is written");
+    assert_eq!(
+        log.append(&execution(1)).unwrap(),
+        4,
+        "the counts line came first"
+    );
+    assert_eq!(
+        log.flush_suppressed().unwrap(),
+        None,
+        "nothing left to flush"
+    );
+    let parsed: Vec<Value> = lines(&p)
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(parsed[2]["event"], "refusals_suppressed");
+    assert_eq!(parsed[2]["count"], 4);
+    assert_eq!(parsed[2]["by_status"], serde_json::json!({"401": 4}));
+    assert_eq!(parsed[3]["event"], "execution");
+    assert!(log.admit_refusal(403) && log.admit_refusal(403));
+    assert!(!log.admit_refusal(403));
+    assert_eq!(log.flush_suppressed().unwrap(), Some(5));
+    assert_eq!(verify(&p).unwrap().lines, 5);
+}
