@@ -7,6 +7,7 @@
 #
 # Usage: scripts/soak.sh [SECONDS=600] [CONCURRENCY=16]
 #   BACKENDS ["local docker gvisor"]   one daemon per backend; the workers are spread over them
+#   SAMPLE_SECONDS [60]                 how often each daemon's RSS is sampled during the traffic
 # Needs: root, python3, and for docker/gvisor a running dockerd with runc + runsc and the
 # sandbox image (scripts/setup-docker.sh, scripts/build-sandbox-image.sh).
 set -Eeuo pipefail
@@ -16,6 +17,7 @@ cd "$(dirname "$0")/.."
 SECS=${1:-600}
 CONC=${2:-16}
 BACKENDS=${BACKENDS:-"local docker gvisor"}
+SAMPLE_SECONDS=${SAMPLE_SECONDS:-60}
 IMAGE=executor-arm-sandbox:latest
 
 cargo build --release --quiet
@@ -151,7 +153,20 @@ declare -A START
 for b in $BACKENDS; do START[$b]=$(snapshot "$b"); done
 
 echo "soak: ${SECS}s at concurrency $CONC over: $BACKENDS (load at start: $(cut -d' ' -f1-3 /proc/loadavg))" >&2
+# RSS over time, so growth that levels off can be told from growth that does not.
+(
+  t0=$SECONDS
+  while sleep "$SAMPLE_SECONDS"; do
+    line="t+$((SECONDS - t0))s"
+    for b in $BACKENDS; do
+      line="$line $b=$(awk '/^VmRSS/ {print $2}' "/proc/${PID[$b]}/status" 2>/dev/null)KiB"
+    done
+    echo "$line" >>"$WORK/rss.txt"
+  done
+) &
+SAMPLER=$!
 RESULT=$(python3 "$WORK/traffic.py" "$addrs" "$SVC" "$CAP" "$SECS" "$CONC")
+kill "$SAMPLER"
 # Let kills, container removals and slot replacements finish before the end figures.
 sleep 20
 status=0
@@ -164,6 +179,8 @@ for b in $BACKENDS; do
   if ! "$BIN" audit verify "$WORK/$b/audit.jsonl" >/dev/null; then echo "soak: $b audit log does not verify" >&2; status=1; fi
   if ! kill -0 "${PID[$b]}" 2>/dev/null; then echo "soak: $b daemon died" >&2; status=1; fi
 done
+echo "RSS during the traffic:"
+if [ -f "$WORK/rss.txt" ]; then sed 's/^/  /' "$WORK/rss.txt"; fi
 echo "$RESULT" | python3 -c 'import json,sys; r=json.load(sys.stdin); [print(f"  {k:>22} {v}") for k,v in r["counts"].items()]; print("unexpected:", r["n_unexpected"], r["unexpected"][:10])'
 [ "$(echo "$RESULT" | python3 -c 'import json,sys; print(json.load(sys.stdin)["n_unexpected"])')" = 0 ] || status=1
 if [ $status -ne 0 ]; then
