@@ -111,7 +111,25 @@ fn ensure_std_fds() {
     }
 }
 
+/// Caps glibc's malloc arenas at two, unless the operator set `MALLOC_ARENA_MAX` themselves.
+///
+/// glibc gives threads that allocate concurrently arenas of their own (up to eight per core) and
+/// keeps what is freed in each. Under mixed traffic (`scripts/soak.sh`) that held the daemon's RSS
+/// at 70 MB after bursts, never returned; with two arenas it stays near 20 MB at the same load. The
+/// daemon's allocations are short request buffers, so two arenas cost no measurable contention.
+fn limit_malloc_arenas() {
+    #[cfg(target_env = "gnu")]
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+        // SAFETY: mallopt(3) only sets an allocator parameter; called first thing in main, before
+        // any thread exists.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 2);
+        }
+    }
+}
+
 fn main() -> Result<()> {
+    limit_malloc_arenas();
     ensure_std_fds();
     let cli = Cli::parse();
     match cli.cmd {
