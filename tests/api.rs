@@ -55,6 +55,22 @@ fn assert_error(r: &common::Resp, status: u16, error_type: &str) {
         "{}",
         r.text
     );
+    // Whether to retry: 429, 503 and 5xx may succeed later, other 4xx will not.
+    let retryable = status == 429 || status >= 500;
+    assert_eq!(r.json["retryable"], json!(retryable), "{}", r.text);
+    let retry_after = r
+        .headers
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if status == 429 || status == 503 {
+        assert!(
+            retry_after.is_some_and(|s| s >= 1),
+            "Retry-After on {status}"
+        );
+    } else {
+        assert_eq!(retry_after, None, "no Retry-After on {status}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1897,4 +1913,78 @@ async fn suppressed_refusals_are_written_without_waiting_for_another_line() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[tokio::test]
+async fn a_missing_capability_token_is_401_and_the_header_may_carry_it() {
+    let d = Daemon::start();
+    let svc = format!("Bearer {}", d.service_token());
+    let echo = json!({"action_type": "shell", "command": "echo", "args": ["hi"]});
+    let r = d
+        .post("/execute", &[("authorization", &svc)], echo.to_string())
+        .await;
+    assert_error(&r, 401, "Unauthorized");
+    assert_eq!(
+        r.json["error"],
+        json!("Invalid or expired capability token"),
+        "{}",
+        r.text
+    );
+    let refusal = d
+        .audit_lines()
+        .into_iter()
+        .find(|l| l["event"] == json!("refusal"))
+        .expect("the 401 is audited");
+    assert_eq!(refusal["status"], json!(401));
+    assert_eq!(refusal["reason"], json!("missing capability token"));
+
+    let cap = d.cap_all();
+    let r = d
+        .post(
+            "/execute",
+            &[("authorization", &svc), ("x-capability-token", &cap)],
+            echo.to_string(),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["stdout"], json!("hi\n"));
+    let mut both = echo.clone();
+    both["capability_token"] = json!(cap);
+    let r = d
+        .post(
+            "/execute",
+            &[("authorization", &svc), ("x-capability-token", &cap)],
+            both.to_string(),
+        )
+        .await;
+    assert_error(&r, 400, "InvalidRequest");
+}
+
+#[tokio::test]
+async fn every_error_body_says_whether_a_retry_can_help() {
+    let d = Daemon::start();
+    let svc = format!("Bearer {}", d.service_token());
+    // 404 and 405 carry the error body too.
+    let r = d.get("/no-such-endpoint").await;
+    assert_error(&r, 404, "InvalidRequest");
+    let r = d.get("/execute").await;
+    assert_error(&r, 405, "MethodNotAllowed");
+    let r = d
+        .post("/execute", &[("authorization", &svc)], "{".into())
+        .await;
+    assert_error(&r, 400, "InvalidRequest");
+    // An execution timeout is an error result that a retry does not cure.
+    let r = d
+        .exec(json!({"action_type": "python", "command": "python3",
+                     "args": ["-c", "import time; time.sleep(30)"], "timeout_seconds": 1}))
+        .await;
+    assert_eq!(r.status, 408, "{}", r.text);
+    assert_eq!(r.json["error_type"], json!("ExecutionTimeout"));
+    assert_eq!(r.json["retryable"], json!(false), "{}", r.text);
+    // A success says nothing about retrying.
+    let ok = d
+        .exec(json!({"action_type": "shell", "command": "echo"}))
+        .await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
+    assert!(ok.json.get("retryable").is_none(), "{}", ok.text);
 }

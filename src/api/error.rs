@@ -8,6 +8,8 @@ use serde_json::{Map, Value, json};
 #[derive(Debug)]
 pub enum ApiError {
     InvalidRequest(String),
+    /// The path exists, the method does not.
+    MethodNotAllowed,
     Unauthorized,
     CapabilityViolation {
         message: String,
@@ -28,6 +30,7 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::CapabilityViolation { .. } => StatusCode::FORBIDDEN,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -45,6 +48,7 @@ impl ApiError {
     pub fn error_type(&self) -> &'static str {
         match self {
             ApiError::InvalidRequest(_) => "InvalidRequest",
+            ApiError::MethodNotAllowed => "MethodNotAllowed",
             ApiError::Unauthorized => "Unauthorized",
             ApiError::CapabilityViolation { .. } => "CapabilityViolation",
             ApiError::PayloadTooLarge(_) => "PayloadTooLarge",
@@ -60,6 +64,7 @@ impl ApiError {
     pub fn message(&self) -> String {
         match self {
             ApiError::InvalidRequest(m) => m.clone(),
+            ApiError::MethodNotAllowed => "Method not allowed on this endpoint".into(),
             ApiError::Unauthorized => "Invalid or expired capability token".into(),
             ApiError::CapabilityViolation { message, .. } => message.clone(),
             ApiError::PayloadTooLarge(limit) => {
@@ -82,11 +87,28 @@ impl ApiError {
         }
     }
 
+    /// Whether the same request may succeed if sent again: 429, 503 and every 5xx are (the
+    /// daemon was busy, draining or broken); every other 4xx is terminal.
+    pub fn retryable(&self) -> bool {
+        retryable(self.status())
+    }
+
+    /// Seconds a caller should wait before retrying, sent as `Retry-After` on 429 and 503.
+    pub fn retry_after_seconds(&self) -> Option<u64> {
+        match self {
+            ApiError::Overloaded | ApiError::ShuttingDown => Some(1),
+            // A backend or the audit log is down: give it time to come back.
+            ApiError::SandboxUnavailable(_) => Some(5),
+            _ => None,
+        }
+    }
+
     pub fn body(&self) -> Value {
         let mut m = Map::new();
         m.insert("success".into(), json!(false));
         m.insert("error".into(), json!(self.message()));
         m.insert("error_type".into(), json!(self.error_type()));
+        m.insert("retryable".into(), json!(self.retryable()));
         if let ApiError::CapabilityViolation {
             allowed_commands: Some(list),
             ..
@@ -98,15 +120,20 @@ impl ApiError {
     }
 }
 
+/// The retry rule for any status: 429, 503 and 5xx may succeed later; other 4xx will not.
+pub fn retryable(status: StatusCode) -> bool {
+    status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error()
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if let ApiError::Internal(detail) = &self {
             tracing::error!(detail = %detail, "internal error");
         }
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
-        if matches!(self, ApiError::Overloaded | ApiError::ShuttingDown) {
+        if let Some(secs) = self.retry_after_seconds() {
             resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         // The rest of a late body may still be on its way: the connection cannot be reused.
         if matches!(self, ApiError::BodyTimeout(_)) {

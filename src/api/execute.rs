@@ -33,7 +33,9 @@ pub struct ExecuteRequest {
     pub args: Vec<String>,
     #[serde(default)]
     pub timeout_seconds: Option<i64>,
-    pub capability_token: String,
+    /// Absent here, it may come in the `X-Capability-Token` header; absent in both → 401.
+    #[serde(default)]
+    pub capability_token: Option<String>,
     #[serde(default)]
     pub metadata: Option<Map<String, Value>>,
     #[serde(default)]
@@ -124,7 +126,14 @@ pub struct ExecutionResult {
     pub error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error_type: Option<&'static str>,
+    /// On a result that is an error (an execution timeout): whether sending the same request
+    /// again may succeed. Never for a timeout: the same command gets the same deadline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retryable: Option<bool>,
 }
+
+/// Where a caller may send the capability token instead of the body's `capability_token`.
+pub const CAPABILITY_TOKEN_HEADER: &str = "x-capability-token";
 
 /// Longest refusal reason an audit line carries, in characters.
 const MAX_REASON_CHARS: usize = 512;
@@ -363,9 +372,21 @@ async fn handle(
     }
 
     // What this call may do.
+    let header_token = headers
+        .get(CAPABILITY_TOKEN_HEADER)
+        .map(|v| v.to_str().unwrap_or_default());
+    let token = match (req.capability_token.as_deref(), header_token) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::InvalidRequest(format!(
+                "the capability token is given twice: in the body and in {CAPABILITY_TOKEN_HEADER}"
+            )));
+        }
+        (Some(t), None) | (None, Some(t)) => t,
+        (None, None) => return Err(ctx.unauthorized(st, "missing capability token")),
+    };
     let cap = st
         .auth
-        .verify(&req.capability_token, TokenKind::Capability)
+        .verify(token, TokenKind::Capability)
         .map_err(|e| ctx.unauthorized(st, &format!("capability token: {e}")))?;
     ctx.token_id = cap.token_id.clone();
     if ctx.subject.is_none() {
@@ -728,6 +749,7 @@ async fn run_admitted(
             plan.timeout_seconds
         ));
         result.error_type = Some("ExecutionTimeout");
+        result.retryable = Some(false);
     }
     result.provenance.audit_seq = admitted.finish(run_end(&result));
     record_metrics(st, &plan, &result, &outcome);
@@ -918,6 +940,7 @@ fn build_result(plan: &Plan, o: &RunOutcome, external: bool) -> ExecutionResult 
             .then(|| o.network.clone()),
         error,
         error_type: None,
+        retryable: None,
     }
 }
 

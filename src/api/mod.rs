@@ -97,6 +97,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(ops::metrics))
         .route("/v1/executors", get(ops::executors))
         .fallback(ops::not_found)
+        .method_not_allowed_fallback(ops::method_not_allowed)
         .layer(axum::middleware::from_fn(request_id))
         .with_state(state)
 }

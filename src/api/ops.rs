@@ -139,5 +139,11 @@ pub async fn executors(State(st): State<Arc<AppState>>) -> Json<serde_json::Valu
 
 pub async fn not_found() -> Response {
     let e = ApiError::InvalidRequest("no such endpoint".into());
-    (StatusCode::NOT_FOUND, Json(e.body())).into_response()
+    let mut body = e.body();
+    body["retryable"] = serde_json::json!(super::error::retryable(StatusCode::NOT_FOUND));
+    (StatusCode::NOT_FOUND, Json(body)).into_response()
+}
+
+pub async fn method_not_allowed() -> Response {
+    ApiError::MethodNotAllowed.into_response()
 }
