@@ -5,11 +5,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use tokio::sync::{Semaphore, watch};
-
 use crate::api::AppState;
 use crate::auth::Authenticator;
 use crate::config::Config;
+use crate::execution::ExecutionService;
 use crate::executors::Registry;
 use crate::metrics::Metrics;
 use crate::policy::Policy;
@@ -52,9 +51,11 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         return Err(BuildError::NoKeys);
     }
     let instance_id = format!("{}-{}", hostname(), std::process::id());
-    let metrics = Metrics::new();
-    let audit = AuditLog::open(&config.audit.path, &instance_id)?
-        .with_refusal_rate(config.audit.refusal_rate());
+    let metrics = Arc::new(Metrics::new());
+    let audit = Arc::new(
+        AuditLog::open(&config.audit.path, &instance_id)?
+            .with_refusal_rate(config.audit.refusal_rate()),
+    );
     if audit.recovered().is_some() {
         metrics.audit_segments_recovered.inc();
     }
@@ -67,7 +68,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
             config.auth.leeway_seconds,
         )),
     };
-    crate::api::execute::record_interrupted(&audit, &*store, &metrics).await;
+    crate::execution::record::record_interrupted(&audit, &*store, &metrics).await;
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
     let egress = egress_settings(&config);
     let local = LocalSandbox::new(
@@ -103,27 +104,22 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         .filter(|(_, b)| b.supports_egress())
         .map(|(k, _)| *k)
         .collect();
-    let slots = BackendKind::ALL
-        .iter()
-        .map(|b| {
-            (
-                *b,
-                Arc::new(Semaphore::new(config.server.concurrency.for_backend(*b))),
-            )
-        })
-        .collect();
-    let (kill_switch, _) = watch::channel(false);
-    Ok(Arc::new(AppState {
+    let executions = ExecutionService::new(
+        &config,
         policy,
         executors,
+        backends,
+        store.clone(),
+        audit.clone(),
+        metrics.clone(),
+    );
+    Ok(Arc::new(AppState {
         auth,
+        executions,
         audit,
         store,
         metrics,
-        backends,
-        slots,
         draining: AtomicBool::new(false),
-        kill_switch,
         instance_id,
         host_probe,
         config,

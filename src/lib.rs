@@ -3,8 +3,10 @@
 //!
 //! # Layout
 //! A request goes down through these modules, never up:
-//! - `api`: HTTP only: routes, authentication of the caller, request parsing, errors to bodies;
-//!   `api::execute` takes a request through decide → admit → run → record.
+//! - `api`: HTTP only: routes, authentication of the caller, request parsing, idempotency, errors
+//!   to statuses and bodies; `api::execute` parses a request into an `ExecutionRequest`.
+//! - `execution`: the execution service, no HTTP: decide → admit → run → record (provenance, one
+//!   typed audit event per line, metrics), the one path every execution takes.
 //! - `auth`: service and capability tokens (JWT, static), verified into a grant.
 //! - `policy`: allowlist, sandbox profiles, argument policies, limits → a resolved `Plan`.
 //! - `executors`: operator-registered external executors (YAML) and their envelope.
@@ -21,6 +23,7 @@ pub mod app;
 pub mod auth;
 pub mod config;
 pub mod egress;
+pub mod execution;
 pub mod executors;
 #[cfg(any(fuzzing, test))]
 pub mod fuzzing;

@@ -396,7 +396,7 @@ fn spawn_sighup(state: Arc<executor_arm::api::AppState>) -> Result<()> {
         .context("install SIGHUP handler")?;
     tokio::spawn(async move {
         while hup.recv().await.is_some() {
-            let skipped = state.executors.reload();
+            let skipped = state.executions.executors().reload();
             tracing::info!(skipped = skipped.len(), "executor defs reloaded on SIGHUP");
         }
     });

@@ -5,6 +5,8 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
+use crate::execution::ExecutionError;
+
 #[derive(Debug)]
 pub enum ApiError {
     InvalidRequest(String),
@@ -125,6 +127,25 @@ pub fn retryable(status: StatusCode) -> bool {
     status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error()
 }
 
+impl From<ExecutionError> for ApiError {
+    fn from(e: ExecutionError) -> Self {
+        match e {
+            ExecutionError::Invalid(m) => ApiError::InvalidRequest(m),
+            ExecutionError::Unauthorized => ApiError::Unauthorized,
+            ExecutionError::Refused {
+                reason,
+                allowed_commands,
+            } => ApiError::CapabilityViolation {
+                message: reason,
+                allowed_commands,
+            },
+            ExecutionError::Overloaded => ApiError::Overloaded,
+            ExecutionError::Unavailable(m) => ApiError::SandboxUnavailable(m),
+            ExecutionError::Internal(m) => ApiError::Internal(m),
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if let ApiError::Internal(detail) = &self {
@@ -141,5 +162,31 @@ impl IntoResponse for ApiError {
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An execution error keeps its `error_type` as an answer: the `execution_error` line and the
+    /// caller's body name the same thing.
+    #[test]
+    fn execution_errors_keep_their_error_type() {
+        let all = [
+            ExecutionError::Invalid("x".into()),
+            ExecutionError::Unauthorized,
+            ExecutionError::Refused {
+                reason: "x".into(),
+                allowed_commands: None,
+            },
+            ExecutionError::Overloaded,
+            ExecutionError::Unavailable("x".into()),
+            ExecutionError::Internal("x".into()),
+        ];
+        for e in all {
+            let error_type = e.error_type();
+            assert_eq!(ApiError::from(e).error_type(), error_type);
+        }
     }
 }

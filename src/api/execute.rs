@@ -1,4 +1,10 @@
-//! POST /execute: authenticate, parse, authorise, admit, run, answer, audit.
+//! POST /execute: authenticate the caller, parse the request, hold its Idempotency-Key, hand it
+//! to the execution service, answer.
+//!
+//! Owns: the wire request, the order of the checks that come before a request is an
+//! [`ExecutionRequest`] (draining, service token, body, fields, capability token, idempotency),
+//! and turning a finished execution into a status and body. Must not: decide, admit or run
+//! anything itself (the execution service does).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -8,20 +14,18 @@ use axum::body::{Body, to_bytes};
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value, json};
+use serde::Deserialize;
+use serde_json::{Map, Value};
 
 use super::error::ApiError;
 use super::{AppState, RequestId};
 use crate::auth::Verified;
 use crate::config::TokenKind;
-use crate::executors::invoke::ExternalCall;
-use crate::metrics::Metrics;
-use crate::policy::{ActionType, Ask, Plan, PolicyError};
-use crate::provenance::audit::{self, AuditError, AuditEvent, AuditLog, Refusal, RunEnd};
-use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
-use crate::sandbox::{KilledReason, RunOutcome, SandboxError};
-use crate::state::{IdemBegin, IdemKey, JtiClaim, StateStore, StoredResponse};
+use crate::execution::record::{self, KnownRequest, RefusalKind};
+use crate::execution::{ClaimError, ExecutionRequest, ExternalParts, Finished, claim_single_use};
+use crate::policy::ActionType;
+use crate::provenance::sha256_prefixed;
+use crate::state::{IdemBegin, IdemKey, StoredResponse};
 
 /// The request body. Unknown fields are refused: a misspelt limit must not be silently ignored.
 #[derive(Debug, Deserialize)]
@@ -62,143 +66,54 @@ pub struct ExecuteRequest {
 }
 
 impl ExecuteRequest {
-    /// The parts of the request an external executor's invocation is built from.
-    pub fn external_call(&self) -> ExternalCall<'_> {
-        ExternalCall {
-            has_args: !self.args.is_empty(),
-            has_stdin: self.stdin.is_some(),
-            activity: self.activity.as_ref(),
-            input: self.input.as_ref(),
-            skills: self.skills.as_ref(),
-            memory: self.memory.as_ref(),
-            job: self.job.as_ref(),
-            task: self.task.as_ref(),
-            model: self.model.as_deref(),
+    /// The typed request the execution service takes, once the caller is authenticated.
+    fn into_execution(
+        self,
+        known: &KnownRequest,
+        capability: Verified,
+        action: ActionType,
+        timeout_seconds: Option<u64>,
+        idempotency_key: Option<String>,
+    ) -> ExecutionRequest {
+        ExecutionRequest {
+            request_id: known.request_id.clone(),
+            subject: known.subject.clone(),
+            capability,
+            action,
+            command: self.command,
+            args: self.args,
+            timeout_seconds,
+            profile: self.profile,
+            env: self.env,
+            stdin: self.stdin,
+            metadata: self.metadata,
+            external: ExternalParts {
+                activity: self.activity,
+                input: self.input,
+                skills: self.skills,
+                memory: self.memory,
+                job: self.job,
+                task: self.task,
+                model: self.model,
+            },
+            idempotency_key,
         }
     }
-}
-
-#[derive(Debug, Serialize)]
-pub struct Provenance {
-    pub arm_id: &'static str,
-    pub timestamp: String,
-    pub action_type: &'static str,
-    pub command_hash: String,
-    pub capabilities_used: Vec<&'static str>,
-    pub exec_id: String,
-    pub request_id: String,
-    pub token_id: Option<String>,
-    pub subject: Option<String>,
-    pub backend: &'static str,
-    pub profile: String,
-    pub invocation_hash: String,
-    pub stdout_sha256: String,
-    pub stderr_sha256: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub executor_def_sha256: Option<String>,
-    pub audit_seq: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub metadata: Option<Map<String, Value>>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct ExecutionResult {
-    pub success: bool,
-    pub stdout: String,
-    pub stderr: String,
-    pub exit_code: i32,
-    pub duration_ms: u64,
-    pub provenance: Provenance,
-    pub exec_id: String,
-    pub outcome: &'static str,
-    pub backend: &'static str,
-    pub profile: String,
-    pub stdout_truncated: bool,
-    pub stderr_truncated: bool,
-    pub peak_memory_kib: Option<u64>,
-    pub oom: bool,
-    pub killed_reason: Option<&'static str>,
-    pub error_code: Option<&'static str>,
-    /// Outbound connections through the egress proxy (egress profiles only).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub network: Option<Vec<crate::egress::ConnRecord>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub error_type: Option<&'static str>,
-    /// On a result that is an error (an execution timeout): whether sending the same request
-    /// again may succeed. Never for a timeout: the same command gets the same deadline.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub retryable: Option<bool>,
 }
 
 /// Where a caller may send the capability token instead of the body's `capability_token`.
 pub const CAPABILITY_TOKEN_HEADER: &str = "x-capability-token";
 
-/// Longest refusal reason an audit line carries, in characters.
-const MAX_REASON_CHARS: usize = 512;
-
-/// Everything known about the request so far, for refusals' audit lines.
-struct Ctx {
-    request_id: String,
-    subject: Option<String>,
-    token_id: Option<String>,
-    action_type: Option<String>,
-    command: Option<String>,
-    args: Vec<String>,
-}
-
-impl Ctx {
-    /// Appends the refusal's line, unless its class is over its rate: then it is only counted
-    /// (see `AuditLog::admit_refusal`). Returns whether it got a line.
-    fn audit_refusal(
-        &self,
-        st: &AppState,
-        status: StatusCode,
-        error_type: &'static str,
-        reason: &str,
-    ) -> bool {
-        if !st.audit.admit_refusal(status.as_u16()) {
-            st.metrics
-                .audit_refusals_suppressed
-                .with_label_values(&[status.as_str()])
-                .inc();
-            return false;
-        }
-        let event = AuditEvent::Refusal(Refusal {
-            request_id: self.request_id.clone(),
-            status: status.as_u16(),
-            error_type,
-            // Reasons quote what the caller sent (a kid, an option): bounded, so a refusal line
-            // stays small whatever arrives.
-            reason: crate::auth::clip(reason, MAX_REASON_CHARS),
-            subject: self.subject.clone(),
-            token_id: self.token_id.clone(),
-            action_type: self.action_type.clone(),
-            command: self.command.clone(),
-            command_hash: self.command.as_ref().map(|c| command_hash(c, &self.args)),
-        });
-        record(&st.audit, &st.metrics, &event);
-        true
-    }
-
-    fn unauthorized(&self, st: &AppState, reason: &str) -> ApiError {
-        st.metrics.auth_failures.inc();
-        // A flood of 401s is logged as far as it is audited: the rest are counted.
-        if self.audit_refusal(st, StatusCode::UNAUTHORIZED, "Unauthorized", reason) {
-            tracing::info!(request_id = %self.request_id, %reason, "401");
-        }
-        ApiError::Unauthorized
-    }
-
-    fn forbidden(&self, st: &AppState, reason: String, list: bool) -> ApiError {
-        st.metrics.capability_violations.inc();
-        self.audit_refusal(st, StatusCode::FORBIDDEN, "CapabilityViolation", &reason);
-        ApiError::CapabilityViolation {
-            message: reason,
-            allowed_commands: list.then(|| st.policy.allowed_names()),
-        }
-    }
+/// Counts and audits a 401 (see [`record::refusal`]); the answer is always the same body.
+fn unauthorized(st: &AppState, known: &KnownRequest, reason: &str) -> ApiError {
+    record::refusal(
+        &st.audit,
+        &st.metrics,
+        known,
+        RefusalKind::Unauthorized,
+        reason,
+    );
+    ApiError::Unauthorized
 }
 
 fn bearer(headers: &HeaderMap) -> Option<&str> {
@@ -253,19 +168,6 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
     serde_json::from_value(v).map_err(|e| ApiError::InvalidRequest(format!("invalid request: {e}")))
 }
 
-/// The wire outcome of a run.
-fn outcome_name(o: &RunOutcome) -> &'static str {
-    match o.killed_reason {
-        Some(KilledReason::Timeout) => "timeout",
-        Some(KilledReason::Oom) => "oom",
-        _ if o.oom => "oom",
-        Some(KilledReason::Signal) => "cancelled",
-        Some(KilledReason::OutputLimit) | Some(KilledReason::Pids) => "failed",
-        None if o.exit_code() == 0 && !o.stdin_broken_pipe => "success",
-        None => "failed",
-    }
-}
-
 pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response {
     // The whole request is its own task: a client that disconnects mid-run does not cancel the
     // run's audit line, metrics, in-flight gauge or stored idempotent result, only its reply.
@@ -287,15 +189,11 @@ async fn execute_detached(st: Arc<AppState>, req: Request) -> Response {
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     let (parts, body) = req.into_parts();
-    let mut ctx = Ctx {
+    let mut known = KnownRequest {
         request_id: rid,
-        subject: None,
-        token_id: None,
-        action_type: None,
-        command: None,
-        args: Vec::new(),
+        ..KnownRequest::default()
     };
-    match handle(&st, &parts.headers, body, idem_key, &mut ctx).await {
+    match handle(&st, &parts.headers, body, idem_key, &mut known).await {
         Ok(resp) => resp,
         Err(e) => {
             let label = match &e {
@@ -319,12 +217,13 @@ async fn execute_detached(st: Arc<AppState>, req: Request) -> Response {
     }
 }
 
+/// The checks of one request, in order; `known` collects what a refusal's audit line tells.
 async fn handle(
     st: &Arc<AppState>,
     headers: &HeaderMap,
     body: Body,
     idem_key: Option<String>,
-    ctx: &mut Ctx,
+    known: &mut KnownRequest,
 ) -> Result<Response, ApiError> {
     if st.is_draining() {
         return Err(ApiError::ShuttingDown);
@@ -334,11 +233,22 @@ async fn handle(
         Some(t) => st
             .auth
             .verify(t, TokenKind::Service)
-            .map_err(|e| ctx.unauthorized(st, &format!("service token: {e}")))?,
-        None => return Err(ctx.unauthorized(st, "missing Authorization: Bearer service token")),
+            .map_err(|e| unauthorized(st, known, &format!("service token: {e}")))?,
+        None => {
+            return Err(unauthorized(
+                st,
+                known,
+                "missing Authorization: Bearer service token",
+            ));
+        }
     };
-    ctx.subject = service.subject.clone();
-    claim_single_use(st, ctx, &service).await?;
+    known.subject = service.subject.clone();
+    claim_single_use(&*st.store, &service)
+        .await
+        .map_err(|e| match e {
+            ClaimError::Refused(reason) => unauthorized(st, known, &reason),
+            ClaimError::Unavailable(m) => ApiError::SandboxUnavailable(m),
+        })?;
     let raw = read_body(
         body,
         headers,
@@ -347,9 +257,9 @@ async fn handle(
     )
     .await?;
     let req = parse_request(&raw)?;
-    ctx.action_type = Some(req.action_type.clone());
-    ctx.command = Some(req.command.clone());
-    ctx.args = req.args.clone();
+    known.action_type = Some(req.action_type.clone());
+    known.command = Some(req.command.clone());
+    known.args = req.args.clone();
     let action = ActionType::parse(&req.action_type).ok_or_else(|| {
         ApiError::InvalidRequest(format!(
             "unknown action_type '{}': expected shell, http, python or external",
@@ -382,15 +292,15 @@ async fn handle(
             )));
         }
         (Some(t), None) | (None, Some(t)) => t,
-        (None, None) => return Err(ctx.unauthorized(st, "missing capability token")),
+        (None, None) => return Err(unauthorized(st, known, "missing capability token")),
     };
     let cap = st
         .auth
         .verify(token, TokenKind::Capability)
-        .map_err(|e| ctx.unauthorized(st, &format!("capability token: {e}")))?;
-    ctx.token_id = cap.token_id.clone();
-    if ctx.subject.is_none() {
-        ctx.subject = cap.subject.clone();
+        .map_err(|e| unauthorized(st, known, &format!("capability token: {e}")))?;
+    known.token_id = cap.token_id.clone();
+    if known.subject.is_none() {
+        known.subject = cap.subject.clone();
     }
 
     // Idempotency: a retry of a finished request gets the stored answer without running again.
@@ -429,8 +339,14 @@ async fn handle(
         }
         None => None,
     };
-    let idem_key = idem.as_ref().map(|l| l.key.scoped());
-    let result = run_admitted(st, req, action, timeout, &cap, ctx, idem_key).await;
+    let request = req.into_execution(
+        known,
+        cap,
+        action,
+        timeout,
+        idem.as_ref().map(|l| l.key.scoped()),
+    );
+    let result = execute_request(st, request).await;
     if let Some(lease) = idem {
         let key = lease.stop();
         let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
@@ -465,6 +381,22 @@ async fn handle(
         body,
     )
         .into_response())
+}
+
+/// Runs the request through the execution service: a finished execution is 200, or 408 when
+/// the wall clock ended it, with the result as body.
+async fn execute_request(
+    st: &AppState,
+    request: ExecutionRequest,
+) -> Result<(StatusCode, String), ApiError> {
+    let Finished { result, timed_out } = st.executions.execute(request).await?;
+    let status = if timed_out {
+        StatusCode::REQUEST_TIMEOUT
+    } else {
+        StatusCode::OK
+    };
+    let body = serde_json::to_string(&result).map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok((status, body))
 }
 
 /// Keeps this daemon's claim on an Idempotency-Key alive while its request runs: renews the lease
@@ -517,28 +449,6 @@ impl Drop for LeaseRenewal {
     }
 }
 
-/// Uses up a single-use token's jti. A replay, or a token the store cannot vouch for (issued
-/// before the embedded store's record began), is a 401.
-async fn claim_single_use(st: &AppState, ctx: &Ctx, token: &Verified) -> Result<(), ApiError> {
-    let Some(su) = &token.single_use else {
-        return Ok(());
-    };
-    let kind = match su.kind {
-        TokenKind::Service => "service token",
-        TokenKind::Capability => "capability token",
-    };
-    let reason = match st.store.claim_jti(su).await {
-        Ok(JtiClaim::Claimed) => return Ok(()),
-        Ok(JtiClaim::Replayed) => format!("{kind}: replayed single-use token"),
-        Ok(JtiClaim::PredatesRecord { since }) => format!(
-            "{kind}: single-use token issued before {since} (unix), when this daemon's replay \
-             record begins; the embedded store forgets used tokens on restart"
-        ),
-        Err(e) => return Err(ApiError::SandboxUnavailable(e.to_string())),
-    };
-    Err(ctx.unauthorized(st, &reason))
-}
-
 fn replay(r: StoredResponse) -> Response {
     let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::OK);
     (
@@ -557,453 +467,3 @@ fn replay(r: StoredResponse) -> Response {
     )
         .into_response()
 }
-
-/// From an authenticated, parsed request to a finished execution's status and JSON body.
-///
-/// The order matters: everything that can refuse the request (policy, backend, a run slot) comes
-/// before the single-use token is claimed, and the claim before the `execution_start` line; from
-/// that line on the request is admitted and ends in exactly one end line (see [`AdmittedRun`]).
-async fn run_admitted(
-    st: &Arc<AppState>,
-    req: ExecuteRequest,
-    action: ActionType,
-    timeout: Option<u64>,
-    cap: &Verified,
-    ctx: &Ctx,
-    idempotency_key: Option<String>,
-) -> Result<(StatusCode, String), ApiError> {
-    let ask = Ask {
-        action_type: Some(action),
-        command: &req.command,
-        args: &req.args,
-        timeout_seconds: timeout,
-        profile: req.profile.as_deref(),
-        env: &req.env,
-    };
-    let decided = if action == ActionType::External {
-        crate::executors::invoke::decide(
-            &st.executors,
-            &st.policy,
-            &ask,
-            &cap.grant,
-            &req.external_call(),
-        )
-    } else {
-        st.policy.decide(&ask, &cap.grant).map(|p| (p, None))
-    };
-    let (plan, external) = match decided {
-        Ok(p) => p,
-        Err(PolicyError::Refused(r)) => {
-            let list = r.rule == "allowlist";
-            return Err(ctx.forbidden(st, r.reason, list));
-        }
-        Err(PolicyError::Invalid(m)) => return Err(ApiError::InvalidRequest(m)),
-        Err(PolicyError::Unavailable(m)) => return Err(ApiError::SandboxUnavailable(m)),
-    };
-    let backend = st.backends.get(&plan.backend).cloned().ok_or_else(|| {
-        ApiError::SandboxUnavailable(format!(
-            "backend {} is not configured on this daemon",
-            plan.backend.as_str()
-        ))
-    })?;
-    let slots = st
-        .slots
-        .get(&plan.backend)
-        .cloned()
-        .ok_or_else(|| ApiError::SandboxUnavailable("no slots".into()))?;
-    let permit = slots
-        .try_acquire_owned()
-        .map_err(|_| ApiError::Overloaded)?;
-
-    let exec_id = format!("exec-{}", uuid::Uuid::new_v4().simple());
-    let (argv_tail, stdin, extra_files, def_sha) = match &external {
-        Some(x) => (
-            x.argv_tail.clone(),
-            Some(x.envelope.clone()),
-            x.extra_files.clone(),
-            Some(x.def_sha256.clone()),
-        ),
-        None => (
-            req.args.clone(),
-            req.stdin.as_ref().map(|s| s.clone().into_bytes()),
-            Vec::new(),
-            None,
-        ),
-    };
-    let mut spec = plan.run_spec(&exec_id, &argv_tail, stdin, &st.config.sandbox.docker.image);
-    spec.fs.extra_files = extra_files;
-    if let Some(x) = &external {
-        spec.env.extend(x.env.clone());
-    }
-    spec.cancel = Some(st.kill_switch.subscribe());
-    let inv_hash = invocation_hash(&json!({
-        "action_type": action.as_str(),
-        "command": plan.command,
-        "path": plan.path,
-        "args": argv_tail,
-        "stdin_sha256": spec.stdin.as_deref().map(sha256_prefixed),
-        "env": spec.env,
-        "profile": plan.profile.name,
-        "backend": plan.backend.as_str(),
-        "image": spec.image,
-        "executor_def_sha256": def_sha,
-        "limits": spec.limits,
-    }));
-    let cmd_hash = command_hash(&req.command, &req.args);
-    let timestamp = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-    let backend_label = plan.backend.as_str();
-
-    // Single-use tokens are consumed only once the request is otherwise acceptable to run.
-    claim_single_use(st, ctx, cap).await?;
-    let claimed = cap.single_use.as_ref();
-    let run = audit::Run {
-        request_id: ctx.request_id.clone(),
-        exec_id: exec_id.clone(),
-        subject: ctx.subject.clone(),
-        token_id: cap.token_id.clone(),
-        action_type: action.as_str().into(),
-        command: req.command.clone(),
-        args: req.args.clone(),
-        command_hash: cmd_hash.clone(),
-        invocation_hash: inv_hash.clone(),
-        backend: backend_label.into(),
-        profile: plan.profile.name.clone(),
-        idempotency_key,
-    };
-    // Nothing runs unaudited. A refused start bought no run: the token stays usable (and the
-    // caller releases the idempotency key on any error).
-    let admitted = match AdmittedRun::admit(&st.audit, &st.metrics, run) {
-        Ok(a) => a,
-        Err(e) => {
-            if let Some(token) = claimed
-                && let Err(e) = st.store.release_jti(token).await
-            {
-                tracing::error!(request_id = %ctx.request_id, error = %e, "single-use token not released");
-            }
-            return Err(ApiError::SandboxUnavailable(format!(
-                "audit log unavailable: {}",
-                e.cause()
-            )));
-        }
-    };
-    tracing::info!(request_id = %ctx.request_id, %exec_id, command = %plan.command, backend = backend_label, profile = %plan.profile.name, "execution start");
-
-    st.metrics
-        .inflight
-        .with_label_values(&[backend_label])
-        .inc();
-    // The run is its own task too: a panic in a backend fails this request, not the daemon.
-    let task = tokio::spawn(async move {
-        let r = backend.run(spec).await;
-        drop(permit);
-        r
-    });
-    let joined = task.await;
-    st.metrics
-        .inflight
-        .with_label_values(&[backend_label])
-        .dec();
-    // No outcome: the end line is an execution_error with what the caller is told and why.
-    let failed = match joined {
-        Ok(Ok(o)) => Ok(o),
-        Ok(Err(SandboxError::Unavailable(m))) => Err((ApiError::SandboxUnavailable(m.clone()), m)),
-        Ok(Err(e)) => Err((ApiError::Internal(format!("{exec_id}: {e}")), e.to_string())),
-        Err(e) => Err((
-            ApiError::Internal(format!("{exec_id}: run task failed: {e}")),
-            format!("run task failed: {e}"),
-        )),
-    };
-    let outcome = match failed {
-        Ok(o) => o,
-        Err((answer, error)) => {
-            admitted.fail(answer.error_type(), &error);
-            return Err(answer);
-        }
-    };
-
-    let mut result = build_result(&plan, &outcome, external.is_some());
-    result.exec_id = exec_id.clone();
-    result.provenance = Provenance {
-        arm_id: "executor",
-        timestamp,
-        action_type: action.as_str(),
-        command_hash: cmd_hash,
-        capabilities_used: plan.capabilities_used.iter().map(|c| c.as_str()).collect(),
-        exec_id: exec_id.clone(),
-        request_id: ctx.request_id.clone(),
-        token_id: cap.token_id.clone(),
-        subject: ctx.subject.clone(),
-        backend: backend_label,
-        profile: plan.profile.name.clone(),
-        invocation_hash: inv_hash,
-        stdout_sha256: sha256_prefixed(&outcome.stdout),
-        stderr_sha256: sha256_prefixed(&outcome.stderr),
-        executor_def_sha256: def_sha,
-        audit_seq: None,
-        metadata: req.metadata.clone(),
-    };
-    let timed_out = outcome.timed_out();
-    if timed_out {
-        result.error = Some(format!(
-            "Command execution exceeded timeout of {} seconds",
-            plan.timeout_seconds
-        ));
-        result.error_type = Some("ExecutionTimeout");
-        result.retryable = Some(false);
-    }
-    result.provenance.audit_seq = admitted.finish(run_end(&result));
-    record_metrics(st, &plan, &result, &outcome);
-    tracing::info!(request_id = %ctx.request_id, %exec_id, outcome = result.outcome, exit_code = result.exit_code, duration_ms = result.duration_ms, "execution end");
-    let status = if timed_out {
-        StatusCode::REQUEST_TIMEOUT
-    } else {
-        StatusCode::OK
-    };
-    let body = serde_json::to_string(&result).map_err(|e| ApiError::Internal(e.to_string()))?;
-    Ok((status, body))
-}
-
-/// An admitted execution: its `execution_start` line is written, and exactly one end line
-/// follows whatever happens — `execution` ([`AdmittedRun::finish`]), `execution_error`
-/// ([`AdmittedRun::fail`]), or, when it is dropped without either (a panic on the request
-/// path), an `execution_error` written on drop.
-struct AdmittedRun<'a> {
-    audit: &'a AuditLog,
-    metrics: &'a Metrics,
-    run: audit::Run,
-    ended: bool,
-}
-
-impl<'a> AdmittedRun<'a> {
-    /// Writes the start line; when that fails nothing may run. The line is not fsync'd on its
-    /// own: the end line's fsync covers it, one per request.
-    fn admit(
-        audit: &'a AuditLog,
-        metrics: &'a Metrics,
-        run: audit::Run,
-    ) -> Result<Self, AuditError> {
-        let event = AuditEvent::ExecutionStart(run.clone());
-        if let Err(e) = audit.append(&event) {
-            count_failed_append(metrics, &event, &e);
-            return Err(e);
-        }
-        Ok(AdmittedRun {
-            audit,
-            metrics,
-            run,
-            ended: false,
-        })
-    }
-
-    /// The run reached an outcome; returns the end line's seq.
-    fn finish(mut self, end: RunEnd) -> Option<u64> {
-        self.ended = true;
-        let event = AuditEvent::Execution {
-            run: self.run.clone(),
-            end: Box::new(end),
-        };
-        record(self.audit, self.metrics, &event)
-    }
-
-    /// The run ended without an outcome.
-    fn fail(mut self, error_type: &'static str, error: &str) -> Option<u64> {
-        self.ended = true;
-        self.write_error(error_type, error)
-    }
-
-    fn write_error(&self, error_type: &'static str, error: &str) -> Option<u64> {
-        self.metrics
-            .executions
-            .with_label_values(&[self.run.action_type.as_ref(), "false"])
-            .inc();
-        self.metrics
-            .executions_by_backend
-            .with_label_values(&[self.run.backend.as_ref(), &self.run.profile, "error"])
-            .inc();
-        let event = AuditEvent::ExecutionError {
-            run: self.run.clone(),
-            error_type,
-            error: error.to_string(),
-        };
-        record(self.audit, self.metrics, &event)
-    }
-}
-
-impl Drop for AdmittedRun<'_> {
-    fn drop(&mut self) {
-        if !self.ended {
-            self.write_error(
-                "InternalError",
-                "the request ended before its run's end line was written",
-            );
-        }
-    }
-}
-
-/// Ends the runs an earlier daemon process started on this audit log and never ended (it
-/// stopped mid-run: a crash, a kill): one `execution_error` line each, and the Idempotency-Key
-/// such a run held is released so that a retry runs. Called once at start, before serving.
-pub async fn record_interrupted(audit: &AuditLog, store: &dyn StateStore, metrics: &Metrics) {
-    for i in audit.interrupted() {
-        tracing::warn!(
-            exec_id = %i.run.exec_id,
-            instance = %i.instance,
-            start_seq = i.seq,
-            "a run of an earlier daemon process never ended: recording it"
-        );
-        let event = AuditEvent::ExecutionError {
-            run: i.run.clone(),
-            error_type: "DaemonStopped",
-            error: format!(
-                "the daemon (instance {}) stopped during the run",
-                i.instance
-            ),
-        };
-        record(audit, metrics, &event);
-        metrics.interrupted_runs.inc();
-        let Some(scoped) = &i.run.idempotency_key else {
-            continue;
-        };
-        let Some(key) = IdemKey::from_scoped(scoped) else {
-            tracing::error!(exec_id = %i.run.exec_id, idempotency_key = %scoped, "idempotency key of an interrupted run not released: not a scoped key");
-            continue;
-        };
-        if let Err(e) = store.idempotency_release(&key, &i.instance).await {
-            tracing::error!(exec_id = %i.run.exec_id, error = %e, "idempotency key of an interrupted run not released");
-        }
-    }
-}
-
-/// Appends `event`. A failure is logged and counted, not returned: the answer still goes out.
-fn record(audit: &AuditLog, metrics: &Metrics, event: &AuditEvent) -> Option<u64> {
-    match audit.append(event) {
-        Ok(seq) => Some(seq),
-        Err(e) => {
-            count_failed_append(metrics, event, &e);
-            None
-        }
-    }
-}
-
-fn count_failed_append(metrics: &Metrics, event: &AuditEvent, e: &AuditError) {
-    metrics
-        .audit_append_failures
-        .with_label_values(&[event.name()])
-        .inc();
-    tracing::error!(error = %e, event = event.name(), "audit append failed");
-}
-
-fn build_result(plan: &Plan, o: &RunOutcome, external: bool) -> ExecutionResult {
-    let outcome = outcome_name(o);
-    let success = outcome == "success";
-    let (error_code, error) = if external {
-        crate::executors::invoke::error_fields(o, outcome)
-    } else {
-        (None, None)
-    };
-    ExecutionResult {
-        success,
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-        exit_code: o.exit_code(),
-        duration_ms: o.duration.as_millis() as u64,
-        provenance: Provenance {
-            arm_id: "executor",
-            timestamp: String::new(),
-            action_type: plan.action_type.as_str(),
-            command_hash: String::new(),
-            capabilities_used: Vec::new(),
-            exec_id: String::new(),
-            request_id: String::new(),
-            token_id: None,
-            subject: None,
-            backend: plan.backend.as_str(),
-            profile: String::new(),
-            invocation_hash: String::new(),
-            stdout_sha256: String::new(),
-            stderr_sha256: String::new(),
-            executor_def_sha256: None,
-            audit_seq: None,
-            metadata: None,
-        },
-        exec_id: String::new(),
-        outcome,
-        backend: plan.backend.as_str(),
-        profile: plan.profile.name.clone(),
-        stdout_truncated: o.stdout_truncated,
-        stderr_truncated: o.stderr_truncated,
-        peak_memory_kib: o.peak_memory_kib,
-        oom: o.oom,
-        killed_reason: o.killed_reason.map(KilledReason::as_str),
-        error_code,
-        network: (plan.profile.network.mode == crate::policy::profile::NetworkMode::Egress)
-            .then(|| o.network.clone()),
-        error,
-        error_type: None,
-        retryable: None,
-    }
-}
-
-/// The audit end line's view of a result.
-fn run_end(r: &ExecutionResult) -> RunEnd {
-    RunEnd {
-        capabilities_used: r.provenance.capabilities_used.clone(),
-        outcome: r.outcome,
-        exit_code: r.exit_code,
-        duration_ms: r.duration_ms,
-        killed_reason: r.killed_reason,
-        oom: r.oom,
-        peak_memory_kib: r.peak_memory_kib,
-        stdout_sha256: r.provenance.stdout_sha256.clone(),
-        stderr_sha256: r.provenance.stderr_sha256.clone(),
-        stdout_truncated: r.stdout_truncated,
-        stderr_truncated: r.stderr_truncated,
-        executor_def_sha256: r.provenance.executor_def_sha256.clone(),
-        error_code: r
-            .provenance
-            .executor_def_sha256
-            .is_some()
-            .then_some(r.error_code),
-        network: r.network.clone(),
-        metadata: r.provenance.metadata.clone(),
-    }
-}
-
-fn record_metrics(st: &AppState, plan: &Plan, r: &ExecutionResult, o: &RunOutcome) {
-    let m = &st.metrics;
-    m.executions
-        .with_label_values(&[
-            plan.action_type.as_str(),
-            if r.success { "true" } else { "false" },
-        ])
-        .inc();
-    m.executions_by_backend
-        .with_label_values(&[plan.backend.as_str(), &plan.profile.name, r.outcome])
-        .inc();
-    m.duration.observe(o.duration.as_secs_f64());
-    m.duration_by_backend
-        .with_label_values(&[plan.backend.as_str()])
-        .observe(o.duration.as_secs_f64());
-    if o.timed_out() {
-        m.timeouts.inc();
-    }
-    if o.oom {
-        m.ooms.inc();
-    }
-    if o.killed_reason == Some(KilledReason::OutputLimit) {
-        m.output_truncations.inc();
-    }
-    for c in &o.network {
-        let verdict = if c.allowed {
-            "allowed"
-        } else if c.is_refusal() {
-            "refused"
-        } else {
-            "failed"
-        };
-        m.egress_connections.with_label_values(&[verdict]).inc();
-    }
-}
-
-#[cfg(test)]
-mod tests;

@@ -1,13 +1,13 @@
 //! The HTTP layer: routes, request ids, the accept loop with header-read timeout, graceful drain.
 //!
-//! Owns: parsing and answering HTTP. Must not: know cgroups, Landlock or Docker (it sees only the
-//! `Sandbox` trait) or decide policy (it asks `Policy`).
+//! Owns: parsing and answering HTTP, authenticating callers, idempotency, mapping errors to
+//! statuses and bodies. Must not: decide, admit or run an execution (it hands a typed request to
+//! the execution service), know cgroups, Landlock or Docker, or decide policy.
 
 pub mod error;
 pub mod execute;
 pub mod ops;
 
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,15 +21,12 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, watch};
 
 use crate::auth::Authenticator;
 use crate::config::Config;
-use crate::executors::Registry;
+use crate::execution::ExecutionService;
 use crate::metrics::Metrics;
-use crate::policy::Policy;
 use crate::provenance::audit::AuditLog;
-use crate::sandbox::{BackendKind, Sandbox};
 use crate::state::StateStore;
 
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -37,17 +34,15 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Everything a request handler may use.
 pub struct AppState {
     pub config: Config,
-    pub policy: Policy,
-    pub executors: Registry,
     pub auth: Authenticator,
-    pub audit: AuditLog,
+    /// Decides, admits, runs and records executions; holds the policy, the executor registry and
+    /// the backends.
+    pub executions: ExecutionService,
+    /// The audit log, the state store and the metrics the execution service shares.
+    pub audit: Arc<AuditLog>,
     pub store: Arc<dyn StateStore>,
-    pub metrics: Metrics,
-    pub backends: BTreeMap<BackendKind, Arc<dyn Sandbox>>,
-    pub slots: BTreeMap<BackendKind, Arc<Semaphore>>,
+    pub metrics: Arc<Metrics>,
     pub draining: AtomicBool,
-    /// Flipped to true when the shutdown grace period ends: running executions are killed.
-    pub kill_switch: watch::Sender<bool>,
     pub instance_id: String,
     /// What the kernel offers the local backend (None when it is not configured).
     pub host_probe: Option<crate::sandbox::probe::HostProbe>,
@@ -152,9 +147,9 @@ pub async fn run(
         _ = graceful.shutdown() => {}
         _ = tokio::time::sleep(grace) => {
             tracing::warn!("shutdown grace period over: killing running executions");
-            let _ = st.kill_switch.send(true);
+            st.executions.kill_running();
             // Give killed runs a moment to clean up and answer.
-            let _ = tokio::time::timeout(Duration::from_secs(5), wait_idle(&st)).await;
+            let _ = tokio::time::timeout(Duration::from_secs(5), st.executions.wait_idle()).await;
         }
     }
     flusher.abort();
@@ -181,20 +176,6 @@ fn flush_suppressed(state: &AppState) {
             .with_label_values(&["refusals_suppressed"])
             .inc();
         tracing::error!(error = %e, event = "refusals_suppressed", "audit append failed");
-    }
-}
-
-/// Resolves when no execution holds a slot.
-pub async fn wait_idle(state: &AppState) {
-    loop {
-        let busy = state
-            .slots
-            .iter()
-            .any(|(b, s)| s.available_permits() < state.config.server.concurrency.for_backend(*b));
-        if !busy {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

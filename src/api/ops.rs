@@ -23,10 +23,11 @@ pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
     if st.is_draining() {
         reasons.push("shutting down".to_string());
     }
+    let default_backend = st.executions.policy().default_backend;
     let mut backends = Vec::new();
-    for (kind, b) in &st.backends {
+    for (kind, b) in st.executions.backends() {
         let s = b.status().await;
-        if *kind == st.policy.default_backend && !s.ready {
+        if *kind == default_backend && !s.ready {
             reasons.push(format!(
                 "default backend {} not ready: {}",
                 kind.as_str(),
@@ -35,10 +36,10 @@ pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
         }
         backends.push(s);
     }
-    if !st.backends.contains_key(&st.policy.default_backend) {
+    if !st.executions.backends().contains_key(&default_backend) {
         reasons.push(format!(
             "default backend {} is not configured",
-            st.policy.default_backend.as_str()
+            default_backend.as_str()
         ));
     }
     if let Err(e) = st.store.healthy().await {
@@ -63,11 +64,11 @@ pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
 
 pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let mut backends = Vec::new();
-    for b in st.backends.values() {
+    for b in st.executions.backends().values() {
         backends.push(b.status().await);
     }
-    let commands: Vec<_> = st
-        .policy
+    let policy = st.executions.policy();
+    let commands: Vec<_> = policy
         .commands
         .values()
         .map(|c| {
@@ -80,38 +81,37 @@ pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::V
             })
         })
         .collect();
-    let profiles: Vec<_> = st
-        .policy
+    let profiles: Vec<_> = policy
         .profiles
         .values()
         .map(|p| {
             json!({
                 "name": p.name,
                 "description": p.description,
-                "backend": p.backend(st.policy.default_backend),
+                "backend": p.backend(policy.default_backend),
                 "network": p.network.mode,
-                "available": p.network.mode == NetworkMode::None || st.policy.egress_backends.contains(&p.backend(st.policy.default_backend)),
+                "available": p.network.mode == NetworkMode::None || policy.egress_backends.contains(&p.backend(policy.default_backend)),
                 "limits": p.limits,
             })
         })
         .collect();
     let mut caps = vec!["shell_execution", "python_execution"];
-    if !st.policy.egress_backends.is_empty() {
+    if !policy.egress_backends.is_empty() {
         caps.push("http_requests");
     }
-    if !st.executors.list().is_empty() {
+    if !st.executions.executors().list().is_empty() {
         caps.push("external_execution");
     }
     Json(json!({
         "capabilities": caps,
-        "allowed_commands": st.policy.allowed_names(),
+        "allowed_commands": policy.allowed_names(),
         "version": VERSION,
         "commands": commands,
-        "disabled_commands": st.policy.disabled.iter().map(|(n, why)| json!({"name": n, "reason": why})).collect::<Vec<_>>(),
-        "default_backend": st.policy.default_backend,
+        "disabled_commands": policy.disabled.iter().map(|(n, why)| json!({"name": n, "reason": why})).collect::<Vec<_>>(),
+        "default_backend": policy.default_backend,
         "backends": backends,
         "profiles": profiles,
-        "executors": st.executors.list(),
+        "executors": st.executions.executors().list(),
         "host": st.host_probe,
         "limits": {
             "timeout_seconds_max": crate::policy::profile::MAX_TIMEOUT_SECONDS,
@@ -134,7 +134,7 @@ pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
 }
 
 pub async fn executors(State(st): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    Json(json!({ "executors": st.executors.list() }))
+    Json(json!({ "executors": st.executions.executors().list() }))
 }
 
 pub async fn not_found() -> Response {

@@ -20,7 +20,7 @@
 //! handed to the caller ([`AuditLog::interrupted`]), which records how they ended.
 //!
 //! Owns: the line format, the chain and segments, `seq`/`prev_hash`/`entry_hash`/`ts`/`instance`.
-//! Must not: decide what is audited (the api layer builds the events).
+//! Must not: decide what is audited (the execution service and the api layer build the events).
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};

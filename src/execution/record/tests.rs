@@ -1,4 +1,9 @@
+use std::time::Duration;
+
+use serde_json::Value;
+
 use super::*;
+use crate::provenance::sha256_prefixed;
 
 fn run(exec_id: &str) -> audit::Run {
     audit::Run {
@@ -43,8 +48,8 @@ fn end() -> RunEnd {
 fn an_admitted_run_always_ends_in_exactly_one_end_line() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
-    let log = AuditLog::open(&path, "i-1").unwrap();
-    let metrics = Metrics::new();
+    let log = Arc::new(AuditLog::open(&path, "i-1").unwrap());
+    let metrics = Arc::new(Metrics::new());
 
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _admitted = AdmittedRun::admit(&log, &metrics, run("exec-a")).unwrap();
@@ -136,8 +141,8 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
         IdemBegin::Started
     );
     {
-        let log = AuditLog::open(&path, "old-1").unwrap();
-        let metrics = Metrics::new();
+        let log = Arc::new(AuditLog::open(&path, "old-1").unwrap());
+        let metrics = Arc::new(Metrics::new());
         // A crash: the start lines are written, the runs never end.
         std::mem::forget(AdmittedRun::admit(&log, &metrics, keyed).unwrap());
         std::mem::forget(AdmittedRun::admit(&log, &metrics, run("exec-b")).unwrap());

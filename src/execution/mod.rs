@@ -1,0 +1,597 @@
+//! The execution service: one execution, from a typed request to a recorded result, with no HTTP
+//! around it.
+//!
+//! The path of one execution, top to bottom — [`ExecutionService::admit`], then
+//! [`Execution::run`]:
+//! 1. **decide**: the allowlist ([`Policy::decide`]) or a registered external executor
+//!    ([`invoke::decide`]) turns the request into a [`Plan`]; a refusal gets its audit line.
+//! 2. **admit**: the plan's backend and one of its run slots, then the claim of a single-use
+//!    capability token, then the `execution_start` line. Everything that can refuse the request
+//!    comes before the claim, so a refused request does not use the token up; the claim comes
+//!    before the start line, so nothing runs on a replayed token.
+//! 3. **run**: the plan's [`RunSpec`] on the backend, in a task of its own.
+//! 4. **record**: the result and its provenance, the one end line, the metrics.
+//!
+//! The api layer parses and authenticates a request into an [`ExecutionRequest`] and maps
+//! [`ExecutionError`] and [`Finished`] to HTTP. Between the two calls the caller holds an
+//! [`Execution`]: its `exec_id` is known and its start line written before anything runs.
+//!
+//! Owns: that order, the backends and their run slots, the kill switch of running executions.
+//! Must not: know HTTP, or any backend's mechanism (it sees only the `Sandbox` trait).
+
+pub mod record;
+pub mod result;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Map, Value, json};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+
+use self::record::{AdmittedRun, KnownRequest, RefusalKind};
+use self::result::{ExecutionResult, Provenance, outcome_name};
+use crate::auth::Verified;
+use crate::config::{Config, TokenKind};
+use crate::executors::Registry;
+use crate::executors::invoke::{self, ExternalCall, ExternalInvocation};
+use crate::metrics::Metrics;
+use crate::policy::profile::NetworkMode;
+use crate::policy::{ActionType, Ask, Plan, Policy, PolicyError};
+use crate::provenance::audit::{self, AuditLog, RunEnd};
+use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
+use crate::sandbox::{BackendKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError};
+use crate::state::{JtiClaim, StateStore};
+
+/// One execution as asked for: parsed and its caller authenticated, not yet decided.
+#[derive(Debug, Clone)]
+pub struct ExecutionRequest {
+    pub request_id: String,
+    /// The calling service's subject, else the capability token's.
+    pub subject: Option<String>,
+    /// The verified capability token: what this execution may do.
+    pub capability: Verified,
+    pub action: ActionType,
+    pub command: String,
+    pub args: Vec<String>,
+    /// Already within the wire's bounds; the policy clamps it further.
+    pub timeout_seconds: Option<u64>,
+    pub profile: Option<String>,
+    pub env: BTreeMap<String, String>,
+    pub stdin: Option<String>,
+    /// Echoed into provenance and the end line, never interpreted.
+    pub metadata: Option<Map<String, Value>>,
+    /// The envelope's parts, for `external`.
+    pub external: ExternalParts,
+    /// The Idempotency-Key the execution holds, as the state store scopes it (its audit lines
+    /// carry it, so a daemon that stops mid-run can release it at its next start).
+    pub idempotency_key: Option<String>,
+}
+
+/// What an `external` request carries for the executor's envelope and runtime model.
+#[derive(Debug, Clone, Default)]
+pub struct ExternalParts {
+    pub activity: Option<Value>,
+    pub input: Option<Value>,
+    pub skills: Option<Value>,
+    pub memory: Option<Value>,
+    pub job: Option<Value>,
+    pub task: Option<Value>,
+    pub model: Option<String>,
+}
+
+impl ExecutionRequest {
+    /// The parts an external executor's invocation is built from.
+    fn external_call(&self) -> ExternalCall<'_> {
+        let x = &self.external;
+        ExternalCall {
+            has_args: !self.args.is_empty(),
+            has_stdin: self.stdin.is_some(),
+            activity: x.activity.as_ref(),
+            input: x.input.as_ref(),
+            skills: x.skills.as_ref(),
+            memory: x.memory.as_ref(),
+            job: x.job.as_ref(),
+            task: x.task.as_ref(),
+            model: x.model.as_deref(),
+        }
+    }
+
+    /// The request as a refusal's audit line tells it.
+    fn known(&self) -> KnownRequest {
+        KnownRequest {
+            request_id: self.request_id.clone(),
+            subject: self.subject.clone(),
+            token_id: self.capability.token_id.clone(),
+            action_type: Some(self.action.as_str().to_string()),
+            command: Some(self.command.clone()),
+            args: self.args.clone(),
+        }
+    }
+}
+
+/// Why an execution did not reach an outcome. Refusals (`Unauthorized`, `Refused`) have been
+/// audited by the time they are returned.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecutionError {
+    /// The request is malformed in a way only deciding it shows (400).
+    #[error("{0}")]
+    Invalid(String),
+    /// A single-use capability token was replayed or cannot be vouched for (401).
+    #[error("single-use capability token refused")]
+    Unauthorized,
+    /// The policy refused the request (403); `allowed_commands` when the allowlist did.
+    #[error("{reason}")]
+    Refused {
+        reason: String,
+        allowed_commands: Option<Vec<String>>,
+    },
+    /// Every run slot of the backend is taken (429).
+    #[error("too many executions in progress")]
+    Overloaded,
+    /// A backend, the audit log or the state store cannot serve the request (503).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The run failed inside the daemon; the detail is for the log only (500).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ExecutionError {
+    /// The error vocabulary of the wire and of `execution_error` lines.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            ExecutionError::Invalid(_) => "InvalidRequest",
+            ExecutionError::Unauthorized => RefusalKind::Unauthorized.error_type(),
+            ExecutionError::Refused { .. } => RefusalKind::CapabilityViolation.error_type(),
+            ExecutionError::Overloaded => "Overloaded",
+            ExecutionError::Unavailable(_) => "SandboxUnavailable",
+            ExecutionError::Internal(_) => "InternalError",
+        }
+    }
+}
+
+/// An execution that ran to an outcome.
+#[derive(Debug)]
+pub struct Finished {
+    pub result: ExecutionResult,
+    /// The wall clock ended it: the result is also an error (`ExecutionTimeout`).
+    pub timed_out: bool,
+}
+
+/// Why a single-use token could not be claimed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimError {
+    /// Replayed, or issued before the store's record begins: a 401, with the reason.
+    Refused(String),
+    /// The state store did not answer.
+    Unavailable(String),
+}
+
+/// Uses up a single-use token's jti (a token that is not single-use passes). A replay, or a token
+/// the store cannot vouch for (issued before the embedded store's record began), is refused.
+pub async fn claim_single_use(store: &dyn StateStore, token: &Verified) -> Result<(), ClaimError> {
+    let Some(su) = &token.single_use else {
+        return Ok(());
+    };
+    let kind = match su.kind {
+        TokenKind::Service => "service token",
+        TokenKind::Capability => "capability token",
+    };
+    match store.claim_jti(su).await {
+        Ok(JtiClaim::Claimed) => Ok(()),
+        Ok(JtiClaim::Replayed) => Err(ClaimError::Refused(format!(
+            "{kind}: replayed single-use token"
+        ))),
+        Ok(JtiClaim::PredatesRecord { since }) => Err(ClaimError::Refused(format!(
+            "{kind}: single-use token issued before {since} (unix), when this daemon's replay \
+             record begins; the embedded store forgets used tokens on restart"
+        ))),
+        Err(e) => Err(ClaimError::Unavailable(e.to_string())),
+    }
+}
+
+/// The run slots of one backend: at most `size` of its executions run at once.
+struct RunSlots {
+    free: Arc<Semaphore>,
+    size: usize,
+}
+
+/// Decides, admits, runs and records executions. Shared by every request of the daemon.
+pub struct ExecutionService {
+    policy: Policy,
+    executors: Registry,
+    backends: BTreeMap<BackendKind, Arc<dyn Sandbox>>,
+    slots: BTreeMap<BackendKind, RunSlots>,
+    store: Arc<dyn StateStore>,
+    audit: Arc<AuditLog>,
+    metrics: Arc<Metrics>,
+    /// The image of container runs whose profile names none.
+    default_image: String,
+    /// Flipped to true when running executions must be killed (the shutdown grace is over).
+    kill_switch: watch::Sender<bool>,
+}
+
+impl ExecutionService {
+    /// The service over these parts; run slots per backend come from `server.concurrency`.
+    pub fn new(
+        config: &Config,
+        policy: Policy,
+        executors: Registry,
+        backends: BTreeMap<BackendKind, Arc<dyn Sandbox>>,
+        store: Arc<dyn StateStore>,
+        audit: Arc<AuditLog>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let slots = BackendKind::ALL
+            .iter()
+            .map(|b| {
+                let size = config.server.concurrency.for_backend(*b);
+                let free = Arc::new(Semaphore::new(size));
+                (*b, RunSlots { free, size })
+            })
+            .collect();
+        ExecutionService {
+            policy,
+            executors,
+            backends,
+            slots,
+            store,
+            audit,
+            metrics,
+            default_image: config.sandbox.docker.image.clone(),
+            kill_switch: watch::channel(false).0,
+        }
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    pub fn executors(&self) -> &Registry {
+        &self.executors
+    }
+
+    pub fn backends(&self) -> &BTreeMap<BackendKind, Arc<dyn Sandbox>> {
+        &self.backends
+    }
+
+    /// Kills every running execution (each ends with `killed_reason: signal`), and every one
+    /// admitted from now on as soon as it starts.
+    pub fn kill_running(&self) {
+        let _ = self.kill_switch.send(true);
+    }
+
+    /// Resolves when no execution holds a run slot.
+    pub async fn wait_idle(&self) {
+        while self
+            .slots
+            .values()
+            .any(|s| s.free.available_permits() < s.size)
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Admits one execution: decides it, takes a run slot, claims a single-use capability
+    /// token and writes the start line, in that order (see the module's header). The returned
+    /// [`Execution`] has not started.
+    pub async fn admit(&self, req: ExecutionRequest) -> Result<Execution, ExecutionError> {
+        let (plan, external) = self.decide(&req)?;
+        let backend = self.backends.get(&plan.backend).cloned().ok_or_else(|| {
+            ExecutionError::Unavailable(format!(
+                "backend {} is not configured on this daemon",
+                plan.backend.as_str()
+            ))
+        })?;
+        let slots = self
+            .slots
+            .get(&plan.backend)
+            .ok_or_else(|| ExecutionError::Unavailable("no slots".into()))?;
+        let slot = slots
+            .free
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ExecutionError::Overloaded)?;
+
+        let exec_id = format!("exec-{}", uuid::Uuid::new_v4().simple());
+        let (spec, invocation_hash) = self.run_spec(&exec_id, &plan, &req, external.as_ref());
+        let timestamp = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+
+        // Single-use tokens are consumed only once the request is otherwise acceptable to run.
+        match claim_single_use(&*self.store, &req.capability).await {
+            Ok(()) => {}
+            Err(ClaimError::Refused(reason)) => {
+                self.refuse(&req, RefusalKind::Unauthorized, &reason);
+                return Err(ExecutionError::Unauthorized);
+            }
+            Err(ClaimError::Unavailable(m)) => return Err(ExecutionError::Unavailable(m)),
+        }
+        let run = audit::Run {
+            request_id: req.request_id.clone(),
+            exec_id: exec_id.clone(),
+            subject: req.subject.clone(),
+            token_id: req.capability.token_id.clone(),
+            action_type: req.action.as_str().into(),
+            command_hash: command_hash(&req.command, &req.args),
+            command: req.command,
+            args: req.args,
+            invocation_hash,
+            backend: plan.backend.as_str().into(),
+            profile: plan.profile.name.clone(),
+            idempotency_key: req.idempotency_key,
+        };
+        // Nothing runs unaudited. A refused start bought no run: the token stays usable (and the
+        // caller releases the idempotency key on any error).
+        let admitted = match AdmittedRun::admit(&self.audit, &self.metrics, run) {
+            Ok(a) => a,
+            Err(e) => {
+                if let Some(token) = &req.capability.single_use
+                    && let Err(e) = self.store.release_jti(token).await
+                {
+                    tracing::error!(request_id = %req.request_id, error = %e, "single-use token not released");
+                }
+                return Err(ExecutionError::Unavailable(format!(
+                    "audit log unavailable: {}",
+                    e.cause()
+                )));
+            }
+        };
+        tracing::info!(request_id = %req.request_id, %exec_id, command = %plan.command, backend = plan.backend.as_str(), profile = %plan.profile.name, "execution start");
+        Ok(Execution {
+            plan,
+            spec,
+            backend,
+            slot,
+            executor_def_sha256: external.map(|x| x.def_sha256),
+            timestamp,
+            metadata: req.metadata,
+            admitted,
+            metrics: self.metrics.clone(),
+        })
+    }
+
+    /// Admits and runs one execution to its result.
+    pub async fn execute(&self, req: ExecutionRequest) -> Result<Finished, ExecutionError> {
+        self.admit(req).await?.run().await
+    }
+
+    /// The plan of an allowlisted command or of a registered external executor (with what its
+    /// invocation adds); a refusal is audited here.
+    fn decide(
+        &self,
+        req: &ExecutionRequest,
+    ) -> Result<(Plan, Option<ExternalInvocation>), ExecutionError> {
+        let ask = Ask {
+            action_type: Some(req.action),
+            command: &req.command,
+            args: &req.args,
+            timeout_seconds: req.timeout_seconds,
+            profile: req.profile.as_deref(),
+            env: &req.env,
+        };
+        let grant = &req.capability.grant;
+        let decided = if req.action == ActionType::External {
+            invoke::decide(
+                &self.executors,
+                &self.policy,
+                &ask,
+                grant,
+                &req.external_call(),
+            )
+        } else {
+            self.policy.decide(&ask, grant).map(|p| (p, None))
+        };
+        decided.map_err(|e| match e {
+            PolicyError::Refused(r) => {
+                self.refuse(req, RefusalKind::CapabilityViolation, &r.reason);
+                ExecutionError::Refused {
+                    allowed_commands: (r.rule == "allowlist").then(|| self.policy.allowed_names()),
+                    reason: r.reason,
+                }
+            }
+            PolicyError::Invalid(m) => ExecutionError::Invalid(m),
+            PolicyError::Unavailable(m) => ExecutionError::Unavailable(m),
+        })
+    }
+
+    /// What the backend runs, and the invocation hash over everything that decides it.
+    fn run_spec(
+        &self,
+        exec_id: &str,
+        plan: &Plan,
+        req: &ExecutionRequest,
+        external: Option<&ExternalInvocation>,
+    ) -> (RunSpec, String) {
+        let (argv_tail, stdin) = match external {
+            Some(x) => (x.argv_tail.clone(), Some(x.envelope.clone())),
+            None => (
+                req.args.clone(),
+                req.stdin.as_ref().map(|s| s.clone().into_bytes()),
+            ),
+        };
+        let mut spec = plan.run_spec(exec_id, &argv_tail, stdin, &self.default_image);
+        if let Some(x) = external {
+            spec.fs.extra_files = x.extra_files.clone();
+            spec.env.extend(x.env.clone());
+        }
+        spec.cancel = Some(self.kill_switch.subscribe());
+        let hash = invocation_hash(&json!({
+            "action_type": req.action.as_str(),
+            "command": plan.command,
+            "path": plan.path,
+            "args": argv_tail,
+            "stdin_sha256": spec.stdin.as_deref().map(sha256_prefixed),
+            "env": spec.env,
+            "profile": plan.profile.name,
+            "backend": plan.backend.as_str(),
+            "image": spec.image,
+            "executor_def_sha256": external.map(|x| &x.def_sha256),
+            "limits": spec.limits,
+        }));
+        (spec, hash)
+    }
+
+    fn refuse(&self, req: &ExecutionRequest, kind: RefusalKind, reason: &str) {
+        record::refusal(&self.audit, &self.metrics, &req.known(), kind, reason);
+    }
+}
+
+/// An admitted execution that has not run yet: its start line is written and it holds a run
+/// slot of its backend. [`Execution::run`] runs it to its result; dropped instead, it ends with
+/// an `execution_error` line and frees its slot. It owns everything it needs, so it may run on
+/// any task.
+pub struct Execution {
+    plan: Plan,
+    spec: RunSpec,
+    backend: Arc<dyn Sandbox>,
+    slot: OwnedSemaphorePermit,
+    /// Set for an external executor.
+    executor_def_sha256: Option<String>,
+    /// When it was admitted (provenance's `timestamp`).
+    timestamp: String,
+    metadata: Option<Map<String, Value>>,
+    admitted: AdmittedRun,
+    metrics: Arc<Metrics>,
+}
+
+impl Execution {
+    pub fn exec_id(&self) -> &str {
+        &self.spec.exec_id
+    }
+
+    /// Runs the execution, then records it: the result with its provenance, the end line, the
+    /// metrics. Without an outcome (the backend failed) the end line is an `execution_error`
+    /// with what the caller is told and why.
+    pub async fn run(self) -> Result<Finished, ExecutionError> {
+        let Execution {
+            plan,
+            spec,
+            backend,
+            slot,
+            executor_def_sha256,
+            timestamp,
+            metadata,
+            admitted,
+            metrics,
+        } = self;
+        let exec_id = spec.exec_id.clone();
+        let backend_label = plan.backend.as_str();
+        metrics.inflight.with_label_values(&[backend_label]).inc();
+        // The run is its own task: a panic in a backend fails this execution, not the daemon.
+        let task = tokio::spawn(async move {
+            let r = backend.run(spec).await;
+            drop(slot);
+            r
+        });
+        let joined = task.await;
+        metrics.inflight.with_label_values(&[backend_label]).dec();
+        let failed = match joined {
+            Ok(Ok(o)) => Ok(o),
+            Ok(Err(SandboxError::Unavailable(m))) => {
+                Err((ExecutionError::Unavailable(m.clone()), m))
+            }
+            Ok(Err(e)) => Err((
+                ExecutionError::Internal(format!("{exec_id}: {e}")),
+                e.to_string(),
+            )),
+            Err(e) => Err((
+                ExecutionError::Internal(format!("{exec_id}: run task failed: {e}")),
+                format!("run task failed: {e}"),
+            )),
+        };
+        let outcome = match failed {
+            Ok(o) => o,
+            Err((answer, error)) => {
+                admitted.fail(answer.error_type(), &error);
+                return Err(answer);
+            }
+        };
+
+        let who = admitted.run().clone();
+        let name = outcome_name(&outcome);
+        let (error_code, error) = match executor_def_sha256 {
+            Some(_) => invoke::error_fields(&outcome, name),
+            None => (None, None),
+        };
+        let timed_out = outcome.timed_out();
+        let capabilities_used: Vec<&'static str> =
+            plan.capabilities_used.iter().map(|c| c.as_str()).collect();
+        let stdout_sha256 = sha256_prefixed(&outcome.stdout);
+        let stderr_sha256 = sha256_prefixed(&outcome.stderr);
+        let network =
+            (plan.profile.network.mode == NetworkMode::Egress).then(|| outcome.network.clone());
+        let audit_seq = admitted.finish(RunEnd {
+            capabilities_used: capabilities_used.clone(),
+            outcome: name,
+            exit_code: outcome.exit_code(),
+            duration_ms: duration_ms(&outcome),
+            killed_reason: outcome.killed_reason.map(KilledReason::as_str),
+            oom: outcome.oom,
+            peak_memory_kib: outcome.peak_memory_kib,
+            stdout_sha256: stdout_sha256.clone(),
+            stderr_sha256: stderr_sha256.clone(),
+            stdout_truncated: outcome.stdout_truncated,
+            stderr_truncated: outcome.stderr_truncated,
+            executor_def_sha256: executor_def_sha256.clone(),
+            error_code: executor_def_sha256.is_some().then_some(error_code),
+            network: network.clone(),
+            metadata: metadata.clone(),
+        });
+        record::run_metrics(&metrics, &plan, name, &outcome);
+
+        let result = ExecutionResult {
+            success: name == "success",
+            stdout: String::from_utf8_lossy(&outcome.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&outcome.stderr).into_owned(),
+            exit_code: outcome.exit_code(),
+            duration_ms: duration_ms(&outcome),
+            provenance: Provenance {
+                arm_id: "executor",
+                timestamp,
+                action_type: plan.action_type.as_str(),
+                command_hash: who.command_hash,
+                capabilities_used,
+                exec_id: exec_id.clone(),
+                request_id: who.request_id,
+                token_id: who.token_id,
+                subject: who.subject,
+                backend: backend_label,
+                profile: plan.profile.name.clone(),
+                invocation_hash: who.invocation_hash,
+                stdout_sha256,
+                stderr_sha256,
+                executor_def_sha256,
+                audit_seq,
+                metadata,
+            },
+            exec_id,
+            outcome: name,
+            backend: backend_label,
+            profile: plan.profile.name.clone(),
+            stdout_truncated: outcome.stdout_truncated,
+            stderr_truncated: outcome.stderr_truncated,
+            peak_memory_kib: outcome.peak_memory_kib,
+            oom: outcome.oom,
+            killed_reason: outcome.killed_reason.map(KilledReason::as_str),
+            error_code,
+            network,
+            error: if timed_out {
+                Some(format!(
+                    "Command execution exceeded timeout of {} seconds",
+                    plan.timeout_seconds
+                ))
+            } else {
+                error
+            },
+            error_type: timed_out.then_some("ExecutionTimeout"),
+            retryable: timed_out.then_some(false),
+        };
+        tracing::info!(request_id = %result.provenance.request_id, exec_id = %result.exec_id, outcome = result.outcome, exit_code = result.exit_code, duration_ms = result.duration_ms, "execution end");
+        Ok(Finished { result, timed_out })
+    }
+}
+
+fn duration_ms(o: &RunOutcome) -> u64 {
+    o.duration.as_millis() as u64
+}

@@ -1,0 +1,273 @@
+//! What an execution leaves behind: its audit lines (refusals, start, end) and its metrics.
+//!
+//! Every line is one typed [`AuditEvent`]; nothing here builds a line by hand. An append that
+//! fails is logged and counted, never returned: the caller's answer still goes out.
+//!
+//! Owns: which event a refusal or a run writes and when, and the counters that go with it.
+//! Must not: know HTTP (statuses are the audit line's numbers, not a response).
+
+use std::sync::Arc;
+
+use crate::metrics::Metrics;
+use crate::policy::Plan;
+use crate::provenance::audit::{self, AuditError, AuditEvent, AuditLog, RunEnd};
+use crate::provenance::command_hash;
+use crate::sandbox::{KilledReason, RunOutcome};
+use crate::state::{IdemKey, StateStore};
+
+/// Longest refusal reason an audit line carries, in characters.
+const MAX_REASON_CHARS: usize = 512;
+
+/// Everything known about a request when it is refused: who asked for what, as far as the request
+/// had been read. A refusal's audit line carries it.
+#[derive(Debug, Clone, Default)]
+pub struct KnownRequest {
+    pub request_id: String,
+    pub subject: Option<String>,
+    pub token_id: Option<String>,
+    pub action_type: Option<String>,
+    pub command: Option<String>,
+    pub args: Vec<String>,
+}
+
+/// The two kinds of refusal that are audited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalKind {
+    /// 401: the caller or its capability token could not be verified (or was replayed).
+    Unauthorized,
+    /// 403: the request is outside what the token, the allowlist or a profile permits.
+    CapabilityViolation,
+}
+
+impl RefusalKind {
+    /// The status the line records (and the caller is answered with).
+    pub fn status(self) -> u16 {
+        match self {
+            RefusalKind::Unauthorized => 401,
+            RefusalKind::CapabilityViolation => 403,
+        }
+    }
+
+    pub fn error_type(self) -> &'static str {
+        match self {
+            RefusalKind::Unauthorized => "Unauthorized",
+            RefusalKind::CapabilityViolation => "CapabilityViolation",
+        }
+    }
+}
+
+/// Counts a refusal and appends its line, unless its class is over its rate: then it is only
+/// counted (see `AuditLog::admit_refusal`). A 401 that got a line is logged too; a flood of them
+/// is logged only as far as it is audited.
+pub fn refusal(
+    audit: &AuditLog,
+    metrics: &Metrics,
+    known: &KnownRequest,
+    kind: RefusalKind,
+    reason: &str,
+) {
+    match kind {
+        RefusalKind::Unauthorized => metrics.auth_failures.inc(),
+        RefusalKind::CapabilityViolation => metrics.capability_violations.inc(),
+    }
+    let status = kind.status();
+    if !audit.admit_refusal(status) {
+        metrics
+            .audit_refusals_suppressed
+            .with_label_values(&[&status.to_string()])
+            .inc();
+        return;
+    }
+    let event = AuditEvent::Refusal(audit::Refusal {
+        request_id: known.request_id.clone(),
+        status,
+        error_type: kind.error_type(),
+        // Reasons quote what the caller sent (a kid, an option): bounded, so a refusal line
+        // stays small whatever arrives.
+        reason: crate::auth::clip(reason, MAX_REASON_CHARS),
+        subject: known.subject.clone(),
+        token_id: known.token_id.clone(),
+        action_type: known.action_type.clone(),
+        command: known.command.clone(),
+        command_hash: known.command.as_ref().map(|c| command_hash(c, &known.args)),
+    });
+    record(audit, metrics, &event);
+    if kind == RefusalKind::Unauthorized {
+        tracing::info!(request_id = %known.request_id, %reason, "401");
+    }
+}
+
+/// An admitted execution: its `execution_start` line is written, and exactly one end line
+/// follows whatever happens — `execution` ([`AdmittedRun::finish`]), `execution_error`
+/// ([`AdmittedRun::fail`]), or, when it is dropped without either (a panic, a run handle
+/// dropped before it ran), an `execution_error` written on drop.
+pub struct AdmittedRun {
+    audit: Arc<AuditLog>,
+    metrics: Arc<Metrics>,
+    run: audit::Run,
+    ended: bool,
+}
+
+impl AdmittedRun {
+    /// Writes the start line; when that fails nothing may run. The line is not fsync'd on its
+    /// own: the end line's fsync covers it, one per execution.
+    pub fn admit(
+        audit: &Arc<AuditLog>,
+        metrics: &Arc<Metrics>,
+        run: audit::Run,
+    ) -> Result<Self, AuditError> {
+        let event = AuditEvent::ExecutionStart(run.clone());
+        if let Err(e) = audit.append(&event) {
+            count_failed_append(metrics, &event, &e);
+            return Err(e);
+        }
+        Ok(AdmittedRun {
+            audit: audit.clone(),
+            metrics: metrics.clone(),
+            run,
+            ended: false,
+        })
+    }
+
+    /// What every line of this run carries.
+    pub fn run(&self) -> &audit::Run {
+        &self.run
+    }
+
+    /// The run reached an outcome; returns the end line's seq.
+    pub fn finish(mut self, end: RunEnd) -> Option<u64> {
+        self.ended = true;
+        let event = AuditEvent::Execution {
+            run: self.run.clone(),
+            end: Box::new(end),
+        };
+        record(&self.audit, &self.metrics, &event)
+    }
+
+    /// The run ended without an outcome.
+    pub fn fail(mut self, error_type: &'static str, error: &str) -> Option<u64> {
+        self.ended = true;
+        self.write_error(error_type, error)
+    }
+
+    fn write_error(&self, error_type: &'static str, error: &str) -> Option<u64> {
+        self.metrics
+            .executions
+            .with_label_values(&[self.run.action_type.as_ref(), "false"])
+            .inc();
+        self.metrics
+            .executions_by_backend
+            .with_label_values(&[self.run.backend.as_ref(), &self.run.profile, "error"])
+            .inc();
+        let event = AuditEvent::ExecutionError {
+            run: self.run.clone(),
+            error_type,
+            error: error.to_string(),
+        };
+        record(&self.audit, &self.metrics, &event)
+    }
+}
+
+impl Drop for AdmittedRun {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.write_error(
+                "InternalError",
+                "the request ended before its run's end line was written",
+            );
+        }
+    }
+}
+
+/// Ends the runs an earlier daemon process started on this audit log and never ended (it
+/// stopped mid-run: a crash, a kill): one `execution_error` line each, and the Idempotency-Key
+/// such a run held is released so that a retry runs. Called once at start, before serving.
+pub async fn record_interrupted(audit: &AuditLog, store: &dyn StateStore, metrics: &Metrics) {
+    for i in audit.interrupted() {
+        tracing::warn!(
+            exec_id = %i.run.exec_id,
+            instance = %i.instance,
+            start_seq = i.seq,
+            "a run of an earlier daemon process never ended: recording it"
+        );
+        let event = AuditEvent::ExecutionError {
+            run: i.run.clone(),
+            error_type: "DaemonStopped",
+            error: format!(
+                "the daemon (instance {}) stopped during the run",
+                i.instance
+            ),
+        };
+        record(audit, metrics, &event);
+        metrics.interrupted_runs.inc();
+        let Some(scoped) = &i.run.idempotency_key else {
+            continue;
+        };
+        let Some(key) = IdemKey::from_scoped(scoped) else {
+            tracing::error!(exec_id = %i.run.exec_id, idempotency_key = %scoped, "idempotency key of an interrupted run not released: not a scoped key");
+            continue;
+        };
+        if let Err(e) = store.idempotency_release(&key, &i.instance).await {
+            tracing::error!(exec_id = %i.run.exec_id, error = %e, "idempotency key of an interrupted run not released");
+        }
+    }
+}
+
+/// Appends `event`. A failure is logged and counted, not returned: the answer still goes out.
+pub fn record(audit: &AuditLog, metrics: &Metrics, event: &AuditEvent) -> Option<u64> {
+    match audit.append(event) {
+        Ok(seq) => Some(seq),
+        Err(e) => {
+            count_failed_append(metrics, event, &e);
+            None
+        }
+    }
+}
+
+fn count_failed_append(metrics: &Metrics, event: &AuditEvent, e: &AuditError) {
+    metrics
+        .audit_append_failures
+        .with_label_values(&[event.name()])
+        .inc();
+    tracing::error!(error = %e, event = event.name(), "audit append failed");
+}
+
+/// The series a run that reached an outcome moves.
+pub fn run_metrics(m: &Metrics, plan: &Plan, outcome: &'static str, o: &RunOutcome) {
+    let success = outcome == "success";
+    m.executions
+        .with_label_values(&[
+            plan.action_type.as_str(),
+            if success { "true" } else { "false" },
+        ])
+        .inc();
+    m.executions_by_backend
+        .with_label_values(&[plan.backend.as_str(), &plan.profile.name, outcome])
+        .inc();
+    m.duration.observe(o.duration.as_secs_f64());
+    m.duration_by_backend
+        .with_label_values(&[plan.backend.as_str()])
+        .observe(o.duration.as_secs_f64());
+    if o.timed_out() {
+        m.timeouts.inc();
+    }
+    if o.oom {
+        m.ooms.inc();
+    }
+    if o.killed_reason == Some(KilledReason::OutputLimit) {
+        m.output_truncations.inc();
+    }
+    for c in &o.network {
+        let verdict = if c.allowed {
+            "allowed"
+        } else if c.is_refusal() {
+            "refused"
+        } else {
+            "failed"
+        };
+        m.egress_connections.with_label_values(&[verdict]).inc();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,121 @@
+//! The result of an execution that ran to an outcome: the JSON a caller gets, with its
+//! provenance.
+//!
+//! Owns: the result's fields and what a [`RunOutcome`] means on the wire (the outcome's name,
+//! an external executor's `error_code`). Must not: know HTTP (the status a result is answered
+//! with is the api layer's choice, from [`super::Finished::timed_out`]).
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use crate::sandbox::{KilledReason, RunOutcome};
+
+#[derive(Debug, Serialize)]
+pub struct Provenance {
+    pub arm_id: &'static str,
+    pub timestamp: String,
+    pub action_type: &'static str,
+    pub command_hash: String,
+    pub capabilities_used: Vec<&'static str>,
+    pub exec_id: String,
+    pub request_id: String,
+    pub token_id: Option<String>,
+    pub subject: Option<String>,
+    pub backend: &'static str,
+    pub profile: String,
+    pub invocation_hash: String,
+    pub stdout_sha256: String,
+    pub stderr_sha256: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub executor_def_sha256: Option<String>,
+    pub audit_seq: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Map<String, Value>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ExecutionResult {
+    pub success: bool,
+    pub stdout: String,
+    pub stderr: String,
+    pub exit_code: i32,
+    pub duration_ms: u64,
+    pub provenance: Provenance,
+    pub exec_id: String,
+    pub outcome: &'static str,
+    pub backend: &'static str,
+    pub profile: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    pub peak_memory_kib: Option<u64>,
+    pub oom: bool,
+    pub killed_reason: Option<&'static str>,
+    pub error_code: Option<&'static str>,
+    /// Outbound connections through the egress proxy (egress profiles only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<Vec<crate::egress::ConnRecord>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_type: Option<&'static str>,
+    /// On a result that is an error (an execution timeout): whether sending the same request
+    /// again may succeed. Never for a timeout: the same command gets the same deadline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retryable: Option<bool>,
+}
+
+/// The wire outcome of a run.
+pub fn outcome_name(o: &RunOutcome) -> &'static str {
+    match o.killed_reason {
+        Some(KilledReason::Timeout) => "timeout",
+        Some(KilledReason::Oom) => "oom",
+        _ if o.oom => "oom",
+        Some(KilledReason::Signal) => "cancelled",
+        Some(KilledReason::OutputLimit) | Some(KilledReason::Pids) => "failed",
+        None if o.exit_code() == 0 && !o.stdin_broken_pipe => "success",
+        None => "failed",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::ExitKind;
+    use std::time::Duration;
+
+    fn outcome(exit: ExitKind, killed: Option<KilledReason>, oom: bool) -> RunOutcome {
+        RunOutcome {
+            exit,
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+            stdout_truncated: false,
+            stderr_truncated: false,
+            duration: Duration::ZERO,
+            peak_memory_kib: None,
+            oom,
+            killed_reason: killed,
+            stdin_broken_pipe: false,
+            network: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn outcome_names() {
+        use ExitKind::*;
+        use KilledReason as K;
+        let name = |e, k, oom| outcome_name(&outcome(e, k, oom));
+        assert_eq!(name(Exited(0), None, false), "success");
+        assert_eq!(name(Exited(1), None, false), "failed");
+        assert_eq!(name(Killed, Some(K::Timeout), false), "timeout");
+        // A timeout is a timeout even when the memory limit was also hit.
+        assert_eq!(name(Killed, Some(K::Timeout), true), "timeout");
+        assert_eq!(name(Signaled(9), Some(K::Oom), true), "oom");
+        assert_eq!(name(Signaled(9), Some(K::Signal), true), "oom");
+        assert_eq!(name(Signaled(15), Some(K::Signal), false), "cancelled");
+        assert_eq!(name(Killed, Some(K::OutputLimit), false), "failed");
+        assert_eq!(name(Exited(1), Some(K::Pids), false), "failed");
+        let mut broken = outcome(Exited(0), None, false);
+        broken.stdin_broken_pipe = true;
+        assert_eq!(outcome_name(&broken), "failed");
+    }
+}
