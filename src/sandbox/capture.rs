@@ -1,11 +1,19 @@
-//! Bounded reading of a child's output streams.
+//! Bounded reading of a run's output streams.
 //!
 //! Each stream keeps at most `cap` bytes; the first byte past the cap flips `truncated` and fires
 //! the shared limit signal so the backend stops the run. Memory per stream is bounded by the cap
-//! plus one read buffer, whatever the child writes.
+//! plus one read buffer, whatever the child writes. [`OutputCapture`] is the one place a backend
+//! starts its readers and collects what they read.
+
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// How long the readers may take to reach EOF once the run is over (the sandbox is gone, or its
+/// output stream has ended).
+pub const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
 /// Captured bytes of one stream.
 #[derive(Debug, Default)]
@@ -45,6 +53,56 @@ pub async fn read_capped<R: AsyncRead + Unpin>(
         }
     }
     out
+}
+
+/// The capped readers of one run's stdout and stderr, sharing one overflow signal.
+pub struct OutputCapture {
+    stdout: JoinHandle<Captured>,
+    stderr: JoinHandle<Captured>,
+    overflow: watch::Receiver<bool>,
+}
+
+impl OutputCapture {
+    /// Starts reading both streams on tasks of their own, each kept to `cap` bytes.
+    pub fn start<O, E>(stdout: O, stderr: E, cap: usize) -> Self
+    where
+        O: AsyncRead + Unpin + Send + 'static,
+        E: AsyncRead + Unpin + Send + 'static,
+    {
+        let (tx, overflow) = watch::channel(false);
+        OutputCapture {
+            stdout: tokio::spawn(read_capped(stdout, cap, tx.clone())),
+            stderr: tokio::spawn(read_capped(stderr, cap, tx)),
+            overflow,
+        }
+    }
+
+    /// Resolves when a stream went past its cap; never when both end within it.
+    pub async fn overflowed(&mut self) {
+        raised(&mut self.overflow).await
+    }
+
+    /// What each stream captured. Waits at most [`DRAIN_GRACE`] for the readers to reach EOF: a
+    /// stream still held open by something that outlived the run yields nothing rather than
+    /// holding the run's answer.
+    pub async fn drain(self) -> (Captured, Captured) {
+        let collect = |t: JoinHandle<Captured>| async move {
+            tokio::time::timeout(DRAIN_GRACE, t)
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default()
+        };
+        tokio::join!(collect(self.stdout), collect(self.stderr))
+    }
+}
+
+/// Resolves when the flag becomes true; never when its senders are gone with it still false
+/// (the output readers drop theirs at EOF).
+pub async fn raised(flag: &mut watch::Receiver<bool>) {
+    if flag.wait_for(|v| *v).await.is_err() {
+        std::future::pending::<()>().await;
+    }
 }
 
 #[cfg(test)]

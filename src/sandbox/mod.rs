@@ -2,12 +2,14 @@
 //!
 //! The policy layer hands a fully resolved [`RunSpec`] to a [`Sandbox`] and gets a [`RunOutcome`]
 //! back. A backend never sees tokens, requests or allowlists; the HTTP layer never sees cgroups,
-//! Landlock or Docker.
+//! Landlock or Docker. What every backend's run shares — egress admission, output capture, the
+//! wait for an end or a reason to kill, the outcome's assembly — is [`run`] and [`capture`].
 
 pub mod capture;
 pub mod docker;
 pub mod local;
 pub mod probe;
+pub mod run;
 pub mod syscalls;
 
 use std::collections::BTreeMap;

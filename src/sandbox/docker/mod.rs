@@ -2,9 +2,11 @@
 //! never ran anything else, normally taken from a warm pool of started ones.
 //!
 //! Owns: turning a [`RunSpec`] into a hardened container ([`container`]), getting one (warm pool
-//! or a fresh launch), handing the request to its supervisor ([`supervisor`]), enforcing the wall
-//! clock, output caps and cancellation, reading OOM from the engine, and destroying the container
-//! afterwards whatever happens ([`janitor`]). Must not: look at tokens, requests or the allowlist.
+//! or a fresh launch), handing the request to its supervisor ([`supervisor`]), relaying its
+//! output, killing the container when the wall clock, an output cap or cancellation says so (the
+//! shared skeleton, [`super::run`], decides when), reading OOM from the engine, and destroying the
+//! container afterwards whatever happens ([`janitor`]). Must not: look at tokens, requests or the
+//! allowlist.
 //!
 //! Egress profiles keep `--network none`; their only way out is the daemon's proxy on a unix
 //! socket bind-mounted into the container, relayed by the supervisor ([`egress`]).
@@ -24,7 +26,6 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use tokio::io::{AsyncWriteExt, DuplexStream};
-use tokio::sync::watch;
 
 use self::container::{ContainerPlan, Owner, runtime_of};
 use self::egress::{CONTAINER_DIR, EgressSettings, SOCKET_NAME, SocketDirs};
@@ -33,15 +34,12 @@ use self::janitor::Janitor;
 pub use self::pool::PoolMetrics;
 use self::pool::{Pool, WarmContainer};
 use self::supervisor::{ExitReport, Frame, FrameDecoder};
-use super::capture::{Captured, read_capped};
+use super::capture::{DRAIN_GRACE, OutputCapture};
+use super::run::{self, Ending, Waited};
 use super::{
-    BackendKind, BackendStatus, ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec,
-    Sandbox, SandboxError,
+    BackendKind, BackendStatus, ExitKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError,
 };
 use crate::egress::{ProxyRun, proxy_env};
-
-/// How long the capped readers may take to finish once the stream is over.
-const DRAIN_GRACE: Duration = Duration::from_secs(2);
 /// How long a kill may take the engine before the run goes on without its confirmation.
 const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long readiness waits for dockerd.
@@ -468,13 +466,6 @@ async fn pump(
     end
 }
 
-/// Resolves when the flag becomes true; never when its senders are gone with it still false.
-async fn flagged(rx: &mut watch::Receiver<bool>) {
-    if rx.wait_for(|v| *v).await.is_err() {
-        std::future::pending::<()>().await;
-    }
-}
-
 #[async_trait::async_trait]
 impl Sandbox for DockerSandbox {
     fn kind(&self) -> BackendKind {
@@ -546,13 +537,7 @@ impl Sandbox for DockerSandbox {
 
     async fn run(&self, mut spec: RunSpec) -> Result<RunOutcome, SandboxError> {
         // Everything that can be refused is refused before a container is touched.
-        let egress = match (&spec.network, &self.egress) {
-            (NetworkPolicy::None, _) => None,
-            (NetworkPolicy::Egress { .. }, Some(e)) => Some(e),
-            (NetworkPolicy::Egress { .. }, None) => {
-                return Err(SandboxError::Unavailable("egress not configured".into()));
-            }
-        };
+        let egress = run::egress_for(&spec.network, self.egress.as_ref())?;
         let plan = ContainerPlan::new(&spec, self.kind, &self.default_image)?;
         // Never a container whose runtime would drop its seccomp profile.
         if let Some(why) = self.runtime_refusal().await {
@@ -606,27 +591,22 @@ impl Sandbox for DockerSandbox {
             }
         };
 
-        let cap = spec.limits.output_bytes;
-        let (ovf_tx, mut ovf_rx) = watch::channel(false);
         let (out_w, out_r) = tokio::io::duplex(64 * 1024);
         let (err_w, err_r) = tokio::io::duplex(64 * 1024);
-        let out_task = tokio::spawn(read_capped(out_r, cap, ovf_tx.clone()));
-        let err_task = tokio::spawn(read_capped(err_r, cap, ovf_tx));
+        let mut output = OutputCapture::start(out_r, err_r, spec.limits.output_bytes);
 
         let start = Instant::now();
         let mut relay = Box::pin(pump(attached.input, attached.output, request, out_w, err_w));
-        let mut cancel = spec.cancel.clone();
-        let cancelled = async {
-            match cancel.as_mut() {
-                Some(rx) => flagged(rx).await,
-                None => std::future::pending::<()>().await,
-            }
-        };
-        let (killed, end) = tokio::select! {
-            end = &mut relay => (None, Some(end)),
-            _ = cancelled => (Some(KilledReason::Signal), None),
-            _ = tokio::time::sleep(spec.limits.timeout) => (Some(KilledReason::Timeout), None),
-            _ = flagged(&mut ovf_rx) => (Some(KilledReason::OutputLimit), None),
+        let waited = run::wait(
+            &mut relay,
+            spec.limits.timeout,
+            spec.cancel.as_ref(),
+            &mut output,
+        )
+        .await;
+        let (killed, end) = match waited {
+            Waited::Ended(end) => (None, Some(end)),
+            Waited::Kill(reason) => (Some(reason), None),
         };
         let duration = start.elapsed();
         // The supervisor's own deadline ended it (this daemon's clock should have been first).
@@ -658,40 +638,23 @@ impl Sandbox for DockerSandbox {
             }
         };
         drop(relay); // closes the capped readers' pipes
-        let collect = |t: tokio::task::JoinHandle<Captured>| async move {
-            tokio::time::timeout(DRAIN_GRACE, t)
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or_default()
-        };
-        let (stdout, stderr) = tokio::join!(collect(out_task), collect(err_task));
+        let captured = output.drain().await;
 
         // The command is over (or killed): what it still had open through the proxy is closed.
-        let network = match proxy {
-            Some(p) => p.finish().await,
-            None => Vec::new(),
-        };
+        let network = run::connections(proxy).await;
         drop(socket_dir);
         let (report, oom) = self.settle(&id, &spec.exec_id, killed, end).await?;
         drop(guard);
 
-        let exit = report.as_ref().map(|r| r.exit).unwrap_or(ExitKind::Killed);
-        let pids_hits = report.as_ref().and_then(|r| r.pids_max_hits).unwrap_or(0);
-        let killed_reason = KilledReason::resolve(killed, exit, oom, pids_hits);
-        Ok(RunOutcome {
-            exit,
-            stdout: stdout.bytes,
-            stderr: stderr.bytes,
-            stdout_truncated: stdout.truncated,
-            stderr_truncated: stderr.truncated,
-            duration,
-            peak_memory_kib: report.as_ref().and_then(|r| r.peak_memory_kib),
+        let ending = Ending {
+            exit: report.as_ref().map(|r| r.exit).unwrap_or(ExitKind::Killed),
+            killed,
             oom,
-            killed_reason,
+            pids_max_hits: report.as_ref().and_then(|r| r.pids_max_hits).unwrap_or(0),
+            peak_memory_kib: report.as_ref().and_then(|r| r.peak_memory_kib),
             stdin_broken_pipe: report.as_ref().is_some_and(|r| r.stdin_broken_pipe),
-            network,
-        })
+        };
+        Ok(RunOutcome::assemble(ending, captured, duration, network))
     }
 }
 

@@ -1,8 +1,9 @@
 //! The `local` backend: each run is a process tree in fresh namespaces, a per-run cgroup, a
 //! minimal read-only root, Landlock, seccomp, rlimits and an unprivileged uid.
 //!
-//! Owns: turning a [`RunSpec`] into a [`child::ChildPlan`], spawning it, feeding stdin, reading
-//! capped output, enforcing the wall clock, and removing everything afterwards.
+//! Owns: turning a [`RunSpec`] into a [`child::ChildPlan`], spawning it, feeding stdin, killing
+//! the run's cgroup when the wall clock, an output cap or cancellation says so (the shared
+//! skeleton, [`super::run`], decides when), and removing everything afterwards.
 //! Must not: look at tokens, requests or the allowlist.
 
 pub mod cgroup;
@@ -21,20 +22,14 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe as upipe;
-use tokio::sync::watch;
 
 use self::cgroup::{CgroupDriver, RunCgroup};
 use self::child::{ChildPlan, LandlockRule, MountOp};
 use self::seccomp::SeccompProgram;
-use super::capture::{Captured, read_capped};
+use super::capture::OutputCapture;
 use super::probe::HostProbe;
-use super::{
-    BackendKind, BackendStatus, ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec,
-    Sandbox, SandboxError,
-};
-
-/// How long readers may take to reach EOF after the sandbox is gone.
-const DRAIN_GRACE: Duration = Duration::from_secs(2);
+use super::run::{self, Ending, Waited};
+use super::{BackendKind, BackendStatus, ExitKind, RunOutcome, RunSpec, Sandbox, SandboxError};
 
 pub struct LocalSandbox {
     cgroups: Option<Arc<dyn CgroupDriver>>,
@@ -656,14 +651,6 @@ fn prepare_slot(driver: &dyn CgroupDriver, seq: u64) -> Result<Slot, SandboxErro
     })
 }
 
-/// Resolves when the flag becomes true; never when its senders are gone with it still false
-/// (the output readers drop theirs at EOF).
-async fn overflowed(rx: &mut watch::Receiver<bool>) {
-    if rx.wait_for(|v| *v).await.is_err() {
-        std::future::pending::<()>().await;
-    }
-}
-
 /// Descriptors the child inherits (-1: none).
 struct PlanFds {
     status: i32,
@@ -779,13 +766,7 @@ impl Sandbox for LocalSandbox {
                 missing.join(", ")
             )));
         }
-        let egress_settings = match (&spec.network, &self.egress) {
-            (NetworkPolicy::None, _) => None,
-            (NetworkPolicy::Egress { .. }, Some(s)) => Some(s.clone()),
-            (NetworkPolicy::Egress { .. }, None) => {
-                return Err(SandboxError::Unavailable("egress not configured".into()));
-            }
-        };
+        let egress_settings = run::egress_for(&spec.network, self.egress.as_ref())?.cloned();
         let driver = self
             .cgroups
             .as_ref()
@@ -935,18 +916,11 @@ impl Sandbox for LocalSandbox {
             _ => None,
         };
 
-        let cap = limits.output_bytes;
-        let (ovf_tx, mut ovf_rx) = watch::channel(false);
-        let out_task = Some(tokio::spawn(read_capped(
+        let mut output = OutputCapture::start(
             upipe::Receiver::from_owned_fd(stdout_ours)?,
-            cap,
-            ovf_tx.clone(),
-        )));
-        let err_task = Some(tokio::spawn(read_capped(
             upipe::Receiver::from_owned_fd(stderr_ours)?,
-            cap,
-            ovf_tx,
-        )));
+            limits.output_bytes,
+        );
         let stdin_task = match (stdin_ours, spec.stdin.clone()) {
             (Some(w), Some(data)) => Some(tokio::spawn(async move {
                 let mut w = match upipe::Sender::from_owned_fd(w) {
@@ -960,22 +934,20 @@ impl Sandbox for LocalSandbox {
             _ => None,
         };
 
-        let mut cancel = spec.cancel.clone();
-        let cancelled = async {
-            match cancel.as_mut() {
-                Some(rx) => overflowed(rx).await,
-                None => std::future::pending::<()>().await,
-            }
-        };
         let mut spawn_result = None;
-        let killed = tokio::select! {
-            r = &mut exited => {
+        let killed = match run::wait(
+            &mut exited,
+            limits.timeout,
+            spec.cancel.as_ref(),
+            &mut output,
+        )
+        .await
+        {
+            Waited::Ended(r) => {
                 spawn_result = Some(r);
                 None
             }
-            _ = cancelled => Some(KilledReason::Signal),
-            _ = tokio::time::sleep(limits.timeout) => Some(KilledReason::Timeout),
-            _ = overflowed(&mut ovf_rx) => Some(KilledReason::OutputLimit),
+            Waited::Kill(reason) => Some(reason),
         };
         if killed.is_some() {
             let cg = guard.get();
@@ -1008,25 +980,12 @@ impl Sandbox for LocalSandbox {
             let _ = tokio::task::block_in_place(|| cg.kill_all());
         }
 
-        let collect = |t: Option<tokio::task::JoinHandle<Captured>>| async move {
-            match t {
-                Some(t) => tokio::time::timeout(DRAIN_GRACE, t)
-                    .await
-                    .ok()
-                    .and_then(Result::ok)
-                    .unwrap_or_default(),
-                None => Captured::default(),
-            }
-        };
-        let (stdout, stderr) = tokio::join!(collect(out_task), collect(err_task));
+        let captured = output.drain().await;
         let stdin_broken_pipe = match stdin_task {
             Some(t) => t.await.unwrap_or(false),
             None => false,
         };
-        let network = match egress_run {
-            Some(r) => r.finish().await,
-            None => Vec::new(),
-        };
+        let network = run::connections(egress_run).await;
         let record = read_status(&status_r);
         let stats = cg.stats();
         guard.finish().await?;
@@ -1043,27 +1002,22 @@ impl Sandbox for LocalSandbox {
             }
             _ => ExitKind::Killed,
         };
-        let oom = stats.oom_kills > 0;
-        let killed_reason = KilledReason::resolve(killed, exit, oom, stats.pids_max_hits);
-        Ok(RunOutcome {
+        let ending = Ending {
             exit,
-            stdout: stdout.bytes,
-            stderr: stderr.bytes,
-            stdout_truncated: stdout.truncated,
-            stderr_truncated: stderr.truncated,
-            duration,
+            killed,
+            oom: stats.oom_kills > 0,
+            pids_max_hits: stats.pids_max_hits,
             peak_memory_kib: stats.peak_memory_kib,
-            oom,
-            killed_reason,
             stdin_broken_pipe,
-            network,
-        })
+        };
+        Ok(RunOutcome::assemble(ending, captured, duration, network))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sandbox::KilledReason;
 
     fn rec(tag: u8, stage: u8, v: i32) -> [u8; child::RECORD_LEN] {
         let b = v.to_le_bytes();

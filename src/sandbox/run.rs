@@ -1,0 +1,250 @@
+//! The skeleton of a run that every backend shares; each backend keeps only its mechanism.
+//!
+//! A backend's `run` goes: refuse what it cannot serve ([`egress_for`]), set its sandbox up, start
+//! the output readers ([`OutputCapture`]), wait for the run to end or for a reason to kill it
+//! ([`wait`]: cancel, wall clock, output cap), kill it its own way, drain the output, close the
+//! egress proxy ([`connections`]), read how it ended, and put the outcome together
+//! ([`RunOutcome::assemble`]).
+//!
+//! Owns: the order of the limits' checks and what an outcome is made of. Must not: touch a
+//! process, cgroup or container (the backend does).
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::capture::{Captured, OutputCapture, raised};
+use super::{ExitKind, KilledReason, NetworkPolicy, RunOutcome, SandboxError};
+use crate::egress::{ConnRecord, ProxyRun};
+
+/// The backend's egress settings for a run: none when the run has no network; an egress run on a
+/// backend without egress is refused before anything starts (never given open network).
+pub fn egress_for<'a, E>(
+    network: &NetworkPolicy,
+    settings: Option<&'a E>,
+) -> Result<Option<&'a E>, SandboxError> {
+    match (network, settings) {
+        (NetworkPolicy::None, _) => Ok(None),
+        (NetworkPolicy::Egress { .. }, Some(s)) => Ok(Some(s)),
+        (NetworkPolicy::Egress { .. }, None) => {
+            Err(SandboxError::Unavailable("egress not configured".into()))
+        }
+    }
+}
+
+/// What ended the wait for a run.
+#[derive(Debug)]
+pub enum Waited<T> {
+    /// The run's own end, as the backend's mechanism reports it.
+    Ended(T),
+    /// The daemon must kill the run, for this reason.
+    Kill(KilledReason),
+}
+
+/// Waits for `ended` (the backend's "the run is over") unless, first, `cancel` is raised (the
+/// daemon stops the run), the wall clock `timeout` passes, or a stream goes past its output cap.
+pub async fn wait<F: Future>(
+    ended: F,
+    timeout: Duration,
+    cancel: Option<&watch::Receiver<bool>>,
+    output: &mut OutputCapture,
+) -> Waited<F::Output> {
+    let mut cancel = cancel.cloned();
+    let cancelled = async {
+        match cancel.as_mut() {
+            Some(flag) => raised(flag).await,
+            None => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        r = ended => Waited::Ended(r),
+        _ = cancelled => Waited::Kill(KilledReason::Signal),
+        _ = tokio::time::sleep(timeout) => Waited::Kill(KilledReason::Timeout),
+        _ = output.overflowed() => Waited::Kill(KilledReason::OutputLimit),
+    }
+}
+
+/// Every connection the run's egress proxy saw, once it is closed (none without egress).
+pub async fn connections(proxy: Option<ProxyRun>) -> Vec<ConnRecord> {
+    match proxy {
+        Some(p) => p.finish().await,
+        None => Vec::new(),
+    }
+}
+
+/// How a run ended, as its backend read it.
+#[derive(Debug, Clone, Copy)]
+pub struct Ending {
+    pub exit: ExitKind,
+    /// Why the daemon killed the run, if it did.
+    pub killed: Option<KilledReason>,
+    pub oom: bool,
+    /// How often the pids limit refused a fork.
+    pub pids_max_hits: u64,
+    pub peak_memory_kib: Option<u64>,
+    pub stdin_broken_pipe: bool,
+}
+
+impl RunOutcome {
+    /// The outcome of a run from how it ended, its drained output, its wall time and its egress
+    /// connections.
+    pub fn assemble(
+        ending: Ending,
+        (stdout, stderr): (Captured, Captured),
+        duration: Duration,
+        network: Vec<ConnRecord>,
+    ) -> RunOutcome {
+        RunOutcome {
+            exit: ending.exit,
+            stdout: stdout.bytes,
+            stderr: stderr.bytes,
+            stdout_truncated: stdout.truncated,
+            stderr_truncated: stderr.truncated,
+            duration,
+            peak_memory_kib: ending.peak_memory_kib,
+            oom: ending.oom,
+            killed_reason: KilledReason::resolve(
+                ending.killed,
+                ending.exit,
+                ending.oom,
+                ending.pids_max_hits,
+            ),
+            stdin_broken_pipe: ending.stdin_broken_pipe,
+            network,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn capture() -> (
+        OutputCapture,
+        tokio::io::DuplexStream,
+        tokio::io::DuplexStream,
+    ) {
+        let (out_w, out_r) = tokio::io::duplex(1024);
+        let (err_w, err_r) = tokio::io::duplex(1024);
+        (OutputCapture::start(out_r, err_r, 4), out_w, err_w)
+    }
+
+    #[tokio::test]
+    async fn the_first_reason_to_stop_wins() {
+        use tokio::io::AsyncWriteExt;
+        let long = Duration::from_secs(3600);
+
+        let (mut output, _o, _e) = capture();
+        let w = wait(async { 7 }, long, None, &mut output).await;
+        assert!(matches!(w, Waited::Ended(7)), "{w:?}");
+
+        let (mut output, _o, _e) = capture();
+        let (tx, rx) = watch::channel(false);
+        tx.send(true).unwrap();
+        let w = wait(std::future::pending::<()>(), long, Some(&rx), &mut output).await;
+        assert!(matches!(w, Waited::Kill(KilledReason::Signal)), "{w:?}");
+
+        let (mut output, _o, _e) = capture();
+        let w = wait(
+            std::future::pending::<()>(),
+            Duration::ZERO,
+            None,
+            &mut output,
+        )
+        .await;
+        assert!(matches!(w, Waited::Kill(KilledReason::Timeout)), "{w:?}");
+
+        let (mut output, _o, mut err_w) = capture();
+        err_w.write_all(b"past the cap").await.unwrap();
+        let w = wait(std::future::pending::<()>(), long, None, &mut output).await;
+        assert!(
+            matches!(w, Waited::Kill(KilledReason::OutputLimit)),
+            "{w:?}"
+        );
+        drop(err_w);
+        let (stdout, stderr) = output.drain().await;
+        assert!(!stdout.truncated && stdout.bytes.is_empty());
+        assert!(stderr.truncated);
+        assert_eq!(stderr.bytes, b"past");
+    }
+
+    #[tokio::test]
+    async fn a_cancel_flag_whose_sender_is_gone_never_fires() {
+        let (mut output, _o, _e) = capture();
+        let (tx, rx) = watch::channel(false);
+        drop(tx);
+        let w = wait(
+            async { 1 },
+            Duration::from_secs(3600),
+            Some(&rx),
+            &mut output,
+        )
+        .await;
+        assert!(matches!(w, Waited::Ended(1)), "{w:?}");
+    }
+
+    #[test]
+    fn egress_needs_the_backends_settings() {
+        let egress = NetworkPolicy::Egress {
+            allow_hosts: vec![],
+            allow_ports: vec![443],
+            allow_cidrs: vec![],
+            bandwidth_bytes_per_sec: 0,
+            byte_cap: 0,
+        };
+        assert!(matches!(
+            egress_for(&NetworkPolicy::None, Some(&1)),
+            Ok(None)
+        ));
+        assert!(matches!(
+            egress_for::<u8>(&NetworkPolicy::None, None),
+            Ok(None)
+        ));
+        assert!(matches!(egress_for(&egress, Some(&1)), Ok(Some(1))));
+        assert!(matches!(
+            egress_for::<u8>(&egress, None),
+            Err(SandboxError::Unavailable(_))
+        ));
+    }
+
+    #[test]
+    fn the_outcome_resolves_why_the_run_ended() {
+        let ending = Ending {
+            exit: ExitKind::Exited(1),
+            killed: None,
+            oom: false,
+            pids_max_hits: 3,
+            peak_memory_kib: Some(10),
+            stdin_broken_pipe: true,
+        };
+        let out = Captured {
+            bytes: b"out".to_vec(),
+            truncated: true,
+        };
+        let o = RunOutcome::assemble(
+            ending,
+            (out, Captured::default()),
+            Duration::from_millis(5),
+            vec![],
+        );
+        assert_eq!(o.killed_reason, Some(KilledReason::Pids));
+        assert_eq!(
+            (o.stdout.as_slice(), o.stdout_truncated),
+            (&b"out"[..], true)
+        );
+        assert_eq!((o.stderr.len(), o.stderr_truncated), (0, false));
+        assert!(o.stdin_broken_pipe);
+        assert_eq!(o.peak_memory_kib, Some(10));
+        let killed = RunOutcome::assemble(
+            Ending {
+                killed: Some(KilledReason::Timeout),
+                ..ending
+            },
+            Default::default(),
+            Duration::ZERO,
+            vec![],
+        );
+        assert_eq!(killed.killed_reason, Some(KilledReason::Timeout));
+    }
+}
