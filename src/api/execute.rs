@@ -48,7 +48,7 @@ pub struct ExecuteRequest {
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub profile: Option<String>,
-    // External executor envelope (DESIGN §6).
+    // An external executor's envelope and runtime model.
     #[serde(default)]
     pub input: Option<Value>,
     #[serde(default)]
@@ -466,4 +466,24 @@ fn replay(r: StoredResponse) -> Response {
         r.body,
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_tokens() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, HeaderValue::from_str(v).unwrap());
+            h
+        };
+        assert_eq!(bearer(&with("Bearer abc")), Some("abc"));
+        assert_eq!(bearer(&with("bearer  abc ")), Some("abc"));
+        assert_eq!(bearer(&with("Basic abc")), None);
+        assert_eq!(bearer(&with("Bearer ")), None);
+        assert_eq!(bearer(&with("Bearer")), None);
+        assert_eq!(bearer(&HeaderMap::new()), None);
+    }
 }

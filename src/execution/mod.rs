@@ -455,6 +455,17 @@ pub struct Execution {
     metrics: Arc<Metrics>,
 }
 
+impl std::fmt::Debug for Execution {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Execution")
+            .field("exec_id", &self.spec.exec_id)
+            .field("command", &self.plan.command)
+            .field("backend", &self.plan.backend)
+            .field("profile", &self.plan.profile.name)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Execution {
     pub fn exec_id(&self) -> &str {
         &self.spec.exec_id
@@ -595,3 +606,6 @@ impl Execution {
 fn duration_ms(o: &RunOutcome) -> u64 {
     o.duration.as_millis() as u64
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,278 @@
+//! The execution service on its own, with no HTTP around it: a recording fake backend stands in
+//! for the sandbox (the backends have their own tests against the real mechanisms).
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use super::*;
+use crate::auth::SingleUse;
+use crate::config::EnvOverrides;
+use crate::policy::Grant;
+use crate::sandbox::{BackendStatus, ExitKind};
+use crate::state::memory::MemoryStore;
+
+/// Records every spec it is handed and answers with `answer`.
+struct Recording {
+    kind: BackendKind,
+    specs: Arc<Mutex<Vec<RunSpec>>>,
+    answer: fn() -> Result<RunOutcome, SandboxError>,
+}
+
+#[async_trait::async_trait]
+impl Sandbox for Recording {
+    fn kind(&self) -> BackendKind {
+        self.kind
+    }
+
+    async fn status(&self) -> BackendStatus {
+        BackendStatus {
+            backend: self.kind,
+            ready: true,
+            detail: "recording".into(),
+        }
+    }
+
+    async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError> {
+        self.specs.lock().unwrap().push(spec);
+        (self.answer)()
+    }
+}
+
+fn said_hi() -> Result<RunOutcome, SandboxError> {
+    Ok(RunOutcome {
+        exit: ExitKind::Exited(0),
+        stdout: b"hi\n".to_vec(),
+        stderr: Vec::new(),
+        stdout_truncated: false,
+        stderr_truncated: false,
+        duration: Duration::from_millis(3),
+        peak_memory_kib: Some(512),
+        oom: false,
+        killed_reason: None,
+        stdin_broken_pipe: false,
+        network: Vec::new(),
+    })
+}
+
+fn engine_gone() -> Result<RunOutcome, SandboxError> {
+    Err(SandboxError::Unavailable(
+        "docker engine unreachable".into(),
+    ))
+}
+
+struct Fixture {
+    service: ExecutionService,
+    specs: Arc<Mutex<Vec<RunSpec>>>,
+    audit_path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    fn new(answer: fn() -> Result<RunOutcome, SandboxError>, local_slots: usize) -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::load(None, &EnvOverrides::default()).unwrap();
+        config.server.concurrency.local = local_slots;
+        let policy = Policy::load(&config).unwrap();
+        let executors = Registry::load(&dir.path().join("executors"));
+        let specs = Arc::new(Mutex::new(Vec::new()));
+        let backends = BackendKind::ALL
+            .iter()
+            .map(|k| {
+                let b: Arc<dyn Sandbox> = Arc::new(Recording {
+                    kind: *k,
+                    specs: specs.clone(),
+                    answer,
+                });
+                (*k, b)
+            })
+            .collect();
+        let audit_path = dir.path().join("audit.jsonl");
+        let service = ExecutionService::new(
+            &config,
+            policy,
+            executors,
+            backends,
+            Arc::new(MemoryStore::new(1 << 20, 0)),
+            Arc::new(AuditLog::open(&audit_path, "i-1").unwrap()),
+            Arc::new(Metrics::new()),
+        );
+        Fixture {
+            service,
+            specs,
+            audit_path,
+            _dir: dir,
+        }
+    }
+
+    fn lines(&self) -> Vec<Value> {
+        audit_lines(&self.audit_path)
+    }
+}
+
+fn audit_lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn request(command: &str, single_use: Option<&str>) -> ExecutionRequest {
+    ExecutionRequest {
+        request_id: "req-1".into(),
+        subject: Some("orchestrator".into()),
+        capability: Verified {
+            subject: Some("orchestrator".into()),
+            token_id: Some("tok-1".into()),
+            single_use: single_use.map(|jti| SingleUse {
+                kind: TokenKind::Capability,
+                jti: jti.into(),
+                // Issued after the embedded store's record began (it starts on a whole second).
+                iat: Some(crate::auth::now() + 2),
+                exp: crate::auth::now() + 60,
+            }),
+            grant: Grant {
+                capabilities: vec!["ShellExecute".into()],
+                ..Default::default()
+            },
+        },
+        action: ActionType::Shell,
+        command: command.into(),
+        args: vec!["hi".into()],
+        timeout_seconds: Some(5),
+        profile: None,
+        env: BTreeMap::new(),
+        stdin: None,
+        metadata: Some(Map::from_iter([("job".to_string(), json!("j-7"))])),
+        external: ExternalParts::default(),
+        idempotency_key: None,
+    }
+}
+
+/// Admitted, an execution has its id and its start line before anything runs; run, it has one
+/// end line, a result whose provenance points at that line, and its slot back.
+#[tokio::test]
+async fn an_execution_is_admitted_then_run_and_recorded_once() {
+    let f = Fixture::new(said_hi, 1);
+    let execution = f.service.admit(request("echo", None)).await.unwrap();
+    let exec_id = execution.exec_id().to_string();
+    assert!(
+        f.specs.lock().unwrap().is_empty(),
+        "nothing runs at admission"
+    );
+    let lines = f.lines();
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["event"], "execution_start");
+    assert_eq!(lines[0]["exec_id"], exec_id.as_str());
+
+    let Finished { result, timed_out } = execution.run().await.unwrap();
+    assert!(!timed_out);
+    assert!(result.success);
+    assert_eq!(result.outcome, "success");
+    assert_eq!(result.exec_id, exec_id);
+    assert_eq!(result.stdout, "hi\n");
+    let p = &result.provenance;
+    assert_eq!(p.exec_id, exec_id);
+    assert_eq!(p.request_id, "req-1");
+    assert_eq!(p.token_id.as_deref(), Some("tok-1"));
+    assert_eq!(p.subject.as_deref(), Some("orchestrator"));
+    assert_eq!(p.command_hash, command_hash("echo", &["hi".into()]));
+    assert_eq!(p.capabilities_used, ["ShellExecute"]);
+    assert_eq!(p.stdout_sha256, sha256_prefixed(b"hi\n"));
+    assert_eq!(p.audit_seq, Some(2));
+    assert_eq!(p.metadata.as_ref().unwrap()["job"], "j-7");
+
+    let lines = f.lines();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[1]["event"], "execution");
+    assert_eq!(lines[1]["seq"], 2);
+    assert_eq!(lines[1]["exec_id"], exec_id.as_str());
+    assert_eq!(lines[1]["invocation_hash"], p.invocation_hash.as_str());
+    assert_eq!(lines[1]["stdout_sha256"], p.stdout_sha256.as_str());
+
+    let specs = f.specs.lock().unwrap().clone();
+    assert_eq!(specs.len(), 1);
+    assert_eq!(specs[0].exec_id, exec_id);
+    assert_eq!(specs[0].argv[1..], ["hi"]);
+    assert!(specs[0].cancel.is_some(), "the kill switch reaches the run");
+    // The only slot is free again.
+    f.service.admit(request("echo", None)).await.unwrap();
+}
+
+/// An execution holds its backend's slot from admission until it has run or is dropped; a
+/// dropped one still ends in an `execution_error` line.
+#[tokio::test]
+async fn an_admitted_execution_holds_its_slot_until_it_ends() {
+    let f = Fixture::new(said_hi, 1);
+    let first = f.service.admit(request("echo", None)).await.unwrap();
+    let busy = f.service.admit(request("echo", None)).await;
+    assert!(matches!(busy, Err(ExecutionError::Overloaded)), "{busy:?}");
+    drop(first);
+    let lines = f.lines();
+    assert_eq!(lines.last().unwrap()["event"], "execution_error");
+    assert_eq!(lines.last().unwrap()["error_type"], "InternalError");
+    tokio::time::timeout(Duration::from_secs(10), f.service.wait_idle())
+        .await
+        .expect("the slot was freed");
+    f.service.admit(request("echo", None)).await.unwrap();
+}
+
+/// A request the policy refuses does not use its single-use token up; a replay of a used one is
+/// refused; both refusals are audited with who asked for what.
+#[tokio::test]
+async fn refusals_are_audited_and_leave_a_single_use_token_unused() {
+    let f = Fixture::new(said_hi, 4);
+    let refused = f.service.admit(request("no-such-tool", Some("j-1"))).await;
+    let Err(ExecutionError::Refused {
+        allowed_commands: Some(list),
+        ..
+    }) = &refused
+    else {
+        panic!("{refused:?}");
+    };
+    assert!(list.iter().any(|c| c == "echo"));
+    f.service
+        .execute(request("echo", Some("j-1")))
+        .await
+        .expect("the token was not used up by the refusal");
+    let replayed = f.service.admit(request("echo", Some("j-1"))).await;
+    assert!(
+        matches!(replayed, Err(ExecutionError::Unauthorized)),
+        "{replayed:?}"
+    );
+    let refusals: Vec<(u64, String)> = f
+        .lines()
+        .iter()
+        .filter(|l| l["event"] == "refusal")
+        .map(|l| {
+            assert_eq!(l["token_id"], "tok-1", "{l}");
+            assert_eq!(l["subject"], "orchestrator", "{l}");
+            (
+                l["status"].as_u64().unwrap(),
+                l["command"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        refusals,
+        [(403, "no-such-tool".to_string()), (401, "echo".to_string())]
+    );
+    assert_eq!(f.specs.lock().unwrap().len(), 1);
+}
+
+/// A backend that cannot serve ends the admitted execution with an `execution_error` line of the
+/// error the caller gets.
+#[tokio::test]
+async fn a_backend_failure_is_the_end_line_and_the_error() {
+    let f = Fixture::new(engine_gone, 1);
+    let failed = f.service.execute(request("echo", None)).await;
+    let Err(e @ ExecutionError::Unavailable(_)) = &failed else {
+        panic!("{failed:?}");
+    };
+    let lines = f.lines();
+    let events: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
+    assert_eq!(events, ["execution_start", "execution_error"]);
+    assert_eq!(lines[1]["error_type"], e.error_type());
+    assert_eq!(lines[1]["error"], "docker engine unreachable");
+    f.service.admit(request("echo", None)).await.unwrap();
+}
