@@ -104,8 +104,15 @@ pub struct Provenance {
 #[derive(Debug, Serialize)]
 pub struct ExecutionResult {
     pub success: bool,
+    /// The stream as UTF-8, invalid sequences replaced (U+FFFD).
     pub stdout: String,
     pub stderr: String,
+    /// The stream's exact bytes (standard base64), present only when they are not valid UTF-8:
+    /// `stdout_sha256` is over these bytes, so a client can always check what it received.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stdout_b64: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stderr_b64: Option<String>,
     pub exit_code: i32,
     pub duration_ms: u64,
     pub provenance: Provenance,
@@ -893,6 +900,14 @@ fn count_failed_append(metrics: &Metrics, event: &AuditEvent, e: &AuditError) {
     tracing::error!(error = %e, event = event.name(), "audit append failed");
 }
 
+/// The bytes as standard base64 when they are not valid UTF-8 (the text field then lost some).
+fn b64_unless_utf8(bytes: &[u8]) -> Option<String> {
+    use base64::Engine;
+    std::str::from_utf8(bytes)
+        .is_err()
+        .then(|| base64::engine::general_purpose::STANDARD.encode(bytes))
+}
+
 fn build_result(plan: &Plan, o: &RunOutcome, external: bool) -> ExecutionResult {
     let outcome = outcome_name(o);
     let success = outcome == "success";
@@ -905,6 +920,8 @@ fn build_result(plan: &Plan, o: &RunOutcome, external: bool) -> ExecutionResult 
         success,
         stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        stdout_b64: b64_unless_utf8(&o.stdout),
+        stderr_b64: b64_unless_utf8(&o.stderr),
         exit_code: o.exit_code(),
         duration_ms: o.duration.as_millis() as u64,
         provenance: Provenance {
