@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Prepare this machine to run executor-arm's docker and gvisor backends:
-#   1. install docker.io, runsc and jq when missing (apt, non-interactive);
-#   2. merge the runsc runtime (docker/daemon.json) into /etc/docker/daemon.json, keeping other keys;
+#   1. install docker.io and jq when missing (apt, non-interactive), and runsc at exactly
+#      RUNSC_VERSION from Debian trixie: bookworm's runsc (20221219) lacks statx, so coreutils'
+#      `ls` fails under it. trixie's runsc is one static binary with no dependencies; an apt pin
+#      lets runsc, and nothing else, come from trixie, at that version only;
+#   2. pick gVisor's platform: `systrap` (far cheaper system calls than `ptrace`) when a probe
+#      sandbox runs with it here, else `ptrace`; merge the runsc runtime (docker/daemon.json, with
+#      that platform) into /etc/docker/daemon.json, keeping other keys;
 #   3. start dockerd when it is not running (no systemd assumed), or reload/restart it when it runs
 #      without runsc registered;
 #   4. wait (bounded) until `docker info` lists both the runc and runsc runtimes, runsc with the
@@ -14,6 +19,8 @@
 #   DOCKERD_LOG           dockerd log when started here  (default /var/log/dockerd.log)
 #   DOCKERD_PIDFILE       dockerd pid file               (default /var/run/docker.pid)
 #   DOCKERD_WAIT_SECONDS  how long to wait for dockerd   (default 60)
+#   RUNSC_VERSION         the runsc package version      (default 0.0~20240729.0-4+b7)
+#   RUNSC_PLATFORM        systrap | ptrace               (default: systrap if it works here)
 set -Eeuo pipefail
 trap 'printf "[setup-docker] ERROR: line %s: \`%s\` failed (exit %s)\n" "${LINENO}" "${BASH_COMMAND}" "$?" >&2' ERR
 
@@ -25,6 +32,10 @@ DOCKERD_CONFIG="${DOCKERD_CONFIG:-/etc/docker/daemon.json}"
 DOCKERD_LOG="${DOCKERD_LOG:-/var/log/dockerd.log}"
 DOCKERD_PIDFILE="${DOCKERD_PIDFILE:-/var/run/docker.pid}"
 DOCKERD_WAIT_SECONDS="${DOCKERD_WAIT_SECONDS:-60}"
+RUNSC_VERSION="${RUNSC_VERSION:-0.0~20240729.0-4+b7}"
+RUNSC_PLATFORM="${RUNSC_PLATFORM:-}"
+APT_TRIXIE_SOURCE=/etc/apt/sources.list.d/executor-arm-trixie.sources
+APT_RUNSC_PIN=/etc/apt/preferences.d/executor-arm-runsc
 RUNTIME_TEMPLATE="${REPO_ROOT}/docker/daemon.json"
 
 log() { printf '[setup-docker] %s\n' "$*"; }
@@ -40,25 +51,81 @@ die() {
 # ---------------------------------------------------------------------------------------------
 # 1. Packages
 # ---------------------------------------------------------------------------------------------
+export DEBIAN_FRONTEND=noninteractive
 missing=()
 if ! command -v dockerd >/dev/null 2>&1 || ! command -v docker >/dev/null 2>&1; then
     missing+=(docker.io)
 fi
-command -v runsc >/dev/null 2>&1 || missing+=(runsc)
 command -v jq >/dev/null 2>&1 || missing+=(jq)
-
 if ((${#missing[@]} > 0)); then
     log "installing: ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
     apt-get update -q
     apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
-    log "packages present: dockerd, docker, runsc, jq (nothing installed)"
+    log "packages present: dockerd, docker, jq (nothing installed)"
+fi
+
+# runsc from trixie, pinned: every other trixie package is never a candidate (priority -1), runsc
+# only at RUNSC_VERSION. Rewritten when different, so a changed version takes effect.
+write_if_changed() { # path content
+    if [[ ! -e $1 || "$(cat -- "$1")" != "$2" ]]; then
+        printf '%s\n' "$2" >"$1"
+        return 0
+    fi
+    return 1
+}
+apt_changed=0
+write_if_changed "${APT_TRIXIE_SOURCE}" "# executor-arm: runsc only (see ${APT_RUNSC_PIN})
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: trixie
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg" && apt_changed=1
+write_if_changed "${APT_RUNSC_PIN}" "# executor-arm: nothing from trixie but runsc ${RUNSC_VERSION}.
+Package: *
+Pin: release n=trixie
+Pin-Priority: -1
+
+Package: runsc
+Pin: version ${RUNSC_VERSION}
+Pin-Priority: 1001" && apt_changed=1
+installed_runsc=""
+if v="$(dpkg-query -W -f='${Version}' runsc 2>/dev/null)"; then
+    installed_runsc=${v}
+fi
+if [[ ${installed_runsc} != "${RUNSC_VERSION}" ]]; then
+    log "installing runsc ${RUNSC_VERSION} from trixie (installed: ${installed_runsc:-none})"
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends --allow-downgrades "runsc=${RUNSC_VERSION}"
+elif ((apt_changed)); then
+    log "apt source and pin for runsc written; runsc ${RUNSC_VERSION} already installed"
+else
+    log "runsc ${RUNSC_VERSION} present (nothing installed)"
 fi
 
 RUNSC_PATH="$(command -v runsc)"
 runsc_version="$("${RUNSC_PATH}" --version 2>&1)"
 log "runsc: ${RUNSC_PATH} (${runsc_version%%$'\n'*})"
+
+# The platform: systrap when a probe sandbox runs with it, else ptrace.
+probe_platform() { # platform
+    timeout 60 "${RUNSC_PATH}" --platform="$1" --network=none "do" /bin/true >/dev/null 2>&1
+}
+if [[ -z ${RUNSC_PLATFORM} ]]; then
+    if probe_platform systrap; then
+        RUNSC_PLATFORM=systrap
+    elif probe_platform ptrace; then
+        RUNSC_PLATFORM=ptrace
+        log "runsc: the systrap platform does not work here; using ptrace (slower system calls)"
+    else
+        die "runsc runs neither with --platform=systrap nor with --platform=ptrace (try: ${RUNSC_PATH} --platform=ptrace do /bin/true)"
+    fi
+fi
+[[ ${RUNSC_PLATFORM} =~ ^(systrap|ptrace)$ ]] || die "RUNSC_PLATFORM must be systrap or ptrace, not '${RUNSC_PLATFORM}'"
+log "runsc platform: ${RUNSC_PLATFORM}"
+# The template's flags with the chosen platform in place of its own.
+want_args="$(jq -c --arg p "--platform=${RUNSC_PLATFORM}" \
+    '[$p] + [.runtimes.runsc.runtimeArgs[] | select(startswith("--platform=") | not)]' "${RUNTIME_TEMPLATE}")"
 
 # ---------------------------------------------------------------------------------------------
 # 2. daemon.json: merge the runsc runtime, keep every other key
@@ -73,9 +140,9 @@ if [[ -e ${DOCKERD_CONFIG} ]]; then
 fi
 
 desired="$(
-    jq -S --slurpfile tpl "${RUNTIME_TEMPLATE}" --arg runsc "${RUNSC_PATH}" '
+    jq -S --slurpfile tpl "${RUNTIME_TEMPLATE}" --arg runsc "${RUNSC_PATH}" --argjson args "${want_args}" '
         . as $cur
-        | ($tpl[0].runtimes.runsc + {path: $runsc}) as $rt
+        | ($tpl[0].runtimes.runsc + {path: $runsc, runtimeArgs: $args}) as $rt
         | $cur + {runtimes: (($cur.runtimes // {}) + {runsc: $rt})}
     ' <<<"${existing}"
 )"
@@ -202,7 +269,6 @@ fi
 
 # A reload that did not take (or a dockerd started with other flags) leaves runsc without the
 # flags the gvisor backend needs; it would then refuse every run.
-want_args="$(jq -c '.runtimes.runsc.runtimeArgs' "${RUNTIME_TEMPLATE}")"
 has_args() {
     local got
     # shellcheck disable=SC2016 # a Go template, not shell

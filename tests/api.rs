@@ -1988,3 +1988,19 @@ async fn every_error_body_says_whether_a_retry_can_help() {
     assert_eq!(ok.status, 200, "{}", ok.text);
     assert!(ok.json.get("retryable").is_none(), "{}", ok.text);
 }
+
+#[tokio::test]
+async fn output_that_is_not_utf8_comes_back_exactly_in_base64() {
+    let d = Daemon::start();
+    let r = d
+        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c",
+            "import sys; sys.stdout.buffer.write(b'ok\\xff\\x00\\xfe'); print('fine', file=sys.stderr)"]}))
+        .await;
+    common::assert_binary_output(&r, b"ok\xff\x00\xfe", "local");
+    // UTF-8 output has no base64 twin.
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": ["h\u{e9}llo"]}))
+        .await;
+    assert_eq!(r.json["stdout"], json!("h\u{e9}llo\n"), "{}", r.text);
+    assert!(r.json.get("stdout_b64").is_none(), "{}", r.text);
+}

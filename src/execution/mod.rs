@@ -30,7 +30,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
 use self::record::{AdmittedRun, KnownRequest, RefusalKind};
-use self::result::{ExecutionResult, Provenance, outcome_name};
+use self::result::{ExecutionResult, Provenance, b64_unless_utf8, outcome_name};
 use crate::auth::Verified;
 use crate::config::{Config, TokenKind};
 use crate::executors::Registry;
@@ -555,6 +555,8 @@ impl Execution {
             success: name == "success",
             stdout: String::from_utf8_lossy(&outcome.stdout).into_owned(),
             stderr: String::from_utf8_lossy(&outcome.stderr).into_owned(),
+            stdout_b64: b64_unless_utf8(&outcome.stdout),
+            stderr_b64: b64_unless_utf8(&outcome.stderr),
             exit_code: outcome.exit_code(),
             duration_ms: duration_ms(&outcome),
             provenance: Provenance {

@@ -36,8 +36,15 @@ pub struct Provenance {
 #[derive(Debug, Serialize)]
 pub struct ExecutionResult {
     pub success: bool,
+    /// The stream as UTF-8, invalid sequences replaced (U+FFFD).
     pub stdout: String,
     pub stderr: String,
+    /// The stream's exact bytes (standard base64), present only when they are not valid UTF-8:
+    /// `stdout_sha256` is over these bytes, so a client can always check what it received.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stdout_b64: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stderr_b64: Option<String>,
     pub exit_code: i32,
     pub duration_ms: u64,
     pub provenance: Provenance,
@@ -75,6 +82,14 @@ pub fn outcome_name(o: &RunOutcome) -> &'static str {
         None if o.exit_code() == 0 && !o.stdin_broken_pipe => "success",
         None => "failed",
     }
+}
+
+/// The bytes as standard base64 when they are not valid UTF-8 (the text field then lost some).
+pub fn b64_unless_utf8(bytes: &[u8]) -> Option<String> {
+    use base64::Engine;
+    std::str::from_utf8(bytes)
+        .is_err()
+        .then(|| base64::engine::general_purpose::STANDARD.encode(bytes))
 }
 
 #[cfg(test)]

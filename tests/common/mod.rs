@@ -489,3 +489,30 @@ pub fn write_executor_def(dir: &Path, file: &str, yaml: &str) -> PathBuf {
     std::fs::write(&path, yaml).expect("executor def");
     path
 }
+
+/// A result whose stdout is `want` (not UTF-8): `stdout_b64` holds exactly those bytes, their
+/// sha256 is `stdout_sha256`, and `stderr` (UTF-8 here) has no `stderr_b64`.
+pub fn assert_binary_output(r: &Resp, want: &[u8], what: &str) {
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+    assert_eq!(r.status, 200, "{what}: {}", r.text);
+    let b64 = r.json["stdout_b64"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{what}: no stdout_b64: {}", r.text));
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .expect("standard base64");
+    assert_eq!(bytes, want, "{what}: {}", r.text);
+    assert_eq!(
+        r.json["provenance"]["stdout_sha256"],
+        Value::String(format!("sha256:{}", hex::encode(Sha256::digest(&bytes)))),
+        "{what}: {}",
+        r.text
+    );
+    assert_eq!(
+        r.json["stdout"],
+        Value::String(String::from_utf8_lossy(want).into_owned()),
+        "{what}"
+    );
+    assert!(r.json.get("stderr_b64").is_none(), "{what}: {}", r.text);
+}
