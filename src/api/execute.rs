@@ -165,7 +165,8 @@ impl Ctx {
         error_type: &'static str,
         reason: &str,
     ) -> bool {
-        if !st.audit.admit_refusal(status.as_u16()) {
+        let authenticated = self.subject.is_some() || self.token_id.is_some();
+        if !st.audit.admit_refusal(status.as_u16(), authenticated) {
             st.metrics
                 .audit_refusals_suppressed
                 .with_label_values(&[status.as_str()])
@@ -379,9 +380,14 @@ async fn handle(
     }
 
     // What this call may do.
-    let header_token = headers
-        .get(CAPABILITY_TOKEN_HEADER)
-        .map(|v| v.to_str().unwrap_or_default());
+    let mut header_tokens = headers.get_all(CAPABILITY_TOKEN_HEADER).iter();
+    let header_token = header_tokens.next().map(|v| v.to_str().unwrap_or_default());
+    if header_tokens.next().is_some() {
+        // Two copies: a proxy in front may have checked the other one.
+        return Err(ApiError::InvalidRequest(format!(
+            "{CAPABILITY_TOKEN_HEADER} is given more than once"
+        )));
+    }
     let token = match (req.capability_token.as_deref(), header_token) {
         (Some(_), Some(_)) => {
             return Err(ApiError::InvalidRequest(format!(
@@ -401,7 +407,16 @@ async fn handle(
     }
 
     // Idempotency: a retry of a finished request gets the stored answer without running again.
-    let body_hash = sha256_prefixed(&raw);
+    // The fingerprint covers the capability token as well as the body: a token in the header is
+    // not in the body, and a replay must never hand a result to a token that could not have run
+    // the request (another token with the same key and body gets 422).
+    let body_hash = {
+        let mut fingerprint = Vec::with_capacity(raw.len() + 1 + token.len());
+        fingerprint.extend_from_slice(&raw);
+        fingerprint.push(0);
+        fingerprint.extend_from_slice(token.as_bytes());
+        sha256_prefixed(&fingerprint)
+    };
     let idem = match idem_key {
         Some(k) => {
             if k.is_empty() || k.len() > 255 || !k.bytes().all(|b| b.is_ascii_graphic()) {
