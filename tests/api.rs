@@ -1,4 +1,4 @@
-//! The wire contract (seeds/002 + DESIGN §1–4, §7, §8) against the real daemon.
+//! The wire contract (README's API, authentication and audit sections) against the real daemon.
 
 mod common;
 
@@ -99,7 +99,7 @@ async fn seed_examples_and_every_documented_field() {
         json!(["ShellRead", "FilesystemRead"])
     );
     assert_eq!(p["metadata"]["task_id"], json!("task_123"));
-    // Pattern 3: the client recomputes the hash exactly.
+    // The client recomputes the hash exactly.
     let expected = format!("sha256:{}", hex::encode(Sha256::digest(b"ls -la /tmp")));
     assert_eq!(p["command_hash"], json!(expected));
     for f in [
@@ -591,7 +591,7 @@ async fn allowlist_bypasses_and_static_tokens() {
             r.text
         );
     }
-    // The seed's static token works as the capability_token.
+    // A static token works as the capability_token.
     let r = d.exec(json!({"action_type": "shell", "command": "ls", "args": ["-la", "/tmp"], "capability_token": "tok_abc123xyz"})).await;
     assert_eq!(r.status, 200, "{}", r.text);
     assert_eq!(r.json["provenance"]["subject"], json!("orchestrator"));
@@ -1532,7 +1532,7 @@ async fn service_token_claims_are_required_and_single_use_is_honoured() {
     let r = run(good_svc.clone(), good_cap.clone()).await;
     assert_eq!(
         r.status, 200,
-        "control (a capability token without token_use is the seed's shape): {}",
+        "control (a capability token without token_use is the common shape): {}",
         r.text
     );
 

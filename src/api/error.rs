@@ -1,4 +1,4 @@
-//! The one API error type: maps itself to the status code and the seed's error body.
+//! The one API error type: maps itself to the status code and the documented error body.
 //! Internals are logged, never returned.
 
 use axum::http::{HeaderValue, StatusCode, header};

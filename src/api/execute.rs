@@ -44,7 +44,7 @@ pub struct ExecuteRequest {
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub profile: Option<String>,
-    // External executor envelope (DESIGN §6).
+    // External executor envelope (docs/executors.md).
     #[serde(default)]
     pub input: Option<Value>,
     #[serde(default)]
