@@ -263,6 +263,9 @@ fn check_config(path: Option<PathBuf>) -> Result<()> {
     for s in skipped {
         println!("  SKIPPED {}: {}", s.file.display(), s.reason);
     }
+    for note in defs.values().filter_map(|d| d.timeout_note()) {
+        println!("warning: {note}");
+    }
     let auth = executor_arm::auth::Authenticator::new(&cfg.auth)?;
     if !auth.has_keys() {
         println!("warning: no verification key configured; serve will refuse to start");
