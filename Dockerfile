@@ -21,7 +21,7 @@ ENV LANG=C.UTF-8 \
     PATH=/usr/local/bin:/usr/bin:/bin
 
 # ----------------------------------------------------------------------------------------------
-# sandbox: the seed's commands, tini, an unprivileged user, no setuid/setgid files
+# sandbox: the allowlisted commands, tini, an unprivileged user, no setuid/setgid files
 # ----------------------------------------------------------------------------------------------
 FROM os-base AS sandbox
 ARG DEBIAN_FRONTEND=noninteractive
@@ -37,12 +37,11 @@ RUN set -eux; \
     install -d -o 10001 -g 10001 -m 0755 /work; \
     find / -xdev -perm /6000 -type f -exec chmod a-s {} +; \
     test -z "$(find / -xdev -perm /6000 -type f)"
-# No ENTRYPOINT: the backend chooses the init (one that reaps zombies and forwards signals), either
-#   HostConfig.Init = true (`docker run --init`: docker-init, on Debian's docker.io a link to
-#   tini-static), or Entrypoint ["/usr/bin/tini", "--"] (tini from this image).
-# Both work under runc and runsc. Never both: tini under another init warns on stderr at every run,
-# and `tini -s` (subreaper) is fatal under this runsc (no PR_SET_CHILD_SUBREAPER).
-# Either way the exit status is the command's; killed by signal N gives 128+N, as without an init.
+# No ENTRYPOINT, and no init in executor-arm's containers (HostConfig.Init = false): the daemon
+# starts its own in-container supervisor as PID 1, which reaps orphans, forwards signals and
+# reports the command's exit status (killed by signal N gives 128+N). tini is here for running
+# the image by hand (`docker run --entrypoint /usr/bin/tini executor-arm-sandbox -- …`), which
+# scripts/build-sandbox-image.sh smoke-tests under runc and runsc.
 CMD ["/bin/sh"]
 ENV HOME=/work
 WORKDIR /work
@@ -64,8 +63,8 @@ LABEL org.opencontainers.image.title="executor-arm-sandbox" \
 FROM os-base AS daemon
 ARG DEBIAN_FRONTEND=noninteractive
 ARG DAEMON_BINARY=target/release/executor-arm
-# The `local` backend runs allowlisted binaries from this image's own filesystem, so the seed's
-# commands are installed here too; ca-certificates for curl/wget and outbound TLS.
+# The `local` backend runs allowlisted binaries from this image's own filesystem, so the default
+# allowlist's commands are installed here too; ca-certificates for curl/wget and outbound TLS.
 RUN set -eux; \
     apt-get update; \
     apt-get upgrade; \

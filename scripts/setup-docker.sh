@@ -89,9 +89,11 @@ Pin-Priority: -1
 Package: runsc
 Pin: version ${RUNSC_VERSION}
 Pin-Priority: 1001" && apt_changed=1
+# Installed means unpacked and configured ("ii"): a removed package keeps its version in dpkg's
+# database.
 installed_runsc=""
-if v="$(dpkg-query -W -f='${Version}' runsc 2>/dev/null)"; then
-    installed_runsc=${v}
+if v="$(dpkg-query -W -f='${db:Status-Abbrev}${Version}' runsc 2>/dev/null)" && [[ ${v} == "ii "* ]]; then
+    installed_runsc=${v#ii }
 fi
 if [[ ${installed_runsc} != "${RUNSC_VERSION}" ]]; then
     log "installing runsc ${RUNSC_VERSION} from trixie (installed: ${installed_runsc:-none})"

@@ -340,6 +340,11 @@ impl Config {
                 "audit.refusal_lines_per_second must be a number >= 0".into(),
             ));
         }
+        if self.audit.refusal_burst == 0 {
+            return Err(ConfigError::Invalid(
+                "audit.refusal_burst must be >= 1 (0 would write no refusal line at all)".into(),
+            ));
+        }
         if self.server.body_limit_bytes == 0 {
             return Err(ConfigError::Invalid(
                 "server.body_limit_bytes must be > 0".into(),
@@ -476,5 +481,31 @@ mod tests {
         std::fs::write(&f, "[state]\nidempotency_lease_seconds = 2\n").unwrap();
         let e = Config::load(Some(&f), &EnvOverrides::default()).unwrap_err();
         assert!(e.to_string().contains("idempotency_lease_seconds"), "{e}");
+    }
+
+    #[test]
+    fn a_refusal_rate_that_writes_nothing_or_is_not_a_number_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        for (toml, key) in [
+            ("refusal_burst = 0", "refusal_burst"),
+            (
+                "refusal_lines_per_second = -1.0",
+                "refusal_lines_per_second",
+            ),
+            ("refusal_lines_per_second = nan", "refusal_lines_per_second"),
+            ("refusal_lines_per_second = inf", "refusal_lines_per_second"),
+        ] {
+            std::fs::write(&f, format!("[audit]\n{toml}\n")).unwrap();
+            let e = Config::load(Some(&f), &EnvOverrides::default()).unwrap_err();
+            assert!(e.to_string().contains(key), "{toml}: {e}");
+        }
+        std::fs::write(
+            &f,
+            "[audit]\nrefusal_burst = 1\nrefusal_lines_per_second = 0.0\n",
+        )
+        .unwrap();
+        let c = Config::load(Some(&f), &EnvOverrides::default()).unwrap();
+        assert_eq!(c.audit.refusal_burst, 1);
     }
 }

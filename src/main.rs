@@ -111,7 +111,8 @@ fn ensure_std_fds() {
     }
 }
 
-/// Caps glibc's malloc arenas at two, unless the operator set `MALLOC_ARENA_MAX` themselves.
+/// Caps glibc's malloc arenas at two, unless the operator set the limit themselves
+/// (`MALLOC_ARENA_MAX`, or `glibc.malloc.arena_max` in `GLIBC_TUNABLES`).
 ///
 /// glibc gives threads that allocate concurrently arenas of their own (up to eight per core) and
 /// keeps what is freed in each. Under mixed traffic (`scripts/soak.sh`) that held the daemon's RSS
@@ -119,7 +120,9 @@ fn ensure_std_fds() {
 /// daemon's allocations are short request buffers, so two arenas cost no measurable contention.
 fn limit_malloc_arenas() {
     #[cfg(target_env = "gnu")]
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none()
+        && !std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("glibc.malloc.arena_max"))
+    {
         // SAFETY: mallopt(3) only sets an allocator parameter; called first thing in main, before
         // any thread exists.
         unsafe {
@@ -259,6 +262,9 @@ fn check_config(path: Option<PathBuf>) -> Result<()> {
     }
     for s in skipped {
         println!("  SKIPPED {}: {}", s.file.display(), s.reason);
+    }
+    for note in defs.values().filter_map(|d| d.timeout_note()) {
+        println!("warning: {note}");
     }
     let auth = executor_arm::auth::Authenticator::new(&cfg.auth)?;
     if !auth.has_keys() {

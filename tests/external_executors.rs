@@ -556,7 +556,8 @@ async fn injected_env_argv_and_model_flag(backend: Backend) -> Sandboxed {
         "env-probe",
         r#"import json, os, sys
 sys.stdin.read()
-keys = ["ORBIT_AGENT_NAME", "ORBIT_AGENT_MODEL", "ORBIT_ACTIVITY_ID", "ACME_PROFILE", "PATH", "HOME"]
+keys = ["ORBIT_AGENT_NAME", "ORBIT_AGENT_MODEL", "ORBIT_ACTIVITY_ID", "ORBIT_ACTIVITY_TOOLS",
+        "ORBIT_PROC_ALLOWED_PROGRAMS", "ACME_PROFILE", "PATH", "HOME"]
 print(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}, "all": sorted(os.environ)}))
 "#,
     );
@@ -614,6 +615,37 @@ print(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in ke
     assert_eq!(out["argv"], json!(["run", "--json"]));
     assert!(out["env"]["ORBIT_AGENT_MODEL"].is_null());
     assert_eq!(out["env"]["ORBIT_ACTIVITY_ID"], "17");
+    // Undeclared: no variable.
+    assert!(out["env"]["ORBIT_ACTIVITY_TOOLS"].is_null());
+    assert!(out["env"]["ORBIT_PROC_ALLOWED_PROGRAMS"].is_null());
+
+    // Declared tools and allowed programs: names, comma-separated; an empty list is declared too.
+    let out = stdout(
+        &d.run(
+            "env-probe",
+            json!({ "activity": { "id": "a", "tools": ["read_file", {"name": "web_search"}],
+                                  "allowed_programs": [] } }),
+        )
+        .await,
+    );
+    assert_eq!(out["env"]["ORBIT_ACTIVITY_TOOLS"], "read_file,web_search");
+    assert_eq!(out["env"]["ORBIT_PROC_ALLOWED_PROGRAMS"], "");
+    let out = stdout(
+        &d.run(
+            "env-probe",
+            json!({ "activity": { "allowed_programs": ["git", "python3"] } }),
+        )
+        .await,
+    );
+    assert_eq!(out["env"]["ORBIT_PROC_ALLOWED_PROGRAMS"], "git,python3");
+    // A list that cannot be passed as names is refused, not garbled.
+    for bad in [json!("git"), json!(["a,b"]), json!([1]), json!([{"id": 1}])] {
+        let r = d
+            .run("env-probe", json!({ "activity": { "tools": bad } }))
+            .await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.text);
+        assert_eq!(r.json["error_type"], "InvalidRequest", "{}", r.text);
+    }
 
     // The operator's env wins over the injected variables; the model flag still follows the request.
     let out = stdout(
@@ -802,4 +834,46 @@ async fn sighup_reloads_defs_and_listings_never_show_env_values() {
     assert_eq!(names, ["second"]);
     let r = d.run("first", json!({})).await;
     assert_eq!(r.status, 403, "{}", r.text);
+}
+
+#[test]
+fn check_config_warns_of_a_def_timeout_above_the_synchronous_limit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let long = dir.path().join("long-job.yaml");
+    std::fs::write(
+        &long,
+        "schemaVersion: 2\nkind: Executor\nmetadata:\n  name: long-job\nspec:\n  executor_type: external\n  command: /bin/true\n  timeout_seconds: 1800\n",
+    )
+    .expect("def");
+    std::fs::write(
+        dir.path().join("short-job.yaml"),
+        "schemaVersion: 2\nkind: Executor\nmetadata:\n  name: short-job\nspec:\n  executor_type: external\n  command: /bin/true\n  timeout_seconds: 300\n",
+    )
+    .expect("def");
+    let out = std::process::Command::new(common::bin())
+        .arg("check-config")
+        .env("EXECUTOR_ARM_EXECUTORS_DIR", dir.path())
+        .env(
+            "EXECUTOR_ARM_PROFILES_DIR",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/sandbox-profiles"),
+        )
+        .output()
+        .expect("check-config");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let warnings: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("warning: executor"))
+        .collect();
+    assert_eq!(
+        warnings,
+        [
+            "warning: executor 'long-job': timeout_seconds 1800 is above 300: its runs are cut at 300 s"
+        ],
+        "{text}"
+    );
 }

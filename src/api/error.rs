@@ -1,4 +1,4 @@
-//! The one API error type: maps itself to the status code and the seed's error body.
+//! The one API error type: maps itself to the status code and the documented error body.
 //! Internals are logged, never returned.
 
 use axum::http::{HeaderValue, StatusCode, header};
@@ -90,15 +90,19 @@ impl ApiError {
     }
 
     /// Whether the same request may succeed if sent again: 429, 503 and every 5xx are (the
-    /// daemon was busy, draining or broken); every other 4xx is terminal.
+    /// daemon was busy, draining or broken), and so is a 409 for an Idempotency-Key still
+    /// running (a retry after it ends gets the stored answer); every other 4xx is terminal.
     pub fn retryable(&self) -> bool {
-        retryable(self.status())
+        matches!(self, ApiError::IdempotencyInProgress) || retryable(self.status())
     }
 
-    /// Seconds a caller should wait before retrying, sent as `Retry-After` on 429 and 503.
+    /// Seconds a caller should wait before retrying, sent as `Retry-After` on 429, 503 and the
+    /// retryable 409.
     pub fn retry_after_seconds(&self) -> Option<u64> {
         match self {
-            ApiError::Overloaded | ApiError::ShuttingDown => Some(1),
+            ApiError::Overloaded | ApiError::ShuttingDown | ApiError::IdempotencyInProgress => {
+                Some(1)
+            }
             // A backend or the audit log is down: give it time to come back.
             ApiError::SandboxUnavailable(_) => Some(5),
             _ => None,

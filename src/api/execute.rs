@@ -48,7 +48,7 @@ pub struct ExecuteRequest {
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub profile: Option<String>,
-    // An external executor's envelope and runtime model.
+    // An external executor's envelope and runtime model (docs/executors.md).
     #[serde(default)]
     pub input: Option<Value>,
     #[serde(default)]
@@ -282,9 +282,14 @@ async fn handle(
     }
 
     // What this call may do.
-    let header_token = headers
-        .get(CAPABILITY_TOKEN_HEADER)
-        .map(|v| v.to_str().unwrap_or_default());
+    let mut header_tokens = headers.get_all(CAPABILITY_TOKEN_HEADER).iter();
+    let header_token = header_tokens.next().map(|v| v.to_str().unwrap_or_default());
+    if header_tokens.next().is_some() {
+        // Two copies: a proxy in front may have checked the other one.
+        return Err(ApiError::InvalidRequest(format!(
+            "{CAPABILITY_TOKEN_HEADER} is given more than once"
+        )));
+    }
     let token = match (req.capability_token.as_deref(), header_token) {
         (Some(_), Some(_)) => {
             return Err(ApiError::InvalidRequest(format!(
@@ -304,7 +309,16 @@ async fn handle(
     }
 
     // Idempotency: a retry of a finished request gets the stored answer without running again.
-    let body_hash = sha256_prefixed(&raw);
+    // The fingerprint covers the capability token as well as the body: a token in the header is
+    // not in the body, and a replay must never hand a result to a token that could not have run
+    // the request (another token with the same key and body gets 422).
+    let body_hash = {
+        let mut fingerprint = Vec::with_capacity(raw.len() + 1 + token.len());
+        fingerprint.extend_from_slice(&raw);
+        fingerprint.push(0);
+        fingerprint.extend_from_slice(token.as_bytes());
+        sha256_prefixed(&fingerprint)
+    };
     let idem = match idem_key {
         Some(k) => {
             if k.is_empty() || k.len() > 255 || !k.bytes().all(|b| b.is_ascii_graphic()) {

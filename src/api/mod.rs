@@ -175,7 +175,13 @@ fn flush_suppressed(state: &AppState) {
             .audit_append_failures
             .with_label_values(&["refusals_suppressed"])
             .inc();
-        tracing::error!(error = %e, event = "refusals_suppressed", "audit append failed");
+        // The counts stay pending for the next flush; at shutdown this line is their only record.
+        let pending = state
+            .audit
+            .suppressed_pending()
+            .and_then(|p| serde_json::to_string(&p).ok())
+            .unwrap_or_default();
+        tracing::error!(error = %e, event = "refusals_suppressed", %pending, "audit append failed");
     }
 }
 

@@ -182,7 +182,7 @@ pub fn now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Static tokens look like the seed's: `tok_` + alphanumerics.
+/// Static tokens are `tok_` + alphanumerics.
 pub fn is_static_token(t: &str) -> bool {
     t.len() > 4
         && t.len() <= 256
@@ -403,7 +403,7 @@ impl Authenticator {
 }
 
 /// A service JWT must say `token_use: "service"`: a token minted for anything else (a capability
-/// token, which DESIGN §3 lets carry no `token_use`) never authenticates a caller. A capability
+/// token, which may carry no `token_use`) never authenticates a caller. A capability
 /// JWT may omit the claim, but one that names another use is refused.
 fn check_token_use(token_use: Option<&str>, kind: TokenKind) -> Result<(), AuthError> {
     match (kind, token_use) {

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::EgressError;
 
-/// 10 Mbit/s, the seed's egress bandwidth.
+/// 10 Mbit/s, the default egress bandwidth.
 pub const DEFAULT_BANDWIDTH_BYTES_PER_SEC: u64 = 1_250_000;
 /// Per-execution byte cap when a profile names none.
 pub const DEFAULT_BYTE_CAP: u64 = 100 * 1024 * 1024;

@@ -71,7 +71,10 @@ pub fn refusal(
         RefusalKind::CapabilityViolation => metrics.capability_violations.inc(),
     }
     let status = kind.status();
-    if !audit.admit_refusal(status) {
+    // A caller whose service token was verified draws from its own bucket: a flood from callers
+    // without one cannot crowd its refusals out.
+    let authenticated = known.subject.is_some() || known.token_id.is_some();
+    if !audit.admit_refusal(status, authenticated) {
         metrics
             .audit_refusals_suppressed
             .with_label_values(&[&status.to_string()])

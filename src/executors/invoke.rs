@@ -39,6 +39,34 @@ pub struct ExternalCall<'a> {
     pub model: Option<&'a str>,
 }
 
+/// `activity.<key>` as a comma-separated list of names, when the activity declares it: an array
+/// of names, or of objects with a `name`. Anything else is refused rather than passed on garbled.
+fn activity_names(activity: Option<&Value>, key: &str) -> Result<Option<String>, PolicyError> {
+    let Some(declared) = activity.and_then(|a| a.get(key)) else {
+        return Ok(None);
+    };
+    let invalid = || {
+        PolicyError::Invalid(format!(
+            "activity.{key} must be an array of names (strings without ',' or NUL, or objects \
+             with such a \"name\")"
+        ))
+    };
+    let items = declared.as_array().ok_or_else(invalid)?;
+    let mut names = Vec::with_capacity(items.len());
+    for item in items {
+        let name = match item {
+            Value::String(s) => s.as_str(),
+            Value::Object(o) => o.get("name").and_then(Value::as_str).ok_or_else(invalid)?,
+            _ => return Err(invalid()),
+        };
+        if name.is_empty() || name.contains([',', '\0']) {
+            return Err(invalid());
+        }
+        names.push(name);
+    }
+    Ok(Some(names.join(",")))
+}
+
 /// The schemaVersion-1 request envelope written to the executor's stdin.
 pub fn envelope(req: &ExternalCall<'_>) -> Value {
     let mut m = Map::new();
@@ -142,6 +170,15 @@ pub fn decide(
         });
     if let Some(id) = activity_id {
         env.insert("ORBIT_ACTIVITY_ID".to_string(), id);
+    }
+    // What the activity declares it may use, for executors that enforce it themselves.
+    for (key, var) in [
+        ("tools", "ORBIT_ACTIVITY_TOOLS"),
+        ("allowed_programs", "ORBIT_PROC_ALLOWED_PROGRAMS"),
+    ] {
+        if let Some(names) = activity_names(req.activity, key)? {
+            env.insert(var.to_string(), names);
+        }
     }
     // The operator's env wins on conflict.
     env.extend(def.env.clone());

@@ -30,6 +30,20 @@ pub struct ExecutorDef {
     pub source: PathBuf,
 }
 
+impl ExecutorDef {
+    /// Why the def's `timeout_seconds` will not be had in full, when it asks for more than a
+    /// synchronous run may last.
+    pub fn timeout_note(&self) -> Option<String> {
+        let max = crate::policy::profile::MAX_TIMEOUT_SECONDS;
+        self.timeout_seconds.filter(|t| *t > max).map(|t| {
+            format!(
+                "executor '{}': timeout_seconds {t} is above {max}: its runs are cut at {max} s",
+                self.name
+            )
+        })
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct DefFile {
@@ -151,6 +165,9 @@ pub fn load_dir(dir: &Path) -> (BTreeMap<String, Arc<ExecutorDef>>, Vec<Skipped>
                 skipped.push(Skipped { file: path, reason });
             }
             Ok(def) => {
+                if let Some(note) = def.timeout_note() {
+                    tracing::warn!(file = %path.display(), "{note}");
+                }
                 defs.insert(def.name.clone(), Arc::new(def));
             }
             Err(reason) => {

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::sandbox::BackendKind;
 
-/// The seed's limits and the DESIGN §4 caps.
+/// The default limits and the hard caps no profile or request may exceed.
 pub const MAX_TIMEOUT_SECONDS: u64 = 300;
 
 /// Embedded copies of the shipped profiles, used when the profiles directory does not exist

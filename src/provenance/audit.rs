@@ -345,37 +345,49 @@ impl AuditLog {
         self
     }
 
-    /// Whether a refusal with HTTP `status` is to be appended as its own line. When it is not,
-    /// it has been counted, and the count is written as a `refusals_suppressed` line before the
-    /// next line of any kind or at the next [`AuditLog::flush_suppressed`].
-    pub fn admit_refusal(&self, status: u16) -> bool {
+    /// Whether a refusal with HTTP `status` is to be appended as its own line; `authenticated`
+    /// says whether the caller's service token was verified (its refusals draw from their own
+    /// bucket). When it is not, it has been counted, and the count is written as a
+    /// `refusals_suppressed` line at the next [`AuditLog::flush_suppressed`].
+    pub fn admit_refusal(&self, status: u16, authenticated: bool) -> bool {
         let at = now_rfc3339();
         self.refusals
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .admit(status, Instant::now(), &at)
+            .admit(status, authenticated, Instant::now(), &at)
+    }
+
+    /// The counts of suppressed refusals not yet written (for a log line when they cannot be).
+    pub fn suppressed_pending(&self) -> Option<RefusalsSuppressed> {
+        self.refusals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pending()
+            .cloned()
     }
 
     /// Writes the counts of suppressed refusals, if any, as one fsync'd line; returns its seq.
-    /// The daemon calls it every few seconds and at shutdown, so a flood that stops is accounted
-    /// for without waiting for the next line.
+    /// The daemon calls it every few seconds and at shutdown: at most one such line per call, so
+    /// a flood adds no more lines than the rate allows plus one per interval.
     pub fn flush_suppressed(&self) -> Result<Option<u64>, AuditError> {
         let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
         let r = self.write_suppressed(&mut tail, true);
         drop(tail);
-        self.note(&r);
+        // Writing nothing proves nothing about the log: a failed append stays noted (/readyz
+        // keeps probing) until a line is written.
+        if !matches!(r, Ok(None)) {
+            self.note(&r);
+        }
         r
     }
 
     /// Appends one event; returns its sequence number. Every event but `execution_start` is
     /// fsync'd (an execution's end line covers its start line). A failed append leaves no part of
-    /// its line behind. Suppressed refusals counted since the last line are written first.
+    /// its line behind.
     pub fn append(&self, event: &AuditEvent) -> Result<u64, AuditError> {
         let sync = !matches!(event, AuditEvent::ExecutionStart(_));
         let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        let r = self
-            .write_suppressed(&mut tail, false)
-            .and_then(|_| self.append_locked(&mut tail, event, sync));
+        let r = self.append_locked(&mut tail, event, sync);
         drop(tail);
         self.note(&r);
         r

@@ -4,7 +4,7 @@ pub mod audit;
 
 use sha2::{Digest, Sha256};
 
-/// The seed's Pattern 3: `sha256(command + " " + " ".join(args))`, trailing space included when
+/// The command hash orchestrator clients recompute: `sha256(command + " " + " ".join(args))`, trailing space included when
 /// there are no args, as `"sha256:<hex>"`.
 pub fn command_hash(command: &str, args: &[String]) -> String {
     let mut h = Sha256::new();

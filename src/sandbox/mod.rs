@@ -309,7 +309,7 @@ pub trait Sandbox: Send + Sync {
     async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError>;
 }
 
-/// A run spec for unit tests of the backends: `argv` as given, the seed's default-sized limits,
+/// A run spec for unit tests of the backends: `argv` as given, the default profile's limits,
 /// no network, no paths, uid/gid 65534. Tests override what they exercise.
 #[cfg(test)]
 pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {

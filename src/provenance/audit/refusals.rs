@@ -4,12 +4,14 @@
 //! fsync'd under the log's lock, so an unauthenticated caller could slow every admitted run and
 //! fill the disk. Each class of refusal has a token bucket (`per_second`, `burst`); a refusal
 //! over its bucket writes no line and is counted instead. The counts are written as one
-//! `refusals_suppressed` line before the next line of any kind, or by
-//! [`super::AuditLog::flush_suppressed`], whichever comes first, so the log still accounts for
-//! every refusal, and nothing is lost but the detail of the suppressed ones.
+//! `refusals_suppressed` line by [`super::AuditLog::flush_suppressed`], which the daemon calls
+//! every few seconds and at shutdown, so the log still accounts for every refusal, and nothing is
+//! lost but the detail of the suppressed ones (and, if the daemon is killed, the counts of its
+//! last few seconds).
 //!
-//! The classes are separate so that a flood of unauthenticated 401s cannot crowd out the
-//! refusals of authenticated callers (403s), which name a subject and a command.
+//! The classes are separate so that a flood from callers without a valid service token cannot
+//! crowd out the refusals of authenticated callers (a 403, a replayed single-use capability
+//! token), which name a subject and a command.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -44,25 +46,6 @@ pub struct RefusalsSuppressed {
     /// When the first and the last of them were refused (RFC 3339).
     pub first_at: String,
     pub last_at: String,
-}
-
-/// Which bucket a refusal draws from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Class {
-    /// 401: nobody was authenticated.
-    Unauthenticated,
-    /// Everything else: an authenticated caller was refused.
-    Authenticated,
-}
-
-impl Class {
-    fn of(status: u16) -> Class {
-        if status == 401 {
-            Class::Unauthenticated
-        } else {
-            Class::Authenticated
-        }
-    }
 }
 
 #[derive(Debug)]
@@ -113,12 +96,20 @@ impl RefusalBudget {
     }
 
     /// Whether a refusal with `status` gets its own line; when not, it is counted for the next
-    /// `refusals_suppressed` line. `now` and `at` are the same moment (monotonic, and as text).
-    pub(super) fn admit(&mut self, status: u16, now: Instant, at: &str) -> bool {
+    /// `refusals_suppressed` line. `authenticated`: the caller's service token was verified.
+    /// `now` and `at` are the same moment (monotonic, and as text).
+    pub(super) fn admit(
+        &mut self,
+        status: u16,
+        authenticated: bool,
+        now: Instant,
+        at: &str,
+    ) -> bool {
         let rate = self.rate;
-        let bucket = match Class::of(status) {
-            Class::Unauthenticated => &mut self.unauthenticated,
-            Class::Authenticated => &mut self.authenticated,
+        let bucket = if authenticated {
+            &mut self.authenticated
+        } else {
+            &mut self.unauthenticated
         };
         if bucket.take(rate, now) {
             return true;
@@ -133,6 +124,11 @@ impl RefusalBudget {
         *p.by_status.entry(status).or_default() += 1;
         at.clone_into(&mut p.last_at);
         false
+    }
+
+    /// The counts not yet written.
+    pub(super) fn pending(&self) -> Option<&RefusalsSuppressed> {
+        self.pending.as_ref()
     }
 
     /// The counts not yet written, leaving none.
@@ -170,7 +166,7 @@ mod tests {
     fn a_burst_is_written_then_the_rest_is_counted_by_status() {
         let t0 = Instant::now();
         let mut b = RefusalBudget::new(RATE);
-        let admitted: Vec<bool> = (0..5).map(|_| b.admit(401, t0, "t0")).collect();
+        let admitted: Vec<bool> = (0..5).map(|_| b.admit(401, false, t0, "t0")).collect();
         assert_eq!(admitted, [true, true, true, false, false]);
         let p = b.take_pending().expect("two suppressed");
         assert_eq!(p.count, 2);
@@ -180,13 +176,20 @@ mod tests {
     }
 
     #[test]
-    fn a_flood_of_401s_does_not_crowd_out_authenticated_refusals() {
+    fn a_flood_of_unauthenticated_refusals_does_not_crowd_out_authenticated_ones() {
         let t0 = Instant::now();
         let mut b = RefusalBudget::new(RATE);
         for _ in 0..100 {
-            b.admit(401, t0, "t0");
+            b.admit(401, false, t0, "t0");
         }
-        assert!(b.admit(403, t0, "t0"), "the 403 bucket is untouched");
+        assert!(
+            b.admit(403, true, t0, "t0"),
+            "the authenticated bucket is untouched"
+        );
+        assert!(
+            b.admit(401, true, t0, "t0"),
+            "an authenticated caller's 401 too"
+        );
         assert_eq!(
             b.take_pending().unwrap().by_status,
             BTreeMap::from([(401, 97)])
@@ -198,16 +201,16 @@ mod tests {
         let t0 = Instant::now();
         let mut b = RefusalBudget::new(RATE);
         for _ in 0..3 {
-            assert!(b.admit(403, t0, "t0"));
+            assert!(b.admit(403, true, t0, "t0"));
         }
-        assert!(!b.admit(403, t0, "t0"));
+        assert!(!b.admit(403, true, t0, "t0"));
         // Half a second at 2/s is one line.
         let t1 = t0 + Duration::from_millis(500);
-        assert!(b.admit(403, t1, "t1"));
-        assert!(!b.admit(403, t1, "t1"));
+        assert!(b.admit(403, true, t1, "t1"));
+        assert!(!b.admit(403, true, t1, "t1"));
         // A long quiet spell refills to the burst, no further.
         let t2 = t1 + Duration::from_secs(3600);
-        let admitted = (0..5).filter(|_| b.admit(403, t2, "t2")).count();
+        let admitted = (0..5).filter(|_| b.admit(403, true, t2, "t2")).count();
         assert_eq!(admitted, 3);
         let p = b.take_pending().unwrap();
         assert_eq!(p.count, 4);
@@ -221,9 +224,9 @@ mod tests {
             per_second: 0.0,
             burst: 0,
         });
-        b.admit(401, t0, "t0");
+        b.admit(401, false, t0, "t0");
         let old = b.take_pending().unwrap();
-        b.admit(403, t0, "t1");
+        b.admit(403, true, t0, "t1");
         b.restore_pending(old);
         let p = b.take_pending().unwrap();
         assert_eq!(p.count, 2);

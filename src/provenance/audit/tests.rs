@@ -474,7 +474,7 @@ fn refusal(status: u16) -> AuditEvent {
 }
 
 #[test]
-fn suppressed_refusals_are_written_as_one_line_before_the_next_and_the_chain_holds() {
+fn suppressed_refusals_are_written_as_one_line_at_a_flush_and_the_chain_holds() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("a.jsonl");
     let log = AuditLog::open(&p, "i-1")
@@ -484,16 +484,18 @@ fn suppressed_refusals_are_written_as_one_line_before_the_next_and_the_chain_hol
             burst: 2,
         });
     for _ in 0..6 {
-        if log.admit_refusal(401) {
+        if log.admit_refusal(401, false) {
             log.append(&refusal(401)).unwrap();
         }
     }
     assert_eq!(lines(&p).len(), 2, "only the burst is written");
+    assert_eq!(log.suppressed_pending().unwrap().count, 4);
     assert_eq!(
         log.append(&execution(1)).unwrap(),
-        4,
-        "the counts line came first"
+        3,
+        "other lines do not carry the counts"
     );
+    assert_eq!(log.flush_suppressed().unwrap(), Some(4));
     assert_eq!(
         log.flush_suppressed().unwrap(),
         None,
@@ -503,12 +505,33 @@ fn suppressed_refusals_are_written_as_one_line_before_the_next_and_the_chain_hol
         .iter()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(parsed[2]["event"], "refusals_suppressed");
-    assert_eq!(parsed[2]["count"], 4);
-    assert_eq!(parsed[2]["by_status"], serde_json::json!({"401": 4}));
-    assert_eq!(parsed[3]["event"], "execution");
-    assert!(log.admit_refusal(403) && log.admit_refusal(403));
-    assert!(!log.admit_refusal(403));
+    assert_eq!(parsed[2]["event"], "execution");
+    assert_eq!(parsed[3]["event"], "refusals_suppressed");
+    assert_eq!(parsed[3]["count"], 4);
+    assert_eq!(parsed[3]["by_status"], serde_json::json!({"401": 4}));
+    assert!(log.admit_refusal(403, true) && log.admit_refusal(403, true));
+    assert!(!log.admit_refusal(403, true));
     assert_eq!(log.flush_suppressed().unwrap(), Some(5));
     assert_eq!(verify(&p).unwrap().lines, 5);
+}
+
+#[test]
+fn a_flush_with_nothing_pending_does_not_clear_a_failed_append() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("a.jsonl");
+    let log = AuditLog::open(&p, "i-1").unwrap();
+    log.append(&execution(1)).unwrap();
+    // Appends fail from now on: the log's descriptor no longer accepts writes.
+    log.tail.lock().unwrap().file = File::open(&p).unwrap();
+    assert!(log.append(&execution(2)).is_err());
+    assert!(
+        log.failing.lock().unwrap().is_some(),
+        "the failure is noted"
+    );
+    // The daemon's flusher runs every few seconds whether or not anything was suppressed.
+    assert_eq!(log.flush_suppressed().unwrap(), None);
+    assert!(
+        log.failing.lock().unwrap().is_some(),
+        "a flush that wrote nothing proves nothing about the log: /readyz must keep probing"
+    );
 }
