@@ -466,6 +466,7 @@ mod tests {
         assert_eq!(c.commands.keys().collect::<Vec<_>>(), vec!["echo", "ls"]);
         assert!(c.env_added_commands.is_empty());
         assert_eq!(c.sandbox.default_backend, BackendKind::Docker);
+        assert_eq!(c.server.listen, "127.0.0.1:0");
         // A name the configuration lacks is added, conservatively.
         let env = EnvOverrides {
             allowed_commands: Some("echo,date".into()),
@@ -478,7 +479,6 @@ mod tests {
         assert_eq!(date.capabilities, [Capability::ShellExecute]);
         assert_eq!(date.action_types, [ActionType::Shell]);
         assert_eq!(date.profile, ENV_COMMAND_PROFILE);
-        assert_eq!(c.server.listen, "127.0.0.1:0");
     }
 
     #[test]
