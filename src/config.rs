@@ -41,6 +41,26 @@ pub struct Config {
     pub executors: ExecutorsConfig,
     pub egress: EgressConfig,
     pub commands: BTreeMap<String, CommandEntry>,
+    /// Names `ALLOWED_COMMANDS` added that the configured allowlist lacks (entries of
+    /// [`env_command_entry`]); each must be found on the search path at startup.
+    #[serde(skip)]
+    pub env_added_commands: Vec<String>,
+}
+
+/// The profile a command added through `ALLOWED_COMMANDS` runs under: the most restrictive one
+/// shipped (no network, read-only system, a private scratch workdir).
+pub const ENV_COMMAND_PROFILE: &str = "shell-readonly";
+
+/// The allowlist entry of a command added through `ALLOWED_COMMANDS`: shell only, requiring
+/// `ShellExecute`, under [`ENV_COMMAND_PROFILE`].
+pub fn env_command_entry() -> CommandEntry {
+    CommandEntry {
+        action_types: vec![ActionType::Shell],
+        capabilities: vec![Capability::ShellExecute],
+        profile: ENV_COMMAND_PROFILE.to_string(),
+        deny_args: Vec::new(),
+        deny_prefixes: Vec::new(),
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -320,12 +340,18 @@ impl Config {
                 .map(str::trim)
                 .filter(|s| !s.is_empty())
                 .collect();
+            // Names the configuration lists are kept as configured; any other name is added with
+            // a conservative entry (the policy checks it exists at startup).
             for w in &wanted {
-                if !self.commands.contains_key(*w) {
+                if !crate::vocabulary::is_bare_name(w) {
                     return Err(ConfigError::Env {
                         name: "ALLOWED_COMMANDS",
-                        message: format!("'{w}' has no allowlist entry in the configuration"),
+                        message: format!("'{}' is not a bare command name", w.escape_debug()),
                     });
+                }
+                if !self.commands.contains_key(*w) {
+                    self.commands.insert(w.to_string(), env_command_entry());
+                    self.env_added_commands.push(w.to_string());
                 }
             }
             self.commands.retain(|k, _| wanted.contains(&k.as_str()));
@@ -438,8 +464,21 @@ mod tests {
         };
         let c = Config::load(None, &env).unwrap();
         assert_eq!(c.commands.keys().collect::<Vec<_>>(), vec!["echo", "ls"]);
+        assert!(c.env_added_commands.is_empty());
         assert_eq!(c.sandbox.default_backend, BackendKind::Docker);
         assert_eq!(c.server.listen, "127.0.0.1:0");
+        // A name the configuration lacks is added, conservatively.
+        let env = EnvOverrides {
+            allowed_commands: Some("echo,date".into()),
+            ..Default::default()
+        };
+        let c = Config::load(None, &env).unwrap();
+        assert_eq!(c.commands.keys().collect::<Vec<_>>(), vec!["date", "echo"]);
+        assert_eq!(c.env_added_commands, ["date"]);
+        let date = &c.commands["date"];
+        assert_eq!(date.capabilities, [Capability::ShellExecute]);
+        assert_eq!(date.action_types, [ActionType::Shell]);
+        assert_eq!(date.profile, ENV_COMMAND_PROFILE);
     }
 
     #[test]
@@ -454,11 +493,13 @@ mod tests {
             ..Default::default()
         };
         assert!(Config::load(None, &env).is_err());
-        let env = EnvOverrides {
-            allowed_commands: Some("rm".into()),
-            ..Default::default()
-        };
-        assert!(Config::load(None, &env).is_err());
+        for bad in ["/bin/rm", "../rm", "r m"] {
+            let env = EnvOverrides {
+                allowed_commands: Some(bad.into()),
+                ..Default::default()
+            };
+            assert!(Config::load(None, &env).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -252,6 +252,12 @@ fn check_config(path: Option<PathBuf>) -> Result<()> {
     for (n, why) in &policy.disabled {
         println!("  {n}: DISABLED ({why})");
     }
+    for n in &policy.env_added {
+        println!(
+            "warning: ALLOWED_COMMANDS adds '{n}', which the configuration does not list: shell only, requires ShellExecute, profile {}",
+            executor_arm::config::ENV_COMMAND_PROFILE
+        );
+    }
     let (defs, skipped) = executor_arm::executors::load_dir(&cfg.executors.dir);
     println!("executors ({}):", cfg.executors.dir.display());
     for d in defs.values() {

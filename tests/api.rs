@@ -2154,3 +2154,65 @@ async fn an_unauthenticated_flood_does_not_hide_an_authenticated_callers_401() {
     assert_eq!(replayed.len(), 1, "{:#?}", d.audit_lines());
     assert_eq!(replayed[0]["subject"], json!("orchestrator"));
 }
+
+#[tokio::test]
+async fn allowed_commands_adds_a_command_found_on_the_search_path() {
+    let d = Daemon::start_with(Opts {
+        env: vec![("ALLOWED_COMMANDS".into(), "echo,date".into())],
+        ..Opts::default()
+    });
+    assert!(
+        d.startup_log
+            .iter()
+            .any(|l| l.contains("ALLOWED_COMMANDS adds") && l.contains("date")),
+        "{:#?}",
+        d.startup_log
+    );
+    let caps = d.get("/capabilities").await.json;
+    assert_eq!(caps["allowed_commands"], json!(["date", "echo"]), "{caps}");
+    assert_eq!(caps["commands_added_from_env"], json!(["date"]), "{caps}");
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "date", "args": ["-u", "+%Y"]}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["profile"], json!("shell-readonly"), "{}", r.text);
+    assert_eq!(
+        r.json["provenance"]["capabilities_used"],
+        json!(["ShellExecute"])
+    );
+    // It requires ShellExecute like any shell command added this way.
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "date",
+                     "capability_token": d.cap(&["ShellRead", "FilesystemRead"])}))
+        .await;
+    assert_error(&r, 403, "CapabilityViolation");
+    // What the configuration lists but the variable does not name is gone.
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "ls"}))
+        .await;
+    assert_error(&r, 403, "CapabilityViolation");
+
+    // A name found nowhere stops the daemon at startup with a clear error.
+    let out = std::process::Command::new(common::bin())
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("EXECUTOR_ARM_JWT_SECRET_FILE", &d.secret)
+        .env(
+            "EXECUTOR_ARM_AUDIT_LOG",
+            d.dir.path().join("other-audit.jsonl"),
+        )
+        .env(
+            "EXECUTOR_ARM_PROFILES_DIR",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/sandbox-profiles"),
+        )
+        .env("ALLOWED_COMMANDS", "echo,no-such-command-here")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no-such-command-here") && err.contains("not found"),
+        "{err}"
+    );
+}

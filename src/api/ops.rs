@@ -107,6 +107,7 @@ pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::V
         "allowed_commands": policy.allowed_names(),
         "version": VERSION,
         "commands": commands,
+        "commands_added_from_env": policy.env_added,
         "disabled_commands": policy.disabled.iter().map(|(n, why)| json!({"name": n, "reason": why})).collect::<Vec<_>>(),
         "default_backend": policy.default_backend,
         "backends": backends,

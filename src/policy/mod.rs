@@ -135,6 +135,9 @@ impl Plan {
 pub struct Policy {
     pub commands: BTreeMap<String, AllowedCommand>,
     pub disabled: Vec<(String, String)>,
+    /// Commands `ALLOWED_COMMANDS` added to the configured allowlist (shell only, `ShellExecute`,
+    /// the most restrictive profile).
+    pub env_added: Vec<String>,
     pub profiles: BTreeMap<String, Arc<Profile>>,
     pub default_backend: BackendKind,
     /// Backends that route egress through the daemon's filtering proxy; an egress profile on any
@@ -164,6 +167,13 @@ pub enum PolicyLoadError {
     UnknownProfile { command: String, profile: String },
     #[error("commands.{command}: {message}")]
     ArgPolicy { command: String, message: String },
+    #[error(
+        "ALLOWED_COMMANDS names '{command}', which is not configured and not found in {search_path}"
+    )]
+    EnvCommandNotFound {
+        command: String,
+        search_path: String,
+    },
 }
 
 impl Policy {
@@ -186,6 +196,12 @@ impl Policy {
                 Some(path) => {
                     commands.insert(name.clone(), Self::allowed(name, path, entry)?);
                 }
+                None if cfg.env_added_commands.contains(name) => {
+                    return Err(PolicyLoadError::EnvCommandNotFound {
+                        command: name.clone(),
+                        search_path: cfg.sandbox.search_path.clone(),
+                    });
+                }
                 None => {
                     tracing::warn!(command = %name, search_path = %cfg.sandbox.search_path, "allowlisted command not found; disabled");
                     disabled.push((
@@ -195,9 +211,17 @@ impl Policy {
                 }
             }
         }
+        for name in &cfg.env_added_commands {
+            tracing::warn!(
+                command = %name,
+                profile = crate::config::ENV_COMMAND_PROFILE,
+                "ALLOWED_COMMANDS adds a command the configuration does not list: shell only, requires ShellExecute"
+            );
+        }
         Ok(Policy {
             commands,
             disabled,
+            env_added: cfg.env_added_commands.clone(),
             profiles,
             default_backend: cfg.sandbox.default_backend,
             egress_backends: Vec::new(),
