@@ -47,7 +47,10 @@ const STATUS_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long an OOM verdict waits for the container to stop.
 const VERDICT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a vanished supervisor's container is re-read for an OOM flag set after its exit.
-const LATE_OOM_WAIT: Duration = Duration::from_millis(1500);
+/// dockerd handles containerd's exit and OOM events apart: on a loaded host the OOM flag of a
+/// gVisor sandbox that went down out of memory was seen to come more than 1.5 s after the exit.
+/// Only a run whose sandbox vanished without a report and without an OOM flag waits this long.
+const LATE_OOM_WAIT: Duration = Duration::from_secs(5);
 /// How often the janitor and the pool check on the engine and on idle containers.
 const MAINTENANCE_EVERY: Duration = Duration::from_secs(2);
 /// Supervisor stderr kept for error messages.
@@ -278,7 +281,7 @@ impl DockerSandbox {
         let engine = self.engine();
         let deadline = Instant::now() + LATE_OOM_WAIT;
         while Instant::now() < deadline {
-            tokio::time::sleep(LATE_OOM_WAIT / 4).await;
+            tokio::time::sleep(LATE_OOM_WAIT / 20).await;
             match engine.inspect(id).await {
                 Ok(state) if state.oom_killed => return true,
                 Ok(_) => {}
