@@ -81,6 +81,17 @@ pub struct ServerConfig {
     pub body_read_timeout_seconds: u64,
     pub shutdown_grace_seconds: u64,
     pub concurrency: ConcurrencyConfig,
+    pub queue: QueueConfig,
+}
+
+/// The queue in front of each backend's run slots.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueConfig {
+    /// Requests that may wait for a slot of one backend; one more is refused with 429.
+    pub max_waiting: usize,
+    /// How long a request may wait for a slot before it is refused with 429.
+    pub max_wait_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -26,7 +26,14 @@ pub struct Metrics {
     pub audit_append_failures: IntCounterVec,
     pub interrupted_runs: IntCounter,
     pub audit_refusals_suppressed: IntCounterVec,
+    pub queue_waiting: IntGaugeVec,
+    pub queue_wait: HistogramVec,
 }
+
+/// Waits for a run slot: none (0) up to the default 30 s limit.
+const QUEUE_BUCKETS: &[f64] = &[
+    0.0, 0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
 
 const BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
@@ -139,6 +146,23 @@ impl Metrics {
             &["status"],
         )
         .expect("metric");
+        let queue_waiting = IntGaugeVec::new(
+            Opts::new(
+                "executor_queue_waiting",
+                "Requests waiting for a run slot of their backend now",
+            ),
+            &["backend"],
+        )
+        .expect("metric");
+        let queue_wait = HistogramVec::new(
+            HistogramOpts::new(
+                "executor_queue_wait_seconds",
+                "Time admitted or refused requests waited for a run slot (0 when one was free)",
+            )
+            .buckets(QUEUE_BUCKETS.to_vec()),
+            &["backend"],
+        )
+        .expect("metric");
         for c in [
             Box::new(executions.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(executions_by_backend.clone()),
@@ -158,6 +182,8 @@ impl Metrics {
             Box::new(audit_append_failures.clone()),
             Box::new(interrupted_runs.clone()),
             Box::new(audit_refusals_suppressed.clone()),
+            Box::new(queue_waiting.clone()),
+            Box::new(queue_wait.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
@@ -181,6 +207,8 @@ impl Metrics {
             audit_append_failures,
             interrupted_runs,
             audit_refusals_suppressed,
+            queue_waiting,
+            queue_wait,
         }
     }
 

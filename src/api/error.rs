@@ -22,7 +22,8 @@ pub enum ApiError {
     BodyTimeout(std::time::Duration),
     IdempotencyConflict,
     IdempotencyInProgress,
-    Overloaded,
+    /// The backend's run slots are busy and its queue is full, or the wait for one ran out.
+    Overloaded(String),
     SandboxUnavailable(String),
     ShuttingDown,
     Internal(String),
@@ -39,7 +40,7 @@ impl ApiError {
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::IdempotencyConflict => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::IdempotencyInProgress => StatusCode::CONFLICT,
-            ApiError::Overloaded => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -57,7 +58,7 @@ impl ApiError {
             ApiError::BodyTimeout(_) => "RequestTimeout",
             ApiError::IdempotencyConflict => "IdempotencyConflict",
             ApiError::IdempotencyInProgress => "IdempotencyInProgress",
-            ApiError::Overloaded => "Overloaded",
+            ApiError::Overloaded(_) => "Overloaded",
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => "SandboxUnavailable",
             ApiError::Internal(_) => "InternalError",
         }
@@ -82,7 +83,9 @@ impl ApiError {
             ApiError::IdempotencyInProgress => {
                 "A request with this Idempotency-Key is still running".into()
             }
-            ApiError::Overloaded => "Too many executions in progress; retry later".into(),
+            ApiError::Overloaded(detail) => {
+                format!("Too many executions in progress: {detail}; retry later")
+            }
             ApiError::SandboxUnavailable(m) => format!("Sandbox unavailable: {m}"),
             ApiError::ShuttingDown => "Sandbox unavailable: the daemon is shutting down".into(),
             ApiError::Internal(_) => "Internal error; see the daemon log".into(),
@@ -100,7 +103,7 @@ impl ApiError {
     /// retryable 409.
     pub fn retry_after_seconds(&self) -> Option<u64> {
         match self {
-            ApiError::Overloaded | ApiError::ShuttingDown | ApiError::IdempotencyInProgress => {
+            ApiError::Overloaded(_) | ApiError::ShuttingDown | ApiError::IdempotencyInProgress => {
                 Some(1)
             }
             // A backend or the audit log is down: give it time to come back.
@@ -143,7 +146,7 @@ impl From<ExecutionError> for ApiError {
                 message: reason,
                 allowed_commands,
             },
-            ExecutionError::Overloaded => ApiError::Overloaded,
+            ExecutionError::Overloaded(m) => ApiError::Overloaded(m),
             ExecutionError::Unavailable(m) => ApiError::SandboxUnavailable(m),
             ExecutionError::Internal(m) => ApiError::Internal(m),
         }
@@ -184,7 +187,7 @@ mod tests {
                 reason: "x".into(),
                 allowed_commands: None,
             },
-            ExecutionError::Overloaded,
+            ExecutionError::Overloaded("x".into()),
             ExecutionError::Unavailable("x".into()),
             ExecutionError::Internal("x".into()),
         ];

@@ -197,7 +197,7 @@ async fn execute_detached(st: Arc<AppState>, req: Request) -> Response {
         Ok(resp) => resp,
         Err(e) => {
             let label = match &e {
-                ApiError::Overloaded => Some("overloaded"),
+                ApiError::Overloaded(_) => Some("overloaded"),
                 ApiError::PayloadTooLarge(_) => Some("payload_too_large"),
                 ApiError::BodyTimeout(_) => Some("body_timeout"),
                 ApiError::InvalidRequest(_) => Some("invalid_request"),

@@ -122,6 +122,10 @@ pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::V
                 "docker": st.config.server.concurrency.docker,
                 "gvisor": st.config.server.concurrency.gvisor,
             },
+            "queue": {
+                "max_waiting": st.config.server.queue.max_waiting,
+                "max_wait_ms": st.config.server.queue.max_wait_ms,
+            },
         },
     }))
 }

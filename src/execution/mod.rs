@@ -24,6 +24,7 @@ pub mod result;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::{Map, Value, json};
@@ -126,9 +127,10 @@ pub enum ExecutionError {
         reason: String,
         allowed_commands: Option<Vec<String>>,
     },
-    /// Every run slot of the backend is taken (429).
-    #[error("too many executions in progress")]
-    Overloaded,
+    /// Every run slot of the backend is taken and its queue is full, or the request waited in
+    /// it for `server.queue.max_wait_ms` (429); the detail says which.
+    #[error("too many executions in progress: {0}")]
+    Overloaded(String),
     /// A backend, the audit log or the state store cannot serve the request (503).
     #[error("{0}")]
     Unavailable(String),
@@ -144,7 +146,7 @@ impl ExecutionError {
             ExecutionError::Invalid(_) => "InvalidRequest",
             ExecutionError::Unauthorized => RefusalKind::Unauthorized.error_type(),
             ExecutionError::Refused { .. } => RefusalKind::CapabilityViolation.error_type(),
-            ExecutionError::Overloaded => "Overloaded",
+            ExecutionError::Overloaded(_) => "Overloaded",
             ExecutionError::Unavailable(_) => "SandboxUnavailable",
             ExecutionError::Internal(_) => "InternalError",
         }
@@ -191,10 +193,52 @@ pub async fn claim_single_use(store: &dyn StateStore, token: &Verified) -> Resul
     }
 }
 
-/// The run slots of one backend: at most `size` of its executions run at once.
+/// The run slots of one backend, at most `size` of its executions at once, and the queue in
+/// front of them.
 struct RunSlots {
+    /// Fair: waiters get slots first come, first served.
     free: Arc<Semaphore>,
     size: usize,
+    /// Requests waiting for a slot now; never above [`QueueLimits::max_waiting`].
+    waiting: AtomicUsize,
+}
+
+/// How many requests may wait for a run slot of one backend, and for how long.
+#[derive(Debug, Clone, Copy)]
+struct QueueLimits {
+    max_waiting: usize,
+    max_wait: Duration,
+}
+
+/// A request's place in a backend's queue: counted while it waits, given back however the wait
+/// ends (a slot, the time limit, or the caller going away).
+struct QueuePlace<'a> {
+    waiting: &'a AtomicUsize,
+    gauge: prometheus::IntGauge,
+}
+
+impl<'a> QueuePlace<'a> {
+    /// A place, unless `max_waiting` requests already wait.
+    fn take(
+        waiting: &'a AtomicUsize,
+        max_waiting: usize,
+        gauge: prometheus::IntGauge,
+    ) -> Option<Self> {
+        waiting
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max_waiting).then_some(n + 1)
+            })
+            .ok()?;
+        gauge.inc();
+        Some(QueuePlace { waiting, gauge })
+    }
+}
+
+impl Drop for QueuePlace<'_> {
+    fn drop(&mut self) {
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        self.gauge.dec();
+    }
 }
 
 /// Decides, admits, runs and records executions. Shared by every request of the daemon.
@@ -203,6 +247,7 @@ pub struct ExecutionService {
     executors: Registry,
     backends: BTreeMap<BackendKind, Arc<dyn Sandbox>>,
     slots: BTreeMap<BackendKind, RunSlots>,
+    queue: QueueLimits,
     store: Arc<dyn StateStore>,
     audit: Arc<AuditLog>,
     metrics: Arc<Metrics>,
@@ -213,7 +258,8 @@ pub struct ExecutionService {
 }
 
 impl ExecutionService {
-    /// The service over these parts; run slots per backend come from `server.concurrency`.
+    /// The service over these parts; run slots per backend come from `server.concurrency`, the
+    /// queue in front of them from `server.queue`.
     pub fn new(
         config: &Config,
         policy: Policy,
@@ -228,14 +274,27 @@ impl ExecutionService {
             .map(|b| {
                 let size = config.server.concurrency.for_backend(*b);
                 let free = Arc::new(Semaphore::new(size));
-                (*b, RunSlots { free, size })
+                let waiting = AtomicUsize::new(0);
+                (
+                    *b,
+                    RunSlots {
+                        free,
+                        size,
+                        waiting,
+                    },
+                )
             })
             .collect();
+        let queue = QueueLimits {
+            max_waiting: config.server.queue.max_waiting,
+            max_wait: Duration::from_millis(config.server.queue.max_wait_ms),
+        };
         ExecutionService {
             policy,
             executors,
             backends,
             slots,
+            queue,
             store,
             audit,
             metrics,
@@ -257,7 +316,8 @@ impl ExecutionService {
     }
 
     /// Kills every running execution (each ends with `killed_reason: signal`), and every one
-    /// admitted from now on as soon as it starts.
+    /// admitted from now on as soon as it starts; requests waiting for a run slot are refused
+    /// (503).
     pub fn kill_running(&self) {
         let _ = self.kill_switch.send(true);
     }
@@ -284,15 +344,7 @@ impl ExecutionService {
                 plan.backend.as_str()
             ))
         })?;
-        let slots = self
-            .slots
-            .get(&plan.backend)
-            .ok_or_else(|| ExecutionError::Unavailable("no slots".into()))?;
-        let slot = slots
-            .free
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| ExecutionError::Overloaded)?;
+        let slot = self.take_slot(plan.backend).await?;
 
         let exec_id = format!("exec-{}", uuid::Uuid::new_v4().simple());
         let (spec, invocation_hash) = self.run_spec(&exec_id, &plan, &req, external.as_ref());
@@ -349,6 +401,52 @@ impl ExecutionService {
             admitted,
             metrics: self.metrics.clone(),
         })
+    }
+
+    /// A run slot of `backend`: a free one at once, else the first one freed after the requests
+    /// queued before this one, within `server.queue.max_wait_ms`. Overloaded when the queue is
+    /// full or the wait runs out; Unavailable when the daemon starts killing its runs meanwhile.
+    async fn take_slot(
+        &self,
+        backend: BackendKind,
+    ) -> Result<OwnedSemaphorePermit, ExecutionError> {
+        let slots = self
+            .slots
+            .get(&backend)
+            .ok_or_else(|| ExecutionError::Unavailable("no run slots".into()))?;
+        let label = [backend.as_str()];
+        let waited = self.metrics.queue_wait.with_label_values(&label);
+        if let Ok(slot) = slots.free.clone().try_acquire_owned() {
+            waited.observe(0.0);
+            return Ok(slot);
+        }
+        let gauge = self.metrics.queue_waiting.with_label_values(&label);
+        let Some(_place) = QueuePlace::take(&slots.waiting, self.queue.max_waiting, gauge) else {
+            return Err(ExecutionError::Overloaded(format!(
+                "all {} {} run slots are busy and their queue is full (server.queue.max_waiting = {})",
+                slots.size,
+                backend.as_str(),
+                self.queue.max_waiting
+            )));
+        };
+        let since = std::time::Instant::now();
+        let mut killing = self.kill_switch.subscribe();
+        let slot = tokio::select! {
+            slot = tokio::time::timeout(self.queue.max_wait, slots.free.clone().acquire_owned()) => slot,
+            _ = killing.wait_for(|kill| *kill) => {
+                return Err(ExecutionError::Unavailable("the daemon is shutting down".into()));
+            }
+        };
+        waited.observe(since.elapsed().as_secs_f64());
+        match slot {
+            Ok(Ok(slot)) => Ok(slot),
+            Ok(Err(_closed)) => Err(ExecutionError::Unavailable("run slots closed".into())),
+            Err(_elapsed) => Err(ExecutionError::Overloaded(format!(
+                "no {} run slot came free within server.queue.max_wait_ms = {}",
+                backend.as_str(),
+                self.queue.max_wait.as_millis()
+            ))),
+        }
     }
 
     /// Admits and runs one execution to its result.

@@ -69,9 +69,17 @@ struct Fixture {
 
 impl Fixture {
     fn new(answer: fn() -> Result<RunOutcome, SandboxError>, local_slots: usize) -> Fixture {
+        Fixture::with(answer, |c| c.server.concurrency.local = local_slots)
+    }
+
+    /// A fixture over the default configuration as `tweak` changes it.
+    fn with(
+        answer: fn() -> Result<RunOutcome, SandboxError>,
+        tweak: impl FnOnce(&mut Config),
+    ) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
         let mut config = Config::load(None, &EnvOverrides::default()).unwrap();
-        config.server.concurrency.local = local_slots;
+        tweak(&mut config);
         let policy = Policy::load(&config).unwrap();
         let executors = Registry::load(&dir.path().join("executors"));
         let specs = Arc::new(Mutex::new(Vec::new()));
@@ -203,10 +211,16 @@ async fn an_execution_is_admitted_then_run_and_recorded_once() {
 /// dropped one still ends in an `execution_error` line.
 #[tokio::test]
 async fn an_admitted_execution_holds_its_slot_until_it_ends() {
-    let f = Fixture::new(said_hi, 1);
+    let f = Fixture::with(said_hi, |c| {
+        c.server.concurrency.local = 1;
+        c.server.queue.max_waiting = 0;
+    });
     let first = f.service.admit(request("echo", None)).await.unwrap();
     let busy = f.service.admit(request("echo", None)).await;
-    assert!(matches!(busy, Err(ExecutionError::Overloaded)), "{busy:?}");
+    assert!(
+        matches!(busy, Err(ExecutionError::Overloaded(_))),
+        "{busy:?}"
+    );
     drop(first);
     let lines = f.lines();
     assert_eq!(lines.last().unwrap()["event"], "execution_error");
@@ -215,6 +229,131 @@ async fn an_admitted_execution_holds_its_slot_until_it_ends() {
         .await
         .expect("the slot was freed");
     f.service.admit(request("echo", None)).await.unwrap();
+}
+
+/// How long a test lets a queued admission run to show it is still waiting.
+const STILL_WAITING: Duration = Duration::from_millis(50);
+
+/// Requests over the slots wait for one, first come first served; one more than the queue
+/// holds is refused at once; the queue's depth and waits are in the metrics.
+#[tokio::test]
+async fn requests_over_the_slots_wait_in_arrival_order_up_to_the_queue_size() {
+    let f = Fixture::with(said_hi, |c| {
+        c.server.concurrency.local = 1;
+        c.server.queue.max_waiting = 2;
+    });
+    let first = f.service.admit(request("echo", None)).await.unwrap();
+    let mut second = std::pin::pin!(f.service.admit(request("echo", None)));
+    let mut third = std::pin::pin!(f.service.admit(request("echo", None)));
+    assert!(
+        tokio::time::timeout(STILL_WAITING, &mut second)
+            .await
+            .is_err()
+    );
+    assert!(
+        tokio::time::timeout(STILL_WAITING, &mut third)
+            .await
+            .is_err()
+    );
+    let depth = || {
+        f.service
+            .metrics
+            .queue_waiting
+            .with_label_values(&["local"])
+            .get()
+    };
+    assert_eq!(depth(), 2);
+    let full = f.service.admit(request("echo", None)).await;
+    let Err(ExecutionError::Overloaded(detail)) = &full else {
+        panic!("{full:?}")
+    };
+    assert!(
+        detail.contains("queue is full (server.queue.max_waiting = 2)"),
+        "{detail}"
+    );
+    // Nothing but the first has started.
+    assert_eq!(f.lines().len(), 1);
+
+    drop(first);
+    let second = second.await.unwrap();
+    assert!(
+        tokio::time::timeout(STILL_WAITING, &mut third)
+            .await
+            .is_err()
+    );
+    assert_eq!(depth(), 1);
+    second.run().await.unwrap();
+    third.await.unwrap().run().await.unwrap();
+    assert_eq!(depth(), 0);
+    let waits = f.service.metrics.queue_wait.with_label_values(&["local"]);
+    assert_eq!(
+        waits.get_sample_count(),
+        3,
+        "every admitted request is timed"
+    );
+    assert!(waits.get_sample_sum() >= 2.0 * STILL_WAITING.as_secs_f64());
+}
+
+/// A wait that runs out is refused (429) and gives its place back, as does a caller that goes
+/// away; neither uses up a single-use token.
+#[tokio::test]
+async fn a_wait_that_runs_out_or_is_abandoned_gives_its_place_back() {
+    let f = Fixture::with(said_hi, |c| {
+        c.server.concurrency.local = 1;
+        c.server.queue.max_waiting = 1;
+        c.server.queue.max_wait_ms = 200;
+    });
+    let first = f.service.admit(request("echo", None)).await.unwrap();
+    let waited = f.service.admit(request("echo", Some("j-late"))).await;
+    let Err(ExecutionError::Overloaded(detail)) = &waited else {
+        panic!("{waited:?}")
+    };
+    assert!(
+        detail.contains("within server.queue.max_wait_ms = 200"),
+        "{detail}"
+    );
+    // A caller that goes away while it waits.
+    let gone = tokio::time::timeout(STILL_WAITING, f.service.admit(request("echo", None))).await;
+    assert!(gone.is_err());
+    assert_eq!(
+        f.service
+            .metrics
+            .queue_waiting
+            .with_label_values(&["local"])
+            .get(),
+        0
+    );
+    // The place is free again: the next request waits, and gets the slot when it comes free.
+    let mut next = std::pin::pin!(f.service.admit(request("echo", Some("j-late"))));
+    assert!(
+        tokio::time::timeout(STILL_WAITING, &mut next)
+            .await
+            .is_err()
+    );
+    drop(first);
+    next.await
+        .expect("the token refused for the wait was not used up");
+}
+
+/// When the daemon starts killing its runs, requests still waiting for a slot are refused (503)
+/// instead of starting only to be killed.
+#[tokio::test]
+async fn waiting_requests_are_refused_when_runs_are_killed() {
+    let f = Fixture::with(said_hi, |c| c.server.concurrency.local = 1);
+    let _first = f.service.admit(request("echo", None)).await.unwrap();
+    let mut waiting = std::pin::pin!(f.service.admit(request("echo", None)));
+    assert!(
+        tokio::time::timeout(STILL_WAITING, &mut waiting)
+            .await
+            .is_err()
+    );
+    f.service.kill_running();
+    let refused = waiting.await;
+    assert!(
+        matches!(refused, Err(ExecutionError::Unavailable(_))),
+        "{refused:?}"
+    );
+    assert_eq!(f.lines().len(), 1, "the refused request never started");
 }
 
 /// A request the policy refuses does not use its single-use token up; a replay of a used one is

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use executor_arm::auth::{MintRequest, mint_hs256};
 use executor_arm::config::TokenKind;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 pub const SECRET: &str = "test-secret-0123456789abcdef0123456789abcdef";
 
@@ -515,4 +515,75 @@ pub fn assert_binary_output(r: &Resp, want: &[u8], what: &str) {
         "{what}"
     );
     assert!(r.json.get("stderr_b64").is_none(), "{what}: {}", r.text);
+}
+
+/// Sends `n` `echo` requests to `d` at once, each on its own connection, and checks that the
+/// queue absorbed the burst: every answer is 200 with its own output, nobody is left waiting on
+/// `backend`, the daemon is healthy and answers the next request. Returns how long the burst
+/// took.
+pub async fn assert_burst_absorbed(d: &Daemon, backend: &str, n: usize) -> Duration {
+    let svc = format!("Bearer {}", d.service_token());
+    let cap = d.cap_all();
+    // No per-request time limit below the queue's own: the last of the burst waits the longest.
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .expect("client");
+    let started = std::time::Instant::now();
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let send = client
+                .post(format!("{}/execute", d.base))
+                .header("authorization", &svc)
+                .header("content-type", "application/json")
+                .body(json!({"action_type": "shell", "command": "echo", "args": [format!("n{i}")], "capability_token": cap}).to_string())
+                .send();
+            tokio::spawn(async move { Daemon::read(send.await.expect("request")).await })
+        })
+        .collect();
+    let mut refused = Vec::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let r = t.await.expect("task");
+        if r.status != 200 {
+            refused.push(format!("{i}: {} {}", r.status, r.text));
+        } else {
+            assert_eq!(
+                r.json["stdout"],
+                json!(format!("n{i}\n")),
+                "{backend}: {}",
+                r.text
+            );
+        }
+    }
+    let took = started.elapsed();
+    assert!(
+        refused.is_empty(),
+        "{backend}: {} of {n} requests refused in {took:?}: {:?}",
+        refused.len(),
+        &refused[..refused.len().min(5)]
+    );
+    let m = d.get("/metrics").await.text;
+    assert!(
+        m.contains(&format!(
+            "executor_queue_waiting{{backend=\"{backend}\"}} 0"
+        )),
+        "{backend}: {m}"
+    );
+    assert!(
+        m.contains(&format!(
+            "executor_queue_wait_seconds_count{{backend=\"{backend}\"}} {n}"
+        )),
+        "{backend}: every request of the burst timed its wait: {m}"
+    );
+    assert_eq!(d.get("/health").await.status, 200);
+    let after = d
+        .exec(json!({"action_type": "shell", "command": "echo", "args": ["after"]}))
+        .await;
+    assert_eq!(
+        after.json["stdout"],
+        json!("after\n"),
+        "{backend}: {}",
+        after.text
+    );
+    took
 }

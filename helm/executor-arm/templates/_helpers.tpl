@@ -283,6 +283,10 @@ local = {{ $v.config.server.concurrency.local | int64 }}
 docker = {{ $v.config.server.concurrency.docker | int64 }}
 gvisor = {{ $v.config.server.concurrency.gvisor | int64 }}
 
+[server.queue]
+max_waiting = {{ $v.config.server.queue.maxWaiting | int64 }}
+max_wait_ms = {{ $v.config.server.queue.maxWaitMs | int64 }}
+
 [auth]
 {{- if include "executor-arm.hs256" . }}
 jwt_secret_file = {{ include "executor-arm.jwtSecretFile" . | toJson }}
