@@ -86,7 +86,7 @@ impl Metrics {
         .expect("metric");
         let output_truncations = IntCounter::new(
             "executor_output_truncations_total",
-            "Executions stopped by the output limit",
+            "Executions whose output went past the output limit (cut, and stopped under on_overflow = kill)",
         )
         .expect("metric");
         let rejected = IntCounterVec::new(

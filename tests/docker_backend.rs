@@ -290,8 +290,8 @@ print([n for _, n in socket.if_nameindex()])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn limits_stop_bombs_and_floods() {
-    require_docker("limits_stop_bombs_and_floods");
+async fn limits_contain_bombs_and_floods() {
+    require_docker("limits_contain_bombs_and_floods");
     for rt in RUNTIMES {
         let d = start(rt, 1);
 
@@ -341,20 +341,70 @@ except OSError as e:
         assert_eq!(r.json["outcome"], "oom", "{rt}: {}", r.text);
         assert_eq!(r.json["killed_reason"], "oom", "{rt}: {}", r.text);
 
-        // Output: capped per stream, flagged, and the run is stopped.
-        let r = py(
-            &d,
-            "import sys\nwhile True: sys.stdout.write('x' * 65536)",
-            json!({"timeout_seconds": 20}),
-        )
-        .await;
-        assert_eq!(r.status, 200, "{rt}: {}", r.text);
+        // Output: capped per stream and flagged; the rest is drained and the run goes on.
+        let r = py(&d, FLOOD_THEN_EXIT, json!({"timeout_seconds": 60})).await;
+        assert_eq!(r.status, 200, "{rt}: {}", brief(&r));
         assert_eq!(out(&r).len(), 1 << 20, "{rt}");
-        assert_eq!(r.json["stdout_truncated"], true);
-        assert_eq!(r.json["killed_reason"], "output_limit");
+        assert_eq!(r.json["stdout_truncated"], true, "{rt}");
+        assert_eq!(r.json["success"], true, "{rt}: {}", brief(&r));
+        assert_eq!(r.json["killed_reason"], Value::Null, "{rt}: {}", brief(&r));
+        assert_eq!(
+            r.json["stderr"], "flood over\n",
+            "{rt}: the run went on past the cap"
+        );
+        finish(d);
+    }
+}
+
+/// Writes 64 KiB blocks to stdout for two seconds (several times the 1 MiB cap), then
+/// "flood over" to stderr, and exits 0.
+const FLOOD_THEN_EXIT: &str = "import sys, time\nend = time.monotonic() + 2\nwhile time.monotonic() < end:\n    sys.stdout.write('x' * 65536)\nsys.stdout.flush()\nsys.stderr.write('flood over\\n')";
+
+fn brief(r: &common::Resp) -> String {
+    r.text.chars().take(300).collect()
+}
+
+/// Under `[output] on_overflow = "kill"` a container run is stopped at the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_on_overflow_profile_stops_container_runs_at_the_cap() {
+    require_docker("a_kill_on_overflow_profile_stops_container_runs_at_the_cap");
+    let profile = format!(
+        "{}\n[output]\non_overflow = \"kill\"\n",
+        common::shipped_profile("python")
+    );
+    let profiles = common::profiles_with(&[("python-kill", profile)]);
+    for rt in RUNTIMES {
+        let d = Daemon::start_with(Opts {
+            env: vec![
+                ("SANDBOX_RUNTIME".into(), rt.into()),
+                (
+                    "EXECUTOR_ARM_PROFILES_DIR".into(),
+                    profiles.path().display().to_string(),
+                ),
+            ],
+            config: Some(format!(
+                "{}[commands.python3]\naction_types = [\"python\"]\ncapabilities = [\"PythonExecute\"]\nprofile = \"python-kill\"\n",
+                config(0, SOCKET)
+            )),
+            ..Default::default()
+        });
+        let r = py(&d, FLOOD_THEN_EXIT, json!({"timeout_seconds": 20})).await;
+        assert_eq!(r.status, 200, "{rt}: {}", brief(&r));
+        assert_eq!(out(&r).len(), 1 << 20, "{rt}");
+        assert_eq!(r.json["stdout_truncated"], true, "{rt}");
+        assert_eq!(
+            r.json["killed_reason"],
+            "output_limit",
+            "{rt}: {}",
+            brief(&r)
+        );
+        assert_eq!(r.json["success"], false, "{rt}");
         assert!(
-            r.json["duration_ms"].as_u64().unwrap_or(u64::MAX) < 15_000,
-            "{rt}: stopped at the cap, not the clock"
+            !r.json["stderr"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("flood over"),
+            "{rt}: stopped at the cap, not at its end"
         );
         finish(d);
     }

@@ -14,7 +14,9 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Opts, Resp, SECRET, bin, owner_dirs, pids_with_cmdline};
+use common::{
+    Daemon, Opts, Resp, SECRET, bin, owner_dirs, pids_with_cmdline, profiles_with, shipped_profile,
+};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -166,33 +168,6 @@ fn vm_rss_kib(pid: i32) -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .expect("VmRSS")
-}
-
-/// A profiles directory: the shipped profiles plus `extra` (name, TOML text).
-fn profiles_with(extra: &[(&str, String)]) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("sandbox-profiles");
-    for e in std::fs::read_dir(&shipped)
-        .expect("sandbox-profiles")
-        .filter_map(Result::ok)
-    {
-        if e.path().extension().is_some_and(|x| x == "toml") {
-            std::fs::copy(e.path(), dir.path().join(e.file_name())).expect("copy profile");
-        }
-    }
-    for (name, text) in extra {
-        std::fs::write(dir.path().join(format!("{name}.toml")), text).expect("write profile");
-    }
-    dir
-}
-
-fn shipped_profile(name: &str) -> String {
-    std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("sandbox-profiles")
-            .join(format!("{name}.toml")),
-    )
-    .expect("profile")
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -1408,62 +1383,124 @@ while True:
     assert_healthy(&d).await;
 }
 
+/// Floods stdout (and, with `both`, stderr from a child) with 64 KiB writes for two seconds; the
+/// parent then writes "flood over" to stderr and exits 0.
+fn flood_then_exit(both: bool) -> String {
+    format!(
+        r#"
+end = time.monotonic() + 2
+b = b"y" * 65536
+fd = 2 if {both} and os.fork() == 0 else 1
+while time.monotonic() < end:
+    os.write(fd, b)
+if fd == 1:
+    if {both}:
+        os.wait()
+    os.write(2, b"\nflood over\n")
+"#,
+        both = if both { "True" } else { "False" }
+    )
+}
+
+/// Past the cap a stream is cut and flagged, the rest is drained with constant memory, and the
+/// run goes on: to its own end (success), or to its timeout (408 with the capped output).
 #[tokio::test(flavor = "multi_thread")]
-async fn output_flood_is_truncated_and_daemon_memory_stays_bounded() {
+async fn output_past_the_cap_is_truncated_and_the_run_goes_on() {
     let d = Daemon::start();
     let cap = 1usize << 20;
     let rss_before = vm_rss_kib(d.pid());
-    let stdout_only = r#"
-b = b"y" * 65536
-while True:
-    os.write(1, b)
-"#;
-    let both = r#"
-b = b"z" * 65536
-fd = 2 if os.fork() == 0 else 1
-while True:
-    os.write(fd, b)
-"#;
-    for (i, body) in [stdout_only, both, stdout_only, both]
-        .into_iter()
-        .enumerate()
-    {
+    for (i, both) in [false, true, false, true].into_iter().enumerate() {
         let m = marker();
-        let r = py(&d, &m, body, 60).await;
-        assert_eq!(
-            r.status,
-            200,
-            "run {i}: {}",
-            r.text.chars().take(300).collect::<String>()
-        );
-        assert_eq!(r.json["killed_reason"], json!("output_limit"), "run {i}");
-        assert_eq!(r.json["success"], json!(false), "run {i}");
-        let out = r.json["stdout"].as_str().unwrap_or_default();
+        let r = py(&d, &m, &flood_then_exit(both), 60).await;
+        let brief = r.text.chars().take(300).collect::<String>();
+        assert_eq!(r.status, 200, "run {i}: {brief}");
+        assert_eq!(r.json["success"], json!(true), "run {i}: {brief}");
+        assert_eq!(r.json["exit_code"], json!(0), "run {i}: {brief}");
+        assert_eq!(r.json["killed_reason"], Value::Null, "run {i}: {brief}");
+        assert_eq!(r.json["stdout_truncated"], json!(true), "run {i}");
+        assert_eq!(stdout(&r).len(), cap, "run {i}");
         let err = r.json["stderr"].as_str().unwrap_or_default();
-        assert!(
-            out.len() <= cap && err.len() <= cap,
-            "run {i}: {} / {} bytes returned",
-            out.len(),
-            err.len()
-        );
-        if i % 2 == 0 {
-            assert_eq!(r.json["stdout_truncated"], json!(true), "run {i}");
-            assert_eq!(out.len(), cap, "run {i}");
+        assert!(err.len() <= cap, "run {i}: {} stderr bytes", err.len());
+        if both {
+            assert_eq!(r.json["stderr_truncated"], json!(true), "run {i}");
         } else {
-            assert!(
-                r.json["stdout_truncated"] == json!(true)
-                    || r.json["stderr_truncated"] == json!(true),
-                "run {i}"
+            assert_eq!(
+                err, "\nflood over\n",
+                "run {i}: the run went on past the cap"
             );
         }
         assert_run_left_nothing(&d, &r, &m);
     }
+    // A flood that never ends runs to its timeout and keeps the capped output.
+    let m = marker();
+    let r = py(
+        &d,
+        &m,
+        "b = b'z' * 65536\nwhile True:\n    os.write(1, b)",
+        2,
+    )
+    .await;
+    assert_eq!(
+        r.status,
+        408,
+        "{}",
+        r.text.chars().take(300).collect::<String>()
+    );
+    assert_eq!(r.json["killed_reason"], json!("timeout"));
+    assert_eq!(r.json["stdout_truncated"], json!(true));
+    assert_eq!(stdout(&r).len(), cap);
+    assert_run_left_nothing(&d, &r, &m);
+
     let rss_after = vm_rss_kib(d.pid());
-    // Four floods of unbounded output: the daemon keeps at most the capped bytes per run.
+    // Floods of output several times the cap: the daemon keeps at most the capped bytes per run.
     assert!(
         rss_after < rss_before + 64 * 1024,
         "daemon RSS grew from {rss_before} KiB to {rss_after} KiB"
     );
+    let m = d.get("/metrics").await.text;
+    assert!(m.contains("executor_output_truncations_total 5"), "{m}");
+    assert_healthy(&d).await;
+}
+
+/// Under `[output] on_overflow = "kill"` the first byte past the cap stops the run.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kill_on_overflow_profile_stops_the_run_at_the_cap() {
+    let profile = format!(
+        "{}\n[output]\non_overflow = \"kill\"\n",
+        shipped_profile("python")
+    );
+    let profiles = profiles_with(&[("python-kill", profile)]);
+    let d = Daemon::start_with(Opts {
+        env: vec![("EXECUTOR_ARM_PROFILES_DIR".into(), profiles.path().display().to_string())],
+        config: Some("[commands.python3]\naction_types = [\"python\"]\ncapabilities = [\"PythonExecute\"]\nprofile = \"python-kill\"\n".into()),
+        ..Default::default()
+    });
+    let cap = 1usize << 20;
+    for (i, both) in [false, true].into_iter().enumerate() {
+        let m = marker();
+        let r = py(&d, &m, &flood_then_exit(both), 60).await;
+        let brief = r.text.chars().take(300).collect::<String>();
+        assert_eq!(r.status, 200, "run {i}: {brief}");
+        assert_eq!(
+            r.json["killed_reason"],
+            json!("output_limit"),
+            "run {i}: {brief}"
+        );
+        assert_eq!(r.json["success"], json!(false), "run {i}");
+        assert!(
+            r.json["stdout_truncated"] == json!(true) || r.json["stderr_truncated"] == json!(true),
+            "run {i}"
+        );
+        assert!(stdout(&r).len() <= cap, "run {i}");
+        assert!(
+            !r.json["stderr"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("flood over"),
+            "run {i}: stopped at the cap, not at its end"
+        );
+        assert_run_left_nothing(&d, &r, &m);
+    }
     assert_healthy(&d).await;
 }
 

@@ -92,6 +92,7 @@ pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::V
                 "network": p.network.mode,
                 "available": p.network.mode == NetworkMode::None || policy.egress_backends.contains(&p.backend(policy.default_backend)),
                 "limits": p.limits,
+                "output": p.output,
             })
         })
         .collect();

@@ -12,7 +12,7 @@ use crate::metrics::Metrics;
 use crate::policy::Plan;
 use crate::provenance::audit::{self, AuditError, AuditEvent, AuditLog, RunEnd};
 use crate::provenance::command_hash;
-use crate::sandbox::{KilledReason, RunOutcome};
+use crate::sandbox::RunOutcome;
 use crate::state::{IdemKey, StateStore};
 
 /// Longest refusal reason an audit line carries, in characters.
@@ -257,7 +257,7 @@ pub fn run_metrics(m: &Metrics, plan: &Plan, outcome: &'static str, o: &RunOutco
     if o.oom {
         m.ooms.inc();
     }
-    if o.killed_reason == Some(KilledReason::OutputLimit) {
+    if o.stdout_truncated || o.stderr_truncated {
         m.output_truncations.inc();
     }
     for c in &o.network {

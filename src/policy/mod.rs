@@ -406,6 +406,7 @@ impl Policy {
                 timeout: Duration::from_secs(timeout),
                 pids: l.pids,
                 output_bytes: l.output_bytes,
+                on_overflow: profile.output.on_overflow,
                 nofile: l.nofile,
             },
             env,

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::sandbox::BackendKind;
+use crate::sandbox::{BackendKind, OnOverflow};
 
 /// The default limits and the hard caps no profile or request may exceed.
 pub const MAX_TIMEOUT_SECONDS: u64 = 300;
@@ -56,7 +56,19 @@ pub struct Profile {
     #[serde(default)]
     pub env: EnvSection,
     #[serde(default)]
+    pub output: OutputSection,
+    #[serde(default)]
     pub requires: RequiresSection,
+}
+
+/// What the run's output streams may do past `limits.output_bytes`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputSection {
+    /// `truncate` (default): the stream is cut at the cap and the run goes on; `kill`: the run
+    /// is stopped.
+    #[serde(default)]
+    pub on_overflow: OnOverflow,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -403,7 +415,20 @@ mod tests {
             assert_eq!(p.limits.memory_mb, 512);
             assert_eq!(p.limits.pids, 64);
             assert_eq!(p.limits.output_bytes, 1 << 20);
+            assert_eq!(p.output.on_overflow, OnOverflow::Truncate);
         }
+    }
+
+    #[test]
+    fn on_overflow_is_truncate_or_kill() {
+        let with = |v: &str| {
+            let text = format!("{}\n[output]\non_overflow = \"{v}\"\n", EMBEDDED[0].1);
+            Profile::parse("x", "x.toml", &text).map(|p| p.output.on_overflow)
+        };
+        assert_eq!(with("kill").unwrap(), OnOverflow::Kill);
+        assert_eq!(with("truncate").unwrap(), OnOverflow::Truncate);
+        let e = with("ignore").unwrap_err().to_string();
+        assert!(e.contains("x.toml") && e.contains("ignore"), "{e}");
     }
 
     #[test]

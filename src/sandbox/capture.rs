@@ -1,15 +1,19 @@
 //! Bounded reading of a run's output streams.
 //!
-//! Each stream keeps at most `cap` bytes; the first byte past the cap flips `truncated` and fires
-//! the shared limit signal so the backend stops the run. Memory per stream is bounded by the cap
-//! plus one read buffer, whatever the child writes. [`OutputCapture`] is the one place a backend
-//! starts its readers and collects what they read.
+//! Each stream keeps at most `cap` bytes; the first byte past the cap flips `truncated`, and the
+//! rest is read and discarded so the writer never blocks on a full pipe. Under
+//! [`OnOverflow::Kill`] that first byte also fires the shared limit signal so the backend stops
+//! the run. Memory per stream is bounded by the cap plus one read buffer, whatever the child
+//! writes. [`OutputCapture`] is the one place a backend starts its readers and collects what they
+//! read.
 
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+
+use super::OnOverflow;
 
 /// How long the readers may take to reach EOF once the run is over (the sandbox is gone, or its
 /// output stream has ended).
@@ -60,11 +64,12 @@ pub struct OutputCapture {
     stdout: JoinHandle<Captured>,
     stderr: JoinHandle<Captured>,
     overflow: watch::Receiver<bool>,
+    on_overflow: OnOverflow,
 }
 
 impl OutputCapture {
     /// Starts reading both streams on tasks of their own, each kept to `cap` bytes.
-    pub fn start<O, E>(stdout: O, stderr: E, cap: usize) -> Self
+    pub fn start<O, E>(stdout: O, stderr: E, cap: usize, on_overflow: OnOverflow) -> Self
     where
         O: AsyncRead + Unpin + Send + 'static,
         E: AsyncRead + Unpin + Send + 'static,
@@ -74,12 +79,17 @@ impl OutputCapture {
             stdout: tokio::spawn(read_capped(stdout, cap, tx.clone())),
             stderr: tokio::spawn(read_capped(stderr, cap, tx)),
             overflow,
+            on_overflow,
         }
     }
 
-    /// Resolves when a stream went past its cap; never when both end within it.
+    /// Resolves when a stream went past its cap and the run must be killed for it; never under
+    /// [`OnOverflow::Truncate`], nor when both streams end within the cap.
     pub async fn overflowed(&mut self) {
-        raised(&mut self.overflow).await
+        match self.on_overflow {
+            OnOverflow::Kill => raised(&mut self.overflow).await,
+            OnOverflow::Truncate => std::future::pending().await,
+        }
     }
 
     /// What each stream captured. Waits at most [`DRAIN_GRACE`] for the readers to reach EOF: a

@@ -59,7 +59,22 @@ pub struct Limits {
     pub timeout: Duration,
     pub pids: u64,
     pub output_bytes: usize,
+    /// What a stream past `output_bytes` does to the run.
+    pub on_overflow: OnOverflow,
     pub nofile: u64,
+}
+
+/// What happens when a stream goes past the output cap. Either way the stream keeps its first
+/// `output_bytes` and is flagged truncated.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnOverflow {
+    /// The rest is read and discarded (constant memory); the run goes on to its own end or its
+    /// timeout.
+    #[default]
+    Truncate,
+    /// The run is killed at once (`killed_reason: output_limit`).
+    Kill,
 }
 
 /// Network policy of one run.
@@ -325,6 +340,7 @@ pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {
             timeout: Duration::from_secs(30),
             pids: 64,
             output_bytes: 1 << 20,
+            on_overflow: OnOverflow::Truncate,
             nofile: 256,
         },
         network: NetworkPolicy::None,

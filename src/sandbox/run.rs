@@ -119,15 +119,31 @@ impl RunOutcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sandbox::OnOverflow;
 
+    /// Readers capped at 4 bytes that kill the run on overflow.
     fn capture() -> (
+        OutputCapture,
+        tokio::io::DuplexStream,
+        tokio::io::DuplexStream,
+    ) {
+        capture_with(OnOverflow::Kill)
+    }
+
+    fn capture_with(
+        on_overflow: OnOverflow,
+    ) -> (
         OutputCapture,
         tokio::io::DuplexStream,
         tokio::io::DuplexStream,
     ) {
         let (out_w, out_r) = tokio::io::duplex(1024);
         let (err_w, err_r) = tokio::io::duplex(1024);
-        (OutputCapture::start(out_r, err_r, 4), out_w, err_w)
+        (
+            OutputCapture::start(out_r, err_r, 4, on_overflow),
+            out_w,
+            err_w,
+        )
     }
 
     #[tokio::test]
@@ -167,6 +183,34 @@ mod tests {
         assert!(!stdout.truncated && stdout.bytes.is_empty());
         assert!(stderr.truncated);
         assert_eq!(stderr.bytes, b"past");
+    }
+
+    /// Under `truncate` a stream past its cap is cut and flagged, everything after the cap is
+    /// read (the writer never blocks, however much it writes), and the run goes on to its end.
+    #[tokio::test]
+    async fn truncated_output_does_not_stop_the_run() {
+        use tokio::io::AsyncWriteExt;
+        let (mut output, mut out_w, err_w) = capture_with(OnOverflow::Truncate);
+        let (ended_tx, ended_rx) = tokio::sync::oneshot::channel::<()>();
+        let writer = tokio::spawn(async move {
+            // Far more than the duplex buffer holds: only a reader that keeps draining lets
+            // these writes finish.
+            for _ in 0..256 {
+                out_w.write_all(&[b'x'; 4096]).await.unwrap();
+            }
+            drop(out_w);
+            drop(err_w);
+            let _ = ended_tx.send(());
+        });
+        let w = wait(ended_rx, Duration::from_secs(3600), None, &mut output).await;
+        assert!(matches!(w, Waited::Ended(Ok(()))), "{w:?}");
+        writer.await.unwrap();
+        let (stdout, stderr) = output.drain().await;
+        assert_eq!(
+            (stdout.bytes.as_slice(), stdout.truncated),
+            (&b"xxxx"[..], true)
+        );
+        assert!(!stderr.truncated && stderr.bytes.is_empty());
     }
 
     #[tokio::test]

@@ -587,3 +587,31 @@ pub async fn assert_burst_absorbed(d: &Daemon, backend: &str, n: usize) -> Durat
     );
     took
 }
+
+/// A profiles directory: the shipped profiles plus `extra` (name, TOML text).
+pub fn profiles_with(extra: &[(&str, String)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("sandbox-profiles");
+    for e in std::fs::read_dir(&shipped)
+        .expect("sandbox-profiles")
+        .filter_map(Result::ok)
+    {
+        if e.path().extension().is_some_and(|x| x == "toml") {
+            std::fs::copy(e.path(), dir.path().join(e.file_name())).expect("copy profile");
+        }
+    }
+    for (name, text) in extra {
+        std::fs::write(dir.path().join(format!("{name}.toml")), text).expect("write profile");
+    }
+    dir
+}
+
+/// The text of a shipped profile.
+pub fn shipped_profile(name: &str) -> String {
+    std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("sandbox-profiles")
+            .join(format!("{name}.toml")),
+    )
+    .expect("profile")
+}

@@ -596,7 +596,12 @@ impl Sandbox for DockerSandbox {
 
         let (out_w, out_r) = tokio::io::duplex(64 * 1024);
         let (err_w, err_r) = tokio::io::duplex(64 * 1024);
-        let mut output = OutputCapture::start(out_r, err_r, spec.limits.output_bytes);
+        let mut output = OutputCapture::start(
+            out_r,
+            err_r,
+            spec.limits.output_bytes,
+            spec.limits.on_overflow,
+        );
 
         let start = Instant::now();
         let mut relay = Box::pin(pump(attached.input, attached.output, request, out_w, err_w));

@@ -593,6 +593,7 @@ mod tests {
             timeout: Duration::from_secs(1),
             pids: 16,
             output_bytes: 1024,
+            on_overflow: crate::sandbox::OnOverflow::Truncate,
             nofile: 64,
         }
     }

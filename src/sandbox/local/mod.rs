@@ -920,6 +920,7 @@ impl Sandbox for LocalSandbox {
             upipe::Receiver::from_owned_fd(stdout_ours)?,
             upipe::Receiver::from_owned_fd(stderr_ours)?,
             limits.output_bytes,
+            limits.on_overflow,
         );
         let stdin_task = match (stdin_ours, spec.stdin.clone()) {
             (Some(w), Some(data)) => Some(tokio::spawn(async move {
