@@ -106,6 +106,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         .collect();
     let executions = ExecutionService::new(
         &config,
+        &instance_id,
         policy,
         executors,
         backends,

@@ -39,6 +39,7 @@ pub struct Config {
     pub state: StateConfig,
     pub sandbox: SandboxConfig,
     pub executors: ExecutorsConfig,
+    pub executions: ExecutionsConfig,
     pub egress: EgressConfig,
     pub commands: BTreeMap<String, CommandEntry>,
     /// Names `ALLOWED_COMMANDS` added that the configured allowlist lacks (entries of
@@ -227,6 +228,15 @@ fn default_warm_slots() -> usize {
 #[serde(deny_unknown_fields)]
 pub struct ExecutorsConfig {
     pub dir: PathBuf,
+}
+
+/// Runs as `GET /v1/executions/{id}` sees them.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecutionsConfig {
+    /// How long a finished run's result stays readable (in the state store: Redis when
+    /// configured, so any replica answers).
+    pub retention_seconds: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -210,6 +210,7 @@ pub fn audit_roundtrip(data: &[u8]) {
         invocation_hash: String::new(),
         backend: "local".into(),
         profile: "fuzz".into(),
+        timeout_seconds: 30,
         idempotency_key: Some(text.clone()),
     };
     let end = RunEnd {

@@ -2,8 +2,8 @@
 //! or from configuration (profile names), never from request content.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -28,6 +28,9 @@ pub struct Metrics {
     pub audit_refusals_suppressed: IntCounterVec,
     pub queue_waiting: IntGaugeVec,
     pub queue_wait: HistogramVec,
+    pub live_runs: IntGauge,
+    pub runs_started: IntCounterVec,
+    pub cancels: IntCounter,
 }
 
 /// Waits for a run slot: none (0) up to the default 30 s limit.
@@ -163,6 +166,21 @@ impl Metrics {
             &["backend"],
         )
         .expect("metric");
+        let live_runs = IntGauge::new(
+            "executor_runs_live",
+            "Runs of this daemon that started and have not finished",
+        )
+        .expect("metric");
+        let runs_started = IntCounterVec::new(
+            Opts::new(
+                "executor_runs_started_total",
+                "Runs started, by how the caller waits",
+            ),
+            &["mode"],
+        )
+        .expect("metric");
+        let cancels = IntCounter::new("executor_cancels_total", "Runs a caller asked to stop")
+            .expect("metric");
         for c in [
             Box::new(executions.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(executions_by_backend.clone()),
@@ -184,6 +202,9 @@ impl Metrics {
             Box::new(audit_refusals_suppressed.clone()),
             Box::new(queue_waiting.clone()),
             Box::new(queue_wait.clone()),
+            Box::new(live_runs.clone()),
+            Box::new(runs_started.clone()),
+            Box::new(cancels.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
@@ -209,6 +230,9 @@ impl Metrics {
             audit_refusals_suppressed,
             queue_waiting,
             queue_wait,
+            live_runs,
+            runs_started,
+            cancels,
         }
     }
 

@@ -872,7 +872,7 @@ fn check_config_warns_of_a_def_timeout_above_the_synchronous_limit() {
     assert_eq!(
         warnings,
         [
-            "warning: executor 'long-job': timeout_seconds 1800 is above 300: its runs are cut at 300 s"
+            "warning: executor 'long-job': timeout_seconds 1800 is above 300: synchronous runs are cut at 300 s; async and streamed runs get it, up to the profile's max_async_timeout_seconds"
         ],
         "{text}"
     );

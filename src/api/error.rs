@@ -22,6 +22,10 @@ pub enum ApiError {
     BodyTimeout(std::time::Duration),
     IdempotencyConflict,
     IdempotencyInProgress,
+    /// No run with this id is visible to the caller (another caller's run included).
+    ExecutionNotFound,
+    /// The run to cancel has finished.
+    AlreadyFinished,
     /// The backend's run slots are busy and its queue is full, or the wait for one ran out.
     Overloaded(String),
     SandboxUnavailable(String),
@@ -39,7 +43,8 @@ impl ApiError {
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::IdempotencyConflict => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::IdempotencyInProgress => StatusCode::CONFLICT,
+            ApiError::IdempotencyInProgress | ApiError::AlreadyFinished => StatusCode::CONFLICT,
+            ApiError::ExecutionNotFound => StatusCode::NOT_FOUND,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -58,6 +63,8 @@ impl ApiError {
             ApiError::BodyTimeout(_) => "RequestTimeout",
             ApiError::IdempotencyConflict => "IdempotencyConflict",
             ApiError::IdempotencyInProgress => "IdempotencyInProgress",
+            ApiError::ExecutionNotFound => "NotFound",
+            ApiError::AlreadyFinished => "AlreadyFinished",
             ApiError::Overloaded(_) => "Overloaded",
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => "SandboxUnavailable",
             ApiError::Internal(_) => "InternalError",
@@ -83,6 +90,8 @@ impl ApiError {
             ApiError::IdempotencyInProgress => {
                 "A request with this Idempotency-Key is still running".into()
             }
+            ApiError::ExecutionNotFound => "No such execution".into(),
+            ApiError::AlreadyFinished => "The execution has already finished".into(),
             ApiError::Overloaded(detail) => {
                 format!("Too many executions in progress: {detail}; retry later")
             }

@@ -22,8 +22,12 @@ use super::{AppState, RequestId};
 use crate::auth::Verified;
 use crate::config::TokenKind;
 use crate::execution::record::{self, KnownRequest, RefusalKind};
-use crate::execution::{ClaimError, ExecutionRequest, ExternalParts, Finished, claim_single_use};
+use crate::execution::{
+    ClaimError, ExecutionError, ExecutionRequest, ExternalParts, Finished, claim_single_use,
+};
+use crate::metrics::Metrics;
 use crate::policy::ActionType;
+use crate::policy::profile::{MAX_ASYNC_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS};
 use crate::provenance::sha256_prefixed;
 use crate::state::{IdemBegin, IdemKey, StoredResponse};
 
@@ -63,6 +67,9 @@ pub struct ExecuteRequest {
     pub task: Option<Value>,
     #[serde(default)]
     pub model: Option<String>,
+    /// Answer 202 with the run's `exec_id` at once instead of waiting for its result.
+    #[serde(default, rename = "async")]
+    pub run_async: bool,
 }
 
 impl ExecuteRequest {
@@ -83,6 +90,7 @@ impl ExecuteRequest {
             command: self.command,
             args: self.args,
             timeout_seconds,
+            long_run: self.run_async,
             profile: self.profile,
             env: self.env,
             stdin: self.stdin,
@@ -125,7 +133,37 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
-async fn read_body(
+/// The calling service, from its bearer token (a single-use one is used up here); a refusal is
+/// a 401, audited with what `known` tells of the request.
+pub(super) async fn calling_service(
+    st: &AppState,
+    headers: &HeaderMap,
+    known: &mut KnownRequest,
+) -> Result<Verified, ApiError> {
+    let service = match bearer(headers) {
+        Some(t) => st
+            .auth
+            .verify(t, TokenKind::Service)
+            .map_err(|e| unauthorized(st, known, &format!("service token: {e}")))?,
+        None => {
+            return Err(unauthorized(
+                st,
+                known,
+                "missing Authorization: Bearer service token",
+            ));
+        }
+    };
+    known.subject = service.subject.clone();
+    claim_single_use(&*st.store, &service)
+        .await
+        .map_err(|e| match e {
+            ClaimError::Refused(reason) => unauthorized(st, known, &reason),
+            ClaimError::Unavailable(m) => ApiError::SandboxUnavailable(m),
+        })?;
+    Ok(service)
+}
+
+pub(super) async fn read_body(
     body: Body,
     headers: &HeaderMap,
     limit: usize,
@@ -229,26 +267,7 @@ async fn handle(
         return Err(ApiError::ShuttingDown);
     }
     // Who is calling: checked before the body is even read.
-    let service = match bearer(headers) {
-        Some(t) => st
-            .auth
-            .verify(t, TokenKind::Service)
-            .map_err(|e| unauthorized(st, known, &format!("service token: {e}")))?,
-        None => {
-            return Err(unauthorized(
-                st,
-                known,
-                "missing Authorization: Bearer service token",
-            ));
-        }
-    };
-    known.subject = service.subject.clone();
-    claim_single_use(&*st.store, &service)
-        .await
-        .map_err(|e| match e {
-            ClaimError::Refused(reason) => unauthorized(st, known, &reason),
-            ClaimError::Unavailable(m) => ApiError::SandboxUnavailable(m),
-        })?;
+    let service = calling_service(st, headers, known).await?;
     let raw = read_body(
         body,
         headers,
@@ -266,12 +285,24 @@ async fn handle(
             req.action_type.escape_debug()
         ))
     })?;
+    // Synchronous runs keep the wire's 1-300 s; async ones may ask for more (the profile's
+    // max_async_timeout_seconds clamps it).
+    let max_timeout = if req.run_async {
+        MAX_ASYNC_TIMEOUT_SECONDS
+    } else {
+        MAX_TIMEOUT_SECONDS
+    };
     let timeout = match req.timeout_seconds {
         None => None,
-        Some(t) if (1..=300).contains(&t) => Some(t as u64),
+        Some(t) if (1..=max_timeout as i64).contains(&t) => Some(t as u64),
         Some(t) => {
+            let mode = if req.run_async {
+                "an async run"
+            } else {
+                "a synchronous run"
+            };
             return Err(ApiError::InvalidRequest(format!(
-                "timeout_seconds must be between 1 and 300, got {t}"
+                "timeout_seconds must be between 1 and {max_timeout} for {mode}, got {t}"
             )));
         }
     };
@@ -348,11 +379,12 @@ async fn handle(
                 IdemBegin::Done {
                     same_body: true,
                     response,
-                } => return Ok(replay(response)),
+                } => return Ok(stored_response(&response, true)),
             }
         }
         None => None,
     };
+    let run_async = req.run_async;
     let request = req.into_execution(
         known,
         cap,
@@ -360,19 +392,15 @@ async fn handle(
         timeout,
         idem.as_ref().map(|l| l.key.scoped()),
     );
-    let result = execute_request(st, request).await;
+    let answered = run_request(st, request, run_async).await;
     if let Some(lease) = idem {
         let key = lease.stop();
         let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
-        match &result {
-            Ok((status, body)) if status.is_success() || *status == StatusCode::REQUEST_TIMEOUT => {
-                let stored = StoredResponse {
-                    status: status.as_u16(),
-                    body: body.clone(),
-                };
+        match &answered {
+            Ok(stored) if matches!(stored.status, 200 | 202 | 408) => {
                 if let Err(e) = st
                     .store
-                    .idempotency_complete(&key, &body_hash, &stored, ttl)
+                    .idempotency_complete(&key, &body_hash, stored, ttl)
                     .await
                 {
                     tracing::error!(error = %e, "idempotency result not stored");
@@ -385,32 +413,90 @@ async fn handle(
             }
         }
     }
-    let (status, body) = result?;
-    Ok((
-        status,
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        )],
-        body,
-    )
-        .into_response())
+    Ok(stored_response(&answered?, false))
 }
 
-/// Runs the request through the execution service: a finished execution is 200, or 408 when
-/// the wall clock ended it, with the result as body.
-async fn execute_request(
+/// Admits the request and starts its run. Async: the 202 that names the run, at once.
+/// Otherwise: the run's answer once it has one (200, or 408 when the wall clock ended it, with
+/// the result as body; or the error it ended with). Either way the run goes on if the caller
+/// goes away, and its answer stays readable at `/v1/executions/{exec_id}`.
+async fn run_request(
     st: &AppState,
     request: ExecutionRequest,
-) -> Result<(StatusCode, String), ApiError> {
-    let Finished { result, timed_out } = st.executions.execute(request).await?;
-    let status = if timed_out {
-        StatusCode::REQUEST_TIMEOUT
-    } else {
-        StatusCode::OK
+    run_async: bool,
+) -> Result<StoredResponse, ApiError> {
+    let execution = st.executions.admit(request).await?;
+    let mode = if run_async { "async" } else { "sync" };
+    st.metrics.runs_started.with_label_values(&[mode]).inc();
+    let metrics = st.metrics.clone();
+    let live = st
+        .executions
+        .start(execution, move |r| answer_of(&metrics, r));
+    if run_async {
+        return Ok(StoredResponse {
+            status: StatusCode::ACCEPTED.as_u16(),
+            body: accepted_body(live.exec_id()),
+        });
+    }
+    let mut answer = live.answer();
+    let answered = answer
+        .wait_for(Option::is_some)
+        .await
+        .map_err(|_| ApiError::Internal("the run ended without an answer".into()))?
+        .clone();
+    answered
+        .map(|a| (*a).clone())
+        .ok_or_else(|| ApiError::Internal("the run ended without an answer".into()))
+}
+
+/// What the caller of a run gets once it ended: 200, or 408 when the wall clock ended it, with
+/// the result as body; the error's status and body when it ended without an outcome.
+fn answer_of(metrics: &Metrics, r: Result<Finished, ExecutionError>) -> StoredResponse {
+    let error = match r {
+        Ok(Finished { result, timed_out }) => match serde_json::to_string(&result) {
+            Ok(body) => {
+                let status = if timed_out {
+                    StatusCode::REQUEST_TIMEOUT
+                } else {
+                    StatusCode::OK
+                };
+                return StoredResponse {
+                    status: status.as_u16(),
+                    body,
+                };
+            }
+            Err(e) => ApiError::Internal(format!("result not serialisable: {e}")),
+        },
+        Err(e) => ApiError::from(e),
     };
-    let body = serde_json::to_string(&result).map_err(|e| ApiError::Internal(e.to_string()))?;
-    Ok((status, body))
+    if let ApiError::SandboxUnavailable(_) = error {
+        metrics
+            .rejected
+            .with_label_values(&["sandbox_unavailable"])
+            .inc();
+    }
+    if let ApiError::Internal(detail) = &error {
+        tracing::error!(detail = %detail, "internal error");
+    }
+    StoredResponse {
+        status: error.status().as_u16(),
+        body: error.body().to_string(),
+    }
+}
+
+/// The 202 body of an async run: where to read, stream and cancel it.
+pub(super) fn accepted_body(exec_id: &str) -> String {
+    let base = format!("/v1/executions/{exec_id}");
+    serde_json::json!({
+        "exec_id": exec_id,
+        "status": "running",
+        "links": {
+            "self": base,
+            "stream": format!("{base}/stream"),
+            "cancel": format!("{base}/cancel"),
+        },
+    })
+    .to_string()
 }
 
 /// Keeps this daemon's claim on an Idempotency-Key alive while its request runs: renews the lease
@@ -463,23 +549,44 @@ impl Drop for LeaseRenewal {
     }
 }
 
-fn replay(r: StoredResponse) -> Response {
+/// An answer as HTTP: JSON, with `Retry-After` on 429 and 503 and, for a 202, the run's
+/// `Location`; `replayed` marks the stored answer to an Idempotency-Key's retry.
+pub(super) fn stored_response(r: &StoredResponse, replayed: bool) -> Response {
     let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::OK);
-    (
+    let mut resp = (
         status,
-        [
-            (
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            ),
-            (
-                header::HeaderName::from_static("idempotent-replayed"),
-                HeaderValue::from_static("true"),
-            ),
-        ],
-        r.body,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        r.body.clone(),
     )
-        .into_response()
+        .into_response();
+    let headers = resp.headers_mut();
+    if replayed {
+        headers.insert(
+            header::HeaderName::from_static("idempotent-replayed"),
+            HeaderValue::from_static("true"),
+        );
+    }
+    let retry_after = match status {
+        StatusCode::TOO_MANY_REQUESTS => Some(1u64),
+        // A backend or the audit log is down: give it time to come back.
+        StatusCode::SERVICE_UNAVAILABLE => Some(5),
+        _ => None,
+    };
+    if let Some(secs) = retry_after {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    if status == StatusCode::ACCEPTED
+        && let Some(location) = serde_json::from_str::<Value>(&r.body)
+            .ok()
+            .and_then(|v| v["links"]["self"].as_str().map(str::to_string))
+        && let Ok(v) = HeaderValue::from_str(&location)
+    {
+        headers.insert(header::LOCATION, v);
+    }
+    resp
 }
 
 #[cfg(test)]

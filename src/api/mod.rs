@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod execute;
+pub mod executions;
 pub mod ops;
 
 use std::future::Future;
@@ -84,6 +85,8 @@ async fn request_id(mut req: Request, next: Next) -> Response {
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/execute", post(execute::execute))
+        .route("/v1/executions/{exec_id}", get(executions::get))
+        .route("/v1/executions/{exec_id}/cancel", post(executions::cancel))
         .route("/capabilities", get(ops::capabilities))
         .route("/health", get(ops::health))
         .route("/livez", get(ops::health))
@@ -98,8 +101,8 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// Serves until `shutdown` resolves, then drains: /readyz turns 503 at once, the listener
-/// closes, running executions get `shutdown_grace_seconds`, then are killed; returns when every
-/// connection is done.
+/// closes, running executions (async ones included) get `shutdown_grace_seconds`, then are
+/// killed; returns when every connection and every run is done.
 pub async fn run(
     listener: TcpListener,
     state: Arc<AppState>,
@@ -143,8 +146,14 @@ pub async fn run(
     tracing::info!("shutdown: draining in-flight executions");
     let grace = Duration::from_secs(state.config.server.shutdown_grace_seconds);
     let st = state.clone();
+    // Connections end with their answers; async runs have none to wait for, so they are waited
+    // for on their own.
+    let drained = async {
+        graceful.shutdown().await;
+        st.executions.wait_idle().await;
+    };
     tokio::select! {
-        _ = graceful.shutdown() => {}
+        _ = drained => {}
         _ = tokio::time::sleep(grace) => {
             tracing::warn!("shutdown grace period over: killing running executions");
             st.executions.kill_running();

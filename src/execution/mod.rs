@@ -21,6 +21,7 @@
 
 pub mod record;
 pub mod result;
+pub mod runs;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -32,6 +33,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
 use self::record::{AdmittedRun, KnownRequest, RefusalKind};
 use self::result::{ExecutionResult, Provenance, b64_unless_utf8, outcome_name};
+use self::runs::{CancelOutcome, LiveRun, Runs};
 use crate::auth::Verified;
 use crate::config::{Config, TokenKind};
 use crate::executors::Registry;
@@ -41,8 +43,8 @@ use crate::policy::profile::NetworkMode;
 use crate::policy::{ActionType, Ask, Plan, Policy, PolicyError};
 use crate::provenance::audit::{self, AuditLog, RunEnd};
 use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
-use crate::sandbox::{BackendKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError};
-use crate::state::{JtiClaim, StateStore};
+use crate::sandbox::{BackendKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError, Stop};
+use crate::state::{IdemKey, JtiClaim, StateError, StateStore, StoredExecution, StoredResponse};
 
 /// One execution as asked for: parsed and its caller authenticated, not yet decided.
 #[derive(Debug, Clone)]
@@ -57,6 +59,8 @@ pub struct ExecutionRequest {
     pub args: Vec<String>,
     /// Already within the wire's bounds; the policy clamps it further.
     pub timeout_seconds: Option<u64>,
+    /// An async or streamed run: it may last up to the profile's `max_async_timeout_seconds`.
+    pub long_run: bool,
     pub profile: Option<String>,
     pub env: BTreeMap<String, String>,
     pub stdin: Option<String>,
@@ -253,15 +257,24 @@ pub struct ExecutionService {
     metrics: Arc<Metrics>,
     /// The image of container runs whose profile names none.
     default_image: String,
-    /// Flipped to true when running executions must be killed (the shutdown grace is over).
+    /// Flipped to true when running executions must be killed (the shutdown grace is over):
+    /// requests still waiting for a run slot are refused.
     kill_switch: watch::Sender<bool>,
+    /// The runs that have not finished.
+    runs: Arc<Runs>,
+    /// This daemon instance (run records name the replica that runs them).
+    instance: String,
+    /// How long a finished run's record is kept.
+    retention: Duration,
 }
 
 impl ExecutionService {
     /// The service over these parts; run slots per backend come from `server.concurrency`, the
     /// queue in front of them from `server.queue`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: &Config,
+        instance: &str,
         policy: Policy,
         executors: Registry,
         backends: BTreeMap<BackendKind, Arc<dyn Sandbox>>,
@@ -300,6 +313,9 @@ impl ExecutionService {
             metrics,
             default_image: config.sandbox.docker.image.clone(),
             kill_switch: watch::channel(false).0,
+            runs: Arc::new(Runs::default()),
+            instance: instance.to_string(),
+            retention: Duration::from_secs(config.executions.retention_seconds),
         }
     }
 
@@ -317,17 +333,27 @@ impl ExecutionService {
 
     /// Kills every running execution (each ends with `killed_reason: signal`), and every one
     /// admitted from now on as soon as it starts; requests waiting for a run slot are refused
-    /// (503).
+    /// (503). The same stop control as a cancel, with no grace.
     pub fn kill_running(&self) {
         let _ = self.kill_switch.send(true);
+        self.runs.stop_all(Stop {
+            reason: KilledReason::Signal,
+            grace: Duration::ZERO,
+        });
     }
 
-    /// Resolves when no execution holds a run slot.
+    /// The runs of this daemon that have not finished.
+    pub fn runs(&self) -> &Runs {
+        &self.runs
+    }
+
+    /// Resolves when no execution holds a run slot and every started run's answer is stored.
     pub async fn wait_idle(&self) {
-        while self
-            .slots
-            .values()
-            .any(|s| s.free.available_permits() < s.size)
+        while !self.runs.is_empty()
+            || self
+                .slots
+                .values()
+                .any(|s| s.free.available_permits() < s.size)
         {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -347,7 +373,10 @@ impl ExecutionService {
         let slot = self.take_slot(plan.backend).await?;
 
         let exec_id = format!("exec-{}", uuid::Uuid::new_v4().simple());
-        let (spec, invocation_hash) = self.run_spec(&exec_id, &plan, &req, external.as_ref());
+        let (mut spec, invocation_hash) = self.run_spec(&exec_id, &plan, &req, external.as_ref());
+        let (stop, stop_rx) = watch::channel(None);
+        spec.stop = Some(stop_rx);
+        let owner = owner_of(req.subject.as_deref());
         let timestamp = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
 
         // Single-use tokens are consumed only once the request is otherwise acceptable to run.
@@ -371,6 +400,7 @@ impl ExecutionService {
             invocation_hash,
             backend: plan.backend.as_str().into(),
             profile: plan.profile.name.clone(),
+            timeout_seconds: plan.timeout_seconds,
             idempotency_key: req.idempotency_key,
         };
         // Nothing runs unaudited. A refused start bought no run: the token stays usable (and the
@@ -393,6 +423,8 @@ impl ExecutionService {
         Ok(Execution {
             plan,
             spec,
+            stop,
+            owner,
             backend,
             slot,
             executor_def_sha256: external.map(|x| x.def_sha256),
@@ -454,6 +486,120 @@ impl ExecutionService {
         self.admit(req).await?.run().await
     }
 
+    /// Starts an admitted execution on a task of its own and returns its live run at once. When
+    /// it ends, `answer` turns its result into the answer its caller gets; the answer is stored
+    /// as the run's record for `executions.retention_seconds` (any replica sharing the store
+    /// reads it), then handed to whoever waits on the live run. A caller that goes away stops
+    /// nothing.
+    pub fn start(
+        &self,
+        execution: Execution,
+        answer: impl FnOnce(Result<Finished, ExecutionError>) -> StoredResponse + Send + 'static,
+    ) -> Arc<LiveRun> {
+        let exec_id = execution.exec_id().to_string();
+        let key = IdemKey {
+            subject: execution.owner.clone(),
+            key: exec_id.clone(),
+        };
+        let live = self
+            .runs
+            .register(&exec_id, &execution.owner, execution.stop.clone());
+        self.metrics.live_runs.set(self.runs.len() as i64);
+        let (store, runs, metrics) = (self.store.clone(), self.runs.clone(), self.metrics.clone());
+        let (instance, retention) = (self.instance.clone(), self.retention);
+        // The record that says "running" reaches the store before anything can finish: it
+        // lives at most the run's own time limit beyond the retention.
+        let running_ttl = execution.spec.limits.timeout + retention;
+        let task_live = live.clone();
+        tokio::spawn(async move {
+            let record = |response: Option<StoredResponse>| StoredExecution {
+                instance: instance.clone(),
+                response,
+                cancelled_by: task_live.cancelled_by(),
+            };
+            log_store_error(
+                &exec_id,
+                store.execution_put(&key, &record(None), running_ttl).await,
+            );
+            let ran = execution.run().await;
+            // A panic here must not leave the run live and its waiters waiting forever.
+            let response = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| answer(ran)))
+                .unwrap_or_else(|_| {
+                    tracing::error!(%exec_id, "the run's answer could not be made");
+                    StoredResponse {
+                        status: 500,
+                        body: json!({
+                            "success": false,
+                            "error": "Internal error; see the daemon log",
+                            "error_type": "InternalError",
+                            "retryable": true,
+                        })
+                        .to_string(),
+                    }
+                });
+            log_store_error(
+                &exec_id,
+                store
+                    .execution_put(&key, &record(Some(response.clone())), retention)
+                    .await,
+            );
+            task_live.set_answer(Arc::new(response));
+            runs.remove(&exec_id);
+            metrics.live_runs.set(runs.len() as i64);
+        });
+        live
+    }
+
+    /// Where run `exec_id` of `owner` stands: live on this daemon, or as the state store
+    /// records it (finished, or running on another replica); None when `owner` has no such
+    /// run (another subject's run included).
+    pub async fn lookup(&self, owner: &str, exec_id: &str) -> Result<Lookup, StateError> {
+        if let Some(live) = self.runs.find(owner, exec_id) {
+            return Ok(Lookup::Live(live));
+        }
+        let key = IdemKey {
+            subject: owner.to_string(),
+            key: exec_id.to_string(),
+        };
+        Ok(match self.store.execution_get(&key).await? {
+            Some(r) => Lookup::Stored(r),
+            None => Lookup::Unknown,
+        })
+    }
+
+    /// Stops a live run on behalf of `by` (audited with who asked): SIGTERM to every process of
+    /// the run, SIGKILL after `grace`. A run asked before keeps its first request.
+    pub fn cancel(
+        &self,
+        live: &LiveRun,
+        grace: Duration,
+        by: &str,
+        request_id: &str,
+    ) -> CancelOutcome {
+        let stop = Stop {
+            reason: KilledReason::Cancelled,
+            grace,
+        };
+        let outcome = self.runs.cancel(live, stop, by);
+        if outcome == CancelOutcome::Stopping {
+            self.metrics.cancels.inc();
+            let line = audit::AuditEvent::ExecutionCancel(audit::Cancel {
+                request_id: request_id.to_string(),
+                exec_id: live.exec_id().to_string(),
+                subject: Some(by.to_string()),
+                grace_seconds: grace.as_secs(),
+            });
+            if let Err(e) = self.audit.append(&line) {
+                self.metrics
+                    .audit_append_failures
+                    .with_label_values(&["execution_cancel"])
+                    .inc();
+                tracing::error!(exec_id = live.exec_id(), by, error = %e, "audit append failed");
+            }
+        }
+        outcome
+    }
+
     /// The plan of an allowlisted command or of a registered external executor (with what its
     /// invocation adds); a refusal is audited here.
     fn decide(
@@ -465,6 +611,7 @@ impl ExecutionService {
             command: &req.command,
             args: &req.args,
             timeout_seconds: req.timeout_seconds,
+            long_run: req.long_run,
             profile: req.profile.as_deref(),
             env: &req.env,
         };
@@ -513,7 +660,6 @@ impl ExecutionService {
             spec.fs.extra_files = x.extra_files.clone();
             spec.env.extend(x.env.clone());
         }
-        spec.cancel = Some(self.kill_switch.subscribe());
         let hash = invocation_hash(&json!({
             "action_type": req.action.as_str(),
             "command": plan.command,
@@ -542,6 +688,10 @@ impl ExecutionService {
 pub struct Execution {
     plan: Plan,
     spec: RunSpec,
+    /// The run's stop control (its backend watches `spec.stop`).
+    stop: watch::Sender<Option<Stop>>,
+    /// Who may see the run: the calling service's subject.
+    owner: String,
     backend: Arc<dyn Sandbox>,
     slot: OwnedSemaphorePermit,
     /// Set for an external executor.
@@ -576,6 +726,8 @@ impl Execution {
         let Execution {
             plan,
             spec,
+            stop: _,
+            owner: _,
             backend,
             slot,
             executor_def_sha256,
@@ -700,6 +852,28 @@ impl Execution {
         };
         tracing::info!(request_id = %result.provenance.request_id, exec_id = %result.exec_id, outcome = result.outcome, exit_code = result.exit_code, duration_ms = result.duration_ms, "execution end");
         Ok(Finished { result, timed_out })
+    }
+}
+
+/// Where a run stands, as [`ExecutionService::lookup`] finds it.
+pub enum Lookup {
+    /// Running on this daemon.
+    Live(Arc<LiveRun>),
+    /// As the state store records it: finished (with its answer), or running on another replica.
+    Stored(StoredExecution),
+    /// No run of this caller's has that id (or its record expired).
+    Unknown,
+}
+
+/// The owner of a run started by a caller with this subject (one without is `-`, like the
+/// scope of its Idempotency-Keys).
+pub fn owner_of(subject: Option<&str>) -> String {
+    subject.unwrap_or("-").to_string()
+}
+
+fn log_store_error(exec_id: &str, r: Result<(), StateError>) {
+    if let Err(e) = r {
+        tracing::error!(exec_id, error = %e, "run record not stored");
     }
 }
 

@@ -75,6 +75,7 @@ pub struct ExecutionResult {
 pub fn outcome_name(o: &RunOutcome) -> &'static str {
     match o.killed_reason {
         Some(KilledReason::Timeout) => "timeout",
+        Some(KilledReason::Cancelled) => "cancelled",
         Some(KilledReason::Oom) => "oom",
         _ if o.oom => "oom",
         Some(KilledReason::Signal) => "cancelled",
@@ -128,6 +129,9 @@ mod tests {
         assert_eq!(name(Signaled(9), Some(K::Signal), true), "oom");
         assert_eq!(name(Signaled(15), Some(K::Signal), false), "cancelled");
         assert_eq!(name(Killed, Some(K::OutputLimit), false), "failed");
+        // A cancelled run is cancelled whatever its processes did on the way out.
+        assert_eq!(name(Exited(0), Some(K::Cancelled), false), "cancelled");
+        assert_eq!(name(Killed, Some(K::Cancelled), true), "cancelled");
         assert_eq!(name(Exited(1), Some(K::Pids), false), "failed");
         let mut broken = outcome(Exited(0), None, false);
         broken.stdin_broken_pipe = true;

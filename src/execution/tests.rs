@@ -97,6 +97,7 @@ impl Fixture {
         let audit_path = dir.path().join("audit.jsonl");
         let service = ExecutionService::new(
             &config,
+            "i-1",
             policy,
             executors,
             backends,
@@ -148,6 +149,7 @@ fn request(command: &str, single_use: Option<&str>) -> ExecutionRequest {
         command: command.into(),
         args: vec!["hi".into()],
         timeout_seconds: Some(5),
+        long_run: false,
         profile: None,
         env: BTreeMap::new(),
         stdin: None,
@@ -202,7 +204,7 @@ async fn an_execution_is_admitted_then_run_and_recorded_once() {
     assert_eq!(specs.len(), 1);
     assert_eq!(specs[0].exec_id, exec_id);
     assert_eq!(specs[0].argv[1..], ["hi"]);
-    assert!(specs[0].cancel.is_some(), "the kill switch reaches the run");
+    assert!(specs[0].stop.is_some(), "the stop control reaches the run");
     // The only slot is free again.
     f.service.admit(request("echo", None)).await.unwrap();
 }
@@ -229,6 +231,74 @@ async fn an_admitted_execution_holds_its_slot_until_it_ends() {
         .await
         .expect("the slot was freed");
     f.service.admit(request("echo", None)).await.unwrap();
+}
+
+/// A started run is live until its answer is stored; then the store has it, for its owner only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_started_run_is_found_live_then_in_the_store_by_its_owner_only() {
+    let f = Fixture::new(said_hi, 1);
+    let execution = f.service.admit(request("echo", None)).await.unwrap();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let live = f.service.start(execution, move |r| {
+        let finished = r.expect("ran");
+        // Hold the answer back (blocking this worker) until the test has looked at the live run.
+        let _ = released.recv();
+        StoredResponse {
+            status: 200,
+            body: serde_json::to_string(&finished.result).unwrap(),
+        }
+    });
+    let exec_id = live.exec_id().to_string();
+    assert!(matches!(
+        f.service.lookup("orchestrator", &exec_id).await.unwrap(),
+        Lookup::Live(_)
+    ));
+    release.send(()).unwrap();
+    let answer = live
+        .answer()
+        .wait_for(Option::is_some)
+        .await
+        .unwrap()
+        .clone()
+        .unwrap();
+    assert_eq!(answer.status, 200);
+    tokio::time::timeout(Duration::from_secs(10), f.service.wait_idle())
+        .await
+        .expect("the run's answer was stored");
+    let Lookup::Stored(record) = f.service.lookup("orchestrator", &exec_id).await.unwrap() else {
+        panic!("the finished run is in the store")
+    };
+    assert_eq!(record.response.as_ref(), Some(&*answer));
+    assert_eq!(record.instance, "i-1");
+    assert_eq!(record.cancelled_by, None);
+    assert!(matches!(
+        f.service.lookup("someone-else", &exec_id).await.unwrap(),
+        Lookup::Unknown
+    ));
+}
+
+/// A run whose answer cannot be made (the closure panics) still ends: it answers 500, is
+/// stored, and is no longer live.
+#[tokio::test]
+async fn a_run_whose_answer_panics_still_ends_with_an_answer() {
+    let f = Fixture::new(said_hi, 1);
+    let execution = f.service.admit(request("echo", None)).await.unwrap();
+    let live = f
+        .service
+        .start(execution, |_| panic!("the answer could not be made"));
+    let answer = tokio::time::timeout(
+        Duration::from_secs(10),
+        live.answer().wait_for(Option::is_some),
+    )
+    .await
+    .expect("answered")
+    .unwrap()
+    .clone()
+    .unwrap();
+    assert_eq!(answer.status, 500);
+    tokio::time::timeout(Duration::from_secs(10), f.service.wait_idle())
+        .await
+        .expect("no longer live");
 }
 
 /// How long a test lets a queued admission run to show it is still waiting.

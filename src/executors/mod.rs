@@ -31,13 +31,15 @@ pub struct ExecutorDef {
 }
 
 impl ExecutorDef {
-    /// Why the def's `timeout_seconds` will not be had in full, when it asks for more than a
-    /// synchronous run may last.
+    /// Why the def's `timeout_seconds` will not be had in full by synchronous runs, when it
+    /// asks for more than they may last.
     pub fn timeout_note(&self) -> Option<String> {
         let max = crate::policy::profile::MAX_TIMEOUT_SECONDS;
         self.timeout_seconds.filter(|t| *t > max).map(|t| {
             format!(
-                "executor '{}': timeout_seconds {t} is above {max}: its runs are cut at {max} s",
+                "executor '{}': timeout_seconds {t} is above {max}: synchronous runs are cut at \
+                 {max} s; async and streamed runs get it, up to the profile's \
+                 max_async_timeout_seconds",
                 self.name
             )
         })

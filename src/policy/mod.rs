@@ -71,6 +71,9 @@ pub struct Ask<'a> {
     pub command: &'a str,
     pub args: &'a [String],
     pub timeout_seconds: Option<u64>,
+    /// An async or streamed run: its timeout may go up to the profile's
+    /// `max_async_timeout_seconds` instead of `timeout_max_seconds`.
+    pub long_run: bool,
     pub profile: Option<&'a str>,
     pub env: &'a BTreeMap<String, String>,
 }
@@ -127,7 +130,7 @@ impl Plan {
             landlock_abi: p.requires.landlock_abi,
             image: Some(p.image.clone().unwrap_or_else(|| default_image.to_string())),
             profile: p.name.clone(),
-            cancel: None,
+            stop: None,
         }
     }
 }
@@ -385,10 +388,15 @@ impl Policy {
         check_exec_size(argv, env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .map_err(PolicyError::Invalid)?;
         let l = &profile.limits;
+        let max = if ask.long_run {
+            l.max_async_timeout_seconds
+        } else {
+            l.timeout_max_seconds
+        };
         let mut timeout = ask
             .timeout_seconds
             .unwrap_or(l.timeout_default_seconds)
-            .min(l.timeout_max_seconds);
+            .min(max);
         if let Some(t) = grant.max_timeout_seconds {
             timeout = timeout.min(t.max(1));
         }
@@ -466,12 +474,22 @@ mod tests {
             command: "echo",
             args: &[],
             timeout_seconds: Some(500),
+            long_run: false,
             profile: None,
             env: &env,
         };
         let plan = p.decide(&ask, &grant(&["ShellExecute"])).unwrap();
         assert_eq!(plan.timeout_seconds, 300);
         assert!(plan.path.is_absolute());
+        // An async or streamed run may go up to the profile's max_async_timeout_seconds.
+        let long = Ask {
+            long_run: true,
+            timeout_seconds: Some(5000),
+            ..ask.clone()
+        };
+        let plan = p.decide(&long, &grant(&["ShellExecute"])).unwrap();
+        assert_eq!(plan.timeout_seconds, 3600);
+        assert_eq!(plan.limits.timeout, Duration::from_secs(3600));
         let g = Grant {
             max_timeout_seconds: Some(5),
             ..grant(&["ShellExecute"])
@@ -522,6 +540,7 @@ mod tests {
             command: "echo",
             args: &[],
             timeout_seconds: None,
+            long_run: false,
             profile: None,
             env: &env,
         };
@@ -552,6 +571,7 @@ mod tests {
             command: "curl",
             args: &args,
             timeout_seconds: None,
+            long_run: false,
             profile: None,
             env: &env,
         };

@@ -13,6 +13,13 @@ use crate::sandbox::{BackendKind, OnOverflow};
 /// The default limits and the hard caps no profile or request may exceed.
 pub const MAX_TIMEOUT_SECONDS: u64 = 300;
 
+/// The longest an async or streamed run may last under any profile (a day).
+pub const MAX_ASYNC_TIMEOUT_SECONDS: u64 = 86_400;
+
+fn default_max_async_timeout() -> u64 {
+    3600
+}
+
 /// Embedded copies of the shipped profiles, used when the profiles directory does not exist
 /// (e.g. `serve --dev` from another working directory).
 pub const EMBEDDED: &[(&str, &str)] = &[
@@ -124,6 +131,10 @@ pub struct LimitsSection {
     pub disk_mb: u64,
     pub timeout_default_seconds: u64,
     pub timeout_max_seconds: u64,
+    /// The longest an async or streamed run under this profile may last (synchronous runs stop
+    /// at `timeout_max_seconds`).
+    #[serde(default = "default_max_async_timeout")]
+    pub max_async_timeout_seconds: u64,
     pub pids: u64,
     pub output_bytes: usize,
     pub nofile: u64,
@@ -284,6 +295,13 @@ impl Profile {
         {
             return Err(format!(
                 "limits: 0 < timeout_default_seconds <= timeout_max_seconds <= {MAX_TIMEOUT_SECONDS}"
+            ));
+        }
+        if l.max_async_timeout_seconds < l.timeout_max_seconds
+            || l.max_async_timeout_seconds > MAX_ASYNC_TIMEOUT_SECONDS
+        {
+            return Err(format!(
+                "limits: timeout_max_seconds <= max_async_timeout_seconds <= {MAX_ASYNC_TIMEOUT_SECONDS}"
             ));
         }
         let wd = &self.filesystem.workdir;

@@ -107,6 +107,8 @@ pub enum AuditEvent {
     SegmentStart(SegmentStart),
     /// Refusals over their class's rate, counted instead of written one by one.
     RefusalsSuppressed(RefusalsSuppressed),
+    /// A caller asked to stop a running execution (its end line follows when it has stopped).
+    ExecutionCancel(Cancel),
 }
 
 impl AuditEvent {
@@ -119,6 +121,7 @@ impl AuditEvent {
             AuditEvent::ExecutionError { .. } => "execution_error",
             AuditEvent::SegmentStart(_) => "segment_start",
             AuditEvent::RefusalsSuppressed(_) => "refusals_suppressed",
+            AuditEvent::ExecutionCancel(_) => "execution_cancel",
         }
     }
 }
@@ -137,6 +140,17 @@ pub struct Refusal {
     pub command_hash: Option<String>,
 }
 
+/// Who asked to stop which execution, and the grace its processes get between SIGTERM and
+/// SIGKILL.
+#[derive(Debug, Clone, Serialize)]
+pub struct Cancel {
+    pub request_id: String,
+    pub exec_id: String,
+    /// The calling service's subject.
+    pub subject: Option<String>,
+    pub grace_seconds: u64,
+}
+
 /// What every line of one admitted execution carries: its start, its end or its error. Read back
 /// from a start line for a run that never ended (a field that line lacks reads as empty).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -153,6 +167,8 @@ pub struct Run {
     pub invocation_hash: String,
     pub backend: Cow<'static, str>,
     pub profile: String,
+    /// The wall-clock limit the run got.
+    pub timeout_seconds: u64,
     /// The request's Idempotency-Key as the state store holds it, scoped by the calling service
     /// (`<subject length>:<subject>:<key>`, `IdemKey::scoped`).
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -109,7 +109,7 @@ impl OutputCapture {
 
 /// Resolves when the flag becomes true; never when its senders are gone with it still false
 /// (the output readers drop theirs at EOF).
-pub async fn raised(flag: &mut watch::Receiver<bool>) {
+async fn raised(flag: &mut watch::Receiver<bool>) {
     if flag.wait_for(|v| *v).await.is_err() {
         std::future::pending::<()>().await;
     }

@@ -152,8 +152,19 @@ pub struct RunSpec {
     /// Container image (docker / gvisor backends).
     pub image: Option<String>,
     pub profile: String,
-    /// Becomes true when the daemon must kill the run (shutdown grace period over).
-    pub cancel: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Becomes `Some` when the daemon stops the run before it ends on its own (a cancel, or
+    /// the shutdown grace period is over).
+    pub stop: Option<tokio::sync::watch::Receiver<Option<Stop>>>,
+}
+
+/// A request to stop a run before it ends on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stop {
+    /// What the result says ended the run: `Cancelled` (a caller asked) or `Signal` (the daemon
+    /// is shutting down).
+    pub reason: KilledReason,
+    /// How long every process of the run has between SIGTERM and SIGKILL; zero kills at once.
+    pub grace: Duration,
 }
 
 /// Why the daemon ended a run early.
@@ -165,6 +176,8 @@ pub enum KilledReason {
     Pids,
     OutputLimit,
     Signal,
+    /// A caller cancelled the run.
+    Cancelled,
 }
 
 impl KilledReason {
@@ -191,6 +204,7 @@ impl KilledReason {
             KilledReason::Pids => "pids",
             KilledReason::OutputLimit => "output_limit",
             KilledReason::Signal => "signal",
+            KilledReason::Cancelled => "cancelled",
         }
     }
 }
@@ -354,7 +368,7 @@ pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {
         landlock_abi: 0,
         image: None,
         profile: "test".into(),
-        cancel: None,
+        stop: None,
     }
 }
 

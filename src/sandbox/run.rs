@@ -1,8 +1,8 @@
 //! The skeleton of a run that every backend shares; each backend keeps only its mechanism.
 //!
 //! A backend's `run` goes: refuse what it cannot serve ([`egress_for`]), set its sandbox up, start
-//! the output readers ([`OutputCapture`]), wait for the run to end or for a reason to kill it
-//! ([`wait`]: cancel, wall clock, output cap), kill it its own way, drain the output, close the
+//! the output readers ([`OutputCapture`]), wait for the run to end or for a reason to stop it
+//! ([`wait`]: a stop with its grace, wall clock, output cap), kill it its own way, drain the output, close the
 //! egress proxy ([`connections`]), read how it ended, and put the outcome together
 //! ([`RunOutcome::assemble`]).
 //!
@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::capture::{Captured, OutputCapture, raised};
-use super::{ExitKind, KilledReason, NetworkPolicy, RunOutcome, SandboxError};
+use super::capture::{Captured, OutputCapture};
+use super::{ExitKind, KilledReason, NetworkPolicy, RunOutcome, SandboxError, Stop};
 use crate::egress::{ConnRecord, ProxyRun};
 
 /// The backend's egress settings for a run: none when the run has no network; an egress run on a
@@ -38,30 +38,56 @@ pub fn egress_for<'a, E>(
 pub enum Waited<T> {
     /// The run's own end, as the backend's mechanism reports it.
     Ended(T),
+    /// The run was stopped, and ended within its grace after SIGTERM.
+    EndedOnStop(T, KilledReason),
     /// The daemon must kill the run, for this reason.
     Kill(KilledReason),
 }
 
-/// Waits for `ended` (the backend's "the run is over") unless, first, `cancel` is raised (the
-/// daemon stops the run), the wall clock `timeout` passes, or a stream goes past its output cap.
-pub async fn wait<F: Future>(
-    ended: F,
+/// Waits for `ended` (the backend's "the run is over") unless, first, the wall clock `timeout`
+/// passes or a stream goes past its output cap under `on_overflow = "kill"` (kill), or `stop` is
+/// raised. A stop with a grace calls `terminate` (the backend's SIGTERM to every process of the
+/// run) and gives the run that long to end before it is killed.
+pub async fn wait<F, T>(
+    ended: &mut F,
     timeout: Duration,
-    cancel: Option<&watch::Receiver<bool>>,
+    stop: Option<&watch::Receiver<Option<Stop>>>,
     output: &mut OutputCapture,
-) -> Waited<F::Output> {
-    let mut cancel = cancel.cloned();
-    let cancelled = async {
-        match cancel.as_mut() {
-            Some(flag) => raised(flag).await,
-            None => std::future::pending::<()>().await,
+    terminate: impl FnOnce() -> T,
+) -> Waited<F::Output>
+where
+    F: Future + Unpin,
+    T: Future<Output = ()>,
+{
+    let mut stop = stop.cloned();
+    let stopped = async {
+        match stop.as_mut() {
+            Some(flag) => requested(flag).await,
+            None => std::future::pending().await,
         }
     };
+    let stop = tokio::select! {
+        r = &mut *ended => return Waited::Ended(r),
+        s = stopped => s,
+        _ = tokio::time::sleep(timeout) => return Waited::Kill(KilledReason::Timeout),
+        _ = output.overflowed() => return Waited::Kill(KilledReason::OutputLimit),
+    };
+    if stop.grace.is_zero() {
+        return Waited::Kill(stop.reason);
+    }
+    terminate().await;
     tokio::select! {
-        r = ended => Waited::Ended(r),
-        _ = cancelled => Waited::Kill(KilledReason::Signal),
-        _ = tokio::time::sleep(timeout) => Waited::Kill(KilledReason::Timeout),
-        _ = output.overflowed() => Waited::Kill(KilledReason::OutputLimit),
+        r = &mut *ended => Waited::EndedOnStop(r, stop.reason),
+        _ = tokio::time::sleep(stop.grace) => Waited::Kill(stop.reason),
+    }
+}
+
+/// Resolves with the stop once one is requested; never when its sender is gone without one.
+async fn requested(flag: &mut watch::Receiver<Option<Stop>>) -> Stop {
+    let requested = flag.wait_for(Option::is_some).await.ok().and_then(|s| *s);
+    match requested {
+        Some(stop) => stop,
+        None => std::future::pending().await,
     }
 }
 
@@ -146,23 +172,37 @@ mod tests {
         )
     }
 
+    /// [`wait`] on `f`, with a terminate that does nothing.
+    async fn wait_on<F: Future>(
+        f: F,
+        timeout: Duration,
+        stop: Option<&watch::Receiver<Option<Stop>>>,
+        output: &mut OutputCapture,
+    ) -> Waited<F::Output> {
+        let mut f = std::pin::pin!(f);
+        wait(&mut f, timeout, stop, output, || async {}).await
+    }
+
+    fn stop(reason: KilledReason, grace: Duration) -> watch::Receiver<Option<Stop>> {
+        watch::channel(Some(Stop { reason, grace })).1
+    }
+
     #[tokio::test]
     async fn the_first_reason_to_stop_wins() {
         use tokio::io::AsyncWriteExt;
         let long = Duration::from_secs(3600);
 
         let (mut output, _o, _e) = capture();
-        let w = wait(async { 7 }, long, None, &mut output).await;
+        let w = wait_on(async { 7 }, long, None, &mut output).await;
         assert!(matches!(w, Waited::Ended(7)), "{w:?}");
 
         let (mut output, _o, _e) = capture();
-        let (tx, rx) = watch::channel(false);
-        tx.send(true).unwrap();
-        let w = wait(std::future::pending::<()>(), long, Some(&rx), &mut output).await;
+        let rx = stop(KilledReason::Signal, Duration::ZERO);
+        let w = wait_on(std::future::pending::<()>(), long, Some(&rx), &mut output).await;
         assert!(matches!(w, Waited::Kill(KilledReason::Signal)), "{w:?}");
 
         let (mut output, _o, _e) = capture();
-        let w = wait(
+        let w = wait_on(
             std::future::pending::<()>(),
             Duration::ZERO,
             None,
@@ -173,7 +213,7 @@ mod tests {
 
         let (mut output, _o, mut err_w) = capture();
         err_w.write_all(b"past the cap").await.unwrap();
-        let w = wait(std::future::pending::<()>(), long, None, &mut output).await;
+        let w = wait_on(std::future::pending::<()>(), long, None, &mut output).await;
         assert!(
             matches!(w, Waited::Kill(KilledReason::OutputLimit)),
             "{w:?}"
@@ -183,6 +223,39 @@ mod tests {
         assert!(!stdout.truncated && stdout.bytes.is_empty());
         assert!(stderr.truncated);
         assert_eq!(stderr.bytes, b"past");
+    }
+
+    /// A stop with a grace terminates the run first: a run that ends within the grace ended on
+    /// the stop; one that does not is killed when the grace is over.
+    #[tokio::test]
+    async fn a_stop_with_a_grace_terminates_then_kills() {
+        let long = Duration::from_secs(3600);
+        let grace = Duration::from_millis(100);
+        let rx = stop(KilledReason::Cancelled, grace);
+
+        // The run ends once it is told to.
+        let (mut output, _o, _e) = capture();
+        let (told_tx, told_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut ended = std::pin::pin!(async move { told_rx.await.map(|_| 15) });
+        let w = wait(&mut ended, long, Some(&rx), &mut output, || async move {
+            let _ = told_tx.send(());
+        })
+        .await;
+        assert!(
+            matches!(w, Waited::EndedOnStop(Ok(15), KilledReason::Cancelled)),
+            "{w:?}"
+        );
+
+        // The run ignores it.
+        let (mut output, _o, _e) = capture();
+        let terminated = std::sync::atomic::AtomicBool::new(false);
+        let mut ended = std::pin::pin!(std::future::pending::<()>());
+        let w = wait(&mut ended, long, Some(&rx), &mut output, || async {
+            terminated.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+        .await;
+        assert!(matches!(w, Waited::Kill(KilledReason::Cancelled)), "{w:?}");
+        assert!(terminated.load(std::sync::atomic::Ordering::SeqCst));
     }
 
     /// Under `truncate` a stream past its cap is cut and flagged, everything after the cap is
@@ -202,7 +275,7 @@ mod tests {
             drop(err_w);
             let _ = ended_tx.send(());
         });
-        let w = wait(ended_rx, Duration::from_secs(3600), None, &mut output).await;
+        let w = wait_on(ended_rx, Duration::from_secs(3600), None, &mut output).await;
         assert!(matches!(w, Waited::Ended(Ok(()))), "{w:?}");
         writer.await.unwrap();
         let (stdout, stderr) = output.drain().await;
@@ -214,11 +287,11 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_cancel_flag_whose_sender_is_gone_never_fires() {
+    async fn a_stop_flag_whose_sender_is_gone_never_fires() {
         let (mut output, _o, _e) = capture();
-        let (tx, rx) = watch::channel(false);
+        let (tx, rx) = watch::channel(None);
         drop(tx);
-        let w = wait(
+        let w = wait_on(
             async { 1 },
             Duration::from_secs(3600),
             Some(&rx),

@@ -13,7 +13,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::{IdemBegin, IdemKey, JtiClaim, StateError, StateStore, StoredResponse};
+use super::{
+    IdemBegin, IdemKey, JtiClaim, StateError, StateStore, StoredExecution, StoredResponse,
+};
 use crate::auth::SingleUse;
 
 /// Bookkeeping bytes charged per stored result on top of its strings (map nodes, headers).
@@ -187,6 +189,15 @@ impl IdemTable {
         }
     }
 
+    /// The completed result stored under `key`, unless it expired.
+    fn done(&mut self, key: &IdemKey, now: Instant) -> Option<StoredResponse> {
+        self.purge_expired(now);
+        match self.entries.get(&key.scoped()).map(|e| &e.slot) {
+            Some(Slot::Done { response, .. }) => Some(response.clone()),
+            _ => None,
+        }
+    }
+
     fn complete(
         &mut self,
         key: &IdemKey,
@@ -235,6 +246,9 @@ pub struct MemoryStore {
     horizon: u64,
     jtis: Mutex<HashMap<String, u64>>,
     idem: Mutex<IdemTable>,
+    /// Run records, kept like completed idempotent results (same budget, same fair eviction),
+    /// each as its JSON in a result's body.
+    executions: Mutex<IdemTable>,
 }
 
 impl MemoryStore {
@@ -249,6 +263,7 @@ impl MemoryStore {
             horizon: started.as_secs() + u64::from(started.subsec_nanos() > 0) + leeway_seconds,
             jtis: Mutex::new(HashMap::new()),
             idem: Mutex::new(IdemTable::new(idempotency_max_bytes)),
+            executions: Mutex::new(IdemTable::new(idempotency_max_bytes)),
         }
     }
 }
@@ -330,6 +345,33 @@ impl StateStore for MemoryStore {
             .unwrap_or_else(|p| p.into_inner())
             .release(key, owner);
         Ok(())
+    }
+
+    async fn execution_put(
+        &self,
+        key: &IdemKey,
+        record: &StoredExecution,
+        ttl: Duration,
+    ) -> Result<(), StateError> {
+        let body = serde_json::to_string(record)
+            .map_err(|e| StateError::Unavailable(format!("run record: {e}")))?;
+        let mut t = self.executions.lock().unwrap_or_else(|p| p.into_inner());
+        let stored = StoredResponse { status: 0, body };
+        if let Completion::TooLarge { bytes } = t.complete(key, "", &stored, ttl, Instant::now()) {
+            tracing::warn!(
+                subject = %key.subject,
+                bytes,
+                max_bytes = t.max_bytes,
+                "run record larger than state.idempotency_max_bytes: not kept"
+            );
+        }
+        Ok(())
+    }
+
+    async fn execution_get(&self, key: &IdemKey) -> Result<Option<StoredExecution>, StateError> {
+        let mut t = self.executions.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(t.done(key, Instant::now())
+            .and_then(|r| serde_json::from_str(&r.body).ok()))
     }
 
     async fn healthy(&self) -> Result<(), StateError> {

@@ -1,4 +1,5 @@
-//! Shared request state: single-use token ids and idempotency results.
+//! Shared request state: single-use token ids, idempotency results and the records of runs (so
+//! any replica can answer for a run, and find the one that runs it).
 //!
 //! The embedded in-memory store is the default; with `state.redis_url` set, both live in Redis
 //! so replicas share them. The embedded store forgets everything on restart, so it refuses
@@ -12,7 +13,8 @@ use std::time::Duration;
 
 use crate::auth::SingleUse;
 
-/// An Idempotency-Key as the caller sent it, scoped to the calling service's subject.
+/// A key scoped to the calling service's subject: an Idempotency-Key as the caller sent it, or
+/// an `exec_id` (only the subject that started a run finds its record).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdemKey {
     pub subject: String,
@@ -60,6 +62,19 @@ pub enum JtiClaim {
 pub struct StoredResponse {
     pub status: u16,
     pub body: String,
+}
+
+/// A run as the store keeps it, for `retention` after it finished.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoredExecution {
+    /// The daemon instance that runs (or ran) it.
+    pub instance: String,
+    /// Its answer, once it finished.
+    #[serde(default)]
+    pub response: Option<StoredResponse>,
+    /// The subject that asked to cancel it, if one did.
+    #[serde(default)]
+    pub cancelled_by: Option<String>,
 }
 
 /// What `idempotency_begin` found.
@@ -121,6 +136,16 @@ pub trait StateStore: Send + Sync {
     /// Releases `owner`'s claim on `key` (a request that ended without a response to keep, or
     /// one of a daemon that stopped mid-run); a finished entry or another owner's claim stays.
     async fn idempotency_release(&self, key: &IdemKey, owner: &str) -> Result<(), StateError>;
+    /// Stores (or replaces) the record of the run `key` names for `ttl`. The embedded store
+    /// keeps records within a byte budget and may drop the oldest.
+    async fn execution_put(
+        &self,
+        key: &IdemKey,
+        record: &StoredExecution,
+        ttl: Duration,
+    ) -> Result<(), StateError>;
+    /// The record of the run `key` names, if it is kept.
+    async fn execution_get(&self, key: &IdemKey) -> Result<Option<StoredExecution>, StateError>;
     /// For /readyz.
     async fn healthy(&self) -> Result<(), StateError>;
     fn kind(&self) -> &'static str;

@@ -10,7 +10,9 @@ use std::time::Duration;
 use redis::AsyncCommands;
 use redis::aio::ConnectionManager;
 
-use super::{IdemBegin, IdemKey, JtiClaim, StateError, StateStore, StoredResponse};
+use super::{
+    IdemBegin, IdemKey, JtiClaim, StateError, StateStore, StoredExecution, StoredResponse,
+};
 use crate::auth::SingleUse;
 
 pub struct RedisStore {
@@ -206,6 +208,35 @@ impl StateStore for RedisStore {
             .await
             .map_err(unavailable)?;
         Ok(())
+    }
+
+    async fn execution_put(
+        &self,
+        key: &IdemKey,
+        record: &StoredExecution,
+        ttl: Duration,
+    ) -> Result<(), StateError> {
+        let v = serde_json::to_string(record)
+            .map_err(|e| StateError::Unavailable(format!("run record: {e}")))?;
+        let mut c = self.conn.clone();
+        let _: () = redis::cmd("SET")
+            .arg(format!("{}exec:{}", self.prefix, key.scoped()))
+            .arg(v)
+            .arg("PX")
+            .arg(millis(ttl))
+            .query_async(&mut c)
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    async fn execution_get(&self, key: &IdemKey) -> Result<Option<StoredExecution>, StateError> {
+        let mut c = self.conn.clone();
+        let v: Option<String> = c
+            .get(format!("{}exec:{}", self.prefix, key.scoped()))
+            .await
+            .map_err(unavailable)?;
+        Ok(v.and_then(|s| serde_json::from_str(&s).ok()))
     }
 
     async fn healthy(&self) -> Result<(), StateError> {

@@ -18,6 +18,7 @@ fn run(exec_id: &str) -> audit::Run {
         invocation_hash: "sha256:i".into(),
         backend: "local".into(),
         profile: "shell-readonly".into(),
+        timeout_seconds: 30,
         idempotency_key: None,
     }
 }

@@ -13,6 +13,7 @@ fn run(exec_id: &str) -> Run {
         invocation_hash: "sha256:i".into(),
         backend: "local".into(),
         profile: "shell-readonly".into(),
+        timeout_seconds: 30,
         idempotency_key: None,
     }
 }

@@ -122,6 +122,9 @@ pub trait Engine: Send + Sync {
     async fn start(&self, id: &str) -> Result<(), EngineError>;
     /// SIGKILL; a container that is not running is not an error.
     async fn kill(&self, id: &str) -> Result<(), EngineError>;
+    /// SIGTERM to the container's main process (the supervisor passes it on to the command's
+    /// processes); a container that is not running is not an error.
+    async fn terminate(&self, id: &str) -> Result<(), EngineError>;
     /// Force-removes; a container that is already gone is not an error.
     async fn remove(&self, id: &str) -> Result<(), EngineError>;
     async fn rename(&self, id: &str, name: &str) -> Result<(), EngineError>;
@@ -145,6 +148,19 @@ pub struct BollardEngine {
 }
 
 impl BollardEngine {
+    /// Sends `signal` to the container's main process; a container that is not running is not
+    /// an error (409: the goal is reached).
+    async fn signal(&self, id: &str, signal: &str) -> Result<(), EngineError> {
+        let opts = KillContainerOptionsBuilder::new().signal(signal).build();
+        match self
+            .call(|d| async move { d.kill_container(id, Some(opts)).await })
+            .await
+        {
+            Err(EngineError::Api(m)) if m.starts_with("409") => Ok(()),
+            other => other,
+        }
+    }
+
     pub fn new(socket: &str) -> Self {
         BollardEngine {
             socket: socket.to_string(),
@@ -266,15 +282,11 @@ impl Engine for BollardEngine {
     }
 
     async fn kill(&self, id: &str) -> Result<(), EngineError> {
-        let opts = KillContainerOptionsBuilder::new().signal("SIGKILL").build();
-        match self
-            .call(|d| async move { d.kill_container(id, Some(opts)).await })
-            .await
-        {
-            // 409: not running (already stopped) — the goal is reached.
-            Err(EngineError::Api(m)) if m.starts_with("409") => Ok(()),
-            other => other,
-        }
+        self.signal(id, "SIGKILL").await
+    }
+
+    async fn terminate(&self, id: &str) -> Result<(), EngineError> {
+        self.signal(id, "SIGTERM").await
     }
 
     async fn remove(&self, id: &str) -> Result<(), EngineError> {
@@ -624,6 +636,10 @@ pub(crate) mod fake {
             self.record(format!("kill {id}"))?;
             self.crash(id);
             Ok(())
+        }
+
+        async fn terminate(&self, id: &str) -> Result<(), EngineError> {
+            self.record(format!("terminate {id}"))
         }
 
         async fn remove(&self, id: &str) -> Result<(), EngineError> {

@@ -605,15 +605,28 @@ impl Sandbox for DockerSandbox {
 
         let start = Instant::now();
         let mut relay = Box::pin(pump(attached.input, attached.output, request, out_w, err_w));
+        let terminate = || async {
+            match tokio::time::timeout(KILL_TIMEOUT, self.engine().terminate(&id)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(exec_id = %spec.exec_id, container = %id, error = %e, "SIGTERM before the stop's grace failed")
+                }
+                Err(_) => {
+                    tracing::warn!(exec_id = %spec.exec_id, container = %id, "the engine did not confirm the SIGTERM in time")
+                }
+            }
+        };
         let waited = run::wait(
             &mut relay,
             spec.limits.timeout,
-            spec.cancel.as_ref(),
+            spec.stop.as_ref(),
             &mut output,
+            terminate,
         )
         .await;
         let (killed, end) = match waited {
             Waited::Ended(end) => (None, Some(end)),
+            Waited::EndedOnStop(end, reason) => (Some(reason), Some(end)),
             Waited::Kill(reason) => (Some(reason), None),
         };
         let duration = start.elapsed();

@@ -7,6 +7,8 @@
 # Arguments:        UID GID WORKDIR (who the command runs as, and where)
 # Request (stdin):  "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1,
 #                   relay_port|0, relay_socket, timeout_ms) stdin-bytes
+# Signals:          SIGTERM is passed on to every process of the command (the daemon's grace
+#                   before a kill).
 # Reply (stdout):   frames  type(1) u32be(len) payload;  o = command stdout, e = command stderr,
 #                   x = "exit|signal N broken peak_kib oom_kills pids_max" (last), f = setup failure (last),
 #                   u = the egress relay cannot reach the daemon (last), t = the deadline passed (last)
@@ -179,6 +181,9 @@ binmode($_, ':raw') for grep { defined } ($or, $ow, $er, $ew, $xr, $xw, $sr, $sw
 for my $h ($sr, $sw) { fcntl($h, Fcntl::F_SETFL(), fcntl($h, Fcntl::F_GETFL(), 0) | Fcntl::O_NONBLOCK()) }
 # Self-pipe: a SIGCHLD between waitpid and select must still wake select.
 $SIG{CHLD} = sub { syswrite($sw, 'c') };
+# SIGTERM (the daemon stopping the run with a grace): passed on to every process of the command.
+my $term = 0;
+$SIG{TERM} = sub { $term = 1; syswrite($sw, 't') };
 
 # The command's identity: no supplementary groups, then the gid, then the uid (each step needs
 # the privilege the next one drops), checked before anything of the request runs.
@@ -201,6 +206,7 @@ if ($pid == 0) {
     # Ignored signals stay ignored across execve: give the command default dispositions.
     $SIG{PIPE} = 'DEFAULT';
     $SIG{CHLD} = 'DEFAULT';
+    $SIG{TERM} = 'DEFAULT';
     my $in = $ir;
     if (!defined $in) { open($in, '<', '/dev/null') or POSIX::_exit(127) }
     # perl opens every fd above 2 close-on-exec, so the command gets exactly 0, 1 and 2: none of
@@ -257,6 +263,20 @@ while (1) {
     next if $n < 0;
     last if $n == 0 && defined $status;
     sysread($sr, my $junk, 64) if vec($ro, fileno($sr), 1);
+    if ($term == 1) {
+        # SIGTERM to every process of the command, from a helper with the command's identity:
+        # kill(-1) reaches every process that uid may signal except PID 1 and the helper itself,
+        # i.e. the command and everything it started, setsid'd or double-forked ones included.
+        # (This process keeps no CAP_KILL, so it could not signal them itself.)
+        $term = 2;
+        my $helper = fork();
+        if (defined $helper && $helper == 0) {
+            $SIG{TERM} = 'DEFAULT';
+            POSIX::_exit(1) if become($UID, $GID);
+            kill('TERM', -1);
+            POSIX::_exit(0);
+        }
+    }
     if (vec($ro, 0, 1)) {
         my $r = sysread(STDIN, my $extra, 4096);
         # Exiting as PID 1 kills the command and everything it started.

@@ -27,6 +27,8 @@ pub trait RunCgroup: Send + Sync {
     fn procs_files(&self) -> Vec<PathBuf>;
     /// Kills every process in the cgroup and waits (bounded) until it is empty.
     fn kill_all(&self) -> io::Result<()>;
+    /// Host pids of the processes in the cgroup now.
+    fn pids(&self) -> Vec<i32>;
     fn stats(&self) -> CgroupStats;
     /// Whether any process is left.
     fn is_empty(&self) -> bool;
@@ -103,6 +105,40 @@ fn kill_pids(pids: &[i32]) {
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
     }
+}
+
+/// Sends SIGTERM to every process of the run's command: those in the cgroup that live in the
+/// sandbox's pid namespace, except its init (which would ignore it anyway). The shim, in the
+/// host's namespace, is left alone: its end is how the daemon learns that the sandbox is gone.
+/// Returns how many processes were signalled.
+pub fn terminate_command(cg: &dyn RunCgroup) -> usize {
+    let mut sent = 0;
+    for pid in cg.pids() {
+        if pid <= 0 || !in_child_namespace_not_init(pid) {
+            continue;
+        }
+        // SAFETY: kill(2) with a positive pid read from the run's own cgroup; no memory involved.
+        if unsafe { libc::kill(pid, libc::SIGTERM) } == 0 {
+            sent += 1;
+        }
+    }
+    sent
+}
+
+/// Whether `pid` lives in a pid namespace below ours and is not that namespace's init, from the
+/// `NSpid` line of its status (one pid per namespace level, ours first).
+fn in_child_namespace_not_init(pid: i32) -> bool {
+    let Ok(status) = fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .map(|ids| {
+            let ids: Vec<&str> = ids.split_whitespace().collect();
+            ids.len() >= 2 && ids.last() != Some(&"1")
+        })
+        .unwrap_or(false)
 }
 
 /// Repeats `kill_once` until the cgroup is empty, for at most two seconds.
@@ -227,6 +263,10 @@ impl CgroupDriver for V2Driver {
 impl RunCgroup for V2Run {
     fn procs_files(&self) -> Vec<PathBuf> {
         vec![self.dir.join("cgroup.procs")]
+    }
+
+    fn pids(&self) -> Vec<i32> {
+        procs_of(&self.dir)
     }
 
     fn apply_limits(&self, limits: &Limits) -> io::Result<()> {
@@ -431,6 +471,10 @@ impl RunCgroup for V1Run {
             .into_iter()
             .map(|d| d.join("cgroup.procs"))
             .collect()
+    }
+
+    fn pids(&self) -> Vec<i32> {
+        procs_of(&self.pids)
     }
 
     fn apply_limits(&self, limits: &Limits) -> io::Result<()> {

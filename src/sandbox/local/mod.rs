@@ -936,21 +936,31 @@ impl Sandbox for LocalSandbox {
         };
 
         let mut spawn_result = None;
-        let killed = match run::wait(
+        let terminate = || async {
+            let cg = guard.get();
+            let sent = tokio::task::block_in_place(|| cgroup::terminate_command(cg));
+            tracing::debug!(exec_id = %spec.exec_id, processes = sent, "SIGTERM before the stop's grace");
+        };
+        let waited = run::wait(
             &mut exited,
             limits.timeout,
-            spec.cancel.as_ref(),
+            spec.stop.as_ref(),
             &mut output,
+            terminate,
         )
-        .await
-        {
+        .await;
+        let killed = match waited {
             Waited::Ended(r) => {
                 spawn_result = Some(r);
                 None
             }
+            Waited::EndedOnStop(r, reason) => {
+                spawn_result = Some(r);
+                Some(reason)
+            }
             Waited::Kill(reason) => Some(reason),
         };
-        if killed.is_some() {
+        if spawn_result.is_none() {
             let cg = guard.get();
             // Kill every process of the run, setsid'd and double-forked ones included, and keep
             // at it until the shim is gone: a shim still on its way into the cgroup (a slow

@@ -1,0 +1,195 @@
+//! `/v1/executions/{exec_id}`: read a run, and cancel it.
+//!
+//! Owns: authenticating the caller, the visibility rule on the wire (a run that is not the
+//! caller's is answered exactly like one that does not exist: 404) and the answers' shapes.
+//! Must not: find or stop runs itself (the execution service does).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+
+use super::error::ApiError;
+use super::execute::{calling_service, read_body};
+use super::{AppState, RequestId};
+use crate::execution::record::KnownRequest;
+use crate::execution::runs::CancelOutcome;
+use crate::execution::{Lookup, owner_of};
+
+/// The longest grace a cancel may give a run between SIGTERM and SIGKILL.
+pub const MAX_GRACE_SECONDS: u64 = 30;
+/// The grace of a cancel that names none.
+pub const DEFAULT_GRACE_SECONDS: u64 = 5;
+
+/// The caller's subject as the owner of runs, from the request's service token.
+async fn caller(
+    st: &AppState,
+    headers: &HeaderMap,
+    request_id: String,
+) -> Result<(String, KnownRequest), ApiError> {
+    let mut known = KnownRequest {
+        request_id,
+        ..KnownRequest::default()
+    };
+    let service = calling_service(st, headers, &mut known).await?;
+    Ok((owner_of(service.subject.as_deref()), known))
+}
+
+fn request_id(req: &Request) -> String {
+    req.extensions()
+        .get::<RequestId>()
+        .map(|r| r.0.clone())
+        .unwrap_or_default()
+}
+
+fn json(status: StatusCode, body: String) -> Response {
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response()
+}
+
+/// `GET /v1/executions/{exec_id}`: `{"exec_id", "status": "running"}` while the run lives;
+/// once it finished, `"status": "finished"`, the `http_status` its synchronous call had (or
+/// has) and, as `result`, exactly the body that call returns.
+pub async fn get(
+    State(st): State<Arc<AppState>>,
+    Path(exec_id): Path<String>,
+    req: Request,
+) -> Response {
+    let rid = request_id(&req);
+    match get_inner(&st, &exec_id, req.headers(), rid).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn get_inner(
+    st: &AppState,
+    exec_id: &str,
+    headers: &HeaderMap,
+    rid: String,
+) -> Result<Response, ApiError> {
+    let (owner, _) = caller(st, headers, rid).await?;
+    let id = serde_json::to_string(exec_id).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let running = || {
+        json(
+            StatusCode::OK,
+            format!(r#"{{"exec_id":{id},"status":"running"}}"#),
+        )
+    };
+    match st
+        .executions
+        .lookup(&owner, exec_id)
+        .await
+        .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
+    {
+        Lookup::Live(_) => Ok(running()),
+        Lookup::Stored(record) => match record.response {
+            // The stored body is spliced in as it was written: parsing and printing it again
+            // could change a number the caller sent in its metadata.
+            Some(r) => Ok(json(
+                StatusCode::OK,
+                format!(
+                    r#"{{"exec_id":{id},"status":"finished","http_status":{},"result":{}}}"#,
+                    r.status, r.body
+                ),
+            )),
+            None => Ok(running()),
+        },
+        Lookup::Unknown => Err(ApiError::ExecutionNotFound),
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CancelRequest {
+    #[serde(default)]
+    grace_seconds: Option<i64>,
+}
+
+/// `POST /v1/executions/{exec_id}/cancel`, body `{"grace_seconds": n}` (optional, 0-30, default
+/// 5): SIGTERM to every process of the run, SIGKILL after the grace. 202 with the grace the run
+/// was given, the same for a repeated call while it stops; 409 `AlreadyFinished` once it ended.
+pub async fn cancel(
+    State(st): State<Arc<AppState>>,
+    Path(exec_id): Path<String>,
+    req: Request,
+) -> Response {
+    match cancel_inner(&st, &exec_id, req).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn cancel_inner(st: &AppState, exec_id: &str, req: Request) -> Result<Response, ApiError> {
+    let rid = request_id(&req);
+    let (parts, body) = req.into_parts();
+    let (owner, known) = caller(st, &parts.headers, rid).await?;
+    let grace = grace_of(st, &parts.headers, body).await?;
+    let live = match st
+        .executions
+        .lookup(&owner, exec_id)
+        .await
+        .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
+    {
+        Lookup::Live(live) => live,
+        Lookup::Stored(record) if record.response.is_some() => {
+            return Err(ApiError::AlreadyFinished);
+        }
+        Lookup::Stored(record) => {
+            return Err(ApiError::SandboxUnavailable(format!(
+                "execution {exec_id} runs on daemon instance {}; cancel it there",
+                record.instance
+            )));
+        }
+        Lookup::Unknown => return Err(ApiError::ExecutionNotFound),
+    };
+    let grace = match st
+        .executions
+        .cancel(&live, grace, &owner, &known.request_id)
+    {
+        CancelOutcome::Stopping => grace,
+        // A repeated call: the answer of the first.
+        CancelOutcome::AlreadyStopping => live.stopping().map(|s| s.grace).unwrap_or(grace),
+    };
+    let body = serde_json::json!({
+        "exec_id": exec_id,
+        "status": "cancelling",
+        "grace_seconds": grace.as_secs(),
+    });
+    Ok(json(StatusCode::ACCEPTED, body.to_string()))
+}
+
+/// The grace a cancel asks for: none given (an empty body) is the default.
+async fn grace_of(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Duration, ApiError> {
+    let raw = read_body(
+        body,
+        headers,
+        st.config.server.body_limit_bytes,
+        Duration::from_secs(st.config.server.body_read_timeout_seconds),
+    )
+    .await?;
+    let asked: CancelRequest = if raw.iter().all(u8::is_ascii_whitespace) {
+        CancelRequest::default()
+    } else {
+        serde_json::from_slice(&raw)
+            .map_err(|e| ApiError::InvalidRequest(format!("invalid cancel request: {e}")))?
+    };
+    match asked.grace_seconds {
+        None => Ok(Duration::from_secs(DEFAULT_GRACE_SECONDS)),
+        Some(g) if (0..=MAX_GRACE_SECONDS as i64).contains(&g) => Ok(Duration::from_secs(g as u64)),
+        Some(g) => Err(ApiError::InvalidRequest(format!(
+            "grace_seconds must be between 0 and {MAX_GRACE_SECONDS}, got {g}"
+        ))),
+    }
+}

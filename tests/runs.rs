@@ -1,0 +1,408 @@
+//! Runs as things with an id, on the local backend through the real daemon: async runs polled to
+//! their result, results read after the call that started them, cancellation with a grace, and
+//! who may see a run. (The container backends' cancellation is in `docker_backend.rs`.)
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Daemon, Resp, pids_with_cmdline};
+use executor_arm::auth::MintRequest;
+use executor_arm::config::TokenKind;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+fn marker() -> String {
+    format!("runs-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// `python3 -c <code>` with the marker in its command line (a trailing comment).
+fn py(code: &str, marker: &str) -> Value {
+    json!({"action_type": "python", "command": "python3", "args": ["-c", format!("{code}\n# {marker}")]})
+}
+
+fn bearer(token: &str) -> String {
+    format!("Bearer {token}")
+}
+
+/// A service token of another calling service.
+fn other_service(d: &Daemon) -> String {
+    d.mint(MintRequest {
+        kind: Some(TokenKind::Service),
+        ttl_seconds: 300,
+        aud: "executor-arm".into(),
+        sub: Some("another-service".into()),
+        ..Default::default()
+    })
+}
+
+async fn get(d: &Daemon, exec_id: &str, service: &str) -> Resp {
+    let r = d
+        .client
+        .get(format!("{}/v1/executions/{exec_id}", d.base))
+        .header("authorization", bearer(service))
+        .send()
+        .await
+        .expect("request");
+    read(r).await
+}
+
+async fn cancel(d: &Daemon, exec_id: &str, service: &str, body: &str) -> Resp {
+    d.post(
+        &format!("/v1/executions/{exec_id}/cancel"),
+        &[("authorization", &bearer(service))],
+        body.to_string(),
+    )
+    .await
+}
+
+async fn read(r: reqwest::Response) -> Resp {
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    let text = r.text().await.unwrap_or_default();
+    Resp {
+        status,
+        headers,
+        json: serde_json::from_str(&text).unwrap_or(Value::Null),
+        text,
+    }
+}
+
+/// Polls `GET /v1/executions/{exec_id}` until the run finished (bounded).
+async fn finished(d: &Daemon, exec_id: &str) -> Resp {
+    let svc = d.service_token();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = get(d, exec_id, &svc).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        if r.json["status"] == "finished" {
+            return r;
+        }
+        assert_eq!(r.json["status"], "running", "{}", r.text);
+        assert!(Instant::now() < deadline, "{exec_id} still running");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Starts `body` as an async run; returns its exec_id after checking the 202.
+async fn start_async(d: &Daemon, mut body: Value) -> String {
+    body["async"] = json!(true);
+    let r = d.exec(body).await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let exec_id = r.json["exec_id"].as_str().expect("exec_id").to_string();
+    let base = format!("/v1/executions/{exec_id}");
+    assert_eq!(r.json["status"], "running");
+    assert_eq!(r.json["links"]["self"], base.as_str());
+    assert_eq!(r.json["links"]["stream"], format!("{base}/stream"));
+    assert_eq!(r.json["links"]["cancel"], format!("{base}/cancel"));
+    assert_eq!(r.headers.get("location").unwrap(), base.as_str());
+    exec_id
+}
+
+fn sha256(b: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(b)))
+}
+
+fn audit_lines_of(d: &Daemon, exec_id: &str) -> Vec<Value> {
+    d.audit_lines()
+        .into_iter()
+        .filter(|l| l["exec_id"] == exec_id)
+        .collect()
+}
+
+/// A run's result read back equals the body its synchronous call returned, byte for byte; an
+/// async run polls to a result with the same fields, its provenance verifies and its audit lines
+/// are there.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_async_run_polls_to_the_result_a_synchronous_call_returns() {
+    let d = Daemon::start();
+    let code = "import sys\nprint('out line')\nprint('err line', file=sys.stderr)";
+    let mut sync_body = py(code, &marker());
+    sync_body["metadata"] = json!({"score": 1.0715660391465826e-75, "job": "j-1"});
+    let sync = d.exec(sync_body).await;
+    assert_eq!(sync.status, 200, "{}", sync.text);
+    let sync_id = sync.json["exec_id"].as_str().unwrap();
+    let read_back = finished(&d, sync_id).await;
+    assert_eq!(read_back.json["http_status"], 200);
+    // Spliced in as written: the caller's float keeps its digits.
+    assert!(
+        read_back
+            .text
+            .contains(&format!(r#""result":{}"#, sync.text)),
+        "{}",
+        read_back.text
+    );
+
+    let exec_id = start_async(&d, py(code, &marker())).await;
+    let polled = finished(&d, &exec_id).await;
+    assert_eq!(polled.json["http_status"], 200, "{}", polled.text);
+    let result = &polled.json["result"];
+    let keys = |v: &Value| -> Vec<String> {
+        let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+        k.sort();
+        k
+    };
+    assert_eq!(keys(result), keys(&sync.json), "{}", polled.text);
+    assert_eq!(result["exec_id"], exec_id.as_str());
+    assert_eq!(result["success"], true);
+    assert_eq!(result["stdout"], "out line\n");
+    assert_eq!(result["stderr"], "err line\n");
+    assert_eq!(
+        result["provenance"]["stdout_sha256"],
+        sha256(b"out line\n").as_str()
+    );
+    let lines = audit_lines_of(&d, &exec_id);
+    let events: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
+    assert_eq!(events, ["execution_start", "execution"]);
+    assert_eq!(
+        lines[1]["stdout_sha256"],
+        result["provenance"]["stdout_sha256"]
+    );
+    assert_eq!(lines[1]["seq"], result["provenance"]["audit_seq"]);
+    assert!(common::audit_verify(&d.audit).status.success());
+    let m = d.get("/metrics").await.text;
+    assert!(
+        m.contains("executor_runs_started_total{mode=\"async\"} 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains("executor_runs_started_total{mode=\"sync\"} 1"),
+        "{m}"
+    );
+    assert!(m.contains("executor_runs_live 0"), "{m}");
+}
+
+/// An async run may ask for more than the synchronous 300 s; a synchronous one may not, and the
+/// timeout an async run got is the one its start line records.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_async_run_may_last_longer_than_a_synchronous_one() {
+    let d = Daemon::start();
+    let mut body = py("print('x')", &marker());
+    body["timeout_seconds"] = json!(1200);
+    let sync = d.exec(body.clone()).await;
+    assert_eq!(sync.status, 400, "{}", sync.text);
+    assert!(
+        sync.json["error"]
+            .as_str()
+            .unwrap()
+            .contains("between 1 and 300")
+    );
+    let exec_id = start_async(&d, body).await;
+    let r = finished(&d, &exec_id).await;
+    assert_eq!(r.json["result"]["success"], true, "{}", r.text);
+    let start = &audit_lines_of(&d, &exec_id)[0];
+    assert_eq!(start["event"], "execution_start");
+    assert_eq!(start["timeout_seconds"], 1200, "{start}");
+}
+
+/// A caller that goes away before the answer stops nothing: the run ends and its result can be
+/// read.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_disconnects_leaves_a_result_that_can_be_fetched() {
+    let d = Daemon::start();
+    let m = marker();
+    let body = {
+        let mut b = py("import time\ntime.sleep(2)\nprint('still ran')", &m);
+        b["capability_token"] = json!(d.cap_all());
+        b
+    };
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let gone = impatient
+        .post(format!("{}/execute", d.base))
+        .header("authorization", bearer(&d.service_token()))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client gave up before the answer");
+    // The caller never saw its exec_id; the audit log names it.
+    let start = d
+        .audit_lines()
+        .into_iter()
+        .find(|l| l["event"] == "execution_start" && l.to_string().contains(&m))
+        .expect("the run started");
+    let exec_id = start["exec_id"].as_str().unwrap();
+    let r = finished(&d, exec_id).await;
+    assert_eq!(r.json["result"]["stdout"], "still ran\n", "{}", r.text);
+    assert_eq!(r.json["result"]["success"], true);
+}
+
+/// A run that ignores SIGTERM and leaves a double-forked setsid child: a cancel sends SIGTERM
+/// to all of them, waits the grace, then kills everything, checked from the host; the outcome is
+/// `cancelled`, the cancel is audited with who asked, a repeat gets the same answer and a cancel
+/// after the end is 409.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancel_terminates_then_kills_every_process_of_the_run() {
+    let d = Daemon::start();
+    let svc = d.service_token();
+    let m = marker();
+    let code = "import os, signal, time\n\
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)\n\
+                if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        while True: time.sleep(1)\n    os._exit(0)\n\
+                while True: time.sleep(1)";
+    let exec_id = start_async(&d, py(code, &m)).await;
+    // Both the command and its daemonised grandchild are up (the intermediate child exited).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pids_with_cmdline(&m).len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the run's processes never showed up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let grace = 2;
+    let cancelled_at = Instant::now();
+    let r = cancel(
+        &d,
+        &exec_id,
+        &svc,
+        &format!(r#"{{"grace_seconds": {grace}}}"#),
+    )
+    .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    assert_eq!(r.json["status"], "cancelling");
+    assert_eq!(r.json["grace_seconds"], grace);
+    // A repeat while it stops: the same answer, the first grace.
+    let again = cancel(&d, &exec_id, &svc, r#"{"grace_seconds": 0}"#).await;
+    assert_eq!(again.status, 202, "{}", again.text);
+    assert_eq!(again.json, r.json);
+    // Every process is gone within the grace and a second, seen from the host.
+    let bound = Duration::from_secs(grace + 1);
+    while !pids_with_cmdline(&m).is_empty() {
+        assert!(
+            cancelled_at.elapsed() < bound,
+            "processes left {:?} after the grace: {:?}",
+            cancelled_at.elapsed(),
+            pids_with_cmdline(&m)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let done = finished(&d, &exec_id).await;
+    let result = &done.json["result"];
+    assert_eq!(result["outcome"], "cancelled", "{}", done.text);
+    assert_eq!(result["killed_reason"], "cancelled");
+    assert_eq!(result["success"], false);
+    // SIGTERM was ignored: the run lasted the whole grace after the cancel.
+    assert!(
+        cancelled_at.elapsed() >= Duration::from_secs(grace),
+        "killed before its grace was over"
+    );
+    assert_eq!(d.run_cgroups(), Vec::<String>::new(), "no run cgroup left");
+    let lines = audit_lines_of(&d, &exec_id);
+    let events: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
+    assert_eq!(events, ["execution_start", "execution_cancel", "execution"]);
+    assert_eq!(lines[1]["subject"], "orchestrator");
+    assert_eq!(lines[1]["grace_seconds"], grace);
+    assert_eq!(lines[2]["killed_reason"], "cancelled");
+    let late = cancel(&d, &exec_id, &svc, "").await;
+    assert_eq!(late.status, 409, "{}", late.text);
+    assert_eq!(late.json["error_type"], "AlreadyFinished");
+    assert_eq!(late.json["retryable"], false);
+    let m = d.get("/metrics").await.text;
+    assert!(m.contains("executor_cancels_total 1"), "{m}");
+}
+
+/// A run that handles SIGTERM ends within its grace on its own terms: what it wrote on the way
+/// out is in the result, and the outcome is still `cancelled`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_that_handles_sigterm_ends_within_its_grace() {
+    let d = Daemon::start();
+    let svc = d.service_token();
+    let m = marker();
+    let code = "import signal, sys, time\n\
+                def bye(*_):\n    print('cleaned up', flush=True)\n    sys.exit(0)\n\
+                signal.signal(signal.SIGTERM, bye)\n\
+                print('ready', flush=True)\n\
+                while True: time.sleep(0.05)";
+    let exec_id = start_async(&d, py(code, &m)).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pids_with_cmdline(&m).is_empty() {
+        assert!(Instant::now() < deadline, "the run never showed up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Cancel only once the handler is installed, as the kernel shows it.
+    let ready = Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", pids_with_cmdline(&m)[0]))
+            .unwrap_or_default();
+        // SigCgt holds SIGTERM (bit 14) once the handler is installed.
+        let caught = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+            .unwrap_or(0);
+        if caught & (1 << 14) != 0 {
+            break;
+        }
+        assert!(Instant::now() < ready, "the SIGTERM handler never showed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = cancel(&d, &exec_id, &svc, r#"{"grace_seconds": 30}"#).await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let done = finished(&d, &exec_id).await;
+    let result = &done.json["result"];
+    assert_eq!(result["outcome"], "cancelled", "{}", done.text);
+    assert_eq!(result["killed_reason"], "cancelled");
+    assert_eq!(result["exit_code"], 0);
+    assert_eq!(result["stdout"], "ready\ncleaned up\n");
+    assert!(
+        result["duration_ms"].as_u64().unwrap() < 30_000,
+        "it ended on its own, not at the grace's end"
+    );
+}
+
+/// Only the calling service that started a run may read or cancel it; anyone else gets the 404
+/// of a run that does not exist.
+#[tokio::test(flavor = "multi_thread")]
+async fn another_service_gets_404_for_a_run_it_did_not_start() {
+    let d = Daemon::start();
+    let other = other_service(&d);
+    let exec_id = start_async(&d, py("import time\ntime.sleep(1)", &marker())).await;
+    let nobody = get(
+        &d,
+        "exec-00000000000000000000000000000000",
+        &d.service_token(),
+    )
+    .await;
+    assert_eq!(nobody.status, 404, "{}", nobody.text);
+    assert_eq!(nobody.json["error_type"], "NotFound");
+    for r in [
+        get(&d, &exec_id, &other).await,
+        cancel(&d, &exec_id, &other, "").await,
+    ] {
+        assert_eq!(r.status, 404, "{}", r.text);
+        assert_eq!(r.json, nobody.json);
+    }
+    let done = finished(&d, &exec_id).await;
+    assert_eq!(done.json["result"]["success"], true, "{}", done.text);
+    assert_eq!(get(&d, &exec_id, &other).await.status, 404);
+    // Without a service token: 401, as for /execute.
+    let anon = d
+        .client
+        .get(format!("{}/v1/executions/{exec_id}", d.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anon.status().as_u16(), 401);
+    // A grace out of range is refused before anything is looked up.
+    let bad = cancel(&d, &exec_id, &d.service_token(), r#"{"grace_seconds": 31}"#).await;
+    assert_eq!(bad.status, 400, "{}", bad.text);
+}
+
+/// A daemon told to stop lets an async run finish within its grace and records its end.
+#[tokio::test(flavor = "multi_thread")]
+async fn shutdown_waits_for_async_runs() {
+    let mut d = Daemon::start();
+    let exec_id = start_async(
+        &d,
+        py("import time\ntime.sleep(1)\nprint('done')", &marker()),
+    )
+    .await;
+    assert_eq!(d.stop(), Some(0));
+    let lines = audit_lines_of(&d, &exec_id);
+    assert_eq!(lines.last().unwrap()["event"], "execution", "{lines:?}");
+    assert_eq!(lines.last().unwrap()["outcome"], "success");
+}
