@@ -1138,3 +1138,115 @@ async fn a_fork_bomb_twenty_times_is_contained_every_time() {
         fork_bomb_twenty_times(rt).await;
     }
 }
+
+/// Starts `code` (python3 -c, the marker in its command line) as an async run; its exec_id.
+async fn start_async(d: &Daemon, code: &str, marker: &str) -> String {
+    let r = d
+        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", format!("{code}\n# {marker}")], "async": true}))
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    r.json["exec_id"].as_str().expect("exec_id").to_string()
+}
+
+async fn cancel_run(d: &Daemon, exec_id: &str, grace: u64) -> common::Resp {
+    let svc = d.service_token();
+    d.post(
+        &format!("/v1/executions/{exec_id}/cancel"),
+        &[("authorization", &format!("Bearer {svc}"))],
+        json!({"grace_seconds": grace}).to_string(),
+    )
+    .await
+}
+
+/// Polls the run until it finished (bounded); its result.
+async fn finished_result(d: &Daemon, exec_id: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let r = d.get_authorized(&format!("/v1/executions/{exec_id}")).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        if r.json["status"] == "finished" {
+            return r.json["result"].clone();
+        }
+        assert!(Instant::now() < deadline, "{exec_id} still running");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn container_running(id: &str) -> bool {
+    docker(&["inspect", "--format", "{{.State.Running}}", id]).is_some_and(|s| s.trim() == "true")
+}
+
+/// A cancel reaches every process in the container through its supervisor: a command that
+/// handles SIGTERM ends on its own terms within the grace; one that ignores it, with a
+/// double-forked setsid child, is killed with everything when the grace is over. Both end
+/// `cancelled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_terminates_then_kills_a_container_run() {
+    require_docker("a_cancel_terminates_then_kills_a_container_run");
+    for rt in RUNTIMES {
+        let d = start(rt, 1);
+        let mut log = Vec::new();
+
+        // Handles SIGTERM: what it writes on the way out is in the result.
+        let m = format!("cancel-{}", uuid::Uuid::new_v4().simple());
+        let polite = "import signal, sys, time\n\
+                      def bye(*_):\n    print('cleaned up', flush=True)\n    sys.exit(0)\n\
+                      signal.signal(signal.SIGTERM, bye)\n\
+                      while True: time.sleep(0.05)";
+        let exec_id = start_async(&d, polite, &m).await;
+        container_of(&d, &exec_id, &mut log);
+        // The handler is installed first thing; a python3 start is well under this.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let r = cancel_run(&d, &exec_id, 30).await;
+        assert_eq!(r.status, 202, "{rt}: {}", r.text);
+        let result = finished_result(&d, &exec_id).await;
+        assert_eq!(result["outcome"], "cancelled", "{rt}: {result}");
+        assert_eq!(result["killed_reason"], "cancelled", "{rt}: {result}");
+        assert_eq!(result["stdout"], "cleaned up\n", "{rt}: {result}");
+        assert_eq!(result["exit_code"], 0, "{rt}: {result}");
+
+        // Ignores SIGTERM, with a daemonised grandchild.
+        let m = format!("cancel-{}", uuid::Uuid::new_v4().simple());
+        let stubborn = "import os, signal, time\n\
+                        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n\
+                        if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        while True: time.sleep(1)\n    os._exit(0)\n\
+                        while True: time.sleep(1)";
+        let exec_id = start_async(&d, stubborn, &m).await;
+        let container = container_of(&d, &exec_id, &mut log);
+        if rt == "runc" {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while host_processes(&m).len() < 2 {
+                assert!(
+                    Instant::now() < deadline,
+                    "runc: the run's processes never showed up"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        } else {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
+        let grace = 2;
+        let cancelled_at = Instant::now();
+        let r = cancel_run(&d, &exec_id, grace).await;
+        assert_eq!(r.status, 202, "{rt}: {}", r.text);
+        // Gone within the grace and a second, seen from the host: runc's processes are host
+        // processes; a gVisor sandbox's are not, so its container must have stopped.
+        let bound = Duration::from_secs(grace + 1);
+        while !host_processes(&m).is_empty() || container_running(&container) {
+            assert!(
+                cancelled_at.elapsed() < bound,
+                "{rt}: still running {:?} after the cancel",
+                cancelled_at.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            cancelled_at.elapsed() >= Duration::from_secs(grace),
+            "{rt}: killed before its grace was over"
+        );
+        let result = finished_result(&d, &exec_id).await;
+        assert_eq!(result["outcome"], "cancelled", "{rt}: {result}");
+        assert_eq!(result["killed_reason"], "cancelled", "{rt}: {result}");
+        finish(d);
+    }
+}

@@ -247,6 +247,20 @@ impl Daemon {
         Self::read(rb.send().await.expect("request")).await
     }
 
+    /// GET with the default service token.
+    pub async fn get_authorized(&self, path: &str) -> Resp {
+        let svc = self.service_token();
+        Self::read(
+            self.client
+                .get(format!("{}{path}", self.base))
+                .header("authorization", format!("Bearer {svc}"))
+                .send()
+                .await
+                .expect("request"),
+        )
+        .await
+    }
+
     pub async fn get(&self, path: &str) -> Resp {
         Self::read(
             self.client
