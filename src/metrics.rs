@@ -31,6 +31,7 @@ pub struct Metrics {
     pub live_runs: IntGauge,
     pub runs_started: IntCounterVec,
     pub cancels: IntCounter,
+    pub open_streams: IntGauge,
 }
 
 /// Waits for a run slot: none (0) up to the default 30 s limit.
@@ -181,6 +182,11 @@ impl Metrics {
         .expect("metric");
         let cancels = IntCounter::new("executor_cancels_total", "Runs a caller asked to stop")
             .expect("metric");
+        let open_streams = IntGauge::new(
+            "executor_open_streams",
+            "Server-Sent Event streams of runs open now",
+        )
+        .expect("metric");
         for c in [
             Box::new(executions.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(executions_by_backend.clone()),
@@ -205,6 +211,7 @@ impl Metrics {
             Box::new(live_runs.clone()),
             Box::new(runs_started.clone()),
             Box::new(cancels.clone()),
+            Box::new(open_streams.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
@@ -233,6 +240,7 @@ impl Metrics {
             live_runs,
             runs_started,
             cancels,
+            open_streams,
         }
     }
 

@@ -196,38 +196,42 @@ async fn an_async_run_may_last_longer_than_a_synchronous_one() {
 }
 
 /// A caller that goes away before the answer stops nothing: the run ends and its result can be
-/// read.
+/// read. One that said `cancel_on_disconnect` has its run cancelled.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_disconnects_leaves_a_result_that_can_be_fetched() {
     let d = Daemon::start();
-    let m = marker();
-    let body = {
-        let mut b = py("import time\ntime.sleep(2)\nprint('still ran')", &m);
-        b["capability_token"] = json!(d.cap_all());
-        b
-    };
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(500))
-        .build()
-        .unwrap();
-    let gone = impatient
-        .post(format!("{}/execute", d.base))
-        .header("authorization", bearer(&d.service_token()))
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await;
-    assert!(gone.is_err(), "the client gave up before the answer");
-    // The caller never saw its exec_id; the audit log names it.
-    let start = d
-        .audit_lines()
-        .into_iter()
-        .find(|l| l["event"] == "execution_start" && l.to_string().contains(&m))
-        .expect("the run started");
-    let exec_id = start["exec_id"].as_str().unwrap();
-    let r = finished(&d, exec_id).await;
-    assert_eq!(r.json["result"]["stdout"], "still ran\n", "{}", r.text);
-    assert_eq!(r.json["result"]["success"], true);
+    for cancel in [false, true] {
+        let m = marker();
+        let mut body = py("import time\ntime.sleep(2)\nprint('still ran')", &m);
+        body["capability_token"] = json!(d.cap_all());
+        body["cancel_on_disconnect"] = json!(cancel);
+        let impatient = reqwest::Client::builder()
+            .timeout(Duration::from_millis(500))
+            .build()
+            .unwrap();
+        let gone = impatient
+            .post(format!("{}/execute", d.base))
+            .header("authorization", bearer(&d.service_token()))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await;
+        assert!(gone.is_err(), "the client gave up before the answer");
+        // The caller never saw its exec_id; the audit log names it.
+        let start = d
+            .audit_lines()
+            .into_iter()
+            .find(|l| l["event"] == "execution_start" && l.to_string().contains(&m))
+            .expect("the run started");
+        let exec_id = start["exec_id"].as_str().unwrap();
+        let r = finished(&d, exec_id).await;
+        if cancel {
+            assert_eq!(r.json["result"]["outcome"], "cancelled", "{}", r.text);
+        } else {
+            assert_eq!(r.json["result"]["stdout"], "still ran\n", "{}", r.text);
+            assert_eq!(r.json["result"]["success"], true);
+        }
+    }
 }
 
 /// A run that ignores SIGTERM and leaves a double-forked setsid child: a cancel sends SIGTERM
@@ -405,4 +409,241 @@ async fn shutdown_waits_for_async_runs() {
     let lines = audit_lines_of(&d, &exec_id);
     assert_eq!(lines.last().unwrap()["event"], "execution", "{lines:?}");
     assert_eq!(lines.last().unwrap()["outcome"], "success");
+}
+
+/// One Server-Sent Event as the client read it, and when.
+#[derive(Debug, Clone)]
+struct Sse {
+    event: String,
+    id: String,
+    data: Value,
+    at: Instant,
+}
+
+/// Reads events from an open SSE response until `stop` says so or the stream ends.
+struct SseReader {
+    resp: reqwest::Response,
+    buf: String,
+}
+
+impl SseReader {
+    async fn next(&mut self) -> Option<Sse> {
+        loop {
+            if let Some(end) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..end + 2).collect();
+                let (mut event, mut id, mut data) = (String::new(), String::new(), String::new());
+                for line in block.lines() {
+                    if let Some(v) = line.strip_prefix("event: ") {
+                        event = v.into();
+                    } else if let Some(v) = line.strip_prefix("id: ") {
+                        id = v.into();
+                    } else if let Some(v) = line.strip_prefix("data: ") {
+                        data.push_str(v);
+                    }
+                }
+                if event.is_empty() {
+                    continue; // a heartbeat comment
+                }
+                return Some(Sse {
+                    event,
+                    id,
+                    data: serde_json::from_str(&data).expect("event data is JSON"),
+                    at: Instant::now(),
+                });
+            }
+            match self.resp.chunk().await.expect("stream read") {
+                Some(c) => self
+                    .buf
+                    .push_str(std::str::from_utf8(&c).expect("utf-8 stream")),
+                None => return None,
+            }
+        }
+    }
+
+    async fn rest(&mut self) -> Vec<Sse> {
+        let mut all = Vec::new();
+        while let Some(e) = self.next().await {
+            all.push(e);
+        }
+        all
+    }
+}
+
+async fn open_stream(d: &Daemon, body: Value) -> SseReader {
+    let mut body = body;
+    body["capability_token"] = json!(d.cap_all());
+    let resp = d
+        .client
+        .post(format!("{}/execute", d.base))
+        .header("authorization", bearer(&d.service_token()))
+        .header("content-type", "application/json")
+        .header("accept", "text/event-stream")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(
+        resp.headers()["content-type"].to_str().unwrap(),
+        "text/event-stream"
+    );
+    SseReader {
+        resp,
+        buf: String::new(),
+    }
+}
+
+async fn follow_stream(d: &Daemon, exec_id: &str, last_event_id: Option<&str>) -> SseReader {
+    let mut req = d
+        .client
+        .get(format!("{}/v1/executions/{exec_id}/stream", d.base))
+        .header("authorization", bearer(&d.service_token()));
+    if let Some(id) = last_event_id {
+        req = req.header("last-event-id", id);
+    }
+    let resp = req.send().await.expect("request");
+    assert_eq!(resp.status().as_u16(), 200);
+    SseReader {
+        resp,
+        buf: String::new(),
+    }
+}
+
+/// The bytes of `stream` ("stdout" / "stderr") the events carry, checking each event starts
+/// where the previous one ended.
+fn stream_bytes(events: &[Sse], stream: &str, mut at: usize) -> Vec<u8> {
+    use base64::Engine;
+    let mut out = Vec::new();
+    for e in events.iter().filter(|e| e.event == stream) {
+        assert_eq!(e.data["offset"], at, "{e:?}");
+        let chunk = match e.data["data"].as_str() {
+            Some(t) => t.as_bytes().to_vec(),
+            None => base64::engine::general_purpose::STANDARD
+                .decode(e.data["data_b64"].as_str().expect("data or data_b64"))
+                .unwrap(),
+        };
+        at += chunk.len();
+        out.extend(chunk);
+    }
+    out
+}
+
+/// A script that prints a timestamped line every 200 ms is seen line by line while it runs,
+/// then its result; the events' offsets cover the output exactly.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_shows_output_while_the_run_writes_it() {
+    let d = Daemon::start();
+    let code = "import time\nfor i in range(5):\n    print(i, time.time(), flush=True)\n    time.sleep(0.2)";
+    let mut s = open_stream(&d, py(code, &marker())).await;
+    let start = s.next().await.expect("start");
+    assert_eq!(start.event, "start");
+    assert_eq!(start.data["backend"], "local");
+    assert_eq!(start.data["profile"], "python");
+    let exec_id = start.data["exec_id"].as_str().unwrap().to_string();
+    let events = s.rest().await;
+    let result = events.last().expect("result");
+    assert_eq!(result.event, "result", "{events:?}");
+    assert_eq!(result.data["http_status"], 200);
+    assert_eq!(result.data["exec_id"], exec_id.as_str());
+    let out = stream_bytes(&events, "stdout", 0);
+    assert_eq!(
+        result.data["stdout"],
+        String::from_utf8(out.clone()).unwrap()
+    );
+    let lines: Vec<&str> = std::str::from_utf8(&out).unwrap().lines().collect();
+    assert_eq!(lines.len(), 5, "{lines:?}");
+    // The first line reached the client before the script wrote its last one.
+    let wall = |at: Instant| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+            - at.elapsed().as_secs_f64()
+    };
+    let first_seen = events.iter().find(|e| e.event == "stdout").unwrap().at;
+    let last_written: f64 = lines[4].split(' ').nth(1).unwrap().parse().unwrap();
+    assert!(
+        wall(first_seen) < last_written,
+        "the first line arrived only after the last was written"
+    );
+    // The result read back equals the result event without its http_status.
+    let polled = finished(&d, &exec_id).await;
+    let mut from_event = result.data.clone();
+    from_event.as_object_mut().unwrap().remove("http_status");
+    assert_eq!(polled.json["result"], from_event);
+}
+
+/// Output that is not UTF-8 travels base64-encoded and decodes to exactly the bytes whose hash
+/// the result carries.
+#[tokio::test(flavor = "multi_thread")]
+async fn binary_output_streams_intact() {
+    let d = Daemon::start();
+    let code = "import os\nos.write(1, bytes(range(256)) * 3)";
+    let mut s = open_stream(&d, py(code, &marker())).await;
+    let events = s.rest().await;
+    let out = stream_bytes(&events, "stdout", 0);
+    let want: Vec<u8> = (0..=255u8).cycle().take(768).collect();
+    assert_eq!(out, want);
+    let result = &events.last().unwrap().data;
+    assert_eq!(
+        result["provenance"]["stdout_sha256"],
+        sha256(&want).as_str()
+    );
+}
+
+/// A stream cut off mid-run and resumed from its last event id loses nothing; a stream of a
+/// finished run replays it whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resumed_stream_loses_nothing() {
+    let d = Daemon::start();
+    let code =
+        "import time\nfor i in range(10):\n    print('line', i, flush=True)\n    time.sleep(0.1)";
+    let exec_id = start_async(&d, py(code, &marker())).await;
+    let mut first = follow_stream(&d, &exec_id, None).await;
+    let mut seen = Vec::new();
+    while seen.iter().filter(|e: &&Sse| e.event == "stdout").count() < 2 {
+        seen.push(first.next().await.expect("events before the cut"));
+    }
+    drop(first);
+    let last_id = seen.last().unwrap().id.clone();
+    let mut resumed = follow_stream(&d, &exec_id, Some(&last_id)).await;
+    let rest = resumed.rest().await;
+    assert!(rest.iter().all(|e| e.event != "start"), "{rest:?}");
+    let before = stream_bytes(&seen, "stdout", 0);
+    let after = stream_bytes(&rest, "stdout", before.len());
+    let all = [before, after].concat();
+    let result = &rest.last().unwrap().data;
+    assert_eq!(result["stdout"], String::from_utf8(all).unwrap());
+    assert_eq!(result["stdout"].as_str().unwrap().lines().count(), 10);
+
+    let mut replay = follow_stream(&d, &exec_id, None).await;
+    let whole = replay.rest().await;
+    assert_eq!(whole[0].event, "start");
+    assert_eq!(whole[0].data["exec_id"], exec_id.as_str());
+    assert_eq!(
+        String::from_utf8(stream_bytes(&whole, "stdout", 0)).unwrap(),
+        result["stdout"].as_str().unwrap()
+    );
+    assert_eq!(whole.last().unwrap().data, *result);
+}
+
+/// A streamed run whose client goes away runs on unless it said `cancel_on_disconnect`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_client_that_goes_away_cancels_only_when_asked() {
+    let d = Daemon::start();
+    let code = "import time\nprint('up', flush=True)\ntime.sleep(3)\nprint('done')";
+    for cancel in [false, true] {
+        let mut body = py(code, &marker());
+        body["cancel_on_disconnect"] = json!(cancel);
+        let mut s = open_stream(&d, body).await;
+        let start = s.next().await.unwrap();
+        let exec_id = start.data["exec_id"].as_str().unwrap().to_string();
+        assert_eq!(s.next().await.unwrap().event, "stdout");
+        drop(s);
+        let r = finished(&d, &exec_id).await;
+        let outcome = if cancel { "cancelled" } else { "success" };
+        assert_eq!(r.json["result"]["outcome"], outcome, "{}", r.text);
+    }
+    let m = d.get("/metrics").await.text;
+    assert!(m.contains("executor_open_streams 0"), "{m}");
 }

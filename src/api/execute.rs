@@ -18,12 +18,15 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
+use super::stream::{self, Source};
 use super::{AppState, RequestId};
 use crate::auth::Verified;
 use crate::config::TokenKind;
 use crate::execution::record::{self, KnownRequest, RefusalKind};
+use crate::execution::runs::LiveRun;
 use crate::execution::{
     ClaimError, ExecutionError, ExecutionRequest, ExternalParts, Finished, claim_single_use,
+    owner_of,
 };
 use crate::metrics::Metrics;
 use crate::policy::ActionType;
@@ -70,6 +73,9 @@ pub struct ExecuteRequest {
     /// Answer 202 with the run's `exec_id` at once instead of waiting for its result.
     #[serde(default, rename = "async")]
     pub run_async: bool,
+    /// Cancel the run when the caller goes away before its answer (by default it runs on).
+    #[serde(default)]
+    pub cancel_on_disconnect: bool,
 }
 
 impl ExecuteRequest {
@@ -80,6 +86,7 @@ impl ExecuteRequest {
         capability: Verified,
         action: ActionType,
         timeout_seconds: Option<u64>,
+        long_run: bool,
         idempotency_key: Option<String>,
     ) -> ExecutionRequest {
         ExecutionRequest {
@@ -90,7 +97,7 @@ impl ExecuteRequest {
             command: self.command,
             args: self.args,
             timeout_seconds,
-            long_run: self.run_async,
+            long_run,
             profile: self.profile,
             env: self.env,
             stdin: self.stdin,
@@ -208,14 +215,90 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
 
 pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response {
     // The whole request is its own task: a client that disconnects mid-run does not cancel the
-    // run's audit line, metrics, in-flight gauge or stored idempotent result, only its reply.
-    match tokio::spawn(execute_detached(st, req)).await {
+    // run's audit line, metrics, in-flight gauge or stored idempotent result, only its reply
+    // (and the run itself only when the request asked for that).
+    let on_disconnect = Arc::new(DisconnectCancel::default());
+    let mut guard = CancelIfDropped {
+        st: st.clone(),
+        cancel: on_disconnect.clone(),
+        armed: true,
+    };
+    let resp = match tokio::spawn(execute_detached(st, req, on_disconnect)).await {
         Ok(resp) => resp,
         Err(e) => ApiError::Internal(format!("request task failed: {e}")).into_response(),
+    };
+    guard.armed = false;
+    resp
+}
+
+/// The run a synchronous request that said `cancel_on_disconnect` waits for, once it started.
+#[derive(Default)]
+struct DisconnectCancel(std::sync::Mutex<Option<(Arc<LiveRun>, String)>>);
+
+/// Dropped while armed (the client went away before the answer): cancels the run it names.
+struct CancelIfDropped {
+    st: Arc<AppState>,
+    cancel: Arc<DisconnectCancel>,
+    armed: bool,
+}
+
+impl Drop for CancelIfDropped {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let named = self
+            .cancel
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some((live, owner)) = named
+            && live.answered().is_none()
+        {
+            tracing::info!(exec_id = live.exec_id(), "client gone: cancelling its run");
+            self.st
+                .executions
+                .cancel(&live, DISCONNECT_GRACE, &owner, "client-disconnect");
+        }
     }
 }
 
-async fn execute_detached(st: Arc<AppState>, req: Request) -> Response {
+/// The grace a run gets when its caller goes away and asked for that to cancel it.
+const DISCONNECT_GRACE: Duration = Duration::from_secs(5);
+
+/// How the caller waits for its run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// For the answer, in this response.
+    Sync,
+    /// Not at all: 202 with the run's links.
+    Async,
+    /// As Server-Sent Events.
+    Stream,
+}
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Mode::Sync => "sync",
+            Mode::Async => "async",
+            Mode::Stream => "stream",
+        }
+    }
+}
+
+/// What a started run answers now.
+enum Answer {
+    Stored(StoredResponse),
+    Stream(Arc<LiveRun>),
+}
+
+async fn execute_detached(
+    st: Arc<AppState>,
+    req: Request,
+    on_disconnect: Arc<DisconnectCancel>,
+) -> Response {
     let rid = req
         .extensions()
         .get::<RequestId>()
@@ -231,7 +314,16 @@ async fn execute_detached(st: Arc<AppState>, req: Request) -> Response {
         request_id: rid,
         ..KnownRequest::default()
     };
-    match handle(&st, &parts.headers, body, idem_key, &mut known).await {
+    match handle(
+        &st,
+        &parts.headers,
+        body,
+        idem_key,
+        &mut known,
+        &on_disconnect,
+    )
+    .await
+    {
         Ok(resp) => resp,
         Err(e) => {
             let label = match &e {
@@ -262,6 +354,7 @@ async fn handle(
     body: Body,
     idem_key: Option<String>,
     known: &mut KnownRequest,
+    on_disconnect: &DisconnectCancel,
 ) -> Result<Response, ApiError> {
     if st.is_draining() {
         return Err(ApiError::ShuttingDown);
@@ -285,12 +378,29 @@ async fn handle(
             req.action_type.escape_debug()
         ))
     })?;
-    // Synchronous runs keep the wire's 1-300 s; async ones may ask for more (the profile's
-    // max_async_timeout_seconds clamps it).
-    let max_timeout = if req.run_async {
-        MAX_ASYNC_TIMEOUT_SECONDS
-    } else {
+    let streaming = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("text/event-stream"));
+    let mode = match (req.run_async, streaming) {
+        (true, true) => {
+            return Err(ApiError::InvalidRequest(
+                "async and Accept: text/event-stream exclude each other: stream an async run \
+                 at its links.stream"
+                    .into(),
+            ));
+        }
+        (true, false) => Mode::Async,
+        (false, true) => Mode::Stream,
+        (false, false) => Mode::Sync,
+    };
+    // Synchronous runs keep the wire's 1-300 s; async and streamed ones may ask for more (the
+    // profile's max_async_timeout_seconds clamps it).
+    let max_timeout = if mode == Mode::Sync {
         MAX_TIMEOUT_SECONDS
+    } else {
+        MAX_ASYNC_TIMEOUT_SECONDS
     };
     let timeout = match req.timeout_seconds {
         None => None,
@@ -384,59 +494,89 @@ async fn handle(
         }
         None => None,
     };
-    let run_async = req.run_async;
+    let cancel_on_disconnect = req.cancel_on_disconnect;
     let request = req.into_execution(
         known,
         cap,
         action,
         timeout,
+        mode != Mode::Sync,
         idem.as_ref().map(|l| l.key.scoped()),
     );
-    let answered = run_request(st, request, run_async).await;
+    let owner = owner_of(request.subject.as_deref());
+    let answered = run_request(st, request, mode, on_disconnect, cancel_on_disconnect).await;
     if let Some(lease) = idem {
         let key = lease.stop();
         let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
-        match &answered {
-            Ok(stored) if matches!(stored.status, 200 | 202 | 408) => {
+        // A retry of a streamed request gets the run's links, as an async one does.
+        let stored = match &answered {
+            Ok(Answer::Stored(a)) if matches!(a.status, 200 | 202 | 408) => Some(a.clone()),
+            Ok(Answer::Stream(live)) => Some(StoredResponse {
+                status: StatusCode::ACCEPTED.as_u16(),
+                body: accepted_body(live.exec_id()),
+            }),
+            _ => None,
+        };
+        match stored {
+            Some(stored) => {
                 if let Err(e) = st
                     .store
-                    .idempotency_complete(&key, &body_hash, stored, ttl)
+                    .idempotency_complete(&key, &body_hash, &stored, ttl)
                     .await
                 {
                     tracing::error!(error = %e, "idempotency result not stored");
                 }
             }
-            _ => {
+            None => {
                 if let Err(e) = st.store.idempotency_release(&key, &st.instance_id).await {
                     tracing::error!(error = %e, "idempotency key not released");
                 }
             }
         }
     }
-    Ok(stored_response(&answered?, false))
+    match answered? {
+        Answer::Stored(a) => Ok(stored_response(&a, false)),
+        Answer::Stream(live) => {
+            let cancel = cancel_on_disconnect.then(|| (live.clone(), owner));
+            Ok(stream::follow(st.clone(), Source::Live(live), None, cancel))
+        }
+    }
 }
 
-/// Admits the request and starts its run. Async: the 202 that names the run, at once.
-/// Otherwise: the run's answer once it has one (200, or 408 when the wall clock ended it, with
-/// the result as body; or the error it ended with). Either way the run goes on if the caller
-/// goes away, and its answer stays readable at `/v1/executions/{exec_id}`.
+/// Admits the request and starts its run. Async: the 202 that names the run, at once. Stream:
+/// the live run to follow. Otherwise: the run's answer once it has one (200, or 408 when the
+/// wall clock ended it, with the result as body; or the error it ended with). Either way the run
+/// goes on if the caller goes away (unless it asked otherwise), and its answer stays readable at
+/// `/v1/executions/{exec_id}`.
 async fn run_request(
     st: &AppState,
     request: ExecutionRequest,
-    run_async: bool,
-) -> Result<StoredResponse, ApiError> {
+    mode: Mode,
+    on_disconnect: &DisconnectCancel,
+    cancel_on_disconnect: bool,
+) -> Result<Answer, ApiError> {
+    let owner = owner_of(request.subject.as_deref());
     let execution = st.executions.admit(request).await?;
-    let mode = if run_async { "async" } else { "sync" };
-    st.metrics.runs_started.with_label_values(&[mode]).inc();
+    st.metrics
+        .runs_started
+        .with_label_values(&[mode.label()])
+        .inc();
     let metrics = st.metrics.clone();
     let live = st
         .executions
         .start(execution, move |r| answer_of(&metrics, r));
-    if run_async {
-        return Ok(StoredResponse {
-            status: StatusCode::ACCEPTED.as_u16(),
-            body: accepted_body(live.exec_id()),
-        });
+    match mode {
+        Mode::Async => {
+            return Ok(Answer::Stored(StoredResponse {
+                status: StatusCode::ACCEPTED.as_u16(),
+                body: accepted_body(live.exec_id()),
+            }));
+        }
+        Mode::Stream => return Ok(Answer::Stream(live)),
+        Mode::Sync => {}
+    }
+    if cancel_on_disconnect {
+        *on_disconnect.0.lock().unwrap_or_else(|p| p.into_inner()) = Some((live.clone(), owner));
     }
     let mut answer = live.answer();
     let answered = answer
@@ -445,7 +585,7 @@ async fn run_request(
         .map_err(|_| ApiError::Internal("the run ended without an answer".into()))?
         .clone();
     answered
-        .map(|a| (*a).clone())
+        .map(|a| Answer::Stored((*a).clone()))
         .ok_or_else(|| ApiError::Internal("the run ended without an answer".into()))
 }
 

@@ -15,6 +15,7 @@ use serde::Deserialize;
 
 use super::error::ApiError;
 use super::execute::{calling_service, read_body};
+use super::stream::{Position, Source, follow};
 use super::{AppState, RequestId};
 use crate::execution::record::KnownRequest;
 use crate::execution::runs::CancelOutcome;
@@ -105,6 +106,50 @@ async fn get_inner(
                 ),
             )),
             None => Ok(running()),
+        },
+        Lookup::Unknown => Err(ApiError::ExecutionNotFound),
+    }
+}
+
+/// `GET /v1/executions/{exec_id}/stream`: the run as Server-Sent Events (see [`super::stream`]),
+/// live or finished; `Last-Event-ID` resumes.
+pub async fn stream(
+    State(st): State<Arc<AppState>>,
+    Path(exec_id): Path<String>,
+    req: Request,
+) -> Response {
+    let rid = request_id(&req);
+    let from = req
+        .headers()
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(Position::parse);
+    match stream_source(&st, &exec_id, req.headers(), rid).await {
+        Ok(source) => follow(st, source, from, None),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn stream_source(
+    st: &AppState,
+    exec_id: &str,
+    headers: &HeaderMap,
+    rid: String,
+) -> Result<Source, ApiError> {
+    let (owner, _) = caller(st, headers, rid).await?;
+    match st
+        .executions
+        .lookup(&owner, exec_id)
+        .await
+        .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
+    {
+        Lookup::Live(live) => Ok(Source::Live(live)),
+        Lookup::Stored(record) => match record.response {
+            Some(answer) => Ok(Source::finished(exec_id, answer)),
+            None => Err(ApiError::SandboxUnavailable(format!(
+                "execution {exec_id} runs on daemon instance {}; stream it there",
+                record.instance
+            ))),
         },
         Lookup::Unknown => Err(ApiError::ExecutionNotFound),
     }

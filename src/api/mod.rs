@@ -8,6 +8,7 @@ pub mod error;
 pub mod execute;
 pub mod executions;
 pub mod ops;
+pub mod stream;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -87,6 +88,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/execute", post(execute::execute))
         .route("/v1/executions/{exec_id}", get(executions::get))
         .route("/v1/executions/{exec_id}/cancel", post(executions::cancel))
+        .route("/v1/executions/{exec_id}/stream", get(executions::stream))
         .route("/capabilities", get(ops::capabilities))
         .route("/health", get(ops::health))
         .route("/livez", get(ops::health))

@@ -33,7 +33,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
 use self::record::{AdmittedRun, KnownRequest, RefusalKind};
 use self::result::{ExecutionResult, Provenance, b64_unless_utf8, outcome_name};
-use self::runs::{CancelOutcome, LiveRun, Runs};
+use self::runs::{CancelOutcome, LiveRun, NewRun, Runs};
 use crate::auth::Verified;
 use crate::config::{Config, TokenKind};
 use crate::executors::Registry;
@@ -43,7 +43,9 @@ use crate::policy::profile::NetworkMode;
 use crate::policy::{ActionType, Ask, Plan, Policy, PolicyError};
 use crate::provenance::audit::{self, AuditLog, RunEnd};
 use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
-use crate::sandbox::{BackendKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError, Stop};
+use crate::sandbox::{
+    BackendKind, KilledReason, OutputTap, RunOutcome, RunSpec, Sandbox, SandboxError, Stop,
+};
 use crate::state::{IdemKey, JtiClaim, StateError, StateStore, StoredExecution, StoredResponse};
 
 /// One execution as asked for: parsed and its caller authenticated, not yet decided.
@@ -501,9 +503,20 @@ impl ExecutionService {
             subject: execution.owner.clone(),
             key: exec_id.clone(),
         };
-        let live = self
-            .runs
-            .register(&exec_id, &execution.owner, execution.stop.clone());
+        let mut execution = execution;
+        let live = self.runs.register(
+            NewRun {
+                exec_id: exec_id.clone(),
+                owner: execution.owner.clone(),
+                backend: execution.plan.backend.as_str(),
+                profile: execution.plan.profile.name.clone(),
+            },
+            execution.stop.clone(),
+        );
+        let tapped = live.clone();
+        execution.spec.output_tap = Some(OutputTap::new(move |stream, chunk| {
+            tapped.push_output(stream, chunk)
+        }));
         self.metrics.live_runs.set(self.runs.len() as i64);
         let (store, runs, metrics) = (self.store.clone(), self.runs.clone(), self.metrics.clone());
         let (instance, retention) = (self.instance.clone(), self.retention);

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
 
-use crate::sandbox::Stop;
+use crate::sandbox::{Stop, StreamKind};
 use crate::state::StoredResponse;
 
 /// One live run.
@@ -19,15 +19,55 @@ pub struct LiveRun {
     exec_id: String,
     /// The calling service's subject that started it: nobody else finds it.
     owner: String,
+    backend: &'static str,
+    profile: String,
     stop: watch::Sender<Option<Stop>>,
     /// The subject that cancelled it, if one did.
     cancelled_by: Mutex<Option<String>>,
+    /// What the run has written so far (within its output caps), for streams that follow it.
+    output: Mutex<[Vec<u8>; 2]>,
+    /// Bumped on every chunk of output and when the answer is set: wakes the streams.
+    changed: watch::Sender<u64>,
     answer: watch::Sender<Option<Arc<StoredResponse>>>,
 }
 
 impl LiveRun {
     pub fn exec_id(&self) -> &str {
         &self.exec_id
+    }
+
+    pub fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    pub fn profile(&self) -> &str {
+        &self.profile
+    }
+
+    /// Appends a chunk the run wrote.
+    pub fn push_output(&self, stream: StreamKind, chunk: &[u8]) {
+        self.output.lock().unwrap_or_else(|p| p.into_inner())[stream as usize]
+            .extend_from_slice(chunk);
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// At most `max` bytes of `stream` from `offset` on (empty when there are none yet).
+    pub fn output_from(&self, stream: StreamKind, offset: usize, max: usize) -> Vec<u8> {
+        let out = self.output.lock().unwrap_or_else(|p| p.into_inner());
+        let all = &out[stream as usize];
+        all.get(offset..)
+            .map(|rest| rest[..rest.len().min(max)].to_vec())
+            .unwrap_or_default()
+    }
+
+    /// Wakes when output arrives or the answer is set.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// The run's answer, once it has one (all of its output is in by then).
+    pub fn answered(&self) -> Option<Arc<StoredResponse>> {
+        self.answer.borrow().clone()
     }
 
     pub fn cancelled_by(&self) -> Option<String> {
@@ -61,7 +101,16 @@ impl LiveRun {
 
     pub(super) fn set_answer(&self, answer: Arc<StoredResponse>) {
         self.answer.send_replace(Some(answer));
+        self.changed.send_modify(|n| *n += 1);
     }
+}
+
+/// Who a run about to start is.
+pub struct NewRun {
+    pub exec_id: String,
+    pub owner: String,
+    pub backend: &'static str,
+    pub profile: String,
 }
 
 /// What a cancel found.
@@ -93,24 +142,24 @@ impl Runs {
 
     /// Registers a run about to start, with the stop control its backend watches. When the
     /// daemon is shutting down it is stopped at once.
-    pub(super) fn register(
-        &self,
-        exec_id: &str,
-        owner: &str,
-        stop: watch::Sender<Option<Stop>>,
-    ) -> Arc<LiveRun> {
+    pub(super) fn register(&self, new: NewRun, stop: watch::Sender<Option<Stop>>) -> Arc<LiveRun> {
+        let exec_id = new.exec_id.clone();
         let run = Arc::new(LiveRun {
-            exec_id: exec_id.to_string(),
-            owner: owner.to_string(),
+            exec_id: new.exec_id,
+            owner: new.owner,
+            backend: new.backend,
+            profile: new.profile,
             stop,
             cancelled_by: Mutex::new(None),
+            output: Mutex::new([Vec::new(), Vec::new()]),
+            changed: watch::channel(0).0,
             answer: watch::channel(None).0,
         });
         let mut inner = self.lock();
         if let Some(stop) = inner.closing {
             run.request_stop(stop);
         }
-        inner.live.insert(exec_id.to_string(), run.clone());
+        inner.live.insert(exec_id, run.clone());
         run
     }
 
@@ -164,6 +213,15 @@ mod tests {
     use super::*;
     use crate::sandbox::KilledReason;
 
+    fn new_run(exec_id: &str) -> NewRun {
+        NewRun {
+            exec_id: exec_id.into(),
+            owner: "orbit".into(),
+            backend: "local",
+            profile: "python".into(),
+        }
+    }
+
     fn cancel(grace: u64) -> Stop {
         Stop {
             reason: KilledReason::Cancelled,
@@ -175,7 +233,7 @@ mod tests {
     fn only_the_owner_finds_a_run_and_the_first_stop_wins() {
         let runs = Runs::default();
         let (tx, rx) = watch::channel(None);
-        runs.register("exec-1", "orbit", tx);
+        runs.register(new_run("exec-1"), tx);
         assert!(runs.find("koder", "exec-1").is_none());
         assert!(runs.find("orbit", "exec-2").is_none());
         let run = runs.find("orbit", "exec-1").expect("the owner finds it");
@@ -194,10 +252,33 @@ mod tests {
     }
 
     #[test]
+    fn output_is_read_from_any_offset_and_wakes_followers() {
+        let runs = Runs::default();
+        let run = runs.register(new_run("exec-1"), watch::channel(None).0);
+        let mut changes = run.changes();
+        run.push_output(StreamKind::Stdout, b"hello ");
+        run.push_output(StreamKind::Stdout, b"world");
+        run.push_output(StreamKind::Stderr, b"!");
+        assert!(changes.has_changed().unwrap());
+        assert_eq!(run.output_from(StreamKind::Stdout, 0, 100), b"hello world");
+        assert_eq!(run.output_from(StreamKind::Stdout, 6, 3), b"wor");
+        assert_eq!(run.output_from(StreamKind::Stdout, 11, 100), b"");
+        assert_eq!(run.output_from(StreamKind::Stdout, 99, 100), b"");
+        assert_eq!(run.output_from(StreamKind::Stderr, 0, 100), b"!");
+        changes.mark_unchanged();
+        run.set_answer(Arc::new(StoredResponse {
+            status: 200,
+            body: "{}".into(),
+        }));
+        assert!(changes.has_changed().unwrap());
+        assert_eq!(run.answered().unwrap().status, 200);
+    }
+
+    #[test]
     fn a_shutdown_stops_live_runs_and_those_that_start_after_it() {
         let runs = Runs::default();
         let (tx, before) = watch::channel(None);
-        runs.register("exec-1", "orbit", tx);
+        runs.register(new_run("exec-1"), tx);
         let shutdown = Stop {
             reason: KilledReason::Signal,
             grace: Duration::ZERO,
@@ -205,7 +286,7 @@ mod tests {
         runs.stop_all(shutdown);
         assert_eq!(*before.borrow(), Some(shutdown));
         let (tx, after) = watch::channel(None);
-        let late = runs.register("exec-2", "orbit", tx);
+        let late = runs.register(new_run("exec-2"), tx);
         assert_eq!(*after.borrow(), Some(shutdown));
         // A shutdown is nobody's cancel.
         assert_eq!(late.cancelled_by(), None);

@@ -131,6 +131,7 @@ impl Plan {
             image: Some(p.image.clone().unwrap_or_else(|| default_image.to_string())),
             profile: p.name.clone(),
             stop: None,
+            output_tap: None,
         }
     }
 }

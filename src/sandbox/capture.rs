@@ -13,7 +13,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::OnOverflow;
+use super::{OnOverflow, OutputTap, StreamKind};
 
 /// How long the readers may take to reach EOF once the run is over (the sandbox is gone, or its
 /// output stream has ended).
@@ -26,12 +26,14 @@ pub struct Captured {
     pub truncated: bool,
 }
 
-/// Reads `reader` to EOF keeping at most `cap` bytes. On overflow it sends `true` on `overflow`
-/// and keeps draining (discarding) so the writer is not blocked until the backend kills it.
+/// Reads `reader` to EOF keeping at most `cap` bytes, each kept chunk also handed to `tap` as
+/// it arrives. On overflow it sends `true` on `overflow` and keeps draining (discarding) so the
+/// writer is not blocked until the run ends or the backend kills it.
 pub async fn read_capped<R: AsyncRead + Unpin>(
     mut reader: R,
     cap: usize,
     overflow: watch::Sender<bool>,
+    tap: Option<(OutputTap, StreamKind)>,
 ) -> Captured {
     let mut out = Captured {
         bytes: Vec::with_capacity(cap.min(64 * 1024)),
@@ -46,6 +48,12 @@ pub async fn read_capped<R: AsyncRead + Unpin>(
             Err(_) => break,
         };
         let room = cap.saturating_sub(out.bytes.len());
+        let kept = n.min(room);
+        if kept > 0
+            && let Some((tap, stream)) = &tap
+        {
+            tap.send(*stream, &buf[..kept]);
+        }
         if n <= room {
             out.bytes.extend_from_slice(&buf[..n]);
         } else {
@@ -68,16 +76,29 @@ pub struct OutputCapture {
 }
 
 impl OutputCapture {
-    /// Starts reading both streams on tasks of their own, each kept to `cap` bytes.
-    pub fn start<O, E>(stdout: O, stderr: E, cap: usize, on_overflow: OnOverflow) -> Self
+    /// Starts reading both streams on tasks of their own, each kept to `cap` bytes and handed
+    /// to `tap` as it arrives.
+    pub fn start<O, E>(
+        stdout: O,
+        stderr: E,
+        cap: usize,
+        on_overflow: OnOverflow,
+        tap: Option<OutputTap>,
+    ) -> Self
     where
         O: AsyncRead + Unpin + Send + 'static,
         E: AsyncRead + Unpin + Send + 'static,
     {
         let (tx, overflow) = watch::channel(false);
+        let tap_of = |stream| tap.clone().map(|t| (t, stream));
         OutputCapture {
-            stdout: tokio::spawn(read_capped(stdout, cap, tx.clone())),
-            stderr: tokio::spawn(read_capped(stderr, cap, tx)),
+            stdout: tokio::spawn(read_capped(
+                stdout,
+                cap,
+                tx.clone(),
+                tap_of(StreamKind::Stdout),
+            )),
+            stderr: tokio::spawn(read_capped(stderr, cap, tx, tap_of(StreamKind::Stderr))),
             overflow,
             on_overflow,
         }
@@ -117,15 +138,25 @@ async fn raised(flag: &mut watch::Receiver<bool>) {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::{Arc, Mutex};
+
     use super::*;
 
     #[tokio::test]
     async fn keeps_at_most_cap_and_flags_overflow() {
         let data = vec![b'x'; 200_000];
         let (tx, rx) = watch::channel(false);
-        let got = read_capped(&data[..], 1000, tx).await;
+        let tapped = Arc::new(Mutex::new(Vec::new()));
+        let sink = tapped.clone();
+        let tap = OutputTap::new(move |stream, b: &[u8]| {
+            assert_eq!(stream, StreamKind::Stderr);
+            sink.lock().unwrap().extend_from_slice(b);
+        });
+        let got = read_capped(&data[..], 1000, tx, Some((tap, StreamKind::Stderr))).await;
         assert_eq!(got.bytes.len(), 1000);
         assert!(got.truncated);
+        // The tap sees exactly what is kept.
+        assert_eq!(*tapped.lock().unwrap(), got.bytes);
         assert!(*rx.borrow());
     }
 
@@ -133,7 +164,7 @@ mod tests {
     async fn exact_cap_is_not_truncated() {
         let data = vec![b'y'; 1000];
         let (tx, rx) = watch::channel(false);
-        let got = read_capped(&data[..], 1000, tx).await;
+        let got = read_capped(&data[..], 1000, tx, None).await;
         assert_eq!(got.bytes.len(), 1000);
         assert!(!got.truncated);
         assert!(!*rx.borrow());

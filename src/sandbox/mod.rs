@@ -155,6 +155,35 @@ pub struct RunSpec {
     /// Becomes `Some` when the daemon stops the run before it ends on its own (a cancel, or
     /// the shutdown grace period is over).
     pub stop: Option<tokio::sync::watch::Receiver<Option<Stop>>>,
+    /// Handed every chunk of output the run keeps, as it arrives (live streaming).
+    pub output_tap: Option<OutputTap>,
+}
+
+/// One of a run's output streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamKind {
+    Stdout,
+    Stderr,
+}
+
+/// Called with each chunk of a stream's kept output, in order, from the task reading it.
+#[derive(Clone)]
+pub struct OutputTap(std::sync::Arc<dyn Fn(StreamKind, &[u8]) + Send + Sync>);
+
+impl OutputTap {
+    pub fn new(f: impl Fn(StreamKind, &[u8]) + Send + Sync + 'static) -> Self {
+        OutputTap(std::sync::Arc::new(f))
+    }
+
+    pub fn send(&self, stream: StreamKind, chunk: &[u8]) {
+        (self.0)(stream, chunk)
+    }
+}
+
+impl std::fmt::Debug for OutputTap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OutputTap")
+    }
 }
 
 /// A request to stop a run before it ends on its own.
@@ -369,6 +398,7 @@ pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {
         image: None,
         profile: "test".into(),
         stop: None,
+        output_tap: None,
     }
 }
 

@@ -166,7 +166,7 @@ mod tests {
         let (out_w, out_r) = tokio::io::duplex(1024);
         let (err_w, err_r) = tokio::io::duplex(1024);
         (
-            OutputCapture::start(out_r, err_r, 4, on_overflow),
+            OutputCapture::start(out_r, err_r, 4, on_overflow, None),
             out_w,
             err_w,
         )

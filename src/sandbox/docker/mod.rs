@@ -601,6 +601,7 @@ impl Sandbox for DockerSandbox {
             err_r,
             spec.limits.output_bytes,
             spec.limits.on_overflow,
+            spec.output_tap.clone(),
         );
 
         let start = Instant::now();

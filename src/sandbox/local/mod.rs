@@ -921,6 +921,7 @@ impl Sandbox for LocalSandbox {
             upipe::Receiver::from_owned_fd(stderr_ours)?,
             limits.output_bytes,
             limits.on_overflow,
+            spec.output_tap.clone(),
         );
         let stdin_task = match (stdin_ours, spec.stdin.clone()) {
             (Some(w), Some(data)) => Some(tokio::spawn(async move {
