@@ -166,9 +166,12 @@ pub enum StreamKind {
     Stderr,
 }
 
+/// What an [`OutputTap`] calls.
+type TapFn = dyn Fn(StreamKind, &[u8]) + Send + Sync;
+
 /// Called with each chunk of a stream's kept output, in order, from the task reading it.
 #[derive(Clone)]
-pub struct OutputTap(std::sync::Arc<dyn Fn(StreamKind, &[u8]) + Send + Sync>);
+pub struct OutputTap(std::sync::Arc<TapFn>);
 
 impl OutputTap {
     pub fn new(f: impl Fn(StreamKind, &[u8]) + Send + Sync + 'static) -> Self {
