@@ -408,6 +408,11 @@ impl Config {
                 "state.idempotency_max_bytes must be > 0".into(),
             ));
         }
+        if self.executions.retention_seconds == 0 {
+            return Err(ConfigError::Invalid(
+                "executions.retention_seconds must be > 0".into(),
+            ));
+        }
         for b in BackendKind::ALL {
             if self.server.concurrency.for_backend(b) == 0 {
                 return Err(ConfigError::Invalid(format!(

@@ -287,6 +287,9 @@ gvisor = {{ $v.config.server.concurrency.gvisor | int64 }}
 max_waiting = {{ $v.config.server.queue.maxWaiting | int64 }}
 max_wait_ms = {{ $v.config.server.queue.maxWaitMs | int64 }}
 
+[executions]
+retention_seconds = {{ $v.config.executions.retentionSeconds | int64 }}
+
 [auth]
 {{- if include "executor-arm.hs256" . }}
 jwt_secret_file = {{ include "executor-arm.jwtSecretFile" . | toJson }}
