@@ -76,6 +76,11 @@ pub struct EgressConfig {
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     pub listen: String,
+    /// How other replicas reach this one (`http://host:port`), to hand it the streams and
+    /// cancels of the runs it holds. Unset: `http://<the bound address>` when that is a specific
+    /// address, else none (a replica then cannot hand this one a call for its runs).
+    #[serde(default)]
+    pub advertise_url: Option<String>,
     pub body_limit_bytes: usize,
     pub header_read_timeout_ms: u64,
     /// The whole request body must arrive within this time after the headers (408 otherwise).
@@ -251,6 +256,16 @@ pub struct CommandEntry {
     pub deny_prefixes: Vec<String>,
 }
 
+/// The `host:port` of an `http://host:port` URL (how replicas reach each other); None for
+/// anything else (another scheme, a path, no port).
+pub fn peer_authority(url: &str) -> Option<&str> {
+    let rest = url.strip_prefix("http://")?.trim_end_matches('/');
+    let (host, port) = rest.rsplit_once(':')?;
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '[' | ']' | ':');
+    (!host.is_empty() && host.chars().all(plain) && port.parse::<u16>().is_ok_and(|p| p > 0))
+        .then_some(rest)
+}
+
 /// Environment overrides, read once (tests inject their own).
 #[derive(Debug, Default, Clone)]
 pub struct EnvOverrides {
@@ -262,6 +277,7 @@ pub struct EnvOverrides {
     pub allowed_commands: Option<String>,
     pub sandbox_runtime: Option<String>,
     pub redis_url: Option<String>,
+    pub advertise_url: Option<String>,
 }
 
 impl EnvOverrides {
@@ -276,6 +292,7 @@ impl EnvOverrides {
             allowed_commands: get("ALLOWED_COMMANDS"),
             sandbox_runtime: get("SANDBOX_RUNTIME"),
             redis_url: get("EXECUTOR_ARM_REDIS_URL"),
+            advertise_url: get("EXECUTOR_ARM_ADVERTISE_URL"),
         }
     }
 }
@@ -330,6 +347,9 @@ impl Config {
     }
 
     fn apply_env(&mut self, env: &EnvOverrides) -> Result<(), ConfigError> {
+        if let Some(v) = &env.advertise_url {
+            self.server.advertise_url = Some(v.clone());
+        }
         if let Some(v) = &env.listen {
             self.server.listen = v.clone();
         }
@@ -407,6 +427,13 @@ impl Config {
             return Err(ConfigError::Invalid(
                 "state.idempotency_max_bytes must be > 0".into(),
             ));
+        }
+        if let Some(u) = &self.server.advertise_url
+            && peer_authority(u).is_none()
+        {
+            return Err(ConfigError::Invalid(format!(
+                "server.advertise_url must be http://host:port, got '{u}'"
+            )));
         }
         if self.executions.retention_seconds == 0 {
             return Err(ConfigError::Invalid(
@@ -525,6 +552,33 @@ mod tests {
                 ..Default::default()
             };
             assert!(Config::load(None, &env).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn peer_urls_are_http_host_port() {
+        assert_eq!(
+            peer_authority("http://10.0.0.5:8003"),
+            Some("10.0.0.5:8003")
+        );
+        assert_eq!(
+            peer_authority("http://pod-1.svc:8003/"),
+            Some("pod-1.svc:8003")
+        );
+        assert_eq!(
+            peer_authority("http://[fd00::1]:8003"),
+            Some("[fd00::1]:8003")
+        );
+        for bad in [
+            "https://a:1",
+            "http://a",
+            "http://a:0",
+            "http://:80",
+            "http://a:80/x",
+            "a:80",
+            "http://a b:80",
+        ] {
+            assert_eq!(peer_authority(bad), None, "{bad}");
         }
     }
 

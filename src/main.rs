@@ -341,6 +341,14 @@ fn serve(config: Option<PathBuf>, listen: Option<String>, dev: bool) -> Result<(
             .await
             .with_context(|| format!("bind {addr}"))?;
         let bound = listener.local_addr()?;
+        match advertise_url(&state.config, bound) {
+            Some(url) => state.executions.set_address(url),
+            None if state.config.state.redis_url.is_some() => tracing::warn!(
+                "server.advertise_url is not set and the listen address is a wildcard: other \
+                 replicas cannot hand this one streams and cancels of its runs"
+            ),
+            None => {}
+        }
         tracing::info!(addr = %bound, version = executor_arm::api::VERSION, "listening");
         if dev {
             print_dev_banner(&state, bound)?;
@@ -350,6 +358,16 @@ fn serve(config: Option<PathBuf>, listen: Option<String>, dev: bool) -> Result<(
         tracing::info!("stopped");
         Ok(())
     })
+}
+
+/// How other replicas reach this one: `server.advertise_url`, else the bound address when it is
+/// a specific one.
+fn advertise_url(config: &Config, bound: SocketAddr) -> Option<String> {
+    match &config.server.advertise_url {
+        Some(u) => Some(u.trim_end_matches('/').to_string()),
+        None if !bound.ip().is_unspecified() => Some(format!("http://{bound}")),
+        None => None,
+    }
 }
 
 fn print_dev_banner(state: &Arc<executor_arm::api::AppState>, addr: SocketAddr) -> Result<()> {

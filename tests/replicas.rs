@@ -163,3 +163,121 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
     assert!(ready.text.contains("redis"), "{}", ready.text);
     assert_eq!(d.get("/health").await.status, 200);
 }
+
+/// A run started on one replica is read, streamed and cancelled through another: reading
+/// answers from the shared store, streaming and cancelling are handed to the replica that runs
+/// it; another calling service still gets 404 through either.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_started_on_one_replica_is_read_streamed_and_cancelled_through_another() {
+    let redis = redis();
+    let a = replica(&redis.url);
+    let b = replica(&redis.url);
+    let svc = format!("Bearer {}", a.service_token());
+    let code =
+        "import time\nfor i in range(6):\n    print('tick', i, flush=True)\n    time.sleep(0.2)";
+    let started = a
+        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", code], "async": true}))
+        .await;
+    assert_eq!(started.status, 202, "{}", started.text);
+    let exec_id = started.json["exec_id"].as_str().unwrap().to_string();
+    let get_b = |id: String| {
+        let client = b.client.clone();
+        let url = format!("{}/v1/executions/{id}", b.base);
+        let svc = svc.clone();
+        async move {
+            let r = client
+                .get(url)
+                .header("authorization", svc)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (
+                status,
+                r.json::<serde_json::Value>().await.unwrap_or_default(),
+            )
+        }
+    };
+    let (status, body) = get_b(exec_id.clone()).await;
+    assert_eq!(
+        (status, body["status"].as_str()),
+        (200, Some("running")),
+        "{body}"
+    );
+
+    // Streamed through B: every line and the result.
+    let mut resp = b
+        .client
+        .get(format!("{}/v1/executions/{exec_id}/stream", b.base))
+        .header("authorization", &svc)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut text = String::new();
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    assert!(text.starts_with("event: start"), "{text}");
+    for i in 0..6 {
+        assert!(text.contains(&format!("tick {i}")), "{text}");
+    }
+    assert!(text.contains("event: result"), "{text}");
+    let (status, body) = get_b(exec_id.clone()).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["status"], "finished", "{body}");
+    assert_eq!(
+        body["result"]["stdout"].as_str().unwrap().lines().count(),
+        6
+    );
+
+    // Cancelled through B.
+    let sleeper = a
+        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import time\ntime.sleep(60)"], "async": true}))
+        .await;
+    let sleeper_id = sleeper.json["exec_id"].as_str().unwrap().to_string();
+    let other = b.mint(MintRequest {
+        kind: Some(TokenKind::Service),
+        ttl_seconds: 300,
+        aud: "executor-arm".into(),
+        sub: Some("another-service".into()),
+        ..Default::default()
+    });
+    let url = format!("{}/v1/executions/{sleeper_id}/cancel", b.base);
+    let foreign = b
+        .client
+        .post(&url)
+        .header("authorization", format!("Bearer {other}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(foreign.status().as_u16(), 404);
+    let cancelled = b
+        .client
+        .post(&url)
+        .header("authorization", &svc)
+        .body(r#"{"grace_seconds": 1}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cancelled.status().as_u16(), 202);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, body) = get_b(sleeper_id.clone()).await;
+        if body["status"] == "finished" {
+            assert_eq!(body["result"]["outcome"], "cancelled", "{body}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not cancelled: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The cancel was audited on the replica that ran it.
+    assert!(
+        a.audit_lines()
+            .iter()
+            .any(|l| l["event"] == "execution_cancel" && l["exec_id"] == sleeper_id.as_str())
+    );
+}

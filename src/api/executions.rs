@@ -7,14 +7,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::extract::{Path, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use serde::Deserialize;
 
 use super::error::ApiError;
 use super::execute::{calling_service, read_body};
+use super::forward::{forward, was_forwarded};
 use super::stream::{Position, Source, follow};
 use super::{AppState, RequestId};
 use crate::execution::record::KnownRequest;
@@ -124,35 +125,77 @@ pub async fn stream(
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .and_then(Position::parse);
-    match stream_source(&st, &exec_id, req.headers(), rid).await {
-        Ok(source) => follow(st, source, from, None),
+    let headers = req.headers().clone();
+    let path = format!("/v1/executions/{exec_id}/stream");
+    match locate(&st, &exec_id, &headers, rid).await {
+        Ok((Located::Here(Lookup::Live(live)), _)) => follow(st, Source::Live(live), from, None),
+        Ok((Located::Here(Lookup::Stored(record)), _)) => match record.response {
+            Some(answer) => follow(st, Source::finished(&exec_id, answer), from, None),
+            None => ApiError::ExecutionNotFound.into_response(),
+        },
+        Ok((Located::Here(Lookup::Unknown), _)) => ApiError::ExecutionNotFound.into_response(),
+        Ok((Located::Elsewhere(address), _)) => {
+            match forward(
+                &address,
+                st.executions.instance(),
+                Method::GET,
+                &path,
+                &headers,
+                Bytes::new(),
+            )
+            .await
+            {
+                Ok(r) => r,
+                Err(e) => e.into_response(),
+            }
+        }
         Err(e) => e.into_response(),
     }
 }
 
-async fn stream_source(
+/// Where a call for a run must be served.
+enum Located {
+    /// By this replica: the run is live here, finished, or unknown to the caller.
+    Here(Lookup),
+    /// By the replica at this address, which runs it.
+    Elsewhere(String),
+}
+
+/// Authenticates the caller and finds its run: here, or live on the replica the state store
+/// names (a call another replica forwarded is never sent on again).
+async fn locate(
     st: &AppState,
     exec_id: &str,
     headers: &HeaderMap,
     rid: String,
-) -> Result<Source, ApiError> {
-    let (owner, _) = caller(st, headers, rid).await?;
-    match st
+) -> Result<(Located, (String, KnownRequest)), ApiError> {
+    let caller = caller(st, headers, rid).await?;
+    let found = st
         .executions
-        .lookup(&owner, exec_id)
+        .lookup(&caller.0, exec_id)
         .await
-        .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
-    {
-        Lookup::Live(live) => Ok(Source::Live(live)),
-        Lookup::Stored(record) => match record.response {
-            Some(answer) => Ok(Source::finished(exec_id, answer)),
-            None => Err(ApiError::SandboxUnavailable(format!(
-                "execution {exec_id} runs on daemon instance {}; stream it there",
-                record.instance
-            ))),
-        },
-        Lookup::Unknown => Err(ApiError::ExecutionNotFound),
-    }
+        .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?;
+    let located = match found {
+        Lookup::Stored(record) if record.response.is_none() => {
+            match (&record.address, was_forwarded(headers)) {
+                (Some(address), false)
+                    if record.instance != st.executions.instance()
+                        && Some(address.as_str()) != st.executions.address() =>
+                {
+                    Located::Elsewhere(address.clone())
+                }
+                _ => {
+                    return Err(ApiError::SandboxUnavailable(format!(
+                        "execution {exec_id} runs on daemon instance {}, which this replica \
+                         cannot hand the call to",
+                        record.instance
+                    )));
+                }
+            }
+        }
+        other => Located::Here(other),
+    };
+    Ok((located, caller))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -179,25 +222,24 @@ pub async fn cancel(
 async fn cancel_inner(st: &AppState, exec_id: &str, req: Request) -> Result<Response, ApiError> {
     let rid = request_id(&req);
     let (parts, body) = req.into_parts();
-    let (owner, known) = caller(st, &parts.headers, rid).await?;
-    let grace = grace_of(st, &parts.headers, body).await?;
-    let live = match st
-        .executions
-        .lookup(&owner, exec_id)
-        .await
-        .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
-    {
-        Lookup::Live(live) => live,
-        Lookup::Stored(record) if record.response.is_some() => {
-            return Err(ApiError::AlreadyFinished);
+    let raw = read_body(
+        body,
+        &parts.headers,
+        st.config.server.body_limit_bytes,
+        Duration::from_secs(st.config.server.body_read_timeout_seconds),
+    )
+    .await?;
+    let grace = grace_of(&raw)?;
+    let (located, (owner, known)) = locate(st, exec_id, &parts.headers, rid).await?;
+    let live = match located {
+        Located::Here(Lookup::Live(live)) => live,
+        Located::Here(Lookup::Stored(_)) => return Err(ApiError::AlreadyFinished),
+        Located::Here(Lookup::Unknown) => return Err(ApiError::ExecutionNotFound),
+        Located::Elsewhere(address) => {
+            let path = format!("/v1/executions/{exec_id}/cancel");
+            let instance = st.executions.instance();
+            return forward(&address, instance, Method::POST, &path, &parts.headers, raw).await;
         }
-        Lookup::Stored(record) => {
-            return Err(ApiError::SandboxUnavailable(format!(
-                "execution {exec_id} runs on daemon instance {}; cancel it there",
-                record.instance
-            )));
-        }
-        Lookup::Unknown => return Err(ApiError::ExecutionNotFound),
     };
     let grace = match st
         .executions
@@ -216,18 +258,11 @@ async fn cancel_inner(st: &AppState, exec_id: &str, req: Request) -> Result<Resp
 }
 
 /// The grace a cancel asks for: none given (an empty body) is the default.
-async fn grace_of(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Duration, ApiError> {
-    let raw = read_body(
-        body,
-        headers,
-        st.config.server.body_limit_bytes,
-        Duration::from_secs(st.config.server.body_read_timeout_seconds),
-    )
-    .await?;
+fn grace_of(raw: &[u8]) -> Result<Duration, ApiError> {
     let asked: CancelRequest = if raw.iter().all(u8::is_ascii_whitespace) {
         CancelRequest::default()
     } else {
-        serde_json::from_slice(&raw)
+        serde_json::from_slice(raw)
             .map_err(|e| ApiError::InvalidRequest(format!("invalid cancel request: {e}")))?
     };
     match asked.grace_seconds {

@@ -7,6 +7,7 @@
 pub mod error;
 pub mod execute;
 pub mod executions;
+pub mod forward;
 pub mod ops;
 pub mod stream;
 

@@ -266,6 +266,8 @@ pub struct ExecutionService {
     runs: Arc<Runs>,
     /// This daemon instance (run records name the replica that runs them).
     instance: String,
+    /// How other replicas reach this one, once it listens (see `server.advertise_url`).
+    address: std::sync::OnceLock<String>,
     /// How long a finished run's record is kept.
     retention: Duration,
 }
@@ -317,6 +319,7 @@ impl ExecutionService {
             kill_switch: watch::channel(false).0,
             runs: Arc::new(Runs::default()),
             instance: instance.to_string(),
+            address: std::sync::OnceLock::new(),
             retention: Duration::from_secs(config.executions.retention_seconds),
         }
     }
@@ -347,6 +350,21 @@ impl ExecutionService {
     /// The runs of this daemon that have not finished.
     pub fn runs(&self) -> &Runs {
         &self.runs
+    }
+
+    /// Records how other replicas reach this one (set once, when it listens).
+    pub fn set_address(&self, url: String) {
+        let _ = self.address.set(url);
+    }
+
+    /// How other replicas reach this one, if known.
+    pub fn address(&self) -> Option<&str> {
+        self.address.get().map(String::as_str)
+    }
+
+    /// This daemon instance's id.
+    pub fn instance(&self) -> &str {
+        &self.instance
     }
 
     /// Resolves when no execution holds a run slot and every started run's answer is stored.
@@ -520,6 +538,7 @@ impl ExecutionService {
         self.metrics.live_runs.set(self.runs.len() as i64);
         let (store, runs, metrics) = (self.store.clone(), self.runs.clone(), self.metrics.clone());
         let (instance, retention) = (self.instance.clone(), self.retention);
+        let address = self.address.get().cloned();
         // The record that says "running" reaches the store before anything can finish: it
         // lives at most the run's own time limit beyond the retention.
         let running_ttl = execution.spec.limits.timeout + retention;
@@ -527,6 +546,7 @@ impl ExecutionService {
         tokio::spawn(async move {
             let record = |response: Option<StoredResponse>| StoredExecution {
                 instance: instance.clone(),
+                address: address.clone(),
                 response,
                 cancelled_by: task_live.cancelled_by(),
             };

@@ -69,6 +69,9 @@ pub struct StoredResponse {
 pub struct StoredExecution {
     /// The daemon instance that runs (or ran) it.
     pub instance: String,
+    /// How other replicas reach that instance (`http://host:port`), when it is known.
+    #[serde(default)]
+    pub address: Option<String>,
     /// Its answer, once it finished.
     #[serde(default)]
     pub response: Option<StoredResponse>,

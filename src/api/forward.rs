@@ -1,0 +1,92 @@
+//! Handing a call for a live run to the replica that runs it.
+//!
+//! Streams and cancels of a running run need its live handle, which only the replica running it
+//! holds; the state store names that replica and its address. Another replica that gets such a
+//! call passes it on unchanged (the caller's own credentials, so the owner checks them itself) and
+//! relays the answer, a stream included, as it comes. A forwarded call is never forwarded again.
+//!
+//! Owns: the peer HTTP call. Must not: decide who may see a run (the owner does, again).
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, header};
+use axum::response::Response;
+use hyper_util::rt::TokioIo;
+
+use super::error::ApiError;
+use crate::config::peer_authority;
+
+/// Marks a call one replica passed to another (its value: the sender's instance id).
+pub const FORWARDED_HEADER: &str = "x-executor-arm-forwarded";
+
+/// How long reaching the owning replica may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The request headers a forwarded call keeps.
+const KEPT: [HeaderName; 5] = [
+    header::AUTHORIZATION,
+    header::ACCEPT,
+    header::CONTENT_TYPE,
+    HeaderName::from_static("last-event-id"),
+    HeaderName::from_static("x-request-id"),
+];
+
+/// Whether this call was passed on by another replica.
+pub fn was_forwarded(headers: &HeaderMap) -> bool {
+    headers.contains_key(FORWARDED_HEADER)
+}
+
+/// Sends `method path` with `headers`' kept ones and `body` to the replica at `address`
+/// (`http://host:port`) and returns its answer as it comes.
+pub async fn forward(
+    address: &str,
+    from_instance: &str,
+    method: Method,
+    path: &str,
+    headers: &HeaderMap,
+    body: bytes::Bytes,
+) -> Result<Response, ApiError> {
+    let unreachable = |why: String| {
+        ApiError::SandboxUnavailable(format!(
+            "the replica running this execution ({address}) cannot be reached: {why}"
+        ))
+    };
+    let authority = peer_authority(address)
+        .ok_or_else(|| unreachable("not an http://host:port address".into()))?;
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(authority))
+        .await
+        .map_err(|_| unreachable("connect timed out".into()))?
+        .map_err(|e| unreachable(e.to_string()))?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| unreachable(e.to_string()))?;
+    // The connection lives as long as the answer's body is read (a stream included).
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "forwarded call's connection ended with an error");
+        }
+    });
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(header::HOST, authority)
+        .header(
+            FORWARDED_HEADER,
+            HeaderValue::from_str(from_instance).unwrap_or(HeaderValue::from_static("-")),
+        );
+    for name in &KEPT {
+        for v in headers.get_all(name) {
+            req = req.header(name, v);
+        }
+    }
+    let req = req
+        .body(http_body_util::Full::new(body))
+        .map_err(|e| ApiError::Internal(format!("forwarded request: {e}")))?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| unreachable(e.to_string()))?;
+    Ok(resp.map(Body::new))
+}
