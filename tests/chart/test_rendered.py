@@ -169,6 +169,10 @@ def test_config_toml_parses_and_listens_on_8003(docs, mode):
     assert cfg["audit"]["path"].startswith("/var/lib/executor-arm/")
     env = env_of(daemon(docs))
     assert env["EXECUTOR_ARM_LISTEN"] == cfg["server"]["listen"]
+    # Other replicas reach this pod at its own address, on the port it listens on.
+    assert env["EXECUTOR_ARM_ADVERTISE_URL"] == "http://$(POD_IP):8003"
+    assert cfg["executions"]["retention_seconds"] == 3600
+    assert cfg["server"]["queue"] == {"max_waiting": 256, "max_wait_ms": 30000}
     assert env["EXECUTOR_ARM_AUDIT_LOG"] == cfg["audit"]["path"]
     assert env["EXECUTOR_ARM_PROFILES_DIR"] == cfg["sandbox"]["profiles_dir"]
     assert env["EXECUTOR_ARM_EXECUTORS_DIR"] == cfg["executors"]["dir"]
