@@ -734,6 +734,59 @@ async fn egress_is_allowlisted_and_ssrf_safe(backend: Backend) {
     setup.finish();
 }
 
+/// A run that receives a slow response through the egress proxy is streamed line by line as the
+/// lines arrive, then its result.
+async fn a_stream_shows_egress_lines_as_they_arrive(backend: Backend) {
+    backend.require("a_stream_shows_egress_lines_as_they_arrive");
+    let net = Net::new();
+    let setup = net.daemon(NETWORK, backend);
+    let d = &setup.d;
+    let mut s = common::open_stream(
+        d,
+        curl_body(d, &["-sS", "-N", "http://allowed.test/lines/5"], 30),
+    )
+    .await;
+    let events = s.rest().await;
+    let result = &events.last().expect("events").data;
+    assert_eq!(events.last().unwrap().event, "result", "{events:?}");
+    assert_eq!(result["success"], true, "{result}");
+    assert_eq!(result["backend"], backend.name());
+    let out = common::stream_bytes(&events, "stdout", 0);
+    let text = String::from_utf8(out).unwrap();
+    assert_eq!(result["stdout"], text.as_str());
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 5, "{text}");
+    // The first line reached the client before the host sent the last one.
+    let first = events.iter().find(|e| e.event == "stdout").unwrap();
+    let first_seen = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+        - first.at.elapsed().as_secs_f64();
+    let last_sent: f64 = lines[4].split(' ').nth(2).unwrap().parse().unwrap();
+    assert!(
+        first_seen < last_sent,
+        "{}: the first line arrived only after the last was sent",
+        backend.name()
+    );
+    setup.finish();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_shows_egress_lines_as_they_arrive_on_local() {
+    a_stream_shows_egress_lines_as_they_arrive(Backend::Local).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_shows_egress_lines_as_they_arrive_on_docker() {
+    a_stream_shows_egress_lines_as_they_arrive(Backend::Docker).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_shows_egress_lines_as_they_arrive_on_gvisor() {
+    a_stream_shows_egress_lines_as_they_arrive(Backend::Gvisor).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn bandwidth_is_limited_on_local() {
     bandwidth_is_limited(Backend::Local).await;

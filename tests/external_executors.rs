@@ -89,7 +89,100 @@ on_every_backend!(
     a_background_child_does_not_outlive_the_run,
     injected_env_argv_and_model_flag,
     the_executor_file_is_a_read_only_bind,
+    stream_json_lines_reach_a_stream_as_they_are_written,
+    a_budget_above_300_s_is_honoured_in_async_mode,
 );
+
+/// An executor that writes stream-json lines (one JSON object per line, flushed, the way coding
+/// agents report progress) is followed line by line while it runs.
+async fn stream_json_lines_reach_a_stream_as_they_are_written(backend: Backend) -> Sandboxed {
+    let scripts = Scripts::new();
+    let script = scripts.python(
+        "stream-json",
+        "import json, sys, time\n\
+         envelope = json.load(sys.stdin)\n\
+         for i in range(5):\n\
+         \x20   print(json.dumps({'type': 'assistant', 'seq': i, 'ts': time.time()}), flush=True)\n\
+         \x20   time.sleep(0.2)\n\
+         print(json.dumps({'type': 'result', 'subtype': 'success'}), flush=True)\n",
+    );
+    let d = start(
+        backend,
+        &[("stream-json.yaml", def_yaml("stream-json", &script, ""))],
+    );
+    let body = json!({"action_type": "external", "command": "stream-json", "input": {"prompt": "go"}, "capability_token": d.cap(&["ExternalExecute"])});
+    let mut s = common::open_stream(&d, body).await;
+    let events = s.rest().await;
+    let last = events.last().expect("events");
+    assert_eq!(last.event, "result", "{events:?}");
+    assert_eq!(last.data["success"], true, "{}", last.data);
+    assert_eq!(last.data["backend"], backend.name());
+    let text = String::from_utf8(common::stream_bytes(&events, "stdout", 0)).unwrap();
+    assert_eq!(last.data["stdout"], text.as_str());
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("every line is a JSON object"))
+        .collect();
+    assert_eq!(lines.len(), 6, "{text}");
+    assert_eq!(lines[5]["type"], "result");
+    let first = events.iter().find(|e| e.event == "stdout").unwrap();
+    let first_seen = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+        - first.at.elapsed().as_secs_f64();
+    assert!(
+        first_seen < lines[4]["ts"].as_f64().unwrap(),
+        "the first line arrived only after the last was written"
+    );
+    d
+}
+
+/// A def whose `timeout_seconds` is above the synchronous 300 s gets all of it in an async run
+/// (the start line records the limit the run got), and 300 s in a synchronous one.
+async fn a_budget_above_300_s_is_honoured_in_async_mode(backend: Backend) -> Sandboxed {
+    let scripts = Scripts::new();
+    let script = scripts.python(
+        "long-job",
+        "import sys, time\nsys.stdin.read()\ntime.sleep(1)\nprint('done')\n",
+    );
+    let d = start(
+        backend,
+        &[(
+            "long-job.yaml",
+            def_yaml("long-job", &script, "  timeout_seconds: 1200\n"),
+        )],
+    );
+    let started = d.run("long-job", json!({"async": true})).await;
+    assert_eq!(started.status, 202, "{}", started.text);
+    let exec_id = started.json["exec_id"].as_str().unwrap().to_string();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let result = loop {
+        let r = d.get_authorized(&format!("/v1/executions/{exec_id}")).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        if r.json["status"] == "finished" {
+            break r.json["result"].clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "still running");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(result["success"], true, "{result}");
+    assert_eq!(result["stdout"], "done\n");
+    let start_line = |id: &str| {
+        d.audit_lines()
+            .into_iter()
+            .find(|l| l["event"] == "execution_start" && l["exec_id"] == id)
+            .expect("start line")
+    };
+    assert_eq!(start_line(&exec_id)["timeout_seconds"], 1200);
+    let sync = d.run("long-job", json!({})).await;
+    assert_eq!(sync.status, 200, "{}", sync.text);
+    assert_eq!(
+        start_line(sync.json["exec_id"].as_str().unwrap())["timeout_seconds"],
+        300
+    );
+    d
+}
 
 /// How long a container backend may take to remove a used container: that happens in the
 /// background, after the response.

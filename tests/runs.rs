@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Resp, pids_with_cmdline};
+use common::{Daemon, Resp, Sse, SseReader, open_stream, pids_with_cmdline, stream_bytes};
 use executor_arm::auth::MintRequest;
 use executor_arm::config::TokenKind;
 use serde_json::{Value, json};
@@ -411,88 +411,6 @@ async fn shutdown_waits_for_async_runs() {
     assert_eq!(lines.last().unwrap()["outcome"], "success");
 }
 
-/// One Server-Sent Event as the client read it, and when.
-#[derive(Debug, Clone)]
-struct Sse {
-    event: String,
-    id: String,
-    data: Value,
-    at: Instant,
-}
-
-/// Reads events from an open SSE response until `stop` says so or the stream ends.
-struct SseReader {
-    resp: reqwest::Response,
-    buf: String,
-}
-
-impl SseReader {
-    async fn next(&mut self) -> Option<Sse> {
-        loop {
-            if let Some(end) = self.buf.find("\n\n") {
-                let block: String = self.buf.drain(..end + 2).collect();
-                let (mut event, mut id, mut data) = (String::new(), String::new(), String::new());
-                for line in block.lines() {
-                    if let Some(v) = line.strip_prefix("event: ") {
-                        event = v.into();
-                    } else if let Some(v) = line.strip_prefix("id: ") {
-                        id = v.into();
-                    } else if let Some(v) = line.strip_prefix("data: ") {
-                        data.push_str(v);
-                    }
-                }
-                if event.is_empty() {
-                    continue; // a heartbeat comment
-                }
-                return Some(Sse {
-                    event,
-                    id,
-                    data: serde_json::from_str(&data).expect("event data is JSON"),
-                    at: Instant::now(),
-                });
-            }
-            match self.resp.chunk().await.expect("stream read") {
-                Some(c) => self
-                    .buf
-                    .push_str(std::str::from_utf8(&c).expect("utf-8 stream")),
-                None => return None,
-            }
-        }
-    }
-
-    async fn rest(&mut self) -> Vec<Sse> {
-        let mut all = Vec::new();
-        while let Some(e) = self.next().await {
-            all.push(e);
-        }
-        all
-    }
-}
-
-async fn open_stream(d: &Daemon, body: Value) -> SseReader {
-    let mut body = body;
-    body["capability_token"] = json!(d.cap_all());
-    let resp = d
-        .client
-        .post(format!("{}/execute", d.base))
-        .header("authorization", bearer(&d.service_token()))
-        .header("content-type", "application/json")
-        .header("accept", "text/event-stream")
-        .body(body.to_string())
-        .send()
-        .await
-        .expect("request");
-    assert_eq!(resp.status().as_u16(), 200);
-    assert_eq!(
-        resp.headers()["content-type"].to_str().unwrap(),
-        "text/event-stream"
-    );
-    SseReader {
-        resp,
-        buf: String::new(),
-    }
-}
-
 async fn follow_stream(d: &Daemon, exec_id: &str, last_event_id: Option<&str>) -> SseReader {
     let mut req = d
         .client
@@ -507,25 +425,6 @@ async fn follow_stream(d: &Daemon, exec_id: &str, last_event_id: Option<&str>) -
         resp,
         buf: String::new(),
     }
-}
-
-/// The bytes of `stream` ("stdout" / "stderr") the events carry, checking each event starts
-/// where the previous one ended.
-fn stream_bytes(events: &[Sse], stream: &str, mut at: usize) -> Vec<u8> {
-    use base64::Engine;
-    let mut out = Vec::new();
-    for e in events.iter().filter(|e| e.event == stream) {
-        assert_eq!(e.data["offset"], at, "{e:?}");
-        let chunk = match e.data["data"].as_str() {
-            Some(t) => t.as_bytes().to_vec(),
-            None => base64::engine::general_purpose::STANDARD
-                .decode(e.data["data_b64"].as_str().expect("data or data_b64"))
-                .unwrap(),
-        };
-        at += chunk.len();
-        out.extend(chunk);
-    }
-    out
 }
 
 /// A script that prints a timestamped line every 200 ms is seen line by line while it runs,

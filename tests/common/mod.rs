@@ -629,3 +629,108 @@ pub fn shipped_profile(name: &str) -> String {
     )
     .expect("profile")
 }
+
+/// One Server-Sent Event as the client read it, and when.
+#[derive(Debug, Clone)]
+pub struct Sse {
+    pub event: String,
+    pub id: String,
+    pub data: Value,
+    pub at: std::time::Instant,
+}
+
+/// Reads the events of an open SSE response.
+pub struct SseReader {
+    pub resp: reqwest::Response,
+    pub buf: String,
+}
+
+impl SseReader {
+    pub async fn next(&mut self) -> Option<Sse> {
+        loop {
+            if let Some(end) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..end + 2).collect();
+                let (mut event, mut id, mut data) = (String::new(), String::new(), String::new());
+                for line in block.lines() {
+                    if let Some(v) = line.strip_prefix("event: ") {
+                        event = v.into();
+                    } else if let Some(v) = line.strip_prefix("id: ") {
+                        id = v.into();
+                    } else if let Some(v) = line.strip_prefix("data: ") {
+                        data.push_str(v);
+                    }
+                }
+                if event.is_empty() {
+                    continue; // a heartbeat comment
+                }
+                return Some(Sse {
+                    event,
+                    id,
+                    data: serde_json::from_str(&data).expect("event data is JSON"),
+                    at: std::time::Instant::now(),
+                });
+            }
+            match self.resp.chunk().await.expect("stream read") {
+                Some(c) => self
+                    .buf
+                    .push_str(std::str::from_utf8(&c).expect("utf-8 stream")),
+                None => return None,
+            }
+        }
+    }
+
+    pub async fn rest(&mut self) -> Vec<Sse> {
+        let mut all = Vec::new();
+        while let Some(e) = self.next().await {
+            all.push(e);
+        }
+        all
+    }
+}
+
+/// POST /execute with `Accept: text/event-stream`; `body` gets a capability token with every
+/// capability unless it has one.
+pub async fn open_stream(d: &Daemon, body: Value) -> SseReader {
+    let mut body = body;
+    if body.get("capability_token").is_none() {
+        body["capability_token"] = json!(d.cap_all());
+    }
+    let resp = d
+        .client
+        .post(format!("{}/execute", d.base))
+        .header("authorization", format!("Bearer {}", d.service_token()))
+        .header("content-type", "application/json")
+        .header("accept", "text/event-stream")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(
+        resp.headers()["content-type"].to_str().unwrap(),
+        "text/event-stream"
+    );
+    SseReader {
+        resp,
+        buf: String::new(),
+    }
+}
+
+/// The bytes of `stream` ("stdout" / "stderr") the events carry, checking each event starts
+/// where the previous one ended.
+pub fn stream_bytes(events: &[Sse], stream: &str, mut at: usize) -> Vec<u8> {
+    use base64::Engine;
+    let mut out = Vec::new();
+    for e in events.iter().filter(|e| e.event == stream) {
+        assert_eq!(e.data["offset"], at, "{e:?}");
+        let chunk = match e.data["data"].as_str() {
+            Some(t) => t.as_bytes().to_vec(),
+            None => base64::engine::general_purpose::STANDARD
+                .decode(e.data["data_b64"].as_str().expect("data or data_b64"))
+                .unwrap(),
+        };
+        at += chunk.len();
+        out.extend(chunk);
+    }
+    out
+}

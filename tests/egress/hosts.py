@@ -40,6 +40,16 @@ def handler_for(ip):
                 return
             if self.path == "/slow":
                 time.sleep(60)
+            if self.path.startswith("/lines/"):
+                # N lines, 200 ms apart, each stamped with the time it was sent; the body ends
+                # when the connection closes (HTTP/1.0).
+                self.send_response(200)
+                self.end_headers()
+                for i in range(int(self.path.split("/")[2])):
+                    self.wfile.write(f"line {i} {time.time()}\n".encode())
+                    self.wfile.flush()
+                    time.sleep(0.2)
+                return
             if self.path.startswith("/bytes/"):
                 n = int(self.path.split("/")[2])
                 self.send_response(200)
