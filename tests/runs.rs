@@ -169,7 +169,7 @@ async fn an_async_run_polls_to_the_result_a_synchronous_call_returns() {
         m.contains("executor_runs_started_total{mode=\"sync\"} 1"),
         "{m}"
     );
-    assert!(m.contains("executor_runs_live 0"), "{m}");
+    wait_for_metric(&d, "executor_runs_live 0").await;
 }
 
 /// An async run may ask for more than the synchronous 300 s; a synchronous one may not, and the
@@ -543,6 +543,97 @@ async fn a_stream_client_that_goes_away_cancels_only_when_asked() {
         let outcome = if cancel { "cancelled" } else { "success" };
         assert_eq!(r.json["result"]["outcome"], outcome, "{}", r.text);
     }
-    let m = d.get("/metrics").await.text;
-    assert!(m.contains("executor_open_streams 0"), "{m}");
+    wait_for_metric(&d, "executor_open_streams 0").await;
+}
+
+fn vm_rss_kib(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmRSS")
+}
+
+/// Fifty streams at once (more than the backend's slots: the rest wait in its queue) each get
+/// exactly their own run's output and result, and the daemon's memory stays bounded.
+#[tokio::test(flavor = "multi_thread")]
+async fn fifty_concurrent_streams_stay_correct_and_memory_stays_bounded() {
+    let d = Daemon::start();
+    let rss_before = vm_rss_kib(d.pid());
+    let code = |n: usize| {
+        format!(
+            "import time\nfor i in range(100):\n    print('{n:02}', i, 'x' * 1000, flush=True)\n    if i % 20 == 0: time.sleep(0.05)"
+        )
+    };
+    let streams: Vec<_> = (0..50)
+        .map(|n| {
+            let body = py(&code(n), &marker());
+            let cap = d.cap_all();
+            let svc = d.service_token();
+            let base = d.base.clone();
+            tokio::spawn(async move {
+                let mut body = body;
+                body["capability_token"] = json!(cap);
+                let client = reqwest::Client::builder()
+                    .timeout(Duration::from_secs(300))
+                    .build()
+                    .unwrap();
+                let resp = client
+                    .post(format!("{base}/execute"))
+                    .header("authorization", format!("Bearer {svc}"))
+                    .header("content-type", "application/json")
+                    .header("accept", "text/event-stream")
+                    .body(body.to_string())
+                    .send()
+                    .await
+                    .expect("request");
+                assert_eq!(resp.status().as_u16(), 200);
+                let mut s = SseReader {
+                    resp,
+                    buf: String::new(),
+                };
+                (n, s.rest().await)
+            })
+        })
+        .collect();
+    for t in streams {
+        let (n, events) = t.await.unwrap();
+        let last = events.last().expect("events");
+        assert_eq!(last.event, "result", "stream {n}");
+        assert_eq!(last.data["success"], true, "stream {n}");
+        let text = String::from_utf8(stream_bytes(&events, "stdout", 0)).unwrap();
+        assert_eq!(last.data["stdout"], text.as_str(), "stream {n}");
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 100, "stream {n}");
+        for (i, l) in lines.iter().enumerate() {
+            assert!(
+                l.starts_with(&format!("{n:02} {i} ")),
+                "stream {n} line {i}: {l:.20}"
+            );
+        }
+    }
+    let rss_after = vm_rss_kib(d.pid());
+    // Fifty runs of 100 KB each, streamed: what the daemon holds is bounded by the runs' output
+    // caps, and it is given back once they are done.
+    assert!(
+        rss_after < rss_before + 64 * 1024,
+        "daemon RSS grew from {rss_before} KiB to {rss_after} KiB"
+    );
+    wait_for_metric(&d, "executor_open_streams 0").await;
+    wait_for_metric(&d, "executor_runs_live 0").await;
+}
+
+/// Waits (bounded) until /metrics shows `line`: a gauge is updated just after the answer a test
+/// has already read.
+async fn wait_for_metric(d: &Daemon, line: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = d.get("/metrics").await.text;
+        if m.lines().any(|l| l == line) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{line} never showed: {m}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

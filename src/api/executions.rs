@@ -21,6 +21,7 @@ use super::{AppState, RequestId};
 use crate::execution::record::KnownRequest;
 use crate::execution::runs::CancelOutcome;
 use crate::execution::{Lookup, owner_of};
+use crate::state::StoredResponse;
 
 /// The longest grace a cancel may give a run between SIGTERM and SIGKILL.
 pub const MAX_GRACE_SECONDS: u64 = 30;
@@ -95,19 +96,16 @@ async fn get_inner(
         .await
         .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
     {
-        Lookup::Live(_) => Ok(running()),
-        Lookup::Stored(record) => match record.response {
-            // The stored body is spliced in as it was written: parsing and printing it again
-            // could change a number the caller sent in its metadata.
-            Some(r) => Ok(json(
-                StatusCode::OK,
-                format!(
-                    r#"{{"exec_id":{id},"status":"finished","http_status":{},"result":{}}}"#,
-                    r.status, r.body
-                ),
-            )),
-            None => Ok(running()),
-        },
+        // The stored body is spliced in as it was written: parsing and printing it again could
+        // change a number the caller sent in its metadata.
+        Lookup::Live(live) => Ok(match live.answered() {
+            Some(r) => finished(&id, &r),
+            None => running(),
+        }),
+        Lookup::Stored(record) => Ok(match record.response {
+            Some(r) => finished(&id, &r),
+            None => running(),
+        }),
         Lookup::Unknown => Err(ApiError::ExecutionNotFound),
     }
 }
@@ -196,6 +194,17 @@ async fn locate(
         other => Located::Here(other),
     };
     Ok((located, caller))
+}
+
+/// The answer of `GET` for a finished run; `id` is the exec_id as a JSON string.
+fn finished(id: &str, r: &StoredResponse) -> Response {
+    json(
+        StatusCode::OK,
+        format!(
+            r#"{{"exec_id":{id},"status":"finished","http_status":{},"result":{}}}"#,
+            r.status, r.body
+        ),
+    )
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -26,19 +26,19 @@ pub struct Captured {
     pub truncated: bool,
 }
 
-/// Reads `reader` to EOF keeping at most `cap` bytes, each kept chunk also handed to `tap` as
-/// it arrives. On overflow it sends `true` on `overflow` and keeps draining (discarding) so the
-/// writer is not blocked until the run ends or the backend kills it.
+/// What a stream has captured so far, shared between its reader and [`OutputCapture::drain`].
+type Shared = std::sync::Arc<std::sync::Mutex<Captured>>;
+
+/// Reads `reader` to EOF keeping at most `cap` bytes in `into`, each kept chunk also handed to
+/// `tap` as it arrives. On overflow it sends `true` on `overflow` and keeps draining (discarding)
+/// so the writer is not blocked until the run ends or the backend kills it.
 pub async fn read_capped<R: AsyncRead + Unpin>(
     mut reader: R,
     cap: usize,
     overflow: watch::Sender<bool>,
     tap: Option<(OutputTap, StreamKind)>,
-) -> Captured {
-    let mut out = Captured {
-        bytes: Vec::with_capacity(cap.min(64 * 1024)),
-        truncated: false,
-    };
+    into: Shared,
+) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = match reader.read(&mut buf).await {
@@ -47,6 +47,7 @@ pub async fn read_capped<R: AsyncRead + Unpin>(
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(_) => break,
         };
+        let mut out = into.lock().unwrap_or_else(|p| p.into_inner());
         let room = cap.saturating_sub(out.bytes.len());
         let kept = n.min(room);
         if kept > 0
@@ -54,23 +55,48 @@ pub async fn read_capped<R: AsyncRead + Unpin>(
         {
             tap.send(*stream, &buf[..kept]);
         }
-        if n <= room {
-            out.bytes.extend_from_slice(&buf[..n]);
-        } else {
-            out.bytes.extend_from_slice(&buf[..room]);
-            if !out.truncated {
-                out.truncated = true;
-                let _ = overflow.send(true);
-            }
+        out.bytes.extend_from_slice(&buf[..kept]);
+        if n > room && !out.truncated {
+            out.truncated = true;
+            let _ = overflow.send(true);
         }
     }
-    out
+}
+
+/// One stream's reader and what it has read.
+struct Reader {
+    task: JoinHandle<()>,
+    read: Shared,
+}
+
+impl Reader {
+    fn start<R: AsyncRead + Unpin + Send + 'static>(
+        reader: R,
+        cap: usize,
+        overflow: watch::Sender<bool>,
+        tap: Option<(OutputTap, StreamKind)>,
+    ) -> Reader {
+        let read = Shared::default();
+        read.lock().unwrap_or_else(|p| p.into_inner()).bytes =
+            Vec::with_capacity(cap.min(64 * 1024));
+        let task = tokio::spawn(read_capped(reader, cap, overflow, tap, read.clone()));
+        Reader { task, read }
+    }
+
+    /// What was read, once the reader reached EOF or `grace` passed (the reader is then
+    /// stopped: what it read until then is kept).
+    async fn finish(mut self, grace: Duration) -> Captured {
+        if tokio::time::timeout(grace, &mut self.task).await.is_err() {
+            self.task.abort();
+        }
+        std::mem::take(&mut *self.read.lock().unwrap_or_else(|p| p.into_inner()))
+    }
 }
 
 /// The capped readers of one run's stdout and stderr, sharing one overflow signal.
 pub struct OutputCapture {
-    stdout: JoinHandle<Captured>,
-    stderr: JoinHandle<Captured>,
+    stdout: Reader,
+    stderr: Reader,
     overflow: watch::Receiver<bool>,
     on_overflow: OnOverflow,
 }
@@ -92,13 +118,8 @@ impl OutputCapture {
         let (tx, overflow) = watch::channel(false);
         let tap_of = |stream| tap.clone().map(|t| (t, stream));
         OutputCapture {
-            stdout: tokio::spawn(read_capped(
-                stdout,
-                cap,
-                tx.clone(),
-                tap_of(StreamKind::Stdout),
-            )),
-            stderr: tokio::spawn(read_capped(stderr, cap, tx, tap_of(StreamKind::Stderr))),
+            stdout: Reader::start(stdout, cap, tx.clone(), tap_of(StreamKind::Stdout)),
+            stderr: Reader::start(stderr, cap, tx, tap_of(StreamKind::Stderr)),
             overflow,
             on_overflow,
         }
@@ -114,17 +135,13 @@ impl OutputCapture {
     }
 
     /// What each stream captured. Waits at most [`DRAIN_GRACE`] for the readers to reach EOF: a
-    /// stream still held open by something that outlived the run yields nothing rather than
-    /// holding the run's answer.
+    /// stream still held open by something that outlived the run (or a reader starved of CPU)
+    /// yields what was read until then rather than holding the run's answer.
     pub async fn drain(self) -> (Captured, Captured) {
-        let collect = |t: JoinHandle<Captured>| async move {
-            tokio::time::timeout(DRAIN_GRACE, t)
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or_default()
-        };
-        tokio::join!(collect(self.stdout), collect(self.stderr))
+        tokio::join!(
+            self.stdout.finish(DRAIN_GRACE),
+            self.stderr.finish(DRAIN_GRACE)
+        )
     }
 }
 
@@ -152,7 +169,16 @@ mod tests {
             assert_eq!(stream, StreamKind::Stderr);
             sink.lock().unwrap().extend_from_slice(b);
         });
-        let got = read_capped(&data[..], 1000, tx, Some((tap, StreamKind::Stderr))).await;
+        let into = Shared::default();
+        read_capped(
+            &data[..],
+            1000,
+            tx,
+            Some((tap, StreamKind::Stderr)),
+            into.clone(),
+        )
+        .await;
+        let got = std::mem::take(&mut *into.lock().unwrap());
         assert_eq!(got.bytes.len(), 1000);
         assert!(got.truncated);
         // The tap sees exactly what is kept.
@@ -160,11 +186,28 @@ mod tests {
         assert!(*rx.borrow());
     }
 
+    /// A stream held open past the run gives back what was read, not nothing.
+    #[tokio::test]
+    async fn a_stream_still_open_at_drain_keeps_what_was_read() {
+        use tokio::io::AsyncWriteExt;
+        let (mut out_w, out_r) = tokio::io::duplex(1024);
+        let (_err_w, err_r) = tokio::io::duplex(1024);
+        let capture = OutputCapture::start(out_r, err_r, 100, OnOverflow::Truncate, None);
+        out_w.write_all(b"before the end").await.unwrap();
+        // The writer stays open: drain waits its grace, then keeps what was read.
+        let (stdout, stderr) = capture.drain().await;
+        assert_eq!(stdout.bytes, b"before the end");
+        assert!(stderr.bytes.is_empty());
+        drop(out_w);
+    }
+
     #[tokio::test]
     async fn exact_cap_is_not_truncated() {
         let data = vec![b'y'; 1000];
         let (tx, rx) = watch::channel(false);
-        let got = read_capped(&data[..], 1000, tx, None).await;
+        let into = Shared::default();
+        read_capped(&data[..], 1000, tx, None, into.clone()).await;
+        let got = std::mem::take(&mut *into.lock().unwrap());
         assert_eq!(got.bytes.len(), 1000);
         assert!(!got.truncated);
         assert!(!*rx.borrow());
