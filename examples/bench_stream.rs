@@ -1,0 +1,236 @@
+//! Benchmark: live output over Server-Sent Events, on the backend `SANDBOX_RUNTIME` names
+//! (`local`, `runc`, `gvisor`).
+//!
+//! 1. Line latency: a python3 run prints its wall clock on a line every 50 ms; for every `stdout`
+//!    event the client subtracts the oldest stamp the event carries from the time it read the
+//!    event. Same-run baseline: the same script as a plain child process of this benchmark,
+//!    read from its stdout pipe (the floor any transport sits on).
+//! 2. Streaming overhead: `echo hi` as a synchronous call against the same call streamed (until
+//!    its `result` event is read), interleaved in blocks of 25 so load changes weigh on both.
+//!
+//! Run: `scripts/bench-stream.sh` (builds release and runs this as root). Prints p50/p95/p99 and
+//! the ratios.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use executor_arm::auth::{MintRequest, mint_hs256};
+use executor_arm::config::TokenKind;
+
+const LINES: usize = 20;
+const LATENCY_RUNS: usize = 15;
+const ECHO_N: usize = 200;
+const BLOCK: usize = 25;
+const WARMUP: usize = 10;
+
+const SCRIPT: &str = "import time\nfor i in range(20):\n    print(repr(time.time()), flush=True)\n    time.sleep(0.05)";
+
+fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn summary(name: &str, mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let (p50, p95, p99) = (pct(&v, 0.50), pct(&v, 0.95), pct(&v, 0.99));
+    println!(
+        "{name:<52} n={:<4} p50={p50:>8.3} ms  p95={p95:>8.3} ms  p99={p99:>8.3} ms",
+        v.len()
+    );
+    p50
+}
+
+/// Milliseconds between each line's stamp and when this process read it from a pipe.
+fn pipe_latencies(out: &mut Vec<f64>) {
+    let mut child = Command::new("python3")
+        .args(["-c", SCRIPT])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let read = now();
+        let stamp: f64 = line.unwrap().trim().parse().unwrap();
+        out.push((read - stamp) * 1000.0);
+    }
+    child.wait().unwrap();
+}
+
+/// Reads SSE events from a response; calls `on` with each event's name and data.
+async fn read_events(mut resp: reqwest::Response, mut on: impl FnMut(&str, &serde_json::Value)) {
+    let mut buf = String::new();
+    while let Some(chunk) = resp.chunk().await.expect("stream") {
+        buf.push_str(std::str::from_utf8(&chunk).expect("utf-8"));
+        while let Some(end) = buf.find("\n\n") {
+            let block: String = buf.drain(..end + 2).collect();
+            let mut event = "";
+            let mut data = String::new();
+            for line in block.lines() {
+                if let Some(v) = line.strip_prefix("event: ") {
+                    event = v;
+                } else if let Some(v) = line.strip_prefix("data: ") {
+                    data.push_str(v);
+                }
+            }
+            if !event.is_empty() {
+                let v: serde_json::Value = serde_json::from_str(&data).expect("json");
+                on(event, &v);
+            }
+        }
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let runtime = std::env::var("SANDBOX_RUNTIME").unwrap_or_else(|_| "local".into());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secret = "bench-secret-0123456789abcdef0123456789abcdef";
+    std::fs::write(dir.path().join("secret"), secret).expect("secret");
+    let bin =
+        std::env::var("EXECUTOR_ARM_BIN").unwrap_or_else(|_| "target/release/executor-arm".into());
+    let mut child = Command::new(&bin)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env("EXECUTOR_ARM_JWT_SECRET_FILE", dir.path().join("secret"))
+        .env("EXECUTOR_ARM_AUDIT_LOG", dir.path().join("audit.jsonl"))
+        .env("SANDBOX_RUNTIME", &runtime)
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start daemon");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("\"listening\"")
+                && let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+            {
+                let _ = tx.send(v["fields"]["addr"].as_str().unwrap_or_default().to_string());
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("daemon address");
+    let mint = |kind, caps: &[&str]| {
+        mint_hs256(
+            secret.as_bytes(),
+            &MintRequest {
+                kind: Some(kind),
+                capabilities: caps.iter().map(|s| s.to_string()).collect(),
+                ttl_seconds: 3000,
+                aud: "executor-arm".into(),
+                sub: Some("bench".into()),
+                ..Default::default()
+            },
+        )
+        .expect("mint")
+    };
+    let svc = format!("Bearer {}", mint(TokenKind::Service, &[]));
+    let cap = mint(TokenKind::Capability, &["ShellExecute", "PythonExecute"]);
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(1)
+        .build()
+        .expect("client");
+    let url = format!("http://{addr}/execute");
+    let post = |body: serde_json::Value, stream: bool| {
+        let mut rb = client
+            .post(&url)
+            .header("authorization", &svc)
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        if stream {
+            rb = rb.header("accept", "text/event-stream");
+        }
+        rb.send()
+    };
+
+    // 1. Line latency.
+    let py = serde_json::json!({"action_type": "python", "command": "python3", "args": ["-c", SCRIPT], "capability_token": cap});
+    let (mut sse, mut pipe) = (Vec::new(), Vec::new());
+    for run in 0..LATENCY_RUNS + 1 {
+        let resp = post(py.clone(), true).await.expect("request");
+        assert!(resp.status().is_success(), "{}", resp.status());
+        let mut lat = Vec::new();
+        let mut lines = 0;
+        read_events(resp, |event, data| {
+            if event == "stdout" {
+                let read = now();
+                let text = data["data"].as_str().expect("text");
+                let first: f64 = text.lines().next().unwrap().trim().parse().unwrap();
+                lines += text.lines().count();
+                lat.push((read - first) * 1000.0);
+            }
+        })
+        .await;
+        assert_eq!(lines, LINES, "every line streamed");
+        let mut p = Vec::new();
+        pipe_latencies(&mut p);
+        // The first run warms the pool / caches.
+        if run > 0 {
+            sse.extend(lat);
+            pipe.extend(p);
+        }
+    }
+
+    // 2. Overhead on echo hi.
+    let echo = serde_json::json!({"action_type": "shell", "command": "echo", "args": ["hi"], "capability_token": cap});
+    let sync_once = || async {
+        let t = Instant::now();
+        let r = post(echo.clone(), false).await.expect("request");
+        let text = r.text().await.expect("body");
+        assert!(text.contains("\"stdout\":\"hi\\n\""), "{text}");
+        t.elapsed().as_secs_f64() * 1000.0
+    };
+    let stream_once = || async {
+        let t = Instant::now();
+        let r = post(echo.clone(), true).await.expect("request");
+        let mut got = false;
+        read_events(r, |event, data| {
+            if event == "result" {
+                got = data["stdout"] == "hi\n";
+            }
+        })
+        .await;
+        assert!(got, "streamed result");
+        t.elapsed().as_secs_f64() * 1000.0
+    };
+    for _ in 0..WARMUP {
+        sync_once().await;
+        stream_once().await;
+    }
+    let (mut sync, mut streamed) = (Vec::new(), Vec::new());
+    for _ in 0..ECHO_N / BLOCK {
+        for _ in 0..BLOCK {
+            sync.push(sync_once().await);
+        }
+        for _ in 0..BLOCK {
+            streamed.push(stream_once().await);
+        }
+    }
+    // SAFETY: signal our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
+
+    println!(
+        "executor-arm streaming benchmark, SANDBOX_RUNTIME={runtime} ({LATENCY_RUNS} runs of \
+         {LINES} lines 50 ms apart; {ECHO_N} echo calls per series in blocks of {BLOCK})"
+    );
+    let p_sse = summary("line written -> SSE event read", sse);
+    let p_pipe = summary("line written -> read from a pipe (baseline)", pipe);
+    println!(
+        "line latency p50: {p_sse:.3} ms (target <= 5 ms); {:.3} ms above the pipe",
+        p_sse - p_pipe
+    );
+    let p_sync = summary("POST /execute echo hi (JSON)", sync);
+    let p_stream = summary("POST /execute echo hi (SSE, to the result event)", streamed);
+    println!(
+        "ratio p50 streamed / JSON: {:.2}x (target <= 1.10x)",
+        p_stream / p_sync
+    );
+}
