@@ -76,6 +76,7 @@ fn host_processes(needle: &str) -> Vec<i32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_examples_run_in_a_fresh_container_each() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("seed_examples_run_in_a_fresh_container_each");
     for rt in RUNTIMES {
         let d = start(rt, 1);
@@ -200,6 +201,7 @@ async fn seed_examples_run_in_a_fresh_container_each() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn confinement_holds() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("confinement_holds");
     let listener = std::net::TcpListener::bind("0.0.0.0:0").expect("listener");
     let port = listener.local_addr().expect("addr").port();
@@ -291,6 +293,7 @@ print([n for _, n in socket.if_nameindex()])
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_contain_bombs_and_floods() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("limits_contain_bombs_and_floods");
     for rt in RUNTIMES {
         let d = start(rt, 1);
@@ -367,6 +370,7 @@ fn brief(r: &common::Resp) -> String {
 /// Under `[output] on_overflow = "kill"` a container run is stopped at the cap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill_on_overflow_profile_stops_container_runs_at_the_cap() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("a_kill_on_overflow_profile_stops_container_runs_at_the_cap");
     let profile = format!(
         "{}\n[output]\non_overflow = \"kill\"\n",
@@ -412,6 +416,7 @@ async fn a_kill_on_overflow_profile_stops_container_runs_at_the_cap() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeouts_kill_everything_and_orphans_are_reaped() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("timeouts_kill_everything_and_orphans_are_reaped");
     for rt in RUNTIMES {
         let d = start(rt, 1);
@@ -501,6 +506,7 @@ print("zombies", len(z))
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gvisor_runs_under_gvisor_and_runc_does_not() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("gvisor_runs_under_gvisor_and_runc_does_not");
     let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     for rt in RUNTIMES {
@@ -532,6 +538,7 @@ async fn gvisor_runs_under_gvisor_and_runc_does_not() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warm_pool_serves_hits_and_pool_off_still_works() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("warm_pool_serves_hits_and_pool_off_still_works");
     for rt in RUNTIMES {
         let backend = if rt == "runc" { "docker" } else { "gvisor" };
@@ -600,6 +607,7 @@ async fn warm_pool_serves_hits_and_pool_off_still_works() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orphans_of_a_killed_daemon_are_removed_at_restart() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("orphans_of_a_killed_daemon_are_removed_at_restart");
     let mut d = start("runc", 1);
     let old = instance_of(&d);
@@ -700,6 +708,7 @@ impl EngineProxy {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_loss_fails_the_run_and_leaves_nothing_once_back() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("engine_loss_fails_the_run_and_leaves_nothing_once_back");
     let dir = tempfile::tempdir().expect("tempdir");
     let sock = dir.path().join("engine.sock");
@@ -778,6 +787,7 @@ async fn engine_loss_fails_the_run_and_leaves_nothing_once_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_engine_is_not_ready_and_refuses_with_503() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("unreachable_engine_is_not_ready_and_refuses_with_503");
     let d = start_with_socket("runc", 1, "/nonexistent/docker.sock");
     let ready = d.get("/ready").await;
@@ -849,6 +859,7 @@ raise SystemExit(3)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_command_cannot_forge_its_report_or_reach_the_supervisor() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("the_command_cannot_forge_its_report_or_reach_the_supervisor");
     for rt in RUNTIMES {
         let d = start(rt, 1);
@@ -907,6 +918,7 @@ async fn the_command_cannot_forge_its_report_or_reach_the_supervisor() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn containers_die_with_their_daemon() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("containers_die_with_their_daemon");
     for rt in RUNTIMES {
         let mut d = start(rt, 1);
@@ -971,6 +983,7 @@ async fn containers_die_with_their_daemon() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_disk_limit_covers_workdir_and_tmp_together() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("the_disk_limit_covers_workdir_and_tmp_together");
     // The python profile's disk_mb is 100: 51 MiB fit in one place, not in both.
     let code = r#"
@@ -1001,6 +1014,7 @@ for path in ["/work/a", "/tmp/b"]:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disk_volumes_go_with_their_containers() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("disk_volumes_go_with_their_containers");
     for rt in RUNTIMES {
         let d = start(rt, 1);
@@ -1022,6 +1036,7 @@ async fn disk_volumes_go_with_their_containers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn egress_directories_of_a_dead_daemon_go_at_startup() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("egress_directories_of_a_dead_daemon_go_at_startup");
     let root = tempfile::tempdir().expect("tempdir");
     let ns: String = std::fs::read_link("/proc/self/ns/pid")
@@ -1112,6 +1127,7 @@ async fn fork_bomb_twenty_times(rt: &str) {
 /// about 7 requests a second, so the last of 200 may wait that long.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_two_hundred_requests_is_absorbed_on_each_runtime() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("a_burst_of_two_hundred_requests_is_absorbed_on_each_runtime");
     for rt in RUNTIMES {
         let d = Daemon::start_with(Opts {
@@ -1133,6 +1149,7 @@ async fn a_burst_of_two_hundred_requests_is_absorbed_on_each_runtime() {
 /// long a loaded dockerd takes to remove their containers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_bomb_twenty_times_is_contained_every_time() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("a_fork_bomb_twenty_times_is_contained_every_time");
     for rt in RUNTIMES {
         fork_bomb_twenty_times(rt).await;
@@ -1182,6 +1199,7 @@ fn container_running(id: &str) -> bool {
 /// `cancelled`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_terminates_then_kills_a_container_run() {
+    let _serial = common::docker::one_at_a_time().await;
     require_docker("a_cancel_terminates_then_kills_a_container_run");
     for rt in RUNTIMES {
         let d = start(rt, 1);

@@ -18,6 +18,14 @@ pub fn docker(args: &[&str]) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// Held by a test for its whole run so the tests of one binary that load dockerd run one at a
+/// time: on a 2-vCPU machine a gVisor burst or fork bomb next to another test only measures how
+/// long a saturated dockerd takes, not the backend.
+pub async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
+    static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    SERIAL.lock().await
+}
+
 /// Fails the test unless dockerd runs with the runc and runsc runtimes and the sandbox image
 /// exists: the docker tests never skip (the test command sets all of it up).
 pub fn require_docker(test: &str) {
