@@ -121,6 +121,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         store,
         metrics,
         draining: AtomicBool::new(false),
+        open_streams: Default::default(),
         instance_id,
         host_probe,
         config,

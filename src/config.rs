@@ -242,6 +242,9 @@ pub struct ExecutionsConfig {
     /// How long a finished run's result stays readable (in the state store: Redis when
     /// configured, so any replica answers).
     pub retention_seconds: u64,
+    /// Server-Sent Event streams this daemon keeps open at once; one more is refused with 429
+    /// (a stream holds a copy of its run's output while its reader is slow).
+    pub max_open_streams: usize,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -637,3 +637,56 @@ async fn wait_for_metric(d: &Daemon, line: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Streams over `executions.max_open_streams` are refused with 429 before anything runs; a
+/// stream that ends gives its place back.
+#[tokio::test(flavor = "multi_thread")]
+async fn streams_over_the_limit_are_refused_before_anything_runs() {
+    let d = Daemon::start_with(common::Opts {
+        config: Some("[executions]\nmax_open_streams = 1\n".into()),
+        ..Default::default()
+    });
+    let m = marker();
+    let mut first = open_stream(
+        &d,
+        py("import time\nprint('up', flush=True)\ntime.sleep(1)", &m),
+    )
+    .await;
+    let start = first.next().await.expect("start");
+    let exec_id = start.data["exec_id"].as_str().unwrap().to_string();
+    let refused_marker = marker();
+    let mut body = py("print('never')", &refused_marker);
+    body["capability_token"] = json!(d.cap_all());
+    let refused = d
+        .client
+        .post(format!("{}/execute", d.base))
+        .header("authorization", bearer(&d.service_token()))
+        .header("content-type", "application/json")
+        .header("accept", "text/event-stream")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status().as_u16(), 429);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    let follow = d
+        .client
+        .get(format!("{}/v1/executions/{exec_id}/stream", d.base))
+        .header("authorization", bearer(&d.service_token()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(follow.status().as_u16(), 429);
+    assert!(
+        !d.audit_lines()
+            .iter()
+            .any(|l| l.to_string().contains(&refused_marker)),
+        "a refused stream ran nothing"
+    );
+    let rest = first.rest().await;
+    assert_eq!(rest.last().unwrap().event, "result");
+    drop(first);
+    wait_for_metric(&d, "executor_open_streams 0").await;
+    let mut again = follow_stream(&d, &exec_id, None).await;
+    assert_eq!(again.rest().await.last().unwrap().event, "result");
+}

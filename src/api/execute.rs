@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
-use super::stream::{self, Source};
+use super::stream::{self, DISCONNECT_GRACE, Disconnect, Source, StreamPermit};
 use super::{AppState, RequestId};
 use crate::auth::Verified;
 use crate::config::TokenKind;
@@ -233,7 +233,7 @@ pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response 
 
 /// The run a synchronous request that said `cancel_on_disconnect` waits for, once it started.
 #[derive(Default)]
-struct DisconnectCancel(std::sync::Mutex<Option<(Arc<LiveRun>, String)>>);
+struct DisconnectCancel(std::sync::Mutex<Option<Disconnect>>);
 
 /// Dropped while armed (the client went away before the answer): cancels the run it names.
 struct CancelIfDropped {
@@ -253,19 +253,19 @@ impl Drop for CancelIfDropped {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
-        if let Some((live, owner)) = named
-            && live.answered().is_none()
+        if let Some(d) = named
+            && d.live.answered().is_none()
         {
-            tracing::info!(exec_id = live.exec_id(), "client gone: cancelling its run");
+            tracing::info!(
+                exec_id = d.live.exec_id(),
+                "client gone: cancelling its run"
+            );
             self.st
                 .executions
-                .cancel(&live, DISCONNECT_GRACE, &owner, "client-disconnect");
+                .cancel(&d.live, DISCONNECT_GRACE, &d.owner, &d.request_id);
         }
     }
 }
-
-/// The grace a run gets when its caller goes away and asked for that to cancel it.
-const DISCONNECT_GRACE: Duration = Duration::from_secs(5);
 
 /// How the caller waits for its run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -504,6 +504,12 @@ async fn handle(
         idem.as_ref().map(|l| l.key.scoped()),
     );
     let owner = owner_of(request.subject.as_deref());
+    let request_id = request.request_id.clone();
+    // A stream's permit is taken before anything runs: a refused stream runs nothing.
+    let permit = match mode {
+        Mode::Stream => Some(StreamPermit::take(st)?),
+        Mode::Sync | Mode::Async => None,
+    };
     let answered = run_request(st, request, mode, on_disconnect, cancel_on_disconnect).await;
     if let Some(lease) = idem {
         let key = lease.stop();
@@ -537,8 +543,14 @@ async fn handle(
     match answered? {
         Answer::Stored(a) => Ok(stored_response(&a, false)),
         Answer::Stream(live) => {
-            let cancel = cancel_on_disconnect.then(|| (live.clone(), owner));
-            Ok(stream::follow(st.clone(), Source::Live(live), None, cancel))
+            let cancel = cancel_on_disconnect.then(|| Disconnect {
+                live: live.clone(),
+                owner,
+                request_id,
+            });
+            let permit =
+                permit.ok_or_else(|| ApiError::Internal("stream without permit".into()))?;
+            Ok(stream::follow(permit, Source::Live(live), None, cancel))
         }
     }
 }
@@ -556,6 +568,7 @@ async fn run_request(
     cancel_on_disconnect: bool,
 ) -> Result<Answer, ApiError> {
     let owner = owner_of(request.subject.as_deref());
+    let request_id = request.request_id.clone();
     let execution = st.executions.admit(request).await?;
     st.metrics
         .runs_started
@@ -576,7 +589,11 @@ async fn run_request(
         Mode::Sync => {}
     }
     if cancel_on_disconnect {
-        *on_disconnect.0.lock().unwrap_or_else(|p| p.into_inner()) = Some((live.clone(), owner));
+        *on_disconnect.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(Disconnect {
+            live: live.clone(),
+            owner,
+            request_id,
+        });
     }
     let mut answer = live.answer();
     let answered = answer

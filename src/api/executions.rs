@@ -16,7 +16,7 @@ use serde::Deserialize;
 use super::error::ApiError;
 use super::execute::{calling_service, read_body};
 use super::forward::{forward, was_forwarded};
-use super::stream::{Position, Source, follow};
+use super::stream::{Position, Source, StreamPermit, follow};
 use super::{AppState, RequestId};
 use crate::execution::record::KnownRequest;
 use crate::execution::runs::CancelOutcome;
@@ -125,10 +125,15 @@ pub async fn stream(
         .and_then(Position::parse);
     let headers = req.headers().clone();
     let path = format!("/v1/executions/{exec_id}/stream");
+    let permit = || StreamPermit::take(&st);
+    let respond = |source: Source| match permit() {
+        Ok(p) => follow(p, source, from, None),
+        Err(e) => e.into_response(),
+    };
     match locate(&st, &exec_id, &headers, rid).await {
-        Ok((Located::Here(Lookup::Live(live)), _)) => follow(st, Source::Live(live), from, None),
+        Ok((Located::Here(Lookup::Live(live)), _)) => respond(Source::Live(live)),
         Ok((Located::Here(Lookup::Stored(record)), _)) => match record.response {
-            Some(answer) => follow(st, Source::finished(&exec_id, answer), from, None),
+            Some(answer) => respond(Source::finished(&exec_id, answer)),
             None => ApiError::ExecutionNotFound.into_response(),
         },
         Ok((Located::Here(Lookup::Unknown), _)) => ApiError::ExecutionNotFound.into_response(),

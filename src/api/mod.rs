@@ -46,6 +46,8 @@ pub struct AppState {
     pub store: Arc<dyn StateStore>,
     pub metrics: Arc<Metrics>,
     pub draining: AtomicBool,
+    /// Server-Sent Event streams open now (at most `executions.max_open_streams`).
+    pub open_streams: std::sync::atomic::AtomicUsize,
     pub instance_id: String,
     /// What the kernel offers the local backend (None when it is not configured).
     pub host_probe: Option<crate::sandbox::probe::HostProbe>,

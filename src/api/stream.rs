@@ -11,6 +11,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -20,6 +21,7 @@ use futures::Stream;
 use serde_json::{Value, json};
 
 use super::AppState;
+use super::error::ApiError;
 use crate::execution::runs::LiveRun;
 use crate::sandbox::StreamKind;
 use crate::state::StoredResponse;
@@ -28,8 +30,8 @@ use crate::state::StoredResponse;
 const HEARTBEAT: Duration = Duration::from_secs(15);
 /// The most output one event carries.
 const MAX_CHUNK: usize = 64 * 1024;
-/// The grace a stream's run gets when its client goes away and it asked for that to cancel it.
-const DISCONNECT_GRACE: Duration = Duration::from_secs(5);
+/// The grace a run gets when its caller goes away and asked for that to cancel it.
+pub const DISCONNECT_GRACE: Duration = Duration::from_secs(5);
 
 /// Where a stream's events come from.
 pub enum Source {
@@ -180,42 +182,78 @@ struct Follow {
     _open: OpenStream,
 }
 
-/// Counts an open stream, and cancels its run if the client goes away before the result when
+/// One of the `executions.max_open_streams` streams this daemon keeps open at once.
+pub struct StreamPermit {
+    st: Arc<AppState>,
+}
+
+impl StreamPermit {
+    /// A permit, unless every one is taken (429).
+    pub fn take(st: &Arc<AppState>) -> Result<StreamPermit, ApiError> {
+        let max = st.config.executions.max_open_streams;
+        st.open_streams
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .map_err(|_| {
+                ApiError::Overloaded(format!(
+                    "{max} streams are open (executions.max_open_streams)"
+                ))
+            })?;
+        st.metrics.open_streams.inc();
+        Ok(StreamPermit { st: st.clone() })
+    }
+}
+
+impl Drop for StreamPermit {
+    fn drop(&mut self) {
+        self.st.open_streams.fetch_sub(1, Ordering::SeqCst);
+        self.st.metrics.open_streams.dec();
+    }
+}
+
+/// Holds a stream's permit, and cancels its run if the client goes away before the result when
 /// the request asked for that.
 struct OpenStream {
-    st: Arc<AppState>,
-    cancel_on_disconnect: Option<(Arc<LiveRun>, String)>,
+    permit: StreamPermit,
+    cancel_on_disconnect: Option<Disconnect>,
     delivered: bool,
+}
+
+/// The run a stream's client asked to cancel if it goes away: the run, its owner, the request.
+pub struct Disconnect {
+    pub live: Arc<LiveRun>,
+    pub owner: String,
+    pub request_id: String,
 }
 
 impl Drop for OpenStream {
     fn drop(&mut self) {
-        self.st.metrics.open_streams.dec();
         if !self.delivered
-            && let Some((live, owner)) = &self.cancel_on_disconnect
-            && live.answered().is_none()
+            && let Some(d) = &self.cancel_on_disconnect
+            && d.live.answered().is_none()
         {
             tracing::info!(
-                exec_id = live.exec_id(),
+                exec_id = d.live.exec_id(),
                 "stream client gone: cancelling its run"
             );
-            self.st
+            self.permit
+                .st
                 .executions
-                .cancel(live, DISCONNECT_GRACE, owner, "stream-disconnect");
+                .cancel(&d.live, DISCONNECT_GRACE, &d.owner, &d.request_id);
         }
     }
 }
 
-/// The events of `source` from `from` (None: from the start, `start` event included). With
-/// `cancel_on_disconnect` (a live run and its owner) a client that goes away before the result
+/// The events of `source` from `from` (None: from the start, `start` event included), holding
+/// `permit` while open. With `cancel_on_disconnect` a client that goes away before the result
 /// cancels the run.
 pub fn follow(
-    st: Arc<AppState>,
+    permit: StreamPermit,
     source: Source,
     from: Option<Position>,
-    cancel_on_disconnect: Option<(Arc<LiveRun>, String)>,
+    cancel_on_disconnect: Option<Disconnect>,
 ) -> Response {
-    st.metrics.open_streams.inc();
     let changes = match &source {
         Source::Live(live) => Some(live.changes()),
         Source::Finished { .. } => None,
@@ -227,7 +265,7 @@ pub fn follow(
         changes,
         done: false,
         _open: OpenStream {
-            st,
+            permit,
             cancel_on_disconnect,
             delivered: false,
         },

@@ -8,6 +8,7 @@
 
 use std::fs;
 use std::io::{self, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -112,17 +113,44 @@ fn kill_pids(pids: &[i32]) {
 /// host's namespace, is left alone: its end is how the daemon learns that the sandbox is gone.
 /// Returns how many processes were signalled.
 pub fn terminate_command(cg: &dyn RunCgroup) -> usize {
-    let mut sent = 0;
-    for pid in cg.pids() {
-        if pid <= 0 || !in_child_namespace_not_init(pid) {
-            continue;
+    cg.pids()
+        .into_iter()
+        .filter(|&pid| pid > 0 && terminate_member(cg, pid))
+        .count()
+}
+
+/// SIGTERM to `pid` if it is a process of the run's command. A pidfd fixes which process the
+/// pid names before the checks: if that process exits and its pid is reused by a process outside
+/// the run before the signal, the signal fails (ESRCH) instead of reaching the newcomer. Without
+/// pidfds (Linux < 5.3) a plain kill(2) after the checks.
+fn terminate_member(cg: &dyn RunCgroup, pid: i32) -> bool {
+    // SAFETY: pidfd_open(2) takes a pid and flags and touches no memory of ours.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let member = || cg.pids().contains(&pid) && in_child_namespace_not_init(pid);
+    if raw < 0 {
+        if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOSYS) || !member() {
+            return false;
         }
-        // SAFETY: kill(2) with a positive pid read from the run's own cgroup; no memory involved.
-        if unsafe { libc::kill(pid, libc::SIGTERM) } == 0 {
-            sent += 1;
-        }
+        // SAFETY: kill(2) with a positive pid just read from the run's own cgroup.
+        return unsafe { libc::kill(pid, libc::SIGTERM) } == 0;
     }
-    sent
+    // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+    // Checked after the pidfd exists: a member now is the process the pidfd names, or that
+    // process is gone and the signal below fails.
+    if !member() {
+        return false;
+    }
+    // SAFETY: pidfd_send_signal(2) on our own pidfd, with no siginfo (null) and no flags.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            libc::SIGTERM,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        ) == 0
+    }
 }
 
 /// Whether `pid` lives in a pid namespace below ours and is not that namespace's init, from the
