@@ -870,6 +870,72 @@ async fn slow_header_client_is_cut_off_and_sigterm_drains() {
     assert_eq!(d.stop(), Some(0));
 }
 
+/// SIGTERM refuses (503) a request still waiting for a run slot: it does not start when the
+/// running one ends within the grace (only to be killed at its end); the running one finishes,
+/// and the audit log verifies.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_refuses_queued_requests_and_lets_the_running_one_finish() {
+    let mut d = Daemon::start_with(Opts {
+        config: Some(
+            "[server]\nshutdown_grace_seconds = 120\n\
+             concurrency = { local = 1, docker = 1, gvisor = 1 }\n\
+             queue = { max_waiting = 4, max_wait_ms = 120000 }\n"
+                .into(),
+        ),
+        ..Default::default()
+    });
+    let send = |code: &str| {
+        let body = json!({"action_type": "python", "command": "python3", "args": ["-c", code], "capability_token": d.cap_all()});
+        let req = d
+            .client
+            .post(format!("{}/execute", d.base))
+            .header("authorization", format!("Bearer {}", d.service_token()))
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        tokio::spawn(async move { req.send().await.expect("request").text().await })
+    };
+    let running = send("import time; time.sleep(15); print('finished')");
+    wait_for_metric_line(&d, "executor_runs_live 1").await;
+    let queued = send("print('queued-run-started')");
+    wait_for_metric_line(&d, "executor_queue_waiting{backend=\"local\"} 1").await;
+    // SAFETY: signal our own child.
+    unsafe { libc::kill(d.pid(), libc::SIGTERM) };
+    let queued: Value = serde_json::from_str(&queued.await.unwrap().unwrap()).unwrap();
+    assert_eq!(queued["error_type"], "SandboxUnavailable", "{queued}");
+    assert!(
+        queued["error"].as_str().unwrap().contains("shutting down"),
+        "{queued}"
+    );
+    let running = running.await.unwrap().unwrap();
+    assert!(running.contains("\"stdout\":\"finished\\n\""), "{running}");
+    assert_eq!(d.stop(), Some(0));
+    let lines = d.audit_lines();
+    common::assert_runs_paired(&lines);
+    assert!(
+        !lines
+            .iter()
+            .any(|l| l.to_string().contains("queued-run-started")),
+        "the queued request started during the shutdown"
+    );
+    assert!(common::audit_verify(&d.audit).status.success());
+}
+
+/// Waits (at most 30 s) until the daemon's /metrics has exactly this line.
+async fn wait_for_metric_line(d: &Daemon, line: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = d.get("/metrics").await.text;
+        if m.lines().any(|l| l == line) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{line} never showed: {m}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[test]
 fn cli_mint_check_config_and_token_hash() {
     let dir = tempfile::tempdir().unwrap();

@@ -234,6 +234,69 @@ async fn a_client_that_disconnects_leaves_a_result_that_can_be_fetched() {
     }
 }
 
+/// A caller that goes away while its request still waits for a run slot gives its place in the
+/// queue back, and nothing runs for it: its Idempotency-Key is free again for a retry, and the
+/// place is there for the next request.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_caller_that_goes_away_while_queued_gives_its_place_back_and_runs_nothing() {
+    let d = Daemon::start_with(common::Opts {
+        config: Some(
+            "[server]\nconcurrency = { local = 1, docker = 1, gvisor = 1 }\n\
+             queue = { max_waiting = 1, max_wait_ms = 120000 }\n"
+                .into(),
+        ),
+        ..Default::default()
+    });
+    let svc = d.service_token();
+    // The one local slot is taken until the test cancels it.
+    let blocker = start_async(&d, py("import time\ntime.sleep(120)", &marker())).await;
+    let m = marker();
+    let mut body = py("print('ran for a caller that left')", &m);
+    body["capability_token"] = json!(d.cap_all());
+    body["cancel_on_disconnect"] = json!(true);
+    let send = {
+        let (client, url, svc, body) = (
+            d.client.clone(),
+            format!("{}/execute", d.base),
+            bearer(&svc),
+            body.to_string(),
+        );
+        move || {
+            client
+                .post(&url)
+                .header("authorization", &svc)
+                .header("idempotency-key", "queued-then-gone")
+                .header("content-type", "application/json")
+                .body(body.clone())
+                .send()
+        }
+    };
+    let gone = tokio::spawn(send());
+    wait_for_metric(&d, "executor_queue_waiting{backend=\"local\"} 1").await;
+    // The caller goes away: its connection closes with the request unanswered.
+    gone.abort();
+    assert!(gone.await.unwrap_err().is_cancelled());
+    wait_for_metric(&d, "executor_queue_waiting{backend=\"local\"} 0").await;
+
+    // Its key is not held by a request nobody waits for: the retry waits for the slot itself.
+    let retry = tokio::spawn(send());
+    wait_for_metric(&d, "executor_queue_waiting{backend=\"local\"} 1").await;
+    let r = cancel(&d, &blocker, &svc, r#"{"grace_seconds": 0}"#).await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let retried = read(retry.await.unwrap().expect("retry")).await;
+    assert_eq!(retried.status, 200, "{}", retried.text);
+    assert_eq!(retried.json["stdout"], "ran for a caller that left\n");
+    // Exactly one run of that request: the retry's.
+    let starts = d
+        .audit_lines()
+        .into_iter()
+        .filter(|l| l["event"] == "execution_start" && l.to_string().contains(&m))
+        .count();
+    assert_eq!(starts, 1, "a run started for the caller that left");
+    wait_for_metric(&d, "executor_runs_live 0").await;
+    assert!(common::audit_verify(&d.audit).status.success());
+}
+
 /// A run that ignores SIGTERM and leaves a double-forked setsid child: a cancel sends SIGTERM
 /// to all of them, waits the grace, then kills everything, checked from the host; the outcome is
 /// `cancelled`, the cancel is audited with who asked, a repeat gets the same answer and a cancel

@@ -16,6 +16,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Map, Value};
+use tokio::sync::watch;
 
 use super::error::ApiError;
 use super::stream::{self, DISCONNECT_GRACE, Disconnect, Source, StreamPermit};
@@ -112,6 +113,7 @@ impl ExecuteRequest {
                 model: self.model,
             },
             idempotency_key,
+            abandoned: None,
         }
     }
 }
@@ -231,11 +233,42 @@ pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response 
     resp
 }
 
-/// The run a synchronous request that said `cancel_on_disconnect` waits for, once it started.
+/// Whether the caller of a request went away before its answer, and the run a synchronous
+/// request that said `cancel_on_disconnect` waits for, once it started.
 #[derive(Default)]
-struct DisconnectCancel(std::sync::Mutex<Option<Disconnect>>);
+struct DisconnectCancel {
+    run: std::sync::Mutex<Option<Disconnect>>,
+    /// Raised when the caller goes away: a request still waiting for a run slot gives up.
+    gone: watch::Sender<bool>,
+}
 
-/// Dropped while armed (the client went away before the answer): cancels the run it names.
+impl DisconnectCancel {
+    /// Names the run to cancel if the caller goes away; cancels it at once if it already has.
+    fn arm(&self, st: &AppState, d: Disconnect) {
+        *self.run.lock().unwrap_or_else(|p| p.into_inner()) = Some(d);
+        if *self.gone.borrow() {
+            self.cancel_named(st);
+        }
+    }
+
+    /// Cancels the named run unless it has answered; whoever takes the name first cancels it.
+    fn cancel_named(&self, st: &AppState) {
+        let named = self.run.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(d) = named
+            && d.live.answered().is_none()
+        {
+            tracing::info!(
+                exec_id = d.live.exec_id(),
+                "client gone: cancelling its run"
+            );
+            st.executions
+                .cancel(&d.live, DISCONNECT_GRACE, &d.owner, &d.request_id);
+        }
+    }
+}
+
+/// Dropped while armed (the client went away before the answer): the request gives up its
+/// place in a queue, and the run it names is cancelled.
 struct CancelIfDropped {
     st: Arc<AppState>,
     cancel: Arc<DisconnectCancel>,
@@ -247,23 +280,10 @@ impl Drop for CancelIfDropped {
         if !self.armed {
             return;
         }
-        let named = self
-            .cancel
-            .0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let Some(d) = named
-            && d.live.answered().is_none()
-        {
-            tracing::info!(
-                exec_id = d.live.exec_id(),
-                "client gone: cancelling its run"
-            );
-            self.st
-                .executions
-                .cancel(&d.live, DISCONNECT_GRACE, &d.owner, &d.request_id);
-        }
+        // Raised before the name is read: a run named after this sees the flag and cancels
+        // itself (DisconnectCancel::arm).
+        self.cancel.gone.send_replace(true);
+        self.cancel.cancel_named(&self.st);
     }
 }
 
@@ -495,7 +515,7 @@ async fn handle(
         None => None,
     };
     let cancel_on_disconnect = req.cancel_on_disconnect;
-    let request = req.into_execution(
+    let mut request = req.into_execution(
         known,
         cap,
         action,
@@ -503,6 +523,7 @@ async fn handle(
         mode != Mode::Sync,
         idem.as_ref().map(|l| l.key.scoped()),
     );
+    request.abandoned = Some(on_disconnect.gone.subscribe());
     let owner = owner_of(request.subject.as_deref());
     let request_id = request.request_id.clone();
     // A stream's permit is taken before anything runs: a refused stream runs nothing.
@@ -589,11 +610,14 @@ async fn run_request(
         Mode::Sync => {}
     }
     if cancel_on_disconnect {
-        *on_disconnect.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(Disconnect {
-            live: live.clone(),
-            owner,
-            request_id,
-        });
+        on_disconnect.arm(
+            st,
+            Disconnect {
+                live: live.clone(),
+                owner,
+                request_id,
+            },
+        );
     }
     let mut answer = live.answer();
     let answered = answer

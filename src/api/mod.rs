@@ -147,6 +147,8 @@ pub async fn run(
         });
     }
     state.draining.store(true, Ordering::SeqCst);
+    // Requests still waiting for a run slot are refused now: nothing new starts while draining.
+    state.executions.close_queue();
     drop(listener);
     tracing::info!("shutdown: draining in-flight executions");
     let grace = Duration::from_secs(state.config.server.shutdown_grace_seconds);

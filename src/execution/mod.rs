@@ -73,6 +73,10 @@ pub struct ExecutionRequest {
     /// The Idempotency-Key the execution holds, as the state store scopes it (its audit lines
     /// carry it, so a daemon that stops mid-run can release it at its next start).
     pub idempotency_key: Option<String>,
+    /// Raised when whoever asked for the execution stops waiting for it. A request still
+    /// queued for a run slot then gives its place back and runs nothing; a run that started is
+    /// not touched by it.
+    pub abandoned: Option<watch::Receiver<bool>>,
 }
 
 /// What an `external` request carries for the executor's envelope and runtime model.
@@ -199,6 +203,13 @@ pub async fn claim_single_use(store: &dyn StateStore, token: &Verified) -> Resul
     }
 }
 
+/// Resolves when the flag becomes true; never when its sender is gone with it still false.
+async fn raised(flag: &mut watch::Receiver<bool>) {
+    if flag.wait_for(|v| *v).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// The run slots of one backend, at most `size` of its executions at once, and the queue in
 /// front of them.
 struct RunSlots {
@@ -261,7 +272,8 @@ pub struct ExecutionService {
     default_image: String,
     /// Flipped to true when running executions must be killed (the shutdown grace is over):
     /// requests still waiting for a run slot are refused.
-    kill_switch: watch::Sender<bool>,
+    /// Raised when the daemon starts shutting down: no request waits for a run slot any more.
+    queue_closed: watch::Sender<bool>,
     /// The runs that have not finished.
     runs: Arc<Runs>,
     /// This daemon instance (run records name the replica that runs them).
@@ -316,7 +328,7 @@ impl ExecutionService {
             audit,
             metrics,
             default_image: config.sandbox.docker.image.clone(),
-            kill_switch: watch::channel(false).0,
+            queue_closed: watch::channel(false).0,
             runs: Arc::new(Runs::default()),
             instance: instance.to_string(),
             address: std::sync::OnceLock::new(),
@@ -336,11 +348,18 @@ impl ExecutionService {
         &self.backends
     }
 
+    /// Refuses (503) the requests waiting for a run slot and every request that comes for one
+    /// from now on: a daemon that is shutting down starts nothing new, a queued request included
+    /// (it would only be killed at the end of the grace, half done).
+    pub fn close_queue(&self) {
+        self.queue_closed.send_replace(true);
+    }
+
     /// Kills every running execution (each ends with `killed_reason: signal`), and every one
-    /// admitted from now on as soon as it starts; requests waiting for a run slot are refused
-    /// (503). The same stop control as a cancel, with no grace.
+    /// admitted from now on as soon as it starts; closes the queue ([`Self::close_queue`]). The
+    /// same stop control as a cancel, with no grace.
     pub fn kill_running(&self) {
-        let _ = self.kill_switch.send(true);
+        self.close_queue();
         self.runs.stop_all(Stop {
             reason: KilledReason::Signal,
             grace: Duration::ZERO,
@@ -390,7 +409,7 @@ impl ExecutionService {
                 plan.backend.as_str()
             ))
         })?;
-        let slot = self.take_slot(plan.backend).await?;
+        let slot = self.take_slot(plan.backend, req.abandoned.as_ref()).await?;
 
         let exec_id = format!("exec-{}", uuid::Uuid::new_v4().simple());
         let (mut spec, invocation_hash) = self.run_spec(&exec_id, &plan, &req, external.as_ref());
@@ -457,15 +476,22 @@ impl ExecutionService {
 
     /// A run slot of `backend`: a free one at once, else the first one freed after the requests
     /// queued before this one, within `server.queue.max_wait_ms`. Overloaded when the queue is
-    /// full or the wait runs out; Unavailable when the daemon starts killing its runs meanwhile.
+    /// full, the wait runs out or the caller raises `abandoned` meanwhile (its place is given
+    /// back either way); Unavailable once the daemon is shutting down ([`Self::close_queue`]).
     async fn take_slot(
         &self,
         backend: BackendKind,
+        abandoned: Option<&watch::Receiver<bool>>,
     ) -> Result<OwnedSemaphorePermit, ExecutionError> {
         let slots = self
             .slots
             .get(&backend)
             .ok_or_else(|| ExecutionError::Unavailable("no run slots".into()))?;
+        let shutting_down = || ExecutionError::Unavailable("the daemon is shutting down".into());
+        let mut closed = self.queue_closed.subscribe();
+        if *closed.borrow_and_update() {
+            return Err(shutting_down());
+        }
         let label = [backend.as_str()];
         let waited = self.metrics.queue_wait.with_label_values(&label);
         if let Ok(slot) = slots.free.clone().try_acquire_owned() {
@@ -482,11 +508,21 @@ impl ExecutionService {
             )));
         };
         let since = std::time::Instant::now();
-        let mut killing = self.kill_switch.subscribe();
+        let mut abandoned = abandoned.cloned();
+        let caller_left = async {
+            match abandoned.as_mut() {
+                Some(flag) => raised(flag).await,
+                None => std::future::pending().await,
+            }
+        };
         let slot = tokio::select! {
             slot = tokio::time::timeout(self.queue.max_wait, slots.free.clone().acquire_owned()) => slot,
-            _ = killing.wait_for(|kill| *kill) => {
-                return Err(ExecutionError::Unavailable("the daemon is shutting down".into()));
+            _ = raised(&mut closed) => return Err(shutting_down()),
+            _ = caller_left => {
+                return Err(ExecutionError::Overloaded(format!(
+                    "the caller went away while waiting for a {} run slot",
+                    backend.as_str()
+                )));
             }
         };
         waited.observe(since.elapsed().as_secs_f64());

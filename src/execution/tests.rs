@@ -156,6 +156,7 @@ fn request(command: &str, single_use: Option<&str>) -> ExecutionRequest {
         metadata: Some(Map::from_iter([("job".to_string(), json!("j-7"))])),
         external: ExternalParts::default(),
         idempotency_key: None,
+        abandoned: None,
     }
 }
 
@@ -424,6 +425,67 @@ async fn waiting_requests_are_refused_when_runs_are_killed() {
         "{refused:?}"
     );
     assert_eq!(f.lines().len(), 1, "the refused request never started");
+}
+
+/// A waiter whose caller raises `abandoned` gives its place back and starts nothing; once the
+/// queue is closed (shutdown), waiters and newcomers are refused even when a slot is free.
+#[tokio::test]
+async fn an_abandoned_waiter_leaves_and_a_closed_queue_admits_nothing() {
+    let f = Fixture::with(said_hi, |c| {
+        c.server.concurrency.local = 1;
+        c.server.queue.max_waiting = 1;
+    });
+    let depth = || {
+        f.service
+            .metrics
+            .queue_waiting
+            .with_label_values(&["local"])
+            .get()
+    };
+    let first = f.service.admit(request("echo", None)).await.unwrap();
+    let (gone, abandoned) = watch::channel(false);
+    let mut req = request("echo", Some("j-gone"));
+    req.abandoned = Some(abandoned);
+    let mut waiting = std::pin::pin!(f.service.admit(req));
+    assert!(
+        tokio::time::timeout(STILL_WAITING, &mut waiting)
+            .await
+            .is_err()
+    );
+    assert_eq!(depth(), 1);
+    gone.send_replace(true);
+    let left = waiting.await;
+    let Err(ExecutionError::Overloaded(detail)) = &left else {
+        panic!("{left:?}")
+    };
+    assert!(detail.contains("the caller went away"), "{detail}");
+    assert_eq!(depth(), 0);
+
+    let mut queued = std::pin::pin!(f.service.admit(request("echo", Some("j-gone"))));
+    assert!(
+        tokio::time::timeout(STILL_WAITING, &mut queued)
+            .await
+            .is_err()
+    );
+    f.service.close_queue();
+    let refused = queued.await;
+    assert!(
+        matches!(refused, Err(ExecutionError::Unavailable(_))),
+        "{refused:?}"
+    );
+    drop(first);
+    let late = f.service.admit(request("echo", Some("j-gone"))).await;
+    assert!(
+        matches!(late, Err(ExecutionError::Unavailable(_))),
+        "{late:?}"
+    );
+    assert_eq!(depth(), 0);
+    let starts = f
+        .lines()
+        .iter()
+        .filter(|l| l["event"] == "execution_start")
+        .count();
+    assert_eq!(starts, 1, "only the first request started");
 }
 
 /// A request the policy refuses does not use its single-use token up; a replay of a used one is
