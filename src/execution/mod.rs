@@ -270,8 +270,6 @@ pub struct ExecutionService {
     metrics: Arc<Metrics>,
     /// The image of container runs whose profile names none.
     default_image: String,
-    /// Flipped to true when running executions must be killed (the shutdown grace is over):
-    /// requests still waiting for a run slot are refused.
     /// Raised when the daemon starts shutting down: no request waits for a run slot any more.
     queue_closed: watch::Sender<bool>,
     /// The runs that have not finished.
