@@ -636,7 +636,8 @@ pub struct Sse {
     pub event: String,
     pub id: String,
     pub data: Value,
-    pub at: std::time::Instant,
+    /// When the client read it, in unix seconds (comparable with stamps a run prints).
+    pub read_at: f64,
 }
 
 /// Reads the events of an open SSE response.
@@ -667,7 +668,10 @@ impl SseReader {
                     event,
                     id,
                     data: serde_json::from_str(&data).expect("event data is JSON"),
-                    at: std::time::Instant::now(),
+                    read_at: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .expect("clock after 1970")
+                        .as_secs_f64(),
                 });
             }
             match self.resp.chunk().await.expect("stream read") {
