@@ -7,12 +7,12 @@
 //!
 //! Run: `scripts/bench.sh` (builds release and runs this as root). Prints p50/p95/p99 and ratios.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use executor_arm::auth::{MintRequest, mint_hs256};
 use executor_arm::config::TokenKind;
+
+mod support;
 
 const N: usize = 500;
 const WARMUP: usize = 20;
@@ -52,49 +52,9 @@ fn time_cmd(argv: &[&str], n: usize, out: &mut Vec<Duration>) {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let secret = "bench-secret-0123456789abcdef0123456789abcdef";
-    std::fs::write(dir.path().join("secret"), secret).expect("secret");
-    let bin =
-        std::env::var("EXECUTOR_ARM_BIN").unwrap_or_else(|_| "target/release/executor-arm".into());
-    let mut child = Command::new(&bin)
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .env("EXECUTOR_ARM_JWT_SECRET_FILE", dir.path().join("secret"))
-        .env("EXECUTOR_ARM_AUDIT_LOG", dir.path().join("audit.jsonl"))
-        // Production logging (every execution is also logged): the cost is part of the figure.
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start daemon");
-    let stderr = child.stderr.take().expect("stderr");
-    let (tx, rx) = std::sync::mpsc::channel();
-    // Keep draining the daemon's log so it never blocks on a full pipe.
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains("\"listening\"")
-                && let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
-            {
-                let _ = tx.send(v["fields"]["addr"].as_str().unwrap_or_default().to_string());
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("daemon address");
-    let mint = |kind, caps: &[&str]| {
-        mint_hs256(
-            secret.as_bytes(),
-            &MintRequest {
-                kind: Some(kind),
-                capabilities: caps.iter().map(|s| s.to_string()).collect(),
-                ttl_seconds: 3000,
-                aud: "executor-arm".into(),
-                sub: Some("bench".into()),
-                ..Default::default()
-            },
-        )
-        .expect("mint")
-    };
+    let daemon = support::Daemon::start(&[]);
+    let addr = daemon.addr.clone();
+    let mint = |kind, caps: &[&str]| daemon.mint(kind, caps);
     let svc = format!("Bearer {}", mint(TokenKind::Service, &[]));
     let body = serde_json::json!({"action_type": "shell", "command": "echo", "args": ["hi"], "capability_token": mint(TokenKind::Capability, &["ShellExecute"])}).to_string();
     let client = reqwest::Client::builder()
@@ -153,9 +113,7 @@ async fn main() {
         tokio::time::sleep(SPORADIC_GAP).await;
         time_cmd(&bwrap, 1, &mut bw_idle);
     }
-    // SAFETY: signal our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let _ = child.wait();
+    drop(daemon);
 
     println!(
         "executor-arm local backend benchmark ({N} sequential requests per series, interleaved in \

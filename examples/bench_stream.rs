@@ -13,10 +13,11 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use executor_arm::auth::{MintRequest, mint_hs256};
 use executor_arm::config::TokenKind;
+
+mod support;
 
 const LINES: usize = 20;
 const LATENCY_RUNS: usize = 15;
@@ -89,48 +90,9 @@ async fn read_events(mut resp: reqwest::Response, mut on: impl FnMut(&str, &serd
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let runtime = std::env::var("SANDBOX_RUNTIME").unwrap_or_else(|_| "local".into());
-    let dir = tempfile::tempdir().expect("tempdir");
-    let secret = "bench-secret-0123456789abcdef0123456789abcdef";
-    std::fs::write(dir.path().join("secret"), secret).expect("secret");
-    let bin =
-        std::env::var("EXECUTOR_ARM_BIN").unwrap_or_else(|_| "target/release/executor-arm".into());
-    let mut child = Command::new(&bin)
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .env("EXECUTOR_ARM_JWT_SECRET_FILE", dir.path().join("secret"))
-        .env("EXECUTOR_ARM_AUDIT_LOG", dir.path().join("audit.jsonl"))
-        .env("SANDBOX_RUNTIME", &runtime)
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start daemon");
-    let stderr = child.stderr.take().expect("stderr");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains("\"listening\"")
-                && let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
-            {
-                let _ = tx.send(v["fields"]["addr"].as_str().unwrap_or_default().to_string());
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("daemon address");
-    let mint = |kind, caps: &[&str]| {
-        mint_hs256(
-            secret.as_bytes(),
-            &MintRequest {
-                kind: Some(kind),
-                capabilities: caps.iter().map(|s| s.to_string()).collect(),
-                ttl_seconds: 3000,
-                aud: "executor-arm".into(),
-                sub: Some("bench".into()),
-                ..Default::default()
-            },
-        )
-        .expect("mint")
-    };
+    let daemon = support::Daemon::start(&[("SANDBOX_RUNTIME", runtime.as_str())]);
+    let addr = daemon.addr.clone();
+    let mint = |kind, caps: &[&str]| daemon.mint(kind, caps);
     let svc = format!("Bearer {}", mint(TokenKind::Service, &[]));
     let cap = mint(TokenKind::Capability, &["ShellExecute", "PythonExecute"]);
     let client = reqwest::Client::builder()
@@ -213,9 +175,7 @@ async fn main() {
             streamed.push(stream_once().await);
         }
     }
-    // SAFETY: signal our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let _ = child.wait();
+    drop(daemon);
 
     println!(
         "executor-arm streaming benchmark, SANDBOX_RUNTIME={runtime} ({LATENCY_RUNS} runs of \
