@@ -753,3 +753,55 @@ async fn streams_over_the_limit_are_refused_before_anything_runs() {
     let mut again = follow_stream(&d, &exec_id, None).await;
     assert_eq!(again.rest().await.last().unwrap().event, "result");
 }
+
+/// A run cancelled with a long grace is still killed when the daemon's own shutdown grace runs
+/// out first: the shutdown's kill is not lost behind the cancel's grace, the run's end is
+/// audited and nothing of it is left.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shutdown_kills_a_run_still_in_its_cancel_grace() {
+    let mut d = Daemon::start_with(common::Opts {
+        config: Some("[server]\nshutdown_grace_seconds = 1\n".into()),
+        ..Default::default()
+    });
+    let svc = d.service_token();
+    let m = marker();
+    let code = "import signal, time\n\
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)\n\
+                while True: time.sleep(0.05)";
+    let exec_id = start_async(&d, py(code, &m)).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // Cancel only once SIGTERM is ignored, as the kernel shows it (SigIgn bit 14).
+    loop {
+        let ignored = pids_with_cmdline(&m).first().is_some_and(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .unwrap_or_default()
+                .lines()
+                .find_map(|l| l.strip_prefix("SigIgn:"))
+                .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+                .is_some_and(|mask| mask & (1 << 14) != 0)
+        });
+        if ignored {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the run never ignored SIGTERM");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = cancel(&d, &exec_id, &svc, r#"{"grace_seconds": 30}"#).await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let stopping = Instant::now();
+    assert_eq!(d.stop(), Some(0));
+    assert!(
+        stopping.elapsed() < Duration::from_secs(4),
+        "the daemon took {:?} to stop: the shutdown waited for the cancel's grace",
+        stopping.elapsed()
+    );
+    let lines = audit_lines_of(&d, &exec_id);
+    let events: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
+    assert_eq!(
+        events,
+        ["execution_start", "execution_cancel", "execution"],
+        "{lines:?}"
+    );
+    assert_eq!(lines[2]["killed_reason"], "cancelled");
+    assert!(pids_with_cmdline(&m).is_empty(), "processes left");
+}
