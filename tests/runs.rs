@@ -805,3 +805,52 @@ async fn a_shutdown_kills_a_run_still_in_its_cancel_grace() {
     assert_eq!(lines[2]["killed_reason"], "cancelled");
     assert!(pids_with_cmdline(&m).is_empty(), "processes left");
 }
+
+/// A stream refused for want of a place (429, Retry-After 1) gives its Idempotency-Key back: a
+/// retry with the same key once a place is free streams the run instead of being told for the
+/// key's whole lease that the refused request is still in progress.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_refused_over_the_limit_releases_its_idempotency_key() {
+    let d = Daemon::start_with(common::Opts {
+        config: Some("[executions]\nmax_open_streams = 1\n".into()),
+        ..Default::default()
+    });
+    let mut first = open_stream(
+        &d,
+        py(
+            "print('up', flush=True)\nimport time\ntime.sleep(0.5)",
+            &marker(),
+        ),
+    )
+    .await;
+    first.next().await.expect("start");
+    let mut body = py("print('retried')", &marker());
+    body["capability_token"] = json!(d.cap_all());
+    let key = uuid::Uuid::new_v4().to_string();
+    let (svc, body) = (d.service_token(), body.to_string());
+    let send = || {
+        d.client
+            .post(format!("{}/execute", d.base))
+            .header("authorization", bearer(&svc))
+            .header("content-type", "application/json")
+            .header("accept", "text/event-stream")
+            .header("idempotency-key", &key)
+            .body(body.clone())
+            .send()
+    };
+    let refused = send().await.unwrap();
+    assert_eq!(refused.status().as_u16(), 429);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    drop(refused);
+    first.rest().await;
+    drop(first);
+    wait_for_metric(&d, "executor_open_streams 0").await;
+    let retried = send().await.unwrap();
+    let status = retried.status().as_u16();
+    let text = if status == 200 {
+        String::new()
+    } else {
+        retried.text().await.unwrap_or_default()
+    };
+    assert_eq!(status, 200, "the retry was refused: {text}");
+}
