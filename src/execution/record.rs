@@ -209,7 +209,7 @@ pub async fn record_interrupted(
         };
         record(audit, metrics, &event);
         metrics.interrupted_runs.inc();
-        finish_record(store, &i, retention).await;
+        finish_record(store, i, retention).await;
         let Some(scoped) = &i.run.idempotency_key else {
             continue;
         };
