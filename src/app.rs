@@ -68,7 +68,13 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
             config.auth.leeway_seconds,
         )),
     };
-    crate::execution::record::record_interrupted(&audit, &*store, &metrics).await;
+    crate::execution::record::record_interrupted(
+        &audit,
+        &*store,
+        &metrics,
+        std::time::Duration::from_secs(config.executions.retention_seconds),
+    )
+    .await;
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
     let egress = egress_settings(&config);
     let local = LocalSandbox::new(

@@ -485,3 +485,52 @@ async fn redis_a_dead_daemons_key_lapses_and_a_live_runs_key_is_renewed() {
     assert_eq!(r.json["stdout"], "started\nreleased\n", "{}", r.text);
     assert_ne!(r.json["exec_id"], exec_id.as_str());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Run records of a run in flight at a crash
+// ---------------------------------------------------------------------------------------------
+
+/// An async run killed with its daemon is not "running" for ever after the restart: its record in
+/// the shared store says it finished, with the error its audit line records, so a caller polling
+/// `GET /v1/executions/{id}` learns it ended (instead of "running" until the record's TTL, and a
+/// 503 for its stream and cancel).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_an_async_run_in_flight_at_a_crash_is_finished_after_the_restart() {
+    let url = redis_url();
+    let opts = Opts {
+        env: vec![("EXECUTOR_ARM_REDIS_URL".into(), url)],
+        ..Default::default()
+    };
+    let mut d = Daemon::start_with(opts.clone());
+    let m = marker();
+    let mut body = json!({"action_type": "python", "command": "python3",
+        "args": ["-c", format!("# {m}\nimport time\ntime.sleep(300)")],
+        "timeout_seconds": 300, "async": true});
+    body["capability_token"] = json!(d.cap_all());
+    let r = d.exec(body).await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let exec_id = r.json["exec_id"].as_str().unwrap().to_string();
+    wait_until("the run's processes on the host", BOUND, || {
+        !pids_with_cmdline(&m).is_empty()
+    });
+    d.kill9();
+    let d = d.restart(opts);
+    let r = d.get_authorized(&format!("/v1/executions/{exec_id}")).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["status"], "finished", "{}", r.text);
+    assert_eq!(r.json["http_status"], 503, "{}", r.text);
+    assert_eq!(
+        r.json["result"]["error_type"], "DaemonStopped",
+        "{}",
+        r.text
+    );
+    assert_eq!(r.json["result"]["retryable"], true, "{}", r.text);
+    let cancel = d
+        .post(
+            &format!("/v1/executions/{exec_id}/cancel"),
+            &[("authorization", &format!("Bearer {}", d.service_token()))],
+            String::new(),
+        )
+        .await;
+    assert_eq!(cancel.status, 409, "{}", cancel.text);
+}

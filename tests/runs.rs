@@ -746,3 +746,104 @@ async fn streams_over_the_limit_are_refused_before_anything_runs() {
     let mut again = follow_stream(&d, &exec_id, None).await;
     assert_eq!(again.rest().await.last().unwrap().event, "result");
 }
+
+/// A run cancelled with a long grace is still killed when the daemon's own shutdown grace runs
+/// out first: the shutdown's kill is not lost behind the cancel's grace, the run's end is
+/// audited and nothing of it is left.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shutdown_kills_a_run_still_in_its_cancel_grace() {
+    let mut d = Daemon::start_with(common::Opts {
+        config: Some("[server]\nshutdown_grace_seconds = 1\n".into()),
+        ..Default::default()
+    });
+    let svc = d.service_token();
+    let m = marker();
+    let code = "import signal, time\n\
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)\n\
+                while True: time.sleep(0.05)";
+    let exec_id = start_async(&d, py(code, &m)).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // Cancel only once SIGTERM is ignored, as the kernel shows it (SigIgn bit 14).
+    loop {
+        let ignored = pids_with_cmdline(&m).first().is_some_and(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .unwrap_or_default()
+                .lines()
+                .find_map(|l| l.strip_prefix("SigIgn:"))
+                .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+                .is_some_and(|mask| mask & (1 << 14) != 0)
+        });
+        if ignored {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the run never ignored SIGTERM");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = cancel(&d, &exec_id, &svc, r#"{"grace_seconds": 30}"#).await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let stopping = Instant::now();
+    assert_eq!(d.stop(), Some(0));
+    assert!(
+        stopping.elapsed() < Duration::from_secs(4),
+        "the daemon took {:?} to stop: the shutdown waited for the cancel's grace",
+        stopping.elapsed()
+    );
+    let lines = audit_lines_of(&d, &exec_id);
+    let events: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
+    assert_eq!(
+        events,
+        ["execution_start", "execution_cancel", "execution"],
+        "{lines:?}"
+    );
+    assert_eq!(lines[2]["killed_reason"], "cancelled");
+    assert!(pids_with_cmdline(&m).is_empty(), "processes left");
+}
+
+/// A stream refused for want of a place (429, Retry-After 1) gives its Idempotency-Key back: a
+/// retry with the same key once a place is free streams the run instead of being told for the
+/// key's whole lease that the refused request is still in progress.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_refused_over_the_limit_releases_its_idempotency_key() {
+    let d = Daemon::start_with(common::Opts {
+        config: Some("[executions]\nmax_open_streams = 1\n".into()),
+        ..Default::default()
+    });
+    let mut first = open_stream(
+        &d,
+        py(
+            "print('up', flush=True)\nimport time\ntime.sleep(0.5)",
+            &marker(),
+        ),
+    )
+    .await;
+    first.next().await.expect("start");
+    let mut body = py("print('retried')", &marker());
+    body["capability_token"] = json!(d.cap_all());
+    let key = uuid::Uuid::new_v4().to_string();
+    let (svc, body) = (d.service_token(), body.to_string());
+    let send = || {
+        d.client
+            .post(format!("{}/execute", d.base))
+            .header("authorization", bearer(&svc))
+            .header("content-type", "application/json")
+            .header("accept", "text/event-stream")
+            .header("idempotency-key", &key)
+            .body(body.clone())
+            .send()
+    };
+    let refused = send().await.unwrap();
+    assert_eq!(refused.status().as_u16(), 429);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    drop(refused);
+    first.rest().await;
+    drop(first);
+    wait_for_metric(&d, "executor_open_streams 0").await;
+    let retried = send().await.unwrap();
+    let status = retried.status().as_u16();
+    let text = if status == 200 {
+        String::new()
+    } else {
+        retried.text().await.unwrap_or_default()
+    };
+    assert_eq!(status, 200, "the retry was refused: {text}");
+}

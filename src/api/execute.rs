@@ -526,9 +526,21 @@ async fn handle(
     request.abandoned = Some(on_disconnect.gone.subscribe());
     let owner = owner_of(request.subject.as_deref());
     let request_id = request.request_id.clone();
-    // A stream's permit is taken before anything runs: a refused stream runs nothing.
+    // A stream's permit is taken before anything runs: a refused stream runs nothing, and gives
+    // its Idempotency-Key back so that the retry its 429 invites is not refused as in progress.
     let permit = match mode {
-        Mode::Stream => Some(StreamPermit::take(st)?),
+        Mode::Stream => match StreamPermit::take(st) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                if let Some(lease) = idem {
+                    let key = lease.stop();
+                    if let Err(e) = st.store.idempotency_release(&key, &st.instance_id).await {
+                        tracing::error!(error = %e, "idempotency key not released");
+                    }
+                }
+                return Err(e);
+            }
+        },
         Mode::Sync | Mode::Async => None,
     };
     let answered = run_request(st, request, mode, on_disconnect, cancel_on_disconnect).await;

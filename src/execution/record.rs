@@ -13,7 +13,7 @@ use crate::policy::Plan;
 use crate::provenance::audit::{self, AuditError, AuditEvent, AuditLog, RunEnd};
 use crate::provenance::command_hash;
 use crate::sandbox::RunOutcome;
-use crate::state::{IdemKey, StateStore};
+use crate::state::{IdemKey, StateStore, StoredExecution, StoredResponse};
 
 /// Longest refusal reason an audit line carries, in characters.
 const MAX_REASON_CHARS: usize = 512;
@@ -183,9 +183,15 @@ impl Drop for AdmittedRun {
 }
 
 /// Ends the runs an earlier daemon process started on this audit log and never ended (it
-/// stopped mid-run: a crash, a kill): one `execution_error` line each, and the Idempotency-Key
+/// stopped mid-run: a crash, a kill): one `execution_error` line each, the run's record finished
+/// with that error (kept `retention`; it said "running" until then), and the Idempotency-Key
 /// such a run held is released so that a retry runs. Called once at start, before serving.
-pub async fn record_interrupted(audit: &AuditLog, store: &dyn StateStore, metrics: &Metrics) {
+pub async fn record_interrupted(
+    audit: &AuditLog,
+    store: &dyn StateStore,
+    metrics: &Metrics,
+    retention: std::time::Duration,
+) {
     for i in audit.interrupted() {
         tracing::warn!(
             exec_id = %i.run.exec_id,
@@ -203,6 +209,7 @@ pub async fn record_interrupted(audit: &AuditLog, store: &dyn StateStore, metric
         };
         record(audit, metrics, &event);
         metrics.interrupted_runs.inc();
+        finish_record(store, i, retention).await;
         let Some(scoped) = &i.run.idempotency_key else {
             continue;
         };
@@ -213,6 +220,45 @@ pub async fn record_interrupted(audit: &AuditLog, store: &dyn StateStore, metric
         if let Err(e) = store.idempotency_release(&key, &i.instance).await {
             tracing::error!(exec_id = %i.run.exec_id, error = %e, "idempotency key of an interrupted run not released");
         }
+    }
+}
+
+/// Marks the record of interrupted run `i` finished, with a retryable 503 `DaemonStopped` as its
+/// answer, unless the store has its answer already.
+async fn finish_record(
+    store: &dyn StateStore,
+    i: &audit::Interrupted,
+    retention: std::time::Duration,
+) {
+    let key = IdemKey {
+        subject: super::owner_of(i.run.subject.as_deref()),
+        key: i.run.exec_id.clone(),
+    };
+    match store.execution_get(&key).await {
+        Ok(Some(r)) if r.response.is_some() => return,
+        Ok(_) => {}
+        Err(e) => {
+            tracing::error!(exec_id = %i.run.exec_id, error = %e, "record of an interrupted run not read");
+            return;
+        }
+    }
+    let finished = StoredExecution {
+        instance: i.instance.clone(),
+        address: None,
+        response: Some(StoredResponse {
+            status: 503,
+            body: serde_json::json!({
+                "success": false,
+                "error": format!("the daemon (instance {}) stopped during the run", i.instance),
+                "error_type": "DaemonStopped",
+                "retryable": true,
+            })
+            .to_string(),
+        }),
+        cancelled_by: None,
+    };
+    if let Err(e) = store.execution_put(&key, &finished, retention).await {
+        tracing::error!(exec_id = %i.run.exec_id, error = %e, "record of an interrupted run not finished");
     }
 }
 

@@ -94,6 +94,17 @@ impl LiveRun {
         })
     }
 
+    /// Shortens the grace of a stop already requested to `grace` (its reason stays).
+    fn shorten_stop(&self, grace: std::time::Duration) {
+        self.stop.send_if_modified(|s| match s {
+            Some(s) if s.grace > grace => {
+                s.grace = grace;
+                true
+            }
+            _ => false,
+        });
+    }
+
     /// Resolves with the run's answer once it has one.
     pub fn answer(&self) -> watch::Receiver<Option<Arc<StoredResponse>>> {
         self.answer.subscribe()
@@ -187,12 +198,15 @@ impl Runs {
         }
     }
 
-    /// Stops every live run, and every one registered from now on.
+    /// Stops every live run, and every one registered from now on. A run already stopping
+    /// with a longer grace (a caller's cancel) gets this one's: the shutdown's deadline holds.
     pub fn stop_all(&self, stop: Stop) {
         let mut inner = self.lock();
         inner.closing = Some(stop);
         for run in inner.live.values() {
-            run.request_stop(stop);
+            if !run.request_stop(stop) {
+                run.shorten_stop(stop.grace);
+            }
         }
     }
 

@@ -59,9 +59,9 @@ where
     F: Future + Unpin,
     T: Future<Output = ()>,
 {
-    let mut stop = stop.cloned();
+    let mut stop_rx = stop.cloned();
     let stopped = async {
-        match stop.as_mut() {
+        match stop_rx.as_mut() {
             Some(flag) => requested(flag).await,
             None => std::future::pending().await,
         }
@@ -76,9 +76,29 @@ where
         return Waited::Kill(stop.reason);
     }
     terminate().await;
-    tokio::select! {
-        r = &mut *ended => Waited::EndedOnStop(r, stop.reason),
-        _ = tokio::time::sleep(stop.grace) => Waited::Kill(stop.reason),
+    // A later stop with a shorter grace (the shutdown's kill of a run that a caller cancelled
+    // with a long one) shortens what is left of it.
+    let mut deadline = tokio::time::Instant::now() + stop.grace;
+    let mut later = stop_rx;
+    loop {
+        let shortened = async {
+            match later.as_mut() {
+                Some(flag) => match flag.changed().await {
+                    Ok(()) => *flag.borrow_and_update(),
+                    Err(_) => std::future::pending().await,
+                },
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = &mut *ended => return Waited::EndedOnStop(r, stop.reason),
+            _ = tokio::time::sleep_until(deadline) => return Waited::Kill(stop.reason),
+            s = shortened => {
+                if let Some(s) = s {
+                    deadline = deadline.min(tokio::time::Instant::now() + s.grace);
+                }
+            }
+        }
     }
 }
 
@@ -256,6 +276,33 @@ mod tests {
         .await;
         assert!(matches!(w, Waited::Kill(KilledReason::Cancelled)), "{w:?}");
         assert!(terminated.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    /// A stop with a shorter grace that comes while a run is in the grace of an earlier one (the
+    /// shutdown's kill of a run cancelled with a long grace) ends it by the shorter deadline.
+    #[tokio::test]
+    async fn a_later_shorter_stop_cuts_the_grace_short() {
+        let (tx, rx) = watch::channel(Some(Stop {
+            reason: KilledReason::Cancelled,
+            grace: Duration::from_secs(3600),
+        }));
+        let (mut output, _o, _e) = capture();
+        let mut ended = std::pin::pin!(std::future::pending::<()>());
+        let w = tokio::time::timeout(
+            Duration::from_secs(10),
+            wait(
+                &mut ended,
+                Duration::from_secs(3600),
+                Some(&rx),
+                &mut output,
+                || async {
+                    tx.send_modify(|s| s.as_mut().unwrap().grace = Duration::ZERO);
+                },
+            ),
+        )
+        .await
+        .expect("the shorter grace was not honoured");
+        assert!(matches!(w, Waited::Kill(KilledReason::Cancelled)), "{w:?}");
     }
 
     /// Under `truncate` a stream past its cap is cut and flagged, everything after the cap is

@@ -151,7 +151,7 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
 
     let log = AuditLog::open(&path, "new-2").unwrap();
     let metrics = Metrics::new();
-    record_interrupted(&log, &store, &metrics).await;
+    record_interrupted(&log, &store, &metrics, Duration::from_secs(60)).await;
     let lines: Vec<Value> = std::fs::read_to_string(&path)
         .unwrap()
         .lines()
@@ -182,6 +182,21 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
         "{}",
         metrics.render()
     );
+    // The crashed runs' records are finished with that error (a run without a subject is
+    // owned by "-").
+    let record = store
+        .execution_get(&IdemKey {
+            subject: "-".into(),
+            key: "exec-b".into(),
+        })
+        .await
+        .unwrap()
+        .expect("the interrupted run's record");
+    let answer = record.response.expect("finished");
+    assert_eq!(answer.status, 503);
+    let body: Value = serde_json::from_str(&answer.body).unwrap();
+    assert_eq!(body["error_type"], "DaemonStopped");
+    assert_eq!(body["retryable"], true);
     // The crashed daemon's key is free; another owner's claim is not touched.
     assert_eq!(
         store
