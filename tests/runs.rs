@@ -459,6 +459,45 @@ async fn another_service_gets_404_for_a_run_it_did_not_start() {
     assert_eq!(bad.status, 400, "{}", bad.text);
 }
 
+/// A run belongs to the calling service, never to the capability token's subject: a service
+/// token without a subject starts a run whose capability token names "orchestrator", and only
+/// a service token without a subject reads or cancels it; the "orchestrator" service gets 404.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_belongs_to_the_calling_service_not_to_the_capability_tokens_subject() {
+    let d = Daemon::start();
+    let anonymous_service = || {
+        d.mint(MintRequest {
+            kind: Some(TokenKind::Service),
+            ttl_seconds: 300,
+            aud: "executor-arm".into(),
+            sub: None,
+            ..Default::default()
+        })
+    };
+    let mut body = py("import time\ntime.sleep(2)", &marker());
+    body["async"] = json!(true);
+    body["capability_token"] = json!(d.cap_all());
+    let started = d
+        .post(
+            "/execute",
+            &[("authorization", &bearer(&anonymous_service()))],
+            body.to_string(),
+        )
+        .await;
+    assert_eq!(started.status, 202, "{}", started.text);
+    let exec_id = started.json["exec_id"].as_str().unwrap().to_string();
+
+    let by_cap_subject = get(&d, &exec_id, &d.service_token()).await;
+    assert_eq!(by_cap_subject.status, 404, "{}", by_cap_subject.text);
+    let refused = cancel(&d, &exec_id, &d.service_token(), "").await;
+    assert_eq!(refused.status, 404, "{}", refused.text);
+
+    let mine = get(&d, &exec_id, &anonymous_service()).await;
+    assert_eq!(mine.status, 200, "{}", mine.text);
+    let cancelled = cancel(&d, &exec_id, &anonymous_service(), "").await;
+    assert_eq!(cancelled.status, 202, "{}", cancelled.text);
+}
+
 /// A daemon told to stop lets an async run finish within its grace and records its end.
 #[tokio::test(flavor = "multi_thread")]
 async fn shutdown_waits_for_async_runs() {

@@ -84,6 +84,7 @@ impl ExecuteRequest {
     fn into_execution(
         self,
         known: &KnownRequest,
+        owner: String,
         capability: Verified,
         action: ActionType,
         timeout_seconds: Option<u64>,
@@ -93,6 +94,7 @@ impl ExecuteRequest {
         ExecutionRequest {
             request_id: known.request_id.clone(),
             subject: known.subject.clone(),
+            owner,
             capability,
             action,
             command: self.command,
@@ -517,6 +519,7 @@ async fn handle(
     let cancel_on_disconnect = req.cancel_on_disconnect;
     let mut request = req.into_execution(
         known,
+        owner_of(service.subject.as_deref()),
         cap,
         action,
         timeout,
@@ -524,7 +527,7 @@ async fn handle(
         idem.as_ref().map(|l| l.key.scoped()),
     );
     request.abandoned = Some(on_disconnect.gone.subscribe());
-    let owner = owner_of(request.subject.as_deref());
+    let owner = request.owner.clone();
     let request_id = request.request_id.clone();
     // A stream's permit is taken before anything runs: a refused stream runs nothing, and gives
     // its Idempotency-Key back so that the retry its 429 invites is not refused as in progress.
@@ -600,7 +603,7 @@ async fn run_request(
     on_disconnect: &DisconnectCancel,
     cancel_on_disconnect: bool,
 ) -> Result<Answer, ApiError> {
-    let owner = owner_of(request.subject.as_deref());
+    let owner = request.owner.clone();
     let request_id = request.request_id.clone();
     let execution = st.executions.admit(request).await?;
     st.metrics

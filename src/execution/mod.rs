@@ -52,8 +52,12 @@ use crate::state::{IdemKey, JtiClaim, StateError, StateStore, StoredExecution, S
 #[derive(Debug, Clone)]
 pub struct ExecutionRequest {
     pub request_id: String,
-    /// The calling service's subject, else the capability token's.
+    /// The calling service's subject, else the capability token's (for the audit log).
     pub subject: Option<String>,
+    /// Whose run this is: the calling service's subject, `-` for a service token without one
+    /// (see [`owner_of`]). Only the same service reads, streams or cancels the run; a capability
+    /// token's subject never decides it, as the lookups know only the service token.
+    pub owner: String,
     /// The verified capability token: what this execution may do.
     pub capability: Verified,
     pub action: ActionType,
@@ -413,7 +417,7 @@ impl ExecutionService {
         let (mut spec, invocation_hash) = self.run_spec(&exec_id, &plan, &req, external.as_ref());
         let (stop, stop_rx) = watch::channel(None);
         spec.stop = Some(stop_rx);
-        let owner = owner_of(req.subject.as_deref());
+        let owner = req.owner.clone();
         let timestamp = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
 
         // Single-use tokens are consumed only once the request is otherwise acceptable to run.

@@ -130,6 +130,7 @@ fn request(command: &str, single_use: Option<&str>) -> ExecutionRequest {
     ExecutionRequest {
         request_id: "req-1".into(),
         subject: Some("orchestrator".into()),
+        owner: "orchestrator".into(),
         capability: Verified {
             subject: Some("orchestrator".into()),
             token_id: Some("tok-1".into()),
