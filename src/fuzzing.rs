@@ -202,6 +202,7 @@ pub fn audit_roundtrip(data: &[u8]) {
         request_id: text.clone(),
         exec_id: "exec-fuzz".into(),
         subject: Some(text.clone()),
+        owner: Some(text.clone()),
         token_id: None,
         action_type: "shell".into(),
         command: text.clone(),

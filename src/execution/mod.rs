@@ -433,6 +433,7 @@ impl ExecutionService {
             request_id: req.request_id.clone(),
             exec_id: exec_id.clone(),
             subject: req.subject.clone(),
+            owner: Some(req.owner.clone()),
             token_id: req.capability.token_id.clone(),
             action_type: req.action.as_str().into(),
             command_hash: command_hash(&req.command, &req.args),

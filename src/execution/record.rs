@@ -231,7 +231,11 @@ async fn finish_record(
     retention: std::time::Duration,
 ) {
     let key = IdemKey {
-        subject: super::owner_of(i.run.subject.as_deref()),
+        subject: i
+            .run
+            .owner
+            .clone()
+            .unwrap_or_else(|| super::owner_of(i.run.subject.as_deref())),
         key: i.run.exec_id.clone(),
     };
     match store.execution_get(&key).await {

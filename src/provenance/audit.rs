@@ -158,7 +158,12 @@ pub struct Cancel {
 pub struct Run {
     pub request_id: String,
     pub exec_id: String,
+    /// The calling service's subject, else the capability token's.
     pub subject: Option<String>,
+    /// Whose run it is: the calling service's subject, `-` for a service token without one
+    /// (lines written before this field existed lack it; their `subject` is the owner).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
     pub token_id: Option<String>,
     pub action_type: Cow<'static, str>,
     pub command: String,

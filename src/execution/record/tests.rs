@@ -10,6 +10,7 @@ fn run(exec_id: &str) -> audit::Run {
         request_id: "req-1".into(),
         exec_id: exec_id.into(),
         subject: None,
+        owner: None,
         token_id: Some("tok-1".into()),
         action_type: "shell".into(),
         command: "echo".into(),
@@ -147,6 +148,11 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
         // A crash: the start lines are written, the runs never end.
         std::mem::forget(AdmittedRun::admit(&log, &metrics, keyed).unwrap());
         std::mem::forget(AdmittedRun::admit(&log, &metrics, run("exec-b")).unwrap());
+        // Started by a service token without a subject, with a capability token that has one.
+        let mut owned = run("exec-c");
+        owned.subject = Some("orchestrator".into());
+        owned.owner = Some("-".into());
+        std::mem::forget(AdmittedRun::admit(&log, &metrics, owned).unwrap());
     }
 
     let log = AuditLog::open(&path, "new-2").unwrap();
@@ -167,18 +173,25 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
             )
         })
         .collect();
-    assert_eq!(ends, [("exec-a", "new-2"), ("exec-b", "new-2")]);
-    assert_eq!(lines[2]["error_type"], "DaemonStopped");
     assert_eq!(
-        lines[2]["error"],
+        ends,
+        [
+            ("exec-a", "new-2"),
+            ("exec-b", "new-2"),
+            ("exec-c", "new-2")
+        ]
+    );
+    assert_eq!(lines[3]["error_type"], "DaemonStopped");
+    assert_eq!(
+        lines[3]["error"],
         "the daemon (instance old-1) stopped during the run"
     );
-    assert_eq!(lines[2]["idempotency_key"], "12:orchestrator:k");
+    assert_eq!(lines[3]["idempotency_key"], "12:orchestrator:k");
     assert!(crate::provenance::audit::verify(&path).is_ok());
     assert!(
         metrics
             .render()
-            .contains("executor_interrupted_runs_total 2"),
+            .contains("executor_interrupted_runs_total 3"),
         "{}",
         metrics.render()
     );
@@ -197,6 +210,14 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
     let body: Value = serde_json::from_str(&answer.body).unwrap();
     assert_eq!(body["error_type"], "DaemonStopped");
     assert_eq!(body["retryable"], true);
+    // A run's record is found under its owner, the calling service, not the capability token's
+    // subject.
+    let owned = IdemKey {
+        subject: "-".into(),
+        key: "exec-c".into(),
+    };
+    let record = store.execution_get(&owned).await.unwrap();
+    assert_eq!(record.and_then(|r| r.response).map(|a| a.status), Some(503));
     // The crashed daemon's key is free; another owner's claim is not touched.
     assert_eq!(
         store

@@ -5,6 +5,7 @@ fn run(exec_id: &str) -> Run {
         request_id: "req-1".into(),
         exec_id: exec_id.into(),
         subject: Some("orchestrator".into()),
+        owner: Some("orchestrator".into()),
         token_id: None,
         action_type: "shell".into(),
         command: "echo".into(),
