@@ -89,7 +89,6 @@ impl ExecuteRequest {
         action: ActionType,
         timeout_seconds: Option<u64>,
         long_run: bool,
-        idempotency_key: Option<String>,
     ) -> ExecutionRequest {
         ExecutionRequest {
             request_id: known.request_id.clone(),
@@ -114,7 +113,7 @@ impl ExecuteRequest {
                 task: self.task,
                 model: self.model,
             },
-            idempotency_key,
+            idempotency_key: None,
             abandoned: None,
         }
     }
@@ -524,8 +523,8 @@ async fn handle(
         action,
         timeout,
         mode != Mode::Sync,
-        idem.as_ref().map(|l| l.key.scoped()),
     );
+    request.idempotency_key = idem.as_ref().map(|l| l.key.scoped());
     request.abandoned = Some(on_disconnect.gone.subscribe());
     let owner = request.owner.clone();
     let request_id = request.request_id.clone();

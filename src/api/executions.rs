@@ -262,6 +262,7 @@ async fn cancel_inner(st: &AppState, exec_id: &str, req: Request) -> Result<Resp
         CancelOutcome::Stopping => grace,
         // A repeated call: the answer of the first.
         CancelOutcome::AlreadyStopping => live.stopping().map(|s| s.grace).unwrap_or(grace),
+        CancelOutcome::Finished => return Err(ApiError::AlreadyFinished),
     };
     let body = serde_json::json!({
         "exec_id": exec_id,

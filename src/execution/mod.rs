@@ -583,40 +583,48 @@ impl ExecutionService {
         let running_ttl = execution.spec.limits.timeout + retention;
         let task_live = live.clone();
         tokio::spawn(async move {
-            let record = |response: Option<StoredResponse>| StoredExecution {
-                instance: instance.clone(),
-                address: address.clone(),
-                response,
-                cancelled_by: task_live.cancelled_by(),
-            };
-            log_store_error(
-                &exec_id,
-                store.execution_put(&key, &record(None), running_ttl).await,
-            );
-            let ran = execution.run().await;
-            // A panic here must not leave the run live and its waiters waiting forever.
-            let response = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| answer(ran)))
-                .unwrap_or_else(|_| {
-                    tracing::error!(%exec_id, "the run's answer could not be made");
-                    StoredResponse {
-                        status: 500,
-                        body: json!({
-                            "success": false,
-                            "error": "Internal error; see the daemon log",
-                            "error_type": "InternalError",
-                            "retryable": true,
-                        })
-                        .to_string(),
-                    }
-                });
+            let record =
+                |response: Option<StoredResponse>, cancelled_by: Option<String>| StoredExecution {
+                    instance: instance.clone(),
+                    address: address.clone(),
+                    response,
+                    cancelled_by,
+                };
             log_store_error(
                 &exec_id,
                 store
-                    .execution_put(&key, &record(Some(response.clone())), retention)
+                    .execution_put(&key, &record(None, None), running_ttl)
                     .await,
             );
+            // The run on a task of its own: should it panic, the execution's drop still writes
+            // its error line and frees its slot, and the run still gets an answer here instead of
+            // staying live with its waiters waiting forever.
+            let ran = match tokio::spawn(execution.run()).await {
+                Ok(ran) => ran,
+                Err(e) => Err(ExecutionError::Internal(format!(
+                    "the run's task failed: {e}"
+                ))),
+            };
+            task_live.mark_ended();
+            let cancelled = matches!(&ran, Ok(f)
+                if f.result.killed_reason == Some(KilledReason::Cancelled.as_str()));
+            let response = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| answer(ran)))
+                .unwrap_or_else(|_| {
+                    tracing::error!(%exec_id, "the run's answer could not be made");
+                    internal_error_response()
+                });
+            let finished = record(
+                Some(response.clone()),
+                task_live.cancelled_by().filter(|_| cancelled),
+            );
+            let stored = put_final(&*store, &key, &finished, retention, &exec_id).await;
             task_live.set_answer(Arc::new(response));
-            runs.remove(&exec_id);
+            if stored {
+                runs.remove(&exec_id);
+            } else {
+                // Other replicas see "running" until the record expires; this one answers.
+                runs.keep_until(&exec_id, std::time::Instant::now() + retention);
+            }
             metrics.live_runs.set(runs.len() as i64);
         });
         live
@@ -634,6 +642,15 @@ impl ExecutionService {
             key: exec_id.to_string(),
         };
         Ok(match self.store.execution_get(&key).await? {
+            // This daemon wrote "running" and no longer holds the run: its finished record
+            // was refused by the store and the keeping ran out. The answer is lost; saying
+            // "running" would keep a caller polling until the record expires.
+            Some(r) if r.response.is_none() && r.instance == self.instance => {
+                Lookup::Stored(StoredExecution {
+                    response: Some(lost_answer()),
+                    ..r
+                })
+            }
             Some(r) => Lookup::Stored(r),
             None => Lookup::Unknown,
         })
@@ -941,6 +958,64 @@ pub enum Lookup {
 /// scope of its Idempotency-Keys).
 pub fn owner_of(subject: Option<&str>) -> String {
     subject.unwrap_or("-").to_string()
+}
+
+/// The answer of a run whose result could not be made into one (500).
+fn internal_error_response() -> StoredResponse {
+    StoredResponse {
+        status: 500,
+        body: json!({
+            "success": false,
+            "error": "Internal error; see the daemon log",
+            "error_type": "InternalError",
+            "retryable": true,
+        })
+        .to_string(),
+    }
+}
+
+/// What a finished run whose answer the store never took reads as, once this daemon no longer
+/// keeps it (500).
+fn lost_answer() -> StoredResponse {
+    StoredResponse {
+        status: 500,
+        body: json!({
+            "success": false,
+            "error": "the run finished but its result could not be stored and is no longer kept",
+            "error_type": "InternalError",
+            "retryable": true,
+        })
+        .to_string(),
+    }
+}
+
+/// Stores a finished run's record, trying again over a few seconds when the store fails: a
+/// record left "running" would hide the answer from every other replica. Returns whether it
+/// was stored.
+async fn put_final(
+    store: &dyn StateStore,
+    key: &IdemKey,
+    record: &StoredExecution,
+    retention: Duration,
+    exec_id: &str,
+) -> bool {
+    const RETRIES: [Duration; 3] = [
+        Duration::from_millis(200),
+        Duration::from_secs(1),
+        Duration::from_secs(3),
+    ];
+    for pause in std::iter::once(Duration::ZERO).chain(RETRIES) {
+        tokio::time::sleep(pause).await;
+        match store.execution_put(key, record, retention).await {
+            Ok(()) => return true,
+            Err(e) => tracing::warn!(exec_id, error = %e, "run record not stored"),
+        }
+    }
+    tracing::error!(
+        exec_id,
+        "run record not stored; this daemon answers for the run until its retention ends"
+    );
+    false
 }
 
 fn log_store_error(exec_id: &str, r: Result<(), StateError>) {

@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use tokio::sync::watch;
 
@@ -22,8 +23,8 @@ pub struct LiveRun {
     backend: &'static str,
     profile: String,
     stop: watch::Sender<Option<Stop>>,
-    /// The subject that cancelled it, if one did.
-    cancelled_by: Mutex<Option<String>>,
+    /// Who cancelled it, and whether it ended: a cancel is taken only before the end.
+    control: Mutex<Control>,
     /// What the run has written so far (within its output caps), for streams that follow it.
     output: Mutex<[Vec<u8>; 2]>,
     /// Bumped on every chunk of output and when the answer is set: wakes the streams.
@@ -70,11 +71,18 @@ impl LiveRun {
         self.answer.borrow().clone()
     }
 
+    /// The subject whose cancel was taken, if one was.
     pub fn cancelled_by(&self) -> Option<String> {
-        self.cancelled_by
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.control().cancelled_by.clone()
+    }
+
+    fn control(&self) -> std::sync::MutexGuard<'_, Control> {
+        self.control.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks the run ended (its processes are gone): a cancel from now on finds it finished.
+    pub(super) fn mark_ended(&self) {
+        self.control().ended = true;
     }
 
     /// The stop the run was asked for, if any.
@@ -116,6 +124,12 @@ impl LiveRun {
     }
 }
 
+#[derive(Default)]
+struct Control {
+    cancelled_by: Option<String>,
+    ended: bool,
+}
+
 /// Who a run about to start is.
 pub struct NewRun {
     pub exec_id: String,
@@ -131,11 +145,16 @@ pub enum CancelOutcome {
     Stopping,
     /// The run had been asked to stop already (by this or another call).
     AlreadyStopping,
+    /// The run had ended: nothing is stopped.
+    Finished,
 }
 
 #[derive(Default)]
 struct Inner {
     live: HashMap<String, Arc<LiveRun>>,
+    /// Answered runs whose answer the state store did not take: this daemon keeps answering
+    /// for them until the instant given (the retention their record would have had).
+    kept: HashMap<String, (Arc<LiveRun>, Instant)>,
     /// Set at shutdown: a run registered from now on is stopped as it starts.
     closing: Option<Stop>,
 }
@@ -161,7 +180,7 @@ impl Runs {
             backend: new.backend,
             profile: new.profile,
             stop,
-            cancelled_by: Mutex::new(None),
+            control: Mutex::new(Control::default()),
             output: Mutex::new([Vec::new(), Vec::new()]),
             changed: watch::channel(0).0,
             answer: watch::channel(None).0,
@@ -179,19 +198,40 @@ impl Runs {
         self.lock().live.remove(exec_id);
     }
 
-    /// The live run `exec_id` of `owner`; None for a run of anyone else.
+    /// Moves an answered run whose answer could not be stored out of the live runs, keeping it
+    /// findable (and its answer readable) until `until`.
+    pub(super) fn keep_until(&self, exec_id: &str, until: Instant) {
+        let mut inner = self.lock();
+        let now = Instant::now();
+        inner.kept.retain(|_, (_, expires)| *expires > now);
+        if let Some(run) = inner.live.remove(exec_id) {
+            inner.kept.insert(exec_id.to_string(), (run, until));
+        }
+    }
+
+    /// The run `exec_id` of `owner`, live or kept; None for a run of anyone else.
     pub fn find(&self, owner: &str, exec_id: &str) -> Option<Arc<LiveRun>> {
-        self.lock()
+        let inner = self.lock();
+        let kept = inner
+            .kept
+            .get(exec_id)
+            .filter(|(_, until)| *until > Instant::now())
+            .map(|(run, _)| run);
+        inner
             .live
             .get(exec_id)
+            .or(kept)
             .filter(|r| r.owner == owner)
             .cloned()
     }
 
-    /// Asks `run` to stop on behalf of `by`.
+    /// Asks `run` to stop on behalf of `by`, unless it has ended.
     pub fn cancel(&self, run: &LiveRun, stop: Stop, by: &str) -> CancelOutcome {
-        if run.request_stop(stop) {
-            *run.cancelled_by.lock().unwrap_or_else(|p| p.into_inner()) = Some(by.to_string());
+        let mut control = run.control();
+        if control.ended {
+            CancelOutcome::Finished
+        } else if run.request_stop(stop) {
+            control.cancelled_by = Some(by.to_string());
             CancelOutcome::Stopping
         } else {
             CancelOutcome::AlreadyStopping
@@ -263,6 +303,33 @@ mod tests {
         assert_eq!(run.cancelled_by().as_deref(), Some("orbit"));
         runs.remove("exec-1");
         assert!(runs.is_empty());
+    }
+
+    #[test]
+    fn a_cancel_after_the_run_ended_is_refused_and_stops_nothing() {
+        let runs = Runs::default();
+        let (tx, rx) = watch::channel(None);
+        let run = runs.register(new_run("exec-1"), tx);
+        run.mark_ended();
+        assert_eq!(
+            runs.cancel(&run, cancel(5), "orbit"),
+            CancelOutcome::Finished
+        );
+        assert_eq!(*rx.borrow(), None);
+        assert_eq!(run.cancelled_by(), None);
+    }
+
+    #[test]
+    fn a_kept_run_is_found_until_its_time_runs_out_and_is_not_live() {
+        let runs = Runs::default();
+        runs.register(new_run("exec-1"), watch::channel(None).0);
+        runs.register(new_run("exec-2"), watch::channel(None).0);
+        runs.keep_until("exec-1", Instant::now() + Duration::from_secs(60));
+        runs.keep_until("exec-2", Instant::now());
+        assert!(runs.is_empty(), "kept runs are not live");
+        assert!(runs.find("orbit", "exec-1").is_some());
+        assert!(runs.find("koder", "exec-1").is_none());
+        assert!(runs.find("orbit", "exec-2").is_none(), "its time ran out");
     }
 
     #[test]

@@ -77,6 +77,14 @@ impl Fixture {
         answer: fn() -> Result<RunOutcome, SandboxError>,
         tweak: impl FnOnce(&mut Config),
     ) -> Fixture {
+        Fixture::with_store(answer, tweak, Arc::new(MemoryStore::new(1 << 20, 0)))
+    }
+
+    fn with_store(
+        answer: fn() -> Result<RunOutcome, SandboxError>,
+        tweak: impl FnOnce(&mut Config),
+        store: Arc<dyn StateStore>,
+    ) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
         let mut config = Config::load(None, &EnvOverrides::default()).unwrap();
         tweak(&mut config);
@@ -101,7 +109,7 @@ impl Fixture {
             policy,
             executors,
             backends,
-            Arc::new(MemoryStore::new(1 << 20, 0)),
+            store,
             Arc::new(AuditLog::open(&audit_path, "i-1").unwrap()),
             Arc::new(Metrics::new()),
         );
@@ -301,6 +309,110 @@ async fn a_run_whose_answer_panics_still_ends_with_an_answer() {
     tokio::time::timeout(Duration::from_secs(10), f.service.wait_idle())
         .await
         .expect("no longer live");
+}
+
+/// A store that takes a run's "running" record but fails to store a finished one.
+struct RefusesAnswers(MemoryStore);
+
+#[async_trait::async_trait]
+impl StateStore for RefusesAnswers {
+    async fn claim_jti(&self, t: &SingleUse) -> Result<crate::state::JtiClaim, StateError> {
+        self.0.claim_jti(t).await
+    }
+    async fn release_jti(&self, t: &SingleUse) -> Result<(), StateError> {
+        self.0.release_jti(t).await
+    }
+    async fn idempotency_begin(
+        &self,
+        k: &IdemKey,
+        h: &str,
+        o: &str,
+        l: Duration,
+    ) -> Result<crate::state::IdemBegin, StateError> {
+        self.0.idempotency_begin(k, h, o, l).await
+    }
+    async fn idempotency_renew(
+        &self,
+        k: &IdemKey,
+        o: &str,
+        l: Duration,
+    ) -> Result<bool, StateError> {
+        self.0.idempotency_renew(k, o, l).await
+    }
+    async fn idempotency_complete(
+        &self,
+        k: &IdemKey,
+        h: &str,
+        r: &StoredResponse,
+        t: Duration,
+    ) -> Result<(), StateError> {
+        self.0.idempotency_complete(k, h, r, t).await
+    }
+    async fn idempotency_release(&self, k: &IdemKey, o: &str) -> Result<(), StateError> {
+        self.0.idempotency_release(k, o).await
+    }
+    async fn execution_put(
+        &self,
+        k: &IdemKey,
+        r: &StoredExecution,
+        t: Duration,
+    ) -> Result<(), StateError> {
+        match r.response {
+            Some(_) => Err(StateError::Unavailable("connection refused".into())),
+            None => self.0.execution_put(k, r, t).await,
+        }
+    }
+    async fn execution_get(&self, k: &IdemKey) -> Result<Option<StoredExecution>, StateError> {
+        self.0.execution_get(k).await
+    }
+    async fn healthy(&self) -> Result<(), StateError> {
+        self.0.healthy().await
+    }
+    fn kind(&self) -> &'static str {
+        "refuses-answers"
+    }
+}
+
+/// When the store will not take a finished run's record, the daemon that ran it keeps
+/// answering for it through the retention (the run no longer counts as live), and after that
+/// its own leftover "running" record reads as an answer that was lost, never as running.
+#[tokio::test]
+async fn an_answer_the_store_refuses_is_kept_here_then_reads_as_lost() {
+    let f = Fixture::with_store(
+        said_hi,
+        |c| c.executions.retention_seconds = 1,
+        Arc::new(RefusesAnswers(MemoryStore::new(1 << 20, 0))),
+    );
+    // The "running" record lives the run's timeout past the retention: 30 s.
+    let mut asked = request("echo", None);
+    asked.timeout_seconds = Some(29);
+    let execution = f.service.admit(asked).await.unwrap();
+    let live = f.service.start(execution, |r| StoredResponse {
+        status: 200,
+        body: serde_json::to_string(&r.expect("ran").result).unwrap(),
+    });
+    let exec_id = live.exec_id().to_string();
+    tokio::time::timeout(Duration::from_secs(20), f.service.wait_idle())
+        .await
+        .expect("no longer live once its record could not be stored");
+    let Lookup::Live(kept) = f.service.lookup("orchestrator", &exec_id).await.unwrap() else {
+        panic!("the daemon that ran it still answers for it")
+    };
+    assert_eq!(kept.answered().map(|a| a.status), Some(200));
+    assert!(matches!(
+        f.service.lookup("someone-else", &exec_id).await.unwrap(),
+        Lookup::Unknown
+    ));
+    // Kept for the retention (1 s) from its answer; the "running" record outlives that.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let Lookup::Stored(record) = f.service.lookup("orchestrator", &exec_id).await.unwrap() else {
+        panic!("the leftover record is read")
+    };
+    let lost = record.response.expect("reads as finished, not running");
+    assert_eq!(lost.status, 500);
+    let body: Value = serde_json::from_str(&lost.body).unwrap();
+    assert_eq!(body["error_type"], "InternalError");
+    assert_eq!(body["retryable"], true);
 }
 
 /// How long a test lets a queued admission run to show it is still waiting.
