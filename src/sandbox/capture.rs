@@ -27,12 +27,20 @@ pub struct Captured {
 }
 
 /// What a stream has captured so far, shared between its reader and [`OutputCapture::drain`].
-type Shared = std::sync::Arc<std::sync::Mutex<Captured>>;
+type Shared = std::sync::Arc<std::sync::Mutex<Capturing>>;
+
+#[derive(Debug, Default)]
+struct Capturing {
+    captured: Captured,
+    /// Set when the capture is handed over: an aborted reader may still be running on another
+    /// thread, and must neither add to what was handed over nor tap a byte the result lacks.
+    closed: bool,
+}
 
 /// Reads `reader` to EOF keeping at most `cap` bytes in `into`, each kept chunk also handed to
 /// `tap` as it arrives. On overflow it sends `true` on `overflow` and keeps draining (discarding)
 /// so the writer is not blocked until the run ends or the backend kills it.
-pub async fn read_capped<R: AsyncRead + Unpin>(
+async fn read_capped<R: AsyncRead + Unpin>(
     mut reader: R,
     cap: usize,
     overflow: watch::Sender<bool>,
@@ -47,7 +55,11 @@ pub async fn read_capped<R: AsyncRead + Unpin>(
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(_) => break,
         };
-        let mut out = into.lock().unwrap_or_else(|p| p.into_inner());
+        let mut shared = into.lock().unwrap_or_else(|p| p.into_inner());
+        if shared.closed {
+            return;
+        }
+        let out = &mut shared.captured;
         let room = cap.saturating_sub(out.bytes.len());
         let kept = n.min(room);
         if kept > 0
@@ -61,6 +73,13 @@ pub async fn read_capped<R: AsyncRead + Unpin>(
             let _ = overflow.send(true);
         }
     }
+}
+
+/// Hands over what was captured; the reader adds nothing from now on.
+fn close(shared: &Shared) -> Captured {
+    let mut shared = shared.lock().unwrap_or_else(|p| p.into_inner());
+    shared.closed = true;
+    std::mem::take(&mut shared.captured)
 }
 
 /// One stream's reader and what it has read.
@@ -77,8 +96,10 @@ impl Reader {
         tap: Option<(OutputTap, StreamKind)>,
     ) -> Reader {
         let read = Shared::default();
-        read.lock().unwrap_or_else(|p| p.into_inner()).bytes =
-            Vec::with_capacity(cap.min(64 * 1024));
+        read.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .captured
+            .bytes = Vec::with_capacity(cap.min(64 * 1024));
         let task = tokio::spawn(read_capped(reader, cap, overflow, tap, read.clone()));
         Reader { task, read }
     }
@@ -89,7 +110,7 @@ impl Reader {
         if tokio::time::timeout(grace, &mut self.task).await.is_err() {
             self.task.abort();
         }
-        std::mem::take(&mut *self.read.lock().unwrap_or_else(|p| p.into_inner()))
+        close(&self.read)
     }
 }
 
@@ -178,7 +199,7 @@ mod tests {
             into.clone(),
         )
         .await;
-        let got = std::mem::take(&mut *into.lock().unwrap());
+        let got = close(&into);
         assert_eq!(got.bytes.len(), 1000);
         assert!(got.truncated);
         // The tap sees exactly what is kept.
@@ -201,13 +222,36 @@ mod tests {
         drop(out_w);
     }
 
+    /// A reader still running after its capture was handed over (an abort lands at its next
+    /// await) neither adds to it nor taps what it reads.
+    #[tokio::test]
+    async fn a_closed_capture_takes_and_taps_nothing_more() {
+        let (tx, _rx) = watch::channel(false);
+        let tapped = Arc::new(Mutex::new(Vec::new()));
+        let sink = tapped.clone();
+        let tap = OutputTap::new(move |_, b: &[u8]| sink.lock().unwrap().extend_from_slice(b));
+        let into = Shared::default();
+        let handed_over = close(&into);
+        assert!(handed_over.bytes.is_empty());
+        read_capped(
+            &b"late bytes"[..],
+            100,
+            tx,
+            Some((tap, StreamKind::Stdout)),
+            into.clone(),
+        )
+        .await;
+        assert!(tapped.lock().unwrap().is_empty());
+        assert!(into.lock().unwrap().captured.bytes.is_empty());
+    }
+
     #[tokio::test]
     async fn exact_cap_is_not_truncated() {
         let data = vec![b'y'; 1000];
         let (tx, rx) = watch::channel(false);
         let into = Shared::default();
         read_capped(&data[..], 1000, tx, None, into.clone()).await;
-        let got = std::mem::take(&mut *into.lock().unwrap());
+        let got = close(&into);
         assert_eq!(got.bytes.len(), 1000);
         assert!(!got.truncated);
         assert!(!*rx.borrow());
