@@ -187,6 +187,21 @@ async fn an_async_run_may_last_longer_than_a_synchronous_one() {
             .unwrap()
             .contains("between 1 and 300")
     );
+    // Past the async bound, each mode's refusal names the mode the request asked for.
+    let mut too_long = body.clone();
+    too_long["timeout_seconds"] = json!(86_401);
+    too_long["capability_token"] = json!(d.cap_all());
+    let svc = bearer(&d.service_token());
+    let streamed = d
+        .post(
+            "/execute",
+            &[("authorization", &svc), ("accept", "text/event-stream")],
+            too_long.to_string(),
+        )
+        .await;
+    assert_eq!(streamed.status, 400, "{}", streamed.text);
+    let error = streamed.json["error"].as_str().unwrap();
+    assert!(error.ends_with("for a streamed run, got 86401"), "{error}");
     let exec_id = start_async(&d, body).await;
     let r = finished(&d, &exec_id).await;
     assert_eq!(r.json["result"]["success"], true, "{}", r.text);
@@ -196,7 +211,8 @@ async fn an_async_run_may_last_longer_than_a_synchronous_one() {
 }
 
 /// A caller that goes away before the answer stops nothing: the run ends and its result can be
-/// read. One that said `cancel_on_disconnect` has its run cancelled.
+/// read, and the retry of its Idempotency-Key gets that result. One that said
+/// `cancel_on_disconnect` has its run cancelled, and its key released: the retry runs.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_disconnects_leaves_a_result_that_can_be_fetched() {
     let d = Daemon::start();
@@ -209,10 +225,12 @@ async fn a_client_that_disconnects_leaves_a_result_that_can_be_fetched() {
             .timeout(Duration::from_millis(500))
             .build()
             .unwrap();
+        let key = format!("retry-{m}");
         let gone = impatient
             .post(format!("{}/execute", d.base))
             .header("authorization", bearer(&d.service_token()))
             .header("content-type", "application/json")
+            .header("idempotency-key", &key)
             .body(body.to_string())
             .send()
             .await;
@@ -231,6 +249,25 @@ async fn a_client_that_disconnects_leaves_a_result_that_can_be_fetched() {
             assert_eq!(r.json["result"]["stdout"], "still ran\n", "{}", r.text);
             assert_eq!(r.json["result"]["success"], true);
         }
+        // The retry, once the first request let go of its key.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let retry = loop {
+            let svc = bearer(&d.service_token());
+            let headers = [("authorization", svc.as_str()), ("idempotency-key", &key)];
+            let r = d.post("/execute", &headers, body.to_string()).await;
+            if r.status != 409 || Instant::now() > deadline {
+                break r;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(retry.status, 200, "{}", retry.text);
+        assert_eq!(retry.json["stdout"], "still ran\n", "{}", retry.text);
+        let replayed = retry.headers.get("idempotent-replayed").is_some();
+        assert_eq!(
+            replayed, !cancel,
+            "only a result the caller did not cancel is replayed"
+        );
+        assert_eq!(retry.json["exec_id"] == exec_id, !cancel, "{}", retry.text);
     }
 }
 

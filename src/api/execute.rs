@@ -427,10 +427,10 @@ async fn handle(
         None => None,
         Some(t) if (1..=max_timeout as i64).contains(&t) => Some(t as u64),
         Some(t) => {
-            let mode = if req.run_async {
-                "an async run"
-            } else {
-                "a synchronous run"
+            let mode = match mode {
+                Mode::Async => "an async run",
+                Mode::Stream => "a streamed run",
+                Mode::Sync => "a synchronous run",
             };
             return Err(ApiError::InvalidRequest(format!(
                 "timeout_seconds must be between 1 and {max_timeout} for {mode}, got {t}"
@@ -549,8 +549,11 @@ async fn handle(
     if let Some(lease) = idem {
         let key = lease.stop();
         let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
-        // A retry of a streamed request gets the run's links, as an async one does.
+        // A retry of a streamed request gets the run's links, as an async one does. A run its
+        // caller cancelled by going away answered nobody: its retry runs again.
+        let cancelled_for_leaving = cancel_on_disconnect && *on_disconnect.gone.borrow();
         let stored = match &answered {
+            Ok(Answer::Stored(_)) if cancelled_for_leaving => None,
             Ok(Answer::Stored(a)) if matches!(a.status, 200 | 202 | 408) => Some(a.clone()),
             Ok(Answer::Stream(live)) => Some(StoredResponse {
                 status: StatusCode::ACCEPTED.as_u16(),
