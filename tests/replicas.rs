@@ -215,9 +215,19 @@ async fn a_run_started_on_one_replica_is_read_streamed_and_cancelled_through_ano
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     let mut text = String::new();
+    let mut counted_on_b = false;
     while let Some(chunk) = resp.chunk().await.unwrap() {
         text.push_str(std::str::from_utf8(&chunk).unwrap());
+        // While B relays the stream, it counts it among its open streams.
+        if !counted_on_b && !text.contains("event: result") {
+            counted_on_b = b
+                .get("/metrics")
+                .await
+                .text
+                .contains("executor_open_streams 1\n");
+        }
     }
+    assert!(counted_on_b, "B did not count the stream it relayed");
     assert!(text.starts_with("event: start"), "{text}");
     for i in 0..6 {
         assert!(text.contains(&format!("tick {i}")), "{text}");
@@ -226,6 +236,8 @@ async fn a_run_started_on_one_replica_is_read_streamed_and_cancelled_through_ano
     let (status, body) = get_b(exec_id.clone()).await;
     assert_eq!(status, 200);
     assert_eq!(body["status"], "finished", "{body}");
+    let released = b.get("/metrics").await.text;
+    assert!(released.contains("executor_open_streams 0\n"), "{released}");
     assert_eq!(
         body["result"]["stdout"].as_str().unwrap().lines().count(),
         6

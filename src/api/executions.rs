@@ -11,6 +11,7 @@ use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use futures::StreamExt;
 use serde::Deserialize;
 
 use super::error::ApiError;
@@ -138,6 +139,11 @@ pub async fn stream(
         },
         Ok((Located::Here(Lookup::Unknown), _)) => ApiError::ExecutionNotFound.into_response(),
         Ok((Located::Elsewhere(address), _)) => {
+            // A relayed stream holds a permit here too: it holds a connection each way.
+            let permit = match permit() {
+                Ok(p) => p,
+                Err(e) => return e.into_response(),
+            };
             match forward(
                 &address,
                 st.executions.instance(),
@@ -148,7 +154,13 @@ pub async fn stream(
             )
             .await
             {
-                Ok(r) => r,
+                Ok(r) => r.map(|body| {
+                    let relayed = body.into_data_stream().map(move |chunk| {
+                        let _held = &permit;
+                        chunk
+                    });
+                    axum::body::Body::from_stream(relayed)
+                }),
                 Err(e) => e.into_response(),
             }
         }

@@ -22,6 +22,9 @@ pub const FORWARDED_HEADER: &str = "x-executor-arm-forwarded";
 
 /// How long reaching the owning replica may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the owning replica may take to begin its answer (a stream's headers come at once;
+/// its events may then take as long as the run).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The request headers a forwarded call keeps.
 const KEPT: [HeaderName; 5] = [
@@ -47,6 +50,35 @@ pub async fn forward(
     headers: &HeaderMap,
     body: bytes::Bytes,
 ) -> Result<Response, ApiError> {
+    let call = Call {
+        method,
+        path,
+        headers,
+        body,
+    };
+    forward_within(address, from_instance, call, ANSWER_TIMEOUT).await
+}
+
+/// One call to pass on.
+struct Call<'a> {
+    method: Method,
+    path: &'a str,
+    headers: &'a HeaderMap,
+    body: bytes::Bytes,
+}
+
+async fn forward_within(
+    address: &str,
+    from_instance: &str,
+    call: Call<'_>,
+    answer_timeout: Duration,
+) -> Result<Response, ApiError> {
+    let Call {
+        method,
+        path,
+        headers,
+        body,
+    } = call;
     let unreachable = |why: String| {
         ApiError::SandboxUnavailable(format!(
             "the replica running this execution ({address}) cannot be reached: {why}"
@@ -63,7 +95,7 @@ pub async fn forward(
         .await
         .map_err(|e| unreachable(e.to_string()))?;
     // The connection lives as long as the answer's body is read (a stream included).
-    tokio::spawn(async move {
+    let connection = tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "forwarded call's connection ended with an error");
         }
@@ -84,9 +116,50 @@ pub async fn forward(
     let req = req
         .body(http_body_util::Full::new(body))
         .map_err(|e| ApiError::Internal(format!("forwarded request: {e}")))?;
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| unreachable(e.to_string()))?;
+    let resp = match tokio::time::timeout(answer_timeout, sender.send_request(req)).await {
+        Ok(r) => r.map_err(|e| unreachable(e.to_string()))?,
+        Err(_) => {
+            connection.abort();
+            return Err(unreachable(format!(
+                "no answer within {} ms",
+                answer_timeout.as_millis()
+            )));
+        }
+    };
     Ok(resp.map(Body::new))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A replica that takes the connection but never answers fails the call with a 503 once
+    /// the answer's time is up, instead of holding the caller forever.
+    #[tokio::test]
+    async fn a_replica_that_never_answers_fails_the_call() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = format!("http://{}", silent.local_addr().unwrap());
+        let held = tokio::spawn(async move {
+            let (conn, _) = silent.accept().await.unwrap();
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            drop(conn);
+        });
+        let call = Call {
+            method: Method::GET,
+            path: "/v1/executions/exec-1/stream",
+            headers: &HeaderMap::new(),
+            body: bytes::Bytes::new(),
+        };
+        let failed = tokio::time::timeout(
+            Duration::from_secs(10),
+            forward_within(&address, "i-1", call, Duration::from_millis(200)),
+        )
+        .await
+        .expect("the call was held");
+        match failed {
+            Err(ApiError::SandboxUnavailable(m)) => assert!(m.contains("no answer"), "{m}"),
+            other => panic!("{:?}", other.map(|r| r.status())),
+        }
+        held.abort();
+    }
 }

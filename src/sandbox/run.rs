@@ -47,7 +47,8 @@ pub enum Waited<T> {
 /// Waits for `ended` (the backend's "the run is over") unless, first, the wall clock `timeout`
 /// passes or a stream goes past its output cap under `on_overflow = "kill"` (kill), or `stop` is
 /// raised. A stop with a grace calls `terminate` (the backend's SIGTERM to every process of the
-/// run) and gives the run that long to end before it is killed.
+/// run) and gives the run that long to end before it is killed, never past `timeout`: the wall
+/// clock limit holds whatever grace a stop asks for.
 pub async fn wait<F, T>(
     ended: &mut F,
     timeout: Duration,
@@ -59,6 +60,7 @@ where
     F: Future + Unpin,
     T: Future<Output = ()>,
 {
+    let timeout_at = tokio::time::Instant::now() + timeout;
     let mut stop_rx = stop.cloned();
     let stopped = async {
         match stop_rx.as_mut() {
@@ -69,7 +71,7 @@ where
     let stop = tokio::select! {
         r = &mut *ended => return Waited::Ended(r),
         s = stopped => s,
-        _ = tokio::time::sleep(timeout) => return Waited::Kill(KilledReason::Timeout),
+        _ = tokio::time::sleep_until(timeout_at) => return Waited::Kill(KilledReason::Timeout),
         _ = output.overflowed() => return Waited::Kill(KilledReason::OutputLimit),
     };
     if stop.grace.is_zero() {
@@ -78,7 +80,7 @@ where
     terminate().await;
     // A later stop with a shorter grace (the shutdown's kill of a run that a caller cancelled
     // with a long one) shortens what is left of it.
-    let mut deadline = tokio::time::Instant::now() + stop.grace;
+    let mut deadline = timeout_at.min(tokio::time::Instant::now() + stop.grace);
     let mut later = stop_rx;
     loop {
         let shortened = async {
@@ -302,6 +304,28 @@ mod tests {
         )
         .await
         .expect("the shorter grace was not honoured");
+        assert!(matches!(w, Waited::Kill(KilledReason::Cancelled)), "{w:?}");
+    }
+
+    /// A stop's grace ends at the run's wall clock limit: a cancel just before the timeout does
+    /// not lengthen the run by its grace.
+    #[tokio::test]
+    async fn a_grace_never_runs_past_the_timeout() {
+        let rx = stop(KilledReason::Cancelled, Duration::from_secs(3600));
+        let (mut output, _o, _e) = capture();
+        let mut ended = std::pin::pin!(std::future::pending::<()>());
+        let w = tokio::time::timeout(
+            Duration::from_secs(10),
+            wait(
+                &mut ended,
+                Duration::from_millis(200),
+                Some(&rx),
+                &mut output,
+                || async {},
+            ),
+        )
+        .await
+        .expect("the grace ran past the timeout");
         assert!(matches!(w, Waited::Kill(KilledReason::Cancelled)), "{w:?}");
     }
 
