@@ -110,7 +110,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         .filter(|(_, b)| b.supports_egress())
         .map(|(k, _)| *k)
         .collect();
-    let executions = ExecutionService::new(
+    let executions = Arc::new(ExecutionService::new(
         &config,
         &instance_id,
         policy,
@@ -119,10 +119,12 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         store.clone(),
         audit.clone(),
         metrics.clone(),
-    );
+    ));
+    let sessions = crate::sessions::SessionService::new(&config.sessions, executions.clone());
     Ok(Arc::new(AppState {
         auth,
         executions,
+        sessions,
         audit,
         store,
         metrics,

@@ -40,6 +40,7 @@ pub struct Config {
     pub sandbox: SandboxConfig,
     pub executors: ExecutorsConfig,
     pub executions: ExecutionsConfig,
+    pub sessions: SessionsConfig,
     pub egress: EgressConfig,
     pub commands: BTreeMap<String, CommandEntry>,
     /// Names `ALLOWED_COMMANDS` added that the configured allowlist lacks (entries of
@@ -247,6 +248,37 @@ pub struct ExecutionsConfig {
     pub max_open_streams: usize,
 }
 
+/// Sessions: sandboxes kept across several execs (`/v1/sandbox/sessions`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SessionsConfig {
+    /// Where the local backend keeps each session's directory (its workspace tmpfs and the code
+    /// of its execs); reaped at startup, so it belongs to this daemon alone.
+    pub dir: PathBuf,
+    pub max_total: usize,
+    pub max_per_tenant: usize,
+    pub max_ttl_seconds: u64,
+    pub idle_timeout_seconds: u64,
+    pub max_file_bytes: usize,
+    /// Without a capability token at creation, the service token's `capabilities` are the grant.
+    pub accept_service_capabilities: bool,
+    pub languages: BTreeMap<String, LanguageEntry>,
+}
+
+/// One session language: an interpreter and what an exec of it needs.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LanguageEntry {
+    /// A bare name, resolved against `sandbox.search_path` at startup.
+    pub interpreter: String,
+    pub action_type: ActionType,
+    pub capability: Capability,
+    /// The profile its sessions run under unless the creation names another.
+    pub profile: String,
+    /// The name of the file each exec's code is written to.
+    pub file: String,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CommandEntry {
@@ -281,6 +313,7 @@ pub struct EnvOverrides {
     pub sandbox_runtime: Option<String>,
     pub redis_url: Option<String>,
     pub advertise_url: Option<String>,
+    pub sessions_dir: Option<String>,
 }
 
 impl EnvOverrides {
@@ -296,6 +329,7 @@ impl EnvOverrides {
             sandbox_runtime: get("SANDBOX_RUNTIME"),
             redis_url: get("EXECUTOR_ARM_REDIS_URL"),
             advertise_url: get("EXECUTOR_ARM_ADVERTISE_URL"),
+            sessions_dir: get("EXECUTOR_ARM_SESSIONS_DIR"),
         }
     }
 }
@@ -352,6 +386,9 @@ impl Config {
     fn apply_env(&mut self, env: &EnvOverrides) -> Result<(), ConfigError> {
         if let Some(v) = &env.advertise_url {
             self.server.advertise_url = Some(v.clone());
+        }
+        if let Some(v) = &env.sessions_dir {
+            self.sessions.dir = PathBuf::from(v);
         }
         if let Some(v) = &env.listen {
             self.server.listen = v.clone();
@@ -442,6 +479,34 @@ impl Config {
             return Err(ConfigError::Invalid(
                 "executions.retention_seconds must be > 0".into(),
             ));
+        }
+        let ses = &self.sessions;
+        if ses.max_total == 0 || ses.max_per_tenant == 0 || ses.max_ttl_seconds == 0 {
+            return Err(ConfigError::Invalid(
+                "sessions.max_total, max_per_tenant and max_ttl_seconds must be > 0".into(),
+            ));
+        }
+        if ses.idle_timeout_seconds == 0 || ses.max_file_bytes == 0 {
+            return Err(ConfigError::Invalid(
+                "sessions.idle_timeout_seconds and max_file_bytes must be > 0".into(),
+            ));
+        }
+        for (name, l) in &ses.languages {
+            let file_ok = crate::vocabulary::is_bare_name(&l.file) && !l.file.starts_with('.');
+            if !crate::vocabulary::is_bare_name(name)
+                || !crate::vocabulary::is_bare_name(&l.interpreter)
+                || !file_ok
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "sessions.languages.{}: the name, interpreter and file must be bare names",
+                    name.escape_debug()
+                )));
+            }
+            if l.action_type == ActionType::External {
+                return Err(ConfigError::Invalid(format!(
+                    "sessions.languages.{name}: action_type external is for registered executors"
+                )));
+            }
         }
         for b in BackendKind::ALL {
             if self.server.concurrency.for_backend(b) == 0 {

@@ -7,6 +7,8 @@
 //!   to statuses and bodies; `api::execute` parses a request into an `ExecutionRequest`.
 //! - `execution`: the execution service, no HTTP: decide → admit → run → record (provenance, one
 //!   typed audit event per line, metrics), the one path every execution takes.
+//! - `sessions`: sandboxes kept across execs (owner, tenant, workspace, lifetimes); each exec
+//!   is an execution of the execution service.
 //! - `auth`: service and capability tokens (JWT, static), verified into a grant.
 //! - `policy`: allowlist, sandbox profiles, argument policies, limits → a resolved `Plan`.
 //! - `executors`: operator-registered external executors (YAML) and their envelope.
@@ -31,5 +33,6 @@ pub mod metrics;
 pub mod policy;
 pub mod provenance;
 pub mod sandbox;
+pub mod sessions;
 pub mod state;
 pub mod vocabulary;

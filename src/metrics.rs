@@ -32,6 +32,8 @@ pub struct Metrics {
     pub runs_started: IntCounterVec,
     pub cancels: IntCounter,
     pub open_streams: IntGauge,
+    pub sessions_open: IntGaugeVec,
+    pub sessions_ended: IntCounterVec,
 }
 
 /// Waits for a run slot: none (0) up to the default 30 s limit.
@@ -187,8 +189,23 @@ impl Metrics {
             "Server-Sent Event streams of runs open now",
         )
         .expect("metric");
+        let sessions_open = IntGaugeVec::new(
+            Opts::new("executor_sessions_open", "Sessions open now, by backend"),
+            &["backend"],
+        )
+        .expect("metric");
+        let sessions_ended = IntCounterVec::new(
+            Opts::new(
+                "executor_sessions_ended_total",
+                "Sessions ended, by why (deleted, expired, idle, shutdown)",
+            ),
+            &["reason"],
+        )
+        .expect("metric");
         for c in [
             Box::new(executions.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(sessions_open.clone()),
+            Box::new(sessions_ended.clone()),
             Box::new(executions_by_backend.clone()),
             Box::new(duration.clone()),
             Box::new(duration_by_backend.clone()),
@@ -241,6 +258,8 @@ impl Metrics {
             runs_started,
             cancels,
             open_streams,
+            sessions_open,
+            sessions_ended,
         }
     }
 

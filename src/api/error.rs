@@ -26,6 +26,14 @@ pub enum ApiError {
     ExecutionNotFound,
     /// The run to cancel has finished.
     AlreadyFinished,
+    /// No session with this id is the caller's (another service's or tenant's included).
+    SessionNotFound,
+    /// The session runs another exec.
+    SessionBusy(String),
+    /// No such file in a session's workspace.
+    FileNotFound(String),
+    /// A session's workspace quota is used up.
+    WorkspaceFull,
     /// The backend's run slots are busy and its queue is full, or the wait for one ran out.
     Overloaded(String),
     SandboxUnavailable(String),
@@ -44,7 +52,11 @@ impl ApiError {
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::IdempotencyConflict => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::IdempotencyInProgress | ApiError::AlreadyFinished => StatusCode::CONFLICT,
-            ApiError::ExecutionNotFound => StatusCode::NOT_FOUND,
+            ApiError::ExecutionNotFound | ApiError::SessionNotFound | ApiError::FileNotFound(_) => {
+                StatusCode::NOT_FOUND
+            }
+            ApiError::SessionBusy(_) => StatusCode::CONFLICT,
+            ApiError::WorkspaceFull => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -65,6 +77,9 @@ impl ApiError {
             ApiError::IdempotencyInProgress => "IdempotencyInProgress",
             ApiError::ExecutionNotFound => "NotFound",
             ApiError::AlreadyFinished => "AlreadyFinished",
+            ApiError::SessionNotFound | ApiError::FileNotFound(_) => "NotFound",
+            ApiError::SessionBusy(_) => "SessionBusy",
+            ApiError::WorkspaceFull => "WorkspaceFull",
             ApiError::Overloaded(_) => "Overloaded",
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => "SandboxUnavailable",
             ApiError::Internal(_) => "InternalError",
@@ -92,6 +107,14 @@ impl ApiError {
             }
             ApiError::ExecutionNotFound => "No such execution".into(),
             ApiError::AlreadyFinished => "The execution has already finished".into(),
+            ApiError::SessionNotFound => "No such session".into(),
+            ApiError::SessionBusy(id) => {
+                format!("Session {id} is running another exec; wait for it or cancel it")
+            }
+            ApiError::FileNotFound(p) => format!("No such file or directory: {p}"),
+            ApiError::WorkspaceFull => {
+                "The session's workspace is full (its disk quota is reached)".into()
+            }
             ApiError::Overloaded(detail) => {
                 format!("Too many executions in progress: {detail}; retry later")
             }

@@ -6,6 +6,7 @@
 //! and turning a finished execution into a status and body. Must not: decide, admit or run
 //! anything itself (the execution service does).
 
+use futures::future::BoxFuture;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -115,6 +116,7 @@ impl ExecuteRequest {
             },
             idempotency_key: None,
             abandoned: None,
+            session: None,
         }
     }
 }
@@ -217,16 +219,27 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
 }
 
 pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response {
-    // The whole request is its own task: a client that disconnects mid-run does not cancel the
-    // run's audit line, metrics, in-flight gauge or stored idempotent result, only its reply
-    // (and the run itself only when the request asked for that).
+    detached(st, move |st, on_disconnect| {
+        execute_detached(st, req, on_disconnect)
+    })
+    .await
+}
+
+/// Serves a request that runs something on a task of its own: a client that disconnects
+/// mid-run does not cancel the run's audit line, metrics, in-flight gauge or stored idempotent
+/// result, only its reply (and the run itself only when the request asked for that).
+pub(super) async fn detached<F, Fut>(st: Arc<AppState>, f: F) -> Response
+where
+    F: FnOnce(Arc<AppState>, Arc<DisconnectCancel>) -> Fut,
+    Fut: std::future::Future<Output = Response> + Send + 'static,
+{
     let on_disconnect = Arc::new(DisconnectCancel::default());
     let mut guard = CancelIfDropped {
         st: st.clone(),
         cancel: on_disconnect.clone(),
         armed: true,
     };
-    let resp = match tokio::spawn(execute_detached(st, req, on_disconnect)).await {
+    let resp = match tokio::spawn(f(st, on_disconnect)).await {
         Ok(resp) => resp,
         Err(e) => ApiError::Internal(format!("request task failed: {e}")).into_response(),
     };
@@ -237,7 +250,7 @@ pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response 
 /// Whether the caller of a request went away before its answer, and the run a synchronous
 /// request that said `cancel_on_disconnect` waits for, once it started.
 #[derive(Default)]
-struct DisconnectCancel {
+pub(super) struct DisconnectCancel {
     run: std::sync::Mutex<Option<Disconnect>>,
     /// Raised when the caller goes away: a request still waiting for a run slot gives up.
     gone: watch::Sender<bool>,
@@ -290,7 +303,7 @@ impl Drop for CancelIfDropped {
 
 /// How the caller waits for its run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
+pub(super) enum Mode {
     /// For the answer, in this response.
     Sync,
     /// Not at all: 202 with the run's links.
@@ -481,8 +494,70 @@ async fn handle(
         fingerprint.extend_from_slice(token.as_bytes());
         sha256_prefixed(&fingerprint)
     };
-    let idem = match idem_key {
-        Some(k) => {
+    let idem = idem_key.map(|k| (k, body_hash));
+    let cancel_on_disconnect = req.cancel_on_disconnect;
+    let owner = owner_of(service.subject.as_deref());
+    let known = known.clone();
+    let job = Job {
+        service,
+        idem,
+        mode,
+        cancel_on_disconnect,
+        timeout_status: StatusCode::REQUEST_TIMEOUT,
+        build: Box::new(move || {
+            Box::pin(async move {
+                let request =
+                    req.into_execution(&known, owner, cap, action, timeout, mode != Mode::Sync);
+                Ok(Prepared {
+                    request,
+                    on_start: None,
+                })
+            })
+        }),
+    };
+    serve(st, job, on_disconnect).await
+}
+
+/// What [`serve`] runs: the request as its route parsed it, and how its caller waits.
+pub(super) struct Job {
+    pub service: Verified,
+    /// The Idempotency-Key as the caller sent it, and the fingerprint of what it asked.
+    pub idem: Option<(String, String)>,
+    pub mode: Mode,
+    pub cancel_on_disconnect: bool,
+    /// The status of a synchronous answer whose run the wall clock ended.
+    pub timeout_status: StatusCode,
+    /// Makes the execution request once the Idempotency-Key is held: a replay makes none.
+    pub build: Box<dyn FnOnce() -> BoxFuture<'static, Result<Prepared, ApiError>> + Send>,
+}
+
+/// A run about to be admitted, and what to do once it started.
+pub(super) struct Prepared {
+    pub request: ExecutionRequest,
+    pub on_start: Option<OnStart>,
+}
+
+/// Told the live run once it started (never, when admission failed).
+pub(super) type OnStart = Box<dyn FnOnce(&Arc<LiveRun>) + Send>;
+
+/// The part every run request shares, whatever route made it: the Idempotency-Key (a retry of
+/// a finished request gets the stored answer without running again), the stream permit, the run
+/// and the answer in the caller's mode.
+pub(super) async fn serve(
+    st: &Arc<AppState>,
+    job: Job,
+    on_disconnect: &DisconnectCancel,
+) -> Result<Response, ApiError> {
+    let Job {
+        service,
+        idem,
+        mode,
+        cancel_on_disconnect,
+        timeout_status,
+        build,
+    } = job;
+    let idem = match idem {
+        Some((k, body_hash)) => {
             if k.is_empty() || k.len() > 255 || !k.bytes().all(|b| b.is_ascii_graphic()) {
                 return Err(ApiError::InvalidRequest(
                     "Idempotency-Key must be 1-255 visible ASCII characters".into(),
@@ -499,7 +574,7 @@ async fn handle(
                 .await
                 .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
             {
-                IdemBegin::Started => Some(LeaseRenewal::start(st, &scoped, lease)),
+                IdemBegin::Started => Some((LeaseRenewal::start(st, &scoped, lease), body_hash)),
                 IdemBegin::InProgress { same_body: true } => {
                     return Err(ApiError::IdempotencyInProgress);
                 }
@@ -515,38 +590,48 @@ async fn handle(
         }
         None => None,
     };
-    let cancel_on_disconnect = req.cancel_on_disconnect;
-    let mut request = req.into_execution(
-        known,
-        owner_of(service.subject.as_deref()),
-        cap,
-        action,
-        timeout,
-        mode != Mode::Sync,
-    );
-    request.idempotency_key = idem.as_ref().map(|l| l.key.scoped());
-    request.abandoned = Some(on_disconnect.gone.subscribe());
-    let owner = request.owner.clone();
-    let request_id = request.request_id.clone();
+    let release = |idem: Option<(LeaseRenewal, String)>| async move {
+        if let Some((lease, _)) = idem {
+            let key = lease.stop();
+            if let Err(e) = st.store.idempotency_release(&key, &st.instance_id).await {
+                tracing::error!(error = %e, "idempotency key not released");
+            }
+        }
+    };
     // A stream's permit is taken before anything runs: a refused stream runs nothing, and gives
     // its Idempotency-Key back so that the retry its 429 invites is not refused as in progress.
     let permit = match mode {
         Mode::Stream => match StreamPermit::take(st) {
             Ok(p) => Some(p),
             Err(e) => {
-                if let Some(lease) = idem {
-                    let key = lease.stop();
-                    if let Err(e) = st.store.idempotency_release(&key, &st.instance_id).await {
-                        tracing::error!(error = %e, "idempotency key not released");
-                    }
-                }
+                release(idem).await;
                 return Err(e);
             }
         },
         Mode::Sync | Mode::Async => None,
     };
-    let answered = run_request(st, request, mode, on_disconnect, cancel_on_disconnect).await;
-    if let Some(lease) = idem {
+    let Prepared {
+        mut request,
+        on_start,
+    } = match build().await {
+        Ok(p) => p,
+        Err(e) => {
+            release(idem).await;
+            return Err(e);
+        }
+    };
+    request.idempotency_key = idem.as_ref().map(|(l, _)| l.key.scoped());
+    request.abandoned = Some(on_disconnect.gone.subscribe());
+    let owner = request.owner.clone();
+    let request_id = request.request_id.clone();
+    let how = How {
+        mode,
+        cancel_on_disconnect,
+        timeout_status,
+        on_start,
+    };
+    let answered = run_request(st, request, how, on_disconnect).await;
+    if let Some((lease, body_hash)) = idem {
         let key = lease.stop();
         let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
         // A retry of a streamed request gets the run's links, as an async one does. A run its
@@ -593,6 +678,14 @@ async fn handle(
     }
 }
 
+/// How the caller of a run waits for it.
+struct How {
+    mode: Mode,
+    cancel_on_disconnect: bool,
+    timeout_status: StatusCode,
+    on_start: Option<OnStart>,
+}
+
 /// Admits the request and starts its run. Async: the 202 that names the run, at once. Stream:
 /// the live run to follow. Otherwise: the run's answer once it has one (200, or 408 when the
 /// wall clock ended it, with the result as body; or the error it ended with). Either way the run
@@ -601,10 +694,15 @@ async fn handle(
 async fn run_request(
     st: &AppState,
     request: ExecutionRequest,
-    mode: Mode,
+    how: How,
     on_disconnect: &DisconnectCancel,
-    cancel_on_disconnect: bool,
 ) -> Result<Answer, ApiError> {
+    let How {
+        mode,
+        cancel_on_disconnect,
+        timeout_status,
+        on_start,
+    } = how;
     let owner = request.owner.clone();
     let request_id = request.request_id.clone();
     let execution = st.executions.admit(request).await?;
@@ -615,7 +713,10 @@ async fn run_request(
     let metrics = st.metrics.clone();
     let live = st
         .executions
-        .start(execution, move |r| answer_of(&metrics, r));
+        .start(execution, move |r| answer_of(&metrics, r, timeout_status));
+    if let Some(f) = on_start {
+        f(&live);
+    }
     match mode {
         Mode::Async => {
             return Ok(Answer::Stored(StoredResponse {
@@ -649,12 +750,16 @@ async fn run_request(
 
 /// What the caller of a run gets once it ended: 200, or 408 when the wall clock ended it, with
 /// the result as body; the error's status and body when it ended without an outcome.
-fn answer_of(metrics: &Metrics, r: Result<Finished, ExecutionError>) -> StoredResponse {
+fn answer_of(
+    metrics: &Metrics,
+    r: Result<Finished, ExecutionError>,
+    timeout_status: StatusCode,
+) -> StoredResponse {
     let error = match r {
         Ok(Finished { result, timed_out }) => match serde_json::to_string(&result) {
             Ok(body) => {
                 let status = if timed_out {
-                    StatusCode::REQUEST_TIMEOUT
+                    timeout_status
                 } else {
                     StatusCode::OK
                 };

@@ -9,6 +9,7 @@ pub mod execute;
 pub mod executions;
 pub mod forward;
 pub mod ops;
+pub mod sessions;
 pub mod stream;
 
 use std::future::Future;
@@ -40,7 +41,9 @@ pub struct AppState {
     pub auth: Authenticator,
     /// Decides, admits, runs and records executions; holds the policy, the executor registry and
     /// the backends.
-    pub executions: ExecutionService,
+    pub executions: Arc<ExecutionService>,
+    /// Sessions: sandboxes kept across execs.
+    pub sessions: Arc<crate::sessions::SessionService>,
     /// The audit log, the state store and the metrics the execution service shares.
     pub audit: Arc<AuditLog>,
     pub store: Arc<dyn StateStore>,
@@ -92,6 +95,29 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/executions/{exec_id}", get(executions::get))
         .route("/v1/executions/{exec_id}/cancel", post(executions::cancel))
         .route("/v1/executions/{exec_id}/stream", get(executions::stream))
+        .route("/v1/sandbox/sessions", post(sessions::create))
+        .route(
+            "/v1/sandbox/sessions/{id}",
+            get(sessions::get).delete(sessions::delete),
+        )
+        .route("/v1/sandbox/sessions/{id}/exec", post(sessions::exec))
+        .route(
+            "/v1/sandbox/sessions/{id}/execs/{exec_id}",
+            get(sessions::exec_get),
+        )
+        .route(
+            "/v1/sandbox/sessions/{id}/execs/{exec_id}/stream",
+            get(sessions::exec_stream),
+        )
+        .route(
+            "/v1/sandbox/sessions/{id}/execs/{exec_id}/cancel",
+            post(sessions::exec_cancel),
+        )
+        .route("/v1/sandbox/sessions/{id}/files", get(sessions::list_files))
+        .route(
+            "/v1/sandbox/sessions/{id}/files/{*path}",
+            get(sessions::get_file).put(sessions::put_file),
+        )
         .route("/capabilities", get(ops::capabilities))
         .route("/health", get(ops::health))
         .route("/livez", get(ops::health))
@@ -118,6 +144,7 @@ pub async fn run(
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     let flusher = tokio::spawn(flush_suppressed_refusals(state.clone()));
+    state.sessions.spawn_reaper();
     loop {
         let (stream, _peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -168,6 +195,8 @@ pub async fn run(
             let _ = tokio::time::timeout(Duration::from_secs(5), st.executions.wait_idle()).await;
         }
     }
+    // Sessions end with the daemon: their execs were answered or killed above.
+    state.sessions.close_all().await;
     flusher.abort();
     flush_suppressed(&state);
 }

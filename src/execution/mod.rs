@@ -24,6 +24,7 @@ pub mod result;
 pub mod runs;
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -39,6 +40,7 @@ use crate::config::{Config, TokenKind};
 use crate::executors::Registry;
 use crate::executors::invoke::{self, ExternalCall, ExternalInvocation};
 use crate::metrics::Metrics;
+use crate::policy::language::Language;
 use crate::policy::profile::NetworkMode;
 use crate::policy::{ActionType, Ask, Plan, Policy, PolicyError};
 use crate::provenance::audit::{self, AuditLog, RunEnd};
@@ -81,6 +83,63 @@ pub struct ExecutionRequest {
     /// queued for a run slot then gives its place back and runs nothing; a run that started is
     /// not touched by it.
     pub abandoned: Option<watch::Receiver<bool>>,
+    /// Set for an exec in a session: the language's interpreter runs its code in the session's
+    /// workspace (`command` and `args` are then the interpreter and the code file's path).
+    pub session: Option<SessionExec>,
+}
+
+/// What an exec in a session adds to its request.
+#[derive(Debug, Clone)]
+pub struct SessionExec {
+    pub session_id: String,
+    pub language: Arc<Language>,
+    /// The session's workspace on the host, bound at [`WORKSPACE`].
+    pub workspace: PathBuf,
+    /// The host file holding the exec's code, bound read-only at the language's code path.
+    pub code_file: PathBuf,
+    /// `sha256:<hex>` of the code.
+    pub code_sha256: String,
+    /// Where the code starts, inside [`WORKSPACE`].
+    pub cwd: PathBuf,
+    /// The session's limits, each no looser than its profile's (the tighter one applies).
+    pub limits: SessionLimits,
+    /// The exec's deadline to the millisecond (`timeout_ms`), within what the policy allows.
+    pub timeout: Option<Duration>,
+}
+
+/// Where a session's workspace appears inside its sandbox.
+pub const WORKSPACE: &str = "/workspace";
+
+/// Limits a session asked for at creation; None keeps the profile's.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SessionLimits {
+    pub cpus: Option<f64>,
+    pub memory_mb: Option<u64>,
+    pub disk_mb: Option<u64>,
+    pub pids: Option<u64>,
+    pub output_bytes: Option<usize>,
+}
+
+impl SessionLimits {
+    /// Tightens `limits` to these (never loosens them).
+    pub fn apply(&self, limits: &mut crate::sandbox::Limits) {
+        if let Some(c) = self.cpus {
+            limits.cpus = limits.cpus.min(c);
+        }
+        if let Some(m) = self.memory_mb {
+            limits.memory_bytes = limits.memory_bytes.min(m << 20);
+        }
+        if let Some(d) = self.disk_mb {
+            limits.disk_bytes = limits.disk_bytes.min(d << 20);
+        }
+        if let Some(p) = self.pids {
+            limits.pids = limits.pids.min(p);
+        }
+        if let Some(o) = self.output_bytes {
+            limits.output_bytes = limits.output_bytes.min(o);
+        }
+    }
 }
 
 /// What an `external` request carries for the executor's envelope and runtime model.
@@ -342,6 +401,25 @@ impl ExecutionService {
         &self.policy
     }
 
+    /// The plan `req` would run with, deciding it as an admission does (a refusal is audited),
+    /// without admitting anything: a session checks its grant with it when it is made.
+    pub fn plan(&self, req: &ExecutionRequest) -> Result<Plan, ExecutionError> {
+        self.decide(req).map(|(plan, _)| plan)
+    }
+
+    /// The state store runs and sessions are recorded in.
+    pub fn store(&self) -> &Arc<dyn StateStore> {
+        &self.store
+    }
+
+    pub fn audit(&self) -> &Arc<AuditLog> {
+        &self.audit
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
     pub fn executors(&self) -> &Registry {
         &self.executors
     }
@@ -470,6 +548,10 @@ impl ExecutionService {
             backend,
             slot,
             executor_def_sha256: external.map(|x| x.def_sha256),
+            session: req
+                .session
+                .as_ref()
+                .map(|s| (s.session_id.clone(), s.code_sha256.clone())),
             timestamp,
             metadata: req.metadata,
             admitted,
@@ -705,7 +787,18 @@ impl ExecutionService {
             env: &req.env,
         };
         let grant = &req.capability.grant;
-        let decided = if req.action == ActionType::External {
+        let decided = if let Some(session) = &req.session {
+            self.policy
+                .decide_language(&session.language, &ask, grant)
+                .map(|mut plan| {
+                    session.limits.apply(&mut plan.limits);
+                    if let Some(t) = session.timeout {
+                        plan.limits.timeout =
+                            plan.limits.timeout.min(t.max(Duration::from_millis(1)));
+                    }
+                    (plan, None)
+                })
+        } else if req.action == ActionType::External {
             invoke::decide(
                 &self.executors,
                 &self.policy,
@@ -749,7 +842,14 @@ impl ExecutionService {
             spec.fs.extra_files = x.extra_files.clone();
             spec.env.extend(x.env.clone());
         }
-        let hash = invocation_hash(&json!({
+        if let Some(s) = &req.session {
+            spec.fs.workdir = PathBuf::from(WORKSPACE);
+            spec.fs.workspace = Some(s.workspace.clone());
+            spec.fs.cwd = Some(s.cwd.clone());
+            spec.fs.extra_files = vec![(s.code_file.clone(), s.language.code_path())];
+            spec.env.insert("HOME".into(), WORKSPACE.into());
+        }
+        let mut decides = json!({
             "action_type": req.action.as_str(),
             "command": plan.command,
             "path": plan.path,
@@ -761,8 +861,16 @@ impl ExecutionService {
             "image": spec.image,
             "executor_def_sha256": external.map(|x| &x.def_sha256),
             "limits": spec.limits,
-        }));
-        (spec, hash)
+        });
+        // Only a session's exec has the key: every other request's hash stays as it was.
+        if let Some(s) = &req.session {
+            decides["session"] = json!({
+                "id": s.session_id,
+                "code_sha256": s.code_sha256,
+                "cwd": s.cwd,
+            });
+        }
+        (spec, invocation_hash(&decides))
     }
 
     fn refuse(&self, req: &ExecutionRequest, kind: RefusalKind, reason: &str) {
@@ -785,6 +893,8 @@ pub struct Execution {
     slot: OwnedSemaphorePermit,
     /// Set for an external executor.
     executor_def_sha256: Option<String>,
+    /// An exec in a session: the session's id and the code's digest.
+    session: Option<(String, String)>,
     /// When it was admitted (provenance's `timestamp`).
     timestamp: String,
     metadata: Option<Map<String, Value>>,
@@ -820,6 +930,7 @@ impl Execution {
             backend,
             slot,
             executor_def_sha256,
+            session,
             timestamp,
             metadata,
             admitted,
@@ -914,6 +1025,8 @@ impl Execution {
                 stdout_sha256,
                 stderr_sha256,
                 executor_def_sha256,
+                session_id: session.as_ref().map(|s| s.0.clone()),
+                code_sha256: session.map(|s| s.1),
                 audit_seq,
                 metadata,
             },

@@ -28,6 +28,11 @@ pub struct Provenance {
     pub stderr_sha256: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub executor_def_sha256: Option<String>,
+    /// An exec in a session: the session, and `sha256:<hex>` of the code it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub code_sha256: Option<String>,
     pub audit_seq: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metadata: Option<Map<String, Value>>,

@@ -166,6 +166,7 @@ fn request(command: &str, single_use: Option<&str>) -> ExecutionRequest {
         external: ExternalParts::default(),
         idempotency_key: None,
         abandoned: None,
+        session: None,
     }
 }
 

@@ -5,6 +5,7 @@
 //! allowlisted names against the search path at startup) or know any backend's mechanism.
 
 pub mod argpolicy;
+pub mod language;
 pub mod profile;
 
 use std::collections::BTreeMap;
@@ -13,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use self::argpolicy::ArgPolicy;
+use self::language::Language;
 use self::profile::{NetworkMode, Profile};
 use crate::config::{CommandEntry, Config};
 use crate::sandbox::{BackendKind, FsRules, Limits, NetworkPolicy, RunSpec, check_exec_size};
@@ -124,6 +126,8 @@ impl Plan {
                 read_only: p.filesystem.read_only.clone(),
                 extra_files: Vec::new(),
                 workdir: p.filesystem.workdir.clone(),
+                workspace: None,
+                cwd: None,
             },
             uid: p.user.uid,
             gid: p.user.gid,
@@ -147,6 +151,8 @@ pub struct Policy {
     /// Backends that route egress through the daemon's filtering proxy; an egress profile on any
     /// other backend is refused (503), never given open network.
     pub egress_backends: Vec<BackendKind>,
+    /// Session languages whose interpreter was found.
+    pub languages: BTreeMap<String, Arc<Language>>,
 }
 
 /// Finds `name` in the fixed search path (never the daemon's PATH).
@@ -171,6 +177,8 @@ pub enum PolicyLoadError {
     UnknownProfile { command: String, profile: String },
     #[error("commands.{command}: {message}")]
     ArgPolicy { command: String, message: String },
+    #[error("sessions.languages.{language}: profile '{profile}' does not exist")]
+    UnknownLanguageProfile { language: String, profile: String },
     #[error(
         "ALLOWED_COMMANDS names '{command}', which is not configured and not found in {search_path}"
     )]
@@ -222,6 +230,29 @@ impl Policy {
                 "ALLOWED_COMMANDS adds a command the configuration does not list: shell only, requires ShellExecute"
             );
         }
+        let mut languages = BTreeMap::new();
+        for (name, l) in &cfg.sessions.languages {
+            if !profiles.contains_key(&l.profile) {
+                return Err(PolicyLoadError::UnknownLanguageProfile {
+                    language: name.clone(),
+                    profile: l.profile.clone(),
+                });
+            }
+            let Some(path) = resolve_in(&cfg.sandbox.search_path, &l.interpreter) else {
+                tracing::warn!(language = %name, interpreter = %l.interpreter, search_path = %cfg.sandbox.search_path, "session language's interpreter not found; disabled");
+                continue;
+            };
+            let language = Language {
+                name: name.clone(),
+                interpreter: l.interpreter.clone(),
+                path,
+                action_type: l.action_type,
+                capability: l.capability,
+                profile: l.profile.clone(),
+                file: l.file.clone(),
+            };
+            languages.insert(name.clone(), Arc::new(language));
+        }
         Ok(Policy {
             commands,
             disabled,
@@ -229,7 +260,27 @@ impl Policy {
             profiles,
             default_backend: cfg.sandbox.default_backend,
             egress_backends: Vec::new(),
+            languages,
         })
+    }
+
+    /// Decides an exec of a session's language: its interpreter with the code file as its only
+    /// argument, under the token's grant like any allowlisted command.
+    pub fn decide_language(
+        &self,
+        language: &Language,
+        ask: &Ask<'_>,
+        grant: &Grant,
+    ) -> Result<Plan, PolicyError> {
+        self.finish(
+            &language.interpreter,
+            &language.path,
+            language.action_type,
+            &[language.capability],
+            &language.profile,
+            ask,
+            grant,
+        )
     }
 
     fn allowed(

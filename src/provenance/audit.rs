@@ -109,6 +109,10 @@ pub enum AuditEvent {
     RefusalsSuppressed(RefusalsSuppressed),
     /// A caller asked to stop a running execution (its end line follows when it has stopped).
     ExecutionCancel(Cancel),
+    /// A session was made (its execs are `execution_start` / `execution` lines with its id).
+    SessionCreate(SessionOpened),
+    /// A session ended: deleted, expired, or the daemon stopped.
+    SessionEnd(SessionClosed),
 }
 
 impl AuditEvent {
@@ -122,6 +126,8 @@ impl AuditEvent {
             AuditEvent::SegmentStart(_) => "segment_start",
             AuditEvent::RefusalsSuppressed(_) => "refusals_suppressed",
             AuditEvent::ExecutionCancel(_) => "execution_cancel",
+            AuditEvent::SessionCreate(_) => "session_create",
+            AuditEvent::SessionEnd(_) => "session_end",
         }
     }
 }
@@ -149,6 +155,32 @@ pub struct Cancel {
     /// The calling service's subject.
     pub subject: Option<String>,
     pub grace_seconds: u64,
+}
+
+/// A session as it was made.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionOpened {
+    pub request_id: String,
+    pub session_id: String,
+    /// The calling service that owns it, and the tenant it belongs to ("" without one).
+    pub owner: String,
+    pub tenant: String,
+    pub token_id: Option<String>,
+    pub language: String,
+    pub backend: &'static str,
+    pub profile: String,
+    pub expires_at: String,
+}
+
+/// Why a session ended.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionClosed {
+    pub session_id: String,
+    pub owner: String,
+    pub tenant: String,
+    /// `deleted`, `expired` (its TTL), `idle`, `shutdown`.
+    pub reason: &'static str,
+    pub execs: u64,
 }
 
 /// What every line of one admitted execution carries: its start, its end or its error. Read back

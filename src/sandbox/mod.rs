@@ -132,6 +132,12 @@ pub struct FsRules {
     pub extra_files: Vec<(PathBuf, PathBuf)>,
     /// The private writable working directory inside the sandbox.
     pub workdir: PathBuf,
+    /// A session's workspace: this host directory is bound writable at `workdir` instead of a
+    /// fresh scratch directory, so what one exec leaves there the next one finds (local
+    /// backend; the directory is a tmpfs of the session's own, which bounds it).
+    pub workspace: Option<PathBuf>,
+    /// Where the command starts, inside `workdir`; `workdir` itself when None.
+    pub cwd: Option<PathBuf>,
 }
 
 /// Everything a backend needs to run one command; nothing more.
@@ -394,6 +400,8 @@ pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {
             read_only: vec![],
             extra_files: vec![],
             workdir: PathBuf::from("/work"),
+            workspace: None,
+            cwd: None,
         },
         uid: 65534,
         gid: 65534,

@@ -97,6 +97,7 @@ impl Daemon {
             .env("EXECUTOR_ARM_AUDIT_LOG", &audit)
             .env("EXECUTOR_ARM_PROFILES_DIR", repo.join("sandbox-profiles"))
             .env("EXECUTOR_ARM_EXECUTORS_DIR", dir.path().join("executors"))
+            .env("EXECUTOR_ARM_SESSIONS_DIR", dir.path().join("sessions"))
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         for (k, v) in &opts.env {
@@ -272,7 +273,7 @@ impl Daemon {
         .await
     }
 
-    async fn read(r: reqwest::Response) -> Resp {
+    pub async fn read(r: reqwest::Response) -> Resp {
         let status = r.status().as_u16();
         let headers = r.headers().clone();
         let text = r.text().await.unwrap_or_default();

@@ -118,7 +118,13 @@ impl LocalSandbox {
         for p in &spec.fs.read_only {
             b.read_only(p)?;
         }
-        b.scratch(&spec.fs.workdir, spec.limits.disk_bytes, spec.uid, spec.gid)?;
+        b.scratch(
+            &spec.fs.workdir,
+            spec.fs.workspace.as_deref(),
+            spec.limits.disk_bytes,
+            spec.uid,
+            spec.gid,
+        )?;
         // After the tmpfs mounts: a file under /tmp or the workdir would otherwise be hidden by them.
         for (src, dst) in &spec.fs.extra_files {
             b.extra_file(src, dst)?;
@@ -162,11 +168,19 @@ impl LocalSandbox {
             landlock_fd: fds.landlock,
             landlock_rules: b.rules,
             hostname: c"sandbox".into(),
-            workdir: path_cstr(&spec.fs.workdir)?,
+            workdir: path_cstr(spec.fs.cwd.as_deref().unwrap_or(&spec.fs.workdir))?,
             rlimits: vec![
                 (libc::RLIMIT_CORE, 0),
                 (libc::RLIMIT_NOFILE, spec.limits.nofile),
-                (libc::RLIMIT_FSIZE, spec.limits.disk_bytes),
+                // A session's workspace is a tmpfs of the disk limit: a file past it is ENOSPC
+                // there, as the caller expects, not SIGXFSZ one byte before.
+                (
+                    libc::RLIMIT_FSIZE,
+                    match spec.fs.workspace {
+                        Some(_) => spec.limits.disk_bytes.saturating_add(1 << 20),
+                        None => spec.limits.disk_bytes,
+                    },
+                ),
                 // No RLIMIT_NPROC: it counts every process of the uid on the host, and every run
                 // of every daemon (and any other uid-65534 process) shares the uid, so a value
                 // sized for this daemon lets runs elsewhere make our exec fail with EAGAIN. The
@@ -334,10 +348,12 @@ impl PlanBuilder {
     /// The writable space of the run: ONE tmpfs of `disk` bytes whose `tmp` and `work` subdirs
     /// are bound at /tmp and the workdir, so the disk limit covers both together (two tmpfs of
     /// `disk` bytes each would let a run write twice its limit). The tmpfs is mounted at a staging
-    /// directory of the new root and detached again once both binds hold it.
+    /// directory of the new root and detached again once both binds hold it. A session's
+    /// `workspace` (a host directory with a tmpfs of its own) is bound at the workdir instead.
     fn scratch(
         &mut self,
         workdir: &Path,
+        workspace: Option<&Path>,
         disk: u64,
         uid: u32,
         gid: u32,
@@ -356,7 +372,16 @@ impl PlanBuilder {
         if workdir != tmp {
             self.bind_scratch(&stage.join("tmp"), tmp, 0o1777, 0, 0)?;
         }
-        self.bind_scratch(&stage.join("work"), workdir, 0o700, uid, gid)?;
+        match workspace {
+            Some(host) => {
+                self.mkdirs(workdir)?;
+                let dst = path_cstr(&self.inside(workdir)?)?;
+                let src = path_cstr(host)?;
+                self.ops.push(MountOp::BindWritable { src, dst });
+                self.rule(workdir, u64::MAX, false)?;
+            }
+            None => self.bind_scratch(&stage.join("work"), workdir, 0o700, uid, gid)?,
+        }
         self.ops.push(MountOp::Detach(stage_c));
         Ok(())
     }

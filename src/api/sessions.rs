@@ -1,0 +1,546 @@
+//! `/v1/sandbox/sessions`: sessions, their execs and their files, on the wire.
+//!
+//! Every route authenticates the calling service and reads the tenant (`X-Tenant-ID`, alias
+//! `X-Koder-Tenant`; none is the empty tenant, never a wildcard). A session that is not the
+//! caller's (another service or another tenant) is answered exactly like one that does not
+//! exist: 404. An exec is a run like any `/execute` (Idempotency-Key, async, SSE, cancel).
+//!
+//! Owns: parsing and answering. Must not: manage sessions or touch their files itself (the
+//! session service does).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::error::ApiError;
+use super::execute::{
+    CAPABILITY_TOKEN_HEADER, Job, Mode, Prepared, calling_service, detached, read_body, serve,
+};
+use super::{AppState, RequestId, executions};
+use crate::config::TokenKind;
+use crate::execution::record::KnownRequest;
+use crate::execution::{ClaimError, SessionLimits, claim_single_use, owner_of};
+use crate::policy::profile::{MAX_ASYNC_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS};
+use crate::provenance::sha256_prefixed;
+use crate::sessions::workspace::FileError;
+use crate::sessions::{ExecParts, NewSession, Owner, Session, SessionError};
+
+const TENANT_HEADERS: [&str; 2] = ["x-tenant-id", "x-koder-tenant"];
+
+impl From<SessionError> for ApiError {
+    fn from(e: SessionError) -> Self {
+        match e {
+            SessionError::Invalid(m) => ApiError::InvalidRequest(m),
+            SessionError::Busy(id) => ApiError::SessionBusy(id),
+            SessionError::TooMany(m) => ApiError::Overloaded(m),
+            SessionError::Execution(e) => e.into(),
+        }
+    }
+}
+
+impl From<FileError> for ApiError {
+    fn from(e: FileError) -> Self {
+        match e {
+            FileError::InvalidPath(m) | FileError::NotAFile(m) => ApiError::InvalidRequest(m),
+            FileError::NotFound(p) => ApiError::FileNotFound(p),
+            FileError::TooLarge { .. } => ApiError::InvalidRequest(e.to_string()),
+            FileError::NoSpace => ApiError::WorkspaceFull,
+            FileError::Io(m) => ApiError::Internal(m),
+        }
+    }
+}
+
+fn request_id(req: &Request) -> String {
+    req.extensions()
+        .get::<RequestId>()
+        .map(|r| r.0.clone())
+        .unwrap_or_default()
+}
+
+/// The tenant a call names: "" without one; both headers must agree.
+fn tenant(headers: &HeaderMap) -> Result<String, ApiError> {
+    let mut found: Option<String> = None;
+    for name in TENANT_HEADERS {
+        for v in headers.get_all(name) {
+            let v = v
+                .to_str()
+                .ok()
+                .filter(|v| v.len() <= 256 && v.bytes().all(|b| b.is_ascii_graphic()))
+                .ok_or_else(|| {
+                    ApiError::InvalidRequest(format!(
+                        "{name} must be 0-256 visible ASCII characters"
+                    ))
+                })?;
+            match &found {
+                Some(f) if f != v => {
+                    return Err(ApiError::InvalidRequest(
+                        "X-Tenant-ID / X-Koder-Tenant name different tenants".into(),
+                    ));
+                }
+                _ => found = Some(v.to_string()),
+            }
+        }
+    }
+    Ok(found.unwrap_or_default())
+}
+
+/// The calling service and its tenant, as a session's owner.
+async fn caller(
+    st: &AppState,
+    headers: &HeaderMap,
+    rid: String,
+) -> Result<(Owner, crate::auth::Verified, KnownRequest), ApiError> {
+    let mut known = KnownRequest {
+        request_id: rid,
+        ..KnownRequest::default()
+    };
+    let service = calling_service(st, headers, &mut known).await?;
+    let owner = Owner {
+        subject: owner_of(service.subject.as_deref()),
+        tenant: tenant(headers)?,
+    };
+    Ok((owner, service, known))
+}
+
+/// The caller's session `id`, or 404.
+async fn session_of(
+    st: &AppState,
+    headers: &HeaderMap,
+    rid: String,
+    id: &str,
+) -> Result<(Arc<Session>, Owner, crate::auth::Verified, KnownRequest), ApiError> {
+    let (owner, service, known) = caller(st, headers, rid).await?;
+    let session = st
+        .sessions
+        .get(&owner, id)
+        .ok_or(ApiError::SessionNotFound)?;
+    Ok((session, owner, service, known))
+}
+
+/// The caller's session `id` for an exec or a file call (its idle time starts again), or 404.
+async fn session_in_use(
+    st: &AppState,
+    headers: &HeaderMap,
+    rid: String,
+    id: &str,
+) -> Result<(Arc<Session>, crate::auth::Verified, KnownRequest), ApiError> {
+    let (owner, service, known) = caller(st, headers, rid).await?;
+    let session = st
+        .sessions
+        .use_session(&owner, id)
+        .ok_or(ApiError::SessionNotFound)?;
+    Ok((session, service, known))
+}
+
+fn json(status: StatusCode, body: Value) -> Response {
+    (status, axum::Json(body)).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateBody {
+    language: String,
+    #[serde(default)]
+    profile: Option<String>,
+    #[serde(default)]
+    ttl_seconds: Option<u64>,
+    #[serde(default)]
+    idle_timeout_seconds: Option<u64>,
+    #[serde(default)]
+    limits: Option<SessionLimits>,
+    #[serde(default)]
+    capability_token: Option<String>,
+}
+
+/// `POST /v1/sandbox/sessions`: 201 with the session.
+pub async fn create(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let rid = request_id(&req);
+    match create_inner(&st, req, rid).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Response, ApiError> {
+    if st.is_draining() {
+        return Err(ApiError::ShuttingDown);
+    }
+    let (parts, body) = req.into_parts();
+    let (owner, service, mut known) = caller(st, &parts.headers, rid).await?;
+    let raw = read_body(
+        body,
+        &parts.headers,
+        st.config.server.body_limit_bytes,
+        Duration::from_secs(st.config.server.body_read_timeout_seconds),
+    )
+    .await?;
+    let asked: CreateBody = serde_json::from_slice(&raw)
+        .map_err(|e| ApiError::InvalidRequest(format!("invalid session request: {e}")))?;
+    let header_token = parts
+        .headers
+        .get(CAPABILITY_TOKEN_HEADER)
+        .map(|v| v.to_str().unwrap_or_default().to_string());
+    let token = match (asked.capability_token, header_token) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::InvalidRequest(format!(
+                "the capability token is given twice: in the body and in {CAPABILITY_TOKEN_HEADER}"
+            )));
+        }
+        (Some(t), None) | (None, Some(t)) => Some(t),
+        (None, None) => None,
+    };
+    let grant = match token {
+        Some(t) => {
+            let cap = st
+                .auth
+                .verify(&t, TokenKind::Capability)
+                .map_err(|e| unauthorized(st, &known, &format!("capability token: {e}")))?;
+            known.token_id = cap.token_id.clone();
+            claim_single_use(&*st.store, &cap)
+                .await
+                .map_err(|e| match e {
+                    ClaimError::Refused(reason) => unauthorized(st, &known, &reason),
+                    ClaimError::Unavailable(m) => ApiError::SandboxUnavailable(m),
+                })?;
+            cap
+        }
+        None if st.config.sessions.accept_service_capabilities => service,
+        None => {
+            return Err(unauthorized(
+                st,
+                &known,
+                "missing capability token (sessions.accept_service_capabilities is off)",
+            ));
+        }
+    };
+    let session = st
+        .sessions
+        .create(NewSession {
+            request_id: known.request_id.clone(),
+            owner,
+            language: asked.language,
+            profile: asked.profile,
+            ttl: asked.ttl_seconds.map(Duration::from_secs),
+            idle_timeout: asked.idle_timeout_seconds.map(Duration::from_secs),
+            limits: asked.limits.unwrap_or_default(),
+            grant,
+        })
+        .await?;
+    let mut resp = json(StatusCode::CREATED, session.describe());
+    if let Ok(v) = HeaderValue::from_str(&format!("/v1/sandbox/sessions/{}", session.id)) {
+        resp.headers_mut().insert(header::LOCATION, v);
+    }
+    Ok(resp)
+}
+
+fn unauthorized(st: &AppState, known: &KnownRequest, reason: &str) -> ApiError {
+    crate::execution::record::refusal(
+        &st.audit,
+        &st.metrics,
+        known,
+        crate::execution::record::RefusalKind::Unauthorized,
+        reason,
+    );
+    ApiError::Unauthorized
+}
+
+/// `GET /v1/sandbox/sessions/{id}`.
+pub async fn get(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    rid: Option<axum::Extension<RequestId>>,
+) -> Response {
+    let rid = rid.map(|r| r.0.0).unwrap_or_default();
+    match session_of(&st, &headers, rid, &id).await {
+        Ok((s, ..)) => json(StatusCode::OK, s.describe()),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `DELETE /v1/sandbox/sessions/{id}`: kills a running exec, removes everything; 204.
+pub async fn delete(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    rid: Option<axum::Extension<RequestId>>,
+) -> Response {
+    let rid = rid.map(|r| r.0.0).unwrap_or_default();
+    let result = async {
+        let (owner, ..) = caller(&st, &headers, rid).await?;
+        if st.sessions.delete(&owner, &id).await {
+            Ok(StatusCode::NO_CONTENT.into_response())
+        } else {
+            Err(ApiError::SessionNotFound)
+        }
+    };
+    result.await.unwrap_or_else(|e| e.into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExecBody {
+    code: String,
+    #[serde(default)]
+    stdin: Option<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    #[serde(default)]
+    cwd: Option<String>,
+    #[serde(default)]
+    timeout_ms: Option<u64>,
+    #[serde(default, rename = "async")]
+    run_async: bool,
+    #[serde(default)]
+    cancel_on_disconnect: bool,
+}
+
+/// `POST /v1/sandbox/sessions/{id}/exec`: the session's language runs `code` in its workspace.
+/// Sync: 200 with the result (a run the deadline ended included: its `killed_reason` says so);
+/// `async`: 202 with the run's links; `Accept: text/event-stream`: the run as SSE.
+pub async fn exec(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Response {
+    detached(st, move |st, on_disconnect| async move {
+        let rid = request_id(&req);
+        match exec_inner(&st, &id, req, rid, &on_disconnect).await {
+            Ok(r) => r,
+            Err(e) => e.into_response(),
+        }
+    })
+    .await
+}
+
+async fn exec_inner(
+    st: &Arc<AppState>,
+    id: &str,
+    req: Request,
+    rid: String,
+    on_disconnect: &super::execute::DisconnectCancel,
+) -> Result<Response, ApiError> {
+    if st.is_draining() {
+        return Err(ApiError::ShuttingDown);
+    }
+    let (parts, body) = req.into_parts();
+    let (session, service, known) = session_in_use(st, &parts.headers, rid, id).await?;
+    let raw = read_body(
+        body,
+        &parts.headers,
+        st.config.server.body_limit_bytes,
+        Duration::from_secs(st.config.server.body_read_timeout_seconds),
+    )
+    .await?;
+    let asked: ExecBody = serde_json::from_slice(&raw)
+        .map_err(|e| ApiError::InvalidRequest(format!("invalid exec request: {e}")))?;
+    let streaming = parts
+        .headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("text/event-stream"));
+    let mode = match (asked.run_async, streaming) {
+        (true, true) => {
+            return Err(ApiError::InvalidRequest(
+                "async and Accept: text/event-stream exclude each other".into(),
+            ));
+        }
+        (true, false) => Mode::Async,
+        (false, true) => Mode::Stream,
+        (false, false) => Mode::Sync,
+    };
+    let max_ms = 1000
+        * if mode == Mode::Sync {
+            MAX_TIMEOUT_SECONDS
+        } else {
+            MAX_ASYNC_TIMEOUT_SECONDS
+        };
+    if let Some(t) = asked.timeout_ms
+        && !(1..=max_ms).contains(&t)
+    {
+        return Err(ApiError::InvalidRequest(format!(
+            "timeout_ms must be between 1 and {max_ms} for this call, got {t}"
+        )));
+    }
+    if asked.code.contains('\0') {
+        return Err(ApiError::InvalidRequest(
+            "code may not contain NUL bytes".into(),
+        ));
+    }
+    // The fingerprint binds a replay to this session as well as to the body.
+    let body_hash = {
+        let mut fingerprint = raw.to_vec();
+        fingerprint.push(0);
+        fingerprint.extend_from_slice(session.id.as_bytes());
+        sha256_prefixed(&fingerprint)
+    };
+    let idem_key = parts
+        .headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let exec_parts = ExecParts {
+        request_id: known.request_id.clone(),
+        subject: service.subject.clone().or_else(|| Some("-".into())),
+        code: asked.code,
+        stdin: asked.stdin,
+        env: asked.env,
+        cwd: asked.cwd,
+        timeout_ms: asked.timeout_ms,
+        long_run: mode != Mode::Sync,
+    };
+    let sessions = st.sessions.clone();
+    let job = Job {
+        service,
+        idem: idem_key.map(|k| (k, body_hash)),
+        mode,
+        cancel_on_disconnect: asked.cancel_on_disconnect,
+        timeout_status: StatusCode::OK,
+        build: Box::new(move || {
+            Box::pin(async move {
+                let claim = sessions.claim(&session)?;
+                let (request, code_file) = sessions.exec_request(&session, exec_parts).await?;
+                Ok(Prepared {
+                    request,
+                    on_start: Some(Box::new(move |live| {
+                        claim.started(live);
+                        // The code file goes once the exec answered (its sandbox binds it).
+                        let mut answer = live.answer();
+                        tokio::spawn(async move {
+                            let _ = answer.wait_for(Option::is_some).await;
+                            drop(code_file);
+                        });
+                    })),
+                })
+            })
+        }),
+    };
+    serve(st, job, on_disconnect).await
+}
+
+/// `GET /v1/sandbox/sessions/{id}/execs/{exec_id}` (and `/stream`, `/cancel`): the run routes,
+/// for a session of the caller's.
+pub async fn exec_get(
+    State(st): State<Arc<AppState>>,
+    Path((id, exec_id)): Path<(String, String)>,
+    req: Request,
+) -> Response {
+    match session_of(&st, req.headers(), request_id(&req), &id).await {
+        Ok(_) => executions::get(State(st), Path(exec_id), req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub async fn exec_stream(
+    State(st): State<Arc<AppState>>,
+    Path((id, exec_id)): Path<(String, String)>,
+    req: Request,
+) -> Response {
+    match session_of(&st, req.headers(), request_id(&req), &id).await {
+        Ok(_) => executions::stream(State(st), Path(exec_id), req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub async fn exec_cancel(
+    State(st): State<Arc<AppState>>,
+    Path((id, exec_id)): Path<(String, String)>,
+    req: Request,
+) -> Response {
+    match session_of(&st, req.headers(), request_id(&req), &id).await {
+        Ok(_) => executions::cancel(State(st), Path(exec_id), req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `PUT /v1/sandbox/sessions/{id}/files/{path}`: the raw body becomes the file; 204.
+pub async fn put_file(
+    State(st): State<Arc<AppState>>,
+    Path((id, path)): Path<(String, String)>,
+    req: Request,
+) -> Response {
+    let rid = request_id(&req);
+    let result = async {
+        let (parts, body): (_, Body) = req.into_parts();
+        let (session, ..) = session_in_use(&st, &parts.headers, rid, &id).await?;
+        let bytes = read_body(
+            body,
+            &parts.headers,
+            st.config.sessions.max_file_bytes,
+            Duration::from_secs(st.config.server.body_read_timeout_seconds.max(60)),
+        )
+        .await?;
+        tokio::task::spawn_blocking(move || session.workspace().write_file(&path, &bytes))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))??;
+        Ok::<_, ApiError>(StatusCode::NO_CONTENT.into_response())
+    };
+    result.await.unwrap_or_else(|e| e.into_response())
+}
+
+/// `GET /v1/sandbox/sessions/{id}/files/{path}`: the file's bytes.
+pub async fn get_file(
+    State(st): State<Arc<AppState>>,
+    Path((id, path)): Path<(String, String)>,
+    headers: HeaderMap,
+    rid: Option<axum::Extension<RequestId>>,
+) -> Response {
+    let rid = rid.map(|r| r.0.0).unwrap_or_default();
+    let result = async {
+        let (session, ..) = session_in_use(&st, &headers, rid, &id).await?;
+        let max = st.config.sessions.max_file_bytes as u64;
+        let bytes = tokio::task::spawn_blocking(move || session.workspace().read_file(&path, max))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))??;
+        Ok::<_, ApiError>(
+            (
+                StatusCode::OK,
+                [(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/octet-stream"),
+                )],
+                bytes,
+            )
+                .into_response(),
+        )
+    };
+    result.await.unwrap_or_else(|e| e.into_response())
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ListQuery {
+    #[serde(default)]
+    path: String,
+}
+
+/// `GET /v1/sandbox/sessions/{id}/files?path=dir`: a directory's entries (the workspace's
+/// without `path`).
+pub async fn list_files(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    Query(q): Query<ListQuery>,
+    headers: HeaderMap,
+    rid: Option<axum::Extension<RequestId>>,
+) -> Response {
+    let rid = rid.map(|r| r.0.0).unwrap_or_default();
+    let result = async {
+        let (session, ..) = session_in_use(&st, &headers, rid, &id).await?;
+        let path = q.path.clone();
+        let entries = tokio::task::spawn_blocking(move || session.workspace().list(&path))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))??;
+        Ok::<_, ApiError>(json(
+            StatusCode::OK,
+            serde_json::json!({"path": q.path, "entries": entries}),
+        ))
+    };
+    result.await.unwrap_or_else(|e| e.into_response())
+}

@@ -1,0 +1,656 @@
+//! Sessions: a sandbox kept across several execs, with a workspace of its own.
+//!
+//! A session belongs to the calling service and a tenant; it keeps the grant it was made with
+//! for its whole life. Each exec is an ordinary execution of the execution service (decided,
+//! admitted, run and recorded like any other, async, streamed and cancelled through the same
+//! run registry), with the session's language as its command and the session's workspace as its
+//! workdir. One exec runs at a time. Sessions end when deleted, at their TTL, after their idle
+//! time, or when the daemon stops; ending one kills its exec and removes its directory.
+//!
+//! Owns: which sessions exist, whose they are, their limits and lifetimes. Must not: know HTTP,
+//! or run anything itself (the execution service does).
+
+pub mod workspace;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+
+use self::workspace::Workspace;
+use crate::auth::Verified;
+use crate::config::SessionsConfig;
+use crate::execution::runs::LiveRun;
+use crate::execution::{
+    ExecutionError, ExecutionRequest, ExecutionService, ExternalParts, SessionExec, SessionLimits,
+    WORKSPACE,
+};
+use crate::policy::language::Language;
+use crate::provenance::audit::{self, AuditEvent};
+use crate::sandbox::BackendKind;
+
+/// Every session id starts with this (the startup reaper only touches such names).
+pub const ID_PREFIX: &str = "ses_";
+
+/// How often lifetimes are checked.
+const REAP_EVERY: Duration = Duration::from_secs(1);
+
+/// Why a session call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// Malformed (400).
+    #[error("{0}")]
+    Invalid(String),
+    /// Another exec of the session is running (409).
+    #[error("session {0} is running another exec; wait for it or cancel it")]
+    Busy(String),
+    /// `max_total` or `max_per_tenant` sessions are open (429).
+    #[error("{0}")]
+    TooMany(String),
+    /// Deciding or admitting an exec failed as an execution does.
+    #[error(transparent)]
+    Execution(#[from] ExecutionError),
+}
+
+/// Who a session belongs to: the calling service's subject and the tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub subject: String,
+    /// "" when the call names none: a tenant of its own, never a wildcard.
+    pub tenant: String,
+}
+
+/// What a caller asks for when it makes a session.
+#[derive(Debug, Clone)]
+pub struct NewSession {
+    pub request_id: String,
+    pub owner: Owner,
+    pub language: String,
+    pub profile: Option<String>,
+    pub ttl: Option<Duration>,
+    pub idle_timeout: Option<Duration>,
+    pub limits: SessionLimits,
+    /// The grant the session keeps (a single-use token was claimed already).
+    pub grant: Verified,
+}
+
+/// One exec's parts, as the caller sent them.
+#[derive(Debug, Clone, Default)]
+pub struct ExecParts {
+    pub request_id: String,
+    pub subject: Option<String>,
+    pub code: String,
+    pub stdin: Option<String>,
+    pub env: std::collections::BTreeMap<String, String>,
+    pub cwd: Option<String>,
+    pub timeout_ms: Option<u64>,
+    /// Async or streamed: it may run up to the profile's async maximum.
+    pub long_run: bool,
+}
+
+/// What a session does now.
+enum Activity {
+    Idle,
+    /// An exec is being admitted.
+    Starting,
+    Running(Arc<LiveRun>),
+}
+
+pub struct Session {
+    pub id: String,
+    pub owner: Owner,
+    pub language: Arc<Language>,
+    pub backend: BackendKind,
+    pub profile: String,
+    pub limits: SessionLimits,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    pub expires_at: chrono::DateTime<chrono::Utc>,
+    pub idle_timeout: Duration,
+    deadline: Instant,
+    grant: Verified,
+    workspace: Workspace,
+    last_used: Mutex<Instant>,
+    activity: Mutex<Activity>,
+    execs: std::sync::atomic::AtomicU64,
+}
+
+impl Session {
+    fn touch(&self) {
+        *self.last_used.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+
+    /// The exec running now, if one is.
+    pub fn running(&self) -> Option<Arc<LiveRun>> {
+        match &*self.activity.lock().unwrap_or_else(|p| p.into_inner()) {
+            Activity::Running(live) if live.answered().is_none() => Some(live.clone()),
+            _ => None,
+        }
+    }
+
+    pub fn workspace(&self) -> &Workspace {
+        &self.workspace
+    }
+
+    /// The session as its API shows it.
+    pub fn describe(&self) -> serde_json::Value {
+        serde_json::json!({
+            "id": self.id,
+            "language": self.language.name,
+            "backend": self.backend.as_str(),
+            "profile": self.profile,
+            "tenant": self.owner.tenant,
+            "created_at": self.created_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            "expires_at": self.expires_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            "idle_timeout_seconds": self.idle_timeout.as_secs(),
+            "limits": self.limits,
+            "workspace": WORKSPACE,
+            "running_exec_id": self.running().map(|l| l.exec_id().to_string()),
+            "execs": self.execs.load(std::sync::atomic::Ordering::Relaxed),
+        })
+    }
+}
+
+/// A claim on a session's one exec: given back when dropped unless an exec started.
+pub struct ExecClaim {
+    session: Arc<Session>,
+    started: bool,
+}
+
+impl ExecClaim {
+    /// The exec started: the session is busy until it answers.
+    pub fn started(mut self, live: &Arc<LiveRun>) {
+        *self
+            .session
+            .activity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Activity::Running(live.clone());
+        self.session
+            .execs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.started = true;
+        let session = self.session.clone();
+        let mut answer = live.answer();
+        tokio::spawn(async move {
+            let _ = answer.wait_for(Option::is_some).await;
+            session.touch();
+        });
+    }
+}
+
+impl Drop for ExecClaim {
+    fn drop(&mut self) {
+        if !self.started {
+            *self
+                .session
+                .activity
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Activity::Idle;
+        }
+    }
+}
+
+pub struct SessionService {
+    config: SessionsConfig,
+    executions: Arc<ExecutionService>,
+    sessions: Mutex<HashMap<String, Arc<Session>>>,
+    /// Raised at shutdown: no session is made any more.
+    closed: watch::Sender<bool>,
+}
+
+impl SessionService {
+    /// The service; sessions a previous process left under `sessions.dir` are removed first.
+    pub fn new(config: &SessionsConfig, executions: Arc<ExecutionService>) -> Arc<Self> {
+        let reaped = workspace::reap(&config.dir);
+        if reaped > 0 {
+            tracing::warn!(reaped, dir = %config.dir.display(), "removed the sessions of a previous process");
+        }
+        Arc::new(SessionService {
+            config: config.clone(),
+            executions,
+            sessions: Mutex::new(HashMap::new()),
+            closed: watch::channel(false).0,
+        })
+    }
+
+    /// Ends sessions past their TTL or idle time, every second, until shutdown.
+    pub fn spawn_reaper(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let mut closed = self.closed.subscribe();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(REAP_EVERY) => {}
+                    _ = closed.wait_for(|c| *c) => return,
+                }
+                let Some(service) = weak.upgrade() else {
+                    return;
+                };
+                service.reap_expired().await;
+            }
+        });
+    }
+
+    async fn reap_expired(&self) {
+        let now = Instant::now();
+        let due: Vec<(Arc<Session>, &'static str)> = self
+            .lock()
+            .values()
+            .filter_map(|s| {
+                if now >= s.deadline {
+                    return Some((s.clone(), "expired"));
+                }
+                let idle_since = *s.last_used.lock().unwrap_or_else(|p| p.into_inner());
+                (s.running().is_none()
+                    && !matches!(
+                        *s.activity.lock().unwrap_or_else(|p| p.into_inner()),
+                        Activity::Starting
+                    )
+                    && now.duration_since(idle_since) >= s.idle_timeout)
+                    .then(|| (s.clone(), "idle"))
+            })
+            .collect();
+        for (s, reason) in due {
+            self.end(&s.id, reason).await;
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Session>>> {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The languages sessions may use.
+    pub fn languages(&self) -> Vec<String> {
+        self.executions.policy().languages.keys().cloned().collect()
+    }
+
+    /// Makes a session: checks its language, profile, limits and grant (as an exec of it would
+    /// be checked), then its directory. 429 when `max_total` or `max_per_tenant` are open.
+    pub async fn create(&self, new: NewSession) -> Result<Arc<Session>, SessionError> {
+        if *self.closed.borrow() {
+            return Err(ExecutionError::Unavailable("the daemon is shutting down".into()).into());
+        }
+        let policy = self.executions.policy();
+        let language = policy
+            .languages
+            .get(&new.language)
+            .cloned()
+            .ok_or_else(|| {
+                SessionError::Invalid(format!(
+                    "unknown language '{}'; this daemon has: {}",
+                    new.language.escape_debug(),
+                    self.languages().join(", ")
+                ))
+            })?;
+        let max_ttl = Duration::from_secs(self.config.max_ttl_seconds);
+        let ttl = new.ttl.unwrap_or(max_ttl);
+        if ttl.is_zero() || ttl > max_ttl {
+            return Err(SessionError::Invalid(format!(
+                "ttl_seconds must be between 1 and {} (sessions.max_ttl_seconds)",
+                max_ttl.as_secs()
+            )));
+        }
+        let max_idle = Duration::from_secs(self.config.idle_timeout_seconds);
+        let idle_timeout = new.idle_timeout.unwrap_or(max_idle);
+        if idle_timeout.is_zero() || idle_timeout > max_idle {
+            return Err(SessionError::Invalid(format!(
+                "idle_timeout_seconds must be between 1 and {} (sessions.idle_timeout_seconds)",
+                max_idle.as_secs()
+            )));
+        }
+        let id = format!("{ID_PREFIX}{}", uuid::Uuid::new_v4().simple());
+        // Decided as an exec of it would be: the grant must cover the language's capability and
+        // the profile (a refusal is audited).
+        let probe = request(
+            Binding {
+                session_id: id.clone(),
+                language: language.clone(),
+                profile: new.profile.clone(),
+                limits: new.limits,
+                grant: new.grant.clone(),
+                workspace: PathBuf::new(),
+                code_file: PathBuf::new(),
+                code_sha256: String::new(),
+                cwd: WORKSPACE.into(),
+            },
+            ExecParts {
+                request_id: new.request_id.clone(),
+                subject: Some(new.owner.subject.clone()),
+                ..ExecParts::default()
+            },
+        );
+        let plan = self.executions.plan(&probe)?;
+        check_limits(&new.limits, &plan)?;
+        if plan.backend != BackendKind::Local {
+            return Err(ExecutionError::Unavailable(format!(
+                "sessions run on the local backend only; profile '{}' runs on {}",
+                plan.profile.name,
+                plan.backend.as_str()
+            ))
+            .into());
+        }
+        {
+            let sessions = self.lock();
+            if sessions.len() >= self.config.max_total {
+                return Err(SessionError::TooMany(format!(
+                    "{} sessions are open (sessions.max_total)",
+                    self.config.max_total
+                )));
+            }
+            let mine = sessions.values().filter(|s| s.owner == new.owner).count();
+            if mine >= self.config.max_per_tenant {
+                return Err(SessionError::TooMany(format!(
+                    "this tenant has {mine} sessions open (sessions.max_per_tenant)"
+                )));
+            }
+        }
+        let (dir, session_id) = (self.config.dir.clone(), id.clone());
+        let disk = plan.limits.disk_bytes;
+        let (uid, gid) = (plan.profile.user.uid, plan.profile.user.gid);
+        let workspace = tokio::task::spawn_blocking(move || {
+            Workspace::create(&dir, &session_id, disk, uid, gid)
+        })
+        .await
+        .map_err(|e| ExecutionError::Internal(e.to_string()))?
+        .map_err(ExecutionError::Unavailable)?;
+        let now = chrono::Utc::now();
+        let session = Arc::new(Session {
+            id: id.clone(),
+            owner: new.owner.clone(),
+            language,
+            backend: plan.backend,
+            profile: plan.profile.name.clone(),
+            limits: new.limits,
+            created_at: now,
+            expires_at: now + chrono::Duration::from_std(ttl).unwrap_or_default(),
+            idle_timeout,
+            deadline: Instant::now() + ttl,
+            grant: Verified {
+                single_use: None,
+                ..new.grant.clone()
+            },
+            workspace,
+            last_used: Mutex::new(Instant::now()),
+            activity: Mutex::new(Activity::Idle),
+            execs: Default::default(),
+        });
+        // Counted again under the lock: two creations at once cannot both take the last place.
+        let refused = {
+            let mut sessions = self.lock();
+            let mine = sessions.values().filter(|s| s.owner == new.owner).count();
+            if sessions.len() >= self.config.max_total || mine >= self.config.max_per_tenant {
+                true
+            } else {
+                sessions.insert(id.clone(), session.clone());
+                false
+            }
+        };
+        if refused {
+            session.workspace.destroy();
+            return Err(SessionError::TooMany(
+                "the session limit was reached meanwhile".into(),
+            ));
+        }
+        let metrics = self.executions.metrics();
+        metrics
+            .sessions_open
+            .with_label_values(&[session.backend.as_str()])
+            .inc();
+        let line = AuditEvent::SessionCreate(audit::SessionOpened {
+            request_id: new.request_id,
+            session_id: id,
+            owner: new.owner.subject,
+            tenant: new.owner.tenant,
+            token_id: new.grant.token_id,
+            language: session.language.name.clone(),
+            backend: session.backend.as_str(),
+            profile: session.profile.clone(),
+            expires_at: session.describe()["expires_at"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        });
+        crate::execution::record::record(self.executions.audit(), metrics, &line);
+        Ok(session)
+    }
+
+    /// The session `id` of `owner`; None for anyone else's (indistinguishable from none).
+    /// Reading it is not using it: its idle time goes on.
+    pub fn get(&self, owner: &Owner, id: &str) -> Option<Arc<Session>> {
+        self.lock().get(id).filter(|s| &s.owner == owner).cloned()
+    }
+
+    /// The session `id` of `owner` for an exec or a file call: its idle time starts again.
+    pub fn use_session(&self, owner: &Owner, id: &str) -> Option<Arc<Session>> {
+        let session = self.get(owner, id)?;
+        session.touch();
+        Some(session)
+    }
+
+    /// Claims the session's one exec: 409 while another runs.
+    pub fn claim(&self, session: &Arc<Session>) -> Result<ExecClaim, SessionError> {
+        let mut activity = session.activity.lock().unwrap_or_else(|p| p.into_inner());
+        let busy = match &*activity {
+            Activity::Idle => false,
+            Activity::Starting => true,
+            Activity::Running(live) => live.answered().is_none(),
+        };
+        if busy {
+            return Err(SessionError::Busy(session.id.clone()));
+        }
+        *activity = Activity::Starting;
+        Ok(ExecClaim {
+            session: session.clone(),
+            started: false,
+        })
+    }
+
+    /// The execution request of an exec in `session`: its code is written to a file of its own
+    /// (removed once the exec answers), `cwd` checked inside the workspace.
+    pub async fn exec_request(
+        &self,
+        session: &Arc<Session>,
+        parts: ExecParts,
+    ) -> Result<(ExecutionRequest, CodeFile), SessionError> {
+        let cwd = match parts.cwd.as_deref() {
+            None | Some("") => PathBuf::from(WORKSPACE),
+            Some(c) => {
+                let s = session.clone();
+                let c = c.to_string();
+                tokio::task::spawn_blocking(move || {
+                    s.workspace.cwd(&c, std::path::Path::new(WORKSPACE))
+                })
+                .await
+                .map_err(|e| ExecutionError::Internal(e.to_string()))?
+                .map_err(|e| SessionError::Invalid(e.to_string()))?
+            }
+        };
+        let key = uuid::Uuid::new_v4().simple().to_string();
+        let code_file = session
+            .workspace
+            .write_code(
+                &format!("{key}.{}", session.language.file),
+                parts.code.as_bytes(),
+            )
+            .map_err(ExecutionError::Unavailable)?;
+        let code_sha256 = format!(
+            "sha256:{}",
+            hex::encode(Sha256::digest(parts.code.as_bytes()))
+        );
+        let binding = Binding {
+            session_id: session.id.clone(),
+            language: session.language.clone(),
+            profile: Some(session.profile.clone()),
+            limits: session.limits,
+            grant: session.grant.clone(),
+            workspace: session.workspace.host_dir(),
+            code_file: code_file.clone(),
+            code_sha256,
+            cwd,
+        };
+        Ok((request(binding, parts), CodeFile(code_file)))
+    }
+
+    /// Deletes `owner`'s session `id`: its exec is killed, its directory removed. False when
+    /// there is no such session of theirs.
+    pub async fn delete(&self, owner: &Owner, id: &str) -> bool {
+        let mine = self.lock().get(id).is_some_and(|s| &s.owner == owner);
+        mine && self.end(id, "deleted").await
+    }
+
+    /// Ends session `id` for `reason`: no exec starts in it any more, the running one is killed
+    /// and waited for, then its directory is removed.
+    async fn end(&self, id: &str, reason: &'static str) -> bool {
+        let Some(session) = self.lock().remove(id) else {
+            return false;
+        };
+        // A claim being admitted now finds the session gone when it starts: wait for it too.
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(live) = session.running() {
+                self.executions
+                    .cancel(&live, Duration::ZERO, &session.owner.subject, id);
+                let mut answer = live.answer();
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(10), answer.wait_for(Option::is_some))
+                        .await;
+            }
+            let starting = matches!(
+                *session.activity.lock().unwrap_or_else(|p| p.into_inner()),
+                Activity::Starting
+            );
+            if !starting || Instant::now() >= until {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let s = session.clone();
+        let _ = tokio::task::spawn_blocking(move || s.workspace.destroy()).await;
+        let metrics = self.executions.metrics();
+        metrics
+            .sessions_open
+            .with_label_values(&[session.backend.as_str()])
+            .dec();
+        metrics.sessions_ended.with_label_values(&[reason]).inc();
+        let line = AuditEvent::SessionEnd(audit::SessionClosed {
+            session_id: id.to_string(),
+            owner: session.owner.subject.clone(),
+            tenant: session.owner.tenant.clone(),
+            reason,
+            execs: session.execs.load(std::sync::atomic::Ordering::Relaxed),
+        });
+        crate::execution::record::record(self.executions.audit(), metrics, &line);
+        tracing::info!(session_id = id, reason, "session ended");
+        true
+    }
+
+    /// Ends every session (the daemon is stopping): no session is made from now on.
+    pub async fn close_all(&self) {
+        self.closed.send_replace(true);
+        let ids: Vec<String> = self.lock().keys().cloned().collect();
+        for id in ids {
+            self.end(&id, "shutdown").await;
+        }
+    }
+
+    /// How many sessions are open.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What a session binds an exec to.
+struct Binding {
+    session_id: String,
+    language: Arc<Language>,
+    profile: Option<String>,
+    limits: SessionLimits,
+    grant: Verified,
+    workspace: PathBuf,
+    code_file: PathBuf,
+    code_sha256: String,
+    cwd: PathBuf,
+}
+
+/// The execution request of an exec: the language's interpreter with the code file as its only
+/// argument, under the session's grant, in its workspace.
+fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
+    let owner = parts.subject.clone().unwrap_or_else(|| "-".into());
+    ExecutionRequest {
+        request_id: parts.request_id,
+        subject: parts.subject,
+        owner,
+        capability: b.grant,
+        action: b.language.action_type,
+        command: b.language.interpreter.clone(),
+        args: vec![b.language.code_path().to_string_lossy().into_owned()],
+        timeout_seconds: parts.timeout_ms.map(|ms| ms.div_ceil(1000).max(1)),
+        long_run: parts.long_run,
+        profile: b.profile,
+        env: parts.env,
+        stdin: parts.stdin,
+        metadata: None,
+        external: ExternalParts::default(),
+        idempotency_key: None,
+        abandoned: None,
+        session: Some(SessionExec {
+            session_id: b.session_id,
+            language: b.language,
+            workspace: b.workspace,
+            code_file: b.code_file,
+            code_sha256: b.code_sha256,
+            cwd: b.cwd,
+            limits: b.limits,
+            timeout: parts.timeout_ms.map(Duration::from_millis),
+        }),
+    }
+}
+
+/// An exec's code file; removed when dropped (the exec has its own bind of it by then, or never
+/// started).
+pub struct CodeFile(PathBuf);
+
+impl Drop for CodeFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A session's limits may only tighten its profile's.
+fn check_limits(asked: &SessionLimits, plan: &crate::policy::Plan) -> Result<(), SessionError> {
+    let l = &plan.profile.limits;
+    let looser = [
+        (
+            "cpus",
+            asked.cpus.is_some_and(|c| !(c > 0.0 && c <= l.cpus)),
+        ),
+        (
+            "memory_mb",
+            asked.memory_mb.is_some_and(|m| m < 16 || m > l.memory_mb),
+        ),
+        (
+            "disk_mb",
+            asked.disk_mb.is_some_and(|d| d == 0 || d > l.disk_mb),
+        ),
+        ("pids", asked.pids.is_some_and(|p| p < 4 || p > l.pids)),
+        (
+            "output_bytes",
+            asked
+                .output_bytes
+                .is_some_and(|o| o == 0 || o > l.output_bytes),
+        ),
+    ];
+    match looser.iter().find(|(_, bad)| *bad) {
+        Some((name, _)) => Err(SessionError::Invalid(format!(
+            "limits.{name} must be above its minimum and no looser than profile '{}' allows",
+            plan.profile.name
+        ))),
+        None => Ok(()),
+    }
+}

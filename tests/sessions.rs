@@ -1,0 +1,591 @@
+//! Sessions (`/v1/sandbox/sessions`) on the local backend, through a real daemon: the calls a
+//! workflow engine's code step makes, the workspace that persists between execs, files, tenancy,
+//! limits and lifetimes.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Daemon, Opts, Resp};
+use executor_arm::auth::MintRequest;
+use executor_arm::config::TokenKind;
+use serde_json::{Value, json};
+
+/// A client written from the two calls of the sessions contract alone, in the shape of a
+/// workflow engine's HTTP sandbox client: service-account bearer, tenant header, JSON bodies.
+struct SandboxClient<'a> {
+    d: &'a Daemon,
+    service: String,
+    tenant: Option<&'a str>,
+}
+
+impl SandboxClient<'_> {
+    fn headers(&self) -> Vec<(String, String)> {
+        let mut h = vec![("authorization".into(), format!("Bearer {}", self.service))];
+        if let Some(t) = self.tenant {
+            h.push(("x-koder-tenant".into(), t.into()));
+        }
+        h
+    }
+
+    async fn call(&self, method: &str, path: &str, body: Option<Vec<u8>>) -> Resp {
+        let url = format!("{}{path}", self.d.base);
+        let mut rb = match method {
+            "GET" => self.d.client.get(url),
+            "PUT" => self.d.client.put(url),
+            "DELETE" => self.d.client.delete(url),
+            _ => self.d.client.post(url),
+        };
+        for (k, v) in self.headers() {
+            rb = rb.header(k, v);
+        }
+        if let Some(b) = body {
+            rb = rb.header("content-type", "application/json").body(b);
+        }
+        Daemon::read(rb.send().await.expect("request")).await
+    }
+
+    async fn create(&self, body: Value) -> Resp {
+        self.call(
+            "POST",
+            "/v1/sandbox/sessions",
+            Some(body.to_string().into_bytes()),
+        )
+        .await
+    }
+
+    async fn exec(&self, id: &str, body: Value) -> Resp {
+        let path = format!("/v1/sandbox/sessions/{id}/exec");
+        self.call("POST", &path, Some(body.to_string().into_bytes()))
+            .await
+    }
+}
+
+/// Sessions with the capability token travelling in the creation body.
+fn koder<'a>(d: &'a Daemon, tenant: Option<&'a str>) -> SandboxClient<'a> {
+    SandboxClient {
+        d,
+        service: d.service_token(),
+        tenant,
+    }
+}
+
+async fn new_session(c: &SandboxClient<'_>, language: &str) -> String {
+    let r = c
+        .create(json!({"language": language, "capability_token": c.d.cap_all()}))
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    assert_eq!(r.json["language"], language);
+    r.json["id"].as_str().expect("id").to_string()
+}
+
+/// The seed's two calls: create a python session, run code, read every ExecResponse field, and
+/// reuse the session for a second exec that reads what the first wrote. Then bash does the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_code_step_runs_and_reuses_its_session_in_python_and_bash() {
+    let d = Daemon::start();
+    let c = koder(&d, Some("user-1"));
+    for (language, write, read) in [
+        (
+            "python",
+            "open('note.txt','w').write('kept')\nprint('wrote')",
+            "print(open('note.txt').read())",
+        ),
+        ("bash", "echo kept > note.txt; echo wrote", "cat note.txt"),
+    ] {
+        let id = new_session(&c, language).await;
+        let first = c
+            .exec(&id, json!({"code": write, "timeout_ms": 20000}))
+            .await;
+        assert_eq!(first.status, 200, "{}", first.text);
+        for field in [
+            "exec_id",
+            "exit_code",
+            "stdout",
+            "stderr",
+            "stdout_truncated",
+            "stderr_truncated",
+            "duration_ms",
+            "peak_memory_kib",
+            "oom",
+            "killed_reason",
+            "outcome",
+            "provenance",
+        ] {
+            assert!(
+                first.json.get(field).is_some(),
+                "{field} missing: {}",
+                first.text
+            );
+        }
+        assert_eq!(first.json["exit_code"], 0, "{}", first.text);
+        assert_eq!(first.json["stdout"], "wrote\n");
+        let p = &first.json["provenance"];
+        assert_eq!(p["session_id"], id.as_str());
+        assert!(p["code_sha256"].as_str().unwrap().starts_with("sha256:"));
+        assert!(p["audit_seq"].is_u64());
+        let second = c.exec(&id, json!({"code": read})).await;
+        assert_eq!(second.status, 200, "{}", second.text);
+        assert_eq!(second.json["stdout"].as_str().unwrap().trim(), "kept");
+        // Processes do not outlive their exec: a background child is gone with it.
+        let (bg, needle) = if language == "python" {
+            (
+                "import subprocess\nsubprocess.Popen(['sleep','31.25'])\nprint('started')",
+                "sleep 31.25",
+            )
+        } else {
+            ("sleep 32.25 & echo started", "sleep 32.25")
+        };
+        let r = c.exec(&id, json!({"code": bg})).await;
+        assert_eq!(r.json["stdout"], "started\n", "{}", r.text);
+        assert!(
+            common::pids_with_cmdline(needle).is_empty(),
+            "a process outlived its exec"
+        );
+        let gone = c
+            .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
+            .await;
+        assert_eq!(gone.status, 204, "{}", gone.text);
+        let again = c.exec(&id, json!({"code": read})).await;
+        assert_eq!(again.status, 404, "{}", again.text);
+    }
+    assert_eq!(
+        std::fs::read_dir(d.dir.path().join("sessions"))
+            .unwrap()
+            .count(),
+        0,
+        "deleted sessions leave nothing"
+    );
+}
+
+/// `cwd` is a directory of the workspace; anything outside it is 400.
+#[tokio::test(flavor = "multi_thread")]
+async fn cwd_stays_inside_the_workspace() {
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "bash").await;
+    let r = c.exec(&id, json!({"code": "mkdir -p sub/dir"})).await;
+    assert_eq!(r.json["exit_code"], 0, "{}", r.text);
+    for cwd in ["sub/dir", "/workspace/sub/dir"] {
+        let r = c.exec(&id, json!({"code": "pwd", "cwd": cwd})).await;
+        assert_eq!(r.json["stdout"], "/workspace/sub/dir\n", "{}", r.text);
+    }
+    for bad in [
+        "..",
+        "../etc",
+        "/etc",
+        "/workspace/../etc",
+        "sub/../../x",
+        "missing",
+    ] {
+        let r = c.exec(&id, json!({"code": "pwd", "cwd": bad})).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.text);
+        assert_eq!(r.json["retryable"], false);
+    }
+    // A symlink the sandbox planted is no way out either.
+    let r = c.exec(&id, json!({"code": "ln -s / root"})).await;
+    assert_eq!(r.json["exit_code"], 0, "{}", r.text);
+    let r = c.exec(&id, json!({"code": "pwd", "cwd": "root"})).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+}
+
+/// Files: upload then read inside; write inside then download byte for byte; 1 MiB of binary
+/// round trip; traversal and planted symlinks fail.
+#[tokio::test(flavor = "multi_thread")]
+async fn files_go_in_and_out_and_never_outside() {
+    let d = Daemon::start();
+    let c = koder(&d, Some("t"));
+    let id = new_session(&c, "python").await;
+    let base = format!("/v1/sandbox/sessions/{id}/files");
+    let put = c
+        .call(
+            "PUT",
+            &format!("{base}/in/data.txt"),
+            Some(b"uploaded".to_vec()),
+        )
+        .await;
+    assert_eq!(put.status, 204, "{}", put.text);
+    let r = c
+        .exec(&id, json!({"code": "print(open('in/data.txt').read())\nopen('out.bin','wb').write(bytes(range(256))*4096)"}))
+        .await;
+    assert_eq!(r.json["stdout"], "uploaded\n", "{}", r.text);
+    let got = d
+        .client
+        .get(format!("{}{base}/out.bin", d.base))
+        .header("authorization", format!("Bearer {}", c.service))
+        .header("x-koder-tenant", "t")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(got.status().as_u16(), 200);
+    let bytes = got.bytes().await.unwrap();
+    assert_eq!(bytes.len(), 1 << 20);
+    assert!(bytes.iter().enumerate().all(|(i, b)| *b == (i % 256) as u8));
+    // 1 MiB of binary up and back.
+    let blob: Vec<u8> = (0..(1u32 << 20)).map(|i| (i * 7 % 251) as u8).collect();
+    let put = c
+        .call("PUT", &format!("{base}/blob"), Some(blob.clone()))
+        .await;
+    assert_eq!(put.status, 204, "{}", put.text);
+    let back = d
+        .client
+        .get(format!("{}{base}/blob", d.base))
+        .header("authorization", format!("Bearer {}", c.service))
+        .header("x-koder-tenant", "t")
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    assert!(back[..] == blob[..], "the blob came back changed");
+    let list = c.call("GET", &base, None).await;
+    let names: Vec<&str> = list.json["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["blob", "in", "out.bin"], "{}", list.text);
+    // Traversal, in every spelling.
+    for bad in [
+        "..%2f..%2fetc%2fpasswd",
+        "%2e%2e/x",
+        "a/../../x",
+        "%2fetc%2fpasswd",
+    ] {
+        let r = c.call("GET", &format!("{base}/{bad}"), None).await;
+        assert!(
+            matches!(r.status, 400 | 404),
+            "{bad}: {} {}",
+            r.status,
+            r.text
+        );
+        assert_ne!(r.status, 200);
+    }
+    // A symlink the sandbox planted is never followed by the daemon, reading or writing.
+    let r = c
+        .exec(&id, json!({"code": "import os\nos.symlink('/etc/shadow','shadow')\nos.symlink('/etc','etc')"}))
+        .await;
+    assert_eq!(r.json["exit_code"], 0, "{}", r.text);
+    for path in ["shadow", "etc/shadow", "etc/passwd"] {
+        let r = c.call("GET", &format!("{base}/{path}"), None).await;
+        assert_eq!(r.status, 400, "{path}: {}", r.text);
+        assert!(!r.text.contains("root:"), "{}", r.text);
+    }
+    let r = c
+        .call("PUT", &format!("{base}/etc/evil"), Some(b"x".to_vec()))
+        .await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(!std::path::Path::new("/etc/evil").exists());
+    let r = c
+        .call("PUT", &format!("{base}/shadow"), Some(b"x".to_vec()))
+        .await;
+    assert_eq!(r.status, 400, "{}", r.text);
+}
+
+/// Filling the workspace is ENOSPC inside; the session stays usable; the host is untouched.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_workspace_is_enospc_inside_and_the_session_goes_on() {
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let r = c
+        .create(
+            json!({"language": "bash", "limits": {"disk_mb": 8}, "capability_token": d.cap_all()}),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().unwrap().to_string();
+    let r = c
+        .exec(
+            &id,
+            json!({"code": "head -c 20000000 /dev/zero > big; echo rc=$?"}),
+        )
+        .await;
+    assert!(
+        r.json["stderr"].as_str().unwrap().contains("No space left"),
+        "{}",
+        r.text
+    );
+    assert_eq!(r.json["stdout"], "rc=1\n", "{}", r.text);
+    let r = c
+        .exec(&id, json!({"code": "rm big; echo ok > small; cat small"}))
+        .await;
+    assert_eq!(r.json["stdout"], "ok\n", "{}", r.text);
+    // An upload past the quota is refused as such.
+    let big = vec![0u8; 9 << 20];
+    let r = c
+        .call(
+            "PUT",
+            &format!("/v1/sandbox/sessions/{id}/files/up"),
+            Some(big),
+        )
+        .await;
+    assert_eq!(r.status, 507, "{}", r.text);
+}
+
+/// Another tenant or another service gets 404 on everything; no tenant is a tenant of its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_are_invisible_to_other_tenants_and_services() {
+    let d = Daemon::start();
+    let owner = koder(&d, Some("alice"));
+    let id = new_session(&owner, "python").await;
+    let other_service = d.mint(MintRequest {
+        kind: Some(TokenKind::Service),
+        ttl_seconds: 300,
+        aud: "executor-arm".into(),
+        sub: Some("another-service".into()),
+        ..Default::default()
+    });
+    let strangers = [
+        koder(&d, Some("bob")),
+        koder(&d, None),
+        SandboxClient {
+            d: &d,
+            service: other_service,
+            tenant: Some("alice"),
+        },
+    ];
+    for s in &strangers {
+        let base = format!("/v1/sandbox/sessions/{id}");
+        let answers = [
+            s.call("GET", &base, None).await,
+            s.exec(&id, json!({"code": "print(1)"})).await,
+            s.call("GET", &format!("{base}/files"), None).await,
+            s.call("PUT", &format!("{base}/files/x"), Some(b"x".to_vec()))
+                .await,
+            s.call("GET", &format!("{base}/files/x"), None).await,
+            s.call("DELETE", &base, None).await,
+        ];
+        for r in answers {
+            assert_eq!(r.status, 404, "{}", r.text);
+            assert_eq!(r.json["error_type"], "NotFound");
+        }
+    }
+    let r = owner.exec(&id, json!({"code": "print(1)"})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+}
+
+/// One exec at a time: a second while one runs is 409 SessionBusy. An async exec is read,
+/// streamed and cancelled under the session's routes; delete during an exec kills it.
+#[tokio::test(flavor = "multi_thread")]
+async fn async_execs_are_polled_streamed_and_cancelled_one_at_a_time() {
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    let r = c
+        .exec(&id, json!({"code": "import time\nprint('tick', flush=True)\ntime.sleep(30)", "async": true}))
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let exec_id = r.json["exec_id"].as_str().unwrap().to_string();
+    let busy = c.exec(&id, json!({"code": "print(1)"})).await;
+    assert_eq!(busy.status, 409, "{}", busy.text);
+    assert_eq!(busy.json["error_type"], "SessionBusy");
+    let base = format!("/v1/sandbox/sessions/{id}/execs/{exec_id}");
+    let r = c.call("GET", &base, None).await;
+    assert_eq!(r.json["status"], "running", "{}", r.text);
+    // Followed until it printed, cancelled, followed to its result.
+    let mut stream = d
+        .client
+        .get(format!("{}{base}/stream", d.base))
+        .header("authorization", format!("Bearer {}", c.service))
+        .send()
+        .await
+        .unwrap();
+    let mut text = String::new();
+    while !text.contains("tick") {
+        let chunk = stream
+            .chunk()
+            .await
+            .unwrap()
+            .expect("the stream ended early");
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let cancel = c
+        .call(
+            "POST",
+            &format!("{base}/cancel"),
+            Some(b"{\"grace_seconds\":0}".to_vec()),
+        )
+        .await;
+    assert_eq!(cancel.status, 202, "{}", cancel.text);
+    while let Some(chunk) = stream.chunk().await.unwrap() {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    assert!(text.contains("event: result"), "{text}");
+    let r = c.call("GET", &base, None).await;
+    assert_eq!(r.json["result"]["outcome"], "cancelled", "{}", r.text);
+    // Free again; then a delete in the middle of an exec kills it and removes everything.
+    let r = c
+        .exec(
+            &id,
+            json!({"code": "import time\ntime.sleep(30)", "async": true}),
+        )
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let killed = r.json["exec_id"].as_str().unwrap().to_string();
+    let started = Instant::now();
+    let gone = c
+        .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
+        .await;
+    assert_eq!(gone.status, 204, "{}", gone.text);
+    assert!(started.elapsed() < Duration::from_secs(15));
+    let end = d
+        .audit_lines()
+        .into_iter()
+        .find(|l| l["event"] == "execution" && l["exec_id"] == killed.as_str())
+        .expect("the killed exec's end line");
+    assert_eq!(end["outcome"], "cancelled", "{end}");
+    assert_eq!(
+        std::fs::read_dir(d.dir.path().join("sessions"))
+            .unwrap()
+            .count(),
+        0
+    );
+}
+
+/// Idle sessions end after their idle time, everything removed; limits are per tenant.
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_sessions_expire_and_limits_hold() {
+    let d = Daemon::start_with(Opts {
+        config: Some("[sessions]\nmax_per_tenant = 2\nmax_total = 3\n".into()),
+        ..Opts::default()
+    });
+    let c = koder(&d, Some("a"));
+    let r = c
+        .create(json!({"language": "python", "idle_timeout_seconds": 1, "capability_token": d.cap_all()}))
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let idle = r.json["id"].as_str().unwrap().to_string();
+    let _second = new_session(&c, "python").await;
+    let third = c
+        .create(json!({"language": "python", "capability_token": d.cap_all()}))
+        .await;
+    assert_eq!(third.status, 429, "{}", third.text);
+    assert!(third.headers.get("retry-after").is_some());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = c
+            .call("GET", &format!("/v1/sandbox/sessions/{idle}"), None)
+            .await;
+        if r.status == 404 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the idle session did not expire");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!d.dir.path().join("sessions").join(&idle).exists());
+    let ends: Vec<Value> = d
+        .audit_lines()
+        .into_iter()
+        .filter(|l| l["event"] == "session_end")
+        .collect();
+    assert_eq!(ends.len(), 1);
+    assert_eq!(ends[0]["reason"], "idle");
+    // A place came free.
+    new_session(&c, "python").await;
+}
+
+/// Without a capability token creation is 401, unless the operator accepts the service
+/// token's own capabilities.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_service_token_alone_is_a_grant_only_when_the_operator_says_so() {
+    let service_with_caps = |d: &Daemon| {
+        d.mint(MintRequest {
+            kind: Some(TokenKind::Service),
+            ttl_seconds: 300,
+            aud: "executor-arm".into(),
+            sub: Some("koder-runner".into()),
+            capabilities: vec!["PythonExecute".into()],
+            ..Default::default()
+        })
+    };
+    let off = Daemon::start();
+    let c = SandboxClient {
+        d: &off,
+        service: service_with_caps(&off),
+        tenant: Some("u"),
+    };
+    let r = c.create(json!({"language": "python"})).await;
+    assert_eq!(r.status, 401, "{}", r.text);
+    let on = Daemon::start_with(Opts {
+        config: Some("[sessions]\naccept_service_capabilities = true\n".into()),
+        ..Opts::default()
+    });
+    let c = SandboxClient {
+        d: &on,
+        service: service_with_caps(&on),
+        tenant: Some("u"),
+    };
+    let r = c.create(json!({"language": "python"})).await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().unwrap();
+    let r = c.exec(id, json!({"code": "print(6*7)"})).await;
+    assert_eq!(r.json["stdout"], "42\n", "{}", r.text);
+    // The grant holds: bash needs ShellExecute, which this service does not have.
+    let r = c.create(json!({"language": "bash"})).await;
+    assert_eq!(r.status, 403, "{}", r.text);
+}
+
+/// A fork bomb, a memory bomb and an output flood are contained and the session survives.
+#[tokio::test(flavor = "multi_thread")]
+async fn bombs_inside_a_session_are_contained_and_it_survives() {
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    let fork = c
+        .exec(&id, json!({"code": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "timeout_ms": 3000}))
+        .await;
+    assert_eq!(fork.status, 200, "{}", fork.text);
+    assert_ne!(fork.json["outcome"], "success");
+    let mem = c
+        .exec(
+            &id,
+            json!({"code": "x = []\nwhile True:\n    x.append(bytearray(1 << 20))"}),
+        )
+        .await;
+    assert_eq!(mem.json["oom"], true, "{}", mem.text);
+    let flood = c
+        .exec(
+            &id,
+            json!({"code": "import os\nfor _ in range(100):\n    os.write(1, b'x' * 65536)"}),
+        )
+        .await;
+    assert_eq!(flood.json["stdout_truncated"], true, "{}", flood.text);
+    let ok = c.exec(&id, json!({"code": "print('alive')"})).await;
+    assert_eq!(ok.json["stdout"], "alive\n", "{}", ok.text);
+    // A deadline ends a run with 200 and says so.
+    let slow = c
+        .exec(
+            &id,
+            json!({"code": "import time\ntime.sleep(10)", "timeout_ms": 500}),
+        )
+        .await;
+    assert_eq!(slow.status, 200, "{}", slow.text);
+    assert_eq!(slow.json["killed_reason"], "timeout", "{}", slow.text);
+    assert!(
+        slow.json["duration_ms"].as_u64().unwrap() < 3000,
+        "{}",
+        slow.text
+    );
+}
+
+/// A daemon killed with SIGKILL leaves its sessions' directories and mounts; the next start
+/// removes them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restart_after_sigkill_removes_the_old_sessions() {
+    let mut d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    let mounted = |id: &str| {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .contains(id)
+    };
+    assert!(mounted(&id));
+    d.kill9();
+    assert!(d.dir.path().join("sessions").join(&id).exists());
+    let d = d.restart(Opts::default());
+    assert!(!d.dir.path().join("sessions").join(&id).exists());
+    assert!(!mounted(&id), "the workspace is still mounted");
+}
