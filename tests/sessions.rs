@@ -84,6 +84,17 @@ async fn new_session(c: &SandboxClient<'_>, language: &str) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_code_step_runs_and_reuses_its_session_in_python_and_bash() {
     let d = Daemon::start();
+    let caps = d.get("/capabilities").await;
+    let languages: Vec<&str> = caps.json["session_languages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        languages.contains(&"python") && languages.contains(&"bash"),
+        "{languages:?}"
+    );
     let c = koder(&d, Some("user-1"));
     for (language, write, read) in [
         (

@@ -96,7 +96,23 @@ pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::V
             })
         })
         .collect();
+    let languages: Vec<_> = policy
+        .languages
+        .values()
+        .map(|l| {
+            json!({
+                "name": l.name,
+                "interpreter": l.interpreter,
+                "path": l.path,
+                "capability": l.capability,
+                "profile": l.profile,
+            })
+        })
+        .collect();
     let mut caps = vec!["shell_execution", "python_execution"];
+    if !languages.is_empty() {
+        caps.push("sessions");
+    }
     if !policy.egress_backends.is_empty() {
         caps.push("http_requests");
     }
@@ -114,6 +130,7 @@ pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::V
         "backends": backends,
         "profiles": profiles,
         "executors": st.executions.executors().list(),
+        "session_languages": languages,
         "host": st.host_probe,
         "limits": {
             "timeout_seconds_max": crate::policy::profile::MAX_TIMEOUT_SECONDS,
