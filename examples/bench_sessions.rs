@@ -1,0 +1,127 @@
+//! Benchmark: sessions on the local backend.
+//!
+//! 1. Exec latency: `print(1)` as an exec in a warm python session against `/execute` of
+//!    `python3 -c 'print(1)'` (the same-run baseline), interleaved in blocks of 25 so load changes
+//!    weigh on both.
+//! 2. Session create: `POST /v1/sandbox/sessions` (each deleted again outside the timing), against
+//!    the same `/execute` as a reference.
+//!
+//! Run: `scripts/bench-sessions.sh` (builds release and runs this as root). Prints p50/p95/p99
+//! and the ratios.
+
+use std::time::Instant;
+
+use executor_arm::config::TokenKind;
+
+mod support;
+
+const N: usize = 200;
+const BLOCK: usize = 25;
+const WARMUP: usize = 10;
+const CREATES: usize = 60;
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn summary(name: &str, mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let (p50, p95, p99) = (pct(&v, 0.50), pct(&v, 0.95), pct(&v, 0.99));
+    println!(
+        "{name:<52} n={:<4} p50={p50:>8.3} ms  p95={p95:>8.3} ms  p99={p99:>8.3} ms",
+        v.len()
+    );
+    p50
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let sessions_dir = tempfile::tempdir().expect("tempdir");
+    let dir = sessions_dir.path().to_string_lossy().into_owned();
+    let d = support::Daemon::start(&[("EXECUTOR_ARM_SESSIONS_DIR", dir.as_str())]);
+    let base = format!("http://{}", d.addr);
+    let svc = format!("Bearer {}", d.mint(TokenKind::Service, &[]));
+    let cap = d.mint(TokenKind::Capability, &["PythonExecute"]);
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(4)
+        .build()
+        .expect("client");
+    let post = |path: String, body: serde_json::Value| {
+        client
+            .post(format!("{base}{path}"))
+            .header("authorization", &svc)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+    };
+    let create = || async {
+        let r = post(
+            "/v1/sandbox/sessions".into(),
+            serde_json::json!({"language": "python", "capability_token": cap}),
+        )
+        .await
+        .expect("create");
+        assert_eq!(r.status().as_u16(), 201);
+        let v: serde_json::Value = r.json().await.expect("json");
+        v["id"].as_str().expect("id").to_string()
+    };
+    let delete = |id: String| {
+        let rb = client
+            .delete(format!("{base}/v1/sandbox/sessions/{id}"))
+            .header("authorization", &svc);
+        async move {
+            let r = rb.send().await.expect("delete");
+            assert_eq!(r.status().as_u16(), 204);
+        }
+    };
+    let session = create().await;
+    let exec_path = format!("/v1/sandbox/sessions/{session}/exec");
+    let exec_once = || async {
+        let t = Instant::now();
+        let r = post(exec_path.clone(), serde_json::json!({"code": "print(1)"}))
+            .await
+            .expect("exec");
+        let text = r.text().await.expect("body");
+        assert!(text.contains("\"stdout\":\"1\\n\""), "{text}");
+        t.elapsed().as_secs_f64() * 1000.0
+    };
+    let execute_body = serde_json::json!({"action_type": "python", "command": "python3",
+        "args": ["-c", "print(1)"], "capability_token": cap});
+    let execute_once = || async {
+        let t = Instant::now();
+        let r = post("/execute".into(), execute_body.clone())
+            .await
+            .expect("execute");
+        let text = r.text().await.expect("body");
+        assert!(text.contains("\"stdout\":\"1\\n\""), "{text}");
+        t.elapsed().as_secs_f64() * 1000.0
+    };
+    for _ in 0..WARMUP {
+        exec_once().await;
+        execute_once().await;
+    }
+    let (mut in_session, mut execute) = (Vec::new(), Vec::new());
+    for _ in 0..N / BLOCK {
+        for _ in 0..BLOCK {
+            in_session.push(exec_once().await);
+        }
+        for _ in 0..BLOCK {
+            execute.push(execute_once().await);
+        }
+    }
+    delete(session).await;
+    let mut creates = Vec::new();
+    for _ in 0..CREATES {
+        let t = Instant::now();
+        let id = create().await;
+        creates.push(t.elapsed().as_secs_f64() * 1000.0);
+        delete(id).await;
+    }
+
+    println!("backend local, {N} each, interleaved in blocks of {BLOCK}");
+    let a = summary("exec print(1) in a warm python session", in_session);
+    let b = summary("/execute python3 -c 'print(1)' (baseline)", execute);
+    println!("ratio session exec / execute p50: {:.2}", a / b);
+    let c = summary("POST /v1/sandbox/sessions (python)", creates);
+    println!("ratio session create / execute p50: {:.2}", c / b);
+}
