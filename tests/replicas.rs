@@ -293,3 +293,95 @@ async fn a_run_started_on_one_replica_is_read_streamed_and_cancelled_through_ano
             .any(|l| l["event"] == "execution_cancel" && l["exec_id"] == sleeper_id.as_str())
     );
 }
+
+/// A session made on one replica is used through another: execs, files and delete are handed to
+/// the replica that holds it; another tenant still gets 404 through either; once that replica is
+/// gone, the other answers 404 and says why.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_made_on_one_replica_is_used_through_another() {
+    let redis = redis();
+    let mut a = replica(&redis.url);
+    let b = replica(&redis.url);
+    let svc = format!("Bearer {}", a.service_token());
+    let call = |d: &Daemon, method: reqwest::Method, path: String, tenant: &str, body: Vec<u8>| {
+        d.client
+            .request(method, format!("{}{path}", d.base))
+            .header("authorization", &svc)
+            .header("x-tenant-id", tenant)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let created = call(
+        &a,
+        reqwest::Method::POST,
+        "/v1/sandbox/sessions".into(),
+        "t1",
+        json!({"language": "python", "capability_token": a.cap_all()})
+            .to_string()
+            .into_bytes(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(created.status().as_u16(), 201);
+    let id = created.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let base = format!("/v1/sandbox/sessions/{id}");
+    let exec = call(
+        &b,
+        reqwest::Method::POST,
+        format!("{base}/exec"),
+        "t1",
+        json!({"code": "open('made-on-a.txt','w').write('through b')\nprint('ok')"})
+            .to_string()
+            .into_bytes(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(exec.status().as_u16(), 200);
+    let result: serde_json::Value = exec.json().await.unwrap();
+    assert_eq!(result["stdout"], "ok\n", "{result}");
+    let file = call(
+        &b,
+        reqwest::Method::GET,
+        format!("{base}/files/made-on-a.txt"),
+        "t1",
+        vec![],
+    )
+    .await
+    .unwrap();
+    assert_eq!(file.status().as_u16(), 200);
+    assert_eq!(file.bytes().await.unwrap(), "through b");
+    let stranger = call(&b, reqwest::Method::GET, base.clone(), "t2", vec![])
+        .await
+        .unwrap();
+    assert_eq!(stranger.status().as_u16(), 404);
+    // A's audit log has the exec: it ran there.
+    assert!(
+        a.audit_lines()
+            .iter()
+            .any(|l| l["event"] == "execution" && l["invocation_hash"].is_string())
+    );
+    a.kill9();
+    let gone = call(&b, reqwest::Method::GET, base.clone(), "t1", vec![])
+        .await
+        .unwrap();
+    assert_eq!(gone.status().as_u16(), 404);
+    let body: serde_json::Value = gone.json().await.unwrap();
+    assert_eq!(body["error_type"], "NotFound");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("cannot be reached"),
+        "{body}"
+    );
+    // A's restart removes the workspace its crash left mounted.
+    let a = a.restart(Opts {
+        env: vec![("EXECUTOR_ARM_REDIS_URL".into(), redis.url.clone())],
+        ..Default::default()
+    });
+    assert!(!a.dir.path().join("sessions").join(&id).exists());
+}

@@ -30,6 +30,8 @@ pub enum ApiError {
     SessionNotFound,
     /// The session runs another exec.
     SessionBusy(String),
+    /// The replica that holds the session is gone: the session is lost with it.
+    SessionGone(String),
     /// No such file in a session's workspace.
     FileNotFound(String),
     /// A session's workspace quota is used up.
@@ -52,9 +54,10 @@ impl ApiError {
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::IdempotencyConflict => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::IdempotencyInProgress | ApiError::AlreadyFinished => StatusCode::CONFLICT,
-            ApiError::ExecutionNotFound | ApiError::SessionNotFound | ApiError::FileNotFound(_) => {
-                StatusCode::NOT_FOUND
-            }
+            ApiError::ExecutionNotFound
+            | ApiError::SessionNotFound
+            | ApiError::SessionGone(_)
+            | ApiError::FileNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::SessionBusy(_) => StatusCode::CONFLICT,
             ApiError::WorkspaceFull => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -77,7 +80,9 @@ impl ApiError {
             ApiError::IdempotencyInProgress => "IdempotencyInProgress",
             ApiError::ExecutionNotFound => "NotFound",
             ApiError::AlreadyFinished => "AlreadyFinished",
-            ApiError::SessionNotFound | ApiError::FileNotFound(_) => "NotFound",
+            ApiError::SessionNotFound | ApiError::SessionGone(_) | ApiError::FileNotFound(_) => {
+                "NotFound"
+            }
             ApiError::SessionBusy(_) => "SessionBusy",
             ApiError::WorkspaceFull => "WorkspaceFull",
             ApiError::Overloaded(_) => "Overloaded",
@@ -108,6 +113,7 @@ impl ApiError {
             ApiError::ExecutionNotFound => "No such execution".into(),
             ApiError::AlreadyFinished => "The execution has already finished".into(),
             ApiError::SessionNotFound => "No such session".into(),
+            ApiError::SessionGone(m) => m.clone(),
             ApiError::SessionBusy(id) => {
                 format!("Session {id} is running another exec; wait for it or cancel it")
             }

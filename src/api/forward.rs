@@ -27,12 +27,16 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The request headers a forwarded call keeps.
-const KEPT: [HeaderName; 5] = [
+const KEPT: [HeaderName; 9] = [
     header::AUTHORIZATION,
     header::ACCEPT,
     header::CONTENT_TYPE,
     HeaderName::from_static("last-event-id"),
     HeaderName::from_static("x-request-id"),
+    HeaderName::from_static("x-tenant-id"),
+    HeaderName::from_static("x-koder-tenant"),
+    HeaderName::from_static("idempotency-key"),
+    HeaderName::from_static("x-capability-token"),
 ];
 
 /// Whether this call was passed on by another replica.
@@ -60,14 +64,16 @@ pub async fn forward(
 }
 
 /// One call to pass on.
-struct Call<'a> {
-    method: Method,
-    path: &'a str,
-    headers: &'a HeaderMap,
-    body: bytes::Bytes,
+pub struct Call<'a> {
+    pub method: Method,
+    pub path: &'a str,
+    pub headers: &'a HeaderMap,
+    pub body: bytes::Bytes,
 }
 
-async fn forward_within(
+/// [`forward`], waiting up to `answer_timeout` for the answer to begin (a synchronous exec's
+/// answer begins when its run ends).
+pub async fn forward_within(
     address: &str,
     from_instance: &str,
     call: Call<'_>,

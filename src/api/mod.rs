@@ -89,13 +89,9 @@ async fn request_id(mut req: Request, next: Next) -> Response {
     resp
 }
 
-pub fn router(state: Arc<AppState>) -> Router {
+/// The routes of one session, behind the hand-off to the replica that holds it.
+fn session_routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
     Router::new()
-        .route("/execute", post(execute::execute))
-        .route("/v1/executions/{exec_id}", get(executions::get))
-        .route("/v1/executions/{exec_id}/cancel", post(executions::cancel))
-        .route("/v1/executions/{exec_id}/stream", get(executions::stream))
-        .route("/v1/sandbox/sessions", post(sessions::create))
         .route(
             "/v1/sandbox/sessions/{id}",
             get(sessions::get).delete(sessions::delete),
@@ -118,6 +114,20 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/v1/sandbox/sessions/{id}/files/{*path}",
             get(sessions::get_file).put(sessions::put_file),
         )
+        .route_layer(axum::middleware::from_fn_with_state(
+            state,
+            sessions::to_owner,
+        ))
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/execute", post(execute::execute))
+        .route("/v1/executions/{exec_id}", get(executions::get))
+        .route("/v1/executions/{exec_id}/cancel", post(executions::cancel))
+        .route("/v1/executions/{exec_id}/stream", get(executions::stream))
+        .route("/v1/sandbox/sessions", post(sessions::create))
+        .merge(session_routes(state.clone()))
         .route("/capabilities", get(ops::capabilities))
         .route("/health", get(ops::health))
         .route("/livez", get(ops::health))

@@ -544,3 +544,72 @@ pub async fn list_files(
     };
     result.await.unwrap_or_else(|e| e.into_response())
 }
+
+/// The longest a forwarded session call may take to begin its answer: a synchronous exec's
+/// begins when its run ends (at most the synchronous limit), plus room for its queue and setup.
+const FORWARDED_ANSWER_TIMEOUT: Duration = Duration::from_secs(MAX_TIMEOUT_SECONDS + 60);
+
+/// In front of every route of one session: a session another replica holds (the state store
+/// says which) is handed to it, the call unchanged, and its answer relayed; the owner checks
+/// the caller itself. A session held nowhere, or here, is served here (404 when it is not the
+/// caller's). A replica that holds it but does not answer is a 404 that says so.
+pub async fn to_owner(
+    State(st): State<Arc<AppState>>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(id) = req
+        .uri()
+        .path()
+        .strip_prefix("/v1/sandbox/sessions/")
+        .map(|rest| rest.split('/').next().unwrap_or_default().to_string())
+    else {
+        return next.run(req).await;
+    };
+    if st.sessions.holds(&id) || super::forward::was_forwarded(req.headers()) {
+        return next.run(req).await;
+    }
+    let record = match st.store.session_get(&id).await {
+        Ok(Some(r)) if r.instance != st.instance_id => r,
+        Ok(_) => return next.run(req).await,
+        Err(e) => return ApiError::SandboxUnavailable(e.to_string()).into_response(),
+    };
+    let Some(address) = record.address else {
+        return ApiError::SessionGone(format!(
+            "session {id} lives on daemon instance {}, which did not record how to reach it",
+            record.instance
+        ))
+        .into_response();
+    };
+    let (parts, body) = req.into_parts();
+    let limit = st
+        .config
+        .server
+        .body_limit_bytes
+        .max(st.config.sessions.max_file_bytes);
+    let deadline = Duration::from_secs(st.config.server.body_read_timeout_seconds.max(60));
+    let body = match read_body(body, &parts.headers, limit, deadline).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_default();
+    let call = super::forward::Call {
+        method: parts.method.clone(),
+        path: &path,
+        headers: &parts.headers,
+        body,
+    };
+    match super::forward::forward_within(&address, &st.instance_id, call, FORWARDED_ANSWER_TIMEOUT)
+        .await
+    {
+        Ok(r) => r,
+        Err(ApiError::SandboxUnavailable(why)) => {
+            ApiError::SessionGone(format!("session {id} cannot be reached: {why}")).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}

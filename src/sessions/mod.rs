@@ -31,6 +31,7 @@ use crate::execution::{
 use crate::policy::language::Language;
 use crate::provenance::audit::{self, AuditEvent};
 use crate::sandbox::BackendKind;
+use crate::state::SessionRecord;
 
 /// Every session id starts with this (the startup reaper only touches such names).
 pub const ID_PREFIX: &str = "ses_";
@@ -393,6 +394,14 @@ impl SessionService {
                 "the session limit was reached meanwhile".into(),
             ));
         }
+        // Other replicas hand this session's calls to this one.
+        let record = SessionRecord {
+            instance: self.executions.instance().to_string(),
+            address: self.executions.address().map(str::to_string),
+        };
+        if let Err(e) = self.executions.store().session_put(&id, &record, ttl).await {
+            tracing::warn!(session_id = %id, error = %e, "session not recorded in the state store: other replicas will not find it");
+        }
         let metrics = self.executions.metrics();
         metrics
             .sessions_open
@@ -414,6 +423,11 @@ impl SessionService {
         });
         crate::execution::record::record(self.executions.audit(), metrics, &line);
         Ok(session)
+    }
+
+    /// Whether this daemon holds session `id` (whoever owns it).
+    pub fn holds(&self, id: &str) -> bool {
+        self.lock().contains_key(id)
     }
 
     /// The session `id` of `owner`; None for anyone else's (indistinguishable from none).
@@ -528,6 +542,9 @@ impl SessionService {
         }
         let s = session.clone();
         let _ = tokio::task::spawn_blocking(move || s.workspace.destroy()).await;
+        if let Err(e) = self.executions.store().session_remove(id).await {
+            tracing::warn!(session_id = id, error = %e, "session record not removed (it expires with the session's TTL)");
+        }
         let metrics = self.executions.metrics();
         metrics
             .sessions_open

@@ -101,6 +101,14 @@ pub enum StateError {
     Unavailable(String),
 }
 
+/// Where a session lives: the replica that holds its workspace and runs its execs.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct SessionRecord {
+    pub instance: String,
+    /// How other replicas reach it (`server.advertise_url`), when known.
+    pub address: Option<String>,
+}
+
 #[async_trait::async_trait]
 pub trait StateStore: Send + Sync {
     /// Records a single-use token's jti until it expires, unless it was seen before or may
@@ -149,6 +157,24 @@ pub trait StateStore: Send + Sync {
     ) -> Result<(), StateError>;
     /// The record of the run `key` names, if it is kept.
     async fn execution_get(&self, key: &IdemKey) -> Result<Option<StoredExecution>, StateError>;
+    /// Records which replica holds session `id`, for `ttl`. A store one daemon alone uses keeps
+    /// nothing: its sessions are all its own.
+    async fn session_put(
+        &self,
+        _id: &str,
+        _record: &SessionRecord,
+        _ttl: Duration,
+    ) -> Result<(), StateError> {
+        Ok(())
+    }
+    /// Which replica holds session `id`, if another one recorded it.
+    async fn session_get(&self, _id: &str) -> Result<Option<SessionRecord>, StateError> {
+        Ok(None)
+    }
+    /// Forgets session `id` (it ended).
+    async fn session_remove(&self, _id: &str) -> Result<(), StateError> {
+        Ok(())
+    }
     /// For /readyz.
     async fn healthy(&self) -> Result<(), StateError>;
     fn kind(&self) -> &'static str;

@@ -11,7 +11,8 @@ use redis::AsyncCommands;
 use redis::aio::ConnectionManager;
 
 use super::{
-    IdemBegin, IdemKey, JtiClaim, StateError, StateStore, StoredExecution, StoredResponse,
+    IdemBegin, IdemKey, JtiClaim, SessionRecord, StateError, StateStore, StoredExecution,
+    StoredResponse,
 };
 use crate::auth::SingleUse;
 
@@ -237,6 +238,44 @@ impl StateStore for RedisStore {
             .await
             .map_err(unavailable)?;
         Ok(v.and_then(|s| serde_json::from_str(&s).ok()))
+    }
+
+    async fn session_put(
+        &self,
+        id: &str,
+        record: &SessionRecord,
+        ttl: Duration,
+    ) -> Result<(), StateError> {
+        let v = serde_json::to_string(record)
+            .map_err(|e| StateError::Unavailable(format!("session record: {e}")))?;
+        let mut c = self.conn.clone();
+        let _: () = redis::cmd("SET")
+            .arg(format!("{}session:{id}", self.prefix))
+            .arg(v)
+            .arg("PX")
+            .arg(millis(ttl))
+            .query_async(&mut c)
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    async fn session_get(&self, id: &str) -> Result<Option<SessionRecord>, StateError> {
+        let mut c = self.conn.clone();
+        let v: Option<String> = c
+            .get(format!("{}session:{id}", self.prefix))
+            .await
+            .map_err(unavailable)?;
+        Ok(v.and_then(|s| serde_json::from_str(&s).ok()))
+    }
+
+    async fn session_remove(&self, id: &str) -> Result<(), StateError> {
+        let mut c = self.conn.clone();
+        let _: () = c
+            .del(format!("{}session:{id}", self.prefix))
+            .await
+            .map_err(unavailable)?;
+        Ok(())
     }
 
     async fn healthy(&self) -> Result<(), StateError> {
