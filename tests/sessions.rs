@@ -600,3 +600,54 @@ async fn a_restart_after_sigkill_removes_the_old_sessions() {
     assert!(!d.dir.path().join("sessions").join(&id).exists());
     assert!(!mounted(&id), "the workspace is still mounted");
 }
+
+/// A session ends at its TTL even while used, its running exec killed; an Idempotency-Key on an
+/// exec replays the stored answer instead of running again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_ends_at_its_ttl_and_exec_keys_replay() {
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let r = c
+        .create(json!({"language": "bash", "ttl_seconds": 3, "capability_token": d.cap_all()}))
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().unwrap().to_string();
+    let keyed = |body: Value| {
+        d.client
+            .post(format!("{}/v1/sandbox/sessions/{id}/exec", d.base))
+            .header("authorization", format!("Bearer {}", c.service))
+            .header("idempotency-key", "step-7")
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+    };
+    let code = json!({"code": "echo run >> runs.txt; wc -l < runs.txt"});
+    let first = Daemon::read(keyed(code.clone()).await.unwrap()).await;
+    assert_eq!(first.json["stdout"], "1\n", "{}", first.text);
+    let again = Daemon::read(keyed(code.clone()).await.unwrap()).await;
+    assert_eq!(
+        again.json["exec_id"], first.json["exec_id"],
+        "{}",
+        again.text
+    );
+    assert!(again.headers.get("idempotent-replayed").is_some());
+    let other = Daemon::read(keyed(json!({"code": "true"})).await.unwrap()).await;
+    assert_eq!(other.status, 422, "{}", other.text);
+    // Used all along, it still ends at its TTL; the exec running then is killed.
+    let r = c
+        .exec(&id, json!({"code": "sleep 30", "timeout_ms": 60000}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["outcome"], "cancelled", "{}", r.text);
+    let gone = c
+        .call("GET", &format!("/v1/sandbox/sessions/{id}"), None)
+        .await;
+    assert_eq!(gone.status, 404);
+    let end = d
+        .audit_lines()
+        .into_iter()
+        .find(|l| l["event"] == "session_end")
+        .expect("session_end line");
+    assert_eq!(end["reason"], "expired", "{end}");
+    assert!(!d.dir.path().join("sessions").join(&id).exists());
+}
