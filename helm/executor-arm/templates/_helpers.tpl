@@ -290,6 +290,15 @@ max_wait_ms = {{ $v.config.server.queue.maxWaitMs | int64 }}
 [executions]
 retention_seconds = {{ $v.config.executions.retentionSeconds | int64 }}
 
+[sessions]
+dir = {{ printf "%s/sessions" (include "executor-arm.stateDir" .) | toJson }}
+max_total = {{ $v.config.sessions.maxTotal | int64 }}
+max_per_tenant = {{ $v.config.sessions.maxPerTenant | int64 }}
+max_ttl_seconds = {{ $v.config.sessions.maxTtlSeconds | int64 }}
+idle_timeout_seconds = {{ $v.config.sessions.idleTimeoutSeconds | int64 }}
+max_file_bytes = {{ $v.config.sessions.maxFileBytes | int64 }}
+accept_service_capabilities = {{ $v.config.sessions.acceptServiceCapabilities }}
+
 [auth]
 {{- if include "executor-arm.hs256" . }}
 jwt_secret_file = {{ include "executor-arm.jwtSecretFile" . | toJson }}
