@@ -395,6 +395,16 @@ async fn async_execs_are_polled_streamed_and_cancelled_one_at_a_time() {
     let base = format!("/v1/sandbox/sessions/{id}/execs/{exec_id}");
     let r = c.call("GET", &base, None).await;
     assert_eq!(r.json["status"], "running", "{}", r.text);
+    // Under another session of the same caller, the exec is not found.
+    let other = new_session(&c, "python").await;
+    let r = c
+        .call(
+            "GET",
+            &format!("/v1/sandbox/sessions/{other}/execs/{exec_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text);
     // Followed until it printed, cancelled, followed to its result.
     let mut stream = d
         .client
@@ -447,12 +457,7 @@ async fn async_execs_are_polled_streamed_and_cancelled_one_at_a_time() {
         .find(|l| l["event"] == "execution" && l["exec_id"] == killed.as_str())
         .expect("the killed exec's end line");
     assert_eq!(end["outcome"], "cancelled", "{end}");
-    assert_eq!(
-        std::fs::read_dir(d.dir.path().join("sessions"))
-            .unwrap()
-            .count(),
-        0
-    );
+    assert!(!d.dir.path().join("sessions").join(&id).exists());
 }
 
 /// Idle sessions end after their idle time, everything removed; limits are per tenant.
@@ -485,14 +490,21 @@ async fn idle_sessions_expire_and_limits_hold() {
         assert!(Instant::now() < deadline, "the idle session did not expire");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(!d.dir.path().join("sessions").join(&idle).exists());
-    let ends: Vec<Value> = d
-        .audit_lines()
-        .into_iter()
-        .filter(|l| l["event"] == "session_end")
-        .collect();
+    // Its end line follows the removal of its workspace.
+    let ends = loop {
+        let ends: Vec<Value> = d
+            .audit_lines()
+            .into_iter()
+            .filter(|l| l["event"] == "session_end")
+            .collect();
+        if !ends.is_empty() || Instant::now() > deadline {
+            break ends;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(ends.len(), 1);
     assert_eq!(ends[0]["reason"], "idle");
+    assert!(!d.dir.path().join("sessions").join(&idle).exists());
     // A place came free.
     new_session(&c, "python").await;
 }
@@ -643,11 +655,19 @@ async fn a_session_ends_at_its_ttl_and_exec_keys_replay() {
         .call("GET", &format!("/v1/sandbox/sessions/{id}"), None)
         .await;
     assert_eq!(gone.status, 404);
-    let end = d
-        .audit_lines()
-        .into_iter()
-        .find(|l| l["event"] == "session_end")
-        .expect("session_end line");
+    // The session's end line follows its exec's answer (the workspace is removed in between).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let end = loop {
+        if let Some(l) = d
+            .audit_lines()
+            .into_iter()
+            .find(|l| l["event"] == "session_end")
+        {
+            break l;
+        }
+        assert!(Instant::now() < deadline, "no session_end line");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(end["reason"], "expired", "{end}");
     assert!(!d.dir.path().join("sessions").join(&id).exists());
 }

@@ -427,14 +427,17 @@ async fn exec_inner(
 }
 
 /// `GET /v1/sandbox/sessions/{id}/execs/{exec_id}` (and `/stream`, `/cancel`): the run routes,
-/// for a session of the caller's.
+/// for an exec of a session of the caller's (another exec id is 404).
 pub async fn exec_get(
     State(st): State<Arc<AppState>>,
     Path((id, exec_id)): Path<(String, String)>,
     req: Request,
 ) -> Response {
     match session_of(&st, req.headers(), request_id(&req), &id).await {
-        Ok(_) => executions::get(State(st), Path(exec_id), req).await,
+        Ok((session, ..)) if session.ran(&exec_id) => {
+            executions::get(State(st), Path(exec_id), req).await
+        }
+        Ok(_) => ApiError::ExecutionNotFound.into_response(),
         Err(e) => e.into_response(),
     }
 }
@@ -445,7 +448,10 @@ pub async fn exec_stream(
     req: Request,
 ) -> Response {
     match session_of(&st, req.headers(), request_id(&req), &id).await {
-        Ok(_) => executions::stream(State(st), Path(exec_id), req).await,
+        Ok((session, ..)) if session.ran(&exec_id) => {
+            executions::stream(State(st), Path(exec_id), req).await
+        }
+        Ok(_) => ApiError::ExecutionNotFound.into_response(),
         Err(e) => e.into_response(),
     }
 }
@@ -456,7 +462,10 @@ pub async fn exec_cancel(
     req: Request,
 ) -> Response {
     match session_of(&st, req.headers(), request_id(&req), &id).await {
-        Ok(_) => executions::cancel(State(st), Path(exec_id), req).await,
+        Ok((session, ..)) if session.ran(&exec_id) => {
+            executions::cancel(State(st), Path(exec_id), req).await
+        }
+        Ok(_) => ApiError::ExecutionNotFound.into_response(),
         Err(e) => e.into_response(),
     }
 }

@@ -116,7 +116,13 @@ pub struct Session {
     last_used: Mutex<Instant>,
     activity: Mutex<Activity>,
     execs: std::sync::atomic::AtomicU64,
+    /// The exec ids this session ran, newest last (at most [`EXECS_KEPT`]): its exec routes
+    /// serve these only.
+    ran: Mutex<std::collections::VecDeque<String>>,
 }
+
+/// How many exec ids a session remembers for its exec routes.
+const EXECS_KEPT: usize = 1024;
 
 impl Session {
     fn touch(&self) {
@@ -129,6 +135,15 @@ impl Session {
             Activity::Running(live) if live.answered().is_none() => Some(live.clone()),
             _ => None,
         }
+    }
+
+    /// Whether this session ran exec `exec_id` (one of its last [`EXECS_KEPT`]).
+    pub fn ran(&self, exec_id: &str) -> bool {
+        self.ran
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|e| e == exec_id)
     }
 
     pub fn workspace(&self) -> &Workspace {
@@ -171,6 +186,13 @@ impl ExecClaim {
         self.session
             .execs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        {
+            let mut ran = self.session.ran.lock().unwrap_or_else(|p| p.into_inner());
+            if ran.len() == EXECS_KEPT {
+                ran.pop_front();
+            }
+            ran.push_back(live.exec_id().to_string());
+        }
         self.started = true;
         let session = self.session.clone();
         let mut answer = live.answer();
@@ -376,6 +398,7 @@ impl SessionService {
             last_used: Mutex::new(Instant::now()),
             activity: Mutex::new(Activity::Idle),
             execs: Default::default(),
+            ran: Default::default(),
         });
         // Counted again under the lock: two creations at once cannot both take the last place.
         let refused = {
