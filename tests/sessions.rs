@@ -671,3 +671,106 @@ async fn a_session_ends_at_its_ttl_and_exec_keys_replay() {
     assert_eq!(end["reason"], "expired", "{end}");
     assert!(!d.dir.path().join("sessions").join(&id).exists());
 }
+
+/// A DELETE whose client goes away while the session's end is under way still ends it whole:
+/// its workspace unmounted and removed, its end line written. (The end waits for an exec still
+/// queued for a run slot: the only slot is held by another run.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delete_whose_client_leaves_midway_still_removes_everything() {
+    use tokio::io::AsyncWriteExt;
+    let d = Daemon::start_with(Opts {
+        config: Some("[server.concurrency]\nlocal = 1\n".into()),
+        ..Opts::default()
+    });
+    let blocker = d
+        .exec(json!({"action_type": "python", "command": "python3",
+            "args": ["-c", "import time\ntime.sleep(60)"], "async": true}))
+        .await;
+    assert_eq!(blocker.status, 202, "{}", blocker.text);
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    // Queued behind the blocker: the session is busy starting it.
+    let queued = {
+        let path = format!("{}/v1/sandbox/sessions/{id}/exec", d.base);
+        let client = d.client.clone();
+        let auth = format!("Bearer {}", c.service);
+        tokio::spawn(async move {
+            client
+                .post(path)
+                .header("authorization", auth)
+                .header("content-type", "application/json")
+                .body(json!({"code": "print(1)", "async": true}).to_string())
+                .send()
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut s = tokio::net::TcpStream::connect(&d.addr).await.unwrap();
+    let req = format!(
+        "DELETE /v1/sandbox/sessions/{id} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\r\n",
+        c.service
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ended = d
+            .audit_lines()
+            .iter()
+            .any(|l| l["event"] == "session_end" && l["session_id"] == id.as_str());
+        if ended {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the session's end was cut short");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!d.dir.path().join("sessions").join(&id).exists());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(&id), "the workspace is still mounted");
+    queued.abort();
+}
+
+/// A single-use capability token is used up only by a session that is made: one refused (429
+/// at the tenant's limit) stays usable.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_creation_leaves_a_single_use_token_unused() {
+    let d = Daemon::start_with(Opts {
+        config: Some("[sessions]\nmax_per_tenant = 1\n".into()),
+        ..Opts::default()
+    });
+    d.wait_until_tokens_postdate_start();
+    let c = koder(&d, Some("t"));
+    let first = new_session(&c, "python").await;
+    let once = d.mint(MintRequest {
+        kind: Some(TokenKind::Capability),
+        ttl_seconds: 120,
+        aud: "executor-arm".into(),
+        sub: Some("orchestrator".into()),
+        capabilities: vec!["PythonExecute".into()],
+        single_use: true,
+        ..Default::default()
+    });
+    let body = json!({"language": "python", "capability_token": once});
+    let refused = c.create(body.clone()).await;
+    assert_eq!(refused.status, 429, "{}", refused.text);
+    assert!(
+        refused.json["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("Too many sessions"),
+        "{}",
+        refused.text
+    );
+    let gone = c
+        .call("DELETE", &format!("/v1/sandbox/sessions/{first}"), None)
+        .await;
+    assert_eq!(gone.status, 204);
+    let made = c.create(body.clone()).await;
+    assert_eq!(made.status, 201, "{}", made.text);
+    let made = made.json["id"].as_str().unwrap().to_string();
+    c.call("DELETE", &format!("/v1/sandbox/sessions/{made}"), None)
+        .await;
+    let replayed = c.create(body).await;
+    assert_eq!(replayed.status, 401, "{}", replayed.text);
+}

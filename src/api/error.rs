@@ -30,12 +30,16 @@ pub enum ApiError {
     SessionNotFound,
     /// The session runs another exec.
     SessionBusy(String),
+    /// `sessions.max_total` or `max_per_tenant` sessions are open.
+    SessionLimit(String),
     /// The replica that holds the session is gone: the session is lost with it.
     SessionGone(String),
     /// No such file in a session's workspace.
     FileNotFound(String),
     /// A session's workspace quota is used up.
     WorkspaceFull,
+    /// A file above `sessions.max_file_bytes`.
+    FileTooLarge(String),
     /// The backend's run slots are busy and its queue is full, or the wait for one ran out.
     Overloaded(String),
     SandboxUnavailable(String),
@@ -59,7 +63,9 @@ impl ApiError {
             | ApiError::SessionGone(_)
             | ApiError::FileNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::SessionBusy(_) => StatusCode::CONFLICT,
+            ApiError::SessionLimit(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::WorkspaceFull => StatusCode::INSUFFICIENT_STORAGE,
+            ApiError::FileTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -84,7 +90,9 @@ impl ApiError {
                 "NotFound"
             }
             ApiError::SessionBusy(_) => "SessionBusy",
+            ApiError::SessionLimit(_) => "Overloaded",
             ApiError::WorkspaceFull => "WorkspaceFull",
+            ApiError::FileTooLarge(_) => "PayloadTooLarge",
             ApiError::Overloaded(_) => "Overloaded",
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => "SandboxUnavailable",
             ApiError::Internal(_) => "InternalError",
@@ -114,6 +122,8 @@ impl ApiError {
             ApiError::AlreadyFinished => "The execution has already finished".into(),
             ApiError::SessionNotFound => "No such session".into(),
             ApiError::SessionGone(m) => m.clone(),
+            ApiError::SessionLimit(m) => format!("Too many sessions: {m}; retry later"),
+            ApiError::FileTooLarge(m) => m.clone(),
             ApiError::SessionBusy(id) => {
                 format!("Session {id} is running another exec; wait for it or cancel it")
             }
@@ -141,9 +151,10 @@ impl ApiError {
     /// retryable 409.
     pub fn retry_after_seconds(&self) -> Option<u64> {
         match self {
-            ApiError::Overloaded(_) | ApiError::ShuttingDown | ApiError::IdempotencyInProgress => {
-                Some(1)
-            }
+            ApiError::Overloaded(_)
+            | ApiError::SessionLimit(_)
+            | ApiError::ShuttingDown
+            | ApiError::IdempotencyInProgress => Some(1),
             // A backend or the audit log is down: give it time to come back.
             ApiError::SandboxUnavailable(_) => Some(5),
             _ => None,

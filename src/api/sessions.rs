@@ -26,7 +26,7 @@ use super::execute::{
 use super::{AppState, RequestId, executions};
 use crate::config::TokenKind;
 use crate::execution::record::KnownRequest;
-use crate::execution::{ClaimError, SessionLimits, claim_single_use, owner_of};
+use crate::execution::{SessionLimits, owner_of};
 use crate::policy::profile::{MAX_ASYNC_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS};
 use crate::provenance::sha256_prefixed;
 use crate::sessions::workspace::FileError;
@@ -39,7 +39,7 @@ impl From<SessionError> for ApiError {
         match e {
             SessionError::Invalid(m) => ApiError::InvalidRequest(m),
             SessionError::Busy(id) => ApiError::SessionBusy(id),
-            SessionError::TooMany(m) => ApiError::Overloaded(m),
+            SessionError::TooMany(m) => ApiError::SessionLimit(m),
             SessionError::Execution(e) => e.into(),
         }
     }
@@ -50,7 +50,7 @@ impl From<FileError> for ApiError {
         match e {
             FileError::InvalidPath(m) | FileError::NotAFile(m) => ApiError::InvalidRequest(m),
             FileError::NotFound(p) => ApiError::FileNotFound(p),
-            FileError::TooLarge { .. } => ApiError::InvalidRequest(e.to_string()),
+            FileError::TooLarge { .. } => ApiError::FileTooLarge(e.to_string()),
             FileError::NoSpace => ApiError::WorkspaceFull,
             FileError::Io(m) => ApiError::Internal(m),
         }
@@ -161,11 +161,15 @@ struct CreateBody {
 
 /// `POST /v1/sandbox/sessions`: 201 with the session.
 pub async fn create(State(st): State<Arc<AppState>>, req: Request) -> Response {
-    let rid = request_id(&req);
-    match create_inner(&st, req, rid).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    }
+    // On a task of its own: a client that goes away mid-creation leaves no half-made session.
+    detached(st, move |st, _| async move {
+        let rid = request_id(&req);
+        match create_inner(&st, req, rid).await {
+            Ok(r) => r,
+            Err(e) => e.into_response(),
+        }
+    })
+    .await
 }
 
 async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Response, ApiError> {
@@ -203,12 +207,7 @@ async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Respon
                 .verify(&t, TokenKind::Capability)
                 .map_err(|e| unauthorized(st, &known, &format!("capability token: {e}")))?;
             known.token_id = cap.token_id.clone();
-            claim_single_use(&*st.store, &cap)
-                .await
-                .map_err(|e| match e {
-                    ClaimError::Refused(reason) => unauthorized(st, &known, &reason),
-                    ClaimError::Unavailable(m) => ApiError::SandboxUnavailable(m),
-                })?;
+            // A single-use token is used up by the session service once the session can be made.
             cap
         }
         None if st.config.sessions.accept_service_capabilities => service,
@@ -273,15 +272,19 @@ pub async fn delete(
     rid: Option<axum::Extension<RequestId>>,
 ) -> Response {
     let rid = rid.map(|r| r.0.0).unwrap_or_default();
-    let result = async {
-        let (owner, ..) = caller(&st, &headers, rid).await?;
-        if st.sessions.delete(&owner, &id).await {
-            Ok(StatusCode::NO_CONTENT.into_response())
-        } else {
-            Err(ApiError::SessionNotFound)
-        }
-    };
-    result.await.unwrap_or_else(|e| e.into_response())
+    // On a task of its own: a DELETE that arrived is carried out even if its client goes away.
+    detached(st, move |st, _| async move {
+        let result = async {
+            let (owner, ..) = caller(&st, &headers, rid).await?;
+            if st.sessions.delete(&owner, &id).await {
+                Ok(StatusCode::NO_CONTENT.into_response())
+            } else {
+                Err(ApiError::SessionNotFound)
+            }
+        };
+        result.await.unwrap_or_else(|e| e.into_response())
+    })
+    .await
 }
 
 #[derive(Debug, Deserialize)]

@@ -256,7 +256,7 @@ impl SessionService {
         });
     }
 
-    async fn reap_expired(&self) {
+    async fn reap_expired(self: &Arc<Self>) {
         let now = Instant::now();
         let due: Vec<(Arc<Session>, &'static str)> = self
             .lock()
@@ -400,6 +400,29 @@ impl SessionService {
             execs: Default::default(),
             ran: Default::default(),
         });
+        // The grant's single-use token is used up only now that the session can be made.
+        match crate::execution::claim_single_use(&**self.executions.store(), &new.grant).await {
+            Ok(()) => {}
+            Err(crate::execution::ClaimError::Refused(reason)) => {
+                let known = crate::execution::record::KnownRequest {
+                    request_id: new.request_id.clone(),
+                    subject: Some(new.owner.subject.clone()),
+                    token_id: new.grant.token_id.clone(),
+                    ..Default::default()
+                };
+                crate::execution::record::refusal(
+                    self.executions.audit(),
+                    self.executions.metrics(),
+                    &known,
+                    crate::execution::record::RefusalKind::Unauthorized,
+                    &reason,
+                );
+                return Err(ExecutionError::Unauthorized.into());
+            }
+            Err(crate::execution::ClaimError::Unavailable(m)) => {
+                return Err(ExecutionError::Unavailable(m).into());
+            }
+        }
         // Counted again under the lock: two creations at once cannot both take the last place.
         let refused = {
             let mut sessions = self.lock();
@@ -412,18 +435,14 @@ impl SessionService {
             }
         };
         if refused {
-            session.workspace.destroy();
+            if let Some(token) = &new.grant.single_use
+                && let Err(e) = self.executions.store().release_jti(token).await
+            {
+                tracing::error!(error = %e, "single-use token not released");
+            }
             return Err(SessionError::TooMany(
                 "the session limit was reached meanwhile".into(),
             ));
-        }
-        // Other replicas hand this session's calls to this one.
-        let record = SessionRecord {
-            instance: self.executions.instance().to_string(),
-            address: self.executions.address().map(str::to_string),
-        };
-        if let Err(e) = self.executions.store().session_put(&id, &record, ttl).await {
-            tracing::warn!(session_id = %id, error = %e, "session not recorded in the state store: other replicas will not find it");
         }
         let metrics = self.executions.metrics();
         metrics
@@ -432,7 +451,7 @@ impl SessionService {
             .inc();
         let line = AuditEvent::SessionCreate(audit::SessionOpened {
             request_id: new.request_id,
-            session_id: id,
+            session_id: id.clone(),
             owner: new.owner.subject,
             tenant: new.owner.tenant,
             token_id: new.grant.token_id,
@@ -445,6 +464,14 @@ impl SessionService {
                 .to_string(),
         });
         crate::execution::record::record(self.executions.audit(), metrics, &line);
+        // Other replicas hand this session's calls to this one.
+        let record = SessionRecord {
+            instance: self.executions.instance().to_string(),
+            address: self.executions.address().map(str::to_string),
+        };
+        if let Err(e) = self.executions.store().session_put(&id, &record, ttl).await {
+            tracing::warn!(session_id = %id, error = %e, "session not recorded in the state store: other replicas will not find it");
+        }
         Ok(session)
     }
 
@@ -532,17 +559,26 @@ impl SessionService {
 
     /// Deletes `owner`'s session `id`: its exec is killed, its directory removed. False when
     /// there is no such session of theirs.
-    pub async fn delete(&self, owner: &Owner, id: &str) -> bool {
+    pub async fn delete(self: &Arc<Self>, owner: &Owner, id: &str) -> bool {
         let mine = self.lock().get(id).is_some_and(|s| &s.owner == owner);
         mine && self.end(id, "deleted").await
     }
 
     /// Ends session `id` for `reason`: no exec starts in it any more, the running one is killed
-    /// and waited for, then its directory is removed.
-    async fn end(&self, id: &str, reason: &'static str) -> bool {
+    /// and waited for, then its directory is removed. The work runs on a task of its own: a
+    /// caller that goes away (a client that disconnects mid-DELETE) cannot cut it short.
+    async fn end(self: &Arc<Self>, id: &str, reason: &'static str) -> bool {
         let Some(session) = self.lock().remove(id) else {
             return false;
         };
+        let this = self.clone();
+        let id = id.to_string();
+        tokio::spawn(async move { this.finish_end(session, &id, reason).await })
+            .await
+            .is_ok()
+    }
+
+    async fn finish_end(&self, session: Arc<Session>, id: &str, reason: &'static str) -> bool {
         // A claim being admitted now finds the session gone when it starts: wait for it too.
         let until = Instant::now() + Duration::from_secs(10);
         loop {
@@ -587,7 +623,7 @@ impl SessionService {
     }
 
     /// Ends every session (the daemon is stopping): no session is made from now on.
-    pub async fn close_all(&self) {
+    pub async fn close_all(self: &Arc<Self>) {
         self.closed.send_replace(true);
         let ids: Vec<String> = self.lock().keys().cloned().collect();
         for id in ids {

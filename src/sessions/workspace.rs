@@ -358,6 +358,14 @@ impl Workspace {
     }
 }
 
+impl Drop for Workspace {
+    /// A workspace is never left mounted: whatever path drops it (a creation that failed half
+    /// way, a session that ended) unmounts and removes it.
+    fn drop(&mut self) {
+        self.destroy();
+    }
+}
+
 /// Unmounts `<root>/workspace` (lazily: a process still inside cannot keep it) and removes the
 /// session directory `root`.
 fn remove_session_dir(root: &Path) {
