@@ -375,6 +375,47 @@ async fn sessions_are_invisible_to_other_tenants_and_services() {
     }
     let r = owner.exec(&id, json!({"code": "print(1)"})).await;
     assert_eq!(r.status, 200, "{}", r.text);
+    // A session's exec is a run of (service, tenant): the tenant-less run routes do not find it,
+    // even for the same service.
+    let exec_id = r.json["exec_id"].as_str().unwrap();
+    for path in [
+        format!("/v1/executions/{exec_id}"),
+        format!("/v1/executions/{exec_id}/stream"),
+    ] {
+        let r = owner.call("GET", &path, None).await;
+        assert_eq!(r.status, 404, "{path}: {}", r.text);
+    }
+    let r = owner
+        .call(
+            "POST",
+            &format!("/v1/executions/{exec_id}/cancel"),
+            Some(vec![]),
+        )
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text);
+    // Under its session, a single-use service token is used once per call, not twice.
+    d.wait_until_tokens_postdate_start();
+    let once = SandboxClient {
+        d: &d,
+        service: d.mint(MintRequest {
+            kind: Some(TokenKind::Service),
+            ttl_seconds: 300,
+            aud: "executor-arm".into(),
+            sub: Some("orchestrator".into()),
+            single_use: true,
+            ..Default::default()
+        }),
+        tenant: Some("alice"),
+    };
+    let r = once
+        .call(
+            "GET",
+            &format!("/v1/sandbox/sessions/{id}/execs/{exec_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["status"], "finished", "{}", r.text);
 }
 
 /// One exec at a time: a second while one runs is 409 SessionBusy. An async exec is read,

@@ -84,6 +84,15 @@ async fn get_inner(
     rid: String,
 ) -> Result<Response, ApiError> {
     let (owner, _) = caller(st, headers, rid).await?;
+    get_owned(st, exec_id, &owner).await
+}
+
+/// `GET` of run `exec_id` for `owner`, already authenticated.
+pub(super) async fn get_owned(
+    st: &AppState,
+    exec_id: &str,
+    owner: &str,
+) -> Result<Response, ApiError> {
     let id = serde_json::to_string(exec_id).map_err(|e| ApiError::Internal(e.to_string()))?;
     let running = || {
         json(
@@ -93,7 +102,7 @@ async fn get_inner(
     };
     match st
         .executions
-        .lookup(&owner, exec_id)
+        .lookup(owner, exec_id)
         .await
         .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
     {
@@ -119,6 +128,20 @@ pub async fn stream(
     req: Request,
 ) -> Response {
     let rid = request_id(&req);
+    match caller(&st, req.headers(), rid).await {
+        Ok(who) => stream_owned(st, exec_id, req, who).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The stream of run `exec_id` for a caller already authenticated (`who`: its owner string and
+/// what its refusals tell).
+pub(super) async fn stream_owned(
+    st: Arc<AppState>,
+    exec_id: String,
+    req: Request,
+    who: (String, KnownRequest),
+) -> Response {
     let from = req
         .headers()
         .get("last-event-id")
@@ -131,7 +154,7 @@ pub async fn stream(
         Ok(p) => follow(p, source, from, None),
         Err(e) => e.into_response(),
     };
-    match locate(&st, &exec_id, &headers, rid).await {
+    match locate(&st, &exec_id, &headers, who).await {
         Ok((Located::Here(Lookup::Live(live)), _)) => respond(Source::Live(live)),
         Ok((Located::Here(Lookup::Stored(record)), _)) => match record.response {
             Some(answer) => respond(Source::finished(&exec_id, answer)),
@@ -182,9 +205,8 @@ async fn locate(
     st: &AppState,
     exec_id: &str,
     headers: &HeaderMap,
-    rid: String,
+    caller: (String, KnownRequest),
 ) -> Result<(Located, (String, KnownRequest)), ApiError> {
-    let caller = caller(st, headers, rid).await?;
     let found = st
         .executions
         .lookup(&caller.0, exec_id)
@@ -239,14 +261,32 @@ pub async fn cancel(
     Path(exec_id): Path<String>,
     req: Request,
 ) -> Response {
-    match cancel_inner(&st, &exec_id, req).await {
+    let rid = request_id(&req);
+    match caller(&st, req.headers(), rid).await {
+        Ok(who) => cancel_owned(&st, &exec_id, req, who).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The cancel of run `exec_id` for a caller already authenticated.
+pub(super) async fn cancel_owned(
+    st: &AppState,
+    exec_id: &str,
+    req: Request,
+    who: (String, KnownRequest),
+) -> Response {
+    match cancel_inner(st, exec_id, req, who).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn cancel_inner(st: &AppState, exec_id: &str, req: Request) -> Result<Response, ApiError> {
-    let rid = request_id(&req);
+async fn cancel_inner(
+    st: &AppState,
+    exec_id: &str,
+    req: Request,
+    who: (String, KnownRequest),
+) -> Result<Response, ApiError> {
     let (parts, body) = req.into_parts();
     let raw = read_body(
         body,
@@ -256,7 +296,7 @@ async fn cancel_inner(st: &AppState, exec_id: &str, req: Request) -> Result<Resp
     )
     .await?;
     let grace = grace_of(&raw)?;
-    let (located, (owner, known)) = locate(st, exec_id, &parts.headers, rid).await?;
+    let (located, (owner, known)) = locate(st, exec_id, &parts.headers, who).await?;
     let live = match located {
         Located::Here(Lookup::Live(live)) => live,
         Located::Here(Lookup::Stored(_)) => return Err(ApiError::AlreadyFinished),

@@ -391,6 +391,7 @@ async fn exec_inner(
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     let exec_parts = ExecParts {
+        owner: session.owner.runs(),
         request_id: known.request_id.clone(),
         subject: service.subject.clone().or_else(|| Some("-".into())),
         code: asked.code,
@@ -401,6 +402,9 @@ async fn exec_inner(
         long_run: mode != Mode::Sync,
     };
     let sessions = st.sessions.clone();
+    // Keys are scoped like the session's runs: by the calling service and the tenant.
+    let mut service = service;
+    service.subject = Some(session.owner.runs());
     let job = Job {
         service,
         idem: idem_key.map(|k| (k, body_hash)),
@@ -438,7 +442,9 @@ pub async fn exec_get(
 ) -> Response {
     match session_of(&st, req.headers(), request_id(&req), &id).await {
         Ok((session, ..)) if session.ran(&exec_id) => {
-            executions::get(State(st), Path(exec_id), req).await
+            executions::get_owned(&st, &exec_id, &session.owner.runs())
+                .await
+                .unwrap_or_else(|e| e.into_response())
         }
         Ok(_) => ApiError::ExecutionNotFound.into_response(),
         Err(e) => e.into_response(),
@@ -451,8 +457,9 @@ pub async fn exec_stream(
     req: Request,
 ) -> Response {
     match session_of(&st, req.headers(), request_id(&req), &id).await {
-        Ok((session, ..)) if session.ran(&exec_id) => {
-            executions::stream(State(st), Path(exec_id), req).await
+        Ok((session, _, _, known)) if session.ran(&exec_id) => {
+            let who = (session.owner.runs(), known);
+            executions::stream_owned(st, exec_id, req, who).await
         }
         Ok(_) => ApiError::ExecutionNotFound.into_response(),
         Err(e) => e.into_response(),
@@ -465,8 +472,9 @@ pub async fn exec_cancel(
     req: Request,
 ) -> Response {
     match session_of(&st, req.headers(), request_id(&req), &id).await {
-        Ok((session, ..)) if session.ran(&exec_id) => {
-            executions::cancel(State(st), Path(exec_id), req).await
+        Ok((session, _, _, known)) if session.ran(&exec_id) => {
+            let who = (session.owner.runs(), known);
+            executions::cancel_owned(&st, &exec_id, req, who).await
         }
         Ok(_) => ApiError::ExecutionNotFound.into_response(),
         Err(e) => e.into_response(),

@@ -64,6 +64,16 @@ pub struct Owner {
     pub tenant: String,
 }
 
+impl Owner {
+    /// The owner of the session's execs as runs: the calling service and the tenant together
+    /// (a U+0001 between them), so that `/v1/executions/{exec_id}` (which knows no tenant) and
+    /// another tenant of the same service find none of them, and their Idempotency-Keys are the
+    /// tenant's own.
+    pub fn runs(&self) -> String {
+        format!("{}\u{1}{}", self.subject, self.tenant)
+    }
+}
+
 /// What a caller asks for when it makes a session.
 #[derive(Debug, Clone)]
 pub struct NewSession {
@@ -81,6 +91,8 @@ pub struct NewSession {
 /// One exec's parts, as the caller sent them.
 #[derive(Debug, Clone, Default)]
 pub struct ExecParts {
+    /// Whose run the exec is ([`Owner::runs`]).
+    pub owner: String,
     pub request_id: String,
     pub subject: Option<String>,
     pub code: String,
@@ -339,6 +351,7 @@ impl SessionService {
                 cwd: WORKSPACE.into(),
             },
             ExecParts {
+                owner: new.owner.runs(),
                 request_id: new.request_id.clone(),
                 subject: Some(new.owner.subject.clone()),
                 ..ExecParts::default()
@@ -657,7 +670,7 @@ struct Binding {
 /// The execution request of an exec: the language's interpreter with the code file as its only
 /// argument, under the session's grant, in its workspace.
 fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
-    let owner = parts.subject.clone().unwrap_or_else(|| "-".into());
+    let owner = parts.owner;
     ExecutionRequest {
         request_id: parts.request_id,
         subject: parts.subject,
