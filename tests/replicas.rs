@@ -365,6 +365,14 @@ async fn a_session_made_on_one_replica_is_used_through_another() {
             .any(|l| l["event"] == "execution" && l["invocation_hash"].is_string())
     );
     a.kill9();
+    // Without a service token, nothing is said about where the session lived.
+    let anon = b
+        .client
+        .get(format!("{}{base}", b.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anon.status().as_u16(), 401);
     let gone = call(&b, reqwest::Method::GET, base.clone(), "t1", vec![])
         .await
         .unwrap();

@@ -323,16 +323,24 @@ async fn a_full_workspace_is_enospc_inside_and_the_session_goes_on() {
         .exec(&id, json!({"code": "rm big; echo ok > small; cat small"}))
         .await;
     assert_eq!(r.json["stdout"], "ok\n", "{}", r.text);
-    // An upload past the quota is refused as such.
+    // An upload past the quota is refused as such, and the file it was to replace is intact.
+    let path = format!("/v1/sandbox/sessions/{id}/files/up");
+    let r = c.call("PUT", &path, Some(b"old".to_vec())).await;
+    assert_eq!(r.status, 204, "{}", r.text);
     let big = vec![0u8; 9 << 20];
-    let r = c
-        .call(
-            "PUT",
-            &format!("/v1/sandbox/sessions/{id}/files/up"),
-            Some(big),
-        )
-        .await;
+    let r = c.call("PUT", &path, Some(big)).await;
     assert_eq!(r.status, 507, "{}", r.text);
+    let r = c.call("GET", &path, None).await;
+    assert_eq!(r.text, "old");
+    let list = c
+        .call("GET", &format!("/v1/sandbox/sessions/{id}/files"), None)
+        .await;
+    assert_eq!(
+        list.json["entries"].as_array().unwrap().len(),
+        2,
+        "{}",
+        list.text
+    );
 }
 
 /// Another tenant or another service gets 404 on everything; no tenant is a tenant of its own.

@@ -136,7 +136,7 @@ fn unauthorized(st: &AppState, known: &KnownRequest, reason: &str) -> ApiError {
     ApiError::Unauthorized
 }
 
-fn bearer(headers: &HeaderMap) -> Option<&str> {
+pub(super) fn bearer(headers: &HeaderMap) -> Option<&str> {
     let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = v.split_once(' ')?;
     scheme

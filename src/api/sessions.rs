@@ -589,6 +589,22 @@ pub async fn to_owner(
     if st.sessions.holds(&id) || super::forward::was_forwarded(req.headers()) {
         return next.run(req).await;
     }
+    // Only a calling service learns where a session lives (its token is verified here and
+    // used up, when single-use, by the replica that holds the session).
+    let verified = super::execute::bearer(req.headers())
+        .ok_or_else(|| "missing Authorization: Bearer service token".to_string())
+        .and_then(|t| {
+            st.auth
+                .verify(t, TokenKind::Service)
+                .map_err(|e| format!("service token: {e}"))
+        });
+    if let Err(reason) = verified {
+        let known = KnownRequest {
+            request_id: request_id(&req),
+            ..KnownRequest::default()
+        };
+        return unauthorized(&st, &known, &reason).into_response();
+    }
     let record = match st.store.session_get(&id).await {
         Ok(Some(r)) if r.instance != st.instance_id => r,
         Ok(_) => return next.run(req).await,

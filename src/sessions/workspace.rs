@@ -64,6 +64,10 @@ pub struct Workspace {
     root: PathBuf,
     uid: u32,
     gid: u32,
+    /// The workspace tmpfs's root, opened once when it was mounted: every file call resolves
+    /// from it, never from a path, so a call racing the session's end reaches the detached tmpfs
+    /// (freed with this fd) and never the host directory under the mount point.
+    fd: Option<OwnedFd>,
 }
 
 /// How every workspace path is resolved: below the start, no symlinks (magic ones included), no
@@ -91,7 +95,12 @@ impl Workspace {
     ) -> Result<Workspace, String> {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let root = dir.join(id);
-        let ws = Workspace { root, uid, gid };
+        let mut ws = Workspace {
+            root,
+            uid,
+            gid,
+            fd: None,
+        };
         let made = (|| {
             use std::os::unix::fs::DirBuilderExt;
             std::fs::DirBuilder::new()
@@ -113,10 +122,19 @@ impl Workspace {
                 MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
                 Some(options.as_str()),
             )
-            .map_err(|e| format!("mounting the workspace tmpfs: {e}"))
+            .map_err(|e| format!("mounting the workspace tmpfs: {e}"))?;
+            nix::fcntl::open(
+                &ws.host_dir(),
+                OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| format!("opening the workspace: {e}"))
         })();
         match made {
-            Ok(()) => Ok(ws),
+            Ok(fd) => {
+                ws.fd = Some(fd);
+                Ok(ws)
+            }
             Err(e) => {
                 ws.destroy();
                 Err(e)
@@ -151,12 +169,11 @@ impl Workspace {
     }
 
     fn open_root(&self) -> Result<OwnedFd, FileError> {
-        nix::fcntl::open(
-            &self.host_dir(),
-            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(io)
+        self.fd
+            .as_ref()
+            .ok_or_else(|| FileError::Io("the workspace is not mounted".into()))?
+            .try_clone()
+            .map_err(io)
     }
 
     /// The directory `rel` (below the workspace; empty for the workspace itself) as an fd.
@@ -251,30 +268,55 @@ impl Workspace {
         let name = rel
             .file_name()
             .ok_or_else(|| FileError::InvalidPath("the path names no file".into()))?;
+        // What is there must be a regular file (or nothing): a directory, a symlink or a FIFO of
+        // that name is not replaced.
+        let existing = OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+            .resolve(confined());
+        match openat2(dir.as_fd(), name, existing) {
+            Ok(fd) => {
+                regular(&fd, &rel)?;
+            }
+            Err(Errno::ENOENT) => {}
+            Err(e) => return Err(resolve_error(e, &rel)),
+        }
+        // Written whole under a name of its own, then renamed over the target: a write that
+        // fails half way (a full workspace) leaves the old file as it was.
+        let temp = format!(".upload-{}", uuid::Uuid::new_v4().simple());
         let how = OpenHow::new()
             .flags(
                 OFlag::O_WRONLY
                     | OFlag::O_CREAT
+                    | OFlag::O_EXCL
                     | OFlag::O_NOFOLLOW
-                    | OFlag::O_NONBLOCK
                     | OFlag::O_CLOEXEC,
             )
             .mode(Mode::from_bits_truncate(0o644))
             .resolve(confined());
-        let fd = openat2(dir.as_fd(), name, how).map_err(|e| resolve_error(e, &rel))?;
-        regular(&fd, &rel)?;
-        nix::unistd::ftruncate(&fd, 0).map_err(|e| write_error(e, &rel))?;
-        nix::unistd::fchown(
-            &fd,
-            Some(Uid::from_raw(self.uid)),
-            Some(Gid::from_raw(self.gid)),
-        )
-        .map_err(io)?;
-        let mut file = std::fs::File::from(fd);
-        file.write_all(bytes).map_err(|e| match e.raw_os_error() {
-            Some(code) => write_error(Errno::from_raw(code), &rel),
-            None => io(e),
-        })
+        let fd = openat2(dir.as_fd(), temp.as_str(), how).map_err(|e| write_error(e, &rel))?;
+        let written = (|| {
+            nix::unistd::fchown(
+                &fd,
+                Some(Uid::from_raw(self.uid)),
+                Some(Gid::from_raw(self.gid)),
+            )
+            .map_err(io)?;
+            let mut file = std::fs::File::from(fd);
+            file.write_all(bytes).map_err(|e| match e.raw_os_error() {
+                Some(code) => write_error(Errno::from_raw(code), &rel),
+                None => io(e),
+            })?;
+            nix::fcntl::renameat(dir.as_fd(), temp.as_str(), dir.as_fd(), name)
+                .map_err(|e| write_error(e, &rel))
+        })();
+        if written.is_err() {
+            let _ = nix::unistd::unlinkat(
+                dir.as_fd(),
+                temp.as_str(),
+                nix::unistd::UnlinkatFlags::NoRemoveDir,
+            );
+        }
+        written
     }
 
     /// The bytes of the regular file `rel`, at most `max` of them.
