@@ -823,3 +823,49 @@ async fn a_refused_creation_leaves_a_single_use_token_unused() {
     let replayed = c.create(body).await;
     assert_eq!(replayed.status, 401, "{}", replayed.text);
 }
+
+/// A sessions directory belongs to one daemon: a second one started on it neither reaps the
+/// first one's sessions nor makes any (503); a directory reached through a symlink, or writable
+/// by others, is refused too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sessions_directory_is_one_daemons_alone() {
+    let first = Daemon::start();
+    let c = koder(&first, None);
+    let id = new_session(&c, "python").await;
+    let shared = first.dir.path().join("sessions");
+    let second = Daemon::start_with(Opts {
+        env: vec![(
+            "EXECUTOR_ARM_SESSIONS_DIR".into(),
+            shared.to_string_lossy().into_owned(),
+        )],
+        ..Opts::default()
+    });
+    let r = koder(&second, None)
+        .create(json!({"language": "python", "capability_token": second.cap_all()}))
+        .await;
+    assert_eq!(r.status, 503, "{}", r.text);
+    assert!(r.text.contains("in use by another"), "{}", r.text);
+    let r = c.exec(&id, json!({"code": "print('still here')"})).await;
+    assert_eq!(r.json["stdout"], "still here\n", "{}", r.text);
+    // Through a symlink, or open to others: refused.
+    let scratch = tempfile::tempdir().unwrap();
+    let link = scratch.path().join("link");
+    std::os::unix::fs::symlink(scratch.path(), &link).unwrap();
+    let open = scratch.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    for dir in [link, open] {
+        let d = Daemon::start_with(Opts {
+            env: vec![(
+                "EXECUTOR_ARM_SESSIONS_DIR".into(),
+                dir.to_string_lossy().into_owned(),
+            )],
+            ..Opts::default()
+        });
+        let r = koder(&d, None)
+            .create(json!({"language": "python", "capability_token": d.cap_all()}))
+            .await;
+        assert_eq!(r.status, 503, "{}: {}", dir.display(), r.text);
+    }
+}

@@ -233,20 +233,30 @@ pub struct SessionService {
     sessions: Mutex<HashMap<String, Arc<Session>>>,
     /// Raised at shutdown: no session is made any more.
     closed: watch::Sender<bool>,
+    /// The lock on `sessions.dir` this daemon holds, or why it could not take it (sessions are
+    /// then refused with 503).
+    dir: Result<nix::fcntl::Flock<std::fs::File>, String>,
 }
 
 impl SessionService {
     /// The service; sessions a previous process left under `sessions.dir` are removed first.
     pub fn new(config: &SessionsConfig, executions: Arc<ExecutionService>) -> Arc<Self> {
-        let reaped = workspace::reap(&config.dir);
-        if reaped > 0 {
-            tracing::warn!(reaped, dir = %config.dir.display(), "removed the sessions of a previous process");
+        let dir = workspace::claim_dir(&config.dir);
+        match &dir {
+            Ok(_) => {
+                let reaped = workspace::reap(&config.dir);
+                if reaped > 0 {
+                    tracing::warn!(reaped, dir = %config.dir.display(), "removed the sessions of a previous process");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "sessions.dir unusable: sessions are refused"),
         }
         Arc::new(SessionService {
             config: config.clone(),
             executions,
             sessions: Mutex::new(HashMap::new()),
             closed: watch::channel(false).0,
+            dir,
         })
     }
 
@@ -306,6 +316,9 @@ impl SessionService {
     pub async fn create(&self, new: NewSession) -> Result<Arc<Session>, SessionError> {
         if *self.closed.borrow() {
             return Err(ExecutionError::Unavailable("the daemon is shutting down".into()).into());
+        }
+        if let Err(e) = &self.dir {
+            return Err(ExecutionError::Unavailable(format!("sessions.dir: {e}")).into());
         }
         let policy = self.executions.policy();
         let language = policy

@@ -412,7 +412,7 @@ impl Drop for Workspace {
 /// session directory `root`.
 fn remove_session_dir(root: &Path) {
     let ws = root.join(WORKSPACE_DIR);
-    match nix::mount::umount2(&ws, MntFlags::MNT_DETACH) {
+    match nix::mount::umount2(&ws, MntFlags::MNT_DETACH | MntFlags::UMOUNT_NOFOLLOW) {
         Ok(()) | Err(Errno::EINVAL) | Err(Errno::ENOENT) => {}
         Err(e) => tracing::warn!(path = %ws.display(), error = %e, "workspace not unmounted"),
     }
@@ -425,8 +425,38 @@ fn remove_session_dir(root: &Path) {
     }
 }
 
-/// Removes every session directory under `dir` (a previous process's, at startup); returns how
-/// many there were.
+/// Makes `dir` this daemon's: created if missing (mode 0700), required to be a real directory
+/// (not a symlink) owned by this process's user and writable by nobody else, then locked
+/// (`flock`) for the process's life, so two daemons never share it (each reaps what it finds
+/// there at startup). The returned file holds the lock.
+pub fn claim_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let shown = dir.display();
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| format!("{shown}: {e}"))?;
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{shown}: {e}"))?;
+    if !meta.is_dir() {
+        return Err(format!(
+            "{shown} is not a directory (a symlink is not followed)"
+        ));
+    }
+    if meta.uid() != nix::unistd::geteuid().as_raw() || meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "{shown} must be owned by the daemon's user and writable by no one else"
+        ));
+    }
+    let file = std::fs::File::open(dir).map_err(|e| format!("{shown}: {e}"))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|(_, e)| format!("{shown} is in use by another executor-arm ({e})"))
+}
+
+/// Removes every session directory under `dir` (a previous process's, at startup): real
+/// directories only, never through a symlink. Returns how many there were.
 pub fn reap(dir: &Path) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
@@ -434,7 +464,8 @@ pub fn reap(dir: &Path) -> usize {
     let mut n = 0;
     for e in entries.flatten() {
         let name = e.file_name();
-        if name.to_string_lossy().starts_with(super::ID_PREFIX) {
+        let real_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        if real_dir && name.to_string_lossy().starts_with(super::ID_PREFIX) {
             remove_session_dir(&e.path());
             n += 1;
         }
