@@ -125,6 +125,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         auth,
         executions,
         sessions,
+        file_calls: crate::api::sessions::file_calls(),
         audit,
         store,
         metrics,

@@ -869,3 +869,53 @@ async fn a_sessions_directory_is_one_daemons_alone() {
         assert_eq!(r.status, 503, "{}: {}", dir.display(), r.text);
     }
 }
+
+/// File transfers hold a file's bytes in memory: at most eight at once on a daemon, the ninth
+/// is 429 (here eight uploads whose bodies never come hold the places).
+#[tokio::test(flavor = "multi_thread")]
+async fn file_transfers_at_once_are_bounded() {
+    use tokio::io::AsyncWriteExt;
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    let mut held = Vec::new();
+    for i in 0..8 {
+        let mut s = tokio::net::TcpStream::connect(&d.addr).await.unwrap();
+        let req = format!(
+            "PUT /v1/sandbox/sessions/{id}/files/f{i} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Length: 100\r\n\r\n",
+            c.service
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        held.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let r = c
+        .call(
+            "PUT",
+            &format!("/v1/sandbox/sessions/{id}/files/x"),
+            Some(b"x".to_vec()),
+        )
+        .await;
+    assert_eq!(r.status, 429, "{}", r.text);
+    assert!(r.headers.get("retry-after").is_some());
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = c
+            .call(
+                "PUT",
+                &format!("/v1/sandbox/sessions/{id}/files/x"),
+                Some(b"x".to_vec()),
+            )
+            .await;
+        if r.status == 204 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the places were not given back: {}",
+            r.text
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

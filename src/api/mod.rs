@@ -44,6 +44,8 @@ pub struct AppState {
     pub executions: Arc<ExecutionService>,
     /// Sessions: sandboxes kept across execs.
     pub sessions: Arc<crate::sessions::SessionService>,
+    /// Session file transfers in progress (see `sessions::file_permit`).
+    pub file_calls: Arc<tokio::sync::Semaphore>,
     /// The audit log, the state store and the metrics the execution service shares.
     pub audit: Arc<AuditLog>,
     pub store: Arc<dyn StateStore>,

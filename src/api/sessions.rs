@@ -491,6 +491,7 @@ pub async fn put_file(
     let result = async {
         let (parts, body): (_, Body) = req.into_parts();
         let (session, ..) = session_in_use(&st, &parts.headers, rid, &id).await?;
+        let _permit = file_permit(&st)?;
         let bytes = read_body(
             body,
             &parts.headers,
@@ -506,6 +507,24 @@ pub async fn put_file(
     result.await.unwrap_or_else(|e| e.into_response())
 }
 
+/// File calls that may hold a file's bytes in memory at once (each up to
+/// `sessions.max_file_bytes`); one more is 429.
+const MAX_FILE_CALLS: usize = 8;
+
+/// A place among the file calls in progress, or 429.
+fn file_permit(st: &AppState) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+    st.file_calls.clone().try_acquire_owned().map_err(|_| {
+        ApiError::SessionLimit(format!(
+            "{MAX_FILE_CALLS} file transfers are in progress on this daemon"
+        ))
+    })
+}
+
+/// The semaphore [`file_permit`] takes from.
+pub fn file_calls() -> Arc<tokio::sync::Semaphore> {
+    Arc::new(tokio::sync::Semaphore::new(MAX_FILE_CALLS))
+}
+
 /// `GET /v1/sandbox/sessions/{id}/files/{path}`: the file's bytes.
 pub async fn get_file(
     State(st): State<Arc<AppState>>,
@@ -516,10 +535,16 @@ pub async fn get_file(
     let rid = rid.map(|r| r.0.0).unwrap_or_default();
     let result = async {
         let (session, ..) = session_in_use(&st, &headers, rid, &id).await?;
+        let permit = file_permit(&st)?;
         let max = st.config.sessions.max_file_bytes as u64;
         let bytes = tokio::task::spawn_blocking(move || session.workspace().read_file(&path, max))
             .await
             .map_err(|e| ApiError::Internal(e.to_string()))??;
+        // The permit goes with the bytes: a slow reader holds its place until it has them.
+        let body = futures::stream::once(async move {
+            let _held = permit;
+            Ok::<_, std::convert::Infallible>(bytes::Bytes::from(bytes))
+        });
         Ok::<_, ApiError>(
             (
                 StatusCode::OK,
@@ -527,7 +552,7 @@ pub async fn get_file(
                     header::CONTENT_TYPE,
                     HeaderValue::from_static("application/octet-stream"),
                 )],
-                bytes,
+                Body::from_stream(body),
             )
                 .into_response(),
         )
