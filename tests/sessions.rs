@@ -216,6 +216,14 @@ async fn files_go_in_and_out_and_never_outside() {
         )
         .await;
     assert_eq!(put.status, 204, "{}", put.text);
+    let line = d
+        .audit_lines()
+        .into_iter()
+        .find(|l| l["event"] == "session_file")
+        .expect("the upload's audit line");
+    assert_eq!(line["path"], "in/data.txt");
+    assert_eq!(line["bytes"], 8);
+    assert_eq!(line["session_id"], id.as_str());
     let r = c
         .exec(&id, json!({"code": "print(open('in/data.txt').read())\nopen('out.bin','wb').write(bytes(range(256))*4096)"}))
         .await;

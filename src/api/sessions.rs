@@ -490,7 +490,7 @@ pub async fn put_file(
     let rid = request_id(&req);
     let result = async {
         let (parts, body): (_, Body) = req.into_parts();
-        let (session, ..) = session_in_use(&st, &parts.headers, rid, &id).await?;
+        let (session, _, known) = session_in_use(&st, &parts.headers, rid, &id).await?;
         let _permit = file_permit(&st)?;
         let bytes = read_body(
             body,
@@ -499,9 +499,21 @@ pub async fn put_file(
             Duration::from_secs(st.config.server.body_read_timeout_seconds.max(60)),
         )
         .await?;
+        let line = crate::provenance::audit::AuditEvent::SessionFile(
+            crate::provenance::audit::SessionUpload {
+                request_id: known.request_id,
+                session_id: session.id.clone(),
+                owner: session.owner.subject.clone(),
+                tenant: session.owner.tenant.clone(),
+                path: path.clone(),
+                bytes: bytes.len() as u64,
+                sha256: sha256_prefixed(&bytes),
+            },
+        );
         tokio::task::spawn_blocking(move || session.workspace().write_file(&path, &bytes))
             .await
             .map_err(|e| ApiError::Internal(e.to_string()))??;
+        crate::execution::record::record(&st.audit, &st.metrics, &line);
         Ok::<_, ApiError>(StatusCode::NO_CONTENT.into_response())
     };
     result.await.unwrap_or_else(|e| e.into_response())

@@ -113,6 +113,8 @@ pub enum AuditEvent {
     SessionCreate(SessionOpened),
     /// A session ended: deleted, expired, or the daemon stopped.
     SessionEnd(SessionClosed),
+    /// A file was written into a session's workspace through the files API.
+    SessionFile(SessionUpload),
 }
 
 impl AuditEvent {
@@ -128,6 +130,7 @@ impl AuditEvent {
             AuditEvent::ExecutionCancel(_) => "execution_cancel",
             AuditEvent::SessionCreate(_) => "session_create",
             AuditEvent::SessionEnd(_) => "session_end",
+            AuditEvent::SessionFile(_) => "session_file",
         }
     }
 }
@@ -170,6 +173,18 @@ pub struct SessionOpened {
     pub backend: &'static str,
     pub profile: String,
     pub expires_at: String,
+}
+
+/// A file a caller put into a session's workspace: what later execs may run besides their code.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionUpload {
+    pub request_id: String,
+    pub session_id: String,
+    pub owner: String,
+    pub tenant: String,
+    pub path: String,
+    pub bytes: u64,
+    pub sha256: String,
 }
 
 /// Why a session ended.
