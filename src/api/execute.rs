@@ -124,8 +124,31 @@ impl ExecuteRequest {
 /// Where a caller may send the capability token instead of the body's `capability_token`.
 pub const CAPABILITY_TOKEN_HEADER: &str = "x-capability-token";
 
+/// The capability token a request carries, in its body or in [`CAPABILITY_TOKEN_HEADER`]: at
+/// most one of the two, and the header at most once (a proxy in front may have checked the
+/// other copy).
+pub(super) fn capability_token<'a>(
+    in_body: Option<&'a str>,
+    headers: &'a HeaderMap,
+) -> Result<Option<&'a str>, ApiError> {
+    let mut header_tokens = headers.get_all(CAPABILITY_TOKEN_HEADER).iter();
+    let header_token = header_tokens.next().map(|v| v.to_str().unwrap_or_default());
+    if header_tokens.next().is_some() {
+        return Err(ApiError::InvalidRequest(format!(
+            "{CAPABILITY_TOKEN_HEADER} is given more than once"
+        )));
+    }
+    match (in_body, header_token) {
+        (Some(_), Some(_)) => Err(ApiError::InvalidRequest(format!(
+            "the capability token is given twice: in the body and in {CAPABILITY_TOKEN_HEADER}"
+        ))),
+        (Some(t), None) | (None, Some(t)) => Ok(Some(t)),
+        (None, None) => Ok(None),
+    }
+}
+
 /// Counts and audits a 401 (see [`record::refusal`]); the answer is always the same body.
-fn unauthorized(st: &AppState, known: &KnownRequest, reason: &str) -> ApiError {
+pub(super) fn unauthorized(st: &AppState, known: &KnownRequest, reason: &str) -> ApiError {
     record::refusal(
         &st.audit,
         &st.metrics,
@@ -457,22 +480,8 @@ async fn handle(
     }
 
     // What this call may do.
-    let mut header_tokens = headers.get_all(CAPABILITY_TOKEN_HEADER).iter();
-    let header_token = header_tokens.next().map(|v| v.to_str().unwrap_or_default());
-    if header_tokens.next().is_some() {
-        // Two copies: a proxy in front may have checked the other one.
-        return Err(ApiError::InvalidRequest(format!(
-            "{CAPABILITY_TOKEN_HEADER} is given more than once"
-        )));
-    }
-    let token = match (req.capability_token.as_deref(), header_token) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::InvalidRequest(format!(
-                "the capability token is given twice: in the body and in {CAPABILITY_TOKEN_HEADER}"
-            )));
-        }
-        (Some(t), None) | (None, Some(t)) => t,
-        (None, None) => return Err(unauthorized(st, known, "missing capability token")),
+    let Some(token) = capability_token(req.capability_token.as_deref(), headers)? else {
+        return Err(unauthorized(st, known, "missing capability token"));
     };
     let cap = st
         .auth

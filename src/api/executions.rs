@@ -43,7 +43,7 @@ async fn caller(
     Ok((owner_of(service.subject.as_deref()), known))
 }
 
-fn request_id(req: &Request) -> String {
+pub(super) fn request_id(req: &Request) -> String {
     req.extensions()
         .get::<RequestId>()
         .map(|r| r.0.clone())

@@ -21,8 +21,10 @@ use serde_json::Value;
 
 use super::error::ApiError;
 use super::execute::{
-    CAPABILITY_TOKEN_HEADER, Job, Mode, Prepared, calling_service, detached, read_body, serve,
+    Job, Mode, Prepared, calling_service, capability_token, detached, read_body, serve,
+    unauthorized,
 };
+use super::executions::request_id;
 use super::{AppState, RequestId, executions};
 use crate::config::TokenKind;
 use crate::execution::record::KnownRequest;
@@ -55,13 +57,6 @@ impl From<FileError> for ApiError {
             FileError::Io(m) => ApiError::Internal(m),
         }
     }
-}
-
-fn request_id(req: &Request) -> String {
-    req.extensions()
-        .get::<RequestId>()
-        .map(|r| r.0.clone())
-        .unwrap_or_default()
 }
 
 /// The tenant a call names: "" without one; both headers must agree.
@@ -109,34 +104,44 @@ async fn caller(
     Ok((owner, service, known))
 }
 
+/// How a call touches its session: reading it leaves its idle time running; an exec or a file
+/// call starts it again.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Touch {
+    Read,
+    Use,
+}
+
 /// The caller's session `id`, or 404.
 async fn session_of(
     st: &AppState,
     headers: &HeaderMap,
     rid: String,
     id: &str,
-) -> Result<(Arc<Session>, Owner, crate::auth::Verified, KnownRequest), ApiError> {
+    touch: Touch,
+) -> Result<(Arc<Session>, crate::auth::Verified, KnownRequest), ApiError> {
     let (owner, service, known) = caller(st, headers, rid).await?;
-    let session = st
-        .sessions
-        .get(&owner, id)
-        .ok_or(ApiError::SessionNotFound)?;
-    Ok((session, owner, service, known))
+    let session = match touch {
+        Touch::Read => st.sessions.get(&owner, id),
+        Touch::Use => st.sessions.use_session(&owner, id),
+    };
+    Ok((session.ok_or(ApiError::SessionNotFound)?, service, known))
 }
 
-/// The caller's session `id` for an exec or a file call (its idle time starts again), or 404.
-async fn session_in_use(
+/// The caller's exec `exec_id` of its session `id`, as the run routes take it: the owner of the
+/// session's runs and what refusals tell. An exec of another session is 404.
+async fn session_exec(
     st: &AppState,
     headers: &HeaderMap,
     rid: String,
     id: &str,
-) -> Result<(Arc<Session>, crate::auth::Verified, KnownRequest), ApiError> {
-    let (owner, service, known) = caller(st, headers, rid).await?;
-    let session = st
-        .sessions
-        .use_session(&owner, id)
-        .ok_or(ApiError::SessionNotFound)?;
-    Ok((session, service, known))
+    exec_id: &str,
+) -> Result<(String, KnownRequest), ApiError> {
+    let (session, _, known) = session_of(st, headers, rid, id, Touch::Read).await?;
+    if !session.ran(exec_id) {
+        return Err(ApiError::ExecutionNotFound);
+    }
+    Ok((session.owner.runs(), known))
 }
 
 fn json(status: StatusCode, body: Value) -> Response {
@@ -187,24 +192,12 @@ async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Respon
     .await?;
     let asked: CreateBody = serde_json::from_slice(&raw)
         .map_err(|e| ApiError::InvalidRequest(format!("invalid session request: {e}")))?;
-    let header_token = parts
-        .headers
-        .get(CAPABILITY_TOKEN_HEADER)
-        .map(|v| v.to_str().unwrap_or_default().to_string());
-    let token = match (asked.capability_token, header_token) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::InvalidRequest(format!(
-                "the capability token is given twice: in the body and in {CAPABILITY_TOKEN_HEADER}"
-            )));
-        }
-        (Some(t), None) | (None, Some(t)) => Some(t),
-        (None, None) => None,
-    };
+    let token = capability_token(asked.capability_token.as_deref(), &parts.headers)?;
     let grant = match token {
         Some(t) => {
             let cap = st
                 .auth
-                .verify(&t, TokenKind::Capability)
+                .verify(t, TokenKind::Capability)
                 .map_err(|e| unauthorized(st, &known, &format!("capability token: {e}")))?;
             known.token_id = cap.token_id.clone();
             // A single-use token is used up by the session service once the session can be made.
@@ -239,17 +232,6 @@ async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Respon
     Ok(resp)
 }
 
-fn unauthorized(st: &AppState, known: &KnownRequest, reason: &str) -> ApiError {
-    crate::execution::record::refusal(
-        &st.audit,
-        &st.metrics,
-        known,
-        crate::execution::record::RefusalKind::Unauthorized,
-        reason,
-    );
-    ApiError::Unauthorized
-}
-
 /// `GET /v1/sandbox/sessions/{id}`.
 pub async fn get(
     State(st): State<Arc<AppState>>,
@@ -258,7 +240,7 @@ pub async fn get(
     rid: Option<axum::Extension<RequestId>>,
 ) -> Response {
     let rid = rid.map(|r| r.0.0).unwrap_or_default();
-    match session_of(&st, &headers, rid, &id).await {
+    match session_of(&st, &headers, rid, &id, Touch::Read).await {
         Ok((s, ..)) => json(StatusCode::OK, s.describe()),
         Err(e) => e.into_response(),
     }
@@ -334,7 +316,7 @@ async fn exec_inner(
         return Err(ApiError::ShuttingDown);
     }
     let (parts, body) = req.into_parts();
-    let (session, service, known) = session_in_use(st, &parts.headers, rid, id).await?;
+    let (session, service, known) = session_of(st, &parts.headers, rid, id, Touch::Use).await?;
     let raw = read_body(
         body,
         &parts.headers,
@@ -440,13 +422,10 @@ pub async fn exec_get(
     Path((id, exec_id)): Path<(String, String)>,
     req: Request,
 ) -> Response {
-    match session_of(&st, req.headers(), request_id(&req), &id).await {
-        Ok((session, ..)) if session.ran(&exec_id) => {
-            executions::get_owned(&st, &exec_id, &session.owner.runs())
-                .await
-                .unwrap_or_else(|e| e.into_response())
-        }
-        Ok(_) => ApiError::ExecutionNotFound.into_response(),
+    match session_exec(&st, &req.headers().clone(), request_id(&req), &id, &exec_id).await {
+        Ok((owner, _)) => executions::get_owned(&st, &exec_id, &owner)
+            .await
+            .unwrap_or_else(|e| e.into_response()),
         Err(e) => e.into_response(),
     }
 }
@@ -456,12 +435,8 @@ pub async fn exec_stream(
     Path((id, exec_id)): Path<(String, String)>,
     req: Request,
 ) -> Response {
-    match session_of(&st, req.headers(), request_id(&req), &id).await {
-        Ok((session, _, _, known)) if session.ran(&exec_id) => {
-            let who = (session.owner.runs(), known);
-            executions::stream_owned(st, exec_id, req, who).await
-        }
-        Ok(_) => ApiError::ExecutionNotFound.into_response(),
+    match session_exec(&st, &req.headers().clone(), request_id(&req), &id, &exec_id).await {
+        Ok(who) => executions::stream_owned(st, exec_id, req, who).await,
         Err(e) => e.into_response(),
     }
 }
@@ -471,12 +446,8 @@ pub async fn exec_cancel(
     Path((id, exec_id)): Path<(String, String)>,
     req: Request,
 ) -> Response {
-    match session_of(&st, req.headers(), request_id(&req), &id).await {
-        Ok((session, _, _, known)) if session.ran(&exec_id) => {
-            let who = (session.owner.runs(), known);
-            executions::cancel_owned(&st, &exec_id, req, who).await
-        }
-        Ok(_) => ApiError::ExecutionNotFound.into_response(),
+    match session_exec(&st, &req.headers().clone(), request_id(&req), &id, &exec_id).await {
+        Ok(who) => executions::cancel_owned(&st, &exec_id, req, who).await,
         Err(e) => e.into_response(),
     }
 }
@@ -490,7 +461,7 @@ pub async fn put_file(
     let rid = request_id(&req);
     let result = async {
         let (parts, body): (_, Body) = req.into_parts();
-        let (session, _, known) = session_in_use(&st, &parts.headers, rid, &id).await?;
+        let (session, _, known) = session_of(&st, &parts.headers, rid, &id, Touch::Use).await?;
         let _permit = file_permit(&st)?;
         let bytes = read_body(
             body,
@@ -546,7 +517,7 @@ pub async fn get_file(
 ) -> Response {
     let rid = rid.map(|r| r.0.0).unwrap_or_default();
     let result = async {
-        let (session, ..) = session_in_use(&st, &headers, rid, &id).await?;
+        let (session, ..) = session_of(&st, &headers, rid, &id, Touch::Use).await?;
         let permit = file_permit(&st)?;
         let max = st.config.sessions.max_file_bytes as u64;
         let bytes = tokio::task::spawn_blocking(move || session.workspace().read_file(&path, max))
@@ -589,7 +560,7 @@ pub async fn list_files(
 ) -> Response {
     let rid = rid.map(|r| r.0.0).unwrap_or_default();
     let result = async {
-        let (session, ..) = session_in_use(&st, &headers, rid, &id).await?;
+        let (session, ..) = session_of(&st, &headers, rid, &id, Touch::Use).await?;
         let path = q.path.clone();
         let entries = tokio::task::spawn_blocking(move || session.workspace().list(&path))
             .await
