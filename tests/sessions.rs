@@ -6,78 +6,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Opts, Resp};
+use common::sessions::{SandboxClient, koder, new_session};
+use common::{Daemon, Opts};
 use executor_arm::auth::MintRequest;
 use executor_arm::config::TokenKind;
 use serde_json::{Value, json};
-
-/// A client written from the two calls of the sessions contract alone, in the shape of a
-/// workflow engine's HTTP sandbox client: service-account bearer, tenant header, JSON bodies.
-struct SandboxClient<'a> {
-    d: &'a Daemon,
-    service: String,
-    tenant: Option<&'a str>,
-}
-
-impl SandboxClient<'_> {
-    fn headers(&self) -> Vec<(String, String)> {
-        let mut h = vec![("authorization".into(), format!("Bearer {}", self.service))];
-        if let Some(t) = self.tenant {
-            h.push(("x-koder-tenant".into(), t.into()));
-        }
-        h
-    }
-
-    async fn call(&self, method: &str, path: &str, body: Option<Vec<u8>>) -> Resp {
-        let url = format!("{}{path}", self.d.base);
-        let mut rb = match method {
-            "GET" => self.d.client.get(url),
-            "PUT" => self.d.client.put(url),
-            "DELETE" => self.d.client.delete(url),
-            _ => self.d.client.post(url),
-        };
-        for (k, v) in self.headers() {
-            rb = rb.header(k, v);
-        }
-        if let Some(b) = body {
-            rb = rb.header("content-type", "application/json").body(b);
-        }
-        Daemon::read(rb.send().await.expect("request")).await
-    }
-
-    async fn create(&self, body: Value) -> Resp {
-        self.call(
-            "POST",
-            "/v1/sandbox/sessions",
-            Some(body.to_string().into_bytes()),
-        )
-        .await
-    }
-
-    async fn exec(&self, id: &str, body: Value) -> Resp {
-        let path = format!("/v1/sandbox/sessions/{id}/exec");
-        self.call("POST", &path, Some(body.to_string().into_bytes()))
-            .await
-    }
-}
-
-/// Sessions with the capability token travelling in the creation body.
-fn koder<'a>(d: &'a Daemon, tenant: Option<&'a str>) -> SandboxClient<'a> {
-    SandboxClient {
-        d,
-        service: d.service_token(),
-        tenant,
-    }
-}
-
-async fn new_session(c: &SandboxClient<'_>, language: &str) -> String {
-    let r = c
-        .create(json!({"language": language, "capability_token": c.d.cap_all()}))
-        .await;
-    assert_eq!(r.status, 201, "{}", r.text);
-    assert_eq!(r.json["language"], language);
-    r.json["id"].as_str().expect("id").to_string()
-}
 
 /// The seed's two calls: create a python session, run code, read every ExecResponse field, and
 /// reuse the session for a second exec that reads what the first wrote. Then bash does the same.

@@ -54,6 +54,7 @@ impl From<FileError> for ApiError {
             FileError::NotFound(p) => ApiError::FileNotFound(p),
             FileError::TooLarge { .. } => ApiError::FileTooLarge(e.to_string()),
             FileError::NoSpace => ApiError::WorkspaceFull,
+            FileError::Busy(_) => ApiError::SessionBusy(e.to_string()),
             FileError::Io(m) => ApiError::Internal(m),
         }
     }
@@ -481,9 +482,7 @@ pub async fn put_file(
                 sha256: sha256_prefixed(&bytes),
             },
         );
-        tokio::task::spawn_blocking(move || session.workspace().write_file(&path, &bytes))
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))??;
+        session.write_file(&path, bytes.to_vec()).await?;
         crate::execution::record::record(&st.audit, &st.metrics, &line);
         Ok::<_, ApiError>(StatusCode::NO_CONTENT.into_response())
     };
@@ -520,9 +519,7 @@ pub async fn get_file(
         let (session, ..) = session_of(&st, &headers, rid, &id, Touch::Use).await?;
         let permit = file_permit(&st)?;
         let max = st.config.sessions.max_file_bytes as u64;
-        let bytes = tokio::task::spawn_blocking(move || session.workspace().read_file(&path, max))
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))??;
+        let bytes = session.read_file(&path, max).await?;
         // The permit goes with the bytes: a slow reader holds its place until it has them.
         let body = futures::stream::once(async move {
             let _held = permit;
@@ -562,9 +559,7 @@ pub async fn list_files(
     let result = async {
         let (session, ..) = session_of(&st, &headers, rid, &id, Touch::Use).await?;
         let path = q.path.clone();
-        let entries = tokio::task::spawn_blocking(move || session.workspace().list(&path))
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))??;
+        let entries = session.list(&path).await?;
         Ok::<_, ApiError>(json(
             StatusCode::OK,
             serde_json::json!({"path": q.path, "entries": entries}),

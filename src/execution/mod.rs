@@ -45,8 +45,10 @@ use crate::policy::profile::NetworkMode;
 use crate::policy::{ActionType, Ask, Plan, Policy, PolicyError};
 use crate::provenance::audit::{self, AuditLog, RunEnd};
 use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
+use crate::sandbox::files::Kept;
 use crate::sandbox::{
-    BackendKind, KilledReason, OutputTap, RunOutcome, RunSpec, Sandbox, SandboxError, Stop,
+    BackendKind, ExecCode, KilledReason, OutputTap, RunOutcome, RunSpec, Sandbox, SandboxError,
+    Stop,
 };
 use crate::state::{IdemKey, JtiClaim, StateError, StateStore, StoredExecution, StoredResponse};
 
@@ -93,10 +95,8 @@ pub struct ExecutionRequest {
 pub struct SessionExec {
     pub session_id: String,
     pub language: Arc<Language>,
-    /// The session's workspace on the host, bound at [`WORKSPACE`].
-    pub workspace: PathBuf,
-    /// The host file holding the exec's code, bound read-only at the language's code path.
-    pub code_file: PathBuf,
+    /// Where the session's workspace is and how the exec's code gets there.
+    pub place: SessionPlace,
     /// `sha256:<hex>` of the code.
     pub code_sha256: String,
     /// Where the code starts, inside [`WORKSPACE`].
@@ -105,6 +105,22 @@ pub struct SessionExec {
     pub limits: SessionLimits,
     /// The exec's deadline to the millisecond (`timeout_ms`), within what the policy allows.
     pub timeout: Option<Duration>,
+}
+
+/// Where a session's exec runs.
+#[derive(Debug, Clone)]
+pub enum SessionPlace {
+    /// Local: a fresh sandbox with the session's host `workspace` bound at [`WORKSPACE`] and the
+    /// host `code_file` bound read-only at the language's code path.
+    Host {
+        workspace: PathBuf,
+        code_file: PathBuf,
+    },
+    /// Docker/gVisor: the session's kept sandbox, which writes `code` at the language's path.
+    Kept {
+        sandbox: Arc<dyn Kept>,
+        code: Arc<[u8]>,
+    },
 }
 
 /// Where a session's workspace appears inside its sandbox.
@@ -426,6 +442,32 @@ impl ExecutionService {
 
     pub fn backends(&self) -> &BTreeMap<BackendKind, Arc<dyn Sandbox>> {
         &self.backends
+    }
+
+    /// Opens the sandbox a session keeps for its life on the backends that keep one (docker,
+    /// gVisor: one container), shaped as the session's execs will run: `req` is an exec of the
+    /// session, decided here (as [`Self::plan`]) but neither admitted nor run. `None` on the
+    /// local backend, whose execs each get a fresh sandbox bound to the session's workspace.
+    pub async fn keep(
+        &self,
+        req: &ExecutionRequest,
+        session_id: &str,
+    ) -> Result<Option<Arc<dyn Kept>>, ExecutionError> {
+        let (plan, external) = self.decide(req)?;
+        let backend = self.backends.get(&plan.backend).cloned().ok_or_else(|| {
+            ExecutionError::Unavailable(format!(
+                "backend {} is not configured on this daemon",
+                plan.backend.as_str()
+            ))
+        })?;
+        let (mut spec, _) = self.run_spec(session_id, &plan, req, external.as_ref());
+        // A kept sandbox has its workspace inside and gets each exec's code with the exec.
+        spec.fs.workspace = None;
+        spec.fs.extra_files.clear();
+        backend.keep(&spec, session_id).await.map_err(|e| match e {
+            SandboxError::Unavailable(m) => ExecutionError::Unavailable(m),
+            other => ExecutionError::Internal(format!("{session_id}: {other}")),
+        })
     }
 
     /// Refuses (503) the requests waiting for a run slot and every request that comes for one
@@ -844,10 +886,26 @@ impl ExecutionService {
         }
         if let Some(s) = &req.session {
             spec.fs.workdir = PathBuf::from(WORKSPACE);
-            spec.fs.workspace = Some(s.workspace.clone());
             spec.fs.cwd = Some(s.cwd.clone());
-            spec.fs.extra_files = vec![(s.code_file.clone(), s.language.code_path())];
             spec.env.insert("HOME".into(), WORKSPACE.into());
+            match &s.place {
+                // A fresh sandbox bound to the session's host workspace, the code bound in.
+                SessionPlace::Host {
+                    workspace,
+                    code_file,
+                } => {
+                    spec.fs.workspace = Some(workspace.clone());
+                    spec.fs.extra_files = vec![(code_file.clone(), s.language.code_path())];
+                }
+                // The session's own sandbox, which writes the code where the interpreter reads it.
+                SessionPlace::Kept { sandbox, code } => {
+                    spec.kept = Some(sandbox.clone());
+                    spec.code = Some(ExecCode {
+                        path: s.language.code_path(),
+                        bytes: code.clone(),
+                    });
+                }
+            }
         }
         let mut decides = json!({
             "action_type": req.action.as_str(),

@@ -136,6 +136,8 @@ impl Plan {
             profile: p.name.clone(),
             stop: None,
             output_tap: None,
+            kept: None,
+            code: None,
         }
     }
 }

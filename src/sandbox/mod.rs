@@ -7,6 +7,7 @@
 
 pub mod capture;
 pub mod docker;
+pub mod files;
 pub mod local;
 pub mod probe;
 pub mod run;
@@ -163,6 +164,19 @@ pub struct RunSpec {
     pub stop: Option<tokio::sync::watch::Receiver<Option<Stop>>>,
     /// Handed every chunk of output the run keeps, as it arrives (live streaming).
     pub output_tap: Option<OutputTap>,
+    /// The session's kept sandbox this run goes into, instead of a fresh one (docker/gVisor
+    /// sessions; see [`Sandbox::keep`]).
+    pub kept: Option<std::sync::Arc<dyn files::Kept>>,
+    /// A session exec's code, for a kept sandbox to write at its path before the run (the local
+    /// backend binds a host file through `fs.extra_files` instead).
+    pub code: Option<ExecCode>,
+}
+
+/// The code of a session's exec and where the interpreter finds it.
+#[derive(Debug, Clone)]
+pub struct ExecCode {
+    pub path: PathBuf,
+    pub bytes: std::sync::Arc<[u8]>,
 }
 
 /// One of a run's output streams.
@@ -374,6 +388,18 @@ pub trait Sandbox: Send + Sync {
     /// Runs `spec` to an outcome. Must leave nothing behind, whatever happens, including when the
     /// returned future is dropped.
     async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError>;
+
+    /// Opens a sandbox kept for session `session_id`, shaped like `spec`'s (profile, limits, user,
+    /// workdir; its argv is not run): later runs whose [`RunSpec::kept`] is it run inside it.
+    /// `None`: this backend keeps no sandbox (local: each exec gets a fresh sandbox bound to the
+    /// session's host workspace).
+    async fn keep(
+        &self,
+        _spec: &RunSpec,
+        _session_id: &str,
+    ) -> Result<Option<std::sync::Arc<dyn files::Kept>>, SandboxError> {
+        Ok(None)
+    }
 }
 
 /// A run spec for unit tests of the backends: `argv` as given, the default profile's limits,
@@ -410,6 +436,8 @@ pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {
         profile: "test".into(),
         stop: None,
         output_tap: None,
+        kept: None,
+        code: None,
     }
 }
 

@@ -20,14 +20,15 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
-use self::workspace::Workspace;
+use self::workspace::{Entry, FileError, Workspace, relative};
 use crate::auth::Verified;
 use crate::config::SessionsConfig;
 use crate::execution::runs::LiveRun;
 use crate::execution::{
     ExecutionError, ExecutionRequest, ExecutionService, ExternalParts, SessionExec, SessionLimits,
-    WORKSPACE,
+    SessionPlace, WORKSPACE,
 };
+use crate::sandbox::files::Kept;
 use crate::policy::language::Language;
 use crate::provenance::audit::{self, AuditEvent};
 use crate::sandbox::BackendKind;
@@ -124,13 +125,30 @@ pub struct Session {
     pub idle_timeout: Duration,
     deadline: Instant,
     grant: Verified,
-    workspace: Workspace,
+    place: Place,
     last_used: Mutex<Instant>,
     activity: Mutex<Activity>,
     execs: std::sync::atomic::AtomicU64,
     /// The exec ids this session ran, newest last (at most [`EXECS_KEPT`]): its exec routes
     /// serve these only.
     ran: Mutex<std::collections::VecDeque<String>>,
+}
+
+/// Where a session's workspace lives.
+enum Place {
+    /// Local: a tmpfs on the host, bound into each exec's fresh sandbox.
+    Host(Arc<Workspace>),
+    /// Docker/gVisor: inside the session's kept container.
+    Kept(Arc<dyn Kept>),
+}
+
+/// Runs a blocking file call off the async threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, FileError> + Send + 'static,
+) -> Result<T, FileError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| FileError::Io(e.to_string()))?
 }
 
 /// How many exec ids a session remembers for its exec routes.
@@ -158,8 +176,79 @@ impl Session {
             .any(|e| e == exec_id)
     }
 
-    pub fn workspace(&self) -> &Workspace {
-        &self.workspace
+    /// Why the session's sandbox can no longer run anything (a kept container died).
+    pub fn sandbox_gone(&self) -> Option<String> {
+        match &self.place {
+            Place::Host(_) => None,
+            Place::Kept(k) => k.gone(),
+        }
+    }
+
+    /// Writes an uploaded file into the workspace (see [`Workspace::write_file`]).
+    pub async fn write_file(&self, rel: &str, bytes: Vec<u8>) -> Result<(), FileError> {
+        match &self.place {
+            Place::Host(w) => {
+                let (w, rel) = (w.clone(), rel.to_string());
+                blocking(move || w.write_file(&rel, &bytes)).await
+            }
+            Place::Kept(k) => {
+                relative(rel)?;
+                k.write_file(rel, bytes).await
+            }
+        }
+    }
+
+    /// The bytes of a workspace file, at most `max` (see [`Workspace::read_file`]).
+    pub async fn read_file(&self, rel: &str, max: u64) -> Result<Vec<u8>, FileError> {
+        match &self.place {
+            Place::Host(w) => {
+                let (w, rel) = (w.clone(), rel.to_string());
+                blocking(move || w.read_file(&rel, max)).await
+            }
+            Place::Kept(k) => {
+                relative(rel)?;
+                k.read_file(rel, max).await
+            }
+        }
+    }
+
+    /// A workspace directory's entries ("" is the workspace; see [`Workspace::list`]).
+    pub async fn list(&self, rel: &str) -> Result<Vec<Entry>, FileError> {
+        match &self.place {
+            Place::Host(w) => {
+                let (w, rel) = (w.clone(), rel.to_string());
+                blocking(move || w.list(&rel)).await
+            }
+            Place::Kept(k) => {
+                if !rel.is_empty() {
+                    relative(rel)?;
+                }
+                k.list(rel).await
+            }
+        }
+    }
+
+    /// An exec's `cwd` as its sandbox sees it: relative to the workspace, or absolute inside
+    /// [`WORKSPACE`], naming an existing directory reached through directories only.
+    async fn cwd(&self, cwd: &str) -> Result<PathBuf, FileError> {
+        let inside = std::path::Path::new(WORKSPACE);
+        match &self.place {
+            Place::Host(w) => {
+                let (w, cwd) = (w.clone(), cwd.to_string());
+                blocking(move || w.cwd(&cwd, std::path::Path::new(WORKSPACE))).await
+            }
+            Place::Kept(k) => {
+                let rel = crate::sandbox::files::cwd_relative(cwd, inside)?;
+                let rel_str = rel.to_string_lossy().into_owned();
+                k.is_dir(&rel_str).await.map_err(|e| match e {
+                    FileError::NotFound(p) => {
+                        FileError::InvalidPath(format!("cwd {p} does not exist"))
+                    }
+                    other => other,
+                })?;
+                Ok(inside.join(rel))
+            }
+        }
     }
 
     /// The session as its API shows it.
@@ -358,8 +447,10 @@ impl SessionService {
                 profile: new.profile.clone(),
                 limits: new.limits,
                 grant: new.grant.clone(),
-                workspace: PathBuf::new(),
-                code_file: PathBuf::new(),
+                place: SessionPlace::Host {
+                    workspace: PathBuf::new(),
+                    code_file: PathBuf::new(),
+                },
                 code_sha256: String::new(),
                 cwd: WORKSPACE.into(),
             },
@@ -372,13 +463,14 @@ impl SessionService {
         );
         let plan = self.executions.plan(&probe)?;
         check_limits(&new.limits, &plan)?;
-        if plan.backend != BackendKind::Local {
-            return Err(ExecutionError::Unavailable(format!(
-                "sessions run on the local backend only; profile '{}' runs on {}",
+        if plan.backend != BackendKind::Local
+            && plan.profile.network.mode == crate::policy::profile::NetworkMode::Egress
+        {
+            return Err(SessionError::Invalid(format!(
+                "profile '{}' has network egress, which sessions on {} do not offer; use a profile without network",
                 plan.profile.name,
                 plan.backend.as_str()
-            ))
-            .into());
+            )));
         }
         {
             let sessions = self.lock();
@@ -395,15 +487,30 @@ impl SessionService {
                 )));
             }
         }
-        let (dir, session_id) = (self.config.dir.clone(), id.clone());
-        let disk = plan.limits.disk_bytes;
-        let (uid, gid) = (plan.profile.user.uid, plan.profile.user.gid);
-        let workspace = tokio::task::spawn_blocking(move || {
-            Workspace::create(&dir, &session_id, disk, uid, gid)
-        })
-        .await
-        .map_err(|e| ExecutionError::Internal(e.to_string()))?
-        .map_err(ExecutionError::Unavailable)?;
+        let place = if plan.backend == BackendKind::Local {
+            let (dir, session_id) = (self.config.dir.clone(), id.clone());
+            let disk = plan.limits.disk_bytes;
+            let (uid, gid) = (plan.profile.user.uid, plan.profile.user.gid);
+            let workspace = tokio::task::spawn_blocking(move || {
+                Workspace::create(&dir, &session_id, disk, uid, gid)
+            })
+            .await
+            .map_err(|e| ExecutionError::Internal(e.to_string()))?
+            .map_err(ExecutionError::Unavailable)?;
+            Place::Host(Arc::new(workspace))
+        } else {
+            // The container every exec of the session runs in, from the warm pool.
+            match self.executions.keep(&probe, &id).await? {
+                Some(kept) => Place::Kept(kept),
+                None => {
+                    return Err(ExecutionError::Internal(format!(
+                        "backend {} kept no sandbox for the session",
+                        plan.backend.as_str()
+                    ))
+                    .into());
+                }
+            }
+        };
         let now = chrono::Utc::now();
         let session = Arc::new(Session {
             id: id.clone(),
@@ -420,7 +527,7 @@ impl SessionService {
                 single_use: None,
                 ..new.grant.clone()
             },
-            workspace,
+            place,
             last_used: Mutex::new(Instant::now()),
             activity: Mutex::new(Activity::Idle),
             execs: Default::default(),
@@ -546,41 +653,51 @@ impl SessionService {
     ) -> Result<(ExecutionRequest, CodeFile), SessionError> {
         let cwd = match parts.cwd.as_deref() {
             None | Some("") => PathBuf::from(WORKSPACE),
-            Some(c) => {
-                let s = session.clone();
-                let c = c.to_string();
-                tokio::task::spawn_blocking(move || {
-                    s.workspace.cwd(&c, std::path::Path::new(WORKSPACE))
-                })
+            Some(c) => session
+                .cwd(c)
                 .await
-                .map_err(|e| ExecutionError::Internal(e.to_string()))?
-                .map_err(|e| SessionError::Invalid(e.to_string()))?
-            }
+                .map_err(|e| SessionError::Invalid(e.to_string()))?,
         };
-        let key = uuid::Uuid::new_v4().simple().to_string();
-        let code_file = session
-            .workspace
-            .write_code(
-                &format!("{key}.{}", session.language.file),
-                parts.code.as_bytes(),
-            )
-            .map_err(ExecutionError::Unavailable)?;
         let code_sha256 = format!(
             "sha256:{}",
             hex::encode(Sha256::digest(parts.code.as_bytes()))
         );
+        let (place, code_file) = match &session.place {
+            Place::Host(w) => {
+                let key = uuid::Uuid::new_v4().simple().to_string();
+                let code_file = w
+                    .write_code(
+                        &format!("{key}.{}", session.language.file),
+                        parts.code.as_bytes(),
+                    )
+                    .map_err(ExecutionError::Unavailable)?;
+                (
+                    SessionPlace::Host {
+                        workspace: w.host_dir(),
+                        code_file: code_file.clone(),
+                    },
+                    CodeFile(Some(code_file)),
+                )
+            }
+            Place::Kept(k) => (
+                SessionPlace::Kept {
+                    sandbox: k.clone(),
+                    code: Arc::from(parts.code.as_bytes()),
+                },
+                CodeFile(None),
+            ),
+        };
         let binding = Binding {
             session_id: session.id.clone(),
             language: session.language.clone(),
             profile: Some(session.profile.clone()),
             limits: session.limits,
             grant: session.grant.clone(),
-            workspace: session.workspace.host_dir(),
-            code_file: code_file.clone(),
+            place,
             code_sha256,
             cwd,
         };
-        Ok((request(binding, parts), CodeFile(code_file)))
+        Ok((request(binding, parts), code_file))
     }
 
     /// Deletes `owner`'s session `id`: its exec is killed, its directory removed. False when
@@ -625,8 +742,13 @@ impl SessionService {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let s = session.clone();
-        let _ = tokio::task::spawn_blocking(move || s.workspace.destroy()).await;
+        match &session.place {
+            Place::Host(w) => {
+                let w = w.clone();
+                let _ = tokio::task::spawn_blocking(move || w.destroy()).await;
+            }
+            Place::Kept(k) => k.close().await,
+        }
         if let Err(e) = self.executions.store().session_remove(id).await {
             tracing::warn!(session_id = id, error = %e, "session record not removed (it expires with the session's TTL)");
         }
@@ -674,8 +796,7 @@ struct Binding {
     profile: Option<String>,
     limits: SessionLimits,
     grant: Verified,
-    workspace: PathBuf,
-    code_file: PathBuf,
+    place: SessionPlace,
     code_sha256: String,
     cwd: PathBuf,
 }
@@ -704,8 +825,7 @@ fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
         session: Some(SessionExec {
             session_id: b.session_id,
             language: b.language,
-            workspace: b.workspace,
-            code_file: b.code_file,
+            place: b.place,
             code_sha256: b.code_sha256,
             cwd: b.cwd,
             limits: b.limits,
@@ -714,13 +834,15 @@ fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
     }
 }
 
-/// An exec's code file; removed when dropped (the exec has its own bind of it by then, or never
-/// started).
-pub struct CodeFile(PathBuf);
+/// An exec's code file on the host (local sessions); removed when dropped (the exec has its own
+/// bind of it by then, or never started).
+pub struct CodeFile(Option<PathBuf>);
 
 impl Drop for CodeFile {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
     }
 }
 

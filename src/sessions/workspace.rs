@@ -13,7 +13,7 @@
 
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
@@ -21,42 +21,14 @@ use nix::mount::{MntFlags, MsFlags};
 use nix::sys::stat::{FileStat, Mode, SFlag};
 use nix::unistd::{Gid, Uid};
 
+pub use crate::sandbox::files::{Entry, FileError, relative};
+
 /// The workspace's mount point under a session's directory.
 const WORKSPACE_DIR: &str = "workspace";
 /// Where exec code files are kept, outside the workspace.
 const CODE_DIR: &str = "code";
 /// Files and directories a workspace may hold (the tmpfs's inode limit).
 const MAX_INODES: u64 = 16384;
-
-/// Why a file call failed.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum FileError {
-    /// The path itself is not acceptable (400).
-    #[error("{0}")]
-    InvalidPath(String),
-    #[error("no such file or directory: {0}")]
-    NotFound(String),
-    /// A symlink, a directory where a file was asked for, a FIFO... (400).
-    #[error("{0}")]
-    NotAFile(String),
-    #[error("{path} is {size} bytes, above sessions.max_file_bytes ({max})")]
-    TooLarge { path: String, size: u64, max: u64 },
-    /// The workspace's quota is used up (507).
-    #[error("the session's workspace is full (its disk quota or inode limit is reached)")]
-    NoSpace,
-    #[error("{0}")]
-    Io(String),
-}
-
-/// One entry of a directory listing.
-#[derive(Debug, Clone, serde::Serialize, PartialEq, Eq)]
-pub struct Entry {
-    pub name: String,
-    /// `file`, `dir`, `symlink` or `other`.
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub size: u64,
-}
 
 /// A session's directory: `<dir>/<session id>/{workspace,code}`.
 #[derive(Debug)]
@@ -198,21 +170,7 @@ impl Workspace {
     /// sandbox sees it. Accepted: a path relative to the workspace, or an absolute one inside
     /// `workspace_inside`.
     pub fn cwd(&self, cwd: &str, workspace_inside: &Path) -> Result<PathBuf, FileError> {
-        let rel = match Path::new(cwd).strip_prefix(workspace_inside) {
-            Ok(rest) => rest.to_path_buf(),
-            Err(_) if cwd.starts_with('/') => {
-                return Err(FileError::InvalidPath(format!(
-                    "cwd must be inside {}",
-                    workspace_inside.display()
-                )));
-            }
-            Err(_) => PathBuf::from(cwd),
-        };
-        let rel = if rel.as_os_str().is_empty() {
-            rel
-        } else {
-            relative(&rel.to_string_lossy())?
-        };
+        let rel = crate::sandbox::files::cwd_relative(cwd, workspace_inside)?;
         self.open_dir(&rel, OFlag::O_PATH).map_err(|e| match e {
             FileError::NotFound(p) => FileError::InvalidPath(format!("cwd {p} does not exist")),
             other => other,
@@ -474,34 +432,6 @@ pub fn reap(dir: &Path) -> usize {
 }
 
 /// `rel` as a path below the workspace: relative, every component a plain name.
-fn relative(rel: &str) -> Result<PathBuf, FileError> {
-    let bad = |why: &str| FileError::InvalidPath(format!("path '{}' {why}", rel.escape_debug()));
-    if rel.is_empty() {
-        return Err(bad("is empty"));
-    }
-    if rel.len() > 4096 {
-        return Err(bad("is longer than 4096 bytes"));
-    }
-    if rel.contains('\0') {
-        return Err(bad("contains a NUL byte"));
-    }
-    if rel.starts_with('/') {
-        return Err(bad("is absolute: paths are relative to the workspace"));
-    }
-    let mut out = PathBuf::new();
-    for part in rel.split('/') {
-        if part.is_empty() || part == "." || part == ".." {
-            return Err(bad("has an empty, '.' or '..' component"));
-        }
-        if part.len() > 255 {
-            return Err(bad("has a component longer than 255 bytes"));
-        }
-        out.push(part);
-    }
-    debug_assert!(out.components().all(|c| matches!(c, Component::Normal(_))));
-    Ok(out)
-}
-
 fn regular(fd: &OwnedFd, rel: &Path) -> Result<FileStat, FileError> {
     let st = nix::sys::stat::fstat(fd).map_err(io)?;
     if SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits()) != SFlag::S_IFREG {

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod docker;
+pub mod sessions;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -53,6 +54,8 @@ pub struct Resp {
     pub headers: reqwest::header::HeaderMap,
     pub json: Value,
     pub text: String,
+    /// The body as received.
+    pub bytes: Vec<u8>,
 }
 
 impl Daemon {
@@ -276,13 +279,15 @@ impl Daemon {
     pub async fn read(r: reqwest::Response) -> Resp {
         let status = r.status().as_u16();
         let headers = r.headers().clone();
-        let text = r.text().await.unwrap_or_default();
+        let bytes = r.bytes().await.map(|b| b.to_vec()).unwrap_or_default();
+        let text = String::from_utf8_lossy(&bytes).into_owned();
         let json = serde_json::from_str(&text).unwrap_or(Value::Null);
         Resp {
             status,
             headers,
             json,
             text,
+            bytes,
         }
     }
 

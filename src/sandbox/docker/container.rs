@@ -44,6 +44,9 @@ pub const LABEL_EXEC_ID: &str = "executor-arm.exec_id";
 pub const LABEL_OWNER: &str = "executor-arm.owner";
 /// `docker` | `gvisor`.
 pub const LABEL_BACKEND: &str = "executor-arm.backend";
+/// Size of a session container's code tmpfs: the largest exec body the API takes, with room.
+const CODE_TMPFS_BYTES: u64 = 16 << 20;
+
 /// Name prefix of the per-container disk volumes.
 pub const DISK_VOLUME_PREFIX: &str = "executor-arm-disk-";
 
@@ -138,12 +141,21 @@ fn sandbox_path(p: &Path, what: &str) -> Result<String, SandboxError> {
 impl ContainerPlan {
     /// Refuses what the container backends cannot honour. The network stays `none` with egress
     /// too: the only way out is the proxy's socket (see [`super::egress`]).
+    ///
+    /// `kept`: the container of a session, whose supervisor serves one exec after another and
+    /// writes each exec's code to a root-owned tmpfs at [`supervisor::CODE_DIR`].
     pub fn new(
         spec: &RunSpec,
         kind: BackendKind,
         default_image: &str,
+        kept: bool,
     ) -> Result<ContainerPlan, SandboxError> {
         let egress = matches!(spec.network, NetworkPolicy::Egress { .. });
+        if kept && egress {
+            return Err(SandboxError::Setup(
+                "a session's container has no egress relay".into(),
+            ));
+        }
         if spec.uid == 0 || spec.gid == 0 {
             return Err(SandboxError::Setup("a sandbox never runs as root".into()));
         }
@@ -246,6 +258,13 @@ impl ContainerPlan {
             // The supervisor is PID 1 and reaps orphans itself; an init in front of it would
             // only add a process, and its exit would hide the supervisor's.
             init: Some(false),
+            // A session's code files: root's, read-only to the command, counted in its memory.
+            tmpfs: kept.then(|| {
+                HashMap::from([(
+                    supervisor::CODE_DIR.to_string(),
+                    format!("size={CODE_TMPFS_BYTES},mode=0755,noexec,nosuid,nodev"),
+                )])
+            }),
             // Private IPC namespace without /dev/shm, like the local backend's /dev.
             ipc_mode: Some("none".to_string()),
             // Output goes to the attach stream only; a log driver would copy every byte to disk.
@@ -268,7 +287,7 @@ impl ContainerPlan {
             user: Some("0:0".into()),
             working_dir: Some("/".into()),
             hostname: Some("sandbox".into()),
-            entrypoint: Some(supervisor::entrypoint(spec.uid, spec.gid, &workdir)),
+            entrypoint: Some(supervisor::entrypoint(spec.uid, spec.gid, &workdir, kept)),
             cmd: None,
             env: Some(env),
             // stdin stays open for the supervisor's request; StdinOnce closes it when our attach
@@ -418,7 +437,7 @@ pub(crate) mod tests {
 
     #[test]
     fn hardening_and_limits_are_all_set() {
-        let p = ContainerPlan::new(&spec(), BackendKind::Gvisor, "img:latest").unwrap();
+        let p = ContainerPlan::new(&spec(), BackendKind::Gvisor, "img:latest", false).unwrap();
         let b = p.body(&owner(), "exec-1", "executor-arm-disk-1", None);
         let h = b.host_config.clone().unwrap();
         assert_eq!(b.image.as_deref(), Some("img:latest"));
@@ -492,7 +511,7 @@ pub(crate) mod tests {
         assert_eq!(labels[LABEL_MANAGED], "true");
         assert_eq!(labels[LABEL_EXEC_ID], "exec-1");
         assert_eq!(labels[LABEL_OWNER], "host/pid:[7]/1/42");
-        let runc = ContainerPlan::new(&spec(), BackendKind::Docker, "i")
+        let runc = ContainerPlan::new(&spec(), BackendKind::Docker, "i", false)
             .unwrap()
             .body(&owner(), "x", "v", None)
             .host_config
@@ -523,7 +542,7 @@ pub(crate) mod tests {
 
     #[test]
     fn egress_keeps_network_none_and_mounts_only_its_own_directory_read_only() {
-        let p = ContainerPlan::new(&egress_spec(), BackendKind::Gvisor, "i").unwrap();
+        let p = ContainerPlan::new(&egress_spec(), BackendKind::Gvisor, "i", false).unwrap();
         assert!(p.egress);
         let b = p.body(&owner(), "e", "v", Some(Path::new("/run/x/egress/c1")));
         assert_eq!(b.network_disabled, Some(true));
@@ -538,7 +557,7 @@ pub(crate) mod tests {
             (Some(MountType::BIND), Some(true))
         );
         // Without egress no directory is mounted, whatever the caller passes.
-        let none = ContainerPlan::new(&spec(), BackendKind::Gvisor, "i").unwrap();
+        let none = ContainerPlan::new(&spec(), BackendKind::Gvisor, "i", false).unwrap();
         assert!(!none.egress);
         let b = none.body(&owner(), "e", "v", Some(Path::new("/run/x/egress/c1")));
         assert!(
@@ -552,7 +571,7 @@ pub(crate) mod tests {
         // Egress and plain containers are never interchangeable in the pool.
         let mut same_profile = spec();
         same_profile.profile = "http-egress".into();
-        let plain = ContainerPlan::new(&same_profile, BackendKind::Gvisor, "i").unwrap();
+        let plain = ContainerPlan::new(&same_profile, BackendKind::Gvisor, "i", false).unwrap();
         assert_ne!(plain.key, p.key);
     }
 
@@ -560,12 +579,12 @@ pub(crate) mod tests {
     fn root_and_bad_paths_are_refused() {
         let mut s = spec();
         s.uid = 0;
-        assert!(ContainerPlan::new(&s, BackendKind::Docker, "i").is_err());
+        assert!(ContainerPlan::new(&s, BackendKind::Docker, "i", false).is_err());
         for bad in ["work", "/", "/a/../b", "/a,b", "/a:b"] {
             let mut s = spec();
             s.fs.workdir = PathBuf::from(bad);
             assert!(
-                ContainerPlan::new(&s, BackendKind::Docker, "i").is_err(),
+                ContainerPlan::new(&s, BackendKind::Docker, "i", false).is_err(),
                 "{bad}"
             );
         }
@@ -573,13 +592,13 @@ pub(crate) mod tests {
 
     #[test]
     fn extra_files_are_read_only_binds_and_part_of_the_key() {
-        let base = ContainerPlan::new(&spec(), BackendKind::Docker, "i").unwrap();
+        let base = ContainerPlan::new(&spec(), BackendKind::Docker, "i", false).unwrap();
         let mut s = spec();
         s.fs.extra_files = vec![(
             PathBuf::from("/opt/x/run.py"),
             PathBuf::from("/opt/x/run.py"),
         )];
-        let p = ContainerPlan::new(&s, BackendKind::Docker, "i").unwrap();
+        let p = ContainerPlan::new(&s, BackendKind::Docker, "i", false).unwrap();
         let m = p
             .body(&owner(), "e", "v", None)
             .host_config
@@ -594,7 +613,7 @@ pub(crate) mod tests {
 
     #[test]
     fn key_ignores_per_request_fields_only() {
-        let a = ContainerPlan::new(&spec(), BackendKind::Docker, "i").unwrap();
+        let a = ContainerPlan::new(&spec(), BackendKind::Docker, "i", false).unwrap();
         let mut s = spec();
         s.argv = vec!["/usr/bin/ls".into()];
         s.env.insert("LANG".into(), "C".into());
@@ -602,14 +621,14 @@ pub(crate) mod tests {
         s.limits.timeout = Duration::from_secs(1);
         s.exec_id = "exec-2".into();
         assert_eq!(
-            ContainerPlan::new(&s, BackendKind::Docker, "i")
+            ContainerPlan::new(&s, BackendKind::Docker, "i", false)
                 .unwrap()
                 .key,
             a.key
         );
         s.limits.disk_bytes = 50 << 20;
         assert_ne!(
-            ContainerPlan::new(&s, BackendKind::Docker, "i")
+            ContainerPlan::new(&s, BackendKind::Docker, "i", false)
                 .unwrap()
                 .key,
             a.key,
@@ -617,13 +636,13 @@ pub(crate) mod tests {
         );
         s.limits.memory_bytes = 256 << 20;
         assert_ne!(
-            ContainerPlan::new(&s, BackendKind::Docker, "i")
+            ContainerPlan::new(&s, BackendKind::Docker, "i", false)
                 .unwrap()
                 .key,
             a.key
         );
         assert_ne!(
-            ContainerPlan::new(&spec(), BackendKind::Gvisor, "i")
+            ContainerPlan::new(&spec(), BackendKind::Gvisor, "i", false)
                 .unwrap()
                 .key,
             a.key
@@ -631,7 +650,7 @@ pub(crate) mod tests {
         let mut s = spec();
         s.profile = "other".into();
         assert_ne!(
-            ContainerPlan::new(&s, BackendKind::Docker, "i")
+            ContainerPlan::new(&s, BackendKind::Docker, "i", false)
                 .unwrap()
                 .key,
             a.key

@@ -125,6 +125,9 @@ pub trait Engine: Send + Sync {
     /// SIGTERM to the container's main process (the supervisor passes it on to the command's
     /// processes); a container that is not running is not an error.
     async fn terminate(&self, id: &str) -> Result<(), EngineError>;
+    /// SIGUSR1 to the container's main process: a kept container's supervisor kills every
+    /// process of its command and stays; a container that is not running is not an error.
+    async fn kill_command(&self, id: &str) -> Result<(), EngineError>;
     /// Force-removes; a container that is already gone is not an error.
     async fn remove(&self, id: &str) -> Result<(), EngineError>;
     async fn rename(&self, id: &str, name: &str) -> Result<(), EngineError>;
@@ -287,6 +290,10 @@ impl Engine for BollardEngine {
 
     async fn terminate(&self, id: &str) -> Result<(), EngineError> {
         self.signal(id, "SIGTERM").await
+    }
+
+    async fn kill_command(&self, id: &str) -> Result<(), EngineError> {
+        self.signal(id, "SIGUSR1").await
     }
 
     async fn remove(&self, id: &str) -> Result<(), EngineError> {
@@ -640,6 +647,10 @@ pub(crate) mod fake {
 
         async fn terminate(&self, id: &str) -> Result<(), EngineError> {
             self.record(format!("terminate {id}"))
+        }
+
+        async fn kill_command(&self, id: &str) -> Result<(), EngineError> {
+            self.record(format!("kill_command {id}"))
         }
 
         async fn remove(&self, id: &str) -> Result<(), EngineError> {

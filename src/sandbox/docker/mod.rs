@@ -17,6 +17,7 @@ pub mod container;
 pub mod egress;
 pub mod engine;
 pub mod janitor;
+pub mod kept;
 pub mod pool;
 pub mod seccomp;
 pub mod supervisor;
@@ -407,66 +408,65 @@ struct PumpEnd {
     undelivered: bool,
 }
 
-/// Writes the request, then relays command output into the capped readers until the final frame.
+/// Hands a request to the supervisor.
+async fn deliver(
+    input: &mut std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
+    request: &[u8],
+) -> Result<(), EngineError> {
+    let written = async {
+        input.write_all(request).await?;
+        input.flush().await
+    };
+    written.await.map_err(|e| {
+        EngineError::Unreachable(format!("could not hand the request to the sandbox: {e}"))
+    })
+}
+
+/// Relays command output from the supervisor's stream into the capped readers until the final
+/// frame. `decoder` keeps what follows that frame (nothing, from a supervisor that waits for its
+/// next request).
 async fn pump(
-    mut attached_in: std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
-    mut output: OutputStream,
-    request: Vec<u8>,
+    output: &mut OutputStream,
+    decoder: &mut FrameDecoder,
     mut out_w: DuplexStream,
     mut err_w: DuplexStream,
 ) -> PumpEnd {
     let mut end = PumpEnd::default();
-    let delivered = async {
-        attached_in.write_all(&request).await?;
-        attached_in.flush().await
-    };
-    if let Err(e) = delivered.await {
-        end.undelivered = true;
-        end.error = Some(EngineError::Unreachable(format!(
-            "could not hand the request to the sandbox: {e}"
-        )));
-        return end;
-    }
-    drop(request);
-    let mut decoder = FrameDecoder::default();
-    while let Some(item) = output.next().await {
-        match item {
-            Ok(Output::Stdout(chunk)) => {
-                decoder.push(&chunk);
-                loop {
-                    match decoder.next_frame() {
-                        Ok(None) => break,
-                        // A closed reader means its task is gone; keep draining so the run can end.
-                        Ok(Some(Frame::Stdout(b))) => {
-                            let _ = out_w.write_all(&b).await;
-                        }
-                        Ok(Some(Frame::Stderr(b))) => {
-                            let _ = err_w.write_all(&b).await;
-                        }
-                        Ok(Some(f)) => {
-                            end.report = Some(f);
-                            return end;
-                        }
-                        Err(e) => {
-                            end.error =
-                                Some(EngineError::Api(format!("corrupt supervisor stream: {e}")));
-                            return end;
-                        }
-                    }
+    loop {
+        loop {
+            match decoder.next_frame() {
+                Ok(None) => break,
+                // A closed reader means its task is gone; keep draining so the run can end.
+                Ok(Some(Frame::Stdout(b))) => {
+                    let _ = out_w.write_all(&b).await;
+                }
+                Ok(Some(Frame::Stderr(b))) => {
+                    let _ = err_w.write_all(&b).await;
+                }
+                Ok(Some(f)) => {
+                    end.report = Some(f);
+                    return end;
+                }
+                Err(e) => {
+                    end.error = Some(EngineError::Api(format!("corrupt supervisor stream: {e}")));
+                    return end;
                 }
             }
-            Ok(Output::Stderr(chunk)) => {
+        }
+        match output.next().await {
+            Some(Ok(Output::Stdout(chunk))) => decoder.push(&chunk),
+            Some(Ok(Output::Stderr(chunk))) => {
                 let room = SUPERVISOR_STDERR_CAP.saturating_sub(end.supervisor_stderr.len());
                 end.supervisor_stderr
                     .extend_from_slice(&chunk[..chunk.len().min(room)]);
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 end.error = Some(e);
                 return end;
             }
+            None => return end,
         }
     }
-    end
 }
 
 #[async_trait::async_trait]
@@ -538,10 +538,21 @@ impl Sandbox for DockerSandbox {
         }
     }
 
+    async fn keep(
+        &self,
+        spec: &RunSpec,
+        session_id: &str,
+    ) -> Result<Option<Arc<dyn super::files::Kept>>, SandboxError> {
+        self.open_kept(spec, session_id).await.map(Some)
+    }
+
     async fn run(&self, mut spec: RunSpec) -> Result<RunOutcome, SandboxError> {
         // Everything that can be refused is refused before a container is touched.
         let egress = run::egress_for(&spec.network, self.egress.as_ref())?;
-        let plan = ContainerPlan::new(&spec, self.kind, &self.default_image)?;
+        if let Some(kept) = spec.kept.clone() {
+            return self.run_kept(kept.as_ref(), spec).await;
+        }
+        let plan = ContainerPlan::new(&spec, self.kind, &self.default_image, false)?;
         // Never a container whose runtime would drop its seccomp profile.
         if let Some(why) = self.runtime_refusal().await {
             return Err(SandboxError::Unavailable(why));
@@ -563,10 +574,14 @@ impl Sandbox for DockerSandbox {
                 socket: format!("{CONTAINER_DIR}/{SOCKET_NAME}"),
             }
         });
-        let request = supervisor::encode_request(&spec, relay.as_ref())?;
+        let request = supervisor::encode_request(&spec, relay.as_ref(), None)?;
         let (warm, pooled) = self.container_for(&plan, &spec.exec_id).await?;
         let WarmContainer {
-            attached,
+            attached:
+                engine::Attached {
+                    input: mut attached_in,
+                    output: mut attached_out,
+                },
             guard,
             pid,
             socket_dir,
@@ -605,7 +620,17 @@ impl Sandbox for DockerSandbox {
         );
 
         let start = Instant::now();
-        let mut relay = Box::pin(pump(attached.input, attached.output, request, out_w, err_w));
+        let mut decoder = FrameDecoder::default();
+        let mut relay = Box::pin(async {
+            match deliver(&mut attached_in, &request).await {
+                Ok(()) => pump(&mut attached_out, &mut decoder, out_w, err_w).await,
+                Err(e) => PumpEnd {
+                    undelivered: true,
+                    error: Some(e),
+                    ..PumpEnd::default()
+                },
+            }
+        });
         let terminate = || async {
             match tokio::time::timeout(KILL_TIMEOUT, self.engine().terminate(&id)).await {
                 Ok(Ok(())) => {}

@@ -424,6 +424,7 @@ mod tests {
             &crate::sandbox::docker::container::tests::spec(),
             BackendKind::Docker,
             "img",
+            false,
         )
         .unwrap()
     }

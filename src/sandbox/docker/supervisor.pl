@@ -1,28 +1,41 @@
 # executor-arm container supervisor: PID 1 of every docker/gvisor sandbox.
 #
-# Waits (idle, possibly for a long time in the warm pool) for ONE request on stdin, runs it, reports,
-# exits. Exiting as PID 1 makes the kernel kill whatever the command left behind. Never a shell:
-# argv goes to execve as a list; nothing is interpreted.
+# Mode "once" (every /execute container): waits (idle, possibly for a long time in the warm pool)
+# for ONE request on stdin, runs it, reports, exits. Exiting as PID 1 makes the kernel kill
+# whatever the command left behind.
+# Mode "kept" (a session's container): serves requests one after another for the session's life.
+# After each run every process of the command's uid is killed before the report, so nothing of
+# one exec outlives it; between runs it serves file calls in the workdir. Never a shell: argv goes
+# to execve as a list; nothing is interpreted.
 #
-# Arguments:        UID GID WORKDIR (who the command runs as, and where)
-# Request (stdin):  "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1,
-#                   relay_port|0, relay_socket, timeout_ms) stdin-bytes
+# Arguments:        UID GID WORKDIR [MODE] (who the command runs as, where, once|kept)
+# Run request:      "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1,
+#                   relay_port|0, relay_socket, timeout_ms, code_path|"", code_len|-1, cwd|"")
+#                   stdin-bytes code-bytes   (code: kept mode only, written to code_path, a file
+#                   of /run/session, read-only to the command, removed after the run)
+# File request:     "EARF" u32be(len) NUL-joined(op, path, n) [n bytes for put]   (kept mode)
+#                   op: put (n = length), get (n = most bytes), list, dir (is it a directory)
 # Signals:          SIGTERM is passed on to every process of the command (the daemon's grace
-#                   before a kill).
+#                   before a kill); SIGUSR1 kills every process of the command (kept mode's kill of
+#                   one exec, which leaves the container running).
 # Reply (stdout):   frames  type(1) u32be(len) payload;  o = command stdout, e = command stderr,
 #                   x = "exit|signal N broken peak_kib oom_kills pids_max" (last), f = setup failure (last),
-#                   u = the egress relay cannot reach the daemon (last), t = the deadline passed (last)
+#                   u = the egress relay cannot reach the daemon (last), t = the deadline passed (last);
+#                   to a file request: o = data (get: the bytes; list: "T SIZE NAME\0" records),
+#                   then r = "ok" | "err CODE SIZE MESSAGE" (last)
 #
 # Trust: the supervisor runs as root with only CAP_SETUID and CAP_SETGID (no-new-privileges, the
 # container's seccomp profile) and makes itself non-dumpable; the command runs as UID:GID with no
 # supplementary groups and no capabilities, so it cannot ptrace this process, read its memory,
-# open its descriptors through /proc (its stdout is the report channel) or signal it.
+# open its descriptors through /proc (its stdout is the report channel) or signal it. File calls
+# run in a helper with the command's identity (non-dumpable after the switch) that opens every
+# path component with O_NOFOLLOW: a symlink the command planted is never followed.
 #
 # The supervisor outlives neither its daemon nor its run: it keeps reading stdin, which dockerd
 # closes when the daemon's attach connection goes (the container has StdinOnce), and it ends the
 # run itself a little after the request's timeout, in case the daemon can no longer do it.
 #
-# Egress relay (relay_port > 0): before the command starts, listen on 127.0.0.1:relay_port and relay
+# Egress relay (relay_port > 0, once mode): before the command starts, listen on 127.0.0.1:relay_port and relay
 # every connection to the daemon's proxy on the unix socket relay_socket. The container has no other
 # network; all policy lives in the daemon's proxy. The relay runs in this process (PID 1), which
 # the command cannot kill.
@@ -67,35 +80,18 @@ sub frame {
     }
 }
 
-sub fail { frame('f', $_[0]); POSIX::_exit(0) }
 
-sub unavailable { frame('u', $_[0]); POSIX::_exit(0) }
+# A request that cannot run ends with its report: in once mode so does the sandbox, in kept mode
+# the next request is awaited.
+my $ABANDON = "executor-arm: request abandoned\n";
+sub fail { frame('f', $_[0]); die $ABANDON }
+
+sub unavailable { frame('u', $_[0]); die $ABANDON }
 sub nonblock { fcntl($_[0], Fcntl::F_SETFL(), fcntl($_[0], Fcntl::F_GETFL(), 0) | Fcntl::O_NONBLOCK()) }
-
-# Before anything else: nothing in this container may trace us or read us through /proc.
-my ($UID, $GID, $WORKDIR) = @ARGV;
-fail('usage: UID GID WORKDIR') unless defined $WORKDIR && $UID =~ /^[0-9]+$/ && $GID =~ /^[0-9]+$/;
-$nr->{prctl} && syscall($nr->{prctl}, 4, 0, 0, 0, 0) == 0    # PR_SET_DUMPABLE 0
-    or fail("cannot make the supervisor non-dumpable: $!");
-
-rd(4) eq 'EAR1' or POSIX::_exit(2);
-my @f = split /\0/, rd(unpack('N', rd(4))), -1;
-my $argc = shift(@f) // 0;
-my @argv = splice(@f, 0, $argc);
-my $envc = shift(@f) // 0;
-my @env = splice(@f, 0, $envc);
-my $inlen = shift(@f) // -1;
-my $relay_port = shift(@f) || 0;
-my $relay_socket = shift(@f) // '';
-my $timeout_ms = shift(@f) // 0;
-fail('empty argv') unless @argv;
-fail('no timeout in the request') unless $timeout_ms =~ /^[0-9]+$/ && $timeout_ms > 0;
-my $input = $inlen >= 0 ? rd($inlen) : undef;
-my $deadline = time() + int(($timeout_ms + 999) / 1000) + $DEADLINE_GRACE;
 
 # Egress relay state: the loopback listener, and per descriptor of a relayed connection its handle,
 # its peer's descriptor, bytes waiting to be written to it, whether it sent EOF, whether we did.
-my ($lsn, %rl);
+my ($lsn, %rl, $relay_socket);
 my $RELAY_MAX = 64;       # connections at a time (two descriptors each; nofile is the profile's)
 my $RELAY_BUF = 65536;    # bytes buffered per direction
 sub uds {
@@ -103,7 +99,8 @@ sub uds {
     connect($s, Socket::pack_sockaddr_un($_[0])) or return;
     return $s;
 }
-if ($relay_port) {
+sub relay_open {
+    my ($relay_port) = @_;
     require Socket;
     # Fail before the command runs when the daemon's socket is out of reach (e.g. runsc without
     # --host-uds=open). The proxy records nothing for a connection that sends nothing.
@@ -171,19 +168,35 @@ sub relay_step {
     }
 }
 
-pipe(my $or, my $ow) or fail("pipe: $!");
-pipe(my $er, my $ew) or fail("pipe: $!");
-pipe(my $xr, my $xw) or fail("pipe: $!");
-pipe(my $sr, my $sw) or fail("pipe: $!");
-my ($ir, $iw);
-if (defined $input) { pipe($ir, $iw) or fail("pipe: $!") }
-binmode($_, ':raw') for grep { defined } ($or, $ow, $er, $ew, $xr, $xw, $sr, $sw, $ir, $iw);
-for my $h ($sr, $sw) { fcntl($h, Fcntl::F_SETFL(), fcntl($h, Fcntl::F_GETFL(), 0) | Fcntl::O_NONBLOCK()) }
-# Self-pipe: a SIGCHLD between waitpid and select must still wake select.
+
+# Before anything else: nothing in this container may trace us or read us through /proc.
+my ($UID, $GID, $WORKDIR, $MODE) = @ARGV;
+$MODE //= 'once';
+unless (defined $WORKDIR && $UID =~ /^[0-9]+$/ && $GID =~ /^[0-9]+$/ && $MODE =~ /^(once|kept)$/) {
+    frame('f', 'usage: UID GID WORKDIR [once|kept]');
+    POSIX::_exit(0);
+}
+my $KEPT = $MODE eq 'kept';
+unless ($nr->{prctl} && syscall($nr->{prctl}, 4, 0, 0, 0, 0) == 0) {    # PR_SET_DUMPABLE 0
+    frame('f', "cannot make the supervisor non-dumpable: $!");
+    POSIX::_exit(0);
+}
+umask(022);
+
+# Where a kept sandbox's exec code goes: a tmpfs of the container owned by root (this process), so
+# the command can read its code but neither change it nor plant the next exec's.
+my $CODE_DIR = '/run/session';
+
+# Self-pipe: a SIGCHLD or a signal between waitpid and select must still wake select.
+pipe(my $sr, my $sw) or do { frame('f', "pipe: $!"); POSIX::_exit(0) };
+binmode($_, ':raw') for ($sr, $sw);
+nonblock($_) for ($sr, $sw);
 $SIG{CHLD} = sub { syswrite($sw, 'c') };
 # SIGTERM (the daemon stopping the run with a grace): passed on to every process of the command.
-my $term = 0;
+# SIGUSR1 (kept mode: the daemon killing one exec): every process of the command is killed.
+my ($term, $kill) = (0, 0);
 $SIG{TERM} = sub { $term = 1; syswrite($sw, 't') };
+$SIG{USR1} = sub { $kill = 1; syswrite($sw, 'k') };
 
 # The command's identity: no supplementary groups, then the gid, then the uid (each step needs
 # the privilege the next one drops), checked before anything of the request runs.
@@ -200,104 +213,28 @@ sub become {
     return '';
 }
 
-my $pid = fork();
-fail("fork: $!") unless defined $pid;
-if ($pid == 0) {
-    # Ignored signals stay ignored across execve: give the command default dispositions.
-    $SIG{PIPE} = 'DEFAULT';
-    $SIG{CHLD} = 'DEFAULT';
-    $SIG{TERM} = 'DEFAULT';
-    my $in = $ir;
-    if (!defined $in) { open($in, '<', '/dev/null') or POSIX::_exit(127) }
-    # perl opens every fd above 2 close-on-exec, so the command gets exactly 0, 1 and 2: none of
-    # ours (the attach streams, the relay's sockets) reaches it.
-    POSIX::dup2(fileno($in), 0);
-    POSIX::dup2(fileno($ow), 1);
-    POSIX::dup2(fileno($ew), 2);
-    my $why = become($UID, $GID);
-    $why = "chdir $WORKDIR: $!" if !$why && !chdir($WORKDIR);
-    if ($why) {
-        syswrite($xw, "cannot run as $UID:$GID: $why");
-        POSIX::_exit(127);
-    }
-    %ENV = ();
-    for (@env) { my ($k, $v) = split /=/, $_, 2; $ENV{$k} = $v }
-    { no warnings 'exec'; exec { $argv[0] } @argv; }
-    syswrite($xw, "cannot execute $argv[0]: $!");
-    POSIX::_exit(127);
-}
-close $ow; close $ew; close $xw;
-close $ir if defined $ir;
-
-# EOF on the exec pipe: execve succeeded (close-on-exec); anything else: why the command could not
-# start.
-my $x = '';
-while (length($x) < 4096) {
-    my $r = sysread($xr, $x, 4096 - length($x), length($x));
-    next if eintr($r);
-    last unless $r;
-}
-close $xr;
-fail($x) if length $x;
-
-if (defined $iw) { fcntl($iw, Fcntl::F_SETFL(), fcntl($iw, Fcntl::F_GETFL(), 0) | Fcntl::O_NONBLOCK()) }
-my %rd = (fileno($or) => [$or, 'o'], fileno($er) => [$er, 'e']);
-my ($status, $drain, $broken) = (undef, 0, 0);
-while (1) {
-    if (time() >= $deadline) {
-        frame('t', "the run was still going $DEADLINE_GRACE s after its timeout");
-        POSIX::_exit(0);
-    }
-    # PID 1 reaps every orphan; only the command's status is reported.
-    while ((my $w = waitpid(-1, POSIX::WNOHANG())) > 0) { $status = $? if $w == $pid }
-    # After the command exits, forward what is already buffered (bounded: a leftover child may
-    # keep writing), then stop.
-    last if defined $status && (!%rd || $drain++ > 64);
-    my ($rb, $wb) = ('', '');
-    vec($rb, $_, 1) = 1 for keys %rd;
-    vec($rb, fileno($sr), 1) = 1;
-    vec($rb, 0, 1) = 1;    # the daemon's end: EOF means it is gone
-    vec($wb, fileno($iw), 1) = 1 if defined $iw && !defined $status;
-    relay_watch(\$rb, \$wb) if $lsn;
-    my $n = select(my $ro = $rb, my $wo = $wb, undef, defined $status ? 0 : 1);
-    next if $n < 0;
-    last if $n == 0 && defined $status;
-    sysread($sr, my $junk, 64) if vec($ro, fileno($sr), 1);
-    if ($term == 1) {
-        # SIGTERM to every process of the command, from a helper with the command's identity:
-        # kill(-1) reaches every process that uid may signal except PID 1 and the helper itself,
-        # i.e. the command and everything it started, setsid'd or double-forked ones included.
-        # (This process keeps no CAP_KILL, so it could not signal them itself.)
-        $term = 2;
-        my $helper = fork();
-        if (defined $helper && $helper == 0) {
-            $SIG{TERM} = 'DEFAULT';
-            POSIX::_exit(1) if become($UID, $GID);
-            kill('TERM', -1);
-            POSIX::_exit(0);
+# Sends $sig to every process of the command, from a helper with the command's identity:
+# kill(-1) reaches every process that uid may signal except PID 1 and the helper itself, i.e. the
+# command and everything it started, setsid'd or double-forked ones included. (This process keeps
+# no CAP_KILL, so it could not signal them itself.) A KILL is repeated until no process is left
+# (a process forking while the first pass went by is caught by the next). Returns the helper's pid.
+sub signal_all {
+    my ($sig) = @_;
+    my $helper = fork();
+    return undef unless defined $helper;
+    return $helper if $helper;
+    $SIG{$_} = 'DEFAULT' for qw(TERM USR1 CHLD);
+    POSIX::_exit(1) if become($UID, $GID);
+    if ($sig eq 'KILL') {
+        for (1 .. 10000) {
+            last unless kill('KILL', -1);
+            select(undef, undef, undef, 0.002);
         }
+    } else {
+        kill($sig, -1);
     }
-    if (vec($ro, 0, 1)) {
-        my $r = sysread(STDIN, my $extra, 4096);
-        # Exiting as PID 1 kills the command and everything it started.
-        POSIX::_exit(0) unless $r || eintr($r);
-    }
-    for my $fd (keys %rd) {
-        next unless vec($ro, $fd, 1);
-        my ($h, $t) = @{ $rd{$fd} };
-        my $r = sysread($h, my $buf, 65536);
-        next if eintr($r);
-        if ($r) { frame($t, $buf) } else { close $h; delete $rd{$fd} }
-    }
-    if (defined $iw && vec($wo, fileno($iw), 1)) {
-        my $w = syswrite($iw, $input);
-        if (defined $w) { substr($input, 0, $w, '') }
-        elsif ($! != POSIX::EAGAIN() && $! != POSIX::EINTR()) { $broken = 1; $input = '' }
-        if ($input eq '') { close $iw; undef $iw }
-    }
-    relay_step($ro, $wo) if $lsn;
+    POSIX::_exit(0);
 }
-$broken = 1 if defined $iw && length $input;
 
 sub first_num {
     for my $p (@_) { open(my $h, '<', $p) or next; my $l = <$h>; return $1 if defined $l && $l =~ /^(\d+)/ }
@@ -308,16 +245,332 @@ sub keyed {
     for my $p (@_) { open(my $h, '<', $p) or next; while (my $l = <$h>) { return $1 if $l =~ /^\Q$key\E (\d+)/ } }
     return '-';
 }
-# Peak memory: the container's cgroup when it is visible (runc), else the largest reaped process's
-# peak RSS from getrusage(RUSAGE_CHILDREN) (gVisor has no cgroupfs inside the sandbox).
-my $peak = first_num('/sys/fs/cgroup/memory/memory.max_usage_in_bytes', '/sys/fs/cgroup/memory.peak');
-if (defined $peak) { $peak = int($peak / 1024) }
-else {
-    my $ru = "\0" x 144;
-    $peak = ($nr->{getrusage} && syscall($nr->{getrusage}, -1, $ru) == 0) ? (unpack('q18', $ru))[4] : '-';
+sub oom_kills { keyed('oom_kill', '/sys/fs/cgroup/memory/memory.oom_control', '/sys/fs/cgroup/memory.events') }
+sub pids_max_hits { keyed('max', '/sys/fs/cgroup/pids/pids.events', '/sys/fs/cgroup/pids.events') }
+# What a counter grew by during one run of a kept sandbox ('-' when it is not visible).
+sub grew { my ($before, $after) = @_; return ($before eq '-' || $after eq '-') ? '-' : $after - $before }
+
+# One run request, after its magic: reads it, runs it, reports.
+sub run_request {
+    my @f = split /\0/, rd(unpack('N', rd(4))), -1;
+    my $argc = shift(@f) // 0;
+    my @argv = splice(@f, 0, $argc);
+    my $envc = shift(@f) // 0;
+    my @env = splice(@f, 0, $envc);
+    my $inlen = shift(@f) // -1;
+    my $relay_port = shift(@f) || 0;
+    $relay_socket = shift(@f) // '';
+    my $timeout_ms = shift(@f) // 0;
+    my $code_path = shift(@f) // '';
+    my $code_len = shift(@f) // -1;
+    my $cwd = shift(@f) // '';
+    $cwd = $WORKDIR if $cwd eq '';
+    my $input = $inlen >= 0 ? rd($inlen) : undef;
+    my $code = $code_len >= 0 ? rd($code_len) : undef;
+    fail('empty argv') unless @argv;
+    fail('no timeout in the request') unless $timeout_ms =~ /^[0-9]+$/ && $timeout_ms > 0;
+    fail('a kept sandbox has no egress relay') if $KEPT && $relay_port;
+    fail("cwd $cwd is not inside $WORKDIR")
+        unless ($cwd eq $WORKDIR || index($cwd, "$WORKDIR/") == 0) && !grep { $_ eq '..' } split m{/}, $cwd;
+    my $deadline = time() + int(($timeout_ms + 999) / 1000) + $DEADLINE_GRACE;
+    ($term, $kill) = (0, 0);
+    relay_open($relay_port) if $relay_port;
+    if (defined $code) {
+        fail('code files are for kept sandboxes') unless $KEPT;
+        fail("code path $code_path is not a file of $CODE_DIR")
+            unless $code_path =~ m{^\Q$CODE_DIR\E/[A-Za-z0-9][A-Za-z0-9._-]*$};
+        sysopen(my $c, $code_path, Fcntl::O_WRONLY() | Fcntl::O_CREAT() | Fcntl::O_TRUNC() | Fcntl::O_NOFOLLOW(), 0644)
+            or fail("cannot write the code to $code_path: $!");
+        binmode($c, ':raw');
+        my $left = $code;
+        while (length $left) {
+            my $w = syswrite($c, $left);
+            next if eintr($w);
+            fail("cannot write the code to $code_path: $!") unless defined $w;
+            substr($left, 0, $w, '');
+        }
+        close($c) or fail("cannot write the code to $code_path: $!");
+    }
+    my ($oom0, $pmax0) = $KEPT ? (oom_kills(), pids_max_hits()) : ('-', '-');
+
+    pipe(my $or, my $ow) or fail("pipe: $!");
+    pipe(my $er, my $ew) or fail("pipe: $!");
+    pipe(my $xr, my $xw) or fail("pipe: $!");
+    my ($ir, $iw);
+    if (defined $input) { pipe($ir, $iw) or fail("pipe: $!") }
+    binmode($_, ':raw') for grep { defined } ($or, $ow, $er, $ew, $xr, $xw, $ir, $iw);
+
+    my $pid = fork();
+    fail("fork: $!") unless defined $pid;
+    if ($pid == 0) {
+        # Ignored signals stay ignored across execve: give the command default dispositions.
+        $SIG{$_} = 'DEFAULT' for qw(PIPE CHLD TERM USR1);
+        my $in = $ir;
+        if (!defined $in) { open($in, '<', '/dev/null') or POSIX::_exit(127) }
+        # perl opens every fd above 2 close-on-exec, so the command gets exactly 0, 1 and 2: none of
+        # ours (the attach streams, the relay's sockets) reaches it.
+        POSIX::dup2(fileno($in), 0);
+        POSIX::dup2(fileno($ow), 1);
+        POSIX::dup2(fileno($ew), 2);
+        my $why = become($UID, $GID);
+        $why = "chdir $cwd: $!" if !$why && !chdir($cwd);
+        if ($why) {
+            syswrite($xw, "cannot run as $UID:$GID: $why");
+            POSIX::_exit(127);
+        }
+        %ENV = ();
+        for (@env) { my ($k, $v) = split /=/, $_, 2; $ENV{$k} = $v }
+        { no warnings 'exec'; exec { $argv[0] } @argv; }
+        syswrite($xw, "cannot execute $argv[0]: $!");
+        POSIX::_exit(127);
+    }
+    close $ow; close $ew; close $xw;
+    close $ir if defined $ir;
+
+    # EOF on the exec pipe: execve succeeded (close-on-exec); anything else: why the command could not
+    # start.
+    my $x = '';
+    while (length($x) < 4096) {
+        my $r = sysread($xr, $x, 4096 - length($x), length($x));
+        next if eintr($r);
+        last unless $r;
+    }
+    close $xr;
+    if (length $x) {
+        waitpid($pid, 0);
+        unlink($code_path) if defined $code;
+        fail($x);
+    }
+
+    nonblock($iw) if defined $iw;
+    my %rd = (fileno($or) => [$or, 'o'], fileno($er) => [$er, 'e']);
+    # $sweep: kept mode's kill of whatever the command left once it exited (its helper's pid, then
+    # 0 when the helper is done); $killer: the helper of a kill asked for during the run.
+    my ($status, $drain, $broken, $sweep, $late) = (undef, 0, 0, undef, 0);
+    while (1) {
+        if (!$late && time() >= $deadline) {
+            # Once mode: exiting as PID 1 ends everything. Kept mode: everything of the command
+            # is killed, then the report says why.
+            unless ($KEPT) {
+                frame('t', "the run was still going $DEADLINE_GRACE s after its timeout");
+                POSIX::_exit(0);
+            }
+            $late = 1;
+            $kill = 1;
+        }
+        # PID 1 reaps every orphan; only the command's status is reported.
+        while ((my $w = waitpid(-1, POSIX::WNOHANG())) > 0) {
+            $status = $? if $w == $pid;
+            $sweep = 0 if defined $sweep && $sweep && $w == $sweep;
+        }
+        if (defined $status && $KEPT && !defined $sweep) {
+            # Nothing of an exec outlives it: its leftovers are killed before the report.
+            $sweep = signal_all('KILL') // 0;
+        }
+        if ($KEPT) {
+            # Every writer of the pipes is gone once the sweep is done: read them to their end.
+            last if defined $status && defined $sweep && !$sweep && (!%rd || $drain++ > 256);
+        } else {
+            # After the command exits, forward what is already buffered (bounded: a leftover child
+            # may keep writing), then stop.
+            last if defined $status && (!%rd || $drain++ > 64);
+        }
+        my ($rb, $wb) = ('', '');
+        vec($rb, $_, 1) = 1 for keys %rd;
+        vec($rb, fileno($sr), 1) = 1;
+        vec($rb, 0, 1) = 1;    # the daemon's end: EOF means it is gone
+        vec($wb, fileno($iw), 1) = 1 if defined $iw && !defined $status;
+        relay_watch(\$rb, \$wb) if $lsn;
+        my $n = select(my $ro = $rb, my $wo = $wb, undef, (defined $status && !$KEPT) ? 0 : 0.2);
+        next if $n < 0;
+        last if $n == 0 && defined $status && !$KEPT;
+        sysread($sr, my $junk, 64) if vec($ro, fileno($sr), 1);
+        if ($term == 1) {
+            $term = 2;
+            signal_all('TERM');
+        }
+        if ($kill == 1) {
+            $kill = 2;
+            signal_all('KILL');
+        }
+        if (vec($ro, 0, 1)) {
+            my $r = sysread(STDIN, my $extra, 4096);
+            # Exiting as PID 1 kills the command and everything it started.
+            POSIX::_exit(0) unless $r || eintr($r);
+        }
+        for my $fd (keys %rd) {
+            next unless vec($ro, $fd, 1);
+            my ($h, $t) = @{ $rd{$fd} };
+            my $r = sysread($h, my $buf, 65536);
+            next if eintr($r);
+            if ($r) { frame($t, $buf) } else { close $h; delete $rd{$fd} }
+        }
+        if (defined $iw && vec($wo, fileno($iw), 1)) {
+            my $w = syswrite($iw, $input);
+            if (defined $w) { substr($input, 0, $w, '') }
+            elsif ($! != POSIX::EAGAIN() && $! != POSIX::EINTR()) { $broken = 1; $input = '' }
+            if ($input eq '') { close $iw; undef $iw }
+        }
+        relay_step($ro, $wo) if $lsn;
+    }
+    $broken = 1 if defined $iw && length $input;
+    unlink($code_path) if defined $code;
+    if ($late) {
+        frame('t', "the run was still going $DEADLINE_GRACE s after its timeout");
+        return;
+    }
+
+    # Peak memory: the container's cgroup when it is visible (runc), else the largest reaped
+    # process's peak RSS from getrusage(RUSAGE_CHILDREN) (gVisor has no cgroupfs inside the
+    # sandbox). Both cover the container's whole life, so a kept sandbox reports none.
+    my $peak = '-';
+    unless ($KEPT) {
+        $peak = first_num('/sys/fs/cgroup/memory/memory.max_usage_in_bytes', '/sys/fs/cgroup/memory.peak');
+        if (defined $peak) { $peak = int($peak / 1024) }
+        else {
+            my $ru = "\0" x 144;
+            $peak = ($nr->{getrusage} && syscall($nr->{getrusage}, -1, $ru) == 0) ? (unpack('q18', $ru))[4] : '-';
+        }
+    }
+    my ($oom, $pmax) = (oom_kills(), pids_max_hits());
+    ($oom, $pmax) = (grew($oom0, $oom), grew($pmax0, $pmax)) if $KEPT;
+    my $how = POSIX::WIFSIGNALED($status) ? 'signal ' . POSIX::WTERMSIG($status) : 'exit ' . POSIX::WEXITSTATUS($status);
+    frame('x', "$how $broken $peak $oom $pmax");
 }
-my $oom = keyed('oom_kill', '/sys/fs/cgroup/memory/memory.oom_control', '/sys/fs/cgroup/memory.events');
-my $pmax = keyed('max', '/sys/fs/cgroup/pids/pids.events', '/sys/fs/cgroup/pids.events');
-my $how = POSIX::WIFSIGNALED($status) ? 'signal ' . POSIX::WTERMSIG($status) : 'exit ' . POSIX::WEXITSTATUS($status);
-frame('x', "$how $broken $peak $oom $pmax");
-POSIX::_exit(0);
+
+# The helper of a file request: as the command's user, below the workdir, every component opened
+# with O_NOFOLLOW. Returns (CODE, SIZE, MESSAGE) on failure, () on success; data goes to $out.
+sub errno_code {
+    my $e = $! + 0;
+    return 'notfound' if $e == POSIX::ENOENT();
+    return 'notfile' if $e == POSIX::ELOOP() || $e == POSIX::ENOTDIR() || $e == POSIX::EISDIR() || $e == POSIX::ENXIO();
+    return 'nospace' if $e == POSIX::ENOSPC() || $e == POSIX::EDQUOT();
+    return 'io';
+}
+sub file_helper {
+    my ($op, $path, $n, $data, $out) = @_;
+    my @parts = length($path) ? split(m{/}, $path, -1) : ();
+    return ('invalid', 0, 'bad path') if grep { $_ eq '' || $_ eq '.' || $_ eq '..' } @parts;
+    my $name = ($op eq 'put' || $op eq 'get') ? pop(@parts) : undef;
+    return ('invalid', 0, 'the path names no file') if ($op eq 'put' || $op eq 'get') && !defined $name;
+    chdir($WORKDIR) or return ('io', 0, "chdir $WORKDIR: $!");
+    # A directory component is opened without O_DIRECTORY (gVisor follows a symlink opened with
+    # O_DIRECTORY|O_NOFOLLOW), non-blocking (a FIFO must not hang us), then checked to be one.
+    my $subdir = sub {
+        my ($c) = @_;
+        sysopen(my $d, $c, Fcntl::O_RDONLY() | Fcntl::O_NOFOLLOW() | Fcntl::O_NONBLOCK()) or return;
+        stat($d) or return;
+        unless (-d _) { $! = POSIX::ENOTDIR(); return }
+        return $d;
+    };
+    for my $c (@parts) {
+        my $d = $subdir->($c);
+        if (!$d) {
+            return (errno_code(), 0, "$c: $!") unless $op eq 'put' && $! == POSIX::ENOENT();
+            mkdir($c, 0755) or $! == POSIX::EEXIST() or return (errno_code(), 0, "mkdir $c: $!");
+            $d = $subdir->($c) or return (errno_code(), 0, "$c: $!");
+        }
+        chdir($d) or return ('io', 0, "fchdir $c: $!");
+        close $d;
+    }
+    if ($op eq 'dir' || $op eq 'list') {
+        return () if $op eq 'dir';
+        opendir(my $dh, '.') or return (errno_code(), 0, "opendir: $!");
+        while (defined(my $e = readdir $dh)) {
+            next if $e eq '.' || $e eq '..';
+            my @st = lstat($e) or next;    # removed meanwhile
+            my $t = -f _ ? 'f' : -d _ ? 'd' : -l _ ? 'l' : 'o';
+            print $out "$t $st[7] $e\0";
+        }
+        return ();
+    }
+    if ($op eq 'get') {
+        sysopen(my $fh, $name, Fcntl::O_RDONLY() | Fcntl::O_NOFOLLOW() | Fcntl::O_NONBLOCK())
+            or return (errno_code(), 0, "$name: $!");
+        my @st = stat($fh);
+        return ('notfile', 0, "$name is not a regular file") unless -f _;
+        return ('toolarge', $st[7], 'too large') if $st[7] > $n;
+        binmode($fh, ':raw');
+        my $got = 0;
+        while (1) {
+            my $r = sysread($fh, my $buf, 65536);
+            next if eintr($r);
+            return ('io', 0, "read: $!") unless defined $r;
+            last unless $r;
+            $got += $r;
+            return ('toolarge', $got, 'too large') if $got > $n;
+            print $out $buf;
+        }
+        return ();
+    }
+    # put: whole under a name of its own, then renamed over the target (a write that fails half
+    # way leaves the old file); what is there must be a regular file or nothing.
+    if (my @st = lstat($name)) {
+        return ('notfile', 0, "$name is not a regular file") unless -f _;
+    } elsif ($! != POSIX::ENOENT()) {
+        return (errno_code(), 0, "$name: $!");
+    }
+    my $tmp = ".upload-$$-" . int(rand(1e9));
+    sysopen(my $fh, $tmp, Fcntl::O_WRONLY() | Fcntl::O_CREAT() | Fcntl::O_EXCL() | Fcntl::O_NOFOLLOW(), 0644)
+        or return (errno_code(), 0, "create: $!");
+    binmode($fh, ':raw');
+    my $left = $data;
+    while (length $left) {
+        my $w = syswrite($fh, $left);
+        next if eintr($w);
+        if (!defined $w) { my @e = (errno_code(), 0, "write: $!"); unlink $tmp; return @e }
+        substr($left, 0, $w, '');
+    }
+    if (!close($fh)) { my @e = (errno_code(), 0, "write: $!"); unlink $tmp; return @e }
+    if (!rename($tmp, $name)) { my @e = (errno_code(), 0, "rename: $!"); unlink $tmp; return @e }
+    return ();
+}
+
+# One file request, after its magic: a helper does it, this process relays its answer.
+sub file_request {
+    my ($op, $path, $n) = split /\0/, rd(unpack('N', rd(4))), -1;
+    fail('unknown file operation') unless defined $n && $op =~ /^(put|get|list|dir)$/ && $n =~ /^[0-9]+$/;
+    my $data = $op eq 'put' ? rd($n) : undef;
+    pipe(my $r, my $w) or fail("pipe: $!");
+    binmode($_, ':raw') for ($r, $w);
+    my $helper = fork();
+    fail("fork: $!") unless defined $helper;
+    if ($helper == 0) {
+        $SIG{$_} = 'DEFAULT' for qw(TERM USR1 CHLD);
+        close $r;
+        my $why = become($UID, $GID);
+        my @err = $why ? ('io', 0, $why) : file_helper($op, $path, $n, $data, $w);
+        # The verdict is the last line: a code, a size, a message (no newline in it).
+        (my $msg = $err[2] // '') =~ s/[\r\n]/ /g;
+        print $w (@err ? "\nerr $err[0] $err[1] $msg" : "\nok");
+        close $w;
+        POSIX::_exit(0);
+    }
+    close $w;
+    my ($all, $cap) = ('', ($op eq 'get' ? $n : 64 << 20) + 65536);
+    while (1) {
+        my $got = sysread($r, $all, 65536, length $all);
+        next if eintr($got);
+        last unless $got;
+        if (length($all) > $cap) { kill('KILL', $helper); $all = "\nerr io 0 answer too large"; last }
+    }
+    close $r;
+    1 while waitpid($helper, 0) < 0 && $! == POSIX::EINTR();
+    my $cut = rindex($all, "\n");
+    my ($body, $verdict) = $cut < 0 ? ('', 'err io 0 the helper gave no answer') : (substr($all, 0, $cut), substr($all, $cut + 1));
+    $body = '' unless $verdict eq 'ok';
+    for (my $i = 0; $i < length $body; $i += 65536) { frame('o', substr($body, $i, 65536)) }
+    frame('r', $verdict);
+}
+
+while (1) {
+    my $magic = rd(4);
+    my $ok = eval {
+        if ($magic eq 'EAR1') { run_request() }
+        elsif ($KEPT && $magic eq 'EARF') { file_request() }
+        else { POSIX::_exit(2) }
+        1;
+    };
+    die $@ if !$ok && $@ ne $ABANDON;
+    POSIX::_exit(0) unless $KEPT;
+}

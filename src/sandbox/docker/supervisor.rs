@@ -49,6 +49,7 @@ pub const SUPERVISOR_ENV: [&str; 5] = [
 ];
 
 const MAGIC: &[u8; 4] = b"EAR1";
+const FILE_MAGIC: &[u8; 4] = b"EARF";
 
 /// Largest frame payload we accept; the supervisor writes at most 64 KiB per frame, so anything
 /// bigger is a corrupted stream (and must not make us buffer it).
@@ -63,8 +64,13 @@ pub struct Relay {
     pub socket: String,
 }
 
-/// The container's entrypoint: the supervisor, told who the command runs as and where.
-pub fn entrypoint(uid: u32, gid: u32, workdir: &str) -> Vec<String> {
+/// Where a kept sandbox's supervisor writes each exec's code (a root-owned tmpfs of the
+/// container: the command reads its code but cannot change it).
+pub const CODE_DIR: &str = "/run/session";
+
+/// The container's entrypoint: the supervisor, told who the command runs as, where, and whether
+/// it serves one request (`/execute`) or a session's requests one after another (`kept`).
+pub fn entrypoint(uid: u32, gid: u32, workdir: &str, kept: bool) -> Vec<String> {
     vec![
         PERL.to_string(),
         "-e".to_string(),
@@ -72,12 +78,56 @@ pub fn entrypoint(uid: u32, gid: u32, workdir: &str) -> Vec<String> {
         uid.to_string(),
         gid.to_string(),
         workdir.to_string(),
+        if kept { "kept" } else { "once" }.to_string(),
     ]
 }
 
-/// Serialises `spec`'s argv, env, stdin and timeout, and the egress relay, into the request the
-/// supervisor reads.
-pub fn encode_request(spec: &RunSpec, relay: Option<&Relay>) -> Result<Vec<u8>, SandboxError> {
+/// A file call to a kept sandbox's supervisor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileOp<'a> {
+    /// Write these bytes to the file (made, or replaced; missing parents made).
+    Put(&'a [u8]),
+    /// Read the file, at most this many bytes.
+    Get(u64),
+    /// List the directory.
+    List,
+    /// Is it a directory.
+    Dir,
+}
+
+/// The request of a file call on `path` (relative to the workdir, already checked: no empty,
+/// `.` or `..` component, no NUL).
+pub fn encode_file_request(path: &str, op: FileOp<'_>) -> Result<Vec<u8>, SandboxError> {
+    if path.contains('\0') || path.starts_with('/') {
+        return Err(SandboxError::Setup(format!(
+            "invalid workspace path '{}'",
+            path.escape_debug()
+        )));
+    }
+    let (name, n, data): (&str, u64, &[u8]) = match op {
+        FileOp::Put(b) => ("put", b.len() as u64, b),
+        FileOp::Get(max) => ("get", max, &[]),
+        FileOp::List => ("list", 0, &[]),
+        FileOp::Dir => ("dir", 0, &[]),
+    };
+    let header = format!("{name}\0{path}\0{n}");
+    let header_len =
+        u32::try_from(header.len()).map_err(|_| SandboxError::Setup("path too long".into()))?;
+    let mut out = Vec::with_capacity(8 + header.len() + data.len());
+    out.extend_from_slice(FILE_MAGIC);
+    out.extend_from_slice(&header_len.to_be_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    Ok(out)
+}
+
+/// Serialises `spec`'s argv, env, stdin and timeout, the egress relay, and (kept sandboxes) the
+/// exec's code file, into the request the supervisor reads.
+pub fn encode_request(
+    spec: &RunSpec,
+    relay: Option<&Relay>,
+    code: Option<(&str, &[u8])>,
+) -> Result<Vec<u8>, SandboxError> {
     let first = spec
         .argv
         .first()
@@ -124,6 +174,31 @@ pub fn encode_request(spec: &RunSpec, relay: Option<&Relay>) -> Result<Vec<u8>, 
         }
     }
     fields.push(spec.limits.timeout.as_millis().max(1).to_string());
+    match code {
+        Some((path, bytes)) => {
+            let name = path.strip_prefix(CODE_DIR).and_then(|p| p.strip_prefix('/'));
+            if !name.is_some_and(|n| !n.is_empty() && !n.contains('/')) {
+                return Err(SandboxError::Setup(format!(
+                    "code path {path} is not a file of {CODE_DIR}"
+                )));
+            }
+            fields.push(path.to_string());
+            fields.push(bytes.len().to_string());
+        }
+        None => {
+            fields.push(String::new());
+            fields.push("-1".into());
+        }
+    }
+    // Where the command starts ("": the workdir); the supervisor accepts only the workdir or a
+    // path below it.
+    fields.push(
+        spec.fs
+            .cwd
+            .as_ref()
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    );
     if fields.iter().any(|f| f.contains('\0')) {
         return Err(SandboxError::Setup(
             "NUL byte in argument or environment".into(),
@@ -133,11 +208,13 @@ pub fn encode_request(spec: &RunSpec, relay: Option<&Relay>) -> Result<Vec<u8>, 
     let header_len =
         u32::try_from(header.len()).map_err(|_| SandboxError::Setup("request too large".into()))?;
     let stdin = spec.stdin.as_deref().unwrap_or_default();
-    let mut out = Vec::with_capacity(8 + header.len() + stdin.len());
+    let code = code.map(|c| c.1).unwrap_or_default();
+    let mut out = Vec::with_capacity(8 + header.len() + stdin.len() + code.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&header_len.to_be_bytes());
     out.extend_from_slice(header.as_bytes());
     out.extend_from_slice(stdin);
+    out.extend_from_slice(code);
     Ok(out)
 }
 
@@ -188,6 +265,8 @@ pub enum Frame {
     Unavailable(String),
     /// The supervisor ended the run at its own deadline (the daemon did not stop it in time).
     Deadline(String),
+    /// A file call's verdict: `ok` or `err CODE SIZE MESSAGE` (after its data frames).
+    Result(String),
 }
 
 /// Incremental decoder of the supervisor's stdout.
@@ -225,6 +304,7 @@ impl FrameDecoder {
             b'f' => Frame::Failed(String::from_utf8_lossy(&payload).into_owned()),
             b'u' => Frame::Unavailable(String::from_utf8_lossy(&payload).into_owned()),
             b't' => Frame::Deadline(String::from_utf8_lossy(&payload).into_owned()),
+            b'r' => Frame::Result(String::from_utf8_lossy(&payload).into_owned()),
             other => return Err(format!("unknown supervisor frame type {other:#x}")),
         };
         Ok(Some(frame))
@@ -286,13 +366,13 @@ mod tests {
         }
         let (uid, gid) = identity();
         let mut child = cmd
-            .args(&entrypoint(uid, gid, "/")[1..])
+            .args(&entrypoint(uid, gid, "/", false)[1..])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("perl");
-        let req = encode_request(spec, relay).unwrap();
+        let req = encode_request(spec, relay, None).unwrap();
         let mut stdin = child.stdin.take().unwrap();
         stdin.write_all(&req).unwrap();
         (child, stdin)
@@ -620,7 +700,7 @@ mod tests {
         req.extend_from_slice(cut.as_bytes());
         let (uid, gid) = identity();
         let mut child = Command::new(PERL)
-            .args(&entrypoint(uid, gid, "/")[1..])
+            .args(&entrypoint(uid, gid, "/", false)[1..])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

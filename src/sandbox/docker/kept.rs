@@ -1,0 +1,519 @@
+//! A session's container: taken from the warm pool (or launched) once, kept for the session's
+//! life, and running each of its execs through its supervisor in `kept` mode.
+//!
+//! Owns: opening the kept container ([`DockerSandbox::keep`]), running one exec in it
+//! ([`DockerSandbox::run_kept`]), the file calls its supervisor serves between execs, and
+//! noticing that the container is gone. Must not: decide anything about sessions.
+//!
+//! One attach connection serves the container's whole life: a request is written to its stdin
+//! and its frames read back to the final one, one request at a time (the connection's lock).
+//! A request that did not end with its final frame (an error, a dropped future) leaves the
+//! connection out of step; the container then counts as gone and is destroyed, never reused.
+//!
+//! Killing one exec does not kill the container: SIGUSR1 makes the supervisor kill every
+//! process of the command's uid, and it does so after every exec anyway, so nothing of one exec
+//! outlives it. A container whose supervisor vanished (gVisor goes down whole when it runs out
+//! of memory) is gone: the exec gets its outcome, later calls a clear error.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::AsyncWrite;
+
+use super::container::ContainerPlan;
+use super::engine::{Attached, OutputStream};
+use super::pool::{ContainerGuard, WarmContainer};
+use super::supervisor::{self, FileOp, Frame, FrameDecoder};
+use super::{DRAIN_GRACE, DockerSandbox, KILL_TIMEOUT, PumpEnd, deliver, pump, short};
+use crate::sandbox::capture::OutputCapture;
+use crate::sandbox::files::{Entry, FileError, Kept};
+use crate::sandbox::run::{self, Ending, Waited};
+use crate::sandbox::{ExitKind, KilledReason, RunOutcome, RunSpec, SandboxError};
+
+/// How long one file call may take the supervisor (a 16 MiB file is well under a second).
+const FILE_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes of a listing the daemon takes (a workspace holds at most its inode limit of entries).
+const MAX_LISTING: u64 = 64 << 20;
+
+/// The attach connection of a kept container, and whether it is in step with the supervisor.
+struct Channel {
+    input: std::pin::Pin<Box<dyn AsyncWrite + Send>>,
+    output: OutputStream,
+    decoder: FrameDecoder,
+    /// False from the start of a request until its final frame is read.
+    in_step: bool,
+}
+
+/// A session's container.
+pub struct KeptContainer {
+    id: String,
+    pid: Option<u32>,
+    channel: tokio::sync::Mutex<Channel>,
+    gone: Mutex<Option<String>>,
+    /// Destroys the container (and its disk volume) when dropped: at [`Kept::close`], else
+    /// with the last handle.
+    guard: Mutex<Option<ContainerGuard>>,
+}
+
+impl KeptContainer {
+    fn mark_gone(&self, why: &str) {
+        let mut g = self.gone.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            tracing::warn!(container = %short(&self.id), why, "a session's container is gone");
+            *g = Some(why.to_string());
+        }
+    }
+
+    /// The connection for one request: none while an exec runs, or once the container is gone.
+    fn take_channel(&self) -> Result<tokio::sync::MutexGuard<'_, Channel>, FileError> {
+        if let Some(why) = self.gone() {
+            return Err(FileError::Io(format!("the session's sandbox is gone: {why}")));
+        }
+        let ch = self.channel.try_lock().map_err(|_| {
+            FileError::Busy("the session is running an exec; its files can be reached when it ends".into())
+        })?;
+        if !ch.in_step {
+            self.mark_gone("an earlier call to its supervisor did not finish");
+            return Err(FileError::Io("the session's sandbox is gone".into()));
+        }
+        Ok(ch)
+    }
+
+    /// One file call: the request, then data frames up to the verdict.
+    async fn file_call(self: Arc<Self>, path: String, op: FileOp<'_>) -> Result<Vec<u8>, FileError> {
+        let request = supervisor::encode_file_request(&path, op)
+            .map_err(|e| FileError::InvalidPath(e.to_string()))?;
+        let limit = match op {
+            FileOp::Get(max) => max.saturating_add(1),
+            _ => MAX_LISTING,
+        };
+        let mut ch = self.take_channel()?;
+        ch.in_step = false;
+        let Channel {
+            input,
+            output,
+            decoder,
+            in_step,
+        } = &mut *ch;
+        let call = async {
+            deliver(input, &request)
+                .await
+                .map_err(|e| FileError::Io(e.to_string()))?;
+            let mut data = Vec::new();
+            loop {
+                match decoder.next_frame() {
+                    Ok(Some(Frame::Stdout(b))) => {
+                        if data.len() as u64 + b.len() as u64 > limit {
+                            return Err(FileError::Io("the answer is larger than asked".into()));
+                        }
+                        data.extend_from_slice(&b);
+                        continue;
+                    }
+                    Ok(Some(Frame::Result(verdict))) => return Ok((data, verdict)),
+                    Ok(Some(Frame::Failed(m))) => return Err(FileError::Io(m)),
+                    Ok(Some(other)) => {
+                        return Err(FileError::Io(format!("unexpected supervisor frame {other:?}")));
+                    }
+                    Ok(None) => {}
+                    Err(e) => return Err(FileError::Io(format!("corrupt supervisor stream: {e}"))),
+                }
+                use futures::StreamExt;
+                match output.next().await {
+                    Some(Ok(super::engine::Output::Stdout(chunk))) => decoder.push(&chunk),
+                    Some(Ok(super::engine::Output::Stderr(_))) => {}
+                    Some(Err(e)) => return Err(FileError::Io(e.to_string())),
+                    None => return Err(FileError::Io("the sandbox ended".into())),
+                }
+            }
+        };
+        let (data, verdict) = match tokio::time::timeout(FILE_CALL_TIMEOUT, call).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => {
+                drop(ch);
+                self.mark_gone(&e.to_string());
+                return Err(e);
+            }
+            Err(_) => {
+                drop(ch);
+                self.mark_gone("its supervisor did not answer a file call in time");
+                return Err(FileError::Io("the session's sandbox did not answer in time".into()));
+            }
+        };
+        *in_step = true;
+        drop(ch);
+        verdict_of(&path, &verdict, op).map(|()| data)
+    }
+
+    /// A file call on a task of its own: a caller that goes away cannot leave the connection
+    /// half way through an answer.
+    async fn call(self: &Arc<Self>, path: &str, op: OwnedOp) -> Result<Vec<u8>, FileError> {
+        let me = self.clone();
+        let path = path.to_string();
+        tokio::spawn(async move {
+            match &op {
+                OwnedOp::Put(b) => me.file_call(path, FileOp::Put(b)).await,
+                OwnedOp::Get(max) => me.file_call(path, FileOp::Get(*max)).await,
+                OwnedOp::List => me.file_call(path, FileOp::List).await,
+                OwnedOp::Dir => me.file_call(path, FileOp::Dir).await,
+            }
+        })
+        .await
+        .map_err(|e| FileError::Io(e.to_string()))?
+    }
+}
+
+/// [`FileOp`] with its bytes owned, to move onto a task.
+enum OwnedOp {
+    Put(Vec<u8>),
+    Get(u64),
+    List,
+    Dir,
+}
+
+/// The supervisor's verdict `ok` | `err CODE SIZE MESSAGE` as the files API's error.
+fn verdict_of(path: &str, verdict: &str, op: FileOp<'_>) -> Result<(), FileError> {
+    if verdict == "ok" {
+        return Ok(());
+    }
+    let mut it = verdict.splitn(4, ' ');
+    let (_, code, size, msg) = (it.next(), it.next(), it.next(), it.next().unwrap_or(""));
+    let p = if path.is_empty() { "." } else { path };
+    Err(match code.unwrap_or("io") {
+        "notfound" => FileError::NotFound(p.to_string()),
+        "notfile" => FileError::NotAFile(format!(
+            "{p}: a symbolic link, a non-directory on the way or not a regular file; it is not followed ({msg})"
+        )),
+        "toolarge" => FileError::TooLarge {
+            path: p.to_string(),
+            size: size.and_then(|s| s.parse().ok()).unwrap_or(0),
+            max: match op {
+                FileOp::Get(max) => max,
+                _ => 0,
+            },
+        },
+        "nospace" => FileError::NoSpace,
+        "invalid" => FileError::InvalidPath(format!("path '{}' {msg}", p.escape_debug())),
+        _ => FileError::Io(format!("{p}: {msg}")),
+    })
+}
+
+/// A listing's records `T SIZE NAME\0`, sorted by name.
+fn entries(data: &[u8]) -> Result<Vec<Entry>, FileError> {
+    let mut out = Vec::new();
+    for rec in data.split(|b| *b == 0).filter(|r| !r.is_empty()) {
+        let text = String::from_utf8_lossy(rec);
+        let mut it = text.splitn(3, ' ');
+        let (Some(t), Some(size), Some(name)) = (it.next(), it.next(), it.next()) else {
+            return Err(FileError::Io("corrupt listing".into()));
+        };
+        out.push(Entry {
+            name: name.to_string(),
+            kind: match t {
+                "f" => "file",
+                "d" => "dir",
+                "l" => "symlink",
+                _ => "other",
+            },
+            size: size.parse().unwrap_or(0),
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+#[async_trait::async_trait]
+impl Kept for Arc<KeptContainer> {
+    fn name(&self) -> String {
+        short(&self.id).to_string()
+    }
+
+    fn gone(&self) -> Option<String> {
+        self.gone.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    async fn write_file(&self, rel: &str, bytes: Vec<u8>) -> Result<(), FileError> {
+        self.call(rel, OwnedOp::Put(bytes)).await.map(drop)
+    }
+
+    async fn read_file(&self, rel: &str, max: u64) -> Result<Vec<u8>, FileError> {
+        self.call(rel, OwnedOp::Get(max)).await
+    }
+
+    async fn list(&self, rel: &str) -> Result<Vec<Entry>, FileError> {
+        entries(&self.call(rel, OwnedOp::List).await?)
+    }
+
+    async fn is_dir(&self, rel: &str) -> Result<(), FileError> {
+        self.call(rel, OwnedOp::Dir).await.map(drop)
+    }
+
+    async fn close(&self) {
+        {
+            let mut g = self.gone.lock().unwrap_or_else(|p| p.into_inner());
+            g.get_or_insert_with(|| "the session ended".to_string());
+        }
+        let guard = self.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(guard);
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl KeptContainer {
+    fn gone(&self) -> Option<String> {
+        self.gone.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl DockerSandbox {
+    /// A container for session `session_id`, from the warm pool when it has one of this shape.
+    pub(super) async fn open_kept(
+        &self,
+        spec: &RunSpec,
+        session_id: &str,
+    ) -> Result<Arc<dyn Kept>, SandboxError> {
+        let plan = ContainerPlan::new(spec, self.kind, &self.default_image, true)?;
+        if let Some(why) = self.runtime_refusal().await {
+            return Err(SandboxError::Unavailable(why));
+        }
+        let (warm, pooled) = self.container_for(&plan, session_id).await?;
+        let WarmContainer {
+            attached: Attached { input, output },
+            guard,
+            pid,
+            socket_dir: _,
+        } = warm;
+        tracing::info!(session_id, container = %short(guard.id()), pooled, backend = self.kind.as_str(), "session container assigned");
+        let kept = Arc::new(KeptContainer {
+            id: guard.id().to_string(),
+            pid,
+            channel: tokio::sync::Mutex::new(Channel {
+                input,
+                output,
+                decoder: FrameDecoder::default(),
+                in_step: true,
+            }),
+            gone: Mutex::new(None),
+            guard: Mutex::new(Some(guard)),
+        });
+        Ok(Arc::new(kept))
+    }
+
+    /// Runs one exec of a session in its kept container.
+    pub(super) async fn run_kept(
+        &self,
+        kept: &dyn Kept,
+        spec: RunSpec,
+    ) -> Result<RunOutcome, SandboxError> {
+        let kept = kept
+            .as_any()
+            .downcast_ref::<Arc<KeptContainer>>()
+            .ok_or_else(|| SandboxError::Setup("the session's sandbox is not a container".into()))?
+            .clone();
+        if let Some(why) = kept.gone() {
+            return Err(SandboxError::Unavailable(format!(
+                "the session's sandbox is gone: {why}"
+            )));
+        }
+        let code = spec
+            .code
+            .as_ref()
+            .map(|c| (c.path.to_string_lossy().into_owned(), c.bytes.clone()));
+        let request = supervisor::encode_request(
+            &spec,
+            None,
+            code.as_ref().map(|(p, b)| (p.as_str(), &b[..])),
+        )?;
+        drop(code);
+        // One exec at a time is the session's rule; a file call in progress is waited for.
+        let mut ch = tokio::time::timeout(FILE_CALL_TIMEOUT, kept.channel.lock())
+            .await
+            .map_err(|_| SandboxError::Setup("the session's sandbox stayed busy".into()))?;
+        if !ch.in_step {
+            kept.mark_gone("an earlier call to its supervisor did not finish");
+            return Err(SandboxError::Unavailable("the session's sandbox is gone".into()));
+        }
+        ch.in_step = false;
+        let id = kept.id.clone();
+        let Channel {
+            input,
+            output: attached_out,
+            decoder,
+            in_step,
+        } = &mut *ch;
+
+        let (out_w, out_r) = tokio::io::duplex(64 * 1024);
+        let (err_w, err_r) = tokio::io::duplex(64 * 1024);
+        let mut output = OutputCapture::start(
+            out_r,
+            err_r,
+            spec.limits.output_bytes,
+            spec.limits.on_overflow,
+            spec.output_tap.clone(),
+        );
+        let start = Instant::now();
+        let mut relay = Box::pin(async {
+            match deliver(input, &request).await {
+                Ok(()) => pump(attached_out, decoder, out_w, err_w).await,
+                Err(e) => PumpEnd {
+                    undelivered: true,
+                    error: Some(e),
+                    ..PumpEnd::default()
+                },
+            }
+        });
+        let terminate = || async {
+            match tokio::time::timeout(KILL_TIMEOUT, self.engine().terminate(&id)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(exec_id = %spec.exec_id, container = %id, error = %e, "SIGTERM before the stop's grace failed")
+                }
+                Err(_) => {
+                    tracing::warn!(exec_id = %spec.exec_id, container = %id, "the engine did not confirm the SIGTERM in time")
+                }
+            }
+        };
+        let waited = run::wait(
+            &mut relay,
+            spec.limits.timeout,
+            spec.stop.as_ref(),
+            &mut output,
+            terminate,
+        )
+        .await;
+        let (mut killed, end) = match waited {
+            Waited::Ended(end) => (None, Some(end)),
+            Waited::EndedOnStop(end, reason) => (Some(reason), Some(end)),
+            Waited::Kill(reason) => (Some(reason), None),
+        };
+        let duration = start.elapsed();
+        let end = match end {
+            Some(end) => end,
+            None => {
+                // Every process of the exec is killed by the supervisor, which then reports; the
+                // container stays. One that does not report in time is killed whole.
+                let signalled =
+                    tokio::time::timeout(KILL_TIMEOUT, self.engine().kill_command(&id)).await;
+                if !matches!(signalled, Ok(Ok(()))) {
+                    tracing::warn!(exec_id = %spec.exec_id, container = %id, "the exec's kill signal was not confirmed");
+                }
+                match tokio::time::timeout(KILL_TIMEOUT, &mut relay).await {
+                    Ok(end) => end,
+                    Err(_) => {
+                        kept.mark_gone("its supervisor did not report after killing an exec");
+                        let _ = self.stop(&id, kept.pid).await;
+                        tokio::time::timeout(DRAIN_GRACE, &mut relay)
+                            .await
+                            .unwrap_or_default()
+                    }
+                }
+            }
+        };
+        drop(relay);
+        let captured = output.drain().await;
+        let report = match end.report {
+            Some(Frame::Exit(r)) => {
+                *in_step = true;
+                Some(r)
+            }
+            Some(Frame::Deadline(_)) => {
+                *in_step = true;
+                killed = killed.or(Some(KilledReason::Timeout));
+                None
+            }
+            Some(Frame::Failed(m)) => {
+                *in_step = true;
+                if killed.is_none() {
+                    return Err(SandboxError::Setup(m));
+                }
+                None
+            }
+            Some(other) => {
+                kept.mark_gone(&format!("unexpected supervisor frame {other:?}"));
+                None
+            }
+            None => {
+                if end.undelivered && killed.is_none() {
+                    kept.mark_gone("its supervisor could not be reached");
+                    return Err(SandboxError::Unavailable(format!(
+                        "the session's sandbox container {} is gone: {}",
+                        short(&id),
+                        end.error.map(|e| e.to_string()).unwrap_or_default()
+                    )));
+                }
+                // The supervisor vanished: the container went down under the exec (gVisor out of
+                // memory, the engine killed it). The exec's outcome says how; the session's
+                // sandbox is gone.
+                let why = match self.oom_verdict(&id).await {
+                    Ok(true) => "it ran out of memory",
+                    _ => "it stopped during an exec",
+                };
+                kept.mark_gone(why);
+                None
+            }
+        };
+        drop(ch);
+        let gone_oom = report.is_none()
+            && kept
+                .gone()
+                .is_some_and(|w| w.contains("out of memory"));
+        let ending = Ending {
+            exit: report.as_ref().map(|r| r.exit).unwrap_or(ExitKind::Killed),
+            killed,
+            oom: gone_oom || report.as_ref().and_then(|r| r.oom_kills).unwrap_or(0) > 0,
+            pids_max_hits: report.as_ref().and_then(|r| r.pids_max_hits).unwrap_or(0),
+            peak_memory_kib: report.as_ref().and_then(|r| r.peak_memory_kib),
+            stdin_broken_pipe: report.as_ref().is_some_and(|r| r.stdin_broken_pipe),
+        };
+        Ok(RunOutcome::assemble(ending, captured, duration, Vec::new()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts_become_the_files_api_errors() {
+        assert_eq!(verdict_of("a", "ok", FileOp::List), Ok(()));
+        assert_eq!(
+            verdict_of("a/b", "err notfound 0 b: No such file", FileOp::Get(9)),
+            Err(FileError::NotFound("a/b".into()))
+        );
+        assert!(matches!(
+            verdict_of("l", "err notfile 0 l: Too many levels of symbolic links", FileOp::Get(9)),
+            Err(FileError::NotAFile(m)) if m.contains("not followed")
+        ));
+        assert_eq!(
+            verdict_of("big", "err toolarge 12 too large", FileOp::Get(9)),
+            Err(FileError::TooLarge {
+                path: "big".into(),
+                size: 12,
+                max: 9
+            })
+        );
+        assert_eq!(
+            verdict_of("f", "err nospace 0 write: No space left", FileOp::List),
+            Err(FileError::NoSpace)
+        );
+        assert!(matches!(verdict_of("f", "garbage", FileOp::List), Err(FileError::Io(_))));
+    }
+
+    #[test]
+    fn listings_are_parsed_and_sorted() {
+        let l = entries(b"f 3 b.txt\0d 4096 a dir\0l 11 link\0o 0 fifo\0").unwrap();
+        let names: Vec<_> = l.iter().map(|e| (e.name.as_str(), e.kind, e.size)).collect();
+        assert_eq!(
+            names,
+            [
+                ("a dir", "dir", 4096),
+                ("b.txt", "file", 3),
+                ("fifo", "other", 0),
+                ("link", "symlink", 11)
+            ]
+        );
+        assert!(entries(b"f\0").is_err());
+    }
+}

@@ -1,0 +1,248 @@
+//! Sessions on the docker (runc) and gvisor (runsc) backends, through a real daemon and the real
+//! engine: one container per session kept for its life, every exec started in it by the
+//! supervisor, the workspace inside it, files through the supervisor, and nothing left behind.
+//!
+//! Needs dockerd with both runtimes and the sandbox image (the test command sets them up); the
+//! tests never skip.
+
+mod common;
+
+use std::time::Duration;
+
+use common::docker::{
+    SOCKET, config, docker_ps, finish, instance_of, one_at_a_time, require_docker, volumes,
+    wait_until,
+};
+use common::sessions::{SandboxClient, koder, new_session};
+use common::{Daemon, Opts};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+const RUNTIMES: [(&str, &str); 2] = [("runc", "docker"), ("gvisor", "gvisor")];
+
+fn start(runtime: &str) -> Daemon {
+    Daemon::start_with(Opts {
+        env: vec![("SANDBOX_RUNTIME".into(), runtime.into())],
+        config: Some(config(1, SOCKET)),
+        ..Default::default()
+    })
+}
+
+/// The containers of a daemon that serve a session (named after it).
+fn session_containers(d: &Daemon, session: &str) -> Vec<String> {
+    docker_ps(&[
+        format!("label=executor-arm.instance={}", instance_of(d)),
+        format!("name=executor-arm-{session}"),
+    ])
+}
+
+async fn run(c: &SandboxClient<'_>, id: &str, code: &str) -> Value {
+    let r = c.exec(id, json!({"code": code, "timeout_ms": 60000})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    r.json
+}
+
+fn path(id: &str, rest: &str) -> String {
+    format!("/v1/sandbox/sessions/{id}/{rest}")
+}
+
+/// Processes inside the sandbox whose command line contains `needle`, seen from an exec of the
+/// session (gVisor's processes are not host processes).
+const PS: &str = "import os,sys\nn=0\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        try:\n            c=open('/proc/%s/cmdline'%p,'rb').read()\n        except OSError:\n            continue\n        if sys.argv[0] and b'NEEDLE' in c: n+=1\nprint(n)";
+
+/// The seed's calls on a kept container: a python session runs code, keeps its files across
+/// execs in the same container, starts in `cwd`, moves files in and out byte-exact, refuses
+/// symlinks and escapes, and leaves nothing of an exec behind; delete removes the container
+/// and its volume.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_keeps_one_container_with_its_files_across_execs() {
+    let _serial = one_at_a_time().await;
+    require_docker("a_session_keeps_one_container_with_its_files_across_execs");
+    for (runtime, backend) in RUNTIMES {
+        let d = start(runtime);
+        let c = koder(&d, Some("team-a"));
+        let r = c
+            .create(json!({"language": "python", "capability_token": d.cap_all()}))
+            .await;
+        assert_eq!(r.status, 201, "{runtime}: {}", r.text);
+        assert_eq!(r.json["backend"], backend, "{}", r.text);
+        let id = r.json["id"].as_str().unwrap().to_string();
+        assert_eq!(session_containers(&d, &id).len(), 1, "{runtime}: one container");
+
+        let first = run(&c, &id, "open('note.txt','w').write('kept')\nprint('wrote')").await;
+        assert_eq!(first["exit_code"], 0, "{runtime}: {first}");
+        assert_eq!(first["stdout"], "wrote\n");
+        for field in ["exec_id", "stderr", "stdout_truncated", "stderr_truncated", "duration_ms", "oom", "killed_reason", "outcome", "provenance"] {
+            assert!(first.get(field).is_some(), "{runtime}: {field} missing: {first}");
+        }
+        assert_eq!(first["provenance"]["session_id"], id.as_str());
+        let second = run(&c, &id, "import os\nprint(open('note.txt').read(), os.getcwd(), os.environ['HOME'])").await;
+        assert_eq!(second["stdout"], "kept /workspace /workspace\n", "{runtime}: {second}");
+        let ids = session_containers(&d, &id);
+        assert_eq!(ids.len(), 1, "{runtime}: still the one container");
+
+        // Nothing of an exec outlives it, in the kept container too.
+        let bg = run(&c, &id, "import subprocess\nsubprocess.Popen(['sleep','31.75'], start_new_session=True)\nprint('started')").await;
+        assert_eq!(bg["stdout"], "started\n", "{runtime}: {bg}");
+        let ps = run(&c, &id, &PS.replace("NEEDLE", "31.75")).await;
+        assert_eq!(ps["stdout"], "0\n", "{runtime}: a process outlived its exec");
+
+        // cwd: inside the workspace only, through directories only.
+        run(&c, &id, "import os\nos.makedirs('sub/deeper')\nos.symlink('/etc','etc-link')").await;
+        let r = c.exec(&id, json!({"code": "import os\nprint(os.getcwd())", "cwd": "sub/deeper"})).await;
+        assert_eq!(r.json["stdout"], "/workspace/sub/deeper\n", "{runtime}: {}", r.text);
+        let r = c.exec(&id, json!({"code": "import os\nprint(os.getcwd())", "cwd": "/workspace/sub"})).await;
+        assert_eq!(r.json["stdout"], "/workspace/sub\n", "{runtime}: {}", r.text);
+        for bad in ["../x", "/etc", "sub/../..", "missing", "etc-link", "note.txt"] {
+            let r = c.exec(&id, json!({"code": "print(1)", "cwd": bad})).await;
+            assert_eq!(r.status, 400, "{runtime}: cwd {bad}: {}", r.text);
+        }
+
+        // Files: a 1 MiB binary goes in and is read by an exec; what an exec writes comes out.
+        let blob: Vec<u8> = (0..(1u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        let put = c.call("PUT", &path(&id, "files/in/blob.bin"), Some(blob.clone())).await;
+        assert_eq!(put.status, 204, "{runtime}: {}", put.text);
+        let digest = run(&c, &id, "import hashlib\nprint(hashlib.sha256(open('in/blob.bin','rb').read()).hexdigest())").await;
+        assert_eq!(digest["stdout"].as_str().unwrap().trim(), hex::encode(Sha256::digest(&blob)), "{runtime}");
+        run(&c, &id, "open('out.bin','wb').write(bytes(range(256))*4096)").await;
+        let got = c.call("GET", &path(&id, "files/out.bin"), None).await;
+        assert_eq!(got.status, 200, "{runtime}: {}", got.text);
+        assert_eq!(got.bytes, (0..=255u8).collect::<Vec<u8>>().repeat(4096), "{runtime}: byte-exact");
+        let list = c.call("GET", &path(&id, "files?path=in"), None).await;
+        assert_eq!(list.status, 200, "{}", list.text);
+        assert_eq!(list.json["entries"][0]["name"], "blob.bin", "{}", list.text);
+        assert_eq!(list.json["entries"][0]["size"], 1 << 20);
+
+        // A symlink the sandbox planted is never followed.
+        run(&c, &id, "import os\nos.symlink('/etc/shadow','leak')\nos.symlink('/etc','etc')").await;
+        for p in ["files/leak", "files/etc/passwd", "files/etc-link/hostname"] {
+            let r = c.call("GET", &path(&id, p), None).await;
+            assert_eq!(r.status, 400, "{runtime}: {p}: {}", r.text);
+            assert!(!r.text.contains("root:"), "{runtime}: {p} leaked");
+        }
+        let r = c.call("PUT", &path(&id, "files/leak"), Some(b"x".to_vec())).await;
+        assert_eq!(r.status, 400, "{runtime}: writing through a symlink: {}", r.text);
+        let r = c.call("PUT", &path(&id, "files/etc/evil"), Some(b"x".to_vec())).await;
+        assert_eq!(r.status, 400, "{runtime}: writing below a symlink: {}", r.text);
+        for p in ["files/..%2Fetc%2Fpasswd", "files/%2Fetc%2Fpasswd", "files/a%2F..%2F..%2Fb"] {
+            let r = c.call("GET", &path(&id, p), None).await;
+            assert_eq!(r.status, 400, "{runtime}: {p}: {}", r.text);
+        }
+        let r = c.call("GET", &path(&id, "files/nope.txt"), None).await;
+        assert_eq!(r.status, 404, "{runtime}: {}", r.text);
+
+        // Another tenant sees nothing of it.
+        let other = koder(&d, Some("team-b"));
+        for (m, p) in [("GET", format!("/v1/sandbox/sessions/{id}")), ("GET", path(&id, "files/note.txt")), ("DELETE", format!("/v1/sandbox/sessions/{id}"))] {
+            assert_eq!(other.call(m, &p, None).await.status, 404, "{runtime}: {m} {p}");
+        }
+        assert_eq!(other.exec(&id, json!({"code": "print(1)"})).await.status, 404);
+
+        let volume_label = format!("executor-arm.instance={}", instance_of(&d));
+        let gone = c.call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None).await;
+        assert_eq!(gone.status, 204, "{}", gone.text);
+        wait_until("the session's container removed", Duration::from_secs(60), || session_containers(&d, &id).is_empty());
+        assert_eq!(c.exec(&id, json!({"code": "print(1)"})).await.status, 404);
+        // Its disk volume goes with it (the pool's idle containers keep theirs).
+        let idle = docker_ps(&[format!("label={volume_label}")]).len();
+        wait_until("only the pool's volumes left", Duration::from_secs(60), || volumes(&volume_label).len() <= idle);
+        finish(d);
+    }
+}
+
+/// Limits inside a kept container: the workspace quota is ENOSPC inside and the session goes on;
+/// a timeout, a fork bomb and an output flood kill the exec, not the session; a memory bomb is an
+/// OOM, after which the session goes on or is reported gone with a clear error; an async exec is
+/// polled and cancelled, and file calls wait their turn (409) while it runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn limits_and_cancels_end_the_exec_not_the_session() {
+    let _serial = one_at_a_time().await;
+    require_docker("limits_and_cancels_end_the_exec_not_the_session");
+    for (runtime, _) in RUNTIMES {
+        let d = start(runtime);
+        let c = koder(&d, None);
+        let r = c
+            .create(json!({"language": "bash", "capability_token": d.cap_all(), "limits": {"disk_mb": 8, "memory_mb": 256, "pids": 32}}))
+            .await;
+        assert_eq!(r.status, 201, "{runtime}: {}", r.text);
+        let id = r.json["id"].as_str().unwrap().to_string();
+        let ok = |v: &Value| v["stdout"].as_str().unwrap_or_default().trim().to_string();
+
+        let full = run(&c, &id, "head -c 12000000 /dev/zero > big; echo rc=$?; rm -f big; echo after > a.txt; cat a.txt").await;
+        assert!(ok(&full).contains("after"), "{runtime}: {full}");
+        assert!(full["stderr"].as_str().unwrap().contains("No space left"), "{runtime}: {full}");
+        run(&c, &id, "head -c 12000000 /dev/zero > big; true").await;
+        let r = c.call("PUT", &path(&id, "files/more.bin"), Some(vec![7u8; 1 << 20])).await;
+        assert_eq!(r.status, 507, "{runtime}: {}", r.text);
+        run(&c, &id, "rm -f big").await;
+
+        let t = c.exec(&id, json!({"code": "echo start; sleep 60", "timeout_ms": 1500})).await;
+        assert_eq!(t.status, 200, "{runtime}: {}", t.text);
+        assert_eq!(t.json["killed_reason"], "timeout", "{runtime}: {}", t.text);
+        assert_eq!(ok(&t.json), "start");
+        assert_eq!(ok(&run(&c, &id, "cat a.txt").await), "after", "{runtime}: alive after a timeout");
+
+        let bomb = c.exec(&id, json!({"code": "b(){ b | b & }; b; sleep 3; echo done", "timeout_ms": 8000})).await;
+        assert_eq!(bomb.status, 200, "{runtime}: {}", bomb.text);
+        assert_eq!(ok(&run(&c, &id, "cat a.txt").await), "after", "{runtime}: alive after a fork bomb");
+
+        let flood = c.exec(&id, json!({"code": "yes flood", "timeout_ms": 3000})).await;
+        assert_eq!(flood.status, 200, "{runtime}: {}", flood.text);
+        assert_eq!(flood.json["stdout_truncated"], true, "{runtime}");
+        assert_eq!(ok(&run(&c, &id, "cat a.txt").await), "after", "{runtime}: alive after a flood");
+
+        // Async, polled, busy, cancelled.
+        let a = c.exec(&id, json!({"code": "echo working; sleep 120", "async": true, "timeout_ms": 120000})).await;
+        assert_eq!(a.status, 202, "{runtime}: {}", a.text);
+        let exec_id = a.json["exec_id"].as_str().unwrap().to_string();
+        assert_eq!(c.exec(&id, json!({"code": "true"})).await.status, 409);
+        assert_eq!(c.call("GET", &path(&id, "files/a.txt"), None).await.status, 409, "{runtime}: files wait for the exec");
+        let cancel = c.call("POST", &path(&id, &format!("execs/{exec_id}/cancel")), Some(b"{}".to_vec())).await;
+        assert!(cancel.status == 202 || cancel.status == 200, "{runtime}: {}", cancel.text);
+        let mut last = Value::Null;
+        for _ in 0..100 {
+            let r = c.call("GET", &path(&id, &format!("execs/{exec_id}")), None).await;
+            last = r.json;
+            if last["status"] != "running" && last["status"] != "queued" {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(last["killed_reason"], "cancelled", "{runtime}: {last}");
+        let got = c.call("GET", &path(&id, "files/a.txt"), None).await;
+        assert_eq!(got.bytes, b"after\n", "{runtime}: files after the cancel");
+
+        // A memory bomb: the exec is an OOM; the session goes on, or says plainly it is gone.
+        let mem = c.exec(&id, json!({"code": "python3 -c 'x=[]\nwhile True: x.append(bytearray(16<<20))'", "timeout_ms": 30000})).await;
+        assert_eq!(mem.status, 200, "{runtime}: {}", mem.text);
+        assert_eq!(mem.json["oom"], true, "{runtime}: {}", mem.text);
+        let after = c.exec(&id, json!({"code": "cat a.txt"})).await;
+        match after.status {
+            200 => assert_eq!(ok(&after.json), "after", "{runtime}"),
+            404 => assert!(after.text.contains("sandbox"), "{runtime}: {}", after.text),
+            s => panic!("{runtime}: {s} {}", after.text),
+        }
+        finish(d);
+    }
+}
+
+/// A daemon killed with SIGKILL leaves its session containers; the next start removes them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restart_after_sigkill_removes_the_old_session_containers() {
+    let _serial = one_at_a_time().await;
+    require_docker("a_restart_after_sigkill_removes_the_old_session_containers");
+    let d = start("runc");
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    run(&c, &id, "open('x','w').write('1')").await;
+    let label = format!("executor-arm.instance={}", instance_of(&d));
+    assert_eq!(session_containers(&d, &id).len(), 1);
+    let mut d = d;
+    d.kill9();
+    let next = start("runc");
+    wait_until("the dead daemon's containers removed", Duration::from_secs(120), || {
+        docker_ps(&[label.clone()]).is_empty()
+    });
+    wait_until("their volumes removed", Duration::from_secs(60), || volumes(&label).is_empty());
+    finish(next);
+}
