@@ -446,7 +446,7 @@ pub(crate) mod tests {
         assert_eq!(b.working_dir.as_deref(), Some("/"));
         let ep = b.entrypoint.clone().unwrap();
         assert_eq!(ep[0], supervisor::PERL);
-        assert_eq!(&ep[3..], ["65534", "65534", "/work"]);
+        assert_eq!(&ep[3..], ["65534", "65534", "/work", "once"]);
         assert_eq!(h.runtime.as_deref(), Some("runsc"));
         assert_eq!(h.network_mode.as_deref(), Some("none"));
         assert_eq!(h.readonly_rootfs, Some(true));

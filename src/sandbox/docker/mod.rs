@@ -936,7 +936,7 @@ mod tests {
         assert_eq!((o.oom, o.killed_reason), (false, None));
         assert_eq!(
             engine.requests.lock().unwrap()[0],
-            supervisor::encode_request(&spec, None).unwrap()
+            supervisor::encode_request(&spec, None, None).unwrap()
         );
         gone(&engine).await;
     }
@@ -1058,10 +1058,10 @@ mod tests {
             (ExitKind::Killed, Some(KilledReason::Timeout))
         );
         gone(&engine).await;
-        // The request carries the timeout the supervisor enforces.
+        // The request carries the timeout the supervisor enforces (then no code, no cwd).
         let req = engine.requests.lock().unwrap().pop().unwrap();
         assert!(
-            req.ends_with(b"\x0030000"),
+            req.ends_with(b"\x0030000\x00\x00-1\x00"),
             "{:?}",
             String::from_utf8_lossy(&req)
         );

@@ -690,11 +690,12 @@ mod tests {
 
     #[test]
     fn a_request_without_a_timeout_is_refused() {
-        let mut req = encode_request(&spec(&["/bin/true"], None), None).unwrap();
-        // Drop the last header field (the timeout) and fix the length.
+        let mut req = encode_request(&spec(&["/bin/true"], None), None, None).unwrap();
+        // Drop the timeout and the fields after it (code path, code length, cwd) and fix the
+        // length.
         let len = u32::from_be_bytes(req[4..8].try_into().unwrap()) as usize;
         let header = String::from_utf8(req[8..8 + len].to_vec()).unwrap();
-        let cut = header.rsplit_once('\0').unwrap().0.to_string();
+        let cut = header.rsplitn(5, '\0').last().unwrap().to_string();
         req.truncate(4);
         req.extend_from_slice(&(cut.len() as u32).to_be_bytes());
         req.extend_from_slice(cut.as_bytes());
@@ -716,16 +717,16 @@ mod tests {
 
     #[test]
     fn requests_refuse_relative_programs_and_nul() {
-        assert!(encode_request(&spec(&["echo"], None), None).is_err());
-        assert!(encode_request(&spec(&["/bin/echo", "a\0b"], None), None).is_err());
-        assert!(encode_request(&spec(&[], None), None).is_err());
+        assert!(encode_request(&spec(&["echo"], None), None, None).is_err());
+        assert!(encode_request(&spec(&["/bin/echo", "a\0b"], None), None, None).is_err());
+        assert!(encode_request(&spec(&[], None), None, None).is_err());
         let echo = spec(&["/bin/echo"], None);
         for bad in [(0, "/s"), (3128, "relative"), (3128, "/a\0b")] {
             let r = Relay {
                 port: bad.0,
                 socket: bad.1.into(),
             };
-            assert!(encode_request(&echo, Some(&r)).is_err(), "{bad:?}");
+            assert!(encode_request(&echo, Some(&r), None).is_err(), "{bad:?}");
         }
     }
 }
