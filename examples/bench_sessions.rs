@@ -1,4 +1,4 @@
-//! Benchmark: sessions on the local backend.
+//! Benchmark: sessions on one backend (`BACKEND`: local, runc or gvisor; default local).
 //!
 //! 1. Exec latency: `print(1)` as an exec in a warm python session against `/execute` of
 //!    `python3 -c 'print(1)'` (the same-run baseline), interleaved in blocks of 25 so load changes
@@ -6,8 +6,12 @@
 //! 2. Session create: `POST /v1/sandbox/sessions` (each deleted again outside the timing), against
 //!    the same `/execute` as a reference.
 //!
-//! Run: `scripts/bench-sessions.sh` (builds release and runs this as root). Prints p50/p95/p99
-//! and the ratios.
+//! On docker and gVisor every `/execute` and every create waits first until the warm pool is full
+//! again (the "warm" figures: what a caller sees when requests do not outrun the refills); a
+//! session's exec never takes a container (it runs in the session's own).
+//!
+//! Run: `scripts/bench-sessions.sh [local|runc|gvisor]` (builds release and runs this as root).
+//! Prints p50/p95/p99 and the ratios.
 
 use std::time::Instant;
 
@@ -15,6 +19,8 @@ use executor_arm::config::TokenKind;
 
 mod support;
 
+/// Samples per series on the local backend; the container backends take half (each of their
+/// `/execute` samples waits for a refill).
 const N: usize = 200;
 const BLOCK: usize = 25;
 const WARMUP: usize = 10;
@@ -34,11 +40,47 @@ fn summary(name: &str, mut v: Vec<f64>) -> f64 {
     p50
 }
 
+/// Idle warm containers of the python profile, from `/metrics` (all keys: the `/execute` one
+/// and the session one).
+async fn pool_idle(client: &reqwest::Client, base: &str) -> u64 {
+    let text = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics body");
+    text.lines()
+        .filter(|l| {
+            l.starts_with("executor_pool_idle_containers{") && l.contains("profile=\"python\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Waits until the python profile's pools hold `n` idle containers (at most 60 s).
+async fn wait_pool(client: &reqwest::Client, base: &str, n: u64) {
+    let until = Instant::now() + std::time::Duration::from_secs(60);
+    while pool_idle(client, base).await < n && Instant::now() < until {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
+    let backend = std::env::var("BACKEND").unwrap_or_else(|_| "local".into());
+    let containers = backend != "local";
     let sessions_dir = tempfile::tempdir().expect("tempdir");
     let dir = sessions_dir.path().to_string_lossy().into_owned();
-    let d = support::Daemon::start(&[("EXECUTOR_ARM_SESSIONS_DIR", dir.as_str())]);
+    let mut env = vec![("EXECUTOR_ARM_SESSIONS_DIR", dir.as_str())];
+    if containers {
+        env.push(("SANDBOX_RUNTIME", backend.as_str()));
+    }
+    let d = support::Daemon::start(&env);
+    let n = if containers { N / 2 } else { N };
+    // Both pools (the /execute key and the session key) at the default pool_size of 2.
+    let full = 4;
     let base = format!("http://{}", d.addr);
     let svc = format!("Bearer {}", d.mint(TokenKind::Service, &[]));
     let cap = d.mint(TokenKind::Capability, &["PythonExecute"]);
@@ -88,6 +130,9 @@ async fn main() {
     let execute_body = serde_json::json!({"action_type": "python", "command": "python3",
         "args": ["-c", "print(1)"], "capability_token": cap});
     let execute_once = || async {
+        if containers {
+            wait_pool(&client, &base, full).await;
+        }
         let t = Instant::now();
         let r = post("/execute".into(), execute_body.clone())
             .await
@@ -101,7 +146,7 @@ async fn main() {
         execute_once().await;
     }
     let (mut in_session, mut execute) = (Vec::new(), Vec::new());
-    for _ in 0..N / BLOCK {
+    for _ in 0..n / BLOCK {
         for _ in 0..BLOCK {
             in_session.push(exec_once().await);
         }
@@ -112,13 +157,23 @@ async fn main() {
     delete(session).await;
     let mut creates = Vec::new();
     for _ in 0..CREATES {
+        if containers {
+            wait_pool(&client, &base, full).await;
+        }
         let t = Instant::now();
         let id = create().await;
         creates.push(t.elapsed().as_secs_f64() * 1000.0);
         delete(id).await;
     }
 
-    println!("backend local, {N} each, interleaved in blocks of {BLOCK}");
+    println!(
+        "backend {backend}, {n} each, interleaved in blocks of {BLOCK}{}",
+        if containers {
+            "; every /execute and create waits for a full warm pool"
+        } else {
+            ""
+        }
+    );
     let a = summary("exec print(1) in a warm python session", in_session);
     let b = summary("/execute python3 -c 'print(1)' (baseline)", execute);
     println!("ratio session exec / execute p50: {:.2}", a / b);

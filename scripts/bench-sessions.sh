@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Sessions benchmark (local backend): an exec of print(1) in a warm python session against
-# /execute of python3 -c 'print(1)' in the same run, and session creation. Needs root.
+# Sessions benchmark on one backend (local [default], runc or gvisor): an exec of print(1) in a
+# warm python session against /execute of python3 -c 'print(1)' in the same run, and session
+# creation. Needs root; runc and gvisor need dockerd and the sandbox image
+# (scripts/setup-docker.sh, scripts/build-sandbox-image.sh).
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --bin executor-arm --example bench_sessions
-target/release/examples/bench_sessions
+BACKEND="${1:-local}" target/release/examples/bench_sessions

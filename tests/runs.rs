@@ -57,15 +57,7 @@ async fn cancel(d: &Daemon, exec_id: &str, service: &str, body: &str) -> Resp {
 }
 
 async fn read(r: reqwest::Response) -> Resp {
-    let status = r.status().as_u16();
-    let headers = r.headers().clone();
-    let text = r.text().await.unwrap_or_default();
-    Resp {
-        status,
-        headers,
-        json: serde_json::from_str(&text).unwrap_or(Value::Null),
-        text,
-    }
+    Daemon::read(r).await
 }
 
 /// Polls `GET /v1/executions/{exec_id}` until the run finished (bounded).

@@ -67,17 +67,47 @@ async fn a_session_keeps_one_container_with_its_files_across_execs() {
         assert_eq!(r.status, 201, "{runtime}: {}", r.text);
         assert_eq!(r.json["backend"], backend, "{}", r.text);
         let id = r.json["id"].as_str().unwrap().to_string();
-        assert_eq!(session_containers(&d, &id).len(), 1, "{runtime}: one container");
+        assert_eq!(
+            session_containers(&d, &id).len(),
+            1,
+            "{runtime}: one container"
+        );
 
-        let first = run(&c, &id, "open('note.txt','w').write('kept')\nprint('wrote')").await;
+        let first = run(
+            &c,
+            &id,
+            "open('note.txt','w').write('kept')\nprint('wrote')",
+        )
+        .await;
         assert_eq!(first["exit_code"], 0, "{runtime}: {first}");
         assert_eq!(first["stdout"], "wrote\n");
-        for field in ["exec_id", "stderr", "stdout_truncated", "stderr_truncated", "duration_ms", "oom", "killed_reason", "outcome", "provenance"] {
-            assert!(first.get(field).is_some(), "{runtime}: {field} missing: {first}");
+        for field in [
+            "exec_id",
+            "stderr",
+            "stdout_truncated",
+            "stderr_truncated",
+            "duration_ms",
+            "oom",
+            "killed_reason",
+            "outcome",
+            "provenance",
+        ] {
+            assert!(
+                first.get(field).is_some(),
+                "{runtime}: {field} missing: {first}"
+            );
         }
         assert_eq!(first["provenance"]["session_id"], id.as_str());
-        let second = run(&c, &id, "import os\nprint(open('note.txt').read(), os.getcwd(), os.environ['HOME'])").await;
-        assert_eq!(second["stdout"], "kept /workspace /workspace\n", "{runtime}: {second}");
+        let second = run(
+            &c,
+            &id,
+            "import os\nprint(open('note.txt').read(), os.getcwd(), os.environ['HOME'])",
+        )
+        .await;
+        assert_eq!(
+            second["stdout"], "kept /workspace /workspace\n",
+            "{runtime}: {second}"
+        );
         let ids = session_containers(&d, &id);
         assert_eq!(ids.len(), 1, "{runtime}: still the one container");
 
@@ -85,46 +115,122 @@ async fn a_session_keeps_one_container_with_its_files_across_execs() {
         let bg = run(&c, &id, "import subprocess\nsubprocess.Popen(['sleep','31.75'], start_new_session=True)\nprint('started')").await;
         assert_eq!(bg["stdout"], "started\n", "{runtime}: {bg}");
         let ps = run(&c, &id, &PS.replace("NEEDLE", "31.75")).await;
-        assert_eq!(ps["stdout"], "0\n", "{runtime}: a process outlived its exec");
+        assert_eq!(
+            ps["stdout"], "0\n",
+            "{runtime}: a process outlived its exec"
+        );
 
         // cwd: inside the workspace only, through directories only.
-        run(&c, &id, "import os\nos.makedirs('sub/deeper')\nos.symlink('/etc','etc-link')").await;
-        let r = c.exec(&id, json!({"code": "import os\nprint(os.getcwd())", "cwd": "sub/deeper"})).await;
-        assert_eq!(r.json["stdout"], "/workspace/sub/deeper\n", "{runtime}: {}", r.text);
-        let r = c.exec(&id, json!({"code": "import os\nprint(os.getcwd())", "cwd": "/workspace/sub"})).await;
-        assert_eq!(r.json["stdout"], "/workspace/sub\n", "{runtime}: {}", r.text);
-        for bad in ["../x", "/etc", "sub/../..", "missing", "etc-link", "note.txt"] {
+        run(
+            &c,
+            &id,
+            "import os\nos.makedirs('sub/deeper')\nos.symlink('/etc','etc-link')",
+        )
+        .await;
+        let r = c
+            .exec(
+                &id,
+                json!({"code": "import os\nprint(os.getcwd())", "cwd": "sub/deeper"}),
+            )
+            .await;
+        assert_eq!(
+            r.json["stdout"], "/workspace/sub/deeper\n",
+            "{runtime}: {}",
+            r.text
+        );
+        let r = c
+            .exec(
+                &id,
+                json!({"code": "import os\nprint(os.getcwd())", "cwd": "/workspace/sub"}),
+            )
+            .await;
+        assert_eq!(
+            r.json["stdout"], "/workspace/sub\n",
+            "{runtime}: {}",
+            r.text
+        );
+        for bad in [
+            "../x",
+            "/etc",
+            "sub/../..",
+            "missing",
+            "etc-link",
+            "note.txt",
+        ] {
             let r = c.exec(&id, json!({"code": "print(1)", "cwd": bad})).await;
             assert_eq!(r.status, 400, "{runtime}: cwd {bad}: {}", r.text);
         }
 
         // Files: a 1 MiB binary goes in and is read by an exec; what an exec writes comes out.
-        let blob: Vec<u8> = (0..(1u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
-        let put = c.call("PUT", &path(&id, "files/in/blob.bin"), Some(blob.clone())).await;
+        let blob: Vec<u8> = (0..(1u32 << 20))
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        let put = c
+            .call("PUT", &path(&id, "files/in/blob.bin"), Some(blob.clone()))
+            .await;
         assert_eq!(put.status, 204, "{runtime}: {}", put.text);
-        let digest = run(&c, &id, "import hashlib\nprint(hashlib.sha256(open('in/blob.bin','rb').read()).hexdigest())").await;
-        assert_eq!(digest["stdout"].as_str().unwrap().trim(), hex::encode(Sha256::digest(&blob)), "{runtime}");
-        run(&c, &id, "open('out.bin','wb').write(bytes(range(256))*4096)").await;
+        let digest = run(
+            &c,
+            &id,
+            "import hashlib\nprint(hashlib.sha256(open('in/blob.bin','rb').read()).hexdigest())",
+        )
+        .await;
+        assert_eq!(
+            digest["stdout"].as_str().unwrap().trim(),
+            hex::encode(Sha256::digest(&blob)),
+            "{runtime}"
+        );
+        run(
+            &c,
+            &id,
+            "open('out.bin','wb').write(bytes(range(256))*4096)",
+        )
+        .await;
         let got = c.call("GET", &path(&id, "files/out.bin"), None).await;
         assert_eq!(got.status, 200, "{runtime}: {}", got.text);
-        assert_eq!(got.bytes, (0..=255u8).collect::<Vec<u8>>().repeat(4096), "{runtime}: byte-exact");
+        assert_eq!(
+            got.bytes,
+            (0..=255u8).collect::<Vec<u8>>().repeat(4096),
+            "{runtime}: byte-exact"
+        );
         let list = c.call("GET", &path(&id, "files?path=in"), None).await;
         assert_eq!(list.status, 200, "{}", list.text);
         assert_eq!(list.json["entries"][0]["name"], "blob.bin", "{}", list.text);
         assert_eq!(list.json["entries"][0]["size"], 1 << 20);
 
         // A symlink the sandbox planted is never followed.
-        run(&c, &id, "import os\nos.symlink('/etc/shadow','leak')\nos.symlink('/etc','etc')").await;
+        run(
+            &c,
+            &id,
+            "import os\nos.symlink('/etc/shadow','leak')\nos.symlink('/etc','etc')",
+        )
+        .await;
         for p in ["files/leak", "files/etc/passwd", "files/etc-link/hostname"] {
             let r = c.call("GET", &path(&id, p), None).await;
             assert_eq!(r.status, 400, "{runtime}: {p}: {}", r.text);
             assert!(!r.text.contains("root:"), "{runtime}: {p} leaked");
         }
-        let r = c.call("PUT", &path(&id, "files/leak"), Some(b"x".to_vec())).await;
-        assert_eq!(r.status, 400, "{runtime}: writing through a symlink: {}", r.text);
-        let r = c.call("PUT", &path(&id, "files/etc/evil"), Some(b"x".to_vec())).await;
-        assert_eq!(r.status, 400, "{runtime}: writing below a symlink: {}", r.text);
-        for p in ["files/..%2Fetc%2Fpasswd", "files/%2Fetc%2Fpasswd", "files/a%2F..%2F..%2Fb"] {
+        let r = c
+            .call("PUT", &path(&id, "files/leak"), Some(b"x".to_vec()))
+            .await;
+        assert_eq!(
+            r.status, 400,
+            "{runtime}: writing through a symlink: {}",
+            r.text
+        );
+        let r = c
+            .call("PUT", &path(&id, "files/etc/evil"), Some(b"x".to_vec()))
+            .await;
+        assert_eq!(
+            r.status, 400,
+            "{runtime}: writing below a symlink: {}",
+            r.text
+        );
+        for p in [
+            "files/..%2Fetc%2Fpasswd",
+            "files/%2Fetc%2Fpasswd",
+            "files/a%2F..%2F..%2Fb",
+        ] {
             let r = c.call("GET", &path(&id, p), None).await;
             assert_eq!(r.status, 400, "{runtime}: {p}: {}", r.text);
         }
@@ -133,19 +239,40 @@ async fn a_session_keeps_one_container_with_its_files_across_execs() {
 
         // Another tenant sees nothing of it.
         let other = koder(&d, Some("team-b"));
-        for (m, p) in [("GET", format!("/v1/sandbox/sessions/{id}")), ("GET", path(&id, "files/note.txt")), ("DELETE", format!("/v1/sandbox/sessions/{id}"))] {
-            assert_eq!(other.call(m, &p, None).await.status, 404, "{runtime}: {m} {p}");
+        for (m, p) in [
+            ("GET", format!("/v1/sandbox/sessions/{id}")),
+            ("GET", path(&id, "files/note.txt")),
+            ("DELETE", format!("/v1/sandbox/sessions/{id}")),
+        ] {
+            assert_eq!(
+                other.call(m, &p, None).await.status,
+                404,
+                "{runtime}: {m} {p}"
+            );
         }
-        assert_eq!(other.exec(&id, json!({"code": "print(1)"})).await.status, 404);
+        assert_eq!(
+            other.exec(&id, json!({"code": "print(1)"})).await.status,
+            404
+        );
 
         let volume_label = format!("executor-arm.instance={}", instance_of(&d));
-        let gone = c.call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None).await;
+        let gone = c
+            .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
+            .await;
         assert_eq!(gone.status, 204, "{}", gone.text);
-        wait_until("the session's container removed", Duration::from_secs(60), || session_containers(&d, &id).is_empty());
+        wait_until(
+            "the session's container removed",
+            Duration::from_secs(60),
+            || session_containers(&d, &id).is_empty(),
+        );
         assert_eq!(c.exec(&id, json!({"code": "print(1)"})).await.status, 404);
         // Its disk volume goes with it (the pool's idle containers keep theirs).
         let idle = docker_ps(&[format!("label={volume_label}")]).len();
-        wait_until("only the pool's volumes left", Duration::from_secs(60), || volumes(&volume_label).len() <= idle);
+        wait_until(
+            "only the pool's volumes left",
+            Duration::from_secs(60),
+            || volumes(&volume_label).len() <= idle,
+        );
         finish(d);
     }
 }
@@ -161,71 +288,204 @@ async fn limits_and_cancels_end_the_exec_not_the_session() {
     for (runtime, _) in RUNTIMES {
         let d = start(runtime);
         let c = koder(&d, None);
-        let r = c
-            .create(json!({"language": "bash", "capability_token": d.cap_all(), "limits": {"disk_mb": 8, "memory_mb": 256, "pids": 32}}))
-            .await;
+        let create = json!({"language": "bash", "capability_token": d.cap_all(), "limits": {"disk_mb": 8, "memory_mb": 256, "pids": 32}});
+        let r = c.create(create.clone()).await;
         assert_eq!(r.status, 201, "{runtime}: {}", r.text);
-        let id = r.json["id"].as_str().unwrap().to_string();
+        let mut id = r.json["id"].as_str().unwrap().to_string();
         let ok = |v: &Value| v["stdout"].as_str().unwrap_or_default().trim().to_string();
 
         let full = run(&c, &id, "head -c 12000000 /dev/zero > big; echo rc=$?; rm -f big; echo after > a.txt; cat a.txt").await;
         assert!(ok(&full).contains("after"), "{runtime}: {full}");
-        assert!(full["stderr"].as_str().unwrap().contains("No space left"), "{runtime}: {full}");
+        assert!(
+            full["stderr"].as_str().unwrap().contains("No space left"),
+            "{runtime}: {full}"
+        );
         run(&c, &id, "head -c 12000000 /dev/zero > big; true").await;
-        let r = c.call("PUT", &path(&id, "files/more.bin"), Some(vec![7u8; 1 << 20])).await;
+        let r = c
+            .call(
+                "PUT",
+                &path(&id, "files/more.bin"),
+                Some(vec![7u8; 1 << 20]),
+            )
+            .await;
         assert_eq!(r.status, 507, "{runtime}: {}", r.text);
         run(&c, &id, "rm -f big").await;
 
-        let t = c.exec(&id, json!({"code": "echo start; sleep 60", "timeout_ms": 1500})).await;
+        let t = c
+            .exec(
+                &id,
+                json!({"code": "echo start; sleep 60", "timeout_ms": 1500}),
+            )
+            .await;
         assert_eq!(t.status, 200, "{runtime}: {}", t.text);
         assert_eq!(t.json["killed_reason"], "timeout", "{runtime}: {}", t.text);
         assert_eq!(ok(&t.json), "start");
-        assert_eq!(ok(&run(&c, &id, "cat a.txt").await), "after", "{runtime}: alive after a timeout");
+        assert_eq!(
+            ok(&run(&c, &id, "cat a.txt").await),
+            "after",
+            "{runtime}: alive after a timeout"
+        );
 
-        let bomb = c.exec(&id, json!({"code": "b(){ b | b & }; b; sleep 3; echo done", "timeout_ms": 8000})).await;
+        let bomb = c
+            .exec(
+                &id,
+                json!({"code": "b(){ b | b & }; b; sleep 3; echo done", "timeout_ms": 8000}),
+            )
+            .await;
         assert_eq!(bomb.status, 200, "{runtime}: {}", bomb.text);
-        assert_eq!(ok(&run(&c, &id, "cat a.txt").await), "after", "{runtime}: alive after a fork bomb");
+        let after = c.exec(&id, json!({"code": "cat a.txt"})).await;
+        if after.status == 404 {
+            // The bomb held every process the pids limit allows until the supervisor gave the
+            // container up: the session ended, and says so. The rest goes on in a new one.
+            assert!(
+                after.text.contains("sandbox is gone"),
+                "{runtime}: {}",
+                after.text
+            );
+            let r = c.create(create.clone()).await;
+            assert_eq!(r.status, 201, "{runtime}: {}", r.text);
+            id = r.json["id"].as_str().unwrap().to_string();
+            run(&c, &id, "echo after > a.txt").await;
+        } else {
+            assert_eq!(
+                ok(&after.json),
+                "after",
+                "{runtime}: alive after a fork bomb: {}",
+                after.text
+            );
+        }
 
-        let flood = c.exec(&id, json!({"code": "yes flood", "timeout_ms": 3000})).await;
+        let flood = c
+            .exec(&id, json!({"code": "yes flood", "timeout_ms": 3000}))
+            .await;
         assert_eq!(flood.status, 200, "{runtime}: {}", flood.text);
         assert_eq!(flood.json["stdout_truncated"], true, "{runtime}");
-        assert_eq!(ok(&run(&c, &id, "cat a.txt").await), "after", "{runtime}: alive after a flood");
+        assert_eq!(
+            ok(&run(&c, &id, "cat a.txt").await),
+            "after",
+            "{runtime}: alive after a flood"
+        );
 
         // Async, polled, busy, cancelled.
-        let a = c.exec(&id, json!({"code": "echo working; sleep 120", "async": true, "timeout_ms": 120000})).await;
+        let a = c
+            .exec(
+                &id,
+                json!({"code": "echo working; sleep 120", "async": true, "timeout_ms": 120000}),
+            )
+            .await;
         assert_eq!(a.status, 202, "{runtime}: {}", a.text);
         let exec_id = a.json["exec_id"].as_str().unwrap().to_string();
         assert_eq!(c.exec(&id, json!({"code": "true"})).await.status, 409);
-        assert_eq!(c.call("GET", &path(&id, "files/a.txt"), None).await.status, 409, "{runtime}: files wait for the exec");
-        let cancel = c.call("POST", &path(&id, &format!("execs/{exec_id}/cancel")), Some(b"{}".to_vec())).await;
-        assert!(cancel.status == 202 || cancel.status == 200, "{runtime}: {}", cancel.text);
+        assert_eq!(
+            c.call("GET", &path(&id, "files/a.txt"), None).await.status,
+            409,
+            "{runtime}: files wait for the exec"
+        );
+        let cancel = c
+            .call(
+                "POST",
+                &path(&id, &format!("execs/{exec_id}/cancel")),
+                Some(b"{}".to_vec()),
+            )
+            .await;
+        assert!(
+            cancel.status == 202 || cancel.status == 200,
+            "{runtime}: {}",
+            cancel.text
+        );
         let mut last = Value::Null;
         for _ in 0..100 {
-            let r = c.call("GET", &path(&id, &format!("execs/{exec_id}")), None).await;
+            let r = c
+                .call("GET", &path(&id, &format!("execs/{exec_id}")), None)
+                .await;
             last = r.json;
             if last["status"] != "running" && last["status"] != "queued" {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        assert_eq!(last["result"]["killed_reason"], "cancelled", "{runtime}: {last}");
+        assert_eq!(
+            last["result"]["killed_reason"], "cancelled",
+            "{runtime}: {last}"
+        );
         let got = c.call("GET", &path(&id, "files/a.txt"), None).await;
         assert_eq!(got.bytes, b"after\n", "{runtime}: files after the cancel");
 
         // A memory bomb ends at the memory limit: an OOM kill (runc), or allocations refused
         // (gVisor's sentry); either way it never holds more than the limit.
         let bomb = "python3 -c 'import sys\nx=[]\nwhile True:\n    x.append(bytearray(16<<20))\n    print(len(x), flush=True)'";
-        let mem = c.exec(&id, json!({"code": bomb, "timeout_ms": 30000})).await;
+        let mem = c
+            .exec(&id, json!({"code": bomb, "timeout_ms": 30000}))
+            .await;
         assert_eq!(mem.status, 200, "{runtime}: {}", mem.text);
-        assert!(mem.json["oom"] == true || mem.json["exit_code"] != 0, "{runtime}: {}", mem.text);
-        let held: u64 = ok(&mem.json).lines().last().and_then(|l| l.parse().ok()).unwrap_or(0);
-        assert!(held * 16 <= 256, "{runtime}: held {} MiB under a 256 MiB limit", held * 16);
+        assert!(
+            mem.json["oom"] == true || mem.json["exit_code"] != 0,
+            "{runtime}: {}",
+            mem.text
+        );
+        let held: u64 = ok(&mem.json)
+            .lines()
+            .last()
+            .and_then(|l| l.parse().ok())
+            .unwrap_or(0);
+        assert!(
+            held * 16 <= 256,
+            "{runtime}: held {} MiB under a 256 MiB limit",
+            held * 16
+        );
         let after = c.exec(&id, json!({"code": "cat a.txt"})).await;
         match after.status {
             200 => assert_eq!(ok(&after.json), "after", "{runtime}"),
             404 => assert!(after.text.contains("sandbox"), "{runtime}: {}", after.text),
             s => panic!("{runtime}: {s} {}", after.text),
         }
+        finish(d);
+    }
+}
+
+/// A session whose container dies (here: killed from outside) ends: every later call is 404 with
+/// a message that says its sandbox is gone, and the end is audited.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_whose_container_dies_ends_with_a_clear_error() {
+    let _serial = one_at_a_time().await;
+    require_docker("a_session_whose_container_dies_ends_with_a_clear_error");
+    for (runtime, _) in RUNTIMES {
+        let d = start(runtime);
+        let c = koder(&d, None);
+        let id = new_session(&c, "bash").await;
+        run(&c, &id, "echo hi > x").await;
+        let ids = session_containers(&d, &id);
+        assert_eq!(ids.len(), 1);
+        common::docker::docker(&["kill", &ids[0]]).expect("docker kill");
+        let mut r = c.exec(&id, json!({"code": "cat x"})).await;
+        for _ in 0..50 {
+            if r.status == 404 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            r = c.exec(&id, json!({"code": "cat x"})).await;
+        }
+        assert_eq!(r.status, 404, "{runtime}: {}", r.text);
+        assert!(r.text.contains("sandbox is gone"), "{runtime}: {}", r.text);
+        let g = c
+            .call("GET", &format!("/v1/sandbox/sessions/{id}"), None)
+            .await;
+        assert!(
+            g.status == 404 && g.text.contains("sandbox is gone"),
+            "{runtime}: {}",
+            g.text
+        );
+        let ended = d.audit_lines().into_iter().any(|l| {
+            l["event"] == "session_end"
+                && l["session_id"] == id.as_str()
+                && l["reason"] == "sandbox_gone"
+        });
+        assert!(ended, "{runtime}: session_end sandbox_gone audited");
+        wait_until(
+            "the dead container removed",
+            Duration::from_secs(60),
+            || session_containers(&d, &id).is_empty(),
+        );
         finish(d);
     }
 }
@@ -244,9 +504,13 @@ async fn a_restart_after_sigkill_removes_the_old_session_containers() {
     let mut d = d;
     d.kill9();
     let next = start("runc");
-    wait_until("the dead daemon's containers removed", Duration::from_secs(120), || {
-        docker_ps(&[format!("label={label}")]).is_empty()
+    wait_until(
+        "the dead daemon's containers removed",
+        Duration::from_secs(120),
+        || docker_ps(&[format!("label={label}")]).is_empty(),
+    );
+    wait_until("their volumes removed", Duration::from_secs(60), || {
+        volumes(&label).is_empty()
     });
-    wait_until("their volumes removed", Duration::from_secs(60), || volumes(&label).is_empty());
     finish(next);
 }

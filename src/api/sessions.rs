@@ -126,7 +126,20 @@ async fn session_of(
         Touch::Read => st.sessions.get(&owner, id),
         Touch::Use => st.sessions.use_session(&owner, id),
     };
-    Ok((session.ok_or(ApiError::SessionNotFound)?, service, known))
+    if let Some(s) = &session
+        && st.sessions.end_if_lost(s).await
+    {
+        return Err(ApiError::SessionGone(
+            st.sessions.lost(&owner, id).unwrap_or_default(),
+        ));
+    }
+    match session {
+        Some(s) => Ok((s, service, known)),
+        None => Err(st
+            .sessions
+            .lost(&owner, id)
+            .map_or(ApiError::SessionNotFound, ApiError::SessionGone)),
+    }
 }
 
 /// The caller's exec `exec_id` of its session `id`, as the run routes take it: the owner of the

@@ -464,10 +464,19 @@ impl ExecutionService {
         // A kept sandbox has its workspace inside and gets each exec's code with the exec.
         spec.fs.workspace = None;
         spec.fs.extra_files.clear();
-        backend.keep(&spec, session_id).await.map_err(|e| match e {
-            SandboxError::Unavailable(m) => ExecutionError::Unavailable(m),
-            other => ExecutionError::Internal(format!("{session_id}: {other}")),
-        })
+        // Only sessions with their profile's own limits have their containers kept warm: limits
+        // a caller picks must not make the daemon hold a pool for each choice.
+        let warm = req
+            .session
+            .as_ref()
+            .is_none_or(|s| s.limits == SessionLimits::default());
+        backend
+            .keep(&spec, session_id, warm)
+            .await
+            .map_err(|e| match e {
+                SandboxError::Unavailable(m) => ExecutionError::Unavailable(m),
+                other => ExecutionError::Internal(format!("{session_id}: {other}")),
+            })
     }
 
     /// Refuses (503) the requests waiting for a run slot and every request that comes for one

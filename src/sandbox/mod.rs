@@ -391,12 +391,14 @@ pub trait Sandbox: Send + Sync {
 
     /// Opens a sandbox kept for session `session_id`, shaped like `spec`'s (profile, limits, user,
     /// workdir; its argv is not run): later runs whose [`RunSpec::kept`] is it run inside it.
-    /// `None`: this backend keeps no sandbox (local: each exec gets a fresh sandbox bound to the
-    /// session's host workspace).
+    /// `warm`: sandboxes of this shape are worth keeping ready (the profile's own limits; a shape
+    /// the caller chose freely is not). `None`: this backend keeps no sandbox (local: each exec
+    /// gets a fresh sandbox bound to the session's host workspace).
     async fn keep(
         &self,
         _spec: &RunSpec,
         _session_id: &str,
+        _warm: bool,
     ) -> Result<Option<std::sync::Arc<dyn files::Kept>>, SandboxError> {
         Ok(None)
     }

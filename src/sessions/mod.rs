@@ -28,10 +28,10 @@ use crate::execution::{
     ExecutionError, ExecutionRequest, ExecutionService, ExternalParts, SessionExec, SessionLimits,
     SessionPlace, WORKSPACE,
 };
-use crate::sandbox::files::Kept;
 use crate::policy::language::Language;
 use crate::provenance::audit::{self, AuditEvent};
 use crate::sandbox::BackendKind;
+use crate::sandbox::files::Kept;
 use crate::state::SessionRecord;
 
 /// Every session id starts with this (the startup reaper only touches such names).
@@ -325,7 +325,16 @@ pub struct SessionService {
     /// The lock on `sessions.dir` this daemon holds, or why it could not take it (sessions are
     /// then refused with 503).
     dir: Result<nix::fcntl::Flock<std::fs::File>, String>,
+    /// Sessions ended because their sandbox died, newest last (at most [`LOST_KEPT`]): their
+    /// owner is told why instead of a bare 404.
+    lost: Mutex<std::collections::VecDeque<(String, Owner, String)>>,
 }
+
+/// How many sandbox deaths are remembered for their owners.
+const LOST_KEPT: usize = 1024;
+
+/// `session_end` reason of a session whose kept sandbox died.
+const SANDBOX_GONE: &str = "sandbox_gone";
 
 impl SessionService {
     /// The service; sessions a previous process left under `sessions.dir` are removed first.
@@ -346,6 +355,7 @@ impl SessionService {
             sessions: Mutex::new(HashMap::new()),
             closed: watch::channel(false).0,
             dir,
+            lost: Default::default(),
         })
     }
 
@@ -376,6 +386,9 @@ impl SessionService {
                 if now >= s.deadline {
                     return Some((s.clone(), "expired"));
                 }
+                if s.running().is_none() && s.sandbox_gone().is_some() {
+                    return Some((s.clone(), SANDBOX_GONE));
+                }
                 let idle_since = *s.last_used.lock().unwrap_or_else(|p| p.into_inner());
                 (s.running().is_none()
                     && !matches!(
@@ -387,8 +400,47 @@ impl SessionService {
             })
             .collect();
         for (s, reason) in due {
+            if reason == SANDBOX_GONE {
+                self.remember_lost(&s);
+            }
             self.end(&s.id, reason).await;
         }
+    }
+
+    fn remember_lost(&self, s: &Session) {
+        let why = s.sandbox_gone().unwrap_or_default();
+        let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+        if lost.iter().any(|(id, ..)| id == &s.id) {
+            return;
+        }
+        if lost.len() == LOST_KEPT {
+            lost.pop_front();
+        }
+        lost.push_back((s.id.clone(), s.owner.clone(), why));
+    }
+
+    /// Why `owner`'s session `id` ended, when it ended because its sandbox died: its container
+    /// went down (out of memory, killed) or stopped answering. None otherwise (and for anyone
+    /// else's session).
+    pub fn lost(&self, owner: &Owner, id: &str) -> Option<String> {
+        self.lost
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|(i, o, _)| i == id && o == owner)
+            .map(|(_, _, why)| {
+                format!("session {id} ended: its sandbox is gone ({why}); create another session")
+            })
+    }
+
+    /// Ends `session` now if its sandbox died (a call found it so); then [`Self::lost`] says why.
+    pub async fn end_if_lost(self: &Arc<Self>, session: &Session) -> bool {
+        if session.running().is_some() || session.sandbox_gone().is_none() {
+            return false;
+        }
+        self.remember_lost(session);
+        self.end(&session.id, SANDBOX_GONE).await;
+        true
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Session>>> {

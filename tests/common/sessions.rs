@@ -72,4 +72,3 @@ pub async fn new_session(c: &SandboxClient<'_>, language: &str) -> String {
     assert_eq!(r.json["language"], language);
     r.json["id"].as_str().expect("id").to_string()
 }
-

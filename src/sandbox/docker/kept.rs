@@ -67,10 +67,14 @@ impl KeptContainer {
     /// The connection for one request: none while an exec runs, or once the container is gone.
     fn take_channel(&self) -> Result<tokio::sync::MutexGuard<'_, Channel>, FileError> {
         if let Some(why) = self.gone() {
-            return Err(FileError::Io(format!("the session's sandbox is gone: {why}")));
+            return Err(FileError::Io(format!(
+                "the session's sandbox is gone: {why}"
+            )));
         }
         let ch = self.channel.try_lock().map_err(|_| {
-            FileError::Busy("the session is running an exec; its files can be reached when it ends".into())
+            FileError::Busy(
+                "the session is running an exec; its files can be reached when it ends".into(),
+            )
         })?;
         if !ch.in_step {
             self.mark_gone("an earlier call to its supervisor did not finish");
@@ -80,7 +84,11 @@ impl KeptContainer {
     }
 
     /// One file call: the request, then data frames up to the verdict.
-    async fn file_call(self: Arc<Self>, path: String, op: FileOp<'_>) -> Result<Vec<u8>, FileError> {
+    async fn file_call(
+        self: Arc<Self>,
+        path: String,
+        op: FileOp<'_>,
+    ) -> Result<Vec<u8>, FileError> {
         let request = supervisor::encode_file_request(&path, op)
             .map_err(|e| FileError::InvalidPath(e.to_string()))?;
         let limit = match op {
@@ -112,7 +120,9 @@ impl KeptContainer {
                     Ok(Some(Frame::Result(verdict))) => return Ok((data, verdict)),
                     Ok(Some(Frame::Failed(m))) => return Err(FileError::Io(m)),
                     Ok(Some(other)) => {
-                        return Err(FileError::Io(format!("unexpected supervisor frame {other:?}")));
+                        return Err(FileError::Io(format!(
+                            "unexpected supervisor frame {other:?}"
+                        )));
                     }
                     Ok(None) => {}
                     Err(e) => return Err(FileError::Io(format!("corrupt supervisor stream: {e}"))),
@@ -136,7 +146,9 @@ impl KeptContainer {
             Err(_) => {
                 drop(ch);
                 self.mark_gone("its supervisor did not answer a file call in time");
-                return Err(FileError::Io("the session's sandbox did not answer in time".into()));
+                return Err(FileError::Io(
+                    "the session's sandbox did not answer in time".into(),
+                ));
             }
         };
         *in_step = true;
@@ -228,7 +240,30 @@ impl Kept for Arc<KeptContainer> {
     }
 
     fn gone(&self) -> Option<String> {
-        self.gone.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        if let Some(why) = KeptContainer::gone(self) {
+            return Some(why);
+        }
+        // Between requests the supervisor writes nothing: an ended (or errored) stream means the
+        // container went down, anything else on it means the connection is out of step. Busy
+        // (a request in progress) is alive; so is a stream with nothing ready.
+        let Ok(mut ch) = self.channel.try_lock() else {
+            return None;
+        };
+        use futures::{FutureExt, StreamExt};
+        let why = match ch.output.next().now_or_never() {
+            None => return None,
+            Some(None) => "its container stopped",
+            Some(Some(Err(_))) => "the engine's connection to it broke",
+            // Diagnostics of the supervisor's interpreter: not part of the protocol.
+            Some(Some(Ok(super::engine::Output::Stderr(_)))) => return None,
+            Some(Some(Ok(super::engine::Output::Stdout(_)))) => {
+                "its supervisor wrote outside a request"
+            }
+        };
+        ch.in_step = false;
+        drop(ch);
+        self.mark_gone(why);
+        KeptContainer::gone(self)
     }
 
     async fn write_file(&self, rel: &str, bytes: Vec<u8>) -> Result<(), FileError> {
@@ -269,22 +304,24 @@ impl KeptContainer {
 
 impl DockerSandbox {
     /// A container for session `session_id`, from the warm pool when it has one of this shape.
+    /// `warm`: keep a pool of containers of this shape (sessions with the profile's limits).
     pub(super) async fn open_kept(
         &self,
         spec: &RunSpec,
         session_id: &str,
+        warm: bool,
     ) -> Result<Arc<dyn Kept>, SandboxError> {
         let plan = ContainerPlan::new(spec, self.kind, &self.default_image, true)?;
         if let Some(why) = self.runtime_refusal().await {
             return Err(SandboxError::Unavailable(why));
         }
-        let (warm, pooled) = self.container_for(&plan, session_id).await?;
+        let (container, pooled) = self.container_for(&plan, session_id, warm).await?;
         let WarmContainer {
             attached: Attached { input, output },
             guard,
             pid,
             socket_dir: _,
-        } = warm;
+        } = container;
         tracing::info!(session_id, container = %short(guard.id()), pooled, backend = self.kind.as_str(), "session container assigned");
         let kept = Arc::new(KeptContainer {
             id: guard.id().to_string(),
@@ -333,7 +370,9 @@ impl DockerSandbox {
             .map_err(|_| SandboxError::Setup("the session's sandbox stayed busy".into()))?;
         if !ch.in_step {
             kept.mark_gone("an earlier call to its supervisor did not finish");
-            return Err(SandboxError::Unavailable("the session's sandbox is gone".into()));
+            return Err(SandboxError::Unavailable(
+                "the session's sandbox is gone".into(),
+            ));
         }
         ch.in_step = false;
         let id = kept.id.clone();
@@ -455,10 +494,7 @@ impl DockerSandbox {
             }
         };
         drop(ch);
-        let gone_oom = report.is_none()
-            && kept
-                .gone()
-                .is_some_and(|w| w.contains("out of memory"));
+        let gone_oom = report.is_none() && kept.gone().is_some_and(|w| w.contains("out of memory"));
         let ending = Ending {
             exit: report.as_ref().map(|r| r.exit).unwrap_or(ExitKind::Killed),
             killed,
@@ -498,13 +534,19 @@ mod tests {
             verdict_of("f", "err nospace 0 write: No space left", FileOp::List),
             Err(FileError::NoSpace)
         );
-        assert!(matches!(verdict_of("f", "garbage", FileOp::List), Err(FileError::Io(_))));
+        assert!(matches!(
+            verdict_of("f", "garbage", FileOp::List),
+            Err(FileError::Io(_))
+        ));
     }
 
     #[test]
     fn listings_are_parsed_and_sorted() {
         let l = entries(b"f 3 b.txt\0d 4096 a dir\0l 11 link\0o 0 fifo\0").unwrap();
-        let names: Vec<_> = l.iter().map(|e| (e.name.as_str(), e.kind, e.size)).collect();
+        let names: Vec<_> = l
+            .iter()
+            .map(|e| (e.name.as_str(), e.kind, e.size))
+            .collect();
         assert_eq!(
             names,
             [

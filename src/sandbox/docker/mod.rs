@@ -210,12 +210,14 @@ impl DockerSandbox {
     }
 
     /// A container for this run: warm if the pool has one, else launched now.
+    /// `warm`: keep a pool of this shape (see [`Pool::take`]).
     async fn container_for(
         &self,
         plan: &ContainerPlan,
         exec_id: &str,
+        warm: bool,
     ) -> Result<(WarmContainer, bool), SandboxError> {
-        if let Some(w) = self.pool.take(plan) {
+        if let Some(w) = self.pool.take(plan, warm) {
             // Labels are immutable; the name tells operators which execution holds it.
             let engine = self.engine().clone();
             let (id, name) = (w.guard.id().to_string(), format!("executor-arm-{exec_id}"));
@@ -542,8 +544,9 @@ impl Sandbox for DockerSandbox {
         &self,
         spec: &RunSpec,
         session_id: &str,
+        warm: bool,
     ) -> Result<Option<Arc<dyn super::files::Kept>>, SandboxError> {
-        self.open_kept(spec, session_id).await.map(Some)
+        self.open_kept(spec, session_id, warm).await.map(Some)
     }
 
     async fn run(&self, mut spec: RunSpec) -> Result<RunOutcome, SandboxError> {
@@ -575,7 +578,7 @@ impl Sandbox for DockerSandbox {
             }
         });
         let request = supervisor::encode_request(&spec, relay.as_ref(), None)?;
-        let (warm, pooled) = self.container_for(&plan, &spec.exec_id).await?;
+        let (warm, pooled) = self.container_for(&plan, &spec.exec_id, true).await?;
         let WarmContainer {
             attached:
                 engine::Attached {

@@ -29,6 +29,10 @@ const LAUNCH_SLOTS: usize = 2;
 /// doubling with each further failure up to [`REFILL_BACKOFF_MAX`].
 const REFILL_BACKOFF: Duration = Duration::from_secs(5);
 const REFILL_BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// Container shapes kept warm at most (each holds `pool_size` idle containers): profiles,
+/// executors with files of their own, and sessions' containers. A shape past it is served by a
+/// launch of its own.
+const MAX_KEYS: usize = 32;
 
 /// Handles into the daemon's metrics (`executor_pool_idle_containers`, `executor_pool_events_total`).
 #[derive(Clone)]
@@ -226,9 +230,11 @@ impl Pool {
         }
     }
 
-    /// A live idle container for `plan`, or `None` (a miss: the caller launches its own). Either
-    /// way the key's pool is topped up in the background.
-    pub fn take(self: &Arc<Self>, plan: &ContainerPlan) -> Option<WarmContainer> {
+    /// A live idle container for `plan`, or `None` (a miss: the caller launches its own). With
+    /// `warm`, the key's pool is then topped up in the background (and made on first use);
+    /// without, an existing one is used but none is made or refilled: shapes a caller chooses
+    /// freely (a session's own limits) must not make the daemon keep containers for each.
+    pub fn take(self: &Arc<Self>, plan: &ContainerPlan, warm: bool) -> Option<WarmContainer> {
         if self.size == 0 {
             return None;
         }
@@ -237,6 +243,11 @@ impl Pool {
             let Ok(mut keys) = self.keys.lock() else {
                 return None;
             };
+            if !keys.contains_key(&plan.key) && (!warm || keys.len() >= MAX_KEYS) {
+                drop(keys);
+                self.count("miss");
+                return None;
+            }
             let kp = keys.entry(plan.key.clone()).or_insert_with(|| KeyPool {
                 plan: Arc::new(plan.clone()),
                 idle: VecDeque::new(),
@@ -263,7 +274,9 @@ impl Pool {
         }
         drop(dead);
         self.count(if got.is_some() { "hit" } else { "miss" });
-        self.refill(&plan.key);
+        if warm {
+            self.refill(&plan.key);
+        }
         got
     }
 
@@ -455,10 +468,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_shape_not_kept_warm_makes_no_pool_and_the_shapes_are_bounded() {
+        let (engine, pool, _m) = setup(2);
+        let p = plan();
+        assert!(pool.take(&p, false).is_none());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(pool.idle(), 0, "nothing launched for a shape not kept warm");
+        assert!(engine.existing().is_empty());
+        // Shapes past MAX_KEYS are misses without a pool of their own.
+        for i in 0..MAX_KEYS + 3 {
+            let mut q = p.clone();
+            q.key = format!("shape-{i}");
+            assert!(pool.take(&q, true).is_none());
+        }
+        assert_eq!(pool.keys.lock().unwrap().len(), MAX_KEYS);
+    }
+
+    #[tokio::test]
     async fn miss_fills_then_hits_and_a_taken_container_is_destroyed_not_returned() {
         let (engine, pool, m) = setup(2);
         let p = plan();
-        assert!(pool.take(&p).is_none(), "first use is a miss");
+        assert!(pool.take(&p, true).is_none(), "first use is a miss");
         eventually("pool filled", || pool.idle() == 2).await;
         assert_eq!(
             m.size
@@ -466,7 +496,7 @@ mod tests {
                 .get(),
             2
         );
-        let w = pool.take(&p).expect("hit");
+        let w = pool.take(&p, true).expect("hit");
         let id = w.guard.id().to_string();
         assert_eq!(m.events.with_label_values(&["docker", "hit"]).get(), 1);
         assert_eq!(m.events.with_label_values(&["docker", "miss"]).get(), 1);
@@ -493,11 +523,11 @@ mod tests {
     async fn dead_idle_containers_are_skipped_and_replaced() {
         let (engine, pool, _) = setup(2);
         let p = plan();
-        let _ = pool.take(&p);
+        let _ = pool.take(&p, true);
         eventually("pool filled", || pool.idle() == 2).await;
         let first = engine.existing()[0].clone();
         engine.crash(&first);
-        let w = pool.take(&p).expect("the live one");
+        let w = pool.take(&p, true).expect("the live one");
         assert_ne!(w.guard.id(), first);
         eventually("dead one removed", || !engine.existing().contains(&first)).await;
         engine.crash(w.guard.id());
@@ -509,7 +539,7 @@ mod tests {
     async fn flush_replaces_every_idle_container_and_pool_off_never_launches() {
         let (engine, pool, _) = setup(1);
         let p = plan();
-        let _ = pool.take(&p);
+        let _ = pool.take(&p, true);
         eventually("pool filled", || pool.idle() == 1).await;
         let old = engine.existing();
         pool.flush();
@@ -519,7 +549,7 @@ mod tests {
         .await;
 
         let (engine, pool, m) = setup(0);
-        assert!(pool.take(&p).is_none());
+        assert!(pool.take(&p, true).is_none());
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(engine.count("create"), 0);
         assert_eq!(
@@ -536,10 +566,10 @@ mod tests {
             .fail_create
             .store(true, std::sync::atomic::Ordering::SeqCst);
         let p = plan();
-        assert!(pool.take(&p).is_none());
+        assert!(pool.take(&p, true).is_none());
         eventually("both launches tried", || engine.count("create") == 2).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(pool.take(&p).is_none());
+        assert!(pool.take(&p, true).is_none());
         pool.prune();
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(engine.count("create"), 2, "no retry inside the back-off");

@@ -247,6 +247,16 @@ sub keyed {
 }
 sub oom_kills { keyed('oom_kill', '/sys/fs/cgroup/memory/memory.oom_control', '/sys/fs/cgroup/memory.events') }
 sub pids_max_hits { keyed('max', '/sys/fs/cgroup/pids/pids.events', '/sys/fs/cgroup/pids.events') }
+# The kill helper cannot be forked (the command holds every process the pids limit allows): tried
+# again on the next turns of the loop (its processes may end meanwhile), and after 3 s this process
+# exits. Exiting as PID 1 ends every process of the container, so a kept sandbox is never left with
+# processes of an exec it could not kill; the daemon then finds the container gone.
+my $stuck;
+sub unstoppable {
+    $stuck //= time();
+    POSIX::_exit(0) if time() - $stuck > 3;
+}
+
 # What a counter grew by during one run of a kept sandbox ('-' when it is not visible).
 sub grew { my ($before, $after) = @_; return ($before eq '-' || $after eq '-') ? '-' : $after - $before }
 
@@ -273,7 +283,7 @@ sub run_request {
     fail("cwd $cwd is not inside $WORKDIR")
         unless ($cwd eq $WORKDIR || index($cwd, "$WORKDIR/") == 0) && !grep { $_ eq '..' } split m{/}, $cwd;
     my $deadline = time() + int(($timeout_ms + 999) / 1000) + $DEADLINE_GRACE;
-    ($term, $kill) = (0, 0);
+    ($term, $kill, $stuck) = (0, 0, undef);
     relay_open($relay_port) if $relay_port;
     if (defined $code) {
         fail('code files are for kept sandboxes') unless $KEPT;
@@ -365,7 +375,8 @@ sub run_request {
         }
         if (defined $status && $KEPT && !defined $sweep) {
             # Nothing of an exec outlives it: its leftovers are killed before the report.
-            $sweep = signal_all('KILL') // 0;
+            $sweep = signal_all('KILL');
+            unstoppable() unless defined $sweep;
         }
         if ($KEPT) {
             # Every writer of the pipes is gone once the sweep is done: read them to their end.
@@ -390,8 +401,7 @@ sub run_request {
             signal_all('TERM');
         }
         if ($kill == 1) {
-            $kill = 2;
-            signal_all('KILL');
+            if (defined signal_all('KILL')) { $kill = 2 } else { unstoppable() }
         }
         if (vec($ro, 0, 1)) {
             my $r = sysread(STDIN, my $extra, 4096);

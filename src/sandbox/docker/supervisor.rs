@@ -176,7 +176,9 @@ pub fn encode_request(
     fields.push(spec.limits.timeout.as_millis().max(1).to_string());
     match code {
         Some((path, bytes)) => {
-            let name = path.strip_prefix(CODE_DIR).and_then(|p| p.strip_prefix('/'));
+            let name = path
+                .strip_prefix(CODE_DIR)
+                .and_then(|p| p.strip_prefix('/'));
             if !name.is_some_and(|n| !n.is_empty() && !n.contains('/')) {
                 return Err(SandboxError::Setup(format!(
                     "code path {path} is not a file of {CODE_DIR}"
