@@ -50,6 +50,10 @@ fn path(id: &str, rest: &str) -> String {
 /// session (gVisor's processes are not host processes).
 const PS: &str = "import os,sys\nn=0\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        try:\n            c=open('/proc/%s/cmdline'%p,'rb').read()\n        except OSError:\n            continue\n        if sys.argv[0] and b'NEEDLE' in c: n+=1\nprint(n)";
 
+/// An exec whose double-forked, setsid'd child keeps killing every process of its uid for two
+/// seconds (anything that would sweep it with the same uid), then sleeps.
+const SURVIVOR: &str = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        fd = os.open('/dev/null', os.O_RDWR)\n        for i in (0, 1, 2): os.dup2(fd, i)\n        t = time.time()\n        while time.time() - t < 2:\n            try: os.kill(-1, 9)\n            except ProcessLookupError: pass\n        time.sleep(3600)\n    os._exit(0)\nos.wait()\ntime.sleep(0.5)\nprint('planted')";
+
 /// The seed's calls on a kept container: a python session runs code, keeps its files across
 /// execs in the same container, starts in `cwd`, moves files in and out byte-exact, refuses
 /// symlinks and escapes, and leaves nothing of an exec behind; delete removes the container
@@ -118,6 +122,31 @@ async fn a_session_keeps_one_container_with_its_files_across_execs() {
         assert_eq!(
             ps["stdout"], "0\n",
             "{runtime}: a process outlived its exec"
+        );
+
+        // A leftover that kills every process of its uid (the supervisor's own helpers would be
+        // among them) still does not outlive its exec: the supervisor kills as root.
+        for round in 0..5 {
+            run(&c, &id, SURVIVOR).await;
+            let left = run(&c, &id, "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) not in (1, os.getpid())))").await;
+            assert_eq!(
+                left["stdout"], "[]\n",
+                "{runtime}: round {round}: a process outlived its exec"
+            );
+        }
+        // An exec that takes the workspace's permissions away does not break the next ones.
+        run(&c, &id, "import os\nos.chmod('/workspace', 0)").await;
+        assert_eq!(
+            run(&c, &id, "print(open('note.txt').read())").await["stdout"],
+            "kept\n",
+            "{runtime}"
+        );
+        assert_eq!(
+            c.call("GET", &path(&id, "files/note.txt"), None)
+                .await
+                .bytes,
+            b"kept",
+            "{runtime}"
         );
 
         // cwd: inside the workspace only, through directories only.
@@ -310,6 +339,16 @@ async fn limits_and_cancels_end_the_exec_not_the_session() {
             .await;
         assert_eq!(r.status, 507, "{runtime}: {}", r.text);
         run(&c, &id, "rm -f big").await;
+        // The workspace's entries are bounded too (a listing is held whole in memory).
+        let made = run(&c, &id, "python3 -c 'import os\nos.mkdir(\"many\")\nn=0\ntry:\n    while n < 20000:\n        open(\"many/%d\" % n, \"w\").close(); n += 1\nexcept OSError as e:\n    print(e.errno == 28)\nprint(n)'; rm -rf many").await;
+        let lines: Vec<&str> = made["stdout"].as_str().unwrap().lines().collect();
+        assert_eq!(
+            lines.first(),
+            Some(&"True"),
+            "{runtime}: ENOSPC at the inode limit: {made}"
+        );
+        let n: u64 = lines[1].parse().unwrap();
+        assert!(n < 16384, "{runtime}: {n} files");
 
         let t = c
             .exec(
@@ -376,10 +415,13 @@ async fn limits_and_cancels_end_the_exec_not_the_session() {
         assert_eq!(a.status, 202, "{runtime}: {}", a.text);
         let exec_id = a.json["exec_id"].as_str().unwrap().to_string();
         assert_eq!(c.exec(&id, json!({"code": "true"})).await.status, 409);
-        assert_eq!(
-            c.call("GET", &path(&id, "files/a.txt"), None).await.status,
-            409,
-            "{runtime}: files wait for the exec"
+        let busy = c.call("GET", &path(&id, "files/a.txt"), None).await;
+        assert_eq!(busy.status, 409, "{runtime}: files wait for the exec");
+        assert!(
+            busy.text
+                .contains(&format!("Session {id} is running another exec")),
+            "{runtime}: {}",
+            busy.text
         );
         let cancel = c
             .call(

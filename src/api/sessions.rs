@@ -54,9 +54,24 @@ impl From<FileError> for ApiError {
             FileError::NotFound(p) => ApiError::FileNotFound(p),
             FileError::TooLarge { .. } => ApiError::FileTooLarge(e.to_string()),
             FileError::NoSpace => ApiError::WorkspaceFull,
-            FileError::Busy(_) => ApiError::SessionBusy(e.to_string()),
+            FileError::Busy(m) => ApiError::InvalidRequest(m),
             FileError::Io(m) => ApiError::Internal(m),
         }
+    }
+}
+
+/// A failed file call of `session` as its answer: busy is the session's 409, and a call that failed
+/// because the session's sandbox went away (it died, or the session ended meanwhile) says so
+/// (404) instead of a retryable 500.
+fn file_failure(session: &Session, e: FileError) -> ApiError {
+    match e {
+        FileError::Busy(_) => ApiError::SessionBusy(session.id.clone()),
+        FileError::Io(_) if session.sandbox_gone().is_some() => ApiError::SessionGone(format!(
+            "session {} is gone: {}",
+            session.id,
+            session.sandbox_gone().unwrap_or_default()
+        )),
+        other => other.into(),
     }
 }
 
@@ -495,7 +510,10 @@ pub async fn put_file(
                 sha256: sha256_prefixed(&bytes),
             },
         );
-        session.write_file(&path, bytes.to_vec()).await?;
+        session
+            .write_file(&path, bytes.to_vec())
+            .await
+            .map_err(|e| file_failure(&session, e))?;
         crate::execution::record::record(&st.audit, &st.metrics, &line);
         Ok::<_, ApiError>(StatusCode::NO_CONTENT.into_response())
     };
@@ -532,7 +550,10 @@ pub async fn get_file(
         let (session, ..) = session_of(&st, &headers, rid, &id, Touch::Use).await?;
         let permit = file_permit(&st)?;
         let max = st.config.sessions.max_file_bytes as u64;
-        let bytes = session.read_file(&path, max).await?;
+        let bytes = session
+            .read_file(&path, max)
+            .await
+            .map_err(|e| file_failure(&session, e))?;
         // The permit goes with the bytes: a slow reader holds its place until it has them.
         let body = futures::stream::once(async move {
             let _held = permit;
@@ -571,8 +592,13 @@ pub async fn list_files(
     let rid = rid.map(|r| r.0.0).unwrap_or_default();
     let result = async {
         let (session, ..) = session_of(&st, &headers, rid, &id, Touch::Use).await?;
+        // A listing is held whole in memory like a file: it takes a transfer's place.
+        let _permit = file_permit(&st)?;
         let path = q.path.clone();
-        let entries = session.list(&path).await?;
+        let entries = session
+            .list(&path)
+            .await
+            .map_err(|e| file_failure(&session, e))?;
         Ok::<_, ApiError>(json(
             StatusCode::OK,
             serde_json::json!({"path": q.path, "entries": entries}),

@@ -44,6 +44,10 @@ pub const LABEL_EXEC_ID: &str = "executor-arm.exec_id";
 pub const LABEL_OWNER: &str = "executor-arm.owner";
 /// `docker` | `gvisor`.
 pub const LABEL_BACKEND: &str = "executor-arm.backend";
+/// Files and directories a session container's workspace may hold (its tmpfs's inode limit, as
+/// on the local backend).
+pub const KEPT_INODES: u64 = 16384;
+
 /// Size of a session container's code tmpfs: the largest exec body the API takes, with room.
 const CODE_TMPFS_BYTES: u64 = 16 << 20;
 
@@ -208,8 +212,15 @@ impl ContainerPlan {
             (
                 "o".to_string(),
                 format!(
-                    "size={disk},uid={},gid={},mode=0700,noexec,nosuid,nodev",
-                    spec.uid, spec.gid
+                    "size={disk},{}uid={},gid={},mode=0700,noexec,nosuid,nodev",
+                    // A session's workspace lives long and is listed whole: bound its entries.
+                    if kept {
+                        format!("nr_inodes={KEPT_INODES},")
+                    } else {
+                        String::new()
+                    },
+                    spec.uid,
+                    spec.gid
                 ),
             ),
         ]);
@@ -238,8 +249,17 @@ impl ContainerPlan {
             network_mode: Some("none".to_string()),
             readonly_rootfs: Some(true),
             cap_drop: Some(vec!["ALL".to_string()]),
-            // The supervisor's, for the switch to the command's uid/gid only.
-            cap_add: Some(vec!["SETUID".to_string(), "SETGID".to_string()]),
+            // The supervisor's, for the switch to the command's uid/gid; a kept container's also
+            // to kill every process of an exec itself (the command, another uid, cannot stop it).
+            cap_add: Some(if kept {
+                vec![
+                    "SETUID".to_string(),
+                    "SETGID".to_string(),
+                    "KILL".to_string(),
+                ]
+            } else {
+                vec!["SETUID".to_string(), "SETGID".to_string()]
+            }),
             security_opt: Some(vec![
                 "no-new-privileges:true".to_string(),
                 seccomp::security_opt(kind),

@@ -32,8 +32,9 @@ use crate::sandbox::{ExitKind, KilledReason, RunOutcome, RunSpec, SandboxError};
 
 /// How long one file call may take the supervisor (a 16 MiB file is well under a second).
 const FILE_CALL_TIMEOUT: Duration = Duration::from_secs(30);
-/// Bytes of a listing the daemon takes (a workspace holds at most its inode limit of entries).
-const MAX_LISTING: u64 = 64 << 20;
+/// Bytes of a listing the daemon takes: a session container's workspace holds at most
+/// [`super::container::KEPT_INODES`] entries of at most 255-byte names (about 4.5 MB of records).
+const MAX_LISTING: u64 = 8 << 20;
 
 /// The attach connection of a kept container, and whether it is in step with the supervisor.
 struct Channel {
@@ -285,7 +286,7 @@ impl Kept for Arc<KeptContainer> {
     async fn close(&self) {
         {
             let mut g = self.gone.lock().unwrap_or_else(|p| p.into_inner());
-            g.get_or_insert_with(|| "the session ended".to_string());
+            g.get_or_insert_with(|| "the session was ended".to_string());
         }
         let guard = self.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
         drop(guard);

@@ -17,15 +17,17 @@
 #                   op: put (n = length), get (n = most bytes), list, dir (is it a directory)
 # Signals:          SIGTERM is passed on to every process of the command (the daemon's grace
 #                   before a kill); SIGUSR1 kills every process of the command (kept mode's kill of
-#                   one exec, which leaves the container running).
+#                   one exec, which leaves the container running). In kept mode the supervisor
+#                   signals them itself (CAP_KILL): the command's uid cannot signal root, so no
+#                   process of an exec can stop its own kill.
 # Reply (stdout):   frames  type(1) u32be(len) payload;  o = command stdout, e = command stderr,
 #                   x = "exit|signal N broken peak_kib oom_kills pids_max" (last), f = setup failure (last),
 #                   u = the egress relay cannot reach the daemon (last), t = the deadline passed (last);
 #                   to a file request: o = data (get: the bytes; list: "T SIZE NAME\0" records),
 #                   then r = "ok" | "err CODE SIZE MESSAGE" (last)
 #
-# Trust: the supervisor runs as root with only CAP_SETUID and CAP_SETGID (no-new-privileges, the
-# container's seccomp profile) and makes itself non-dumpable; the command runs as UID:GID with no
+# Trust: the supervisor runs as root with only CAP_SETUID and CAP_SETGID (kept mode: and CAP_KILL;
+# no-new-privileges, the container's seccomp profile) and makes itself non-dumpable; the command runs as UID:GID with no
 # supplementary groups and no capabilities, so it cannot ptrace this process, read its memory,
 # open its descriptors through /proc (its stdout is the report channel) or signal it. File calls
 # run in a helper with the command's identity (non-dumpable after the switch) that opens every
@@ -182,6 +184,15 @@ unless ($nr->{prctl} && syscall($nr->{prctl}, 4, 0, 0, 0, 0) == 0) {    # PR_SET
     POSIX::_exit(0);
 }
 umask(022);
+# Kept mode kills the command's processes itself: it must hold CAP_KILL (bit 5 of CapEff).
+if ($KEPT) {
+    my $eff = '';
+    if (open(my $st, '<', '/proc/self/status')) { while (<$st>) { $eff = $1 if /^CapEff:\s*([0-9a-f]+)/ } }
+    unless (length $eff && (hex(substr($eff, -2)) & (1 << 5))) {
+        frame('f', 'a kept sandbox needs CAP_KILL for its supervisor');
+        POSIX::_exit(0);
+    }
+}
 
 # Where a kept sandbox's exec code goes: a tmpfs of the container owned by root (this process), so
 # the command can read its code but neither change it nor plant the next exec's.
@@ -213,27 +224,39 @@ sub become {
     return '';
 }
 
-# Sends $sig to every process of the command, from a helper with the command's identity:
-# kill(-1) reaches every process that uid may signal except PID 1 and the helper itself, i.e. the
-# command and everything it started, setsid'd or double-forked ones included. (This process keeps
-# no CAP_KILL, so it could not signal them itself.) A KILL is repeated until no process is left
-# (a process forking while the first pass went by is caught by the next). Returns the helper's pid.
+# Sends $sig to every process of the command. Once mode: from a helper with the command's
+# identity (this process keeps no CAP_KILL there): kill(-1) reaches every process that uid may
+# signal except PID 1 and the helper itself, i.e. the command and everything it started,
+# setsid'd or double-forked ones included. Kept mode: from this process, which holds CAP_KILL
+# there, so nothing the command does (it runs as another uid) can stop it.
 sub signal_all {
     my ($sig) = @_;
+    if ($KEPT) {
+        kill($sig, -1);
+        return;
+    }
     my $helper = fork();
-    return undef unless defined $helper;
-    return $helper if $helper;
+    return unless defined $helper;
+    return if $helper;
     $SIG{$_} = 'DEFAULT' for qw(TERM USR1 CHLD);
     POSIX::_exit(1) if become($UID, $GID);
-    if ($sig eq 'KILL') {
-        for (1 .. 10000) {
-            last unless kill('KILL', -1);
-            select(undef, undef, undef, 0.002);
-        }
-    } else {
-        kill($sig, -1);
-    }
+    kill($sig, -1);
     POSIX::_exit(0);
+}
+
+# Kept mode, after each exec: every process but this one is killed, pass after pass, until none
+# is left (kill(-1) counts a zombie as signalled, so they are reaped between passes). Nothing of
+# an exec may run during the next one or a file call; if processes are still there after 3 s,
+# this process exits, which as PID 1 ends the whole container (the daemon finds it gone).
+sub sweep {
+    my $until = time() + 3;
+    while (1) {
+        my $n = kill('KILL', -1);
+        1 while waitpid(-1, POSIX::WNOHANG()) > 0;
+        return unless $n;
+        POSIX::_exit(0) if time() > $until;
+        select(undef, undef, undef, 0.001);
+    }
 }
 
 sub first_num {
@@ -247,16 +270,6 @@ sub keyed {
 }
 sub oom_kills { keyed('oom_kill', '/sys/fs/cgroup/memory/memory.oom_control', '/sys/fs/cgroup/memory.events') }
 sub pids_max_hits { keyed('max', '/sys/fs/cgroup/pids/pids.events', '/sys/fs/cgroup/pids.events') }
-# The kill helper cannot be forked (the command holds every process the pids limit allows): tried
-# again on the next turns of the loop (its processes may end meanwhile), and after 3 s this process
-# exits. Exiting as PID 1 ends every process of the container, so a kept sandbox is never left with
-# processes of an exec it could not kill; the daemon then finds the container gone.
-my $stuck;
-sub unstoppable {
-    $stuck //= time();
-    POSIX::_exit(0) if time() - $stuck > 3;
-}
-
 # What a counter grew by during one run of a kept sandbox ('-' when it is not visible).
 sub grew { my ($before, $after) = @_; return ($before eq '-' || $after eq '-') ? '-' : $after - $before }
 
@@ -283,7 +296,7 @@ sub run_request {
     fail("cwd $cwd is not inside $WORKDIR")
         unless ($cwd eq $WORKDIR || index($cwd, "$WORKDIR/") == 0) && !grep { $_ eq '..' } split m{/}, $cwd;
     my $deadline = time() + int(($timeout_ms + 999) / 1000) + $DEADLINE_GRACE;
-    ($term, $kill, $stuck) = (0, 0, undef);
+    ($term, $kill) = (0, 0);
     relay_open($relay_port) if $relay_port;
     if (defined $code) {
         fail('code files are for kept sandboxes') unless $KEPT;
@@ -323,6 +336,7 @@ sub run_request {
         POSIX::dup2(fileno($ow), 1);
         POSIX::dup2(fileno($ew), 2);
         my $why = become($UID, $GID);
+        own_workspace() unless $why;
         $why = "chdir $cwd: $!" if !$why && !chdir($cwd);
         if ($why) {
             syswrite($xw, "cannot run as $UID:$GID: $why");
@@ -354,9 +368,8 @@ sub run_request {
 
     nonblock($iw) if defined $iw;
     my %rd = (fileno($or) => [$or, 'o'], fileno($er) => [$er, 'e']);
-    # $sweep: kept mode's kill of whatever the command left once it exited (its helper's pid, then
-    # 0 when the helper is done); $killer: the helper of a kill asked for during the run.
-    my ($status, $drain, $broken, $sweep, $late) = (undef, 0, 0, undef, 0);
+    # $swept: kept mode killed whatever the command left once it exited.
+    my ($status, $drain, $broken, $swept, $late) = (undef, 0, 0, 0, 0);
     while (1) {
         if (!$late && time() >= $deadline) {
             # Once mode: exiting as PID 1 ends everything. Kept mode: everything of the command
@@ -369,18 +382,15 @@ sub run_request {
             $kill = 1;
         }
         # PID 1 reaps every orphan; only the command's status is reported.
-        while ((my $w = waitpid(-1, POSIX::WNOHANG())) > 0) {
-            $status = $? if $w == $pid;
-            $sweep = 0 if defined $sweep && $sweep && $w == $sweep;
-        }
-        if (defined $status && $KEPT && !defined $sweep) {
+        while ((my $w = waitpid(-1, POSIX::WNOHANG())) > 0) { $status = $? if $w == $pid }
+        if (defined $status && $KEPT && !$swept) {
             # Nothing of an exec outlives it: its leftovers are killed before the report.
-            $sweep = signal_all('KILL');
-            unstoppable() unless defined $sweep;
+            sweep();
+            $swept = 1;
         }
         if ($KEPT) {
             # Every writer of the pipes is gone once the sweep is done: read them to their end.
-            last if defined $status && defined $sweep && !$sweep && (!%rd || $drain++ > 256);
+            last if $swept && (!%rd || $drain++ > 256);
         } else {
             # After the command exits, forward what is already buffered (bounded: a leftover child
             # may keep writing), then stop.
@@ -401,7 +411,8 @@ sub run_request {
             signal_all('TERM');
         }
         if ($kill == 1) {
-            if (defined signal_all('KILL')) { $kill = 2 } else { unstoppable() }
+            $kill = 2;
+            signal_all('KILL');
         }
         if (vec($ro, 0, 1)) {
             my $r = sysread(STDIN, my $extra, 4096);
@@ -448,6 +459,14 @@ sub run_request {
     frame('x', "$how $broken $peak $oom $pmax");
 }
 
+# Kept mode, as the command's user: the workspace stays usable to it whatever an earlier exec
+# did to its mode (a chmod 0 would otherwise fail every later exec and file call).
+sub own_workspace {
+    return unless $KEPT;
+    my @st = stat($WORKDIR) or return;
+    chmod(($st[2] & 07777) | 0700, $WORKDIR) if ($st[2] & 0700) != 0700;
+}
+
 # The helper of a file request: as the command's user, below the workdir, every component opened
 # with O_NOFOLLOW. Returns (CODE, SIZE, MESSAGE) on failure, () on success; data goes to $out.
 sub errno_code {
@@ -463,6 +482,7 @@ sub file_helper {
     return ('invalid', 0, 'bad path') if grep { $_ eq '' || $_ eq '.' || $_ eq '..' } @parts;
     my $name = ($op eq 'put' || $op eq 'get') ? pop(@parts) : undef;
     return ('invalid', 0, 'the path names no file') if ($op eq 'put' || $op eq 'get') && !defined $name;
+    own_workspace();
     chdir($WORKDIR) or return ('io', 0, "chdir $WORKDIR: $!");
     # A directory component is opened without O_DIRECTORY (gVisor follows a symlink opened with
     # O_DIRECTORY|O_NOFOLLOW), non-blocking (a FIFO must not hang us), then checked to be one.
