@@ -154,11 +154,8 @@ async fn assert_healthy(d: &Daemon) {
     assert_eq!(h.status, 200, "{}", h.text);
     assert_eq!(h.json["status"], json!("healthy"), "{}", h.text);
     // SAFETY: kill(2) with signal 0 only checks that our own child exists.
-    assert_eq!(
-        unsafe { libc::kill(d.pid(), 0) },
-        0,
-        "daemon process is gone"
-    );
+    let alive = unsafe { libc::kill(d.pid(), 0) };
+    assert_eq!(alive, 0, "daemon process is gone");
 }
 
 fn vm_rss_kib(pid: i32) -> u64 {
@@ -1104,10 +1101,8 @@ done()
 fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most buf.len() bytes into our buffer.
-    assert_eq!(
-        unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) },
-        0
-    );
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    assert_eq!(r, 0);
     let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
@@ -1123,8 +1118,9 @@ fn statfs(p: &Path) -> (i64, u64) {
     // SAFETY: an all-zero statfs is a valid value for the kernel to overwrite.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: statfs(2) with a NUL-terminated path and a pointer to our struct.
+    let r = unsafe { libc::statfs(c.as_ptr(), &mut st) };
     assert_eq!(
-        unsafe { libc::statfs(c.as_ptr(), &mut st) },
+        r,
         0,
         "statfs {}: {}",
         p.display(),

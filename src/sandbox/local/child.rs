@@ -190,6 +190,8 @@ impl Stacks {
 
 // SAFETY: the mapping is owned by the struct and only handed to children as stack memory.
 unsafe impl Send for Stacks {}
+// SAFETY: shared references only compute addresses inside the mapping; nothing writes through
+// them in the daemon.
 unsafe impl Sync for Stacks {}
 
 impl Drop for Stacks {
@@ -239,6 +241,7 @@ pub struct ChildPlan {
 // SAFETY: the raw pointers point into CStrings owned by the same struct; the plan is built on one
 // thread and only read by the children it starts.
 unsafe impl Send for ChildPlan {}
+// SAFETY: as for Send: after it is built the plan is only read, never written.
 unsafe impl Sync for ChildPlan {}
 
 /// `struct mount_attr` of mount_setattr(2).
@@ -255,16 +258,12 @@ const MOUNT_ATTR_NOSUID: u64 = 0x2;
 const MOUNT_ATTR_NODEV: u64 = 0x4;
 const AT_RECURSIVE: u32 = 0x8000;
 
-/// Makes the bind at `dst` read-only, nosuid and nodev, submounts included: MS_REC copies the
-/// host's mounts below a bound path (a volume under /usr, a file bind under /etc), and a
-/// MS_REMOUNT reaches only the top one, leaving those writable. Kernels before 5.12 lack
-/// mount_setattr (ENOSYS): there the top mount is remounted and Landlock's read-only rule, which
-/// covers everything beneath the path, is what protects submounts. Async-signal-safe.
-///
-/// # Safety
-/// `dst` is a live C string; called in the child only.
 /// Binds `src` on `dst` (one mount, not recursive), then remounts the bind with `flags`.
 /// Async-signal-safe: two mount(2) calls on prepared strings.
+///
+/// # Safety
+/// Called in the sandbox's child only, in its own mount namespace (it changes the mounts of the
+/// calling process's namespace).
 unsafe fn bind_remount(src: &CString, dst: &CString, flags: libc::c_ulong) -> bool {
     // SAFETY: mount(2) with NUL-terminated strings owned by the plan and null data.
     unsafe {
@@ -285,6 +284,14 @@ unsafe fn bind_remount(src: &CString, dst: &CString, flags: libc::c_ulong) -> bo
     }
 }
 
+/// Makes the bind at `dst` read-only, nosuid and nodev, submounts included: MS_REC copies the
+/// host's mounts below a bound path (a volume under /usr, a file bind under /etc), and a
+/// MS_REMOUNT reaches only the top one, leaving those writable. Kernels before 5.12 lack
+/// mount_setattr (ENOSYS): there the top mount is remounted and Landlock's read-only rule, which
+/// covers everything beneath the path, is what protects submounts. Async-signal-safe.
+///
+/// # Safety
+/// Called in the sandbox's child only, in its own mount namespace.
 unsafe fn read_only_recursive(dst: &CString) -> bool {
     let attr = MountAttr {
         attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
@@ -484,6 +491,10 @@ unsafe fn run_shim(
 /// in the memory we share), unblock, and die with the daemon (our parent is the daemon thread
 /// blocked in [`run_shim`] for the whole run; a restart sweeps whatever a crash leaves).
 /// Async-signal-safe.
+///
+/// # Safety
+/// Called first thing in a shim, a `CLONE_VM` child of a daemon thread: it resets the signal
+/// handlers of the memory it shares with the daemon, which the daemon itself must not do.
 unsafe fn shim_prologue() {
     // SAFETY: signal(2), sigprocmask(2) and prctl(2) on stack values.
     unsafe {
@@ -501,6 +512,9 @@ unsafe fn shim_prologue() {
 }
 
 /// Joins a cgroup by writing "0" to each of its `cgroup.procs` files. Async-signal-safe.
+///
+/// # Safety
+/// Called in a shim only (it moves the calling process, which must be the run's).
 unsafe fn join_cgroup(procs: &[CString]) -> bool {
     // SAFETY: open/write/close on prepared C strings and a static buffer.
     unsafe {
@@ -582,8 +596,11 @@ impl WarmShim {
     }
 
     /// The waiting shim. Never returns.
+    ///
+    /// # Safety
+    /// Runs only as the entry of the shim [`Self::spawn_and_wait`] clones, on its stack.
     unsafe fn enter(&self) -> ! {
-        // SAFETY (whole function): only async-signal-safe syscalls on memory prepared before
+        // SAFETY: (whole function) only async-signal-safe syscalls on memory prepared before
         // clone; the plan is read only after the go byte, which the daemon writes after arm().
         unsafe {
             shim_prologue();
@@ -646,8 +663,11 @@ impl ChildPlan {
     }
 
     /// The shim started for this plan. Never returns.
+    ///
+    /// # Safety
+    /// Runs only as the entry of the shim [`Self::spawn_and_wait`] clones, on its stack.
     unsafe fn enter(&self) -> ! {
-        // SAFETY (whole function): only async-signal-safe syscalls on memory prepared before clone.
+        // SAFETY: (whole function) only async-signal-safe syscalls on memory prepared before clone.
         unsafe {
             shim_prologue();
             // Join the run's cgroup before anything else can fork, so every process of the run,
@@ -663,9 +683,12 @@ impl ChildPlan {
     /// [`WarmShim::enter`]), unsharing the `namespaces` it does not have yet. Never returns.
     ///
     /// The order is the security argument, so each step says why it sits where it does.
+    ///
+    /// # Safety
+    /// Called by a shim only, in the run's cgroup, with the daemon's signal handlers reset.
     unsafe fn start_sandbox(&self, namespaces: libc::c_int, state: &ShimState) -> ! {
         let sfd = self.status_fd;
-        // SAFETY (whole function): only async-signal-safe syscalls on memory prepared before clone.
+        // SAFETY: (whole function) only async-signal-safe syscalls on memory prepared before clone.
         unsafe {
             // 1. The command's stdio on 0-2.
             for (target, &fd) in self.stdio.iter().enumerate() {
@@ -711,9 +734,12 @@ impl ChildPlan {
     }
 
     /// pid 1 of the sandbox: builds the root, forks the command, reaps until it exits.
+    ///
+    /// # Safety
+    /// Runs only as the entry of the init [`Self::start_sandbox`] clones, in the new namespaces.
     unsafe fn init_and_exec(&self) -> ! {
         let sfd = self.status_fd;
-        // SAFETY (whole function): async-signal-safe syscalls on prepared memory only.
+        // SAFETY: (whole function) async-signal-safe syscalls on prepared memory only.
         unsafe {
             // Die with the shim (which dies with the daemon).
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
@@ -869,9 +895,12 @@ impl ChildPlan {
     }
 
     /// The command process: limits, identity, Landlock, seccomp, exec.
+    ///
+    /// # Safety
+    /// Runs only as the entry of the command process the sandbox's init clones.
     unsafe fn command(&self) -> ! {
         let sfd = self.status_fd;
-        // SAFETY (whole function): async-signal-safe syscalls on prepared memory only.
+        // SAFETY: (whole function) async-signal-safe syscalls on prepared memory only.
         unsafe {
             // 13. Own session: no controlling terminal, no signals from the daemon's group.
             libc::setsid();
@@ -928,6 +957,10 @@ impl ChildPlan {
         }
     }
 
+    /// Performs one step of building the sandbox's root. Async-signal-safe.
+    ///
+    /// # Safety
+    /// Called by the sandbox's init only, in its own mount namespace.
     unsafe fn apply(&self, op: &MountOp) -> bool {
         // SAFETY: syscalls on CStrings owned by the plan.
         unsafe {
