@@ -773,20 +773,53 @@ where
     W: AsyncWrite + Unpin,
 {
     let mut buf = vec![0u8; CHUNK];
-    let mut first = true;
+    let mut status = sniff.map(|slot| (slot, StatusSniffer::default()));
     loop {
         let n = r.read(&mut buf).await.map_err(|_| PumpEnd::Io)?;
         if n == 0 {
             let _ = w.shutdown().await;
             return Ok(());
         }
-        if std::mem::take(&mut first)
-            && let Some(slot) = sniff
-            && let Some(code) = status_code(&buf[..n])
-        {
-            slot.store(code, Ordering::Relaxed);
+        if let Some((slot, sniffer)) = &mut status {
+            match sniffer.push(&buf[..n]) {
+                Sniffed::More => {}
+                Sniffed::Code(code) => {
+                    slot.store(code, Ordering::Relaxed);
+                    status = None;
+                }
+                Sniffed::NotHttp => status = None,
+            }
         }
         write_limited(w, &buf[..n], bw, counter).await?;
+    }
+}
+
+/// The most of a response's start the sniffer keeps while its status line is incomplete.
+const STATUS_LINE_MAX: usize = 8 * 1024;
+
+/// Finds the status code of the response an origin sends, however its first bytes are split
+/// across reads (the record's `status`; the bytes are relayed unchanged either way).
+#[derive(Default)]
+struct StatusSniffer {
+    head: Vec<u8>,
+}
+
+enum Sniffed {
+    More,
+    Code(u16),
+    NotHttp,
+}
+
+impl StatusSniffer {
+    fn push(&mut self, chunk: &[u8]) -> Sniffed {
+        let room = STATUS_LINE_MAX.saturating_sub(self.head.len());
+        self.head.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        match status_code(&self.head) {
+            Some(Ok(code)) => Sniffed::Code(code),
+            Some(Err(())) => Sniffed::NotHttp,
+            None if self.head.len() >= STATUS_LINE_MAX => Sniffed::NotHttp,
+            None => Sniffed::More,
+        }
     }
 }
 
@@ -838,14 +871,19 @@ async fn write_limited<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// The status code of an HTTP/1.x status line at the start of `b`.
-fn status_code(b: &[u8]) -> Option<u16> {
-    let code = b.get(9..12)?;
-    if !b.starts_with(b"HTTP/1.") || b.get(8) != Some(&b' ') || !code.iter().all(u8::is_ascii_digit)
-    {
-        return None;
+/// The status code of an HTTP/1.x response starting `b` (httparse reads the status line; the
+/// headers after it need not be complete): `None` while the status line is incomplete,
+/// `Err` when `b` is not an HTTP/1.x response.
+fn status_code(b: &[u8]) -> Option<Result<u16, ()>> {
+    let mut headers = [httparse::EMPTY_HEADER; 0];
+    let mut resp = httparse::Response::new(&mut headers);
+    match resp.parse(b) {
+        // The status line was read whatever followed it (too many headers for none, more bytes
+        // needed for the head's end).
+        Ok(_) | Err(httparse::Error::TooManyHeaders) if resp.code.is_some() => resp.code.map(Ok),
+        Ok(httparse::Status::Partial) => None,
+        Ok(httparse::Status::Complete(_)) | Err(_) => Some(Err(())),
     }
-    std::str::from_utf8(code).ok()?.parse().ok()
 }
 
 #[cfg(test)]
@@ -1525,10 +1563,26 @@ mod tests {
 
     #[test]
     fn status_line_sniffing() {
-        assert_eq!(status_code(b"HTTP/1.1 302 Found\r\n"), Some(302));
-        assert_eq!(status_code(b"HTTP/1.0 200"), Some(200));
+        assert_eq!(status_code(b"HTTP/1.1 302 Found\r\n"), Some(Ok(302)));
+        assert_eq!(
+            status_code(b"HTTP/1.0 200 OK\r\nA: b\r\n\r\n"),
+            Some(Ok(200))
+        );
         assert_eq!(status_code(b"HTTP/1.1 20"), None);
-        assert_eq!(status_code(b"SSH-2.0-OpenSSH"), None);
-        assert_eq!(status_code(b"HTTP/1.1 2x0 "), None);
+        assert_eq!(status_code(b"SSH-2.0-OpenSSH"), Some(Err(())));
+        assert_eq!(status_code(b"HTTP/1.1 2x0 \r\n"), Some(Err(())));
+        // A status line split across reads is still read whole.
+        let mut s = StatusSniffer::default();
+        assert!(matches!(s.push(b"HT"), Sniffed::More));
+        assert!(matches!(s.push(b"TP/1.1 4"), Sniffed::More));
+        assert!(matches!(
+            s.push(b"04 Not Found\r\nServer: x\r\n"),
+            Sniffed::Code(404)
+        ));
+        let mut s = StatusSniffer::default();
+        assert!(matches!(
+            s.push(&[b'x'; STATUS_LINE_MAX + 1]),
+            Sniffed::NotHttp
+        ));
     }
 }

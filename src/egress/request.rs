@@ -107,7 +107,12 @@ fn is_tchar(c: char) -> bool {
     c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c)
 }
 
-/// Parses a complete head as returned by [`read_head`].
+/// The most header lines a request head may have.
+const MAX_HEADERS: usize = 128;
+
+/// Parses a complete head as returned by [`read_head`]: httparse reads its structure; the
+/// strictness on top (no bare CR or LF, no obs-fold, one space between the request line's parts,
+/// tokens and values checked again, unambiguous framing) is ours.
 pub(crate) fn parse_head(head: &[u8]) -> Result<RequestHead, BadRequest> {
     let text = std::str::from_utf8(head).map_err(|_| bad("request head is not UTF-8"))?;
     let body = text
@@ -125,42 +130,56 @@ pub(crate) fn parse_head(head: &[u8]) -> Result<RequestHead, BadRequest> {
             return Err(bad("bare CR or LF in request head"));
         }
     }
-    let mut lines = body.split("\r\n");
-    let request_line = lines.next().unwrap_or_default();
-    let mut parts = request_line.split(' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
+    // Obsolete line folding: httparse would report it as a malformed header name; it has a
+    // name of its own here.
+    if body.contains("\r\n ") || body.contains("\r\n\t") {
+        return Err(bad("obsolete header line folding"));
+    }
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut slots);
+    match req.parse(head) {
+        Ok(httparse::Status::Complete(n)) if n == head.len() => {}
+        Ok(_) => return Err(bad("incomplete request head")),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(bad(format!("more than {MAX_HEADERS} header lines")));
+        }
+        Err(httparse::Error::Version) => return Err(bad("unsupported HTTP version")),
+        Err(httparse::Error::Token) => return Err(bad("malformed method")),
+        Err(httparse::Error::HeaderName) => return Err(bad("malformed header name")),
+        Err(httparse::Error::HeaderValue) => {
+            return Err(bad("control character in a header value"));
+        }
+        Err(httparse::Error::NewLine) => return Err(bad("bare CR or LF in request head")),
+        Err(_) => return Err(bad("malformed request line")),
+    }
+    let (Some(method), Some(target), Some(minor_version)) = (req.method, req.path, req.version)
     else {
         return Err(bad("malformed request line"));
     };
+    // Exactly `METHOD SP target SP HTTP/1.x`: httparse takes several spaces between the parts.
+    let request_line = body.split("\r\n").next().unwrap_or_default();
+    if request_line.len() != method.len() + target.len() + 10 {
+        return Err(bad("malformed request line"));
+    }
     if method.is_empty() || method.len() > 32 || !method.chars().all(is_tchar) {
         return Err(bad("malformed method"));
     }
-    let minor_version = match version {
-        "HTTP/1.1" => 1,
-        "HTTP/1.0" => 0,
-        _ => return Err(bad("unsupported HTTP version")),
-    };
     if target.is_empty() || target.chars().any(|c| !c.is_ascii_graphic()) {
         return Err(bad("malformed request target"));
     }
 
-    let mut headers = Vec::new();
-    for line in lines {
-        if line.starts_with([' ', '\t']) {
-            return Err(bad("obsolete header line folding"));
-        }
-        let (name, value) = line
-            .split_once(':')
-            .ok_or_else(|| bad("header line without a colon"))?;
-        if name.is_empty() || !name.chars().all(is_tchar) {
+    let mut headers = Vec::with_capacity(req.headers.len());
+    for h in req.headers.iter() {
+        if h.name.is_empty() || !h.name.chars().all(is_tchar) {
             return Err(bad("malformed header name"));
         }
-        let value = value.trim_matches([' ', '\t']);
+        let value = std::str::from_utf8(h.value)
+            .map_err(|_| bad("request head is not UTF-8"))?
+            .trim_matches([' ', '\t']);
         if value.chars().any(|c| c.is_control() && c != '\t') {
             return Err(bad("control character in a header value"));
         }
-        headers.push((name.to_string(), value.to_string()));
+        headers.push((h.name.to_string(), value.to_string()));
     }
     let body = check_framing(&headers)?;
 
