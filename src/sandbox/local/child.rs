@@ -218,7 +218,9 @@ pub struct ChildPlan {
     pub rlimits: Vec<(libc::__rlimit_resource_t, u64)>,
     pub uid: u32,
     pub gid: u32,
-    pub seccomp: libc::sock_fprog,
+    /// The seccomp programs, installed in order (they point into the daemon's
+    /// [`super::seccomp::SeccompProgram`], kept alive with the run).
+    pub seccomp: Vec<libc::sock_fprog>,
     pub program: CString,
     pub argv_ptrs: Vec<*const c_char>,
     pub envp_ptrs: Vec<*const c_char>,
@@ -944,8 +946,10 @@ impl ChildPlan {
             }
             // 18. seccomp last: the filter would refuse nothing we still need, but installing it
             //     after everything else keeps the setup itself free of surprises.
-            if super::seccomp::install(&self.seccomp) != 0 {
-                fail(sfd, Stage::Seccomp);
+            for prog in &self.seccomp {
+                if super::seccomp::install(prog) != 0 {
+                    fail(sfd, Stage::Seccomp);
+                }
             }
             // 19. exec. The status pipe is O_CLOEXEC, so the program sees fds 0-2 only.
             libc::execve(

@@ -39,7 +39,9 @@ pub struct LocalSandbox {
     /// Empty host directory the per-run root tmpfs is mounted on (inside each run's own mount
     /// namespace, so every run can use the same one).
     root_dir: PathBuf,
-    seccomp: Arc<SeccompProgram>,
+    /// None when it could not be built: the probe then reports seccomp missing and runs are
+    /// refused.
+    seccomp: Option<Arc<SeccompProgram>>,
     egress: Option<egress::EgressSettings>,
 }
 
@@ -80,6 +82,14 @@ impl LocalSandbox {
                 .cgroup_error
                 .get_or_insert(format!("cannot become a child subreaper: {e}"));
         }
+        let seccomp = match SeccompProgram::deny_list() {
+            Ok(p) => Some(Arc::new(p)),
+            Err(e) => {
+                tracing::error!(error = %e, "the seccomp filter could not be built");
+                probe.seccomp = false;
+                None
+            }
+        };
         let warm = match (&cgroups, warm_slots) {
             (Some(driver), n) if n > 0 && probe.local_missing(1).is_empty() => {
                 let w = Arc::new(WarmSlots::new(driver.clone(), n));
@@ -93,7 +103,7 @@ impl LocalSandbox {
             warm,
             probe,
             root_dir,
-            seccomp: Arc::new(SeccompProgram::deny_list()),
+            seccomp,
             egress,
         }
     }
@@ -188,7 +198,12 @@ impl LocalSandbox {
             ],
             uid: spec.uid,
             gid: spec.gid,
-            seccomp: self.seccomp.as_fprog(),
+            seccomp: self
+                .seccomp
+                .as_ref()
+                .ok_or_else(|| SandboxError::Unavailable("seccomp filter missing".into()))?
+                .fprogs()
+                .to_vec(),
             program,
             argv_ptrs,
             envp_ptrs,
@@ -882,7 +897,9 @@ impl Sandbox for LocalSandbox {
         let plan = Arc::new(self.plan(&spec, &join, stacks, fds, &extra_env)?);
         guard.keep(plan.clone());
         // The seccomp program the command installs lives in it until its execve.
-        guard.keep(self.seccomp.clone());
+        if let Some(s) = &self.seccomp {
+            guard.keep(s.clone());
+        }
         let (sync_r, sync_w) = sync.unzip();
         let (hello_r, hello_w) = hello.unzip();
         // The child's ends stay open until the shim is gone: the shim copies the fd table when it
