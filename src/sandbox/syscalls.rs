@@ -38,10 +38,11 @@ macro_rules! syscall {
     };
 }
 
-/// A table of [`syscall!`] entries.
+/// A table of [`syscall!`] entries; an entry may carry a `#[cfg]` (a syscall of one
+/// architecture only).
 macro_rules! syscalls {
-    ($($constant:ident),* $(,)?) => {
-        &[$(syscall!($constant)),*]
+    ($($(#[$attr:meta])* $constant:ident),* $(,)?) => {
+        &[$($(#[$attr])* syscall!($constant)),*]
     };
 }
 
@@ -76,7 +77,9 @@ pub const DENIED: &[Syscall] = syscalls![
     SYS_swapon,
     SYS_swapoff,
     SYS_acct,
+    #[cfg(target_arch = "x86_64")]
     SYS_iopl,
+    #[cfg(target_arch = "x86_64")]
     SYS_ioperm,
     // The new mount API is mount(2) by other names.
     SYS_fsopen,
@@ -88,6 +91,7 @@ pub const DENIED: &[Syscall] = syscalls![
     SYS_mount_setattr,
     SYS_quotactl,
     SYS_lookup_dcookie,
+    #[cfg(target_arch = "x86_64")]
     SYS_uselib,
     SYS_syslog,
     SYS_settimeofday,

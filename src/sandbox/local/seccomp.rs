@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-    SeccompRule, TargetArch, sock_filter,
+    SeccompRule, TargetArch,
 };
 
 use crate::sandbox::syscalls::{CLONE, CLONE3, DENIED, NAMESPACE_FLAGS, SOCKET, SOCKET_FAMILIES};
@@ -64,7 +64,7 @@ fn x32_filter() -> BpfProgram {
     const JEQ_K: u16 = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
     const JGE_K: u16 = (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16;
     const RET_K: u16 = (libc::BPF_RET | libc::BPF_K) as u16;
-    let ins = |code, jt, jf, k| sock_filter { code, jt, jf, k };
+    let ins = |code, jt, jf, k| seccompiler::sock_filter { code, jt, jf, k };
     vec![
         // seccomp_data.arch (offset 4): anything but x86_64 is killed.
         ins(LD_W_ABS, 0, 0, 4),
@@ -180,7 +180,7 @@ mod tests {
 
     /// A classic-BPF interpreter for what the programs use (absolute word loads of seccomp_data,
     /// AND, jumps, returns), to check the decisions without installing anything.
-    fn run(prog: &[sock_filter], arch: u32, nr: u32, arg0: u64) -> u32 {
+    fn run(prog: &[seccompiler::sock_filter], arch: u32, nr: u32, arg0: u64) -> u32 {
         let mut data = [0u8; 64];
         data[0..4].copy_from_slice(&nr.to_ne_bytes());
         data[4..8].copy_from_slice(&arch.to_ne_bytes());
