@@ -62,7 +62,9 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     let mut policy = Policy::load(&config)?;
     let executors = Registry::load(&config.executors.dir);
     let store: Arc<dyn StateStore> = match &config.state.redis_url {
-        Some(url) => Arc::new(RedisStore::connect(url).await?),
+        Some(url) => {
+            Arc::new(RedisStore::connect(url, config.state.redis_ca_file.as_deref()).await?)
+        }
         None => Arc::new(MemoryStore::new(
             config.state.idempotency_max_bytes,
             config.auth.leeway_seconds,

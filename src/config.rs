@@ -198,6 +198,9 @@ impl AuditConfig {
 pub struct StateConfig {
     #[serde(default)]
     pub redis_url: Option<String>,
+    /// PEM CA bundle that alone is trusted for a `rediss://` server (default: the system's roots).
+    #[serde(default)]
+    pub redis_ca_file: Option<std::path::PathBuf>,
     pub idempotency_ttl_seconds: u64,
     /// How long an Idempotency-Key in progress stays claimed without a renewal: the running
     /// daemon renews it every third of this, so a key of a daemon that died is free this long

@@ -134,6 +134,12 @@ async fn a_session_keeps_one_container_with_its_files_across_execs() {
                 "{runtime}: round {round}: a process outlived its exec"
             );
         }
+        // No SysV IPC or message queue outlives an exec on runc: none can be made (gVisor
+        // ignores the sysctls that say so; docs/security.md).
+        let ipc = run(&c, &id, "import ctypes\nlibc = ctypes.CDLL(None)\nprint(libc.shmget(0, 4096, 0o1600), libc.msgget(0, 0o1600))").await;
+        if runtime == "runc" {
+            assert_eq!(ipc["stdout"], "-1 -1\n", "{runtime}: {ipc}");
+        }
         // An exec that takes the workspace's permissions away does not break the next ones.
         run(&c, &id, "import os\nos.chmod('/workspace', 0)").await;
         assert_eq!(

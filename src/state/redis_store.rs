@@ -68,8 +68,31 @@ fn millis(d: Duration) -> u64 {
 }
 
 impl RedisStore {
-    pub async fn connect(url: &str) -> Result<RedisStore, StateError> {
-        let client = redis::Client::open(url).map_err(unavailable)?;
+    /// Connects to `url`; `rediss://` speaks TLS, trusting the PEM bundle `ca_file` alone when
+    /// given, else the system's roots.
+    pub async fn connect(
+        url: &str,
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<RedisStore, StateError> {
+        // rustls needs one process-wide crypto provider; an earlier install (a second store in
+        // the same process) is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = match ca_file {
+            Some(path) => {
+                let root_cert = std::fs::read(path).map_err(|e| {
+                    StateError::Unavailable(format!("state.redis_ca_file {}: {e}", path.display()))
+                })?;
+                redis::Client::build_with_tls(
+                    url,
+                    redis::TlsCertificates {
+                        client_tls: None,
+                        root_cert: Some(root_cert),
+                    },
+                )
+            }
+            None => redis::Client::open(url),
+        }
+        .map_err(unavailable)?;
         let cfg = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Duration::from_secs(2))
             .set_response_timeout(Duration::from_secs(2))

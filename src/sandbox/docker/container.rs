@@ -278,6 +278,17 @@ impl ContainerPlan {
             // The supervisor is PID 1 and reaps orphans itself; an init in front of it would
             // only add a process, and its exit would hide the supervisor's.
             init: Some(false),
+            // A session's container runs one exec after another: no SysV IPC object or POSIX
+            // message queue (state outside the workspace that killing an exec's processes leaves
+            // behind) can be made in it. runsc accepts these and ignores them.
+            sysctls: kept.then(|| {
+                HashMap::from([
+                    ("kernel.shmmni".to_string(), "0".to_string()),
+                    ("kernel.msgmni".to_string(), "0".to_string()),
+                    ("kernel.sem".to_string(), "0 0 0 0".to_string()),
+                    ("fs.mqueue.queues_max".to_string(), "0".to_string()),
+                ])
+            }),
             // A session's code files: root's, read-only to the command, counted in its memory.
             tmpfs: kept.then(|| {
                 HashMap::from([(

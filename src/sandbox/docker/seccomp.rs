@@ -4,11 +4,12 @@
 //! the profile passed as `security_opt: ["seccomp=<json>"]`. Must not: keep a list of its own.
 //!
 //! runc installs it with libseccomp. runsc applies an OCI seccomp profile inside the sandbox only
-//! when registered with `--oci-seccomp` (see [`runsc_applies_oci_seccomp`]), and the runsc of
-//! Debian 12 (0.0~20221219) ignores `errnoRet`: every refused call fails with EPERM there. An
-//! EPERM for `clone3` would stop glibc from falling back to `clone` (no thread could start), so
-//! the gVisor profile leaves `clone3` out: gVisor does not implement it (ENOSYS) and its `clone`
-//! is filtered like runc's.
+//! when registered with `--oci-seccomp` (see [`runsc_applies_oci_seccomp`]), and runsc (Debian's
+//! 0.0~20221219 and 0.0~20240729 alike) ignores `errnoRet`: every refused call fails with EPERM
+//! there. An EPERM for `clone3` would stop glibc from falling back to `clone` (no thread could
+//! start), so the gVisor profile leaves `clone3` out. runsc 20240729 implements `clone3`, so
+//! under gVisor a command can make namespaces through it (the sentry's own, inside the
+//! sandbox; docs/security.md, "Known gaps"); its `clone` and `unshare` are filtered like runc's.
 
 use serde_json::{Value, json};
 
