@@ -65,6 +65,109 @@ fn redis() -> Redis {
     panic!("redis-server did not start");
 }
 
+/// Starts a private redis-server that speaks TLS only, with a certificate for 127.0.0.1 signed
+/// by a CA made here; returns it and the CA's PEM file.
+fn redis_tls(dir: &std::path::Path) -> (Redis, std::path::PathBuf) {
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-subj",
+        "/CN=executor-arm test CA",
+        "-days",
+        "1",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]);
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+    ]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let file = |f: &str| dir.join(f).to_string_lossy().into_owned();
+    let child = Command::new("redis-server")
+        .args([
+            "--port",
+            "0",
+            "--tls-port",
+            &port.to_string(),
+            "--tls-cert-file",
+            &file("server.pem"),
+            "--tls-key-file",
+            &file("server.key"),
+            "--tls-ca-cert-file",
+            &file("ca.pem"),
+            "--tls-auth-clients",
+            "no",
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("redis-server");
+    let redis = Redis {
+        child,
+        url: format!("rediss://127.0.0.1:{port}/0"),
+    };
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return (redis, dir.join("ca.pem"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("redis-server (TLS) did not start");
+}
+
 fn replica(url: &str) -> Daemon {
     Daemon::start_with(Opts {
         env: vec![("EXECUTOR_ARM_REDIS_URL".into(), url.into())],
@@ -113,6 +216,63 @@ async fn replicas_share_replay_and_idempotency_state() {
             .all(|l| !l["event"].as_str().unwrap_or("").starts_with("execution")),
         "B admitted and ran nothing"
     );
+}
+
+/// `rediss://`: replicas share their state over TLS, and a server whose certificate the daemon
+/// cannot verify is refused (the daemon does not start).
+#[tokio::test(flavor = "multi_thread")]
+async fn replicas_share_state_over_tls_and_check_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let (redis, ca) = redis_tls(dir.path());
+    let with_ca = |url: &str| {
+        Daemon::start_with(Opts {
+            env: vec![("EXECUTOR_ARM_REDIS_URL".into(), url.into())],
+            config: Some(format!("[state]\nredis_ca_file = \"{}\"\n", ca.display())),
+            ..Default::default()
+        })
+    };
+    let a = with_ca(&redis.url);
+    let b = with_ca(&redis.url);
+    assert_eq!(a.get("/readyz").await.json["state_store"], json!("redis"));
+    let once = a.mint(MintRequest {
+        kind: Some(TokenKind::Capability),
+        ttl_seconds: 60,
+        aud: "executor-arm".into(),
+        capabilities: vec!["ShellExecute".into()],
+        single_use: true,
+        ..Default::default()
+    });
+    let body = json!({"action_type": "shell", "command": "echo", "args": ["once"], "capability_token": once});
+    assert_eq!(a.exec(body.clone()).await.status, 200);
+    assert_eq!(
+        b.exec(body).await.status,
+        401,
+        "a replay across replicas over TLS"
+    );
+
+    // Without the CA the server's certificate is not trusted: the daemon refuses to start.
+    std::fs::write(dir.path().join("secret"), common::SECRET).unwrap();
+    let out = Command::new(common::bin())
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("EXECUTOR_ARM_JWT_SECRET_FILE", dir.path().join("secret"))
+        .env("EXECUTOR_ARM_AUDIT_LOG", dir.path().join("audit.jsonl"))
+        .env("EXECUTOR_ARM_SESSIONS_DIR", dir.path().join("sessions"))
+        .env(
+            "EXECUTOR_ARM_PROFILES_DIR",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/sandbox-profiles"),
+        )
+        .env("EXECUTOR_ARM_REDIS_URL", &redis.url)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run the daemon");
+    assert!(
+        !out.status.success(),
+        "started against an unverified server"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.to_ascii_lowercase().contains("certificate"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
