@@ -91,7 +91,7 @@ pub fn parse_def(path: &Path, bytes: &[u8]) -> Result<ExecutorDef, String> {
         .file_stem()
         .and_then(|s| s.to_str())
         .unwrap_or_default();
-    let f: DefFile = serde_yaml::from_slice(bytes).map_err(|e| format!("invalid YAML: {e}"))?;
+    let f: DefFile = serde_yaml_ng::from_slice(bytes).map_err(|e| format!("invalid YAML: {e}"))?;
     if f.schema_version != 2 {
         return Err(format!("schemaVersion {} is not 2", f.schema_version));
     }
