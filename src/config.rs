@@ -304,7 +304,11 @@ pub fn peer_authority(url: &str) -> Option<&str> {
         .then_some(rest)
 }
 
-/// Environment overrides, read once (tests inject their own).
+/// Prefix of the environment variables that set any config key (`EXECUTOR_ARM__STATE__REDIS_URL`).
+pub const ENV_PREFIX: &str = "EXECUTOR_ARM__";
+
+/// The documented single-underscore variables (older names, kept as aliases; they win over the
+/// `EXECUTOR_ARM__` form of the same key), read once (tests inject their own).
 #[derive(Debug, Default, Clone)]
 pub struct EnvOverrides {
     pub listen: Option<String>,
@@ -372,15 +376,20 @@ impl Config {
                     })?;
             merge(&mut table, over);
         }
-        let mut cfg: Config =
-            toml::Value::Table(table)
-                .try_into()
-                .map_err(|e: toml::de::Error| ConfigError::Parse {
-                    path: file
-                        .map(|p| p.display().to_string())
-                        .unwrap_or_else(|| "<embedded default>".into()),
-                    message: e.to_string(),
-                })?;
+        // Every key can be set from the environment: `EXECUTOR_ARM__<SECTION>__<KEY>` (any depth,
+        // `__` between levels, case-insensitive; values read as TOML scalars or arrays), over the
+        // file. A name that is no key fails like an unknown key in the file.
+        let figment = figment::Figment::from(figment::providers::Serialized::defaults(
+            toml::Value::Table(table),
+        ))
+        .merge(figment::providers::Env::prefixed(ENV_PREFIX).split("__"));
+        let mut cfg: Config = figment.extract().map_err(|e| ConfigError::Parse {
+            path: match file {
+                Some(p) => format!("{} and {ENV_PREFIX}* variables", p.display()),
+                None => format!("<embedded default> and {ENV_PREFIX}* variables"),
+            },
+            message: e.to_string(),
+        })?;
         cfg.apply_env(env)?;
         cfg.validate()?;
         Ok(cfg)

@@ -860,3 +860,41 @@ async fn file_transfers_at_once_are_bounded() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Any config key can come from the environment (`EXECUTOR_ARM__<SECTION>__<KEY>`), and a name
+/// that is no key keeps the daemon from starting, as an unknown key in the file does.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_config_key_has_an_environment_override() {
+    let d = Daemon::start_with(Opts {
+        env: vec![("EXECUTOR_ARM__SESSIONS__MAX_TOTAL".into(), "1".into())],
+        ..Default::default()
+    });
+    let c = koder(&d, None);
+    new_session(&c, "bash").await;
+    let second = c
+        .create(json!({"language": "bash", "capability_token": d.cap_all()}))
+        .await;
+    assert_eq!(second.status, 429, "{}", second.text);
+    assert!(
+        second.text.contains("sessions.max_total"),
+        "{}",
+        second.text
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("secret"), common::SECRET).unwrap();
+    let out = std::process::Command::new(common::bin())
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("EXECUTOR_ARM_JWT_SECRET_FILE", dir.path().join("secret"))
+        .env("EXECUTOR_ARM_AUDIT_LOG", dir.path().join("audit.jsonl"))
+        .env("EXECUTOR_ARM_SESSIONS_DIR", dir.path().join("sessions"))
+        .env("EXECUTOR_ARM__SESSIONS__MAX_TOTL", "1")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run the daemon");
+    assert!(!out.status.success(), "started with an unknown key");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("max_totl"), "{err}");
+}
