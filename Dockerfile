@@ -1,7 +1,10 @@
 # executor-arm images.
 #
-#   sandbox  the image every docker/gvisor execution runs in (scripts/build-sandbox-image.sh builds it)
-#   daemon   the executor-arm daemon itself, around a binary built on the host
+#   sandbox           the image every docker/gvisor execution runs in (scripts/build-sandbox-image.sh)
+#   daemon            the executor-arm daemon, built from this checkout in a builder stage (the last
+#                     stage: `docker build .` from a clean checkout builds it)
+#   daemon-prebuilt   the same image around target/release/executor-arm built on the host (what the
+#                     tests use, to not build the release twice)
 #
 # Written for the classic builder as well as BuildKit: no `# syntax=` line (no frontend image can be
 # pulled without a registry), no heredocs, no COPY --chmod, no RUN --mount.
@@ -55,14 +58,10 @@ LABEL org.opencontainers.image.title="executor-arm-sandbox" \
       org.executor-arm.sandbox.inputs-hash="${SANDBOX_INPUTS_HASH}"
 
 # ----------------------------------------------------------------------------------------------
-# daemon: the executor-arm daemon
+# daemon-runtime: everything of the daemon image but its binary
 # ----------------------------------------------------------------------------------------------
-# The Rust toolchain cannot be pulled into an image here (no registry; Debian's rustc predates
-# edition 2024), so this stage packages a binary built on the host (`cargo build --release`).
-# The binary links only glibc/libgcc_s, and the host is Debian bookworm like BASE_IMAGE.
-FROM os-base AS daemon
+FROM os-base AS daemon-runtime
 ARG DEBIAN_FRONTEND=noninteractive
-ARG DAEMON_BINARY=target/release/executor-arm
 # The `local` backend runs allowlisted binaries from this image's own filesystem, so the default
 # allowlist's commands are installed here too; ca-certificates for curl/wget and outbound TLS.
 RUN set -eux; \
@@ -78,12 +77,9 @@ RUN set -eux; \
     install -d -m 0755 /etc/executor-arm /etc/executor-arm/sandbox-profiles /etc/executor-arm/executors; \
     find / -xdev -perm /6000 -type f -exec chmod a-s {} +; \
     test -z "$(find / -xdev -perm /6000 -type f)"
-COPY ${DAEMON_BINARY} /usr/local/bin/executor-arm
 COPY config/executor-arm.toml /etc/executor-arm/executor-arm.toml
 COPY sandbox-profiles/ /etc/executor-arm/sandbox-profiles/
 COPY config/executors/ /etc/executor-arm/executors/
-# (The binary keeps its mode from the build context, 0755 from cargo; the classic builder has no
-# COPY --chmod, and a chmod layer would store the binary twice.)
 RUN chmod -R go-w,a+rX /etc/executor-arm
 ENV EXECUTOR_ARM_LISTEN=0.0.0.0:8003 \
     EXECUTOR_ARM_PROFILES_DIR=/etc/executor-arm/sandbox-profiles \
@@ -101,6 +97,63 @@ HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
     CMD ["curl", "-fsS", "--max-time", "2", "-o", "/dev/null", "http://127.0.0.1:8003/health"]
 ENTRYPOINT ["/usr/local/bin/executor-arm"]
 CMD ["serve", "--config", "/etc/executor-arm/executor-arm.toml"]
+ARG BASE_IMAGE
+ARG VERSION=0.1.0
+ARG REVISION=unknown
 LABEL org.opencontainers.image.title="executor-arm" \
       org.opencontainers.image.description="Hardened sandboxed command-execution daemon" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
       org.executor-arm.component="daemon"
+
+# ----------------------------------------------------------------------------------------------
+# daemon-prebuilt: around a binary built on the host (`cargo build --release --locked`; it links
+# only glibc/libgcc_s, and the host is Debian bookworm like BASE_IMAGE). Placed before the builder
+# so that the classic builder, which builds every stage up to its target, does not build Rust.
+# ----------------------------------------------------------------------------------------------
+FROM daemon-runtime AS daemon-prebuilt
+ARG DAEMON_BINARY=target/release/executor-arm
+# (The binary keeps its mode from the build context, 0755 from cargo; the classic builder has no
+# COPY --chmod, and a chmod layer would store the binary twice.)
+COPY ${DAEMON_BINARY} /usr/local/bin/executor-arm
+
+# ----------------------------------------------------------------------------------------------
+# builder: the release binary from this checkout, with a pinned Rust. rustup-init comes from the
+# Rust project's release archive and is checked against its published SHA-256 before it runs.
+# ----------------------------------------------------------------------------------------------
+FROM os-base AS builder
+ARG DEBIAN_FRONTEND=noninteractive
+ARG RUSTUP_VERSION=1.28.2
+ARG RUSTUP_INIT_SHA256_AMD64=20a06e644b0d9bd2fbdbfd52d42540bdde820ea7df86e92e533c073da0cdd43c
+ARG RUSTUP_INIT_SHA256_ARM64=e3853c5a252fca15252d07cb23a1bdd9377a8c6f3efa01531109281ae47f841c
+ARG RUST_TOOLCHAIN=1.95.0
+RUN set -eux; \
+    apt-get update; \
+    apt-get install ca-certificates curl gcc libc6-dev; \
+    case "$(dpkg --print-architecture)" in \
+        amd64) triple=x86_64-unknown-linux-gnu; sum="${RUSTUP_INIT_SHA256_AMD64}" ;; \
+        arm64) triple=aarch64-unknown-linux-gnu; sum="${RUSTUP_INIT_SHA256_ARM64}" ;; \
+        *) echo "no Rust toolchain pinned for $(dpkg --print-architecture)" >&2; exit 1 ;; \
+    esac; \
+    curl --proto '=https' --tlsv1.2 -sSfLo /tmp/rustup-init \
+        "https://static.rust-lang.org/rustup/archive/${RUSTUP_VERSION}/${triple}/rustup-init"; \
+    echo "${sum}  /tmp/rustup-init" | sha256sum -c -; \
+    chmod 0755 /tmp/rustup-init; \
+    /tmp/rustup-init -y --no-modify-path --profile minimal --default-toolchain "${RUST_TOOLCHAIN}"; \
+    rm -f /tmp/rustup-init; \
+    rm -rf /var/lib/apt/lists/*
+ENV PATH=/root/.cargo/bin:/usr/local/bin:/usr/bin:/bin
+WORKDIR /build
+COPY Cargo.toml Cargo.lock ./
+COPY src/ src/
+COPY config/executor-arm.toml config/executor-arm.toml
+COPY sandbox-profiles/ sandbox-profiles/
+RUN cargo build --release --locked --bin executor-arm
+
+# ----------------------------------------------------------------------------------------------
+# daemon: the executor-arm daemon (the default target)
+# ----------------------------------------------------------------------------------------------
+FROM daemon-runtime AS daemon
+COPY --from=builder /build/target/release/executor-arm /usr/local/bin/executor-arm

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the daemon image (Dockerfile target `daemon`) from the release binary and runs it:
+# Builds the daemon image around the host's release binary (Dockerfile target `daemon-prebuilt`;
+# `daemon`, the default target, builds the same from source) and runs it:
 # the container must answer /health, run POST /execute from outside, and exit 0 on SIGTERM.
 # The local backend needs privileges to build sandboxes: the container gets exactly the
 # capabilities it uses (SYS_ADMIN for namespaces and mounts, SETUID/SETGID/SETPCAP to drop each
@@ -18,7 +19,8 @@ trap cleanup EXIT
 
 cargo build --release --locked --bin executor-arm
 base=${BASE_IMAGE:-executor-arm-debian-base:bookworm}
-DOCKER_BUILDKIT=0 docker build -q --target daemon --build-arg "BASE_IMAGE=$base" -t "$image" . >/dev/null
+DOCKER_BUILDKIT=0 docker build -q --target daemon-prebuilt --build-arg "BASE_IMAGE=$base" \
+  --build-arg "REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)" -t "$image" . >/dev/null
 echo "built $image ($(docker image inspect -f '{{.Size}}' "$image") bytes)"
 
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/jwt-secret"
