@@ -114,10 +114,12 @@ LABEL org.opencontainers.image.title="executor-arm" \
 # so that the classic builder, which builds every stage up to its target, does not build Rust.
 # ----------------------------------------------------------------------------------------------
 FROM daemon-runtime AS daemon-prebuilt
-ARG DAEMON_BINARY=target/release/executor-arm
-# (The binary keeps its mode from the build context, 0755 from cargo; the classic builder has no
-# COPY --chmod, and a chmod layer would store the binary twice.)
-COPY ${DAEMON_BINARY} /usr/local/bin/executor-arm
+# The classic builder builds this stage on the way to `daemon` too, where there is no host binary:
+# the glob may match nothing (COPY needs one source that exists, hence the small config file,
+# removed again). The binary keeps its mode from the build context, 0755 from cargo; the classic
+# builder has no COPY --chmod, and a chmod layer would store the binary twice.
+COPY docker/image/apt-minimal.conf target/release/executor-ar[m] /usr/local/bin/
+RUN rm /usr/local/bin/apt-minimal.conf
 
 # ----------------------------------------------------------------------------------------------
 # builder: the release binary from this checkout, with a pinned Rust. rustup-init comes from the
