@@ -124,6 +124,7 @@ RUN rm /usr/local/bin/apt-minimal.conf
 # ----------------------------------------------------------------------------------------------
 # builder: the release binary from this checkout, with a pinned Rust. rustup-init comes from the
 # Rust project's release archive and is checked against its published SHA-256 before it runs.
+# Behind a TLS-intercepting proxy, put its CA in docker/ca-certificates/ (see the README there).
 # ----------------------------------------------------------------------------------------------
 FROM os-base AS builder
 ARG DEBIAN_FRONTEND=noninteractive
@@ -131,9 +132,11 @@ ARG RUSTUP_VERSION=1.28.2
 ARG RUSTUP_INIT_SHA256_AMD64=20a06e644b0d9bd2fbdbfd52d42540bdde820ea7df86e92e533c073da0cdd43c
 ARG RUSTUP_INIT_SHA256_ARM64=e3853c5a252fca15252d07cb23a1bdd9377a8c6f3efa01531109281ae47f841c
 ARG RUST_TOOLCHAIN=1.95.0
+COPY docker/ca-certificates/ /usr/local/share/ca-certificates/
 RUN set -eux; \
     apt-get update; \
     apt-get install ca-certificates curl gcc libc6-dev; \
+    update-ca-certificates; \
     case "$(dpkg --print-architecture)" in \
         amd64) triple=x86_64-unknown-linux-gnu; sum="${RUSTUP_INIT_SHA256_AMD64}" ;; \
         arm64) triple=aarch64-unknown-linux-gnu; sum="${RUSTUP_INIT_SHA256_ARM64}" ;; \
