@@ -136,7 +136,7 @@ COPY docker/ca-certificates/ /usr/local/share/ca-certificates/
 RUN set -eux; \
     apt-get update; \
     apt-get install ca-certificates curl gcc libc6-dev; \
-    update-ca-certificates; \
+    /usr/sbin/update-ca-certificates; \
     case "$(dpkg --print-architecture)" in \
         amd64) triple=x86_64-unknown-linux-gnu; sum="${RUSTUP_INIT_SHA256_AMD64}" ;; \
         arm64) triple=aarch64-unknown-linux-gnu; sum="${RUSTUP_INIT_SHA256_ARM64}" ;; \
