@@ -5,6 +5,10 @@
 //! weighs on all of them alike instead of on whichever series happened to run then. A second,
 //! sporadic part sends one request (and runs one bwrap) every 500 ms: latency after idle spells.
 //!
+//! With `EXECUTOR_ARM_BASELINE_BIN` set (another build of the daemon, e.g. an older commit's), a
+//! second daemon from that binary serves a fourth series in the same blocks: old beside new in one
+//! run.
+//!
 //! Run: `scripts/bench.sh` (builds release and runs this as root). Prints p50/p95/p99 and ratios.
 
 use std::process::{Command, Stdio};
@@ -52,7 +56,16 @@ fn time_cmd(argv: &[&str], n: usize, out: &mut Vec<Duration>) {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let daemon = support::Daemon::start(&[]);
+    // The baseline first: an older build sweeps the run cgroups of its own name at start, so the
+    // daemon under test, started after it, uses a name of its own.
+    let baseline_bin = std::env::var("EXECUTOR_ARM_BASELINE_BIN").ok();
+    let baseline = baseline_bin
+        .as_deref()
+        .map(|bin| support::Daemon::start_bin(bin, &[]));
+    let daemon = support::Daemon::start(&[(
+        "EXECUTOR_ARM__SANDBOX__LOCAL__CGROUP_NAME",
+        "executor-arm-bench",
+    )]);
     let addr = daemon.addr.clone();
     let mint = |kind, caps: &[&str]| daemon.mint(kind, caps);
     let svc = format!("Bearer {}", mint(TokenKind::Service, &[]));
@@ -62,10 +75,13 @@ async fn main() {
         .build()
         .expect("client");
     let url = format!("http://{addr}/execute");
-    let request = || async {
+    let baseline_url = baseline
+        .as_ref()
+        .map(|b| format!("http://{}/execute", b.addr));
+    let send = |url: String| async {
         let t = Instant::now();
         let r = client
-            .post(&url)
+            .post(url)
             .header("authorization", &svc)
             .header("content-type", "application/json")
             .body(body.clone())
@@ -81,6 +97,7 @@ async fn main() {
         );
         d
     };
+    let request = || send(url.clone());
     let bwrap = [
         "bwrap",
         "--ro-bind",
@@ -96,10 +113,20 @@ async fn main() {
     }
     time_cmd(&["/bin/echo", "hi"], WARMUP, &mut discard);
     time_cmd(&bwrap, WARMUP, &mut discard);
-    let (mut api, mut fork, mut bw) = (Vec::new(), Vec::new(), Vec::new());
+    if let Some(u) = &baseline_url {
+        for _ in 0..WARMUP {
+            send(u.clone()).await;
+        }
+    }
+    let (mut api, mut fork, mut bw, mut old) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..N / BLOCK {
         for _ in 0..BLOCK {
             api.push(request().await);
+        }
+        if let Some(u) = &baseline_url {
+            for _ in 0..BLOCK {
+                old.push(send(u.clone()).await);
+            }
         }
         time_cmd(&["/bin/echo", "hi"], BLOCK, &mut fork);
         time_cmd(&bwrap, BLOCK, &mut bw);
@@ -114,6 +141,7 @@ async fn main() {
         time_cmd(&bwrap, 1, &mut bw_idle);
     }
     drop(daemon);
+    drop(baseline);
 
     println!(
         "executor-arm local backend benchmark ({N} sequential requests per series, interleaved in \
@@ -127,6 +155,11 @@ async fn main() {
         "ratio p50 execute / bwrap:     {:.2}x   (target <= 1.5x)",
         p_api / p_bwrap
     );
+    if let Some(bin) = &baseline_bin {
+        let p_old = summary("POST /execute echo hi (baseline binary)", old);
+        println!("baseline binary: {bin}");
+        println!("ratio p50 execute / baseline binary: {:.2}x", p_api / p_old);
+    }
     println!(
         "sporadic: {SPORADIC} of each, one every {} ms",
         SPORADIC_GAP.as_millis() * 2

@@ -21,15 +21,22 @@ impl Daemon {
     /// Starts `EXECUTOR_ARM_BIN` (default the release build) with `env` added, logging at info
     /// like production (every execution is logged too: the cost is part of the figures).
     pub fn start(env: &[(&str, &str)]) -> Daemon {
-        let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::write(dir.path().join("secret"), SECRET).expect("secret");
         let bin = std::env::var("EXECUTOR_ARM_BIN")
             .unwrap_or_else(|_| "target/release/executor-arm".into());
-        let mut child = Command::new(&bin)
+        Self::start_bin(&bin, env)
+    }
+
+    /// [`Daemon::start`] of the binary `bin`.
+    pub fn start_bin(bin: &str, env: &[(&str, &str)]) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("secret"), SECRET).expect("secret");
+        let sessions = dir.path().join("sessions");
+        let mut child = Command::new(bin)
             .args(["serve", "--listen", "127.0.0.1:0"])
             .env("EXECUTOR_ARM_JWT_SECRET_FILE", dir.path().join("secret"))
             .env("EXECUTOR_ARM_AUDIT_LOG", dir.path().join("audit.jsonl"))
             .env("RUST_LOG", "info")
+            .env("EXECUTOR_ARM_SESSIONS_DIR", &sessions)
             .envs(env.iter().copied())
             .stderr(Stdio::piped())
             .spawn()
