@@ -32,30 +32,32 @@ fn redis() -> Redis {
     {
         panic!("redis-server is not installed (scripts/test-all.sh installs it)");
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
+    let port = free_port();
+    serve_redis(
+        &["--port", &port.to_string()],
+        port,
+        format!("redis://127.0.0.1:{port}/0"),
+    )
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
-        .port();
+        .port()
+}
+
+/// Starts redis-server with `args` (loopback only, no persistence) and waits until `port` takes
+/// connections; the guard kills and reaps it.
+fn serve_redis(args: &[&str], port: u16, url: String) -> Redis {
     let child = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
+        .args(args)
+        .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
         .stdout(Stdio::null())
         .spawn()
         .expect("redis-server");
-    // Owned by the guard from here on: dropping it kills and reaps the server.
-    let redis = Redis {
-        child,
-        url: format!("redis://127.0.0.1:{port}/0"),
-    };
+    let redis = Redis { child, url };
     for _ in 0..100 {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
             return redis;
@@ -125,14 +127,10 @@ fn redis_tls(dir: &std::path::Path) -> (Redis, std::path::PathBuf) {
         "-extfile",
         "san.ext",
     ]);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let file = |f: &str| dir.join(f).to_string_lossy().into_owned();
-    let child = Command::new("redis-server")
-        .args([
+    let redis = serve_redis(
+        &[
             "--port",
             "0",
             "--tls-port",
@@ -145,27 +143,11 @@ fn redis_tls(dir: &std::path::Path) -> (Redis, std::path::PathBuf) {
             &file("ca.pem"),
             "--tls-auth-clients",
             "no",
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("redis-server");
-    let redis = Redis {
-        child,
-        url: format!("rediss://127.0.0.1:{port}/0"),
-    };
-    for _ in 0..100 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return (redis, dir.join("ca.pem"));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("redis-server (TLS) did not start");
+        ],
+        port,
+        format!("rediss://127.0.0.1:{port}/0"),
+    );
+    (redis, dir.join("ca.pem"))
 }
 
 fn replica(url: &str) -> Daemon {
@@ -251,22 +233,7 @@ async fn replicas_share_state_over_tls_and_check_the_server() {
     );
 
     // Without the CA the server's certificate is not trusted: the daemon refuses to start.
-    std::fs::write(dir.path().join("secret"), common::SECRET).unwrap();
-    let out = Command::new(common::bin())
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .env_clear()
-        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        .env("EXECUTOR_ARM_JWT_SECRET_FILE", dir.path().join("secret"))
-        .env("EXECUTOR_ARM_AUDIT_LOG", dir.path().join("audit.jsonl"))
-        .env("EXECUTOR_ARM_SESSIONS_DIR", dir.path().join("sessions"))
-        .env(
-            "EXECUTOR_ARM_PROFILES_DIR",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/sandbox-profiles"),
-        )
-        .env("EXECUTOR_ARM_REDIS_URL", &redis.url)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("run the daemon");
+    let out = common::run_until_exit(&[("EXECUTOR_ARM_REDIS_URL", &redis.url)]);
     assert!(
         !out.status.success(),
         "started against an unverified server"

@@ -881,19 +881,7 @@ async fn every_config_key_has_an_environment_override() {
         second.text
     );
 
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("secret"), common::SECRET).unwrap();
-    let out = std::process::Command::new(common::bin())
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .env_clear()
-        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        .env("EXECUTOR_ARM_JWT_SECRET_FILE", dir.path().join("secret"))
-        .env("EXECUTOR_ARM_AUDIT_LOG", dir.path().join("audit.jsonl"))
-        .env("EXECUTOR_ARM_SESSIONS_DIR", dir.path().join("sessions"))
-        .env("EXECUTOR_ARM__SESSIONS__MAX_TOTL", "1")
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("run the daemon");
+    let out = common::run_until_exit(&[("EXECUTOR_ARM__SESSIONS__MAX_TOTL", "1")]);
     assert!(!out.status.success(), "started with an unknown key");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("max_totl"), "{err}");

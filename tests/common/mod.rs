@@ -21,6 +21,26 @@ pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_executor-arm")
 }
 
+/// Runs `executor-arm serve` with a private secret, audit log and sessions directory plus `env`
+/// until it exits by itself: for a start that must fail (its stderr says why).
+pub fn run_until_exit(env: &[(&str, &str)]) -> std::process::Output {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("secret"), SECRET).expect("secret");
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    Command::new(bin())
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("EXECUTOR_ARM_JWT_SECRET_FILE", dir.path().join("secret"))
+        .env("EXECUTOR_ARM_AUDIT_LOG", dir.path().join("audit.jsonl"))
+        .env("EXECUTOR_ARM_SESSIONS_DIR", dir.path().join("sessions"))
+        .env("EXECUTOR_ARM_PROFILES_DIR", repo.join("sandbox-profiles"))
+        .envs(env.iter().copied())
+        .current_dir(repo)
+        .output()
+        .expect("run the daemon")
+}
+
 /// Options for one daemon.
 #[derive(Default, Clone)]
 pub struct Opts {

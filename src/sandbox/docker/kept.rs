@@ -16,7 +16,7 @@
 //! of memory) is gone: the exec gets its outcome, later calls a clear error.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::AsyncWrite;
 
@@ -24,10 +24,9 @@ use super::container::ContainerPlan;
 use super::engine::{Attached, OutputStream};
 use super::pool::{ContainerGuard, WarmContainer};
 use super::supervisor::{self, FileOp, Frame, FrameDecoder};
-use super::{DRAIN_GRACE, DockerSandbox, KILL_TIMEOUT, PumpEnd, deliver, pump, short};
-use crate::sandbox::capture::OutputCapture;
+use super::{DRAIN_GRACE, DockerSandbox, KILL_TIMEOUT, deliver, short};
 use crate::sandbox::files::{Entry, FileError, Kept};
-use crate::sandbox::run::{self, Ending, Waited};
+use crate::sandbox::run::Ending;
 use crate::sandbox::{ExitKind, KilledReason, RunOutcome, RunSpec, SandboxError};
 
 /// How long one file call may take the supervisor (a 16 MiB file is well under a second).
@@ -384,50 +383,11 @@ impl DockerSandbox {
             in_step,
         } = &mut *ch;
 
-        let (out_w, out_r) = tokio::io::duplex(64 * 1024);
-        let (err_w, err_r) = tokio::io::duplex(64 * 1024);
-        let mut output = OutputCapture::start(
-            out_r,
-            err_r,
-            spec.limits.output_bytes,
-            spec.limits.on_overflow,
-            spec.output_tap.clone(),
-        );
-        let start = Instant::now();
-        let mut relay = Box::pin(async {
-            match deliver(input, &request).await {
-                Ok(()) => pump(attached_out, decoder, out_w, err_w).await,
-                Err(e) => PumpEnd {
-                    undelivered: true,
-                    error: Some(e),
-                    ..PumpEnd::default()
-                },
-            }
-        });
-        let terminate = || async {
-            match tokio::time::timeout(KILL_TIMEOUT, self.engine().terminate(&id)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    tracing::warn!(exec_id = %spec.exec_id, container = %id, error = %e, "SIGTERM before the stop's grace failed")
-                }
-                Err(_) => {
-                    tracing::warn!(exec_id = %spec.exec_id, container = %id, "the engine did not confirm the SIGTERM in time")
-                }
-            }
-        };
-        let waited = run::wait(
-            &mut relay,
-            spec.limits.timeout,
-            spec.stop.as_ref(),
-            &mut output,
-            terminate,
-        )
-        .await;
-        let (mut killed, end) = match waited {
-            Waited::Ended(end) => (None, Some(end)),
-            Waited::EndedOnStop(end, reason) => (Some(reason), Some(end)),
-            Waited::Kill(reason) => (Some(reason), None),
-        };
+        let (mut run, mut killed, end) = self
+            .relay_and_wait(&id, &spec, input, attached_out, decoder, &request)
+            .await;
+        let relay = &mut run.relay;
+        let start = run.start;
         let duration = start.elapsed();
         let end = match end {
             Some(end) => end,
@@ -439,20 +399,19 @@ impl DockerSandbox {
                 if !matches!(signalled, Ok(Ok(()))) {
                     tracing::warn!(exec_id = %spec.exec_id, container = %id, "the exec's kill signal was not confirmed");
                 }
-                match tokio::time::timeout(KILL_TIMEOUT, &mut relay).await {
+                match tokio::time::timeout(KILL_TIMEOUT, &mut *relay).await {
                     Ok(end) => end,
                     Err(_) => {
                         kept.mark_gone("its supervisor did not report after killing an exec");
                         let _ = self.stop(&id, kept.pid).await;
-                        tokio::time::timeout(DRAIN_GRACE, &mut relay)
+                        tokio::time::timeout(DRAIN_GRACE, &mut *relay)
                             .await
                             .unwrap_or_default()
                     }
                 }
             }
         };
-        drop(relay);
-        let captured = output.drain().await;
+        let captured = run.finish().await;
         let report = match end.report {
             Some(Frame::Exit(r)) => {
                 *in_step = true;

@@ -398,6 +398,92 @@ fn launch_error(plan: &ContainerPlan, e: EngineError) -> SandboxError {
     }
 }
 
+/// A request handed to a container's supervisor: the relay of its frames into the capped
+/// readers (still pending when the daemon decided to kill the run) and their capture.
+struct Relayed<'a> {
+    relay: std::pin::Pin<Box<dyn std::future::Future<Output = PumpEnd> + Send + 'a>>,
+    output: OutputCapture,
+    start: Instant,
+}
+
+impl Relayed<'_> {
+    /// The captured output, once the relay is dropped (which closes the readers' pipes).
+    async fn finish(self) -> (super::capture::Captured, super::capture::Captured) {
+        let Relayed { relay, output, .. } = self;
+        drop(relay);
+        output.drain().await
+    }
+}
+
+impl DockerSandbox {
+    /// What every container run shares, a one-shot `/execute` or a session's exec: hands
+    /// `request` to the supervisor, relays its frames into the capped readers and waits for the
+    /// run's end, its timeout, an output cap or a stop (whose grace starts with SIGTERM through
+    /// the engine). Returns the run in flight, the daemon's reason to end it early, and the
+    /// supervisor's end when it came; killing is the caller's (a container, or one exec in it).
+    async fn relay_and_wait<'a>(
+        &'a self,
+        id: &'a str,
+        spec: &'a RunSpec,
+        input: &'a mut std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
+        output: &'a mut OutputStream,
+        decoder: &'a mut FrameDecoder,
+        request: &'a [u8],
+    ) -> (Relayed<'a>, Option<KilledReason>, Option<PumpEnd>) {
+        let (out_w, out_r) = tokio::io::duplex(64 * 1024);
+        let (err_w, err_r) = tokio::io::duplex(64 * 1024);
+        let mut capture = OutputCapture::start(
+            out_r,
+            err_r,
+            spec.limits.output_bytes,
+            spec.limits.on_overflow,
+            spec.output_tap.clone(),
+        );
+        let start = Instant::now();
+        let mut relay: std::pin::Pin<Box<dyn std::future::Future<Output = PumpEnd> + Send + 'a>> =
+            Box::pin(async move {
+                match deliver(input, request).await {
+                    Ok(()) => pump(output, decoder, out_w, err_w).await,
+                    Err(e) => PumpEnd {
+                        undelivered: true,
+                        error: Some(e),
+                        ..PumpEnd::default()
+                    },
+                }
+            });
+        let terminate = || async {
+            match tokio::time::timeout(KILL_TIMEOUT, self.engine().terminate(id)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(exec_id = %spec.exec_id, container = %id, error = %e, "SIGTERM before the stop's grace failed")
+                }
+                Err(_) => {
+                    tracing::warn!(exec_id = %spec.exec_id, container = %id, "the engine did not confirm the SIGTERM in time")
+                }
+            }
+        };
+        let waited = run::wait(
+            &mut relay,
+            spec.limits.timeout,
+            spec.stop.as_ref(),
+            &mut capture,
+            terminate,
+        )
+        .await;
+        let (killed, end) = match waited {
+            Waited::Ended(end) => (None, Some(end)),
+            Waited::EndedOnStop(end, reason) => (Some(reason), Some(end)),
+            Waited::Kill(reason) => (Some(reason), None),
+        };
+        let relayed = Relayed {
+            relay,
+            output: capture,
+            start,
+        };
+        (relayed, killed, end)
+    }
+}
+
 /// How relaying the supervisor's stream ended.
 #[derive(Default)]
 struct PumpEnd {
@@ -612,52 +698,19 @@ impl Sandbox for DockerSandbox {
             }
         };
 
-        let (out_w, out_r) = tokio::io::duplex(64 * 1024);
-        let (err_w, err_r) = tokio::io::duplex(64 * 1024);
-        let mut output = OutputCapture::start(
-            out_r,
-            err_r,
-            spec.limits.output_bytes,
-            spec.limits.on_overflow,
-            spec.output_tap.clone(),
-        );
-
-        let start = Instant::now();
         let mut decoder = FrameDecoder::default();
-        let mut relay = Box::pin(async {
-            match deliver(&mut attached_in, &request).await {
-                Ok(()) => pump(&mut attached_out, &mut decoder, out_w, err_w).await,
-                Err(e) => PumpEnd {
-                    undelivered: true,
-                    error: Some(e),
-                    ..PumpEnd::default()
-                },
-            }
-        });
-        let terminate = || async {
-            match tokio::time::timeout(KILL_TIMEOUT, self.engine().terminate(&id)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    tracing::warn!(exec_id = %spec.exec_id, container = %id, error = %e, "SIGTERM before the stop's grace failed")
-                }
-                Err(_) => {
-                    tracing::warn!(exec_id = %spec.exec_id, container = %id, "the engine did not confirm the SIGTERM in time")
-                }
-            }
-        };
-        let waited = run::wait(
-            &mut relay,
-            spec.limits.timeout,
-            spec.stop.as_ref(),
-            &mut output,
-            terminate,
-        )
-        .await;
-        let (killed, end) = match waited {
-            Waited::Ended(end) => (None, Some(end)),
-            Waited::EndedOnStop(end, reason) => (Some(reason), Some(end)),
-            Waited::Kill(reason) => (Some(reason), None),
-        };
+        let (mut run, killed, end) = self
+            .relay_and_wait(
+                &id,
+                &spec,
+                &mut attached_in,
+                &mut attached_out,
+                &mut decoder,
+                &request,
+            )
+            .await;
+        let relay = &mut run.relay;
+        let start = run.start;
         let duration = start.elapsed();
         // The supervisor's own deadline ended it (this daemon's clock should have been first).
         let killed = killed.or(match end.as_ref().map(|e| &e.report) {
@@ -673,8 +726,8 @@ impl Sandbox for DockerSandbox {
                 // then give output still in flight a short grace.
                 let mut stop = std::pin::pin!(self.stop(&id, pid));
                 let (k, drained) = tokio::select! {
-                    end = &mut relay => ((&mut stop).await, Some(end)),
-                    k = &mut stop => (k, tokio::time::timeout(DRAIN_GRACE, &mut relay).await.ok()),
+                    end = &mut *relay => ((&mut stop).await, Some(end)),
+                    k = &mut stop => (k, tokio::time::timeout(DRAIN_GRACE, &mut *relay).await.ok()),
                 };
                 if let Err(e) = k {
                     tracing::error!(exec_id = %spec.exec_id, container = %id, error = %e, "could not kill a sandbox container");
@@ -687,8 +740,8 @@ impl Sandbox for DockerSandbox {
                 drained.unwrap_or_default()
             }
         };
-        drop(relay); // closes the capped readers' pipes
-        let captured = output.drain().await;
+        // Dropping the relay closes the capped readers' pipes.
+        let captured = run.finish().await;
 
         // The command is over (or killed): what it still had open through the proxy is closed.
         let network = run::connections(proxy).await;
