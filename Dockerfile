@@ -151,11 +151,13 @@ RUN set -eux; \
     rm -rf /var/lib/apt/lists/*
 ENV PATH=/root/.cargo/bin:/usr/local/bin:/usr/bin:/bin
 WORKDIR /build
-COPY Cargo.toml Cargo.lock ./
+COPY Cargo.toml Cargo.lock build.rs ./
 COPY src/ src/
 COPY config/executor-arm.toml config/executor-arm.toml
 COPY sandbox-profiles/ sandbox-profiles/
-RUN cargo build --release --locked --bin executor-arm
+# The commit for executor_arm_build_info (the context has no .git): --build-arg REVISION=<sha>.
+ARG REVISION=unknown
+RUN EXECUTOR_ARM_GIT_SHA="${REVISION}" cargo build --release --locked --bin executor-arm
 
 # ----------------------------------------------------------------------------------------------
 # daemon: the executor-arm daemon (the default target)

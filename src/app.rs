@@ -57,7 +57,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
             .with_refusal_rate(config.audit.refusal_rate()),
     );
     if audit.recovered().is_some() {
-        metrics.audit_segments_recovered.inc();
+        metrics.audit_segments_recovered.increment(1);
     }
     let mut policy = Policy::load(&config)?;
     let executors = Registry::load(&config.executors.dir);

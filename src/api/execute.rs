@@ -397,7 +397,7 @@ async fn execute_detached(
                 _ => None,
             };
             if let Some(l) = label {
-                st.metrics.rejected.with_label_values(&[l]).inc();
+                st.metrics.rejected.with_label_values(&[l]).increment(1);
             }
             e.into_response()
         }
@@ -718,7 +718,7 @@ async fn run_request(
     st.metrics
         .runs_started
         .with_label_values(&[mode.label()])
-        .inc();
+        .increment(1);
     let metrics = st.metrics.clone();
     let live = st
         .executions
@@ -785,7 +785,7 @@ fn answer_of(
         metrics
             .rejected
             .with_label_values(&["sandbox_unavailable"])
-            .inc();
+            .increment(1);
     }
     if let ApiError::Internal(detail) = &error {
         tracing::error!(detail = %detail, "internal error");

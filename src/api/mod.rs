@@ -231,7 +231,7 @@ fn flush_suppressed(state: &AppState) {
             .metrics
             .audit_append_failures
             .with_label_values(&["refusals_suppressed"])
-            .inc();
+            .increment(1);
         // The counts stay pending for the next flush; at shutdown this line is their only record.
         let pending = state
             .audit

@@ -200,7 +200,7 @@ impl StreamPermit {
                     "{max} streams are open (executions.max_open_streams)"
                 ))
             })?;
-        st.metrics.open_streams.inc();
+        st.metrics.open_streams.increment(1.0);
         Ok(StreamPermit { st: st.clone() })
     }
 }
@@ -208,7 +208,7 @@ impl StreamPermit {
 impl Drop for StreamPermit {
     fn drop(&mut self) {
         self.st.open_streams.fetch_sub(1, Ordering::SeqCst);
-        self.st.metrics.open_streams.dec();
+        self.st.metrics.open_streams.decrement(1.0);
     }
 }
 

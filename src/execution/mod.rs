@@ -310,22 +310,18 @@ struct QueueLimits {
 /// ends (a slot, the time limit, or the caller going away).
 struct QueuePlace<'a> {
     waiting: &'a AtomicUsize,
-    gauge: prometheus::IntGauge,
+    gauge: metrics::Gauge,
 }
 
 impl<'a> QueuePlace<'a> {
     /// A place, unless `max_waiting` requests already wait.
-    fn take(
-        waiting: &'a AtomicUsize,
-        max_waiting: usize,
-        gauge: prometheus::IntGauge,
-    ) -> Option<Self> {
+    fn take(waiting: &'a AtomicUsize, max_waiting: usize, gauge: metrics::Gauge) -> Option<Self> {
         waiting
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
                 (n < max_waiting).then_some(n + 1)
             })
             .ok()?;
-        gauge.inc();
+        gauge.increment(1.0);
         Some(QueuePlace { waiting, gauge })
     }
 }
@@ -333,7 +329,7 @@ impl<'a> QueuePlace<'a> {
 impl Drop for QueuePlace<'_> {
     fn drop(&mut self) {
         self.waiting.fetch_sub(1, Ordering::SeqCst);
-        self.gauge.dec();
+        self.gauge.decrement(1.0);
     }
 }
 
@@ -631,7 +627,7 @@ impl ExecutionService {
         let label = [backend.as_str()];
         let waited = self.metrics.queue_wait.with_label_values(&label);
         if let Ok(slot) = slots.free.clone().try_acquire_owned() {
-            waited.observe(0.0);
+            waited.record(0.0);
             return Ok(slot);
         }
         let gauge = self.metrics.queue_waiting.with_label_values(&label);
@@ -661,7 +657,7 @@ impl ExecutionService {
                 )));
             }
         };
-        waited.observe(since.elapsed().as_secs_f64());
+        waited.record(since.elapsed().as_secs_f64());
         match slot {
             Ok(Ok(slot)) => Ok(slot),
             Ok(Err(_closed)) => Err(ExecutionError::Unavailable("run slots closed".into())),
@@ -707,7 +703,7 @@ impl ExecutionService {
         execution.spec.output_tap = Some(OutputTap::new(move |stream, chunk| {
             tapped.push_output(stream, chunk)
         }));
-        self.metrics.live_runs.set(self.runs.len() as i64);
+        self.metrics.live_runs.set(self.runs.len() as f64);
         let (store, runs, metrics) = (self.store.clone(), self.runs.clone(), self.metrics.clone());
         let (instance, retention) = (self.instance.clone(), self.retention);
         let address = self.address.get().cloned();
@@ -758,7 +754,7 @@ impl ExecutionService {
                 // Other replicas see "running" until the record expires; this one answers.
                 runs.keep_until(&exec_id, std::time::Instant::now() + retention);
             }
-            metrics.live_runs.set(runs.len() as i64);
+            metrics.live_runs.set(runs.len() as f64);
         });
         live
     }
@@ -804,7 +800,7 @@ impl ExecutionService {
         };
         let outcome = self.runs.cancel(live, stop, by);
         if outcome == CancelOutcome::Stopping {
-            self.metrics.cancels.inc();
+            self.metrics.cancels.increment(1);
             let line = audit::AuditEvent::ExecutionCancel(audit::Cancel {
                 request_id: request_id.to_string(),
                 exec_id: live.exec_id().to_string(),
@@ -815,7 +811,7 @@ impl ExecutionService {
                 self.metrics
                     .audit_append_failures
                     .with_label_values(&["execution_cancel"])
-                    .inc();
+                    .increment(1);
                 tracing::error!(exec_id = live.exec_id(), by, error = %e, "audit append failed");
             }
         }
@@ -1005,7 +1001,10 @@ impl Execution {
         } = self;
         let exec_id = spec.exec_id.clone();
         let backend_label = plan.backend.as_str();
-        metrics.inflight.with_label_values(&[backend_label]).inc();
+        metrics
+            .inflight
+            .with_label_values(&[backend_label])
+            .increment(1.0);
         // The run is its own task: a panic in a backend fails this execution, not the daemon.
         let task = tokio::spawn(async move {
             let r = backend.run(spec).await;
@@ -1013,7 +1012,10 @@ impl Execution {
             r
         });
         let joined = task.await;
-        metrics.inflight.with_label_values(&[backend_label]).dec();
+        metrics
+            .inflight
+            .with_label_values(&[backend_label])
+            .decrement(1.0);
         let failed = match joined {
             Ok(Ok(o)) => Ok(o),
             Ok(Err(SandboxError::Unavailable(m))) => {

@@ -67,8 +67,8 @@ pub fn refusal(
     reason: &str,
 ) {
     match kind {
-        RefusalKind::Unauthorized => metrics.auth_failures.inc(),
-        RefusalKind::CapabilityViolation => metrics.capability_violations.inc(),
+        RefusalKind::Unauthorized => metrics.auth_failures.increment(1),
+        RefusalKind::CapabilityViolation => metrics.capability_violations.increment(1),
     }
     let status = kind.status();
     // A caller whose service token was verified draws from its own bucket: a flood from callers
@@ -78,7 +78,7 @@ pub fn refusal(
         metrics
             .audit_refusals_suppressed
             .with_label_values(&[&status.to_string()])
-            .inc();
+            .increment(1);
         return;
     }
     let event = AuditEvent::Refusal(audit::Refusal {
@@ -157,11 +157,11 @@ impl AdmittedRun {
         self.metrics
             .executions
             .with_label_values(&[self.run.action_type.as_ref(), "false"])
-            .inc();
+            .increment(1);
         self.metrics
             .executions_by_backend
             .with_label_values(&[self.run.backend.as_ref(), &self.run.profile, "error"])
-            .inc();
+            .increment(1);
         let event = AuditEvent::ExecutionError {
             run: self.run.clone(),
             error_type,
@@ -208,7 +208,7 @@ pub async fn record_interrupted(
             ),
         };
         record(audit, metrics, &event);
-        metrics.interrupted_runs.inc();
+        metrics.interrupted_runs.increment(1);
         finish_record(store, i, retention).await;
         let Some(scoped) = &i.run.idempotency_key else {
             continue;
@@ -281,7 +281,7 @@ fn count_failed_append(metrics: &Metrics, event: &AuditEvent, e: &AuditError) {
     metrics
         .audit_append_failures
         .with_label_values(&[event.name()])
-        .inc();
+        .increment(1);
     tracing::error!(error = %e, event = event.name(), "audit append failed");
 }
 
@@ -293,22 +293,22 @@ pub fn run_metrics(m: &Metrics, plan: &Plan, outcome: &'static str, o: &RunOutco
             plan.action_type.as_str(),
             if success { "true" } else { "false" },
         ])
-        .inc();
+        .increment(1);
     m.executions_by_backend
         .with_label_values(&[plan.backend.as_str(), &plan.profile.name, outcome])
-        .inc();
-    m.duration.observe(o.duration.as_secs_f64());
+        .increment(1);
+    m.duration.record(o.duration.as_secs_f64());
     m.duration_by_backend
         .with_label_values(&[plan.backend.as_str()])
-        .observe(o.duration.as_secs_f64());
+        .record(o.duration.as_secs_f64());
     if o.timed_out() {
-        m.timeouts.inc();
+        m.timeouts.increment(1);
     }
     if o.oom {
-        m.ooms.inc();
+        m.ooms.increment(1);
     }
     if o.stdout_truncated || o.stderr_truncated {
-        m.output_truncations.inc();
+        m.output_truncations.increment(1);
     }
     for c in &o.network {
         let verdict = if c.allowed {
@@ -318,7 +318,9 @@ pub fn run_metrics(m: &Metrics, plan: &Plan, outcome: &'static str, o: &RunOutco
         } else {
             "failed"
         };
-        m.egress_connections.with_label_values(&[verdict]).inc();
+        m.egress_connections
+            .with_label_values(&[verdict])
+            .increment(1);
     }
 }
 

@@ -443,11 +443,10 @@ async fn requests_over_the_slots_wait_in_arrival_order_up_to_the_queue_size() {
     let depth = || {
         f.service
             .metrics
-            .queue_waiting
-            .with_label_values(&["local"])
-            .get()
+            .sample("executor_queue_waiting", &[("backend", "local")])
+            .unwrap_or(0.0)
     };
-    assert_eq!(depth(), 2);
+    assert_eq!(depth(), 2.0);
     let full = f.service.admit(request("echo", None)).await;
     let Err(ExecutionError::Overloaded(detail)) = &full else {
         panic!("{full:?}")
@@ -466,17 +465,16 @@ async fn requests_over_the_slots_wait_in_arrival_order_up_to_the_queue_size() {
             .await
             .is_err()
     );
-    assert_eq!(depth(), 1);
+    assert_eq!(depth(), 1.0);
     second.run().await.unwrap();
     third.await.unwrap().run().await.unwrap();
-    assert_eq!(depth(), 0);
-    let waits = f.service.metrics.queue_wait.with_label_values(&["local"]);
-    assert_eq!(
-        waits.get_sample_count(),
-        3,
-        "every admitted request is timed"
-    );
-    assert!(waits.get_sample_sum() >= 2.0 * STILL_WAITING.as_secs_f64());
+    assert_eq!(depth(), 0.0);
+    let waits = |part: &str| {
+        let name = format!("executor_queue_wait_seconds_{part}");
+        f.service.metrics.sample(&name, &[("backend", "local")])
+    };
+    assert_eq!(waits("count"), Some(3.0), "every admitted request is timed");
+    assert!(waits("sum").unwrap() >= 2.0 * STILL_WAITING.as_secs_f64());
 }
 
 /// A wait that runs out is refused (429) and gives its place back, as does a caller that goes
@@ -503,10 +501,9 @@ async fn a_wait_that_runs_out_or_is_abandoned_gives_its_place_back() {
     assert_eq!(
         f.service
             .metrics
-            .queue_waiting
-            .with_label_values(&["local"])
-            .get(),
-        0
+            .sample("executor_queue_waiting", &[("backend", "local")])
+            .unwrap_or(0.0),
+        0.0
     );
     // The place is free again: the next request waits, and gets the slot when it comes free.
     let mut next = std::pin::pin!(f.service.admit(request("echo", Some("j-late"))));
@@ -552,9 +549,8 @@ async fn an_abandoned_waiter_leaves_and_a_closed_queue_admits_nothing() {
     let depth = || {
         f.service
             .metrics
-            .queue_waiting
-            .with_label_values(&["local"])
-            .get()
+            .sample("executor_queue_waiting", &[("backend", "local")])
+            .unwrap_or(0.0)
     };
     let first = f.service.admit(request("echo", None)).await.unwrap();
     let (gone, abandoned) = watch::channel(false);
@@ -566,14 +562,14 @@ async fn an_abandoned_waiter_leaves_and_a_closed_queue_admits_nothing() {
             .await
             .is_err()
     );
-    assert_eq!(depth(), 1);
+    assert_eq!(depth(), 1.0);
     gone.send_replace(true);
     let left = waiting.await;
     let Err(ExecutionError::Overloaded(detail)) = &left else {
         panic!("{left:?}")
     };
     assert!(detail.contains("the caller went away"), "{detail}");
-    assert_eq!(depth(), 0);
+    assert_eq!(depth(), 0.0);
 
     let mut queued = std::pin::pin!(f.service.admit(request("echo", Some("j-gone"))));
     assert!(
@@ -593,7 +589,7 @@ async fn an_abandoned_waiter_leaves_and_a_closed_queue_admits_nothing() {
         matches!(late, Err(ExecutionError::Unavailable(_))),
         "{late:?}"
     );
-    assert_eq!(depth(), 0);
+    assert_eq!(depth(), 0.0);
     let starts = f
         .lines()
         .iter()

@@ -633,7 +633,7 @@ impl SessionService {
         metrics
             .sessions_open
             .with_label_values(&[session.backend.as_str()])
-            .inc();
+            .increment(1.0);
         let line = AuditEvent::SessionCreate(audit::SessionOpened {
             request_id: new.request_id,
             session_id: id.clone(),
@@ -808,8 +808,11 @@ impl SessionService {
         metrics
             .sessions_open
             .with_label_values(&[session.backend.as_str()])
-            .dec();
-        metrics.sessions_ended.with_label_values(&[reason]).inc();
+            .decrement(1.0);
+        metrics
+            .sessions_ended
+            .with_label_values(&[reason])
+            .increment(1);
         let line = AuditEvent::SessionEnd(audit::SessionClosed {
             session_id: id.to_string(),
             owner: session.owner.subject.clone(),

@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::metrics::{CounterVec, GaugeVec};
 use futures::{FutureExt, StreamExt};
-use prometheus::{IntCounterVec, IntGaugeVec};
 use tokio::sync::Semaphore;
 
 use super::container::{ContainerPlan, DISK_VOLUME_PREFIX};
@@ -37,8 +37,8 @@ const MAX_KEYS: usize = 32;
 /// Handles into the daemon's metrics (`executor_pool_idle_containers`, `executor_pool_events_total`).
 #[derive(Clone)]
 pub struct PoolMetrics {
-    pub size: IntGaugeVec,
-    pub events: IntCounterVec,
+    pub size: GaugeVec,
+    pub events: CounterVec,
 }
 
 /// A container we own, with its disk volume. Dropping the guard destroys both (in the
@@ -218,7 +218,7 @@ impl Pool {
                 .sum();
             m.size
                 .with_label_values(&[self.kind.as_str(), profile])
-                .set(n as i64);
+                .set(n as f64);
         }
     }
 
@@ -226,7 +226,7 @@ impl Pool {
         if let Some(m) = &self.metrics {
             m.events
                 .with_label_values(&[self.kind.as_str(), event])
-                .inc();
+                .increment(1);
         }
     }
 
@@ -409,10 +409,10 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::Metrics;
     use crate::sandbox::docker::container::Owner;
     use crate::sandbox::docker::engine::Engine;
     use crate::sandbox::docker::engine::fake::FakeEngine;
-    use prometheus::Opts;
 
     fn owner() -> Owner {
         Owner {
@@ -424,12 +424,25 @@ mod tests {
         }
     }
 
-    fn metrics() -> PoolMetrics {
-        PoolMetrics {
-            size: IntGaugeVec::new(Opts::new("idle", "idle"), &["backend", "profile"]).unwrap(),
-            events: IntCounterVec::new(Opts::new("events", "events"), &["backend", "event"])
-                .unwrap(),
-        }
+    fn metrics() -> (Arc<Metrics>, PoolMetrics) {
+        let m = Arc::new(Metrics::new());
+        let pool = PoolMetrics {
+            size: m.pool_size.clone(),
+            events: m.pool_events.clone(),
+        };
+        (m, pool)
+    }
+
+    fn idle(m: &Metrics) -> f64 {
+        let labels = [("backend", "docker"), ("profile", "shell-readonly")];
+        m.sample("executor_pool_idle_containers", &labels)
+            .unwrap_or(0.0)
+    }
+
+    fn event(m: &Metrics, event: &str) -> f64 {
+        let labels = [("backend", "docker"), ("event", event)];
+        m.sample("executor_pool_events_total", &labels)
+            .unwrap_or(0.0)
     }
 
     fn plan() -> ContainerPlan {
@@ -452,17 +465,17 @@ mod tests {
         panic!("timed out: {what}");
     }
 
-    fn setup(size: usize) -> (Arc<FakeEngine>, Arc<Pool>, PoolMetrics) {
+    fn setup(size: usize) -> (Arc<FakeEngine>, Arc<Pool>, Arc<Metrics>) {
         let engine = Arc::new(FakeEngine::default());
         let janitor = Janitor::new(
             engine.clone() as Arc<dyn Engine>,
             owner(),
             BackendKind::Docker,
         );
-        let m = metrics();
+        let (m, pool_metrics) = metrics();
         (
             engine,
-            Pool::new(size, BackendKind::Docker, janitor, None, Some(m.clone())),
+            Pool::new(size, BackendKind::Docker, janitor, None, Some(pool_metrics)),
             m,
         )
     }
@@ -490,16 +503,11 @@ mod tests {
         let p = plan();
         assert!(pool.take(&p, true).is_none(), "first use is a miss");
         eventually("pool filled", || pool.idle() == 2).await;
-        assert_eq!(
-            m.size
-                .with_label_values(&["docker", "shell-readonly"])
-                .get(),
-            2
-        );
+        assert_eq!(idle(&m), 2.0);
         let w = pool.take(&p, true).expect("hit");
         let id = w.guard.id().to_string();
-        assert_eq!(m.events.with_label_values(&["docker", "hit"]).get(), 1);
-        assert_eq!(m.events.with_label_values(&["docker", "miss"]).get(), 1);
+        assert_eq!(event(&m, "hit"), 1.0);
+        assert_eq!(event(&m, "miss"), 1.0);
         eventually("replacement launched", || pool.idle() == 2).await;
         drop(w);
         eventually("used container removed", || {
@@ -552,11 +560,7 @@ mod tests {
         assert!(pool.take(&p, true).is_none());
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(engine.count("create"), 0);
-        assert_eq!(
-            m.events.with_label_values(&["docker", "miss"]).get(),
-            0,
-            "no pool, no misses"
-        );
+        assert_eq!(event(&m, "miss"), 0.0, "no pool, no misses");
     }
 
     #[tokio::test]

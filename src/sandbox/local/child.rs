@@ -806,9 +806,9 @@ impl ChildPlan {
                 fail(sfd, Stage::RemountRoot);
             }
 
-            // 9. Landlock rules for paths as they exist in the new root (the fresh mounts have no
-            //     host fd the daemon could have opened before fork). The ruleset itself, with its
-            //     handled rights, was created before fork.
+            // 9. Landlock rules for the mounts made here (the new root, the scratch tmpfs,
+            //     /proc): no fd for them existed before the clone. The ruleset itself, with its
+            //     handled rights and the rules for every host inode bound in, was built before.
             if self.landlock_fd >= 0 {
                 for rule in &self.landlock_rules {
                     let fd = libc::open(rule.path.as_ptr(), libc::O_PATH | libc::O_CLOEXEC);

@@ -1,55 +1,116 @@
-//! Landlock through raw syscalls, so every call made after fork is a plain syscall on memory
-//! prepared before it.
+//! Landlock for the local sandbox.
 //!
-//! Owns: probing the ABI, computing the handled access sets for an ABI, and the `#[repr(C)]`
-//! attribute structs. The ruleset is created before fork; rules for paths that exist only inside
-//! the new mount namespace (the fresh tmpfs, /proc, /dev nodes) are added by the child after it
-//! mounted them, with pre-built attribute structs and path strings.
+//! Owns: the ruleset a run is confined by. It is built in the daemon before the clone with the
+//! `landlock` crate: the handled filesystem and TCP rights and scopes for the host's ABI (as a
+//! hard requirement: anything the kernel cannot enforce fails the run), the TCP connect rule of
+//! an egress run, and a path-beneath rule for every host inode the sandbox sees (read-only
+//! paths, extra files, device nodes, a session's workspace). The child then adds rules only
+//! for the mounts that exist nowhere before the clone and calls `landlock_restrict_self` on
+//! the ready ruleset fd; both are single raw syscalls on memory prepared here.
 
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
 
-pub const CREATE_RULESET_VERSION: u32 = 1;
-pub const RULE_PATH_BENEATH: libc::c_int = 1;
-pub const RULE_NET_PORT: libc::c_int = 2;
+pub use landlock::AccessFs;
+use landlock::{
+    ABI, Access, AccessNet, BitFlags, CompatLevel, Compatible, NetPort, PathBeneath, PathFd,
+    Ruleset, RulesetAttr, RulesetCreatedAttr, Scope,
+};
 
-// Filesystem access rights (ABI 1 unless noted).
-pub const FS_EXECUTE: u64 = 1 << 0;
-pub const FS_WRITE_FILE: u64 = 1 << 1;
-pub const FS_READ_FILE: u64 = 1 << 2;
-pub const FS_READ_DIR: u64 = 1 << 3;
-pub const FS_REMOVE_DIR: u64 = 1 << 4;
-pub const FS_REMOVE_FILE: u64 = 1 << 5;
-pub const FS_MAKE_CHAR: u64 = 1 << 6;
-pub const FS_MAKE_DIR: u64 = 1 << 7;
-pub const FS_MAKE_REG: u64 = 1 << 8;
-pub const FS_MAKE_SOCK: u64 = 1 << 9;
-pub const FS_MAKE_FIFO: u64 = 1 << 10;
-pub const FS_MAKE_BLOCK: u64 = 1 << 11;
-pub const FS_MAKE_SYM: u64 = 1 << 12;
-pub const FS_REFER: u64 = 1 << 13; // ABI 2
-pub const FS_TRUNCATE: u64 = 1 << 14; // ABI 3
-pub const FS_IOCTL_DEV: u64 = 1 << 15; // ABI 5
+/// The newest ABI whose rights this sandbox hands out by rule. A newer kernel is used at this
+/// ABI: rights it adds stay unhandled until the rules here are written (and tested) for them.
+const NEWEST: u32 = 6;
 
-// Network access rights (ABI 4).
-pub const NET_BIND_TCP: u64 = 1 << 0;
-pub const NET_CONNECT_TCP: u64 = 1 << 1;
+/// Filesystem rights, as the crate names them.
+pub type Fs = BitFlags<AccessFs>;
 
-// Scopes (ABI 6).
-pub const SCOPE_ABSTRACT_UNIX_SOCKET: u64 = 1 << 0;
-pub const SCOPE_SIGNAL: u64 = 1 << 1;
-
-/// Rights that apply to regular files (the kernel refuses directory rights on a file rule).
-pub const FILE_RIGHTS: u64 = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV;
-
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RulesetAttr {
-    pub handled_access_fs: u64,
-    pub handled_access_net: u64,
-    pub scoped: u64,
+/// The kernel's Landlock ABI version, 0 when Landlock is unavailable.
+///
+/// A raw query: `/capabilities` reports the kernel's exact version, and the crate deliberately
+/// exposes no runtime ABI number (its rulesets negotiate without one).
+pub fn probe_abi() -> u32 {
+    // SAFETY: the documented version query: NULL attr, size 0, VERSION flag; no memory is touched.
+    let v = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<u8>(),
+            0usize,
+            1u32, // LANDLOCK_CREATE_RULESET_VERSION
+        )
+    };
+    if v < 0 { 0 } else { v as u32 }
 }
 
+/// The ABI the sandbox uses on a host of `abi`.
+fn used(abi: u32) -> ABI {
+    ABI::from(abi.min(NEWEST) as i32)
+}
+
+/// Every filesystem right handled (denied unless a rule allows it) at `abi`.
+pub fn handled_fs(abi: u32) -> Fs {
+    if abi == 0 {
+        return Fs::empty();
+    }
+    AccessFs::from_all(used(abi))
+}
+
+/// The rights that apply to a non-directory (the kernel refuses directory rights on one).
+pub fn file_rights() -> Fs {
+    AccessFs::from_file(used(NEWEST))
+}
+
+/// Read, list and execute: a read-only path.
+pub fn read_only() -> Fs {
+    AccessFs::ReadFile | AccessFs::ReadDir | AccessFs::Execute
+}
+
+/// A rule for a host path, added before the clone.
+#[derive(Debug, Clone)]
+pub struct HostRule {
+    pub path: PathBuf,
+    pub access: Fs,
+}
+
+/// The ruleset of one run on a host of `abi` (> 0): every filesystem right and TCP bind/connect
+/// handled, abstract unix sockets and signals scoped to the sandbox, `connect_port` (the egress
+/// proxy) the only TCP port reachable, and `rules` added.
+pub fn ruleset(abi: u32, connect_port: Option<u16>, rules: &[HostRule]) -> io::Result<OwnedFd> {
+    let err =
+        |what: &str, e: &dyn std::fmt::Display| io::Error::other(format!("landlock {what}: {e}"));
+    let abi_used = used(abi);
+    let mut ruleset = Ruleset::default()
+        .set_compatibility(CompatLevel::HardRequirement)
+        .handle_access(AccessFs::from_all(abi_used))
+        .map_err(|e| err("filesystem rights", &e))?;
+    if abi >= 4 {
+        ruleset = ruleset
+            .handle_access(AccessNet::from_all(abi_used))
+            .map_err(|e| err("network rights", &e))?;
+    }
+    if abi >= 6 {
+        ruleset = ruleset
+            .scope(Scope::from_all(abi_used))
+            .map_err(|e| err("scopes", &e))?;
+    }
+    let mut created = ruleset.create().map_err(|e| err("ruleset", &e))?;
+    if let Some(port) = connect_port
+        && abi >= 4
+    {
+        created = created
+            .add_rule(NetPort::new(port, AccessNet::ConnectTcp))
+            .map_err(|e| err("connect rule", &e))?;
+    }
+    for rule in rules {
+        let fd = PathFd::new(&rule.path).map_err(|e| err("path", &e))?;
+        created = created
+            .add_rule(PathBeneath::new(fd, rule.access))
+            .map_err(|e| err(&format!("rule for {}", rule.path.display()), &e))?;
+    }
+    Option::<OwnedFd>::from(created).ok_or_else(|| io::Error::other("landlock: no ruleset"))
+}
+
+/// `struct landlock_path_beneath_attr`, for the rules the child adds.
 #[repr(C, packed)]
 #[derive(Debug, Clone, Copy)]
 pub struct PathBeneathAttr {
@@ -57,103 +118,9 @@ pub struct PathBeneathAttr {
     pub parent_fd: i32,
 }
 
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct NetPortAttr {
-    pub allowed_access: u64,
-    pub port: u64,
-}
-
-/// Allows `access` (e.g. connect) to one TCP port. Called before fork, in the daemon.
-pub fn add_net_rule(ruleset: &OwnedFd, port: u16, access: u64) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let attr = NetPortAttr {
-        allowed_access: access,
-        port: u64::from(port),
-    };
-    // SAFETY: attr is a live struct of the kernel's layout; the fd is an open ruleset.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_landlock_add_rule,
-            ruleset.as_raw_fd(),
-            RULE_NET_PORT,
-            &attr as *const NetPortAttr,
-            0u32,
-        )
-    };
-    if r != 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
-}
-
-/// The kernel's Landlock ABI version, 0 when Landlock is unavailable.
-pub fn probe_abi() -> u32 {
-    // SAFETY: the documented version query: NULL attr, size 0, VERSION flag; no memory is touched.
-    let v = unsafe {
-        libc::syscall(
-            libc::SYS_landlock_create_ruleset,
-            std::ptr::null::<RulesetAttr>(),
-            0usize,
-            CREATE_RULESET_VERSION,
-        )
-    };
-    if v < 0 { 0 } else { v as u32 }
-}
-
-/// Every filesystem right the given ABI knows.
-pub fn fs_rights(abi: u32) -> u64 {
-    let mut r = (1u64 << 13) - 1;
-    if abi >= 2 {
-        r |= FS_REFER;
-    }
-    if abi >= 3 {
-        r |= FS_TRUNCATE;
-    }
-    if abi >= 5 {
-        r |= FS_IOCTL_DEV;
-    }
-    r
-}
-
-/// What the ruleset handles (denies unless a rule allows) at `abi`.
-pub fn ruleset_attr(abi: u32, deny_tcp: bool) -> RulesetAttr {
-    RulesetAttr {
-        handled_access_fs: fs_rights(abi),
-        handled_access_net: if abi >= 4 && deny_tcp {
-            NET_BIND_TCP | NET_CONNECT_TCP
-        } else {
-            0
-        },
-        scoped: if abi >= 6 {
-            SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
-        } else {
-            0
-        },
-    }
-}
-
-/// Creates a ruleset handling `attr`. Done before fork: the fd is inherited by the child.
-pub fn create_ruleset(attr: &RulesetAttr) -> io::Result<OwnedFd> {
-    // SAFETY: attr points to a live, correctly laid out struct of the size passed; the kernel
-    // accepts a larger struct than it knows as long as the unknown tail is zero.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_landlock_create_ruleset,
-            attr as *const RulesetAttr,
-            std::mem::size_of::<RulesetAttr>(),
-            0u32,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the syscall returned a fresh fd that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// Adds a path-beneath rule. Async-signal-safe: one syscall on caller-provided memory.
+/// Adds a path-beneath rule from the child: the new root, its scratch tmpfs and /proc exist
+/// only in the sandbox's namespaces, after the clone, so no fd for them exists while the
+/// crate builds the ruleset. One syscall on caller-provided memory (async-signal-safe).
 ///
 /// # Safety
 /// `ruleset_fd` and `attr.parent_fd` must be open file descriptors.
@@ -163,14 +130,15 @@ pub unsafe fn add_path_rule(ruleset_fd: i32, attr: &PathBeneathAttr) -> libc::c_
         libc::syscall(
             libc::SYS_landlock_add_rule,
             ruleset_fd,
-            RULE_PATH_BENEATH,
+            1 as libc::c_int, // LANDLOCK_RULE_PATH_BENEATH
             attr as *const PathBeneathAttr,
             0u32,
         )
     }
 }
 
-/// Enforces the ruleset on the calling thread. Async-signal-safe: one syscall.
+/// Enforces the ruleset on the calling thread: the crate's `restrict_self` allocates and may
+/// set no_new_privs itself, neither allowed after a vfork-style clone. One syscall.
 ///
 /// # Safety
 /// `ruleset_fd` must be an open Landlock ruleset fd; no_new_privs must already be set.
@@ -184,14 +152,40 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rights_grow_with_abi() {
-        assert_eq!(fs_rights(1), 0x1fff);
-        assert_eq!(fs_rights(3) & FS_TRUNCATE, FS_TRUNCATE);
-        assert_eq!(fs_rights(4) & FS_IOCTL_DEV, 0);
-        assert_eq!(fs_rights(5) & FS_IOCTL_DEV, FS_IOCTL_DEV);
-        assert_eq!(ruleset_attr(3, true).handled_access_net, 0);
-        assert_eq!(ruleset_attr(4, true).handled_access_net, 3);
-        assert_eq!(ruleset_attr(6, false).scoped, 3);
+    fn rights_grow_with_abi_and_stop_at_the_newest_known() {
+        assert!(handled_fs(0).is_empty());
+        assert_eq!(handled_fs(1).bits(), 0x1fff);
+        assert!(handled_fs(2).contains(AccessFs::Refer));
+        assert!(handled_fs(3).contains(AccessFs::Truncate));
+        assert!(!handled_fs(4).contains(AccessFs::IoctlDev));
+        assert!(handled_fs(5).contains(AccessFs::IoctlDev));
+        assert_eq!(handled_fs(99), handled_fs(NEWEST));
+        assert!(!file_rights().contains(AccessFs::ReadDir));
         assert_eq!(std::mem::size_of::<PathBeneathAttr>(), 12);
+    }
+
+    #[test]
+    fn a_ruleset_with_host_rules_is_built_or_the_run_fails() {
+        let abi = probe_abi();
+        if abi == 0 {
+            // Without Landlock the daemon never builds one (runs needing it are refused).
+            return;
+        }
+        let ok = [HostRule {
+            path: "/usr".into(),
+            access: read_only(),
+        }];
+        assert!(ruleset(abi, Some(3128), &ok).is_ok());
+        let missing = [HostRule {
+            path: "/nonexistent/executor-arm".into(),
+            access: read_only(),
+        }];
+        assert!(ruleset(abi, None, &missing).is_err());
+        // A directory right on a file is refused, not silently dropped.
+        let dir_right_on_file = [HostRule {
+            path: "/etc/passwd".into(),
+            access: AccessFs::ReadDir.into(),
+        }];
+        assert!(ruleset(abi, None, &dir_right_on_file).is_err());
     }
 }

@@ -25,6 +25,7 @@ use tokio::net::unix::pipe as upipe;
 
 use self::cgroup::{CgroupDriver, RunCgroup};
 use self::child::{ChildPlan, LandlockRule, MountOp};
+use self::landlock::AccessFs;
 use self::seccomp::SeccompProgram;
 use super::capture::OutputCapture;
 use super::probe::HostProbe;
@@ -112,18 +113,9 @@ impl LocalSandbox {
         &self.probe
     }
 
-    /// The child plan of a run. `join` lists the `cgroup.procs` files the shim joins (none when
-    /// a prepared shim is in the cgroup already); `stacks` are the children's stacks.
-    fn plan(
-        &self,
-        spec: &RunSpec,
-        join: &[PathBuf],
-        stacks: Arc<child::Stacks>,
-        fds: PlanFds,
-        extra_env: &[(String, String)],
-    ) -> Result<ChildPlan, SandboxError> {
-        let abi = self.probe.landlock_abi;
-        let handled = landlock::fs_rights(abi);
+    /// The minimal root of a run: its mounts and Landlock rules.
+    fn layout(&self, spec: &RunSpec) -> Result<PlanBuilder, SandboxError> {
+        let handled = landlock::handled_fs(self.probe.landlock_abi);
         let mut b = PlanBuilder::new(&self.root_dir, handled);
         for p in &spec.fs.read_only {
             b.read_only(p)?;
@@ -143,9 +135,23 @@ impl LocalSandbox {
         b.dev()?;
         b.rules.push(LandlockRule {
             path: c"/".into(),
-            access: landlock::FS_READ_DIR & handled,
+            access: (landlock::Fs::from(AccessFs::ReadDir) & handled).bits(),
         });
+        Ok(b)
+    }
 
+    /// The child plan of a run laid out as `b`. `join` lists the `cgroup.procs` files the shim
+    /// joins (none when a prepared shim is in the cgroup already); `stacks` are the children's
+    /// stacks.
+    fn plan(
+        &self,
+        spec: &RunSpec,
+        b: PlanBuilder,
+        join: &[PathBuf],
+        stacks: Arc<child::Stacks>,
+        fds: PlanFds,
+        extra_env: &[(String, String)],
+    ) -> Result<ChildPlan, SandboxError> {
         let argv: Vec<CString> = spec
             .argv
             .iter()
@@ -228,24 +234,28 @@ fn path_cstr(p: &Path) -> Result<CString, SandboxError> {
         .map_err(|_| SandboxError::Setup("NUL byte in path".into()))
 }
 
-/// Builds the mount list and Landlock rules of the minimal root.
+/// Builds the mount list and Landlock rules of the minimal root: `host_rules` for host inodes
+/// the sandbox sees (added to the ruleset before the clone), `rules` for mounts made inside it
+/// (added by the child).
 struct PlanBuilder {
     root: PathBuf,
-    handled: u64,
+    handled: landlock::Fs,
     made: BTreeSet<PathBuf>,
     bound: Vec<PathBuf>,
     ops: Vec<MountOp>,
+    host_rules: Vec<landlock::HostRule>,
     rules: Vec<LandlockRule>,
 }
 
 impl PlanBuilder {
-    fn new(root: &Path, handled: u64) -> Self {
+    fn new(root: &Path, handled: landlock::Fs) -> Self {
         PlanBuilder {
             root: root.to_path_buf(),
             handled,
             made: BTreeSet::new(),
             bound: Vec::new(),
             ops: Vec::new(),
+            host_rules: Vec::new(),
             rules: Vec::new(),
         }
     }
@@ -290,17 +300,34 @@ impl PlanBuilder {
         self.bound.iter().any(|b| p.starts_with(b))
     }
 
-    fn rule(&mut self, p: &Path, access: u64, is_file: bool) -> Result<(), SandboxError> {
+    /// The part of `access` the ruleset handles (directory rights dropped for a file).
+    fn handled(&self, access: landlock::Fs, is_file: bool) -> landlock::Fs {
         let mask = if is_file {
-            landlock::FILE_RIGHTS
+            landlock::file_rights()
         } else {
-            u64::MAX
+            landlock::Fs::all()
         };
-        let access = access & self.handled & mask;
-        if access != 0 {
+        access & self.handled & mask
+    }
+
+    /// A rule for `host`, a host path the sandbox sees through a bind mount.
+    fn host_rule(&mut self, host: &Path, access: landlock::Fs, is_file: bool) {
+        let access = self.handled(access, is_file);
+        if !access.is_empty() {
+            self.host_rules.push(landlock::HostRule {
+                path: host.to_path_buf(),
+                access,
+            });
+        }
+    }
+
+    /// A rule for `p` inside the sandbox, a mount made there.
+    fn rule(&mut self, p: &Path, access: landlock::Fs) -> Result<(), SandboxError> {
+        let access = self.handled(access, false);
+        if !access.is_empty() {
             self.rules.push(LandlockRule {
                 path: path_cstr(p)?,
-                access,
+                access: access.bits(),
             });
         }
         Ok(())
@@ -326,15 +353,13 @@ impl PlanBuilder {
             });
             return Ok(());
         }
-        let ro = landlock::FS_READ_FILE | landlock::FS_READ_DIR | landlock::FS_EXECUTE;
         if meta.is_dir() {
             self.made.insert(p.to_path_buf());
             self.ops.push(MountOp::Mkdir(dst.clone()));
-            self.rule(p, ro, false)?;
         } else {
             self.ops.push(MountOp::TouchFile(dst.clone()));
-            self.rule(p, ro, true)?;
         }
+        self.host_rule(p, landlock::read_only(), !meta.is_dir());
         self.ops.push(MountOp::BindReadOnly {
             src: path_cstr(p)?,
             dst,
@@ -357,7 +382,8 @@ impl PlanBuilder {
             src: path_cstr(src)?,
             dst: inside,
         });
-        self.rule(dst, landlock::FS_READ_FILE | landlock::FS_EXECUTE, true)
+        self.host_rule(src, AccessFs::ReadFile | AccessFs::Execute, true);
+        Ok(())
     }
 
     /// The writable space of the run: ONE tmpfs of `disk` bytes whose `tmp` and `work` subdirs
@@ -393,7 +419,7 @@ impl PlanBuilder {
                 let dst = path_cstr(&self.inside(workdir)?)?;
                 let src = path_cstr(host)?;
                 self.ops.push(MountOp::BindWritable { src, dst });
-                self.rule(workdir, u64::MAX, false)?;
+                self.host_rule(host, landlock::Fs::all(), false);
             }
             None => self.bind_scratch(&stage.join("work"), workdir, 0o700, uid, gid)?,
         }
@@ -419,14 +445,14 @@ impl PlanBuilder {
         self.mkdirs(p)?;
         let dst = path_cstr(&self.inside(p)?)?;
         self.ops.push(MountOp::BindWritable { src, dst });
-        self.rule(p, u64::MAX, false)
+        self.rule(p, landlock::Fs::all())
     }
 
     fn proc(&mut self) -> Result<(), SandboxError> {
         let p = Path::new("/proc");
         self.mkdirs(p)?;
         self.ops.push(MountOp::Proc(path_cstr(&self.inside(p)?)?));
-        self.rule(p, landlock::FS_READ_FILE | landlock::FS_READ_DIR, false)
+        self.rule(p, AccessFs::ReadFile | AccessFs::ReadDir)
     }
 
     fn dev(&mut self) -> Result<(), SandboxError> {
@@ -439,11 +465,9 @@ impl PlanBuilder {
                 src: path_cstr(&p)?,
                 dst,
             });
-            let rw = landlock::FS_READ_FILE
-                | landlock::FS_WRITE_FILE
-                | landlock::FS_TRUNCATE
-                | landlock::FS_IOCTL_DEV;
-            self.rule(&p, rw, true)?;
+            let rw =
+                AccessFs::ReadFile | AccessFs::WriteFile | AccessFs::Truncate | AccessFs::IoctlDev;
+            self.host_rule(&p, rw, true);
         }
         for (name, target) in [
             ("fd", "/proc/self/fd"),
@@ -845,17 +869,16 @@ impl Sandbox for LocalSandbox {
             }
         };
 
+        let layout = self.layout(&spec)?;
         let landlock_fd = if self.probe.landlock_abi > 0 {
             // TCP is always handled: no rule at all without egress, connect to the proxy port only
             // with it.
-            let ruleset =
-                landlock::create_ruleset(&landlock::ruleset_attr(self.probe.landlock_abi, true))?;
-            if let Some(e) = &egress_settings
-                && self.probe.landlock_abi >= 4
-            {
-                landlock::add_net_rule(&ruleset, e.port, landlock::NET_CONNECT_TCP)?;
-            }
-            Some(ruleset)
+            let port = egress_settings.as_ref().map(|e| e.port);
+            Some(landlock::ruleset(
+                self.probe.landlock_abi,
+                port,
+                &layout.host_rules,
+            )?)
         } else {
             None
         };
@@ -894,7 +917,7 @@ impl Sandbox for LocalSandbox {
             Some((shim, _, _)) => (Vec::new(), shim.stacks().clone()),
             None => (guard.get().procs_files(), Arc::new(child::Stacks::new()?)),
         };
-        let plan = Arc::new(self.plan(&spec, &join, stacks, fds, &extra_env)?);
+        let plan = Arc::new(self.plan(&spec, layout, &join, stacks, fds, &extra_env)?);
         guard.keep(plan.clone());
         // The seccomp program the command installs lives in it until its execve.
         if let Some(s) = &self.seccomp {
