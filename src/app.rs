@@ -34,6 +34,8 @@ pub enum BuildError {
     Policy(#[from] crate::policy::PolicyLoadError),
     #[error(transparent)]
     State(#[from] crate::state::StateError),
+    #[error(transparent)]
+    Egress(#[from] crate::egress::EgressError),
 }
 
 /// Directory for the daemon's runtime files (the empty mount point of sandbox roots).
@@ -78,7 +80,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     )
     .await;
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
-    let egress = egress_settings(&config);
+    let egress = egress_settings(&config)?;
     let local = LocalSandbox::new(
         &config.sandbox.local.cgroup_name,
         config.sandbox.local.warm_slots,
@@ -140,7 +142,9 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
 }
 
 /// The proxy's resolver and the daemon's own addresses (never reachable through it).
-fn egress_settings(config: &Config) -> crate::sandbox::local::egress::EgressSettings {
+fn egress_settings(
+    config: &Config,
+) -> Result<crate::sandbox::local::egress::EgressSettings, crate::egress::EgressError> {
     let resolver: Arc<dyn crate::egress::Resolver> = match config
         .egress
         .dns_server
@@ -150,7 +154,7 @@ fn egress_settings(config: &Config) -> crate::sandbox::local::egress::EgressSett
         Some(server) => Arc::new(crate::egress::DnsResolver::new(
             server,
             std::time::Duration::from_secs(3),
-        )),
+        )?),
         None => Arc::new(crate::egress::SystemResolver),
     };
     let mut deny_addrs = Vec::new();
@@ -171,11 +175,11 @@ fn egress_settings(config: &Config) -> crate::sandbox::local::egress::EgressSett
         }
         deny_addrs.push(listen);
     }
-    crate::sandbox::local::egress::EgressSettings {
+    Ok(crate::sandbox::local::egress::EgressSettings {
         resolver,
         deny_addrs,
         port: config.egress.proxy_port,
-    }
+    })
 }
 
 fn hostname() -> String {

@@ -21,8 +21,6 @@ mod run;
 
 // The byte parsers a sandboxed command can feed, for the fuzz targets (src/fuzzing.rs).
 #[cfg(any(fuzzing, test))]
-pub(crate) use dns::decode_reply;
-#[cfg(any(fuzzing, test))]
 pub(crate) use request::{BodyScanner, Framing, parse_head};
 
 pub use dns::{DnsResolver, Resolver, StaticHosts, SystemResolver};
@@ -41,4 +39,6 @@ pub enum EgressError {
     InvalidCidr { input: String, reason: &'static str },
     #[error("invalid egress policy: {0}")]
     InvalidPolicy(String),
+    #[error("egress resolver: {0}")]
+    Resolver(String),
 }

@@ -1,3 +1,0 @@
-#![no_main]
-
-libfuzzer_sys::fuzz_target!(|data: &[u8]| executor_arm::fuzzing::dns_reply(data));
