@@ -11,6 +11,11 @@
 #
 # No base image is pulled: BASE_IMAGE is a local Debian bookworm image, normally the one
 # scripts/build-sandbox-image.sh imports from debootstrap (debian:bookworm-slim works the same way).
+# The base is pinned by content, not by a tag that can move: the repository's scripts pass the
+# base's image ID (`--build-arg BASE_IMAGE=sha256:<id>`, which the builder resolves locally) and its
+# tag as BASE_IMAGE_NAME; a base from a registry is pinned by its manifest digest
+# (`BASE_IMAGE=debian:bookworm-slim@sha256:<digest>`). The tag below is the default for a plain
+# `docker build .` on a machine where that image was built.
 ARG BASE_IMAGE=executor-arm-debian-base:bookworm
 
 # ----------------------------------------------------------------------------------------------
@@ -52,8 +57,12 @@ USER 10001:10001
 # Set by scripts/build-sandbox-image.sh: a hash of everything this stage is built from, so an
 # unchanged image is not rebuilt. Declared last so a new value only changes the label layer.
 ARG SANDBOX_INPUTS_HASH=unset
+ARG BASE_IMAGE
+ARG BASE_IMAGE_NAME=
 LABEL org.opencontainers.image.title="executor-arm-sandbox" \
       org.opencontainers.image.description="Execution image for executor-arm's docker and gvisor backends" \
+      org.opencontainers.image.base.name="${BASE_IMAGE_NAME:-${BASE_IMAGE}}" \
+      org.executor-arm.base.ref="${BASE_IMAGE}" \
       org.executor-arm.component="sandbox" \
       org.executor-arm.sandbox.inputs-hash="${SANDBOX_INPUTS_HASH}"
 
@@ -98,6 +107,7 @@ HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
 ENTRYPOINT ["/usr/local/bin/executor-arm"]
 CMD ["serve", "--config", "/etc/executor-arm/executor-arm.toml"]
 ARG BASE_IMAGE
+ARG BASE_IMAGE_NAME=
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 LABEL org.opencontainers.image.title="executor-arm" \
@@ -105,7 +115,8 @@ LABEL org.opencontainers.image.title="executor-arm" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
-      org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE_NAME:-${BASE_IMAGE}}" \
+      org.executor-arm.base.ref="${BASE_IMAGE}" \
       org.executor-arm.component="daemon"
 
 # ----------------------------------------------------------------------------------------------

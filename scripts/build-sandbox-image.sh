@@ -237,7 +237,8 @@ else
     build_args=(
         --target sandbox
         --tag "${SANDBOX_IMAGE}"
-        --build-arg "BASE_IMAGE=${BASE_IMAGE}"
+        --build-arg "BASE_IMAGE=${base_id}"
+        --build-arg "BASE_IMAGE_NAME=${BASE_IMAGE}"
         --build-arg "SANDBOX_INPUTS_HASH=${want_hash}"
         --force-rm
         --file Dockerfile

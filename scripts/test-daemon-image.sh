@@ -19,9 +19,14 @@ trap cleanup EXIT
 
 cargo build --release --locked --bin executor-arm
 base=${BASE_IMAGE:-executor-arm-debian-base:bookworm}
-DOCKER_BUILDKIT=0 docker build -q --target daemon-prebuilt --build-arg "BASE_IMAGE=$base" \
+# Built from the base's image ID, so a tag moved meanwhile cannot change what the image is built on.
+base_id=$(docker image inspect -f '{{.Id}}' "$base")
+DOCKER_BUILDKIT=0 docker build -q --target daemon-prebuilt --build-arg "BASE_IMAGE=$base_id" \
+  --build-arg "BASE_IMAGE_NAME=$base" \
   --build-arg "REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)" -t "$image" . >/dev/null
 echo "built $image ($(docker image inspect -f '{{.Size}}' "$image") bytes)"
+built_on=$(docker image inspect -f '{{index .Config.Labels "org.executor-arm.base.ref"}}' "$image")
+[ "$built_on" = "$base_id" ] || { echo "test-daemon-image: built on '$built_on', not $base_id" >&2; exit 1; }
 
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/jwt-secret"
 chmod 0644 "$work/jwt-secret"
