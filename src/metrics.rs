@@ -116,6 +116,7 @@ pub struct Metrics {
     pub open_streams: Gauge,
     pub sessions_open: GaugeVec,
     pub sessions_ended: CounterVec,
+    pub backend_ready: GaugeVec,
 }
 
 /// Registers metrics with their help texts on one recorder.
@@ -206,6 +207,37 @@ impl Registrar {
     }
 }
 
+/// The closed label sets whose series exist from the start, at 0: `increase()` and `rate()` then
+/// see a series' first event (a series that appears at 1 shows no increase), and dashboards and
+/// alerts find every series they query before anything happened.
+pub const BACKENDS: &[&str] = &["local", "docker", "gvisor"];
+/// `AuditEvent::name()` of every audit line.
+pub const AUDIT_EVENTS: &[&str] = &[
+    "refusal",
+    "execution_start",
+    "execution",
+    "execution_error",
+    "segment_start",
+    "refusals_suppressed",
+    "execution_cancel",
+    "session_create",
+    "session_end",
+    "session_file",
+];
+/// `reason` of `executor_rejected_total`.
+pub const REJECT_REASONS: &[&str] = &[
+    "overloaded",
+    "payload_too_large",
+    "body_timeout",
+    "invalid_request",
+    "sandbox_unavailable",
+    "idempotency",
+];
+/// `verdict` of `executor_egress_connections_total`.
+pub const EGRESS_VERDICTS: &[&str] = &["allowed", "refused", "failed"];
+/// HTTP statuses of refusals that are audited (and may be suppressed).
+pub const REFUSAL_STATUSES: &[&str] = &["401", "403"];
+
 const DURATION: &str = "executor_execution_duration_seconds";
 const DURATION_BY_BACKEND: &str = "executor_backend_execution_duration_seconds";
 const QUEUE_WAIT: &str = "executor_queue_wait_seconds";
@@ -237,7 +269,7 @@ impl Metrics {
         let process = metrics_process::Collector::default();
         metrics::with_local_recorder(recorder.as_ref(), || process.describe());
 
-        Metrics {
+        let m = Metrics {
             executions: r.counters(
                 "executor_executions_total",
                 "Total number of executions",
@@ -345,8 +377,40 @@ impl Metrics {
                 "Sessions ended, by why (deleted, expired, idle, shutdown)",
                 &["reason"],
             ),
+            backend_ready: r.gauges(
+                "executor_backend_ready",
+                "Whether a backend can run work now (1) or not (0), as /readyz checks it",
+                &["backend"],
+            ),
             recorder,
             process,
+        };
+        m.register_known_series();
+        m
+    }
+
+    /// Registers every series of the closed label sets above at 0.
+    fn register_known_series(&self) {
+        for b in BACKENDS {
+            self.inflight.with_label_values(&[b]).increment(0.0);
+            self.queue_waiting.with_label_values(&[b]).increment(0.0);
+            self.sessions_open.with_label_values(&[b]).increment(0.0);
+        }
+        for e in AUDIT_EVENTS {
+            self.audit_append_failures
+                .with_label_values(&[e])
+                .increment(0);
+        }
+        for r in REJECT_REASONS {
+            self.rejected.with_label_values(&[r]).increment(0);
+        }
+        for v in EGRESS_VERDICTS {
+            self.egress_connections.with_label_values(&[v]).increment(0);
+        }
+        for s in REFUSAL_STATUSES {
+            self.audit_refusals_suppressed
+                .with_label_values(&[s])
+                .increment(0);
         }
     }
 
@@ -413,6 +477,46 @@ impl Default for Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn closed_label_sets_start_at_zero() {
+        let m = Metrics::new();
+        for b in BACKENDS {
+            assert_eq!(
+                m.sample("executor_queue_waiting", &[("backend", b)]),
+                Some(0.0)
+            );
+            assert_eq!(
+                m.sample("executor_sessions_open", &[("backend", b)]),
+                Some(0.0)
+            );
+        }
+        assert_eq!(
+            m.sample(
+                "executor_audit_append_failures_total",
+                &[("event", "execution_start")]
+            ),
+            Some(0.0)
+        );
+        assert_eq!(
+            m.sample("executor_rejected_total", &[("reason", "overloaded")]),
+            Some(0.0)
+        );
+        assert_eq!(
+            m.sample(
+                "executor_egress_connections_total",
+                &[("verdict", "refused")]
+            ),
+            Some(0.0)
+        );
+        assert_eq!(
+            m.sample(
+                "executor_audit_refusals_suppressed_total",
+                &[("status", "401")]
+            ),
+            Some(0.0)
+        );
+    }
 
     #[test]
     fn the_seed_bucket_lines_appear_exactly() {

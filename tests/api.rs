@@ -744,6 +744,38 @@ async fn idempotency_request_id_and_ops_endpoints() {
     }
 }
 
+/// `executor_backend_ready{backend}` is what /readyz checks, as of each scrape: 1 for the ready
+/// local backend, 0 for a docker backend whose engine cannot be reached.
+#[tokio::test(flavor = "multi_thread")]
+async fn backend_ready_gauge_follows_readiness() {
+    let d = Daemon::start();
+    assert_eq!(d.get("/readyz").await.status, 200);
+    let m = d.get("/metrics").await.text;
+    assert!(
+        m.lines()
+            .any(|l| l == "executor_backend_ready{backend=\"local\"} 1"),
+        "{m}"
+    );
+    let no_docker = Daemon::start_with(Opts {
+        env: vec![("SANDBOX_RUNTIME".into(), "runc".into())],
+        config: Some(
+            "[sandbox.docker]\nsocket = \"unix:///nonexistent/docker.sock\"\npool_size = 0\n"
+                .into(),
+        ),
+        ..Default::default()
+    });
+    // Scraped before any readiness probe: the scrape itself checks.
+    let m = no_docker.get("/metrics").await.text;
+    for line in [
+        "executor_backend_ready{backend=\"docker\"} 0",
+        "executor_backend_ready{backend=\"gvisor\"} 0",
+        "executor_backend_ready{backend=\"local\"} 1",
+    ] {
+        assert!(m.lines().any(|l| l == line), "{line} missing: {m}");
+    }
+    assert_eq!(no_docker.get("/readyz").await.status, 503);
+}
+
 /// A burst far over the local backend's 16 slots waits in its queue instead of being refused.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_of_two_hundred_requests_is_absorbed_by_the_queue() {

@@ -1,5 +1,5 @@
 //! The documentation names only commands the binary has: every `executor-arm <subcommand>` in
-//! the README, docs/ and the Helm chart's notes is one `executor-arm --help` lists.
+//! the README, docs/ and the Helm chart's README and notes is one `executor-arm --help` lists.
 
 mod common;
 
@@ -67,7 +67,7 @@ fn every_documented_subcommand_exists() {
     );
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = vec![repo.join("README.md")];
-    for dir in ["docs", "helm/executor-arm/templates"] {
+    for dir in ["docs", "helm/executor-arm", "helm/executor-arm/templates"] {
         for e in std::fs::read_dir(repo.join(dir)).expect(dir) {
             let p = e.expect("entry").path();
             if p.extension()

@@ -24,17 +24,15 @@ pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
         reasons.push("shutting down".to_string());
     }
     let default_backend = st.executions.policy().default_backend;
-    let mut backends = Vec::new();
-    for (kind, b) in st.executions.backends() {
-        let s = b.status().await;
-        if *kind == default_backend && !s.ready {
+    let backends = st.executions.backend_statuses().await;
+    for s in &backends {
+        if s.backend == default_backend && !s.ready {
             reasons.push(format!(
                 "default backend {} not ready: {}",
-                kind.as_str(),
+                s.backend.as_str(),
                 s.detail
             ));
         }
-        backends.push(s);
     }
     if !st.executions.backends().contains_key(&default_backend) {
         reasons.push(format!(
@@ -63,10 +61,7 @@ pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
 }
 
 pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    let mut backends = Vec::new();
-    for b in st.executions.backends().values() {
-        backends.push(b.status().await);
-    }
+    let backends = st.executions.backend_statuses().await;
     let policy = st.executions.policy();
     let commands: Vec<_> = policy
         .commands
@@ -149,6 +144,8 @@ pub async fn capabilities(State(st): State<Arc<AppState>>) -> Json<serde_json::V
 }
 
 pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    // executor_backend_ready as of this scrape, not only as of the last readiness probe.
+    st.executions.backend_statuses().await;
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         st.metrics.render(),

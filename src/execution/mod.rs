@@ -47,8 +47,8 @@ use crate::provenance::audit::{self, AuditLog, RunEnd};
 use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
 use crate::sandbox::files::Kept;
 use crate::sandbox::{
-    BackendKind, ExecCode, KilledReason, OutputTap, RunOutcome, RunSpec, Sandbox, SandboxError,
-    Stop,
+    BackendKind, BackendStatus, ExecCode, KilledReason, OutputTap, RunOutcome, RunSpec, Sandbox,
+    SandboxError, Stop,
 };
 use crate::state::{IdemKey, JtiClaim, StateError, StateStore, StoredExecution, StoredResponse};
 
@@ -438,6 +438,20 @@ impl ExecutionService {
 
     pub fn backends(&self) -> &BTreeMap<BackendKind, Arc<dyn Sandbox>> {
         &self.backends
+    }
+
+    /// Every backend's readiness, checked now (all at once, in backend order) and recorded in
+    /// `executor_backend_ready{backend}`: /readyz, /capabilities and each /metrics scrape ask here,
+    /// so the gauge is as current as the last of them.
+    pub async fn backend_statuses(&self) -> Vec<BackendStatus> {
+        let statuses = futures::future::join_all(self.backends.values().map(|b| b.status())).await;
+        for s in &statuses {
+            self.metrics
+                .backend_ready
+                .with_label_values(&[s.backend.as_str()])
+                .set(if s.ready { 1.0 } else { 0.0 });
+        }
+        statuses
     }
 
     /// Opens the sandbox a session keeps for its life on the backends that keep one (docker,

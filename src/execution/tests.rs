@@ -657,3 +657,9 @@ async fn a_backend_failure_is_the_end_line_and_the_error() {
     assert_eq!(lines[1]["error"], "docker engine unreachable");
     f.service.admit(request("echo", None)).await.unwrap();
 }
+
+#[test]
+fn metrics_backend_labels_are_every_backend() {
+    let names: Vec<&str> = BackendKind::ALL.iter().map(|b| b.as_str()).collect();
+    assert_eq!(names, crate::metrics::BACKENDS);
+}
