@@ -3,7 +3,7 @@
 #   1. fetch helm and a Python venv (kubernetes-validate, pytest, PyYAML) into .tools/ (cached),
 #   2. helm lint --strict with every ci/*-values.yaml,
 #   3. helm template every ci values file (and once with monitoring.coreos.com/v1 so the ServiceMonitor
-#      renders),
+#      and the PrometheusRule render),
 #   4. validate every rendered manifest with kubernetes-validate --strict against Kubernetes $K8S_VERSION
 #      (CRD kinds it has no schema for are skipped by name and checked by the python tests instead),
 #   5. run the python tests in tests/chart/, some of them against the executor-arm binary
@@ -28,7 +28,7 @@ PY_REQUIREMENTS=("kubernetes-validate==1.37.0" "pytest==9.2.0" "PyYAML==6.0.3")
 # Kubernetes version to validate against (bundled by kubernetes-validate; also the helm client's).
 K8S_VERSION="1.35.0"
 # Kinds that are CRDs without a bundled schema: skipped by kubernetes-validate, checked in tests/chart.
-SKIP_KINDS="monitoring.coreos.com/v1/ServiceMonitor"
+SKIP_KINDS="monitoring.coreos.com/v1/ServiceMonitor monitoring.coreos.com/v1/PrometheusRule"
 
 START=$SECONDS
 step() { printf '\n==> %s\n' "$*"; }
@@ -135,13 +135,15 @@ for f in "${ci_files[@]}"; do
   echo "rendered $(grep -c '^kind:' "$OUT/$name.yaml") resources"
 done
 f="${ci_files[0]}"
-name="$(basename "$f" .yaml)-servicemonitor"
-step "helm template -f ci/$(basename "$f") --api-versions monitoring.coreos.com/v1"
+name="$(basename "$f" .yaml)-monitoring"
+step "helm template -f ci/$(basename "$f") --api-versions monitoring.coreos.com/v1 (ServiceMonitor, PrometheusRule)"
 "$HELM" template executor-arm "$CHART" --namespace executor-arm --kube-version "$K8S_VERSION" \
   --api-versions monitoring.coreos.com/v1 -f "$f" > "$OUT/$name.yaml"
-grep -q '^kind: ServiceMonitor$' "$OUT/$name.yaml" || die "ServiceMonitor not rendered with monitoring.coreos.com/v1 available"
+for kind in ServiceMonitor PrometheusRule; do
+  grep -q "^kind: $kind\$" "$OUT/$name.yaml" || die "$kind not rendered with monitoring.coreos.com/v1 available"
+done
 renders+=("$OUT/$name.yaml")
-echo "rendered $(grep -c '^kind:' "$OUT/$name.yaml") resources (with ServiceMonitor)"
+echo "rendered $(grep -c '^kind:' "$OUT/$name.yaml") resources (with ServiceMonitor and PrometheusRule)"
 
 # ------------------------------------------------------------------ kubernetes-validate
 step "kubernetes-validate --strict -k $K8S_VERSION"

@@ -90,6 +90,13 @@ def one(docs: list[dict], kind: str) -> dict:
     return found[0]
 
 
+def config_map(docs: list[dict]) -> dict:
+    """The daemon's ConfigMap (executor-arm.toml, profiles, executors), not the dashboard's."""
+    found = [d for d in of_kind(docs, "ConfigMap") if "executor-arm.toml" in d.get("data", {})]
+    assert len(found) == 1, f"expected exactly one ConfigMap with executor-arm.toml, found {len(found)}"
+    return found[0]
+
+
 def pod_spec(docs: list[dict]) -> dict:
     return one(docs, "Deployment")["spec"]["template"]["spec"]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (CHART, MODES, ROOT, daemon, daemon_binary, helm_binary, mode_values, of_kind, one,
-                      pod_spec, render)
+from conftest import (CHART, MODES, ROOT, config_map, daemon, daemon_binary, helm_binary, mode_values, of_kind,
+                      one, pod_spec, render)
 
 SECRET = "auth.jwtSecret=test-secret-0123456789abcdef0123456789"
 PROFILES = ROOT / "sandbox-profiles"
@@ -28,12 +28,12 @@ def shipped_profiles() -> dict[str, str]:
 
 
 def configmap_profiles(docs) -> dict[str, str]:
-    data = one(docs, "ConfigMap")["data"]
+    data = config_map(docs)["data"]
     return {k[len("profile."):-len(".toml")]: v for k, v in data.items() if k.startswith("profile.")}
 
 
 def config_toml(docs) -> dict:
-    return tomllib.loads(one(docs, "ConfigMap")["data"]["executor-arm.toml"])
+    return tomllib.loads(config_map(docs)["data"]["executor-arm.toml"])
 
 
 def hook_pods(docs) -> list[dict]:
@@ -148,7 +148,7 @@ def _check_config(toml_text: str, tmp: Path) -> subprocess.CompletedProcess:
 
 
 def test_daemon_accepts_the_rendered_config_with_extra_keys(tmp_path):
-    text = one(render(sets=[SECRET, *EXTRA]), "ConfigMap")["data"]["executor-arm.toml"]
+    text = config_map(render(sets=[SECRET, *EXTRA]))["data"]["executor-arm.toml"]
     proc = _check_config(text, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "config ok" in proc.stdout

@@ -13,15 +13,15 @@ import tomllib
 import pytest
 import yaml
 
-from conftest import (CHART, MODES, NAMESPACE, ROOT, all_containers, daemon, mode_values, of_kind, one,
-                      pod_spec, render, render_error)
+from conftest import (CHART, MODES, NAMESPACE, ROOT, all_containers, config_map, daemon, mode_values, of_kind,
+                      one, pod_spec, render, render_error)
 
 API_MAX_TIMEOUT = 300
 SECRET = "auth.jwtSecret=test-secret-0123456789"
 
 
 def config_toml(docs) -> dict:
-    cm = one(docs, "ConfigMap")
+    cm = config_map(docs)
     return tomllib.loads(cm["data"]["executor-arm.toml"])
 
 
@@ -187,7 +187,7 @@ def test_config_toml_parses_and_listens_on_8003(docs, mode):
 
 
 def test_profiles_and_executors_each_their_own_key_and_mount(docs):
-    cm = one(docs, "ConfigMap")
+    cm = config_map(docs)
     cfg = config_toml(docs)
     profile_keys = {k for k in cm["data"] if k.startswith("profile.")}
     assert profile_keys, "no sandbox profile rendered"
@@ -295,7 +295,7 @@ def test_dind_mode_daemon_unprivileged_sidecar_privileged():
     assert cfg["sandbox"]["docker"]["socket"] == f"unix://{sock_dir}/docker.sock"
     assert cfg["sandbox"]["default_backend"] == "docker"
     assert cfg["state"]["redis_url"].startswith("redis://")
-    daemon_json = yaml.safe_load(one(docs, "ConfigMap")["data"]["dind-daemon.json"])
+    daemon_json = yaml.safe_load(config_map(docs)["data"]["dind-daemon.json"])
     assert daemon_json["runtimes"]["runsc"]["path"] == "/usr/local/bin/runsc"
     # Egress: the proxy sockets live on the volume dockerd shares, and runsc may connect to them.
     assert cfg["sandbox"]["docker"]["egress_dir"] == f"{sock_dir}/egress"
@@ -541,4 +541,4 @@ def test_default_map_entries_can_be_removed_with_null():
                         "profiles.http-egress=null"])
     cfg = config_toml(docs)
     assert set(cfg["commands"]) == {"cat", "echo", "grep", "ls", "python3"}
-    assert "profile.http-egress.toml" not in one(docs, "ConfigMap")["data"]
+    assert "profile.http-egress.toml" not in config_map(docs)["data"]
