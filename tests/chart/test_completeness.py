@@ -266,7 +266,7 @@ def test_readme_values_table_covers_every_key():
 
 def test_chart_metadata():
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    for key in ("description", "home", "sources", "maintainers", "keywords", "annotations", "kubeVersion"):
+    for key in ("description", "maintainers", "keywords", "annotations", "kubeVersion"):
         assert chart.get(key), f"Chart.yaml lacks {key}"
     assert chart["apiVersion"] == "v2" and chart["type"] == "application"
     assert all(m.get("name") for m in chart["maintainers"])
