@@ -20,7 +20,7 @@ use landlock::{
 
 /// The newest ABI whose rights this sandbox hands out by rule. A newer kernel is used at this
 /// ABI: rights it adds stay unhandled until the rules here are written (and tested) for them.
-const NEWEST: u32 = 6;
+pub const NEWEST: u32 = 6;
 
 /// Filesystem rights, as the crate names them.
 pub type Fs = BitFlags<AccessFs>;
