@@ -4,13 +4,24 @@
 //! killing every process in it, reading peak memory / OOM / pids events, and removing it.
 //! Must not: decide limits (the policy layer does) or spawn anything.
 //!
-//! Both drivers work on a root directory so the v2 logic is unit-tested against a fake tree.
+//! Run cgroups are created, limited, listed, frozen, killed and removed through `cgroups-rs`,
+//! on the directories [`detect`] chose (never the hierarchies the crate would find itself).
+//! What stays written by hand says why above it: the daemon's own directories and the v2
+//! delegation, the memory statistics, renaming a prepared cgroup, and the orphan sweep; joining
+//! a cgroup from the vfork child is in `child.rs`. Both drivers work on a root directory, so
+//! their logic is unit-tested against a fake tree.
 
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use cgroups_rs::cpu::CpuController;
+use cgroups_rs::freezer::FreezerController;
+use cgroups_rs::memory::MemController;
+use cgroups_rs::pid::PidController;
+use cgroups_rs::{Cgroup, ControllIdentifier, Controller, Hierarchy, MaxValue, Subsystem};
 
 use crate::sandbox::Limits;
 
@@ -68,8 +79,9 @@ pub enum CgroupVersion {
     V2,
 }
 
-/// Writes a cgroup interface file. `create` is harmless on cgroupfs (files exist or the open
-/// fails) and lets the unit tests run the same code against a plain directory tree.
+/// Writes a cgroup interface file (the hand-written parts only). `create` is harmless on
+/// cgroupfs (files exist or the open fails) and lets the unit tests run the same code against a
+/// plain directory tree.
 fn write_file(path: &Path, value: &str) -> io::Result<()> {
     let mut f = fs::OpenOptions::new()
         .write(true)
@@ -93,6 +105,8 @@ fn keyed_value(path: &Path, key: &str) -> Option<u64> {
     })
 }
 
+/// Processes listed in `dir/cgroup.procs`. Read by hand for the orphan sweep and the daemon's
+/// move into its leaf, which work on directories rather than on run cgroups.
 fn procs_of(dir: &Path) -> Vec<i32> {
     fs::read_to_string(dir.join("cgroup.procs"))
         .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
@@ -184,7 +198,8 @@ fn kill_until_empty(cg: &dyn RunCgroup, mut kill_once: impl FnMut()) -> io::Resu
     }
 }
 
-/// rmdir with a short retry: a cgroup is removable only once its last task is fully gone.
+/// rmdir with a short retry: a cgroup is removable only once its last task is fully gone. Used
+/// by the orphan sweep of cgroup v1 (hand-written, see [`V1Driver::sweep_orphans`]).
 fn rmdir_retry(dir: &Path) -> io::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(2);
     loop {
@@ -209,6 +224,154 @@ fn valid_run_name(name: &str) -> bool {
 }
 
 // ---------------------------------------------------------------------------------------------
+// cgroups-rs plumbing
+
+/// The directories the crate works in: one per controller, as our drivers laid them out. The
+/// crate's own hierarchies are not used: `V1` takes every mounted hierarchy from
+/// /proc/self/mountinfo (a run would get a directory in each), `V2` is fixed to /sys/fs/cgroup,
+/// and neither can run on a plain directory tree.
+#[derive(Debug, Clone)]
+struct Dirs {
+    v2: bool,
+    memory: PathBuf,
+    cpu: PathBuf,
+    pids: PathBuf,
+    /// cgroup v1 only (v2 freezes through `cgroup.freeze`; we kill with `cgroup.kill`).
+    freezer: Option<PathBuf>,
+}
+
+impl Dirs {
+    fn unified(dir: &Path) -> Self {
+        Dirs {
+            v2: true,
+            memory: dir.to_path_buf(),
+            cpu: dir.to_path_buf(),
+            pids: dir.to_path_buf(),
+            freezer: None,
+        }
+    }
+}
+
+impl Hierarchy for Dirs {
+    fn v2(&self) -> bool {
+        self.v2
+    }
+
+    fn subsystems(&self) -> Vec<Subsystem> {
+        let mut subs = vec![
+            Subsystem::Mem(MemController::new(self.memory.clone(), self.v2)),
+            Subsystem::Cpu(CpuController::new(self.cpu.clone(), self.v2)),
+            Subsystem::Pid(PidController::new(self.pids.clone(), self.v2)),
+        ];
+        if let Some(f) = &self.freezer {
+            subs.push(Subsystem::Freezer(FreezerController::new(
+                f.clone(),
+                self.v2,
+            )));
+        }
+        subs
+    }
+
+    fn root(&self) -> PathBuf {
+        self.memory.clone()
+    }
+
+    fn root_control_group(&self) -> Cgroup {
+        Cgroup::load(Box::new(self.clone()), "")
+    }
+
+    fn parent_control_group(&self, path: &str) -> Cgroup {
+        let parent = Path::new(path).parent().unwrap_or(Path::new(""));
+        Cgroup::load(Box::new(self.clone()), parent)
+    }
+}
+
+/// The OS error under one of the crate's errors, if any.
+fn os_code(e: &cgroups_rs::error::Error) -> Option<i32> {
+    std::error::Error::source(e)
+        .and_then(|c| c.downcast_ref::<io::Error>())
+        .and_then(io::Error::raw_os_error)
+}
+
+/// The crate's error as an `io::Error` of the OS error's kind, with the crate's message (it
+/// names the file).
+fn cg_err(e: cgroups_rs::error::Error) -> io::Error {
+    let kind = os_code(&e).map_or(io::ErrorKind::Other, |c| {
+        io::Error::from_raw_os_error(c).kind()
+    });
+    io::Error::new(kind, e.to_string())
+}
+
+/// One controller of a run's cgroup (all of ours are always there: [`Dirs::subsystems`]).
+fn ctl<'a, T>(cg: &'a Cgroup) -> io::Result<&'a T>
+where
+    &'a T: From<&'a Subsystem>,
+    T: Controller + ControllIdentifier,
+{
+    cg.controller_of::<T>()
+        .ok_or_else(|| io::Error::other("cgroup controller missing"))
+}
+
+fn pids_in(c: &dyn Controller) -> Vec<i32> {
+    c.procs()
+        .into_iter()
+        .filter_map(|p| i32::try_from(p.pid).ok())
+        .filter(|&p| p > 0)
+        .collect()
+}
+
+/// Creates a run's cgroup through `creator` (the handle the crate creates with) and checks the
+/// result: the crate creates with `create_dir_all` and, on v1, only logs a failure, so an
+/// existing cgroup is refused first (a run never shares another's cgroup) and every directory
+/// is checked after.
+fn create_checked(cg: &Cgroup, creator: &Cgroup) -> io::Result<()> {
+    if cg.exists() {
+        return Err(io::Error::from(io::ErrorKind::AlreadyExists));
+    }
+    creator.create().map_err(cg_err)?;
+    if cg.subsystems().iter().all(|s| s.to_controller().exists()) {
+        return Ok(());
+    }
+    let _ = delete_retry(cg);
+    Err(io::Error::other("could not create the run cgroup"))
+}
+
+/// Removes the cgroup through the crate, retrying for at most two seconds: a cgroup is
+/// removable only once its last task is fully gone. Every directory is tried each round.
+fn delete_retry(cg: &Cgroup) -> io::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let r = if cg.v2() {
+            cg.delete()
+        } else {
+            // Each hierarchy's directory, even after one failed; the first error is reported.
+            let mut first = Ok(());
+            for s in cg.subsystems() {
+                if let Err(e) = s.to_controller().delete()
+                    && first.is_ok()
+                {
+                    first = Err(e);
+                }
+            }
+            first
+        };
+        match r {
+            Ok(()) => return Ok(()),
+            Err(e) if os_code(&e) == Some(libc::ENOENT) => return Ok(()),
+            Err(e) if Instant::now() < deadline && os_code(&e) == Some(libc::EBUSY) => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(cg_err(e)),
+        }
+    }
+}
+
+/// A decimal number in a cgroup file, read by hand (see the callers for why).
+fn read_u64(path: &Path) -> Option<u64> {
+    read_trimmed(path).and_then(|s| s.parse().ok())
+}
+
+// ---------------------------------------------------------------------------------------------
 // cgroup v2
 
 /// cgroup v2: runs live in `<base>/runs/d<daemon pid>/<exec_id>`; the daemon itself is moved to
@@ -222,6 +385,11 @@ pub struct V2Driver {
 impl V2Driver {
     /// Prepares the delegated subtree under `base` (the daemon's own cgroup directory).
     /// `move_self` is false only in unit tests.
+    ///
+    /// Written by hand: delegation. The crate has no notion of moving the daemon out of the
+    /// cgroup it was given, and it enables controllers from the host's
+    /// /sys/fs/cgroup/cgroup.controllers (one write each, on every create) instead of the three
+    /// our subtree needs, once.
     pub fn prepare(base: &Path, move_self: bool) -> io::Result<Self> {
         let controllers = read_trimmed(&base.join("cgroup.controllers")).unwrap_or_default();
         for needed in ["memory", "cpu", "pids"] {
@@ -251,8 +419,19 @@ impl V2Driver {
     }
 }
 
+/// One run's cgroup v2: `name` under its owner directory.
 struct V2Run {
+    cg: Cgroup,
     dir: PathBuf,
+}
+
+impl V2Run {
+    fn load(owner: &Path, name: &str) -> Self {
+        V2Run {
+            cg: Cgroup::load(Box::new(Dirs::unified(owner)), name),
+            dir: owner.join(name),
+        }
+    }
 }
 
 impl CgroupDriver for V2Driver {
@@ -264,23 +443,29 @@ impl CgroupDriver for V2Driver {
         if !valid_run_name(name) {
             return Err(io::Error::other("invalid cgroup name"));
         }
-        let dir = self.runs.join(name);
-        fs::create_dir(&dir)?;
-        Ok(Box::new(V2Run { dir }))
+        let run = V2Run::load(&self.runs, name);
+        // No controllers named: the owner directory has memory, cpu and pids enabled for its
+        // children already (prepare), so creating is one mkdir.
+        let creator = Cgroup::load_with_specified_controllers(
+            Box::new(Dirs::unified(&self.runs)),
+            name,
+            Vec::new(),
+        );
+        create_checked(&run.cg, &creator)?;
+        Ok(Box::new(run))
     }
 
     fn release(&self) {
         let _ = fs::remove_dir(&self.runs);
     }
 
+    /// Written by hand: the orphan sweep. It walks other daemons' owner directories, which no
+    /// crate knows about; each run found is removed through the crate.
     fn sweep_orphans(&self) -> usize {
         sweep_owners(&self.owners, |owner| {
             let n = sweep_dir(owner, |dir| {
-                V2Run {
-                    dir: dir.to_path_buf(),
-                }
-                .remove()
-                .is_ok()
+                let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                V2Run::load(owner, name).remove().is_ok()
             });
             let _ = fs::remove_dir(owner);
             n
@@ -294,56 +479,62 @@ impl RunCgroup for V2Run {
     }
 
     fn pids(&self) -> Vec<i32> {
-        procs_of(&self.dir)
+        ctl::<PidController>(&self.cg)
+            .map(|c| pids_in(c))
+            .unwrap_or_default()
     }
 
     fn apply_limits(&self, limits: &Limits) -> io::Result<()> {
-        write_file(
-            &self.dir.join("memory.max"),
-            &limits.memory_bytes.to_string(),
-        )?;
-        // No swap beyond the memory limit.
-        write_file(&self.dir.join("memory.swap.max"), "0")?;
-        write_file(
-            &self.dir.join("cpu.max"),
-            &format!("{} 100000", cpu_quota(limits)),
-        )?;
-        write_file(&self.dir.join("pids.max"), &limits.pids.to_string())
+        let memory = ctl::<MemController>(&self.cg)?;
+        memory
+            .set_limit(limits.memory_bytes as i64)
+            .map_err(cg_err)?;
+        // No swap beyond the memory limit (memory.swap.max).
+        memory.set_memswap_limit(0).map_err(cg_err)?;
+        ctl::<CpuController>(&self.cg)?
+            .set_cfs_quota_and_period(Some(cpu_quota(limits) as i64), Some(100_000))
+            .map_err(cg_err)?;
+        ctl::<PidController>(&self.cg)?
+            .set_pid_max(MaxValue::Value(limits.pids as i64))
+            .map_err(cg_err)
     }
 
     fn rename(&mut self, _name: &str) {}
 
     fn kill_all(&self) -> io::Result<()> {
-        let kill_file = self.dir.join("cgroup.kill");
         kill_until_empty(self, || {
-            if kill_file.exists() {
-                // cgroup.kill (5.14+) kills atomically, including tasks forking right now.
-                let _ = write_file(&kill_file, "1");
-            } else {
-                kill_pids(&procs_of(&self.dir));
+            // cgroup.kill (5.14+) kills atomically, including tasks forking right now; the
+            // crate refuses when the kernel has no cgroup.kill, and then each process is killed.
+            if self.cg.kill().is_err() {
+                kill_pids(&self.pids());
             }
         })
     }
 
+    /// Peak memory and OOM kills are read by hand: the crate has no reader for memory.events,
+    /// and it reads memory.peak only inside `memory_stat()`, which also reads the four limit
+    /// files, memory.current, memory.swap.current and memory.stat (whose read flushes the
+    /// kernel's statistics), and panics when a limit file cannot be read.
     fn stats(&self) -> CgroupStats {
         CgroupStats {
-            peak_memory_kib: read_trimmed(&self.dir.join("memory.peak"))
-                .and_then(|s| s.parse::<u64>().ok())
-                .map(|b| b / 1024),
+            peak_memory_kib: read_u64(&self.dir.join("memory.peak")).map(|b| b / 1024),
             oom_kills: keyed_value(&self.dir.join("memory.events"), "oom_kill").unwrap_or(0),
-            pids_max_hits: keyed_value(&self.dir.join("pids.events"), "max").unwrap_or(0),
+            pids_max_hits: ctl::<PidController>(&self.cg)
+                .ok()
+                .and_then(|c| c.get_pid_events().ok())
+                .unwrap_or(0),
         }
     }
 
     fn is_empty(&self) -> bool {
-        procs_of(&self.dir).is_empty()
+        self.pids().is_empty()
     }
 
     fn remove(&self) -> io::Result<()> {
         if !self.is_empty() {
             self.kill_all()?;
         }
-        rmdir_retry(&self.dir)
+        delete_retry(&self.cg)
     }
 }
 
@@ -362,6 +553,10 @@ pub struct V1Driver {
 
 impl V1Driver {
     /// `mount_root` is normally `/sys/fs/cgroup`; `self_cgroup` is the text of /proc/self/cgroup.
+    ///
+    /// Written by hand: the daemon's own directories, once at start. They sit under the
+    /// daemon's cgroup in each hierarchy (from /proc/self/cgroup, below `mount_root`); the
+    /// crate would take its hierarchies from /proc/self/mountinfo instead, every mounted one.
     pub fn prepare(mount_root: &Path, self_cgroup: &str, name: &str) -> io::Result<Self> {
         let base_of = |controller: &str| -> io::Result<PathBuf> {
             let rel = self_cgroup
@@ -392,7 +587,8 @@ impl V1Driver {
             Ok(d)
         };
         let shared_memory = base_of("memory")?;
-        // Child memory cgroups must account hierarchically for limits to hold.
+        // Child memory cgroups must account hierarchically for limits to hold (the crate has
+        // no setter for memory.use_hierarchy).
         let _ = write_file(&shared_memory.join("memory.use_hierarchy"), "1");
         let shared_cpu = base_of("cpu")?;
         let shared_pids = base_of("pids")?;
@@ -412,33 +608,30 @@ impl V1Driver {
         })
     }
 
-    fn dirs(&self, exec_id: &str) -> Vec<PathBuf> {
-        let mut d = vec![
-            self.memory.join(exec_id),
-            self.cpu.join(exec_id),
-            self.pids.join(exec_id),
-        ];
-        if let Some(f) = &self.freezer {
-            d.push(f.join(exec_id));
+    fn dirs(&self, name: &str) -> Dirs {
+        Dirs {
+            v2: false,
+            memory: self.memory.join(name),
+            cpu: self.cpu.join(name),
+            pids: self.pids.join(name),
+            freezer: self.freezer.as_ref().map(|f| f.join(name)),
         }
-        d
     }
 }
 
+/// One run's cgroup v1: a directory in each hierarchy, handed to the crate as the roots of its
+/// controllers (the names may differ: a rename is per hierarchy).
 struct V1Run {
-    memory: PathBuf,
-    cpu: PathBuf,
-    pids: PathBuf,
-    freezer: Option<PathBuf>,
+    cg: Cgroup,
+    dirs: Dirs,
 }
 
 impl V1Run {
-    fn all(&self) -> Vec<&PathBuf> {
-        let mut v = vec![&self.memory, &self.cpu, &self.pids];
-        if let Some(f) = &self.freezer {
-            v.push(f);
+    fn load(dirs: Dirs) -> Self {
+        V1Run {
+            cg: Cgroup::load(Box::new(dirs.clone()), ""),
+            dirs,
         }
-        v
     }
 }
 
@@ -451,21 +644,9 @@ impl CgroupDriver for V1Driver {
         if !valid_run_name(name) {
             return Err(io::Error::other("invalid cgroup name"));
         }
-        let dirs = self.dirs(name);
-        for d in &dirs {
-            if let Err(e) = fs::create_dir(d) {
-                for made in &dirs {
-                    let _ = fs::remove_dir(made);
-                }
-                return Err(e);
-            }
-        }
-        Ok(Box::new(V1Run {
-            memory: dirs[0].clone(),
-            cpu: dirs[1].clone(),
-            pids: dirs[2].clone(),
-            freezer: dirs.get(3).cloned(),
-        }))
+        let run = V1Run::load(self.dirs(name));
+        create_checked(&run.cg, &run.cg)?;
+        Ok(Box::new(run))
     }
 
     fn release(&self) {
@@ -476,6 +657,8 @@ impl CgroupDriver for V1Driver {
         }
     }
 
+    /// Written by hand: the orphan sweep. It walks other daemons' owner directories in every
+    /// hierarchy, which no crate knows about, and a run may be left in some hierarchies only.
     fn sweep_orphans(&self) -> usize {
         let mut n = 0;
         // Every hierarchy holds every run task, so killing what each run dir lists is complete.
@@ -495,91 +678,99 @@ impl CgroupDriver for V1Driver {
 
 impl RunCgroup for V1Run {
     fn procs_files(&self) -> Vec<PathBuf> {
-        self.all()
-            .into_iter()
-            .map(|d| d.join("cgroup.procs"))
+        self.cg
+            .subsystems()
+            .iter()
+            .map(|s| s.to_controller().path().join("cgroup.procs"))
             .collect()
     }
 
     fn pids(&self) -> Vec<i32> {
-        procs_of(&self.pids)
+        ctl::<PidController>(&self.cg)
+            .map(|c| pids_in(c))
+            .unwrap_or_default()
     }
 
     fn apply_limits(&self, limits: &Limits) -> io::Result<()> {
-        let bytes = limits.memory_bytes.to_string();
-        write_file(&self.memory.join("memory.limit_in_bytes"), &bytes)?;
+        let memory = ctl::<MemController>(&self.cg)?;
+        let bytes = limits.memory_bytes as i64;
+        memory.set_limit(bytes).map_err(cg_err)?;
         // memsw = mem: no swap beyond the memory limit (present when swap accounting is on).
-        let memsw = self.memory.join("memory.memsw.limit_in_bytes");
-        if memsw.exists() {
-            write_file(&memsw, &bytes)?;
+        if self
+            .dirs
+            .memory
+            .join("memory.memsw.limit_in_bytes")
+            .exists()
+        {
+            memory.set_memswap_limit(bytes).map_err(cg_err)?;
         }
-        let _ = write_file(&self.memory.join("memory.swappiness"), "0");
-        write_file(&self.cpu.join("cpu.cfs_period_us"), "100000")?;
-        write_file(
-            &self.cpu.join("cpu.cfs_quota_us"),
-            &cpu_quota(limits).to_string(),
-        )?;
-        write_file(&self.pids.join("pids.max"), &limits.pids.to_string())
+        let _ = memory.set_swappiness(0);
+        ctl::<CpuController>(&self.cg)?
+            .set_cfs_quota_and_period(Some(cpu_quota(limits) as i64), Some(100_000))
+            .map_err(cg_err)?;
+        ctl::<PidController>(&self.cg)?
+            .set_pid_max(MaxValue::Value(limits.pids as i64))
+            .map_err(cg_err)
     }
 
+    /// Written by hand: the crate cannot rename a cgroup.
     fn rename(&mut self, name: &str) {
         if !valid_run_name(name) {
             return;
         }
-        let mut dirs = vec![&mut self.memory, &mut self.cpu, &mut self.pids];
-        if let Some(f) = self.freezer.as_mut() {
-            dirs.push(f);
+        let mut dirs = self.dirs.clone();
+        let mut all = vec![&mut dirs.memory, &mut dirs.cpu, &mut dirs.pids];
+        if let Some(f) = dirs.freezer.as_mut() {
+            all.push(f);
         }
-        for d in dirs {
+        for d in all {
             let to = d.with_file_name(name);
             match fs::rename(&*d, &to) {
                 Ok(()) => *d = to,
                 Err(e) => tracing::warn!(error = %e, dir = %d.display(), "cgroup rename"),
             }
         }
+        *self = V1Run::load(dirs);
     }
 
     fn kill_all(&self) -> io::Result<()> {
+        let freezer = self.cg.controller_of::<FreezerController>();
         kill_until_empty(self, || {
             // Freeze first so nothing forks between reading cgroup.procs and the kill.
-            let frozen = self
-                .freezer
-                .as_ref()
-                .map(|f| write_file(&f.join("freezer.state"), "FROZEN").is_ok())
-                .unwrap_or(false);
-            kill_pids(&procs_of(&self.pids));
-            if frozen && let Some(f) = &self.freezer {
-                let _ = write_file(&f.join("freezer.state"), "THAWED");
+            let frozen = freezer.map(|f| f.freeze().is_ok()).unwrap_or(false);
+            kill_pids(&self.pids());
+            if frozen && let Some(f) = freezer {
+                let _ = f.thaw();
             }
         })
     }
 
+    /// Peak memory and OOM kills are read by hand: the crate reads them only inside
+    /// `memory_stat()`, eleven files including memory.stat and memory.numa_stat, measured at
+    /// about 0.8 ms a call against 0.05 ms for the two files read here, once per run.
     fn stats(&self) -> CgroupStats {
         CgroupStats {
-            peak_memory_kib: read_trimmed(&self.memory.join("memory.max_usage_in_bytes"))
-                .and_then(|s| s.parse::<u64>().ok())
+            peak_memory_kib: read_u64(&self.dirs.memory.join("memory.max_usage_in_bytes"))
                 .map(|b| b / 1024),
-            oom_kills: keyed_value(&self.memory.join("memory.oom_control"), "oom_kill")
+            oom_kills: keyed_value(&self.dirs.memory.join("memory.oom_control"), "oom_kill")
                 .unwrap_or(0),
-            pids_max_hits: keyed_value(&self.pids.join("pids.events"), "max").unwrap_or(0),
+            pids_max_hits: ctl::<PidController>(&self.cg)
+                .ok()
+                .and_then(|c| c.get_pid_events().ok())
+                .unwrap_or(0),
         }
     }
 
     fn is_empty(&self) -> bool {
-        self.all().iter().all(|d| procs_of(d).is_empty())
+        // Every hierarchy: a task on its way in or out may be listed in one only.
+        self.cg.procs().is_empty()
     }
 
     fn remove(&self) -> io::Result<()> {
         if !self.is_empty() {
             self.kill_all()?;
         }
-        let mut first_err = None;
-        for d in self.all() {
-            if let Err(e) = rmdir_retry(d) {
-                first_err.get_or_insert(e);
-            }
-        }
-        first_err.map_or(Ok(()), Err)
+        delete_retry(&self.cg)
     }
 }
 
@@ -692,6 +883,12 @@ mod tests {
         assert!(err.to_string().contains("memory"), "{err}");
     }
 
+    /// The files the kernel creates in a new v2 cgroup that the driver reads before writing.
+    fn fake_v2_run(dir: &Path) {
+        fs::write(dir.join("cpu.max"), "max 100000\n").unwrap();
+        fs::write(dir.join("cgroup.procs"), "").unwrap();
+    }
+
     #[test]
     fn v2_enables_controllers_and_writes_every_limit() {
         let t = fake_v2();
@@ -705,7 +902,14 @@ mod tests {
             st(&format!("{own}/cgroup.subtree_control")),
             "+memory +cpu +pids"
         );
-        let run = driver.create("exec-1", &limits()).unwrap();
+        let run = driver.create_empty("exec-1").unwrap();
+        // Creating writes no controller file (the owner enabled them once, in prepare).
+        assert_eq!(
+            st(&format!("{own}/cgroup.subtree_control")),
+            "+memory +cpu +pids"
+        );
+        fake_v2_run(&t.path().join(format!("{own}/exec-1")));
+        run.apply_limits(&limits()).unwrap();
         assert_eq!(
             st(&format!("{own}/exec-1/memory.max")),
             (64u64 << 20).to_string()
@@ -719,8 +923,8 @@ mod tests {
         );
         // A second run never shares the cgroup of the first.
         assert!(driver.create("exec-1", &limits()).is_err());
+        assert!(driver.create_empty("exec-1").is_err());
         // The kernel provides cgroup.kill (5.14+); the fake gets an empty one.
-        fs::write(t.path().join(format!("{own}/exec-1/cgroup.procs")), "").unwrap();
         fs::write(t.path().join(format!("{own}/exec-1/cgroup.kill")), "").unwrap();
         run.kill_all().unwrap();
         assert_eq!(st(&format!("{own}/exec-1/cgroup.kill")), "1");
@@ -732,7 +936,7 @@ mod tests {
         let driver = V2Driver::prepare(t.path(), false).unwrap();
         // pid 0 is never a live daemon; our own directory is never swept.
         fs::create_dir_all(t.path().join("runs/d0/exec-old")).unwrap();
-        driver.create("exec-live", &limits()).unwrap();
+        driver.create_empty("exec-live").unwrap();
         assert_eq!(driver.sweep_orphans(), 1);
         assert!(!t.path().join("runs/d0").exists());
         assert!(
@@ -745,22 +949,131 @@ mod tests {
     #[test]
     fn v2_stats_read_peak_events_and_pids() {
         let t = tempfile::tempdir().unwrap();
-        fs::write(t.path().join("memory.peak"), "10485760\n").unwrap();
+        let dir = t.path().join("exec-1");
+        fs::create_dir(&dir).unwrap();
+        fs::write(dir.join("memory.peak"), "10485760\n").unwrap();
         fs::write(
-            t.path().join("memory.events"),
+            dir.join("memory.events"),
             "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n",
         )
         .unwrap();
-        fs::write(t.path().join("pids.events"), "max 7\n").unwrap();
-        let run = V2Run {
-            dir: t.path().to_path_buf(),
-        };
+        fs::write(dir.join("pids.events"), "max 7\n").unwrap();
+        let run = V2Run::load(t.path(), "exec-1");
         assert_eq!(
             run.stats(),
             CgroupStats {
                 peak_memory_kib: Some(10240),
                 oom_kills: 1,
                 pids_max_hits: 7
+            }
+        );
+    }
+
+    /// A fake v1 mount root with the four hierarchies, and a driver on it.
+    fn fake_v1() -> (tempfile::TempDir, V1Driver) {
+        let t = tempfile::tempdir().unwrap();
+        for c in ["memory", "cpu", "pids", "freezer"] {
+            fs::create_dir_all(t.path().join(c)).unwrap();
+            fs::write(t.path().join(c).join("cgroup.procs"), "").unwrap();
+        }
+        let self_cg = "4:memory:/\n1:cpu:/\n8:pids:/\n6:freezer:/\n";
+        let d = V1Driver::prepare(t.path(), self_cg, "executor-arm").unwrap();
+        (t, d)
+    }
+
+    #[test]
+    fn v1_creates_in_each_hierarchy_and_writes_every_limit() {
+        let (t, driver) = fake_v1();
+        assert_eq!(driver.version(), CgroupVersion::V1);
+        let own = |c: &str| t.path().join(c).join("executor-arm").join(owner_name());
+        // Swap accounting on: the kernel would have created memsw on mkdir.
+        let run = driver.create_empty("exec-1").unwrap();
+        fs::write(own("memory").join("exec-1/memory.memsw.limit_in_bytes"), "").unwrap();
+        run.apply_limits(&limits()).unwrap();
+        let st = |c: &str, f: &str| fs::read_to_string(own(c).join("exec-1").join(f)).unwrap();
+        let bytes = (64u64 << 20).to_string();
+        assert_eq!(st("memory", "memory.limit_in_bytes"), bytes);
+        assert_eq!(st("memory", "memory.memsw.limit_in_bytes"), bytes);
+        assert_eq!(st("memory", "memory.swappiness"), "0");
+        assert_eq!(st("cpu", "cpu.cfs_quota_us"), "50000");
+        assert_eq!(st("cpu", "cpu.cfs_period_us"), "100000");
+        assert_eq!(st("pids", "pids.max"), "16");
+        // The crate only enters the directories the driver chose.
+        let mut files = run.procs_files();
+        files.sort();
+        let mut want: Vec<PathBuf> = ["cpu", "freezer", "memory", "pids"]
+            .iter()
+            .map(|c| own(c).join("exec-1/cgroup.procs"))
+            .collect();
+        want.sort();
+        assert_eq!(files, want);
+        // A second run never shares the cgroup of the first.
+        assert!(driver.create_empty("exec-1").is_err());
+        // Without memsw (no swap accounting) the limits still apply.
+        let run2 = driver.create("exec-2", &limits()).unwrap();
+        assert!(
+            !own("memory")
+                .join("exec-2/memory.memsw.limit_in_bytes")
+                .exists()
+        );
+        assert_eq!(
+            fs::read_to_string(own("pids").join("exec-2/pids.max")).unwrap(),
+            "16"
+        );
+        drop(run2);
+    }
+
+    #[test]
+    fn v1_rename_moves_every_hierarchy_and_remove_deletes_them() {
+        let (t, driver) = fake_v1();
+        let own = |c: &str| t.path().join(c).join("executor-arm").join(owner_name());
+        let mut run = driver.create_empty("warm-0").unwrap();
+        run.rename("exec-9");
+        for c in ["memory", "cpu", "pids", "freezer"] {
+            assert!(!own(c).join("warm-0").exists(), "{c}");
+            assert!(own(c).join("exec-9").is_dir(), "{c}");
+            // A plain directory has no cgroup.procs; the kernel's cgroups always do.
+            fs::write(own(c).join("exec-9/cgroup.procs"), "").unwrap();
+        }
+        assert!(
+            run.procs_files()
+                .contains(&own("pids").join("exec-9/cgroup.procs"))
+        );
+        assert!(run.is_empty());
+        // Removing a directory with files in it fails on a plain tree; drop the fakes first.
+        for c in ["memory", "cpu", "pids", "freezer"] {
+            fs::remove_file(own(c).join("exec-9/cgroup.procs")).unwrap();
+        }
+        run.remove().unwrap();
+        for c in ["memory", "cpu", "pids", "freezer"] {
+            assert!(!own(c).join("exec-9").exists(), "{c}");
+        }
+    }
+
+    #[test]
+    fn v1_stats_read_peak_oom_and_pids() {
+        let (t, driver) = fake_v1();
+        let run = driver.create_empty("exec-1").unwrap();
+        let own = |c: &str| {
+            t.path()
+                .join(c)
+                .join("executor-arm")
+                .join(owner_name())
+                .join("exec-1")
+        };
+        fs::write(own("memory").join("memory.max_usage_in_bytes"), "2097152\n").unwrap();
+        fs::write(
+            own("memory").join("memory.oom_control"),
+            "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n",
+        )
+        .unwrap();
+        fs::write(own("pids").join("pids.events"), "max 5\n").unwrap();
+        assert_eq!(
+            run.stats(),
+            CgroupStats {
+                peak_memory_kib: Some(2048),
+                oom_kills: 2,
+                pids_max_hits: 5
             }
         );
     }
