@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Supply-chain checks of executor-arm's dependency tree, with no network but crates.io:
 #   1. cargo-deny and cargo-audit at pinned versions (cargo install --locked; skipped when that
-#      version is already installed),
+#      version is already installed; cargo-audit only when there is an advisory database),
 #   2. cargo fetch --locked, so the checks read the dependency graph offline,
 #   3. cargo deny check (deny.toml): licenses, bans (duplicate versions), sources (crates.io only)
 #      and advisories,
@@ -42,7 +42,6 @@ install_tool() { # crate version subcommand
 }
 step "tools"
 install_tool cargo-deny "$DENY_VERSION" deny
-install_tool cargo-audit "$AUDIT_VERSION" audit
 
 # ------------------------------------------------------------------ crates
 # cargo-deny reads the graph with `cargo metadata --offline`: every crate of Cargo.lock must be in
@@ -94,6 +93,10 @@ fi
 
 # ------------------------------------------------------------------ cargo audit
 if $have_db; then
+  # Installed only when there is a database to read: cargo audit checks nothing else, and its
+  # install (it builds aws-lc-sys) is the longest step of this script.
+  step "tools: cargo-audit"
+  install_tool cargo-audit "$AUDIT_VERSION" audit
   step "cargo audit --no-fetch"
   # The advisories deny.toml ignores, each with its reason there, are ignored here too.
   mapfile -t ignores < <(python3 -c '
