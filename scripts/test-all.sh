@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole executor-arm test suite, from a fresh machine: installs what the tests need (apt),
-# sets up Docker + gVisor and the sandbox image, starts Redis, then runs formatting, lints,
-# unit and integration tests (local, docker, gvisor backends), every fuzz target for a bounded time
-# (FUZZ_SECONDS each, default 20), and the Helm chart validation.
+# checks the dependency tree (scripts/supply-chain.sh: cargo deny, cargo audit), sets up Docker +
+# gVisor and the sandbox image, starts Redis, then runs formatting, lints, unit and integration tests
+# (local, docker, gvisor backends), every fuzz target for a bounded time (FUZZ_SECONDS each,
+# default 20), and the Helm chart validation.
 set -Eeuo pipefail
 trap 'echo "test-all: failed at line $LINENO" >&2' ERR
 cd "$(dirname "$0")/.."
@@ -26,6 +27,9 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get update -q
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
 fi
+
+step "supply chain (cargo deny, cargo audit)"
+scripts/supply-chain.sh
 
 step "docker + gvisor"
 scripts/setup-docker.sh
