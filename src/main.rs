@@ -52,6 +52,9 @@ enum Cmd {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Print the API's OpenAPI 3.1 document (what GET /openapi.json serves) without starting
+    /// anything.
+    Openapi,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -206,6 +209,10 @@ fn main() -> Result<()> {
             }
         },
         Cmd::CheckConfig { config } => check_config(config),
+        Cmd::Openapi => {
+            print!("{}", executor_arm::api::openapi::document_json());
+            Ok(())
+        }
     }
 }
 

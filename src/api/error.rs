@@ -3,7 +3,8 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::{Map, Value, json};
+use serde::Serialize;
+use serde_json::Value;
 
 use crate::execution::ExecutionError;
 
@@ -161,21 +162,47 @@ impl ApiError {
         }
     }
 
-    pub fn body(&self) -> Value {
-        let mut m = Map::new();
-        m.insert("success".into(), json!(false));
-        m.insert("error".into(), json!(self.message()));
-        m.insert("error_type".into(), json!(self.error_type()));
-        m.insert("retryable".into(), json!(self.retryable()));
-        if let ApiError::CapabilityViolation {
-            allowed_commands: Some(list),
-            ..
-        } = self
-        {
-            m.insert("allowed_commands".into(), json!(list));
+    /// The error body every refusal and failure is answered with.
+    pub fn error_body(&self) -> ErrorBody {
+        let allowed_commands = match self {
+            ApiError::CapabilityViolation {
+                allowed_commands, ..
+            } => allowed_commands.clone(),
+            _ => None,
+        };
+        ErrorBody {
+            success: false,
+            error: self.message(),
+            error_type: self.error_type().to_string(),
+            retryable: self.retryable(),
+            allowed_commands,
         }
-        Value::Object(m)
     }
+
+    pub fn body(&self) -> Value {
+        serde_json::to_value(self.error_body()).unwrap_or(Value::Null)
+    }
+}
+
+/// The body of every error answer: these fields and no others.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ErrorBody {
+    /// Always false.
+    pub success: bool,
+    /// A human sentence; never internals.
+    pub error: String,
+    /// `InvalidRequest`, `MethodNotAllowed`, `Unauthorized`, `CapabilityViolation`,
+    /// `PayloadTooLarge`, `RequestTimeout`, `IdempotencyConflict`, `IdempotencyInProgress`,
+    /// `NotFound`, `AlreadyFinished`, `SessionBusy`, `Overloaded`, `WorkspaceFull`,
+    /// `SandboxUnavailable` or `InternalError`.
+    pub error_type: String,
+    /// Whether the same request may succeed later: true for 429, 503, every 5xx and the 409 of an
+    /// Idempotency-Key still running; false for every other 4xx.
+    pub retryable: bool,
+    /// A command outside the allowlist (403): the commands this daemon allows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allowed_commands: Option<Vec<String>>,
 }
 
 /// The retry rule for any status: 429, 503 and 5xx may succeed later; other 4xx will not.
@@ -207,7 +234,7 @@ impl IntoResponse for ApiError {
         if let ApiError::Internal(detail) = &self {
             tracing::error!(detail = %detail, "internal error");
         }
-        let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        let mut resp = (self.status(), axum::Json(self.error_body())).into_response();
         if let Some(secs) = self.retry_after_seconds() {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));

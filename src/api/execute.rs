@@ -15,16 +15,19 @@ use axum::body::{Body, to_bytes};
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use tokio::sync::watch;
+use utoipa::ToSchema;
 
-use super::error::ApiError;
+use super::error::{ApiError, ErrorBody};
+use super::executions::RunAnswer;
 use super::stream::{self, DISCONNECT_GRACE, Disconnect, Source, StreamPermit};
 use super::{AppState, RequestId};
 use crate::auth::Verified;
 use crate::config::TokenKind;
 use crate::execution::record::{self, KnownRequest, RefusalKind};
+use crate::execution::result::ExecutionResult;
 use crate::execution::runs::LiveRun;
 use crate::execution::{
     ClaimError, ExecutionError, ExecutionRequest, ExternalParts, Finished, claim_single_use,
@@ -37,29 +40,44 @@ use crate::provenance::sha256_prefixed;
 use crate::state::{IdemBegin, IdemKey, StoredResponse};
 
 /// The request body. Unknown fields are refused: a misspelt limit must not be silently ignored.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecuteRequest {
+    /// `shell`, `http`, `python` or `external`.
+    #[schema(value_type = ActionType)]
     pub action_type: String,
+    /// A bare allowlisted name (`ls`, `python3`) or, for `external`, a registered executor's
+    /// name; never a path.
     pub command: String,
+    /// Passed as argv, never through a shell.
     #[serde(default)]
     pub args: Vec<String>,
+    /// 1-300 for a synchronous run, up to 86400 for an async or streamed one; default from the
+    /// profile; clamped by the profile and the token.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 86400)]
     pub timeout_seconds: Option<i64>,
-    /// Absent here, it may come in the `X-Capability-Token` header; absent in both → 401.
+    /// The capability token: a capability JWT or a static `tok_…` token. Absent here, it may
+    /// come in the `X-Capability-Token` header (not both); absent in both → 401.
     #[serde(default)]
     pub capability_token: Option<String>,
+    /// Echoed into provenance and the audit line, never interpreted.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     pub metadata: Option<Map<String, Value>>,
+    /// Written to the child's stdin, then closed.
     #[serde(default)]
     pub stdin: Option<String>,
+    /// Only names the profile's `env.allow` lists.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// A sandbox profile the token permits (default: the command's).
     #[serde(default)]
     pub profile: Option<String>,
-    // An external executor's envelope and runtime model (docs/executors.md).
+    /// For `external`: the envelope's `input`.
     #[serde(default)]
     pub input: Option<Value>,
+    /// For `external`: the rest of the envelope.
     #[serde(default)]
     pub activity: Option<Value>,
     #[serde(default)]
@@ -70,6 +88,7 @@ pub struct ExecuteRequest {
     pub job: Option<Value>,
     #[serde(default)]
     pub task: Option<Value>,
+    /// For `external`: the runtime model.
     #[serde(default)]
     pub model: Option<String>,
     /// Answer 202 with the run's `exec_id` at once instead of waiting for its result.
@@ -78,6 +97,29 @@ pub struct ExecuteRequest {
     /// Cancel the run when the caller goes away before its answer (by default it runs on).
     #[serde(default)]
     pub cancel_on_disconnect: bool,
+}
+
+/// The 202 of an async run (and the stored answer to a streamed one): where to read, stream and
+/// cancel it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunAccepted {
+    pub exec_id: String,
+    /// Always `running`.
+    #[schema(value_type = String, pattern = "^running$")]
+    pub status: &'static str,
+    pub links: RunLinks,
+}
+
+/// A run's routes.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunLinks {
+    /// Its status and result.
+    #[serde(rename = "self")]
+    pub this: String,
+    /// Its output as Server-Sent Events.
+    pub stream: String,
+    /// Where to cancel it.
+    pub cancel: String,
 }
 
 impl ExecuteRequest {
@@ -241,6 +283,41 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
     serde_json::from_value(v).map_err(|e| ApiError::InvalidRequest(format!("invalid request: {e}")))
 }
 
+/// Run one command or external executor.
+///
+/// Synchronous by default: the answer is the run's result (200; 408 when the wall clock ended
+/// it). `"async": true` answers 202 at once with the run's links; `Accept: text/event-stream`
+/// answers with the run as Server-Sent Events (`start`, `stdout`/`stderr` with `offset` and
+/// `data` or `data_b64`, then `result` with the synchronous body plus `http_status`).
+#[utoipa::path(
+    post,
+    path = "/execute",
+    operation_id = "execute",
+    tag = "execute",
+    request_body = ExecuteRequest,
+    params(
+        ("Idempotency-Key" = Option<String>, Header, description = "1-255 visible ASCII characters, scoped to the calling service: a retry with the same key, body and capability token gets the stored answer (header `Idempotent-Replayed: true`) and runs nothing again"),
+    ),
+    security(("bearer" = [], "capability_token" = [])),
+    responses(
+        (status = 200, description = "The command ran to an exit (check `success`); with `Accept: text/event-stream`, the run as Server-Sent Events", content(
+            (ExecutionResult = "application/json"),
+            (String = "text/event-stream"),
+        )),
+        (status = 202, description = "`async`: the run started; `Location` names it", body = RunAccepted,
+            headers(("Location" = String, description = "/v1/executions/{exec_id}"))),
+        (status = 400, description = "InvalidRequest: malformed JSON, wrong types, unknown field or action_type, timeout out of range, NUL in argv, argv or env over execve's limits, the capability token given twice, async with a stream", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service or capability token is missing, malformed, invalid, expired or replayed", body = ErrorBody),
+        (status = 403, description = "CapabilityViolation: the command is not allowlisted (adds `allowed_commands`), the token lacks a capability, an argument, profile or env name is refused", body = ErrorBody),
+        (status = 408, description = "ExecutionTimeout: the wall clock ended the run (the result, with `error_type`); or RequestTimeout: the body did not arrive in time", body = RunAnswer),
+        (status = 409, description = "IdempotencyInProgress: the first request with this Idempotency-Key is still running", body = ErrorBody),
+        (status = 413, description = "PayloadTooLarge: the body is over `server.body_limit_bytes`", body = ErrorBody),
+        (status = 422, description = "IdempotencyConflict: the Idempotency-Key was used with another body or capability token", body = ErrorBody),
+        (status = 429, description = "Overloaded: no run slot came free (or too many streams are open)", body = ErrorBody),
+        (status = 500, description = "InternalError: the sandbox failed unexpectedly", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the backend, a kernel feature, egress or the state store is missing or down, or the daemon is shutting down", body = ErrorBody),
+    )
+)]
 pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response {
     detached(st, move |st, on_disconnect| {
         execute_detached(st, req, on_disconnect)
@@ -799,16 +876,16 @@ fn answer_of(
 /// The 202 body of an async run: where to read, stream and cancel it.
 pub(super) fn accepted_body(exec_id: &str) -> String {
     let base = format!("/v1/executions/{exec_id}");
-    serde_json::json!({
-        "exec_id": exec_id,
-        "status": "running",
-        "links": {
-            "self": base,
-            "stream": format!("{base}/stream"),
-            "cancel": format!("{base}/cancel"),
+    let body = RunAccepted {
+        exec_id: exec_id.to_string(),
+        status: "running",
+        links: RunLinks {
+            stream: format!("{base}/stream"),
+            cancel: format!("{base}/cancel"),
+            this: base,
         },
-    })
-    .to_string()
+    };
+    serde_json::to_string(&body).unwrap_or_default()
 }
 
 /// Keeps this daemon's claim on an Idempotency-Key alive while its request runs: renews the lease

@@ -12,9 +12,10 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
-use super::error::ApiError;
+use super::error::{ApiError, ErrorBody};
 use super::execute::{calling_service, read_body};
 use super::forward::{forward, was_forwarded};
 use super::stream::{Position, Source, StreamPermit, follow};
@@ -65,6 +66,20 @@ fn json(status: StatusCode, body: String) -> Response {
 /// `GET /v1/executions/{exec_id}`: `{"exec_id", "status": "running"}` while the run lives;
 /// once it finished, `"status": "finished"`, the `http_status` its synchronous call had (or
 /// has) and, as `result`, exactly the body that call returns.
+#[utoipa::path(
+    get,
+    path = "/v1/executions/{exec_id}",
+    operation_id = "get_execution",
+    tag = "runs",
+    params(("exec_id" = String, Path, description = "The run's `exec_id`")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The run: running, or finished with its result", body = RunStatus),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no run with this id is visible to the calling service", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+    )
+)]
 pub async fn get(
     State(st): State<Arc<AppState>>,
     Path(exec_id): Path<String>,
@@ -122,6 +137,24 @@ pub(super) async fn get_owned(
 
 /// `GET /v1/executions/{exec_id}/stream`: the run as Server-Sent Events (see [`super::stream`]),
 /// live or finished; `Last-Event-ID` resumes.
+#[utoipa::path(
+    get,
+    path = "/v1/executions/{exec_id}/stream",
+    operation_id = "stream_execution",
+    tag = "runs",
+    params(
+        ("exec_id" = String, Path, description = "The run's `exec_id`"),
+        ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event: `<stdout bytes>.<stderr bytes>`"),
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The run as Server-Sent Events: `start`, `stdout`/`stderr`, `result`", body = String, content_type = "text/event-stream"),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no run with this id is visible to the calling service", body = ErrorBody),
+        (status = 429, description = "Overloaded: `executions.max_open_streams` streams are open", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable, or the replica running the run cannot be reached", body = ErrorBody),
+    )
+)]
 pub async fn stream(
     State(st): State<Arc<AppState>>,
     Path(exec_id): Path<String>,
@@ -246,16 +279,76 @@ fn finished(id: &str, r: &StoredResponse) -> Response {
     )
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// The body of a cancel (optional: an empty body is the default grace).
+#[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct CancelRequest {
+pub struct CancelRequest {
+    /// Seconds between SIGTERM and SIGKILL: 0-30, default 5.
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 30)]
     grace_seconds: Option<i64>,
+}
+
+/// The 202 of a cancel: the run is stopping.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CancelAccepted {
+    pub exec_id: String,
+    /// Always `cancelling`.
+    #[schema(value_type = String, pattern = "^cancelling$")]
+    pub status: &'static str,
+    /// The grace the run was given (a repeated call: the first call's).
+    pub grace_seconds: u64,
+}
+
+/// The body of `GET /v1/executions/{exec_id}`. The handler writes it around the stored result
+/// as that was written (so a number the caller sent in its metadata is never re-printed); this
+/// type describes it.
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)]
+pub struct RunStatus {
+    pub exec_id: String,
+    /// `running` or `finished`.
+    #[schema(value_type = String, pattern = "^(running|finished)$")]
+    pub status: &'static str,
+    /// Once finished: the status the synchronous call answers with (200, 408 for a timeout, or
+    /// an error's).
+    #[schema(minimum = 100, maximum = 599)]
+    pub http_status: Option<u16>,
+    /// Once finished: exactly the body the synchronous call answers with.
+    pub result: Option<RunAnswer>,
+}
+
+/// A finished run's answer: its result, or the error it ended with.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)]
+pub enum RunAnswer {
+    Result(Box<crate::execution::result::ExecutionResult>),
+    Error(super::error::ErrorBody),
 }
 
 /// `POST /v1/executions/{exec_id}/cancel`, body `{"grace_seconds": n}` (optional, 0-30, default
 /// 5): SIGTERM to every process of the run, SIGKILL after the grace. 202 with the grace the run
 /// was given, the same for a repeated call while it stops; 409 `AlreadyFinished` once it ended.
+#[utoipa::path(
+    post,
+    path = "/v1/executions/{exec_id}/cancel",
+    operation_id = "cancel_execution",
+    tag = "runs",
+    params(("exec_id" = String, Path, description = "The run's `exec_id`")),
+    request_body(content = Option<CancelRequest>, description = "Optional: an empty body gives the default grace"),
+    security(("bearer" = [])),
+    responses(
+        (status = 202, description = "The run is stopping", body = CancelAccepted),
+        (status = 400, description = "InvalidRequest: malformed body or grace_seconds out of 0-30", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no run with this id is visible to the calling service", body = ErrorBody),
+        (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),
+        (status = 409, description = "AlreadyFinished: the run has finished", body = ErrorBody),
+        (status = 413, description = "PayloadTooLarge: the body is over `server.body_limit_bytes`", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable, or the replica running the run cannot be reached", body = ErrorBody),
+    )
+)]
 pub async fn cancel(
     State(st): State<Arc<AppState>>,
     Path(exec_id): Path<String>,
@@ -316,21 +409,23 @@ async fn cancel_inner(
         CancelOutcome::AlreadyStopping => live.stopping().map(|s| s.grace).unwrap_or(grace),
         CancelOutcome::Finished => return Err(ApiError::AlreadyFinished),
     };
-    let body = serde_json::json!({
-        "exec_id": exec_id,
-        "status": "cancelling",
-        "grace_seconds": grace.as_secs(),
-    });
-    Ok(json(StatusCode::ACCEPTED, body.to_string()))
+    let body = CancelAccepted {
+        exec_id: exec_id.to_string(),
+        status: "cancelling",
+        grace_seconds: grace.as_secs(),
+    };
+    let body = serde_json::to_string(&body).map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok(json(StatusCode::ACCEPTED, body))
 }
 
-/// The grace a cancel asks for: none given (an empty body) is the default.
+/// The grace a cancel asks for: none given (an empty body, or `null`) is the default.
 fn grace_of(raw: &[u8]) -> Result<Duration, ApiError> {
     let asked: CancelRequest = if raw.iter().all(u8::is_ascii_whitespace) {
         CancelRequest::default()
     } else {
-        serde_json::from_slice(raw)
+        serde_json::from_slice::<Option<CancelRequest>>(raw)
             .map_err(|e| ApiError::InvalidRequest(format!("invalid cancel request: {e}")))?
+            .unwrap_or_default()
     };
     match asked.grace_seconds {
         None => Ok(Duration::from_secs(DEFAULT_GRACE_SECONDS)),
@@ -338,5 +433,23 @@ fn grace_of(raw: &[u8]) -> Result<Duration, ApiError> {
         Some(g) => Err(ApiError::InvalidRequest(format!(
             "grace_seconds must be between 0 and {MAX_GRACE_SECONDS}, got {g}"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The document allows the cancel body to be absent or `null`: both give the default grace.
+    #[test]
+    fn cancel_bodies() {
+        let default = Duration::from_secs(DEFAULT_GRACE_SECONDS);
+        assert_eq!(grace_of(b"").unwrap(), default);
+        assert_eq!(grace_of(b" \n").unwrap(), default);
+        assert_eq!(grace_of(b"null").unwrap(), default);
+        assert_eq!(grace_of(b"{}").unwrap(), default);
+        assert_eq!(grace_of(br#"{"grace_seconds":0}"#).unwrap(), Duration::ZERO);
+        assert!(grace_of(br#"{"grace_seconds":31}"#).is_err());
+        assert!(grace_of(br#"{"grace":1}"#).is_err());
     }
 }

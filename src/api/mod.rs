@@ -8,6 +8,7 @@ pub mod error;
 pub mod execute;
 pub mod executions;
 pub mod forward;
+pub mod openapi;
 pub mod ops;
 pub mod sessions;
 pub mod stream;
@@ -84,11 +85,47 @@ async fn request_id(mut req: Request, next: Next) -> Response {
         .map(str::to_string)
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     req.extensions_mut().insert(RequestId(id.clone()));
+    let route = status_log().map(|_| {
+        let template = req
+            .extensions()
+            .get::<axum::extract::MatchedPath>()
+            .map_or("-", |p| p.as_str())
+            .to_string();
+        (req.method().clone(), template)
+    });
     let mut resp = next.run(req).await;
+    if let (Some(log), Some((method, template))) = (status_log(), route) {
+        use std::io::Write as _;
+        let line = format!("{method} {template} {}\n", resp.status().as_u16());
+        let mut f = log.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = f.write_all(line.as_bytes());
+    }
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert("x-request-id", v);
     }
     resp
+}
+
+/// Where every answer's `METHOD route status` is appended, when `EXECUTOR_ARM_STATUS_LOG` names
+/// a file: the record of which documented statuses a test suite made the daemon answer.
+fn status_log() -> Option<&'static std::sync::Mutex<std::fs::File>> {
+    static LOG: std::sync::OnceLock<Option<std::sync::Mutex<std::fs::File>>> =
+        std::sync::OnceLock::new();
+    LOG.get_or_init(|| {
+        let path = std::env::var_os("EXECUTOR_ARM_STATUS_LOG")?;
+        match std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+        {
+            Ok(f) => Some(std::sync::Mutex::new(f)),
+            Err(e) => {
+                tracing::warn!(error = %e, "EXECUTOR_ARM_STATUS_LOG cannot be opened");
+                None
+            }
+        }
+    })
+    .as_ref()
 }
 
 /// The routes of one session, behind the hand-off to the replica that holds it.
@@ -132,11 +169,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(session_routes(state.clone()))
         .route("/capabilities", get(ops::capabilities))
         .route("/health", get(ops::health))
-        .route("/livez", get(ops::health))
+        .route("/livez", get(ops::livez))
         .route("/ready", get(ops::ready))
-        .route("/readyz", get(ops::ready))
+        .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
         .route("/v1/executors", get(ops::executors))
+        .route("/openapi.json", get(openapi::serve_document))
+        .route("/docs", get(openapi::docs))
         .fallback(ops::not_found)
         .method_not_allowed_fallback(ops::method_not_allowed)
         .layer(axum::middleware::from_fn(request_id))

@@ -16,21 +16,25 @@ use axum::body::Body;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde::Deserialize;
-use serde_json::Value;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
-use super::error::ApiError;
+use super::error::{ApiError, ErrorBody};
+use super::execute::RunAccepted;
 use super::execute::{
     Job, Mode, Prepared, calling_service, capability_token, detached, read_body, serve,
     unauthorized,
 };
 use super::executions::request_id;
+use super::executions::{CancelAccepted, CancelRequest, RunStatus};
 use super::{AppState, RequestId, executions};
 use crate::config::TokenKind;
 use crate::execution::record::KnownRequest;
+use crate::execution::result::ExecutionResult;
 use crate::execution::{SessionLimits, owner_of};
 use crate::policy::profile::{MAX_ASYNC_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS};
 use crate::provenance::sha256_prefixed;
+use crate::sessions::SessionInfo;
 use crate::sessions::workspace::FileError;
 use crate::sessions::{ExecParts, NewSession, Owner, Session, SessionError};
 
@@ -173,27 +177,58 @@ async fn session_exec(
     Ok((session.owner.runs(), known))
 }
 
-fn json(status: StatusCode, body: Value) -> Response {
+fn json(status: StatusCode, body: impl Serialize) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-#[derive(Debug, Deserialize)]
+/// The body of `POST /v1/sandbox/sessions`. Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct CreateBody {
+pub struct CreateBody {
+    /// A configured session language (`/capabilities` lists them as `session_languages`).
     language: String,
+    /// A sandbox profile the grant permits (default: the language's).
     #[serde(default)]
     profile: Option<String>,
+    /// The session's life, at most `sessions.max_ttl_seconds`.
     #[serde(default)]
     ttl_seconds: Option<u64>,
+    /// How long the session may go without an exec or file call.
     #[serde(default)]
     idle_timeout_seconds: Option<u64>,
+    /// Limits that may only tighten the profile's.
     #[serde(default)]
     limits: Option<SessionLimits>,
+    /// The capability token (or the `X-Capability-Token` header; not both).
     #[serde(default)]
     capability_token: Option<String>,
 }
 
 /// `POST /v1/sandbox/sessions`: 201 with the session.
+#[utoipa::path(
+    post,
+    path = "/v1/sandbox/sessions",
+    operation_id = "create_session",
+    tag = "sessions",
+    request_body = CreateBody,
+    params(
+        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
+        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+    ),
+    security(("bearer" = [], "capability_token" = [])),
+    responses(
+        (status = 201, description = "The session", body = SessionInfo,
+            headers(("Location" = String, description = "/v1/sandbox/sessions/{id}"))),
+        (status = 400, description = "InvalidRequest: malformed body, unknown language, limits that loosen the profile's, a malformed tenant, the capability token given twice", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service or capability token is missing or invalid", body = ErrorBody),
+        (status = 403, description = "CapabilityViolation: the grant does not allow the language's interpreter or the profile", body = ErrorBody),
+        (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),
+        (status = 413, description = "PayloadTooLarge: the body is over `server.body_limit_bytes`", body = ErrorBody),
+        (status = 429, description = "Overloaded: `sessions.max_total` or `sessions.max_per_tenant` sessions are open", body = ErrorBody),
+        (status = 500, description = "InternalError: the sandbox failed unexpectedly", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the backend or the sessions directory is unavailable, or the daemon is shutting down", body = ErrorBody),
+    )
+)]
 pub async fn create(State(st): State<Arc<AppState>>, req: Request) -> Response {
     // On a task of its own: a client that goes away mid-creation leaves no half-made session.
     detached(st, move |st, _| async move {
@@ -262,6 +297,25 @@ async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Respon
 }
 
 /// `GET /v1/sandbox/sessions/{id}`.
+#[utoipa::path(
+    get,
+    path = "/v1/sandbox/sessions/{id}",
+    operation_id = "get_session",
+    tag = "sessions",
+    params(
+        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
+        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The session", body = SessionInfo),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+    )
+)]
 pub async fn get(
     State(st): State<Arc<AppState>>,
     Path(id): Path<String>,
@@ -276,6 +330,25 @@ pub async fn get(
 }
 
 /// `DELETE /v1/sandbox/sessions/{id}`: kills a running exec, removes everything; 204.
+#[utoipa::path(
+    delete,
+    path = "/v1/sandbox/sessions/{id}",
+    operation_id = "delete_session",
+    tag = "sessions",
+    params(
+        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
+        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 204, description = "The session ended"),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+    )
+)]
 pub async fn delete(
     State(st): State<Arc<AppState>>,
     Path(id): Path<String>,
@@ -298,20 +371,30 @@ pub async fn delete(
     .await
 }
 
-#[derive(Debug, Deserialize)]
+/// The body of `POST /v1/sandbox/sessions/{id}/exec`. Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct ExecBody {
+pub struct ExecBody {
+    /// The program, in the session's language; its interpreter runs it as a file.
     code: String,
+    /// Written to the program's stdin, then closed.
     #[serde(default)]
     stdin: Option<String>,
+    /// Only names the profile allows.
     #[serde(default)]
     env: BTreeMap<String, String>,
+    /// A directory of the workspace (relative, or absolute under `/workspace`).
     #[serde(default)]
     cwd: Option<String>,
+    /// The deadline in milliseconds: 1-300000 (async and streamed execs: up to the profile's
+    /// async maximum).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 86_400_000)]
     timeout_ms: Option<u64>,
+    /// Answer 202 with the run's links at once.
     #[serde(default, rename = "async")]
     run_async: bool,
+    /// Cancel the exec when the caller goes away before its answer.
     #[serde(default)]
     cancel_on_disconnect: bool,
 }
@@ -319,6 +402,38 @@ struct ExecBody {
 /// `POST /v1/sandbox/sessions/{id}/exec`: the session's language runs `code` in its workspace.
 /// Sync: 200 with the result (a run the deadline ended included: its `killed_reason` says so);
 /// `async`: 202 with the run's links; `Accept: text/event-stream`: the run as SSE.
+#[utoipa::path(
+    post,
+    path = "/v1/sandbox/sessions/{id}/exec",
+    operation_id = "session_exec",
+    tag = "sessions",
+    request_body = ExecBody,
+    params(
+        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
+        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        ("Idempotency-Key" = Option<String>, Header, description = "As on /execute; the fingerprint includes the session"),
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The exec's result (a run its deadline ended included: `outcome: timeout`); with `Accept: text/event-stream`, the exec as Server-Sent Events", content(
+            (ExecutionResult = "application/json"),
+            (String = "text/event-stream"),
+        )),
+        (status = 202, description = "`async`: the exec started", body = RunAccepted),
+        (status = 400, description = "InvalidRequest: malformed body, timeout_ms out of range, NUL in the code, a cwd outside the workspace, a malformed tenant, async with a stream", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 403, description = "CapabilityViolation: an env name the profile refuses", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
+        (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),
+        (status = 409, description = "SessionBusy: the session runs another exec; or IdempotencyInProgress", body = ErrorBody),
+        (status = 413, description = "PayloadTooLarge: the body is over `server.body_limit_bytes`", body = ErrorBody),
+        (status = 422, description = "IdempotencyConflict: the Idempotency-Key was used with another body", body = ErrorBody),
+        (status = 429, description = "Overloaded: no run slot came free (or too many streams are open)", body = ErrorBody),
+        (status = 500, description = "InternalError: the sandbox failed unexpectedly", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the backend or the state store is down, or the daemon is shutting down", body = ErrorBody),
+    )
+)]
 pub async fn exec(
     State(st): State<Arc<AppState>>,
     Path(id): Path<String>,
@@ -446,6 +561,26 @@ async fn exec_inner(
 
 /// `GET /v1/sandbox/sessions/{id}/execs/{exec_id}` (and `/stream`, `/cancel`): the run routes,
 /// for an exec of a session of the caller's (another exec id is 404).
+#[utoipa::path(
+    get,
+    path = "/v1/sandbox/sessions/{id}/execs/{exec_id}",
+    operation_id = "get_session_exec",
+    tag = "sessions",
+    params(
+        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        ("exec_id" = String, Path, description = "The exec's `exec_id`"),
+        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
+        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The exec: running, or finished with its result", body = RunStatus),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session, or no such exec of it", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+    )
+)]
 pub async fn exec_get(
     State(st): State<Arc<AppState>>,
     Path((id, exec_id)): Path<(String, String)>,
@@ -459,6 +594,29 @@ pub async fn exec_get(
     }
 }
 
+/// The exec as Server-Sent Events, live or finished; `Last-Event-ID` resumes.
+#[utoipa::path(
+    get,
+    path = "/v1/sandbox/sessions/{id}/execs/{exec_id}/stream",
+    operation_id = "stream_session_exec",
+    tag = "sessions",
+    params(
+        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        ("exec_id" = String, Path, description = "The exec's `exec_id`"),
+        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
+        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event: `<stdout bytes>.<stderr bytes>`"),
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The exec as Server-Sent Events", body = String, content_type = "text/event-stream"),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session, or no such exec of it", body = ErrorBody),
+        (status = 429, description = "Overloaded: `executions.max_open_streams` streams are open", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+    )
+)]
 pub async fn exec_stream(
     State(st): State<Arc<AppState>>,
     Path((id, exec_id)): Path<(String, String)>,
@@ -470,6 +628,31 @@ pub async fn exec_stream(
     }
 }
 
+/// Cancel the exec: SIGTERM, then SIGKILL after the grace.
+#[utoipa::path(
+    post,
+    path = "/v1/sandbox/sessions/{id}/execs/{exec_id}/cancel",
+    operation_id = "cancel_session_exec",
+    tag = "sessions",
+    params(
+        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        ("exec_id" = String, Path, description = "The exec's `exec_id`"),
+        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
+        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+    ),
+    request_body(content = Option<CancelRequest>, description = "Optional: an empty body gives the default grace"),
+    security(("bearer" = [])),
+    responses(
+        (status = 202, description = "The exec is stopping", body = CancelAccepted),
+        (status = 400, description = "InvalidRequest: malformed body, grace_seconds out of 0-30, a malformed tenant", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session, or no such exec of it", body = ErrorBody),
+        (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),
+        (status = 409, description = "AlreadyFinished: the exec has finished", body = ErrorBody),
+        (status = 413, description = "PayloadTooLarge: the body is over `server.body_limit_bytes`", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+    )
+)]
 pub async fn exec_cancel(
     State(st): State<Arc<AppState>>,
     Path((id, exec_id)): Path<(String, String)>,
@@ -482,6 +665,33 @@ pub async fn exec_cancel(
 }
 
 /// `PUT /v1/sandbox/sessions/{id}/files/{path}`: the raw body becomes the file; 204.
+#[utoipa::path(
+    put,
+    path = "/v1/sandbox/sessions/{id}/files/{path}",
+    operation_id = "put_session_file",
+    tag = "sessions",
+    params(
+        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        ("path" = String, Path, description = "A path relative to the workspace"),
+        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
+        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+    ),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "The file's bytes, at most `sessions.max_file_bytes`"),
+    security(("bearer" = [])),
+    responses(
+        (status = 204, description = "The file is written (missing parent directories are made)"),
+        (status = 400, description = "InvalidRequest: an absolute path, `..`, `.` or empty components, a symlink or non-file on the way, a malformed tenant", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
+        (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),
+        (status = 409, description = "SessionBusy: an exec runs in the session's container", body = ErrorBody),
+        (status = 413, description = "PayloadTooLarge: the file is over `sessions.max_file_bytes`", body = ErrorBody),
+        (status = 429, description = "Overloaded: eight file transfers are in progress", body = ErrorBody),
+        (status = 500, description = "InternalError: the write failed unexpectedly", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+        (status = 507, description = "WorkspaceFull: the session's disk quota is used up", body = ErrorBody),
+    )
+)]
 pub async fn put_file(
     State(st): State<Arc<AppState>>,
     Path((id, path)): Path<(String, String)>,
@@ -539,6 +749,30 @@ pub fn file_calls() -> Arc<tokio::sync::Semaphore> {
 }
 
 /// `GET /v1/sandbox/sessions/{id}/files/{path}`: the file's bytes.
+#[utoipa::path(
+    get,
+    path = "/v1/sandbox/sessions/{id}/files/{path}",
+    operation_id = "get_session_file",
+    tag = "sessions",
+    params(
+        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        ("path" = String, Path, description = "A path relative to the workspace"),
+        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
+        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The file's bytes", body = Vec<u8>, content_type = "application/octet-stream"),
+        (status = 400, description = "InvalidRequest: an absolute path, `..`, `.` or empty components, a symlink or non-file on the way, a malformed tenant", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session, or no such file", body = ErrorBody),
+        (status = 409, description = "SessionBusy: an exec runs in the session's container", body = ErrorBody),
+        (status = 413, description = "PayloadTooLarge: the file is over `sessions.max_file_bytes`", body = ErrorBody),
+        (status = 429, description = "Overloaded: eight file transfers are in progress", body = ErrorBody),
+        (status = 500, description = "InternalError: the read failed unexpectedly", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+    )
+)]
 pub async fn get_file(
     State(st): State<Arc<AppState>>,
     Path((id, path)): Path<(String, String)>,
@@ -574,14 +808,47 @@ pub async fn get_file(
     result.await.unwrap_or_else(|e| e.into_response())
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// A directory of the workspace, relative to it (empty: the workspace).
     #[serde(default)]
     path: String,
 }
 
+/// A directory's entries.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FileList {
+    /// The directory, as asked.
+    pub path: String,
+    pub entries: Vec<crate::sessions::workspace::Entry>,
+}
+
 /// `GET /v1/sandbox/sessions/{id}/files?path=dir`: a directory's entries (the workspace's
 /// without `path`).
+#[utoipa::path(
+    get,
+    path = "/v1/sandbox/sessions/{id}/files",
+    operation_id = "list_session_files",
+    tag = "sessions",
+    params(
+        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        ListQuery,
+        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
+        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The directory's entries", body = FileList),
+        (status = 400, description = "InvalidRequest: an absolute path, `..`, `.` or empty components, a symlink or non-directory on the way, a malformed tenant", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session, or no such directory", body = ErrorBody),
+        (status = 409, description = "SessionBusy: an exec runs in the session's container", body = ErrorBody),
+        (status = 429, description = "Overloaded: eight file transfers are in progress", body = ErrorBody),
+        (status = 500, description = "InternalError: the listing failed unexpectedly", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+    )
+)]
 pub async fn list_files(
     State(st): State<Arc<AppState>>,
     Path(id): Path<String>,
@@ -601,7 +868,10 @@ pub async fn list_files(
             .map_err(|e| file_failure(&session, e))?;
         Ok::<_, ApiError>(json(
             StatusCode::OK,
-            serde_json::json!({"path": q.path, "entries": entries}),
+            FileList {
+                path: q.path,
+                entries,
+            },
         ))
     };
     result.await.unwrap_or_else(|e| e.into_response())

@@ -35,12 +35,13 @@ use super::request::{
 
 /// One client connection to the proxy, as the result's `network` field and the audit line
 /// show it.
-#[derive(Serialize, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Clone, Debug, Default, PartialEq, Eq, utoipa::ToSchema)]
 pub struct ConnRecord {
     /// The host as the client wrote it; empty when no request could be read.
     pub host: String,
     pub port: u16,
     /// The address the proxy connected to.
+    #[schema(value_type = Option<String>)]
     pub addr: Option<SocketAddr>,
     /// `CONNECT`, `GET`, …; empty when no request could be read.
     pub method: String,

@@ -127,7 +127,9 @@ pub enum SessionPlace {
 pub const WORKSPACE: &str = "/workspace";
 
 /// Limits a session asked for at creation; None keeps the profile's.
-#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+#[derive(
+    Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize, PartialEq, utoipa::ToSchema,
+)]
 #[serde(deny_unknown_fields)]
 pub struct SessionLimits {
     pub cpus: Option<f64>,

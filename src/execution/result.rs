@@ -10,17 +10,21 @@ use serde_json::{Map, Value};
 
 use crate::sandbox::{KilledReason, RunOutcome};
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct Provenance {
+    #[schema(value_type = String)]
     pub arm_id: &'static str,
     pub timestamp: String,
+    #[schema(value_type = crate::vocabulary::ActionType)]
     pub action_type: &'static str,
     pub command_hash: String,
+    #[schema(value_type = Vec<crate::vocabulary::Capability>)]
     pub capabilities_used: Vec<&'static str>,
     pub exec_id: String,
     pub request_id: String,
     pub token_id: Option<String>,
     pub subject: Option<String>,
+    #[schema(value_type = crate::sandbox::BackendKind)]
     pub backend: &'static str,
     pub profile: String,
     pub invocation_hash: String,
@@ -34,11 +38,13 @@ pub struct Provenance {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub code_sha256: Option<String>,
     pub audit_seq: Option<u64>,
+    /// The request's `metadata`, echoed.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
     pub metadata: Option<Map<String, Value>>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ExecutionResult {
     pub success: bool,
     /// The stream as UTF-8, invalid sequences replaced (U+FFFD).
@@ -54,14 +60,21 @@ pub struct ExecutionResult {
     pub duration_ms: u64,
     pub provenance: Provenance,
     pub exec_id: String,
+    /// `success`, `failed`, `timeout`, `cancelled` or `oom`.
+    #[schema(value_type = String, pattern = "^(success|failed|timeout|cancelled|oom)$")]
     pub outcome: &'static str,
+    #[schema(value_type = crate::sandbox::BackendKind)]
     pub backend: &'static str,
     pub profile: String,
     pub stdout_truncated: bool,
     pub stderr_truncated: bool,
     pub peak_memory_kib: Option<u64>,
     pub oom: bool,
+    /// What ended the run early, if anything.
+    #[schema(value_type = Option<KilledReason>)]
     pub killed_reason: Option<&'static str>,
+    /// An external executor's failure: `AGENT_INVOCATION_FAILED` or `AGENT_TIMEOUT`.
+    #[schema(value_type = Option<String>)]
     pub error_code: Option<&'static str>,
     /// Outbound connections through the egress proxy (egress profiles only).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -69,6 +82,8 @@ pub struct ExecutionResult {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// `ExecutionTimeout` on a result answered with 408.
+    #[schema(value_type = Option<String>)]
     pub error_type: Option<&'static str>,
     /// On a result that is an error (an execution timeout): whether sending the same request
     /// again may succeed. Never for a timeout: the same command gets the same deadline.

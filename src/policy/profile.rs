@@ -69,7 +69,7 @@ pub struct Profile {
 }
 
 /// What the run's output streams may do past `limits.output_bytes`.
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OutputSection {
     /// `truncate` (default): the stream is cut at the cap and the run goes on; `kill`: the run
@@ -85,7 +85,7 @@ pub struct FilesystemSection {
     pub workdir: PathBuf,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum NetworkMode {
     None,
@@ -123,7 +123,7 @@ fn default_ports() -> Vec<u16> {
     vec![80, 443]
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LimitsSection {
     pub cpus: f64,

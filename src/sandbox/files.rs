@@ -30,11 +30,13 @@ pub enum FileError {
 }
 
 /// One entry of a directory listing.
-#[derive(Debug, Clone, serde::Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, serde::Serialize, PartialEq, Eq, utoipa::ToSchema)]
+#[schema(as = FileEntry)]
 pub struct Entry {
     pub name: String,
     /// `file`, `dir`, `symlink` or `other`.
     #[serde(rename = "type")]
+    #[schema(value_type = String, pattern = "^(file|dir|symlink|other)$")]
     pub kind: &'static str,
     pub size: u64,
 }

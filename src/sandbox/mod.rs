@@ -20,7 +20,19 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// Which mechanism runs a command.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendKind {
     Local,
@@ -67,7 +79,9 @@ pub struct Limits {
 
 /// What happens when a stream goes past the output cap. Either way the stream keeps its first
 /// `output_bytes` and is flagged truncated.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum OnOverflow {
     /// The rest is read and discarded (constant memory); the run goes on to its own end or its
@@ -220,7 +234,7 @@ pub struct Stop {
 }
 
 /// Why the daemon ended a run early.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum KilledReason {
     Timeout,
@@ -365,7 +379,7 @@ pub enum SandboxError {
 }
 
 /// Readiness of one backend, shown in /readyz and /capabilities.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct BackendStatus {
     pub backend: BackendKind,
     pub ready: bool,

@@ -5,7 +5,7 @@ use serde::Serialize;
 use super::local::landlock;
 use super::local::seccomp;
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct HostProbe {
     pub landlock_abi: u32,
     pub seccomp: bool,

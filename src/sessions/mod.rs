@@ -252,22 +252,52 @@ impl Session {
     }
 
     /// The session as its API shows it.
-    pub fn describe(&self) -> serde_json::Value {
-        serde_json::json!({
-            "id": self.id,
-            "language": self.language.name,
-            "backend": self.backend.as_str(),
-            "profile": self.profile,
-            "tenant": self.owner.tenant,
-            "created_at": self.created_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            "expires_at": self.expires_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            "idle_timeout_seconds": self.idle_timeout.as_secs(),
-            "limits": self.limits,
-            "workspace": WORKSPACE,
-            "running_exec_id": self.running().map(|l| l.exec_id().to_string()),
-            "execs": self.execs.load(std::sync::atomic::Ordering::Relaxed),
-        })
+    pub fn describe(&self) -> SessionInfo {
+        SessionInfo {
+            id: self.id.clone(),
+            language: self.language.name.clone(),
+            backend: self.backend,
+            profile: self.profile.clone(),
+            tenant: self.owner.tenant.clone(),
+            created_at: self
+                .created_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            expires_at: self
+                .expires_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            idle_timeout_seconds: self.idle_timeout.as_secs(),
+            limits: self.limits,
+            workspace: WORKSPACE,
+            running_exec_id: self.running().map(|l| l.exec_id().to_string()),
+            execs: self.execs.load(std::sync::atomic::Ordering::Relaxed),
+        }
     }
+}
+
+/// A session as its calls describe it.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct SessionInfo {
+    /// `ses_…`
+    pub id: String,
+    pub language: String,
+    pub backend: BackendKind,
+    pub profile: String,
+    /// The tenant the session belongs to (empty: none was named).
+    pub tenant: String,
+    /// RFC 3339, UTC, milliseconds.
+    pub created_at: String,
+    /// RFC 3339, UTC, milliseconds: the end of the session's TTL.
+    pub expires_at: String,
+    pub idle_timeout_seconds: u64,
+    /// The limits the session asked for at creation (a null one is the profile's).
+    pub limits: SessionLimits,
+    /// Where the workspace appears inside the sandbox: `/workspace`.
+    #[schema(value_type = String)]
+    pub workspace: &'static str,
+    /// The exec running now, if any.
+    pub running_exec_id: Option<String>,
+    /// Execs the session has run.
+    pub execs: u64,
 }
 
 /// A claim on a session's one exec: given back when dropped unless an exec started.
@@ -643,10 +673,7 @@ impl SessionService {
             language: session.language.name.clone(),
             backend: session.backend.as_str(),
             profile: session.profile.clone(),
-            expires_at: session.describe()["expires_at"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
+            expires_at: session.describe().expires_at,
         });
         crate::execution::record::record(self.executions.audit(), metrics, &line);
         // Other replicas hand this session's calls to this one.

@@ -78,6 +78,17 @@ pub struct Resp {
     pub bytes: Vec<u8>,
 }
 
+/// A fresh file under `$CARGO_TARGET_TMPDIR/status-log/` where a daemon of the tests records the
+/// statuses it answered (`METHOD route status` lines): scripts/api-fuzz.sh checks that every
+/// status the OpenAPI document lists was answered by some test.
+pub fn status_log() -> PathBuf {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("status-log");
+    let _ = std::fs::create_dir_all(&dir);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    dir.join(format!("{}-{n}.log", std::process::id()))
+}
+
 impl Daemon {
     pub fn start() -> Daemon {
         Self::start_with(Opts::default())
@@ -121,6 +132,7 @@ impl Daemon {
             .env("EXECUTOR_ARM_PROFILES_DIR", repo.join("sandbox-profiles"))
             .env("EXECUTOR_ARM_EXECUTORS_DIR", dir.path().join("executors"))
             .env("EXECUTOR_ARM_SESSIONS_DIR", dir.path().join("sessions"))
+            .env("EXECUTOR_ARM_STATUS_LOG", status_log())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         for (k, v) in &opts.env {
