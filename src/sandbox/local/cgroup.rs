@@ -4,12 +4,12 @@
 //! killing every process in it, reading peak memory / OOM / pids events, and removing it.
 //! Must not: decide limits (the policy layer does) or spawn anything.
 //!
-//! Run cgroups are created, limited, listed, frozen, killed and removed through `cgroups-rs`,
+//! Run cgroups are limited, listed, frozen, killed and removed through `cgroups-rs`,
 //! on the directories [`detect`] chose (never the hierarchies the crate would find itself).
 //! What stays written by hand says why above it: the daemon's own directories and the v2
-//! delegation, the memory statistics, renaming a prepared cgroup, and the orphan sweep; joining
-//! a cgroup from the vfork child is in `child.rs`. Both drivers work on a root directory, so
-//! their logic is unit-tested against a fake tree.
+//! delegation, creating a run's directories, the memory statistics, renaming a prepared cgroup,
+//! and the orphan sweep; joining a cgroup from the vfork child is in `child.rs`. Both drivers
+//! work on a root directory, so their logic is unit-tested against a fake tree.
 
 use std::fs;
 use std::io::{self, Write};
@@ -320,20 +320,30 @@ fn pids_in(c: &dyn Controller) -> Vec<i32> {
         .collect()
 }
 
-/// Creates a run's cgroup through `creator` (the handle the crate creates with) and checks the
-/// result: the crate creates with `create_dir_all` and, on v1, only logs a failure, so an
-/// existing cgroup is refused first (a run never shares another's cgroup) and every directory
-/// is checked after.
-fn create_checked(cg: &Cgroup, creator: &Cgroup) -> io::Result<()> {
-    if cg.exists() {
-        return Err(io::Error::from(io::ErrorKind::AlreadyExists));
+/// Creates a run's cgroup: one `mkdir` per directory (each hierarchy's on v1, the one on v2),
+/// each failing if the directory exists, so a run never shares a cgroup someone else made, not
+/// even one made between a check and the creation. Written by hand: the crate creates with
+/// `create_dir_all` (v1, a failure only logged) or skips a directory that exists (v2). On a
+/// failure, only the directories made here are removed.
+fn create_dirs(cg: &Cgroup) -> io::Result<()> {
+    let mut dirs: Vec<PathBuf> = cg
+        .subsystems()
+        .iter()
+        .map(|s| s.to_controller().path().to_path_buf())
+        .collect();
+    dirs.sort();
+    dirs.dedup();
+    let mut made: Vec<&Path> = Vec::new();
+    for d in &dirs {
+        if let Err(e) = fs::create_dir(d) {
+            for m in made.iter().rev() {
+                let _ = fs::remove_dir(m);
+            }
+            return Err(e);
+        }
+        made.push(d);
     }
-    creator.create().map_err(cg_err)?;
-    if cg.subsystems().iter().all(|s| s.to_controller().exists()) {
-        return Ok(());
-    }
-    let _ = delete_retry(cg);
-    Err(io::Error::other("could not create the run cgroup"))
+    Ok(())
 }
 
 /// Removes the cgroup through the crate, retrying for at most two seconds: a cgroup is
@@ -444,14 +454,9 @@ impl CgroupDriver for V2Driver {
             return Err(io::Error::other("invalid cgroup name"));
         }
         let run = V2Run::load(&self.runs, name);
-        // No controllers named: the owner directory has memory, cpu and pids enabled for its
-        // children already (prepare), so creating is one mkdir.
-        let creator = Cgroup::load_with_specified_controllers(
-            Box::new(Dirs::unified(&self.runs)),
-            name,
-            Vec::new(),
-        );
-        create_checked(&run.cg, &creator)?;
+        // The owner directory has memory, cpu and pids enabled for its children already
+        // (prepare), so creating is one mkdir.
+        create_dirs(&run.cg)?;
         Ok(Box::new(run))
     }
 
@@ -645,7 +650,7 @@ impl CgroupDriver for V1Driver {
             return Err(io::Error::other("invalid cgroup name"));
         }
         let run = V1Run::load(self.dirs(name));
-        create_checked(&run.cg, &run.cg)?;
+        create_dirs(&run.cg)?;
         Ok(Box::new(run))
     }
 
@@ -696,15 +701,22 @@ impl RunCgroup for V1Run {
         let bytes = limits.memory_bytes as i64;
         memory.set_limit(bytes).map_err(cg_err)?;
         // memsw = mem: no swap beyond the memory limit (present when swap accounting is on).
-        if self
+        let memsw = self
             .dirs
             .memory
             .join("memory.memsw.limit_in_bytes")
-            .exists()
-        {
+            .exists();
+        if memsw {
             memory.set_memswap_limit(bytes).map_err(cg_err)?;
         }
-        let _ = memory.set_swappiness(0);
+        // Without memsw, swappiness 0 is what keeps the run's pages out of swap past its limit:
+        // then a refusal fails the run. With memsw it is best effort (some kernels refuse it
+        // below a hierarchical parent).
+        if let Err(e) = memory.set_swappiness(0)
+            && !memsw
+        {
+            return Err(cg_err(e));
+        }
         ctl::<CpuController>(&self.cg)?
             .set_cfs_quota_and_period(Some(cpu_quota(limits) as i64), Some(100_000))
             .map_err(cg_err)?;
@@ -847,6 +859,7 @@ pub fn detect(mount_root: &Path, name: &str) -> io::Result<Box<dyn CgroupDriver>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     fn limits() -> Limits {
         Limits {
@@ -1095,6 +1108,147 @@ mod tests {
         );
         assert_eq!(d.cpu, t.path().join("cpu/executor-arm").join(owner_name()));
         assert!(d.memory.is_dir());
+    }
+
+    /// Someone else (another root process, or a writer of the delegated subtree) creates the
+    /// run's directory while the driver creates it: exactly one of the two creations may
+    /// succeed. A driver that checks for the directory and then creates it "if missing" adopts
+    /// the other's cgroup, with whatever is in it, when the other's mkdir lands in between.
+    fn assert_never_adopts(driver: Arc<dyn CgroupDriver>, dir_of: impl Fn(&str) -> PathBuf) {
+        use std::sync::Barrier;
+        let rounds = 3000;
+        let barrier = Arc::new(Barrier::new(2));
+        let names: Vec<String> = (0..rounds).map(|i| format!("race-{i}")).collect();
+        let racer = {
+            let barrier = barrier.clone();
+            let dirs: Vec<PathBuf> = names.iter().map(|n| dir_of(n)).collect();
+            std::thread::spawn(move || {
+                dirs.iter()
+                    .map(|d| {
+                        barrier.wait();
+                        fs::create_dir(d).is_ok()
+                    })
+                    .collect::<Vec<bool>>()
+            })
+        };
+        let ours: Vec<bool> = names
+            .iter()
+            .map(|n| {
+                barrier.wait();
+                driver.create_empty(n).is_ok()
+            })
+            .collect();
+        let theirs = racer.join().unwrap();
+        let adopted = ours.iter().zip(&theirs).filter(|(o, t)| **o && **t).count();
+        assert_eq!(adopted, 0, "run cgroups adopted from a concurrent creator");
+    }
+
+    #[test]
+    fn v1_create_never_adopts_a_cgroup_made_concurrently() {
+        let (t, driver) = fake_v1();
+        let pids = t.path().join("pids/executor-arm").join(owner_name());
+        assert_never_adopts(Arc::new(driver), |n| pids.join(n));
+    }
+
+    #[test]
+    fn v2_create_never_adopts_a_cgroup_made_concurrently() {
+        let t = fake_v2();
+        let driver = V2Driver::prepare(t.path(), false).unwrap();
+        let runs = t.path().join("runs").join(owner_name());
+        assert_never_adopts(Arc::new(driver), |n| runs.join(n));
+    }
+
+    /// Without swap accounting (no memsw file) swappiness 0 is all that keeps a run's memory
+    /// from spilling into swap past its limit: a failed write must fail the run.
+    #[test]
+    fn v1_without_memsw_a_refused_swappiness_fails_the_limits() {
+        let (t, driver) = fake_v1();
+        let run = driver.create_empty("exec-1").unwrap();
+        let mem = t
+            .path()
+            .join("memory/executor-arm")
+            .join(owner_name())
+            .join("exec-1");
+        // A file that cannot be opened for writing (the kernel's refusal, on a plain tree).
+        fs::create_dir(mem.join("memory.swappiness")).unwrap();
+        assert!(run.apply_limits(&limits()).is_err());
+        // With memsw the swap is bounded by it; swappiness stays best effort.
+        fs::write(mem.join("memory.memsw.limit_in_bytes"), "").unwrap();
+        run.apply_limits(&limits()).unwrap();
+    }
+
+    /// On the host's own cgroup v1 hierarchies (root only; skipped elsewhere): the limits land
+    /// in the kernel's files, and `kill_all` empties a cgroup whose processes fork as fast as
+    /// they can and leave their session (setsid, double fork), after which removal leaves no
+    /// directory behind.
+    #[test]
+    fn v1_host_limits_land_and_kill_all_stops_a_setsid_fork_storm() {
+        // SAFETY: geteuid(2) takes no arguments and cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        let mount = Path::new("/sys/fs/cgroup");
+        if !root || mount.join("cgroup.controllers").exists() || !mount.join("pids").is_dir() {
+            eprintln!("skipped: needs root on a cgroup v1 host");
+            return;
+        }
+        let driver = detect(mount, "executor-arm-unit").unwrap();
+        assert_eq!(driver.version(), CgroupVersion::V1);
+        let name = format!("storm-{}", std::process::id());
+        let mut l = limits();
+        l.pids = 64;
+        let run = driver.create(&name, &l).unwrap();
+        let files = run.procs_files();
+        let dir = |c: &str| {
+            files
+                .iter()
+                .find(|f| f.starts_with(mount.join(c)))
+                .and_then(|f| f.parent())
+                .unwrap()
+                .to_path_buf()
+        };
+        let rd = |c: &str, f: &str| read_trimmed(&dir(c).join(f)).unwrap();
+        assert_eq!(
+            rd("memory", "memory.limit_in_bytes"),
+            (64u64 << 20).to_string()
+        );
+        if dir("memory").join("memory.memsw.limit_in_bytes").exists() {
+            assert_eq!(
+                rd("memory", "memory.memsw.limit_in_bytes"),
+                (64u64 << 20).to_string()
+            );
+        }
+        assert_eq!(rd("memory", "memory.swappiness"), "0");
+        assert_eq!(rd("cpu", "cpu.cfs_quota_us"), "50000");
+        assert_eq!(rd("cpu", "cpu.cfs_period_us"), "100000");
+        assert_eq!(rd("pids", "pids.max"), "64");
+
+        let joins: String = files
+            .iter()
+            .map(|f| format!("echo $$ > {}; ", f.display()))
+            .collect();
+        let storm = "import os\nwhile True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n            if os.fork() != 0:\n                os._exit(0)\n    except OSError:\n        pass\n";
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("{joins}exec python3 -c \"$(printf '{storm}')\""))
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        while run.pids().len() < 8 && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(run.pids().len() >= 8, "the storm never started");
+        run.kill_all().unwrap();
+        assert!(run.is_empty());
+        let _ = child.wait();
+        run.remove().unwrap();
+        for c in ["memory", "cpu", "pids", "freezer"] {
+            assert!(!dir(c).exists(), "{c} left behind");
+        }
+        driver.release();
+        // The shared directory named for this test (a daemon keeps its own).
+        for c in ["memory", "cpu", "pids", "freezer"] {
+            let _ = fs::remove_dir(dir(c).parent().and_then(Path::parent).unwrap());
+        }
     }
 
     #[test]
