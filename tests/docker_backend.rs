@@ -18,6 +18,7 @@ use common::docker::{
 };
 use common::{Daemon, Opts};
 use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const RUNTIMES: [&str; 2] = ["runc", "gvisor"];
 
@@ -676,6 +677,12 @@ struct EngineProxy {
 
 impl EngineProxy {
     fn start(path: &Path) -> EngineProxy {
+        EngineProxy::start_delaying_creates(path, Duration::ZERO)
+    }
+
+    /// A proxy that holds every container-create request for `delay` before passing it on, as
+    /// a loaded dockerd would take that long: a test can act while a launch is in flight.
+    fn start_delaying_creates(path: &Path, delay: Duration) -> EngineProxy {
         let _ = std::fs::remove_file(path);
         let listener = tokio::net::UnixListener::bind(path).expect("bind proxy");
         let task = tokio::spawn(async move {
@@ -685,9 +692,34 @@ impl EngineProxy {
                     break;
                 };
                 conns.spawn(async move {
-                    if let Ok(mut upstream) = tokio::net::UnixStream::connect(SOCKET).await {
+                    let Ok(mut upstream) = tokio::net::UnixStream::connect(SOCKET).await else {
+                        return;
+                    };
+                    if delay.is_zero() {
                         let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                        return;
                     }
+                    let (mut from_client, mut to_client) = client.into_split();
+                    let (mut from_engine, mut to_engine) = upstream.into_split();
+                    let requests = async {
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            let n = match from_client.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            let chunk = &buf[..n];
+                            if chunk.windows(18).any(|w| w == b"/containers/create") {
+                                tokio::time::sleep(delay).await;
+                            }
+                            if to_engine.write_all(chunk).await.is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to_engine.shutdown().await;
+                    };
+                    let answers = tokio::io::copy(&mut from_engine, &mut to_client);
+                    let _ = tokio::join!(requests, answers);
                 });
             }
         });
@@ -783,6 +815,44 @@ async fn engine_loss_fails_the_run_and_leaves_nothing_once_back() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     finish(d);
+}
+
+/// A daemon told to stop while its pool is launching a container (each run's container is
+/// replaced as it is handed out) waits for that launch before its last sweep: no container is
+/// created after the daemon is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_launch_in_flight_at_shutdown_leaves_no_container() {
+    let _serial = common::docker::one_at_a_time().await;
+    require_docker("a_pool_launch_in_flight_at_shutdown_leaves_no_container");
+    let delay = Duration::from_secs(3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sock = dir.path().join("engine.sock");
+    let _proxy = EngineProxy::start_delaying_creates(&sock, delay);
+    let mut d = start_with_socket("runc", 1, sock.to_str().unwrap_or_default());
+    let label = format!("executor-arm.instance={}", instance_of(&d));
+    // The first run makes the pool; the second takes its container, which starts a refill
+    // whose create the proxy holds back.
+    for _ in 0..2 {
+        let r = sh(&d, "echo", &["x"]).await;
+        assert_eq!(out(&r), "x\n", "{}", r.text);
+    }
+    let code = tokio::task::spawn_blocking(move || d.stop())
+        .await
+        .expect("stop");
+    assert_eq!(code, Some(0), "the daemon did not exit by itself");
+    // A create released after the daemon's last sweep would land by now.
+    tokio::time::sleep(delay + Duration::from_secs(1)).await;
+    wait_until(
+        &format!("no container labelled {label}"),
+        Duration::from_secs(30),
+        || containers(&label).is_empty(),
+    );
+    for v in volumes(&label) {
+        assert!(
+            docker(&["volume", "rm", &v]).is_some(),
+            "volume {v} of a stopped daemon is still in use"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

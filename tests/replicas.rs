@@ -280,6 +280,41 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
         .await;
     assert_eq!(r.status, 503, "{}", r.text);
 
+    // Every route that must ask the store where a session or a run is answers 503 too.
+    let run = "/v1/executions/00000000-0000-4000-8000-000000000000";
+    let ses = "/v1/sandbox/sessions/ses_0123456789abcdef0123456789abcdef";
+    let exec = format!("{ses}/execs/00000000-0000-4000-8000-000000000000");
+    let grace = r#"{"grace_seconds":0}"#;
+    for (method, path, body) in [
+        ("GET", run.to_string(), None),
+        ("GET", format!("{run}/stream"), None),
+        ("POST", format!("{run}/cancel"), Some(grace)),
+        ("GET", ses.to_string(), None),
+        ("DELETE", ses.to_string(), None),
+        ("POST", format!("{ses}/exec"), Some(r#"{"code":"print(1)"}"#)),
+        ("GET", exec.clone(), None),
+        ("GET", format!("{exec}/stream"), None),
+        ("POST", format!("{exec}/cancel"), Some(grace)),
+        ("GET", format!("{ses}/files?path=."), None),
+        ("GET", format!("{ses}/files/a.txt"), None),
+        ("PUT", format!("{ses}/files/a.txt"), Some("x")),
+    ] {
+        let mut rb = d
+            .client
+            .request(method.parse().unwrap(), format!("{}{path}", d.base))
+            .header("authorization", svc.as_str());
+        if let Some(b) = body {
+            rb = rb.header("content-type", "application/json").body(b);
+        }
+        let r = Daemon::read(rb.send().await.unwrap()).await;
+        assert_eq!(r.status, 503, "{method} {path}: {}", r.text);
+        assert_eq!(
+            r.json["error_type"],
+            json!("SandboxUnavailable"),
+            "{method} {path}"
+        );
+    }
+
     // Requests that need no shared state still run; readiness reports the store.
     let r = d
         .exec(json!({"action_type": "shell", "command": "echo", "args": ["still"]}))

@@ -839,6 +839,15 @@ async fn file_transfers_at_once_are_bounded() {
         .await;
     assert_eq!(r.status, 429, "{}", r.text);
     assert!(r.headers.get("retry-after").is_some());
+    // Reads take the same places.
+    for path in [
+        format!("/v1/sandbox/sessions/{id}/files?path=."),
+        format!("/v1/sandbox/sessions/{id}/files/f0"),
+    ] {
+        let r = c.call("GET", &path, None).await;
+        assert_eq!(r.status, 429, "GET {path}: {}", r.text);
+        assert_eq!(r.json["error_type"], "Overloaded", "GET {path}");
+    }
     drop(held);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

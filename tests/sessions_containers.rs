@@ -429,6 +429,14 @@ async fn limits_and_cancels_end_the_exec_not_the_session() {
             "{runtime}: {}",
             busy.text
         );
+        for (method, p, body) in [
+            ("GET", path(&id, "files?path=."), None),
+            ("PUT", path(&id, "files/b.txt"), Some(b"b".to_vec())),
+        ] {
+            let busy = c.call(method, &p, body).await;
+            assert_eq!(busy.status, 409, "{runtime}: {method} {p}: {}", busy.text);
+            assert_eq!(busy.json["error_type"], "SessionBusy", "{runtime}: {method} {p}");
+        }
         let cancel = c
             .call(
                 "POST",

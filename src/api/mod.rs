@@ -248,6 +248,7 @@ pub async fn run(
     }
     // Sessions end with the daemon: their execs were answered or killed above.
     state.sessions.close_all().await;
+    state.executions.shutdown_backends().await;
     flusher.abort();
     flush_suppressed(&state);
 }

@@ -509,6 +509,12 @@ impl ExecutionService {
         });
     }
 
+    /// Ends every backend before the daemon exits (see [`Sandbox::shutdown`]): called once runs
+    /// and sessions are over, so nothing the backends made outlives the daemon.
+    pub async fn shutdown_backends(&self) {
+        futures::future::join_all(self.backends.values().map(|b| b.shutdown())).await;
+    }
+
     /// The runs of this daemon that have not finished.
     pub fn runs(&self) -> &Runs {
         &self.runs

@@ -399,6 +399,10 @@ pub trait Sandbox: Send + Sync {
     /// Whether this backend can run work right now, and why not.
     async fn status(&self) -> BackendStatus;
 
+    /// Ends this backend before the daemon exits, once no run or session uses it: makes no
+    /// sandbox from now on and removes those it kept ready. Nothing to do by default.
+    async fn shutdown(&self) {}
+
     /// Runs `spec` to an outcome. Must leave nothing behind, whatever happens, including when the
     /// returned future is dropped.
     async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError>;

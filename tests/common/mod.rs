@@ -359,7 +359,9 @@ impl Daemon {
         let mut child = self.child.take()?;
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        for _ in 0..400 {
+        // A bound, not a timing check: a container backend's exit waits for its pool's launches
+        // in flight and then removes its containers, each step bounded at 10 s by the daemon.
+        for _ in 0..1200 {
             if let Ok(Some(st)) = child.try_wait() {
                 return st.code();
             }

@@ -16,6 +16,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
@@ -278,6 +279,33 @@ impl Janitor {
         }
         came_back
     }
+}
+
+/// Removes every container carrying all of `labels`, then their disk volumes, giving up after
+/// `within`. Used when the daemon exits: nothing is in use any more, so nothing is spared. A
+/// volume can only go once its container is gone (a background disposal may still be removing
+/// one), so volumes are retried until then. Returns how many containers were removed.
+pub async fn remove_labelled(engine: &dyn Engine, labels: &[String], within: Duration) -> usize {
+    let work = async {
+        let listed = engine.list(labels).await.unwrap_or_default();
+        let removed = futures::future::join_all(listed.iter().map(|c| engine.remove(&c.id)))
+            .await
+            .iter()
+            .filter(|r| r.is_ok())
+            .count();
+        loop {
+            let volumes = engine.list_volumes(labels).await.unwrap_or_default();
+            let results =
+                futures::future::join_all(volumes.iter().map(|v| engine.remove_volume(&v.id)))
+                    .await;
+            if results.iter().all(Result::is_ok) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        removed
+    };
+    tokio::time::timeout(within, work).await.unwrap_or(0)
 }
 
 /// Start time (clock ticks after boot, field 22 of `/proc/<pid>/stat`) of a live process.

@@ -23,6 +23,7 @@ pub mod seccomp;
 pub mod supervisor;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -69,6 +70,8 @@ pub struct DockerSandbox {
     egress: Option<EgressSettings>,
     /// Socket for the instance-wide removal on drop (None: a fake engine in unit tests).
     shutdown_socket: Option<String>,
+    /// Set once [`Sandbox::shutdown`] has removed everything: the drop then has nothing to do.
+    shut_down: AtomicBool,
     /// The last check that the runtime enforces the containers' seccomp profile, and when.
     runtime_check: std::sync::Mutex<Option<(Instant, Result<(), String>)>>,
 }
@@ -162,6 +165,7 @@ impl DockerSandbox {
             pool,
             egress,
             shutdown_socket: None,
+            shut_down: AtomicBool::new(false),
             runtime_check: std::sync::Mutex::new(None),
         }
     }
@@ -567,6 +571,14 @@ impl Sandbox for DockerSandbox {
         self.egress.is_some()
     }
 
+    /// Stops the pool (launches in flight end first, so none creates a container after the
+    /// sweep), then removes every container and volume of this instance and backend.
+    async fn shutdown(&self) {
+        self.pool.close(EXIT_REMOVAL_LIMIT).await;
+        self.remove_all(self.engine().as_ref()).await;
+        self.shut_down.store(true, Ordering::SeqCst);
+    }
+
     async fn status(&self) -> BackendStatus {
         let runtime = runtime_of(self.kind);
         let (ready, detail) = match tokio::time::timeout(STATUS_TIMEOUT, self.engine().info()).await
@@ -765,15 +777,39 @@ fn short(id: &str) -> &str {
     &id[..id.len().min(12)]
 }
 
+/// How long the removal of this daemon's containers may take when it exits (a gVisor sandbox
+/// saturated by its guest can take seconds to act on a kill on 2 vCPUs).
+const EXIT_REMOVAL_LIMIT: Duration = Duration::from_secs(10);
+
+impl DockerSandbox {
+    /// The removal of every container of this instance and backend at exit, over `engine`.
+    async fn remove_all(&self, engine: &dyn Engine) {
+        let labels = self.janitor.own_labels();
+        let n = janitor::remove_labelled(engine, &labels, EXIT_REMOVAL_LIMIT).await;
+        if n > 0 {
+            tracing::info!(
+                removed = n,
+                backend = self.kind.as_str(),
+                "removed this daemon's sandbox containers"
+            );
+        }
+    }
+}
+
 impl Drop for DockerSandbox {
-    /// Removes every container of this instance and backend (idle pool ones included) before the
-    /// daemon exits. Runs on its own thread and runtime: we may be inside the daemon's runtime
-    /// while it shuts down, where nothing can be awaited.
+    /// The fallback when [`Sandbox::shutdown`] did not run to its end: removes every container
+    /// of this instance and backend (idle pool ones included). Runs on its own thread and
+    /// runtime: we may be inside the daemon's runtime while it shuts down, where nothing can be
+    /// awaited.
     fn drop(&mut self) {
+        if self.shut_down.load(Ordering::SeqCst) {
+            return;
+        }
         let Some(socket) = self.shutdown_socket.take() else {
             return;
         };
         let labels = self.janitor.own_labels();
+        let kind = self.kind;
         let worker = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -783,28 +819,7 @@ impl Drop for DockerSandbox {
             };
             rt.block_on(async move {
                 let engine = BollardEngine::new(&socket);
-                let work = async {
-                    let listed = engine.list(&labels).await.unwrap_or_default();
-                    let n = listed.len();
-                    futures::future::join_all(listed.iter().map(|c| engine.remove(&c.id))).await;
-                    // Their disk volumes, once no container uses them (a background disposal
-                    // may still be removing one).
-                    loop {
-                        let volumes = engine.list_volumes(&labels).await.unwrap_or_default();
-                        let removed = futures::future::join_all(
-                            volumes.iter().map(|v| engine.remove_volume(&v.id)),
-                        )
-                        .await;
-                        if removed.iter().all(Result::is_ok) {
-                            break;
-                        }
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                    n
-                };
-                tokio::time::timeout(Duration::from_secs(10), work)
-                    .await
-                    .unwrap_or(0)
+                janitor::remove_labelled(&engine, &labels, EXIT_REMOVAL_LIMIT).await
             })
         });
         if let Ok(n) = worker.join()
@@ -812,7 +827,7 @@ impl Drop for DockerSandbox {
         {
             tracing::info!(
                 removed = n,
-                backend = self.kind.as_str(),
+                backend = kind.as_str(),
                 "removed this daemon's sandbox containers"
             );
         }

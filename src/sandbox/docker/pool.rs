@@ -8,7 +8,7 @@
 //! Pools are created on first use of a key, then kept at `pool_size` idle containers.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -168,6 +168,8 @@ pub struct Pool {
     keys: Mutex<HashMap<String, KeyPool>>,
     /// Bumped by [`Pool::flush`]: launches that started before it are discarded.
     generation: AtomicU64,
+    /// Set by [`Pool::close`]: nothing is launched or handed out any more.
+    closed: AtomicBool,
     launches: Arc<Semaphore>,
 }
 
@@ -187,6 +189,7 @@ impl Pool {
             metrics,
             keys: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
             launches: Arc::new(Semaphore::new(LAUNCH_SLOTS)),
         })
     }
@@ -235,7 +238,7 @@ impl Pool {
     /// without, an existing one is used but none is made or refilled: shapes a caller chooses
     /// freely (a session's own limits) must not make the daemon keep containers for each.
     pub fn take(self: &Arc<Self>, plan: &ContainerPlan, warm: bool) -> Option<WarmContainer> {
-        if self.size == 0 {
+        if self.size == 0 || self.closed.load(Ordering::SeqCst) {
             return None;
         }
         let mut dead = Vec::new();
@@ -282,6 +285,9 @@ impl Pool {
 
     /// Starts launches until the key has `size` idle or launching containers.
     fn refill(self: &Arc<Self>, key: &str) {
+        if self.closed.load(Ordering::SeqCst) {
+            return;
+        }
         let (plan, n, generation) = {
             let Ok(mut keys) = self.keys.lock() else {
                 return;
@@ -303,6 +309,9 @@ impl Pool {
 
     async fn fill_one(self: Arc<Self>, plan: Arc<ContainerPlan>, generation: u64) {
         let launched = match self.launches.clone().acquire_owned().await {
+            Ok(_) if self.closed.load(Ordering::SeqCst) => {
+                Err(EngineError::Api("pool closed".into()))
+            }
             Ok(_slot) => {
                 let tag = uuid::Uuid::new_v4().simple().to_string();
                 WarmContainer::launch(
@@ -324,7 +333,10 @@ impl Pool {
             };
             kp.filling = kp.filling.saturating_sub(1);
             match launched {
-                Ok(w) if generation == self.generation.load(Ordering::SeqCst) => {
+                Ok(w)
+                    if generation == self.generation.load(Ordering::SeqCst)
+                        && !self.closed.load(Ordering::SeqCst) =>
+                {
                     kp.idle.push_back(w);
                     kp.retry_after = None;
                     kp.failures = 0;
@@ -342,6 +354,31 @@ impl Pool {
             self.publish(keys, &plan.profile);
         }
         drop(discard);
+    }
+
+    /// Closes the pool for good when the daemon exits: nothing is launched or handed out from
+    /// now on; launches in flight are waited for (up to `within`), so none creates a container
+    /// after the caller's final sweep; then the idle containers are dropped (their guards remove
+    /// them).
+    pub async fn close(&self, within: Duration) {
+        self.closed.store(true, Ordering::SeqCst);
+        // The semaphore is fair: launches queued before this acquire get their slot first, see
+        // `closed` and stop; once every slot is ours, none is in flight.
+        let _ = tokio::time::timeout(within, self.launches.acquire_many(LAUNCH_SLOTS as u32)).await;
+        let mut dropped = Vec::new();
+        if let Ok(mut keys) = self.keys.lock() {
+            for kp in keys.values_mut() {
+                dropped.extend(kp.idle.drain(..));
+            }
+            for profile in keys
+                .values()
+                .map(|k| k.plan.profile.clone())
+                .collect::<Vec<_>>()
+            {
+                self.publish(&keys, &profile);
+            }
+        }
+        drop(dropped);
     }
 
     /// Drops every idle container (dockerd restarted: they are dead or unreachable) and refills.
