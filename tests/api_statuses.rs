@@ -20,17 +20,28 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 fn daemon() -> Daemon {
     Daemon::start_with(Opts {
         config: Some(
-            "[server]\nbody_read_timeout_seconds = 2\n\n[sessions]\nmax_file_bytes = 4096\n"
-                .into(),
+            "[server]\nbody_read_timeout_seconds = 2\n\n[sessions]\nmax_file_bytes = 4096\n".into(),
         ),
         ..Default::default()
     })
 }
 
 /// Sends `method path` with `headers` and `body` (JSON content type when there is one).
-async fn call(d: &Daemon, method: &str, path: &str, headers: &[(&str, &str)], body: Option<Vec<u8>>) -> Resp {
+async fn call(
+    d: &Daemon,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<Vec<u8>>,
+) -> Resp {
     let url = format!("{}{path}", d.base);
-    let mut rb = d.client.request(method.parse().expect("method"), url);
+    // A connection of its own: the daemon closes one whose body it refused unread (413), and a
+    // pooled connection could be that one.
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("client");
+    let mut rb = client.request(method.parse().expect("method"), url);
     for (k, v) in headers {
         rb = rb.header(*k, *v);
     }
@@ -61,17 +72,36 @@ impl Fixture {
         let r = format!("/v1/executions/{}", self.run);
         vec![
             ("GET", s.clone(), None),
-            ("DELETE", format!("/v1/sandbox/sessions/{}", "ses_00000000000000000000000000000000"), None),
-            ("POST", format!("{s}/exec"), Some(json!({"code": "print(1)"}))),
+            (
+                "DELETE",
+                format!(
+                    "/v1/sandbox/sessions/{}",
+                    "ses_00000000000000000000000000000000"
+                ),
+                None,
+            ),
+            (
+                "POST",
+                format!("{s}/exec"),
+                Some(json!({"code": "print(1)"})),
+            ),
             ("GET", e.clone(), None),
             ("GET", format!("{e}/stream"), None),
-            ("POST", format!("{e}/cancel"), Some(json!({"grace_seconds": 0}))),
+            (
+                "POST",
+                format!("{e}/cancel"),
+                Some(json!({"grace_seconds": 0})),
+            ),
             ("GET", format!("{s}/files?path=."), None),
             ("GET", format!("{s}/files/note.txt"), None),
             ("PUT", format!("{s}/files/note.txt"), Some(json!("x"))),
             ("GET", r.clone(), None),
             ("GET", format!("{r}/stream"), None),
-            ("POST", format!("{r}/cancel"), Some(json!({"grace_seconds": 0}))),
+            (
+                "POST",
+                format!("{r}/cancel"),
+                Some(json!({"grace_seconds": 0})),
+            ),
         ]
     }
 }
@@ -79,16 +109,27 @@ impl Fixture {
 async fn fixture(d: &Daemon) -> Fixture {
     let c = koder(d, None);
     let session = new_session(&c, "python").await;
-    let done = c.exec(&session, json!({"code": "open('note.txt','w').write('kept')"})).await;
+    let done = c
+        .exec(
+            &session,
+            json!({"code": "open('note.txt','w').write('kept')"}),
+        )
+        .await;
     assert_eq!(done.status, 200, "{}", done.text);
     let finished = done.json["exec_id"].as_str().expect("exec_id").to_string();
     let running = c
-        .exec(&session, json!({"code": "import time\ntime.sleep(60)", "async": true}))
+        .exec(
+            &session,
+            json!({"code": "import time\ntime.sleep(60)", "async": true}),
+        )
         .await;
     assert_eq!(running.status, 202, "{}", running.text);
-    let running = running.json["exec_id"].as_str().expect("exec_id").to_string();
+    let running = running.json["exec_id"]
+        .as_str()
+        .expect("exec_id")
+        .to_string();
     let run = d
-        .exec(json!({"action_type": "shell", "command": "sleep", "args": ["60"], "async": true}))
+        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(60)"], "async": true}))
         .await;
     assert_eq!(run.status, 202, "{}", run.text);
     let run = run.json["exec_id"].as_str().expect("exec_id").to_string();
@@ -109,10 +150,29 @@ async fn every_route_refuses_a_call_without_a_service_token() {
         let body = body.map(|b| b.to_string().into_bytes());
         let r = call(&d, method, &path, &[], body.clone()).await;
         assert_error(&r, 401, "Unauthorized", &format!("{method} {path}"));
-        let r = call(&d, method, &path, &[("authorization", "Bearer not-a-token")], body).await;
-        assert_error(&r, 401, "Unauthorized", &format!("{method} {path} (bad token)"));
+        let r = call(
+            &d,
+            method,
+            &path,
+            &[("authorization", "Bearer not-a-token")],
+            body,
+        )
+        .await;
+        assert_error(
+            &r,
+            401,
+            "Unauthorized",
+            &format!("{method} {path} (bad token)"),
+        );
     }
-    let r = call(&d, "POST", "/v1/sandbox/sessions", &[], Some(b"{}".to_vec())).await;
+    let r = call(
+        &d,
+        "POST",
+        "/v1/sandbox/sessions",
+        &[],
+        Some(b"{}".to_vec()),
+    )
+    .await;
     assert_error(&r, 401, "Unauthorized", "POST /v1/sandbox/sessions");
 }
 
@@ -139,7 +199,14 @@ async fn every_session_route_refuses_disagreeing_tenant_headers() {
         Some(json!({"language": "python", "capability_token": d.cap_all()})),
     ));
     for (method, path, body) in routes {
-        let r = call(&d, method, &path, &headers, body.map(|b| b.to_string().into_bytes())).await;
+        let r = call(
+            &d,
+            method,
+            &path,
+            &headers,
+            body.map(|b| b.to_string().into_bytes()),
+        )
+        .await;
         assert_error(&r, 400, "InvalidRequest", &format!("{method} {path}"));
         assert!(r.text.contains("tenant"), "{method} {path}: {}", r.text);
     }
@@ -163,11 +230,23 @@ async fn every_body_is_bounded_in_size_and_time() {
     routes.push(("POST", "/execute".into()));
     for (method, path) in &routes {
         // 1 MiB is the default body limit; the session's file limit is 4 KiB.
-        let size = if *method == "PUT" { 4097 } else { (1 << 20) + 1 };
-        let r = call(&d, method, path, &[("authorization", svc.as_str())], Some(vec![b' '; size])).await;
+        let size = if *method == "PUT" {
+            4097
+        } else {
+            (1 << 20) + 1
+        };
+        let r = call(
+            &d,
+            method,
+            path,
+            &[("authorization", svc.as_str())],
+            Some(vec![b' '; size]),
+        )
+        .await;
         assert_error(&r, 413, "PayloadTooLarge", &format!("{method} {path}"));
     }
-    // All at once: each waits out the same two seconds.
+    // All at once: each waits out the same two seconds; a file upload gets at least 60 s (a large
+    // file on a slow link).
     let slow = routes.iter().map(|(method, path)| {
         let addr = d.addr.clone();
         let head = format!(
@@ -177,13 +256,16 @@ async fn every_body_is_bounded_in_size_and_time() {
             let mut s = tokio::net::TcpStream::connect(&addr).await.expect("connect");
             s.write_all(head.as_bytes()).await.expect("write");
             let mut answer = Vec::new();
-            let _ = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut answer)).await;
+            let _ = tokio::time::timeout(Duration::from_secs(90), s.read_to_end(&mut answer)).await;
             (format!("{method} {path}"), String::from_utf8_lossy(&answer).into_owned())
         }
     });
     for (what, answer) in futures::future::join_all(slow).await {
         assert!(answer.starts_with("HTTP/1.1 408"), "{what}: {answer}");
-        assert!(answer.contains("\"error_type\":\"RequestTimeout\""), "{what}: {answer}");
+        assert!(
+            answer.contains("\"error_type\":\"RequestTimeout\""),
+            "{what}: {answer}"
+        );
     }
 }
 
@@ -196,36 +278,82 @@ async fn session_execs_and_files_answer_their_documented_errors() {
     let s = format!("/v1/sandbox/sessions/{}", f.session);
     let grace = Some(br#"{"grace_seconds":0}"#.to_vec());
 
-    // An env name no profile may set.
-    let r = c
-        .exec(&f.session, json!({"code": "print(1)", "env": {"LD_PRELOAD": "/tmp/x.so"}}))
-        .await;
-    assert_error(&r, 403, "CapabilityViolation", "exec with LD_PRELOAD");
-
     // Execs that do not exist, and one that has finished.
     let unknown = "00000000-0000-4000-8000-000000000000";
-    let r = c.call("GET", &format!("{s}/execs/{unknown}/stream"), None).await;
+    let r = c
+        .call("GET", &format!("{s}/execs/{unknown}/stream"), None)
+        .await;
     assert_error(&r, 404, "NotFound", "stream of an unknown exec");
-    let r = c.call("POST", &format!("{s}/execs/{unknown}/cancel"), grace.clone()).await;
+    let r = c
+        .call(
+            "POST",
+            &format!("{s}/execs/{unknown}/cancel"),
+            grace.clone(),
+        )
+        .await;
     assert_error(&r, 404, "NotFound", "cancel of an unknown exec");
-    let r = c.call("POST", &format!("{s}/execs/{}/cancel", f.finished), grace.clone()).await;
+    let r = c
+        .call(
+            "POST",
+            &format!("{s}/execs/{}/cancel", f.finished),
+            grace.clone(),
+        )
+        .await;
     assert_error(&r, 409, "AlreadyFinished", "cancel of a finished exec");
     let r = c
-        .call("POST", &format!("{s}/execs/{}/cancel", f.running), Some(br#"{"grace_seconds":31}"#.to_vec()))
+        .call(
+            "POST",
+            &format!("{s}/execs/{}/cancel", f.running),
+            Some(br#"{"grace_seconds":31}"#.to_vec()),
+        )
         .await;
     assert_error(&r, 400, "InvalidRequest", "cancel with grace_seconds 31");
 
     // A listing outside the workspace, a file over the limit.
     let r = c.call("GET", &format!("{s}/files?path=../etc"), None).await;
     assert_error(&r, 400, "InvalidRequest", "listing ../etc");
-    let r = c.call("POST", &format!("{s}/execs/{}/cancel", f.running), grace.clone()).await;
+    let r = c
+        .call(
+            "POST",
+            &format!("{s}/execs/{}/cancel", f.running),
+            grace.clone(),
+        )
+        .await;
     assert_eq!(r.status, 202, "{}", r.text);
+    // Once the cancelled exec has ended: an env name no profile may set.
+    let mut r = c
+        .exec(
+            &f.session,
+            json!({"code": "print(1)", "env": {"LD_PRELOAD": "/tmp/x.so"}}),
+        )
+        .await;
+    for _ in 0..100 {
+        if r.status != 409 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        r = c
+            .exec(
+                &f.session,
+                json!({"code": "print(1)", "env": {"LD_PRELOAD": "/tmp/x.so"}}),
+            )
+            .await;
+    }
+    assert_error(&r, 403, "CapabilityViolation", "exec with LD_PRELOAD");
     let big = c
-        .exec(&f.session, json!({"code": "open('big.bin','w').write('x' * 4097)"}))
+        .exec(
+            &f.session,
+            json!({"code": "open('big.bin','w').write('x' * 4097)"}),
+        )
         .await;
     assert_eq!(big.status, 200, "{}", big.text);
     let r = c.call("GET", &format!("{s}/files/big.bin"), None).await;
-    assert_error(&r, 413, "PayloadTooLarge", "a file over sessions.max_file_bytes");
+    assert_error(
+        &r,
+        413,
+        "PayloadTooLarge",
+        "a file over sessions.max_file_bytes",
+    );
 
     // A malformed creation body.
     let r = c.create(json!({"language": 7})).await;
@@ -242,7 +370,7 @@ async fn session_streams_are_bounded_with_the_others() {
     });
     let c = koder(&d, None);
     let run = d
-        .exec(json!({"action_type": "shell", "command": "sleep", "args": ["30"], "async": true}))
+        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(30)"], "async": true}))
         .await;
     assert_eq!(run.status, 202, "{}", run.text);
     let run = run.json["exec_id"].as_str().expect("exec_id").to_string();
@@ -257,12 +385,19 @@ async fn session_streams_are_bounded_with_the_others() {
 
     let first = new_session(&c, "python").await;
     let exec = c
-        .exec(&first, json!({"code": "import time\ntime.sleep(30)", "async": true}))
+        .exec(
+            &first,
+            json!({"code": "import time\ntime.sleep(30)", "async": true}),
+        )
         .await;
     assert_eq!(exec.status, 202, "{}", exec.text);
     let exec = exec.json["exec_id"].as_str().expect("exec_id").to_string();
     let r = c
-        .call("GET", &format!("/v1/sandbox/sessions/{first}/execs/{exec}/stream"), None)
+        .call(
+            "GET",
+            &format!("/v1/sandbox/sessions/{first}/execs/{exec}/stream"),
+            None,
+        )
         .await;
     assert_error(&r, 429, "Overloaded", "stream of a running exec");
     assert!(r.headers.get("retry-after").is_some(), "{:?}", r.headers);
@@ -273,7 +408,10 @@ async fn session_streams_are_bounded_with_the_others() {
         &d,
         "POST",
         &format!("/v1/sandbox/sessions/{second}/exec"),
-        &[("authorization", svc.as_str()), ("accept", "text/event-stream")],
+        &[
+            ("authorization", svc.as_str()),
+            ("accept", "text/event-stream"),
+        ],
         Some(br#"{"code":"print(1)"}"#.to_vec()),
     )
     .await;

@@ -291,7 +291,11 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
         ("POST", format!("{run}/cancel"), Some(grace)),
         ("GET", ses.to_string(), None),
         ("DELETE", ses.to_string(), None),
-        ("POST", format!("{ses}/exec"), Some(r#"{"code":"print(1)"}"#)),
+        (
+            "POST",
+            format!("{ses}/exec"),
+            Some(r#"{"code":"print(1)"}"#),
+        ),
         ("GET", exec.clone(), None),
         ("GET", format!("{exec}/stream"), None),
         ("POST", format!("{exec}/cancel"), Some(grace)),

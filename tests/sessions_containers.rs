@@ -435,7 +435,10 @@ async fn limits_and_cancels_end_the_exec_not_the_session() {
         ] {
             let busy = c.call(method, &p, body).await;
             assert_eq!(busy.status, 409, "{runtime}: {method} {p}: {}", busy.text);
-            assert_eq!(busy.json["error_type"], "SessionBusy", "{runtime}: {method} {p}");
+            assert_eq!(
+                busy.json["error_type"], "SessionBusy",
+                "{runtime}: {method} {p}"
+            );
         }
         let cancel = c
             .call(
