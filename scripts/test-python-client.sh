@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Tests of the Python client (clients/python) against the real daemon:
-#   1. a Python venv in .tools/ (cached) with pinned httpx and pytest, and the client installed
-#      from clients/python (reinstalled on every run, so the tests use the code of the tree),
-#   2. pytest on clients/python/tests: its fixture starts `executor-arm serve --dev` on a free
+#   1. a Python venv in .tools/ (cached) with pinned httpx, pytest, mypy and setuptools, and the
+#      client installed from clients/python (reinstalled on every run: the tests use the tree's
+#      code),
+#   2. mypy --strict on the package and its tests (the package ships py.typed),
+#   3. pytest on clients/python/tests: its fixture starts `executor-arm serve --dev` on a free
 #      loopback port and takes the banner's minted tokens, as scripts/api-fuzz.sh does.
 # Needs root (the daemon's local sandbox) and the binary ($EXECUTOR_ARM_BIN, else
 # ${CARGO_TARGET_DIR:-target}/release/executor-arm, built here when missing). PyPI is the only
@@ -13,7 +15,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOLS="${EXECUTOR_ARM_TOOLS_DIR:-$ROOT/.tools}"
 VENV="$TOOLS/python-client-venv"
 PY="$VENV/bin/python"
-PY_REQUIREMENTS=("httpx==0.28.1" "pytest==9.2.0" "setuptools==84.2.1")
+PY_REQUIREMENTS=("httpx==0.28.1" "pytest==9.2.0" "setuptools==84.2.1" "mypy==2.4.1")
 
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf 'test-python-client: %s\n' "$*" >&2; exit 1; }
@@ -51,9 +53,12 @@ if [[ ! -x "$BIN" ]]; then
 fi
 export EXECUTOR_ARM_BIN="$BIN"
 
+cd "$ROOT/clients/python"
+step "mypy --strict (clients/python: src, tests)"
+"$VENV/bin/mypy" --strict --cache-dir=/dev/null src/executor_arm_client tests
+
 step "pytest clients/python/tests (daemon: $BIN)"
 # The package has a src/ layout: the tests import the installed copy, not the tree's.
-cd "$ROOT/clients/python"
 "$PY" -m pytest tests -p no:cacheprovider -q -rA "$@"
 echo
 echo "test-python-client: OK"

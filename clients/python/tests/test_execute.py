@@ -122,7 +122,7 @@ def test_execution_timeout_carries_the_partial_result(client: Client) -> None:
             "python3",
             ["-c", "import time; print('started', flush=True); time.sleep(30)"],
             action_type="python",
-            timeout_seconds=1,
+            timeout_seconds=3,
         )
     err = info.value
     assert err.status == 408 and err.error_type == "ExecutionTimeout"

@@ -299,11 +299,39 @@ class Client:
         )
         return result
 
-    def submit(self, command: str, args: Sequence[str] = (), **options: Any) -> RunAccepted:
-        """``execute(..., async_=True)``: the run's 202 handle (``exec_id``, ``links``)."""
-        options["async_"] = True
-        accepted: RunAccepted = self.execute(command, args, **options)
-        return accepted
+    def submit(
+        self,
+        command: str,
+        args: Sequence[str] = (),
+        *,
+        action_type: ActionType = "shell",
+        timeout_seconds: int | None = None,
+        stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
+        profile: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        cancel_on_disconnect: bool | None = None,
+        capability_token: str | None = None,
+        idempotency_key: str | None = None,
+        request_id: str | None = None,
+    ) -> RunAccepted:
+        """``execute(..., async_=True)``: the run's 202 handle (``exec_id``, ``links``); the run
+        goes on, read it with ``get``, ``wait`` or ``stream``."""
+        return self.execute(
+            command,
+            args,
+            action_type=action_type,
+            timeout_seconds=timeout_seconds,
+            stdin=stdin,
+            env=env,
+            profile=profile,
+            metadata=metadata,
+            cancel_on_disconnect=cancel_on_disconnect,
+            async_=True,
+            capability_token=capability_token,
+            idempotency_key=idempotency_key,
+            request_id=request_id,
+        )
 
     def execute_stream(
         self,
