@@ -2,8 +2,9 @@
 # The whole executor-arm test suite, from a fresh machine: installs what the tests need (apt),
 # checks the dependency tree (scripts/supply-chain.sh: cargo deny, cargo audit), sets up Docker +
 # gVisor and the sandbox image, starts Redis, then runs formatting, lints, unit and integration tests
-# (local, docker, gvisor backends), Schemathesis against the OpenAPI document, every fuzz target for
-# a bounded time (FUZZ_SECONDS each, default 20), and the Helm chart validation.
+# (local, docker, gvisor backends), Schemathesis against the OpenAPI document, the Python client's
+# tests against a live daemon, every fuzz target for a bounded time (FUZZ_SECONDS each, default
+# 20), and the Helm chart validation.
 set -Eeuo pipefail
 trap 'echo "test-all: failed at line $LINENO" >&2' ERR
 cd "$(dirname "$0")/.."
@@ -53,6 +54,9 @@ cargo test --locked --all-targets --no-fail-fast -- --test-threads=4
 
 step "api fuzz (schemathesis against the OpenAPI document)"
 scripts/api-fuzz.sh "${CARGO_TARGET_DIR:-target}/tmp/status-log"
+
+step "python client"
+scripts/test-python-client.sh
 
 step "fuzz (every target, bounded)"
 FUZZ_JOBS=2 FUZZ_SEED="${FUZZ_SEED:-1}" scripts/fuzz.sh "${FUZZ_SECONDS:-20}"

@@ -1,0 +1,320 @@
+"""What the sync and async clients share: each operation as a request description and the
+decoding of its answer. Transport, retries and waiting are the clients' own."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+import httpx
+
+from .models import (
+    CancelAccepted,
+    CancelRequest,
+    ExecuteRequest,
+    ExecutionResult,
+    FileList,
+    Health,
+    RunAccepted,
+    RunStatus,
+    SessionCreateRequest,
+    SessionExecRequest,
+    SessionInfo,
+    from_wire,
+    to_wire,
+)
+
+T = TypeVar("T")
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8003"
+USER_AGENT = "executor-arm-client-python/0.1.0"
+
+
+def new_idempotency_key() -> str:
+    """A fresh Idempotency-Key (1-255 visible ASCII characters)."""
+    return f"py-{uuid.uuid4().hex}"
+
+
+def _json(response: httpx.Response) -> Any:
+    return json.loads(response.content)
+
+
+def decode_as(cls: type[T]) -> Callable[[httpx.Response], T]:
+    def decode(response: httpx.Response) -> T:
+        return from_wire(cls, _json(response))
+
+    return decode
+
+
+def _no_content(response: httpx.Response) -> None:
+    return None
+
+
+def _raw_bytes(response: httpx.Response) -> bytes:
+    return response.content
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request: sent as described, again on a retryable error (same headers, so the same
+    Idempotency-Key), and its success answer decoded by ``decode``."""
+
+    method: str
+    path: str
+    decode: Callable[[httpx.Response], T]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    json: Any = None
+    content: bytes | None = None
+    params: Mapping[str, str] | None = None
+
+    def stream_variant(self) -> Call[T]:
+        return Call(
+            self.method,
+            self.path,
+            self.decode,
+            {**self.headers, "Accept": "text/event-stream"},
+            self.json,
+            self.content,
+            self.params,
+        )
+
+
+def _seg(value: str) -> str:
+    return quote(value, safe="")
+
+
+def _file_path(path: str) -> str:
+    # Dot segments are escaped so that no URL normalisation removes them on the way: the daemon
+    # refuses them itself (400).
+    return "/".join(
+        quote(part, safe="") if part not in (".", "..") else part.replace(".", "%2E")
+        for part in path.lstrip("/").split("/")
+    )
+
+
+@dataclass(frozen=True)
+class Credentials:
+    service_token: str | None
+    capability_token: str | None
+    tenant: str | None
+
+    def bearer(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.service_token}"} if self.service_token else {}
+
+    def capability(self, override: str | None) -> dict[str, str]:
+        token = override if override is not None else self.capability_token
+        return {"X-Capability-Token": token} if token else {}
+
+    def tenant_header(self, override: str | None) -> dict[str, str]:
+        tenant = override if override is not None else self.tenant
+        return {"X-Tenant-ID": tenant} if tenant is not None else {}
+
+
+def _common(request_id: str | None, extra: Mapping[str, str] | None) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if request_id is not None:
+        headers["X-Request-ID"] = request_id
+    if extra:
+        headers.update(extra)
+    return headers
+
+
+# --- runs -----------------------------------------------------------------------------------
+
+
+def execute_call(
+    creds: Credentials,
+    request: ExecuteRequest,
+    *,
+    capability_token: str | None,
+    idempotency_key: str | None,
+    request_id: str | None,
+    headers: Mapping[str, str] | None,
+) -> Call[Any]:
+    body = to_wire(request)
+    h = {**creds.bearer(), **_common(request_id, headers)}
+    if "capability_token" not in body:
+        h.update(creds.capability(capability_token))
+    h["Idempotency-Key"] = idempotency_key or new_idempotency_key()
+    decode: Callable[[httpx.Response], Any] = (
+        decode_as(RunAccepted) if request.async_ else decode_as(ExecutionResult)
+    )
+    return Call("POST", "/execute", decode, h, json=body)
+
+
+def run_path(exec_id: str, session_id: str | None = None) -> str:
+    if session_id is None:
+        return f"/v1/executions/{_seg(exec_id)}"
+    return f"/v1/sandbox/sessions/{_seg(session_id)}/execs/{_seg(exec_id)}"
+
+
+def get_run_call(
+    creds: Credentials,
+    exec_id: str,
+    *,
+    session_id: str | None = None,
+    tenant: str | None = None,
+    request_id: str | None = None,
+) -> Call[RunStatus]:
+    h = {**creds.bearer(), **_common(request_id, None)}
+    if session_id is not None:
+        h.update(creds.tenant_header(tenant))
+    return Call("GET", run_path(exec_id, session_id), decode_as(RunStatus), h)
+
+
+def stream_run_call(
+    creds: Credentials,
+    exec_id: str,
+    *,
+    last_event_id: str | None = None,
+    session_id: str | None = None,
+    tenant: str | None = None,
+    request_id: str | None = None,
+) -> Call[None]:
+    h = {**creds.bearer(), **_common(request_id, None), "Accept": "text/event-stream"}
+    if session_id is not None:
+        h.update(creds.tenant_header(tenant))
+    if last_event_id is not None:
+        h["Last-Event-ID"] = last_event_id
+    return Call("GET", run_path(exec_id, session_id) + "/stream", _no_content, h)
+
+
+def cancel_run_call(
+    creds: Credentials,
+    exec_id: str,
+    *,
+    grace_seconds: int | None = None,
+    session_id: str | None = None,
+    tenant: str | None = None,
+    request_id: str | None = None,
+) -> Call[CancelAccepted]:
+    h = {**creds.bearer(), **_common(request_id, None)}
+    if session_id is not None:
+        h.update(creds.tenant_header(tenant))
+    body = to_wire(CancelRequest(grace_seconds=grace_seconds))
+    return Call(
+        "POST", run_path(exec_id, session_id) + "/cancel", decode_as(CancelAccepted), h, json=body
+    )
+
+
+# --- sessions -------------------------------------------------------------------------------
+
+
+def create_session_call(
+    creds: Credentials,
+    request: SessionCreateRequest,
+    *,
+    capability_token: str | None,
+    tenant: str | None,
+    request_id: str | None,
+) -> Call[SessionInfo]:
+    body = to_wire(request)
+    h = {**creds.bearer(), **creds.tenant_header(tenant), **_common(request_id, None)}
+    if "capability_token" not in body:
+        h.update(creds.capability(capability_token))
+    return Call("POST", "/v1/sandbox/sessions", decode_as(SessionInfo), h, json=body)
+
+
+def _session_headers(
+    creds: Credentials, tenant: str | None, request_id: str | None
+) -> dict[str, str]:
+    return {**creds.bearer(), **creds.tenant_header(tenant), **_common(request_id, None)}
+
+
+def get_session_call(
+    creds: Credentials, session_id: str, *, tenant: str | None, request_id: str | None
+) -> Call[SessionInfo]:
+    return Call(
+        "GET",
+        f"/v1/sandbox/sessions/{_seg(session_id)}",
+        decode_as(SessionInfo),
+        _session_headers(creds, tenant, request_id),
+    )
+
+
+def delete_session_call(
+    creds: Credentials, session_id: str, *, tenant: str | None, request_id: str | None
+) -> Call[None]:
+    return Call(
+        "DELETE",
+        f"/v1/sandbox/sessions/{_seg(session_id)}",
+        _no_content,
+        _session_headers(creds, tenant, request_id),
+    )
+
+
+def session_exec_call(
+    creds: Credentials,
+    session_id: str,
+    request: SessionExecRequest,
+    *,
+    tenant: str | None,
+    idempotency_key: str | None,
+    request_id: str | None,
+) -> Call[Any]:
+    h = _session_headers(creds, tenant, request_id)
+    h["Idempotency-Key"] = idempotency_key or new_idempotency_key()
+    decode: Callable[[httpx.Response], Any] = (
+        decode_as(RunAccepted) if request.async_ else decode_as(ExecutionResult)
+    )
+    return Call(
+        "POST", f"/v1/sandbox/sessions/{_seg(session_id)}/exec", decode, h, json=to_wire(request)
+    )
+
+
+def upload_call(
+    creds: Credentials,
+    session_id: str,
+    path: str,
+    data: bytes,
+    *,
+    tenant: str | None,
+    request_id: str | None,
+) -> Call[None]:
+    h = _session_headers(creds, tenant, request_id)
+    h["Content-Type"] = "application/octet-stream"
+    return Call(
+        "PUT",
+        f"/v1/sandbox/sessions/{_seg(session_id)}/files/{_file_path(path)}",
+        _no_content,
+        h,
+        content=data,
+    )
+
+
+def download_call(
+    creds: Credentials, session_id: str, path: str, *, tenant: str | None, request_id: str | None
+) -> Call[bytes]:
+    return Call(
+        "GET",
+        f"/v1/sandbox/sessions/{_seg(session_id)}/files/{_file_path(path)}",
+        _raw_bytes,
+        _session_headers(creds, tenant, request_id),
+    )
+
+
+def list_files_call(
+    creds: Credentials, session_id: str, path: str, *, tenant: str | None, request_id: str | None
+) -> Call[FileList]:
+    return Call(
+        "GET",
+        f"/v1/sandbox/sessions/{_seg(session_id)}/files",
+        decode_as(FileList),
+        _session_headers(creds, tenant, request_id),
+        params={"path": path.lstrip("/")},
+    )
+
+
+# --- unauthenticated ------------------------------------------------------------------------
+
+
+def health_call() -> Call[Health]:
+    return Call("GET", "/health", decode_as(Health))
+
+
+def capabilities_call() -> Call[dict[str, Any]]:
+    return Call("GET", "/capabilities", _json)

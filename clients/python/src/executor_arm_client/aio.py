@@ -1,0 +1,628 @@
+"""The asynchronous client: the same API as :class:`~executor_arm_client.Client`, awaited."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, Literal, TypeVar, overload
+
+import httpx
+
+from . import _core
+from ._core import Call, Credentials
+from .client import DEFAULT_TIMEOUT, answer_of
+from .errors import ExecutorArmError, TransportError, error_from_response
+from .models import (
+    ActionType,
+    CancelAccepted,
+    Event,
+    ExecuteRequest,
+    ExecutionResult,
+    FileList,
+    Health,
+    ResultEvent,
+    RunAccepted,
+    RunStatus,
+    SessionCreateRequest,
+    SessionExecRequest,
+    SessionInfo,
+    SessionLimits,
+    StartEvent,
+    from_wire,
+)
+from .retry import RetryPolicy
+from .sse import aiter_events
+
+__all__ = ["AsyncClient", "AsyncSessions"]
+
+T = TypeVar("T")
+
+# Builds the request that resumes a stream: (exec_id, Last-Event-ID) -> call.
+_Resume = Callable[[str, "str | None"], "Call[None]"]
+
+
+class AsyncClient:
+    """A client of one executor-arm daemon.
+
+    ``service_token`` is sent as ``Authorization: Bearer`` on every authenticated route;
+    ``capability_token`` as ``X-Capability-Token`` where the daemon takes one (``/execute``,
+    session creation) unless a call gives its own; ``tenant`` as ``X-Tenant-ID`` on session
+    routes. Errors are raised as :class:`~executor_arm_client.errors.ExecutorArmError`
+    subclasses; retryable ones are retried by ``retry``.
+    """
+
+    def __init__(
+        self,
+        base_url: str = _core.DEFAULT_BASE_URL,
+        *,
+        service_token: str | None = None,
+        capability_token: str | None = None,
+        tenant: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: httpx.Timeout | float | None = DEFAULT_TIMEOUT,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.service_token = service_token
+        self.capability_token = capability_token
+        self.tenant = tenant
+        self.retry = retry if retry is not None else RetryPolicy()
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.AsyncClient(
+            base_url=base_url,
+            timeout=timeout,
+            headers={"User-Agent": _core.USER_AGENT, **(headers or {})},
+            transport=transport,
+        )
+        self.sessions = AsyncSessions(self)
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    @property
+    def _creds(self) -> Credentials:
+        return Credentials(self.service_token, self.capability_token, self.tenant)
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    async def _request(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
+        """Sends ``call`` until it succeeds, fails for good, or runs out of attempts."""
+        attempt = 0
+        while True:
+            attempt += 1
+            err: ExecutorArmError
+            try:
+                request = self._http.build_request(
+                    call.method,
+                    call.path,
+                    headers=dict(call.headers),
+                    json=call.json,
+                    content=call.content,
+                    params=call.params,
+                )
+                response = await self._http.send(request, stream=stream)
+            except httpx.TransportError as e:
+                err = TransportError.from_httpx(e, call.method)
+            else:
+                if response.status_code < 400:
+                    return response
+                await response.aread()
+                await response.aclose()
+                err = error_from_response(response)
+            if not err.retryable or attempt >= self.retry.max_attempts:
+                raise err
+            await self._sleep(self.retry.delay(attempt, err.retry_after))
+
+    async def _send(self, call: Call[T]) -> T:
+        return call.decode(await self._request(call))
+
+    async def _events(
+        self, call: Call[Any], resume: _Resume, exec_id: str | None = None
+    ) -> AsyncIterator[Event]:
+        """The events of a stream; a connection that breaks before the result is resumed from
+        the last event id (bounded by the retry policy's attempts)."""
+        last_id: str | None = call.headers.get("Last-Event-ID")
+        failures = 0
+        current = call
+        while True:
+            progressed = False
+            try:
+                response = await self._request(current, stream=True)
+                try:
+                    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                        # A replayed streamed request answers with the run's 202: follow it.
+                        await response.aread()
+                        accepted = from_wire(RunAccepted, response.json())
+                        exec_id = accepted.exec_id
+                        current = resume(exec_id, last_id)
+                        continue
+                    async for ev in aiter_events(response.aiter_lines()):
+                        if isinstance(ev, StartEvent):
+                            exec_id = ev.exec_id
+                        if ev.id is not None:
+                            last_id = ev.id
+                        progressed = True
+                        yield ev
+                        if isinstance(ev, ResultEvent):
+                            return
+                finally:
+                    await response.aclose()
+                err: ExecutorArmError = TransportError(
+                    "the stream ended before the run's result",
+                    retryable=True,
+                    cause=httpx.RemoteProtocolError("stream ended"),
+                )
+            except httpx.TransportError as e:
+                err = TransportError.from_httpx(e)
+                err.retryable = True
+            if exec_id is None:
+                raise err
+            failures = 0 if progressed else failures + 1
+            if failures >= self.retry.max_attempts:
+                raise err
+            if failures:
+                await self._sleep(self.retry.delay(failures, None))
+            current = resume(exec_id, last_id)
+
+    def _stream_resume(self, session_id: str | None = None, tenant: str | None = None) -> _Resume:
+        def resume(exec_id: str, last_id: str | None) -> Call[None]:
+            return _core.stream_run_call(
+                self._creds, exec_id, last_event_id=last_id, session_id=session_id, tenant=tenant
+            )
+
+        return resume
+
+    # -- runs ------------------------------------------------------------------------------
+
+    @overload
+    async def execute(
+        self,
+        command: str,
+        args: Sequence[str] = ...,
+        *,
+        action_type: ActionType = ...,
+        timeout_seconds: int | None = ...,
+        stdin: str | None = ...,
+        env: Mapping[str, str] | None = ...,
+        profile: str | None = ...,
+        metadata: Mapping[str, Any] | None = ...,
+        cancel_on_disconnect: bool | None = ...,
+        async_: Literal[False] = ...,
+        capability_token: str | None = ...,
+        idempotency_key: str | None = ...,
+        request_id: str | None = ...,
+    ) -> ExecutionResult: ...
+
+    @overload
+    async def execute(
+        self,
+        command: str,
+        args: Sequence[str] = ...,
+        *,
+        action_type: ActionType = ...,
+        timeout_seconds: int | None = ...,
+        stdin: str | None = ...,
+        env: Mapping[str, str] | None = ...,
+        profile: str | None = ...,
+        metadata: Mapping[str, Any] | None = ...,
+        cancel_on_disconnect: bool | None = ...,
+        async_: Literal[True],
+        capability_token: str | None = ...,
+        idempotency_key: str | None = ...,
+        request_id: str | None = ...,
+    ) -> RunAccepted: ...
+
+    async def execute(
+        self,
+        command: str,
+        args: Sequence[str] = (),
+        *,
+        action_type: ActionType = "shell",
+        timeout_seconds: int | None = None,
+        stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
+        profile: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        cancel_on_disconnect: bool | None = None,
+        async_: bool = False,
+        capability_token: str | None = None,
+        idempotency_key: str | None = None,
+        request_id: str | None = None,
+    ) -> ExecutionResult | RunAccepted:
+        """``POST /execute``: runs ``command`` with ``args`` and waits for its result, or, with
+        ``async_=True``, returns the 202 run handle at once. A run that hits its time limit
+        raises :class:`~executor_arm_client.errors.ExecutionTimeoutError` (its ``result`` holds
+        the partial output)."""
+        request = ExecuteRequest(
+            action_type=action_type,
+            command=command,
+            args=list(args) if args else None,
+            timeout_seconds=timeout_seconds,
+            stdin=stdin,
+            env=dict(env) if env is not None else None,
+            profile=profile,
+            metadata=dict(metadata) if metadata is not None else None,
+            cancel_on_disconnect=cancel_on_disconnect,
+            async_=True if async_ else None,
+        )
+        return await self.execute_request(
+            request,
+            capability_token=capability_token,
+            idempotency_key=idempotency_key,
+            request_id=request_id,
+        )
+
+    async def execute_request(
+        self,
+        request: ExecuteRequest,
+        *,
+        capability_token: str | None = None,
+        idempotency_key: str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> ExecutionResult | RunAccepted:
+        """``POST /execute`` with a full request body (external executors' envelope fields
+        included). A :class:`RunAccepted` when ``request.async_``, else the result."""
+        result: ExecutionResult | RunAccepted = await self._send(
+            _core.execute_call(
+                self._creds,
+                request,
+                capability_token=capability_token,
+                idempotency_key=idempotency_key,
+                request_id=request_id,
+                headers=headers,
+            )
+        )
+        return result
+
+    async def submit(
+        self,
+        command: str,
+        args: Sequence[str] = (),
+        *,
+        action_type: ActionType = "shell",
+        timeout_seconds: int | None = None,
+        stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
+        profile: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        cancel_on_disconnect: bool | None = None,
+        capability_token: str | None = None,
+        idempotency_key: str | None = None,
+        request_id: str | None = None,
+    ) -> RunAccepted:
+        """``execute(..., async_=True)``: the run's 202 handle (``exec_id``, ``links``); the run
+        goes on, read it with ``get``, ``wait`` or ``stream``."""
+        return await self.execute(
+            command,
+            args,
+            action_type=action_type,
+            timeout_seconds=timeout_seconds,
+            stdin=stdin,
+            env=env,
+            profile=profile,
+            metadata=metadata,
+            cancel_on_disconnect=cancel_on_disconnect,
+            async_=True,
+            capability_token=capability_token,
+            idempotency_key=idempotency_key,
+            request_id=request_id,
+        )
+
+    def execute_stream(
+        self,
+        command: str,
+        args: Sequence[str] = (),
+        *,
+        action_type: ActionType = "shell",
+        timeout_seconds: int | None = None,
+        stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
+        profile: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        cancel_on_disconnect: bool | None = None,
+        capability_token: str | None = None,
+        idempotency_key: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Event]:
+        """``POST /execute`` with ``Accept: text/event-stream``: the run's events as it goes
+        (``start``, ``stdout``/``stderr`` chunks, then ``result``)."""
+        request = ExecuteRequest(
+            action_type=action_type,
+            command=command,
+            args=list(args) if args else None,
+            timeout_seconds=timeout_seconds,
+            stdin=stdin,
+            env=dict(env) if env is not None else None,
+            profile=profile,
+            metadata=dict(metadata) if metadata is not None else None,
+            cancel_on_disconnect=cancel_on_disconnect,
+        )
+        call = _core.execute_call(
+            self._creds,
+            request,
+            capability_token=capability_token,
+            idempotency_key=idempotency_key,
+            request_id=request_id,
+            headers=None,
+        ).stream_variant()
+        return self._events(call, self._stream_resume())
+
+    async def get(self, exec_id: str, *, request_id: str | None = None) -> RunStatus:
+        """``GET /v1/executions/{exec_id}``: the run's status, and its answer once finished."""
+        return await self._send(_core.get_run_call(self._creds, exec_id, request_id=request_id))
+
+    async def wait(
+        self, exec_id: str, *, poll_interval: float = 0.5, timeout: float | None = None
+    ) -> ExecutionResult:
+        """Polls the run until it finishes; its result (or its error, raised)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = await self.get(exec_id)
+            if status.finished:
+                return answer_of(status)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"run {exec_id} still running after {timeout} s")
+            await self._sleep(poll_interval)
+
+    def stream(self, exec_id: str, *, last_event_id: str | None = None) -> AsyncIterator[Event]:
+        """``GET /v1/executions/{exec_id}/stream``: a running or finished run's events, from
+        ``last_event_id`` when given."""
+        call = _core.stream_run_call(self._creds, exec_id, last_event_id=last_event_id)
+        return self._events(call, self._stream_resume(), exec_id)
+
+    async def cancel(
+        self, exec_id: str, *, grace_seconds: int | None = None, request_id: str | None = None
+    ) -> CancelAccepted:
+        """``POST /v1/executions/{exec_id}/cancel``: SIGTERM, then SIGKILL after the grace."""
+        return await self._send(
+            _core.cancel_run_call(
+                self._creds, exec_id, grace_seconds=grace_seconds, request_id=request_id
+            )
+        )
+
+    # -- daemon ----------------------------------------------------------------------------
+
+    async def health(self) -> Health:
+        return await self._send(_core.health_call())
+
+    async def capabilities(self) -> dict[str, Any]:
+        """``GET /capabilities``: action types, allowed commands, profiles, limits, …"""
+        return await self._send(_core.capabilities_call())
+
+
+class AsyncSessions:
+    """``/v1/sandbox/sessions``: sandboxes kept across execs, with their workspace. ``tenant``
+    defaults to the client's."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def create(
+        self,
+        language: str = "python",
+        *,
+        profile: str | None = None,
+        ttl_seconds: int | None = None,
+        idle_timeout_seconds: int | None = None,
+        limits: SessionLimits | None = None,
+        capability_token: str | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+    ) -> SessionInfo:
+        request = SessionCreateRequest(
+            language=language,
+            profile=profile,
+            ttl_seconds=ttl_seconds,
+            idle_timeout_seconds=idle_timeout_seconds,
+            limits=limits,
+        )
+        return await self._client._send(
+            _core.create_session_call(
+                self._client._creds,
+                request,
+                capability_token=capability_token,
+                tenant=tenant,
+                request_id=request_id,
+            )
+        )
+
+    async def get(self, session_id: str, *, tenant: str | None = None) -> SessionInfo:
+        return await self._client._send(
+            _core.get_session_call(self._client._creds, session_id, tenant=tenant, request_id=None)
+        )
+
+    async def delete(self, session_id: str, *, tenant: str | None = None) -> None:
+        """Ends the session: kills a running exec and removes the workspace."""
+        await self._client._send(
+            _core.delete_session_call(
+                self._client._creds, session_id, tenant=tenant, request_id=None
+            )
+        )
+
+    @overload
+    async def exec(
+        self,
+        session_id: str,
+        code: str,
+        *,
+        stdin: str | None = ...,
+        env: Mapping[str, str] | None = ...,
+        cwd: str | None = ...,
+        timeout_ms: int | None = ...,
+        async_: Literal[False] = ...,
+        cancel_on_disconnect: bool | None = ...,
+        tenant: str | None = ...,
+        idempotency_key: str | None = ...,
+        request_id: str | None = ...,
+    ) -> ExecutionResult: ...
+
+    @overload
+    async def exec(
+        self,
+        session_id: str,
+        code: str,
+        *,
+        stdin: str | None = ...,
+        env: Mapping[str, str] | None = ...,
+        cwd: str | None = ...,
+        timeout_ms: int | None = ...,
+        async_: Literal[True],
+        cancel_on_disconnect: bool | None = ...,
+        tenant: str | None = ...,
+        idempotency_key: str | None = ...,
+        request_id: str | None = ...,
+    ) -> RunAccepted: ...
+
+    async def exec(
+        self,
+        session_id: str,
+        code: str,
+        *,
+        stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_ms: int | None = None,
+        async_: bool = False,
+        cancel_on_disconnect: bool | None = None,
+        tenant: str | None = None,
+        idempotency_key: str | None = None,
+        request_id: str | None = None,
+    ) -> ExecutionResult | RunAccepted:
+        """Runs ``code`` in the session's language and workspace. A deadline that ends the run
+        is a result (``outcome == "timeout"``), not an error."""
+        request = SessionExecRequest(
+            code=code,
+            stdin=stdin,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            timeout_ms=timeout_ms,
+            async_=True if async_ else None,
+            cancel_on_disconnect=cancel_on_disconnect,
+        )
+        result: ExecutionResult | RunAccepted = await self._client._send(
+            _core.session_exec_call(
+                self._client._creds,
+                session_id,
+                request,
+                tenant=tenant,
+                idempotency_key=idempotency_key,
+                request_id=request_id,
+            )
+        )
+        return result
+
+    def exec_stream(
+        self,
+        session_id: str,
+        code: str,
+        *,
+        stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_ms: int | None = None,
+        cancel_on_disconnect: bool | None = None,
+        tenant: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> AsyncIterator[Event]:
+        """Runs ``code`` and streams its events."""
+        request = SessionExecRequest(
+            code=code,
+            stdin=stdin,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            timeout_ms=timeout_ms,
+            cancel_on_disconnect=cancel_on_disconnect,
+        )
+        call = _core.session_exec_call(
+            self._client._creds,
+            session_id,
+            request,
+            tenant=tenant,
+            idempotency_key=idempotency_key,
+            request_id=None,
+        ).stream_variant()
+        return self._client._events(call, self._client._stream_resume(session_id, tenant))
+
+    async def get_exec(
+        self, session_id: str, exec_id: str, *, tenant: str | None = None
+    ) -> RunStatus:
+        return await self._client._send(
+            _core.get_run_call(self._client._creds, exec_id, session_id=session_id, tenant=tenant)
+        )
+
+    def stream_exec(
+        self,
+        session_id: str,
+        exec_id: str,
+        *,
+        last_event_id: str | None = None,
+        tenant: str | None = None,
+    ) -> AsyncIterator[Event]:
+        call = _core.stream_run_call(
+            self._client._creds,
+            exec_id,
+            last_event_id=last_event_id,
+            session_id=session_id,
+            tenant=tenant,
+        )
+        return self._client._events(call, self._client._stream_resume(session_id, tenant), exec_id)
+
+    async def cancel_exec(
+        self,
+        session_id: str,
+        exec_id: str,
+        *,
+        grace_seconds: int | None = None,
+        tenant: str | None = None,
+    ) -> CancelAccepted:
+        return await self._client._send(
+            _core.cancel_run_call(
+                self._client._creds,
+                exec_id,
+                grace_seconds=grace_seconds,
+                session_id=session_id,
+                tenant=tenant,
+            )
+        )
+
+    async def upload(
+        self, session_id: str, path: str, data: bytes | str, *, tenant: str | None = None
+    ) -> None:
+        """Writes ``data`` to ``path`` (relative to the workspace; parents are made)."""
+        content = data.encode() if isinstance(data, str) else data
+        await self._client._send(
+            _core.upload_call(
+                self._client._creds, session_id, path, content, tenant=tenant, request_id=None
+            )
+        )
+
+    async def download(self, session_id: str, path: str, *, tenant: str | None = None) -> bytes:
+        """A workspace file's bytes."""
+        return await self._client._send(
+            _core.download_call(
+                self._client._creds, session_id, path, tenant=tenant, request_id=None
+            )
+        )
+
+    async def list_files(
+        self, session_id: str, path: str = "", *, tenant: str | None = None
+    ) -> FileList:
+        """A workspace directory's entries (``""`` is the workspace itself)."""
+        return await self._client._send(
+            _core.list_files_call(
+                self._client._creds, session_id, path, tenant=tenant, request_id=None
+            )
+        )

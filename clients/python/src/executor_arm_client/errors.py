@@ -1,0 +1,287 @@
+"""Typed errors. Every error answer of the daemon is ``{"success": false, "error", "error_type",
+"retryable", …}``; it is raised as the subclass of :class:`ExecutorArmError` its ``error_type``
+names (or, failing that, its status)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from .models import ErrorBody, ExecutionResult, from_wire
+
+__all__ = [
+    "ExecutorArmError",
+    "TransportError",
+    "InvalidRequestError",
+    "MethodNotAllowedError",
+    "AuthenticationError",
+    "CapabilityViolationError",
+    "NotFoundError",
+    "ConflictError",
+    "IdempotencyInProgressError",
+    "AlreadyFinishedError",
+    "SessionBusyError",
+    "IdempotencyConflictError",
+    "PayloadTooLargeError",
+    "TimeoutExceededError",
+    "ExecutionTimeoutError",
+    "RequestTimeoutError",
+    "RateLimitedError",
+    "WorkspaceFullError",
+    "UnavailableError",
+    "InternalServerError",
+    "error_from_response",
+    "error_from_body",
+]
+
+
+class ExecutorArmError(Exception):
+    """An error answer of the daemon (or, for :class:`TransportError`, no answer at all).
+
+    ``retryable`` is the daemon's own verdict: the same request may succeed later (429, 503, 5xx,
+    an Idempotency-Key still running). ``retry_after`` is the ``Retry-After`` header in seconds.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        error_type: str | None = None,
+        retryable: bool = False,
+        retry_after: float | None = None,
+        request_id: str | None = None,
+        body: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.error_type = error_type
+        self.retryable = retryable
+        self.retry_after = retry_after
+        self.request_id = request_id
+        self.body = body
+
+    def __str__(self) -> str:
+        parts = [p for p in (str(self.status or ""), self.error_type or "") if p]
+        prefix = " ".join(parts)
+        return f"{prefix}: {self.message}" if prefix else self.message
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(status={self.status!r}, error_type={self.error_type!r}, "
+            f"message={self.message!r}, retryable={self.retryable!r}, "
+            f"retry_after={self.retry_after!r}, request_id={self.request_id!r})"
+        )
+
+
+class TransportError(ExecutorArmError):
+    """The daemon could not be reached or the connection broke. Retryable when the request
+    cannot have reached the daemon (connection refused, connect timeout) or only reads (GET)."""
+
+    def __init__(self, message: str, *, retryable: bool, cause: httpx.TransportError) -> None:
+        super().__init__(message, retryable=retryable)
+        self.cause = cause
+
+    @classmethod
+    def from_httpx(cls, exc: httpx.TransportError, method: str | None = None) -> TransportError:
+        unsent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+        return cls(f"{type(exc).__name__}: {exc}", retryable=unsent or method == "GET", cause=exc)
+
+
+class InvalidRequestError(ExecutorArmError):
+    """400 ``InvalidRequest`` (and 404 of an unknown path): fix the request."""
+
+
+class MethodNotAllowedError(ExecutorArmError):
+    """405 ``MethodNotAllowed``."""
+
+
+class AuthenticationError(ExecutorArmError):
+    """401 ``Unauthorized``: a service or capability token is missing, malformed or expired."""
+
+
+class CapabilityViolationError(ExecutorArmError):
+    """403 ``CapabilityViolation``: the allowlist or a token refused the call.
+    ``allowed_commands`` is set when the command is not in the allowlist."""
+
+    @property
+    def allowed_commands(self) -> list[str] | None:
+        if isinstance(self.body, dict):
+            value = self.body.get("allowed_commands")
+            if isinstance(value, list):
+                return [str(v) for v in value]
+        return None
+
+
+class NotFoundError(ExecutorArmError):
+    """404 ``NotFound``: no such run, session or file for this caller (and tenant)."""
+
+
+class ConflictError(ExecutorArmError):
+    """409: the resource is in a state that refuses the call."""
+
+
+class IdempotencyInProgressError(ConflictError):
+    """409 ``IdempotencyInProgress``: the first request with this key still runs (retryable)."""
+
+
+class AlreadyFinishedError(ConflictError):
+    """409 ``AlreadyFinished``: cancel of a run that has finished."""
+
+
+class SessionBusyError(ConflictError):
+    """409 ``SessionBusy``: the session runs another exec."""
+
+
+class IdempotencyConflictError(ExecutorArmError):
+    """422 ``IdempotencyConflict``: the key was used with another body or capability token."""
+
+
+class PayloadTooLargeError(ExecutorArmError):
+    """413 ``PayloadTooLarge``."""
+
+
+class TimeoutExceededError(ExecutorArmError):
+    """408: a deadline ran out."""
+
+
+class ExecutionTimeoutError(TimeoutExceededError):
+    """408 ``ExecutionTimeout``: the run hit its wall-clock limit. ``result`` holds the partial
+    output and the rest of the result."""
+
+    @property
+    def result(self) -> ExecutionResult | None:
+        if isinstance(self.body, dict) and "stdout" in self.body and "exec_id" in self.body:
+            return from_wire(ExecutionResult, self.body)
+        return None
+
+
+class RequestTimeoutError(TimeoutExceededError):
+    """408 ``RequestTimeout``: the request body did not arrive in time; nothing ran."""
+
+
+class RateLimitedError(ExecutorArmError):
+    """429 ``Overloaded``: run slots, sessions or file transfers are all taken (retryable)."""
+
+
+class WorkspaceFullError(ExecutorArmError):
+    """507 ``WorkspaceFull``: the session's disk quota is reached."""
+
+
+class UnavailableError(ExecutorArmError):
+    """503 ``SandboxUnavailable``: a backend, the state store or the audit log is down, or the
+    daemon is draining (retryable)."""
+
+
+class InternalServerError(ExecutorArmError):
+    """500 ``InternalError``."""
+
+
+_BY_TYPE: dict[str, type[ExecutorArmError]] = {
+    "InvalidRequest": InvalidRequestError,
+    "MethodNotAllowed": MethodNotAllowedError,
+    "Unauthorized": AuthenticationError,
+    "CapabilityViolation": CapabilityViolationError,
+    "NotFound": NotFoundError,
+    "IdempotencyInProgress": IdempotencyInProgressError,
+    "AlreadyFinished": AlreadyFinishedError,
+    "SessionBusy": SessionBusyError,
+    "IdempotencyConflict": IdempotencyConflictError,
+    "PayloadTooLarge": PayloadTooLargeError,
+    "ExecutionTimeout": ExecutionTimeoutError,
+    "RequestTimeout": RequestTimeoutError,
+    "Overloaded": RateLimitedError,
+    "WorkspaceFull": WorkspaceFullError,
+    "SandboxUnavailable": UnavailableError,
+    "InternalError": InternalServerError,
+}
+
+_BY_STATUS: dict[int, type[ExecutorArmError]] = {
+    400: InvalidRequestError,
+    401: AuthenticationError,
+    403: CapabilityViolationError,
+    404: NotFoundError,
+    405: MethodNotAllowedError,
+    408: TimeoutExceededError,
+    409: ConflictError,
+    413: PayloadTooLargeError,
+    422: IdempotencyConflictError,
+    429: RateLimitedError,
+    500: InternalServerError,
+    503: UnavailableError,
+    507: WorkspaceFullError,
+}
+
+
+def _retry_after(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None  # an HTTP date: the daemon never sends one
+    return seconds if seconds >= 0 else None
+
+
+def error_from_body(
+    status: int | None,
+    body: Any,
+    *,
+    reason: str | None = None,
+    retry_after: float | None = None,
+    request_id: str | None = None,
+) -> ExecutorArmError:
+    """The typed error of an error body (a dict as the daemon sends it, or anything else)."""
+    error_type: str | None = None
+    message = reason or (f"HTTP {status}" if status else "error")
+    retryable = status is not None and (status == 429 or status >= 500)
+    if isinstance(body, dict):
+        if isinstance(body.get("error_type"), str):
+            error_type = body["error_type"]
+        if isinstance(body.get("error"), str):
+            message = body["error"]
+        if isinstance(body.get("retryable"), bool):
+            retryable = body["retryable"]
+    cls = _BY_TYPE.get(error_type or "") or _BY_STATUS.get(status or 0)
+    if cls is None:
+        cls = InternalServerError if status is not None and status >= 500 else ExecutorArmError
+    return cls(
+        message,
+        status=status,
+        error_type=error_type,
+        retryable=retryable,
+        retry_after=retry_after,
+        request_id=request_id,
+        body=body,
+    )
+
+
+def error_from_response(response: httpx.Response) -> ExecutorArmError:
+    """The typed error of a non-success answer (its body must have been read)."""
+    body: Any = None
+    reason = response.reason_phrase or None
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        if response.content:
+            reason = response.text[:500]
+    return error_from_body(
+        response.status_code,
+        body,
+        reason=reason,
+        retry_after=_retry_after(response.headers.get("retry-after")),
+        request_id=response.headers.get("x-request-id"),
+    )
+
+
+def error_body(err: ExecutorArmError) -> ErrorBody | None:
+    """The error's body as the documented model, when it has that shape."""
+    if isinstance(err.body, dict) and "error_type" in err.body and "stdout" not in err.body:
+        try:
+            return from_wire(ErrorBody, err.body)
+        except (TypeError, ValueError):
+            return None
+    return None
