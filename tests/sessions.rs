@@ -383,7 +383,23 @@ async fn async_execs_are_polled_streamed_and_cancelled_one_at_a_time() {
     assert_eq!(busy.status, 409, "{}", busy.text);
     assert_eq!(busy.json["error_type"], "SessionBusy");
     let base = format!("/v1/sandbox/sessions/{id}/execs/{exec_id}");
-    let r = c.call("GET", &base, None).await;
+    // The 202's links are the session's exec routes, and they answer.
+    assert_eq!(r.json["links"]["self"], base.as_str(), "{}", r.text);
+    assert_eq!(
+        r.json["links"]["stream"],
+        format!("{base}/stream"),
+        "{}",
+        r.text
+    );
+    assert_eq!(
+        r.json["links"]["cancel"],
+        format!("{base}/cancel"),
+        "{}",
+        r.text
+    );
+    let r = c
+        .call("GET", r.json["links"]["self"].as_str().unwrap(), None)
+        .await;
     assert_eq!(r.json["status"], "running", "{}", r.text);
     // Under another session of the same caller, the exec is not found.
     let other = new_session(&c, "python").await;

@@ -590,6 +590,7 @@ async fn handle(
         mode,
         cancel_on_disconnect,
         timeout_status: StatusCode::REQUEST_TIMEOUT,
+        links: "/v1/executions/".into(),
         build: Box::new(move || {
             Box::pin(async move {
                 let request =
@@ -613,6 +614,9 @@ pub(super) struct Job {
     pub cancel_on_disconnect: bool,
     /// The status of a synchronous answer whose run the wall clock ended.
     pub timeout_status: StatusCode,
+    /// Where the run is read, streamed and cancelled, less its exec_id: `/v1/executions/` for
+    /// `/execute`, the session's `/execs/` for a session's exec (the 202's links).
+    pub links: String,
     /// Makes the execution request once the Idempotency-Key is held: a replay makes none.
     pub build: Box<dyn FnOnce() -> BoxFuture<'static, Result<Prepared, ApiError>> + Send>,
 }
@@ -640,6 +644,7 @@ pub(super) async fn serve(
         mode,
         cancel_on_disconnect,
         timeout_status,
+        links,
         build,
     } = job;
     let idem = match idem {
@@ -714,6 +719,7 @@ pub(super) async fn serve(
         mode,
         cancel_on_disconnect,
         timeout_status,
+        links: links.clone(),
         on_start,
     };
     let answered = run_request(st, request, how, on_disconnect).await;
@@ -728,7 +734,7 @@ pub(super) async fn serve(
             Ok(Answer::Stored(a)) if matches!(a.status, 200 | 202 | 408) => Some(a.clone()),
             Ok(Answer::Stream(live)) => Some(StoredResponse {
                 status: StatusCode::ACCEPTED.as_u16(),
-                body: accepted_body(live.exec_id()),
+                body: accepted_body(&links, live.exec_id()),
             }),
             _ => None,
         };
@@ -769,6 +775,8 @@ struct How {
     mode: Mode,
     cancel_on_disconnect: bool,
     timeout_status: StatusCode,
+    /// See [`Job::links`].
+    links: String,
     on_start: Option<OnStart>,
 }
 
@@ -787,6 +795,7 @@ async fn run_request(
         mode,
         cancel_on_disconnect,
         timeout_status,
+        links,
         on_start,
     } = how;
     let owner = request.owner.clone();
@@ -807,7 +816,7 @@ async fn run_request(
         Mode::Async => {
             return Ok(Answer::Stored(StoredResponse {
                 status: StatusCode::ACCEPTED.as_u16(),
-                body: accepted_body(live.exec_id()),
+                body: accepted_body(&links, live.exec_id()),
             }));
         }
         Mode::Stream => return Ok(Answer::Stream(live)),
@@ -873,9 +882,10 @@ fn answer_of(
     }
 }
 
-/// The 202 body of an async run: where to read, stream and cancel it.
-pub(super) fn accepted_body(exec_id: &str) -> String {
-    let base = format!("/v1/executions/{exec_id}");
+/// The 202 body of an async run: where to read, stream and cancel it (its routes are under
+/// `links`, see [`Job::links`]).
+pub(super) fn accepted_body(links: &str, exec_id: &str) -> String {
+    let base = format!("{links}{exec_id}");
     let body = RunAccepted {
         exec_id: exec_id.to_string(),
         status: "running",

@@ -537,6 +537,7 @@ async fn exec_inner(
         mode,
         cancel_on_disconnect: asked.cancel_on_disconnect,
         timeout_status: StatusCode::OK,
+        links: format!("/v1/sandbox/sessions/{id}/execs/"),
         build: Box::new(move || {
             Box::pin(async move {
                 let claim = sessions.claim(&session)?;
