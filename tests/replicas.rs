@@ -299,7 +299,7 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
         ("GET", exec.clone(), None),
         ("GET", format!("{exec}/stream"), None),
         ("POST", format!("{exec}/cancel"), Some(grace)),
-        ("GET", format!("{ses}/files?path=."), None),
+        ("GET", format!("{ses}/files"), None),
         ("GET", format!("{ses}/files/a.txt"), None),
         ("PUT", format!("{ses}/files/a.txt"), Some("x")),
     ] {

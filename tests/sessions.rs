@@ -857,7 +857,7 @@ async fn file_transfers_at_once_are_bounded() {
     assert!(r.headers.get("retry-after").is_some());
     // Reads take the same places.
     for path in [
-        format!("/v1/sandbox/sessions/{id}/files?path=."),
+        format!("/v1/sandbox/sessions/{id}/files"),
         format!("/v1/sandbox/sessions/{id}/files/f0"),
     ] {
         let r = c.call("GET", &path, None).await;

@@ -430,7 +430,7 @@ async fn limits_and_cancels_end_the_exec_not_the_session() {
             busy.text
         );
         for (method, p, body) in [
-            ("GET", path(&id, "files?path=."), None),
+            ("GET", path(&id, "files"), None),
             ("PUT", path(&id, "files/b.txt"), Some(b"b".to_vec())),
         ] {
             let busy = c.call(method, &p, body).await;
