@@ -310,7 +310,7 @@ async fn session_execs_and_files_answer_their_documented_errors() {
     assert_error(&r, 400, "InvalidRequest", "cancel with grace_seconds 31");
 
     // A listing outside the workspace, a file over the limit.
-    let r = c.call("GET", &format!("{s}/files./etc"), None).await;
+    let r = c.call("GET", &format!("{s}/files?path=../etc"), None).await;
     assert_error(&r, 400, "InvalidRequest", "listing ../etc");
     let r = c
         .call(
