@@ -29,24 +29,13 @@ DOC="$ROOT/openapi/executor-arm.json"
 
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf 'api-fuzz: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=lib/pinned-venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/pinned-venv.sh"
 
 [[ $(id -u) -eq 0 ]] || die "must run as root (the daemon's local sandbox)"
 
 step "python venv ($VENV)"
-want_stamp="$(printf '%s\n' "${PY_REQUIREMENTS[@]}")"
-if [[ -x "$PY" && -f "$VENV/.requirements" && "$(cat "$VENV/.requirements")" == "$want_stamp" ]]; then
-  echo "cached: ${PY_REQUIREMENTS[*]}"
-else
-  rm -rf "$VENV"
-  python3 -m venv "$VENV" || {
-    rm -rf "$VENV"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
-    python3 -m venv "$VENV"
-  }
-  "$PY" -m pip install --quiet --disable-pip-version-check "${PY_REQUIREMENTS[@]}"
-  printf '%s' "$want_stamp" > "$VENV/.requirements"
-  echo "installed: ${PY_REQUIREMENTS[*]}"
-fi
+pinned_venv "$VENV" "${PY_REQUIREMENTS[@]}"
 
 step "validate $DOC (OpenAPI 3.1)"
 "$PY" - "$DOC" <<'PYEOF'

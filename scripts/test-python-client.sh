@@ -19,24 +19,13 @@ PY_REQUIREMENTS=("httpx==0.28.1" "pytest==9.2.0" "setuptools==84.2.1" "mypy==2.4
 
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf 'test-python-client: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=lib/pinned-venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/pinned-venv.sh"
 
 [[ $(id -u) -eq 0 ]] || die "must run as root (the daemon's local sandbox)"
 
 step "python venv ($VENV)"
-want_stamp="$(printf '%s\n' "${PY_REQUIREMENTS[@]}")"
-if [[ -x "$PY" && -f "$VENV/.requirements" && "$(cat "$VENV/.requirements")" == "$want_stamp" ]]; then
-  echo "cached: ${PY_REQUIREMENTS[*]}"
-else
-  rm -rf "$VENV"
-  python3 -m venv "$VENV" || {
-    rm -rf "$VENV"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
-    python3 -m venv "$VENV"
-  }
-  "$PY" -m pip install --quiet --disable-pip-version-check "${PY_REQUIREMENTS[@]}"
-  printf '%s' "$want_stamp" > "$VENV/.requirements"
-  echo "installed: ${PY_REQUIREMENTS[*]}"
-fi
+pinned_venv "$VENV" "${PY_REQUIREMENTS[@]}"
 
 step "install clients/python"
 # Built with the venv's pinned setuptools (no isolated build env to download), then installed

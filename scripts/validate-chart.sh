@@ -33,6 +33,8 @@ SKIP_KINDS="monitoring.coreos.com/v1/ServiceMonitor monitoring.coreos.com/v1/Pro
 START=$SECONDS
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf 'validate-chart: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=lib/pinned-venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/pinned-venv.sh"
 
 mkdir -p "$TOOLS/bin"
 VENV="$TOOLS/venv"
@@ -41,30 +43,9 @@ HELM="$TOOLS/bin/helm"
 
 # ------------------------------------------------------------------ python venv
 step "python venv ($VENV)"
-want_stamp="$(printf '%s\n' "${PY_REQUIREMENTS[@]}")"
-if [[ -x "$PY" && -f "$VENV/.requirements" && "$(cat "$VENV/.requirements")" == "$want_stamp" ]]; then
-  echo "cached: ${PY_REQUIREMENTS[*]}"
-else
-  command -v python3 >/dev/null || die "python3 (>= 3.11, for tomllib) is required"
-  python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' \
-    || die "python3 >= 3.11 is required (tests/chart parse TOML with tomllib)"
-  rm -rf "$VENV"
-  if ! python3 -m venv "$VENV"; then
-    # Debian ships the venv module separately.
-    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-      echo "python3 -m venv failed; installing python3-venv with apt-get"
-      rm -rf "$VENV"
-      apt-get update -qq
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
-      python3 -m venv "$VENV"
-    else
-      die "python3 -m venv failed: install the python3-venv package"
-    fi
-  fi
-  "$PY" -m pip install --quiet --disable-pip-version-check "${PY_REQUIREMENTS[@]}"
-  printf '%s' "$want_stamp" > "$VENV/.requirements"
-  echo "installed: ${PY_REQUIREMENTS[*]}"
-fi
+python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' \
+  || die "python3 >= 3.11 is required (tests/chart parse TOML with tomllib)"
+pinned_venv "$VENV" "${PY_REQUIREMENTS[@]}"
 
 # ------------------------------------------------------------------ helm
 step "helm ($HELM)"
