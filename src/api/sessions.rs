@@ -79,6 +79,29 @@ fn file_failure(session: &Session, e: FileError) -> ApiError {
     }
 }
 
+/// The session's id in the path of every route under one session (OpenAPI only: handlers take it
+/// with `Path`).
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)]
+struct SessionPath {
+    /// The session's id (`ses_…`)
+    id: String,
+}
+
+/// The tenant headers every session route reads (OpenAPI only: [`tenant`] reads them).
+#[derive(IntoParams)]
+#[into_params(parameter_in = Header)]
+#[allow(dead_code)]
+struct TenantHeaders {
+    /// The tenant (0-256 visible ASCII; none is the empty tenant)
+    #[param(rename = "X-Tenant-ID")]
+    x_tenant_id: Option<String>,
+    /// Alias of X-Tenant-ID; both given must agree
+    #[param(rename = "X-Koder-Tenant")]
+    x_koder_tenant: Option<String>,
+}
+
 /// The tenant a call names: "" without one; both headers must agree.
 fn tenant(headers: &HeaderMap) -> Result<String, ApiError> {
     let mut found: Option<String> = None;
@@ -212,8 +235,7 @@ pub struct CreateBody {
     tag = "sessions",
     request_body = CreateBody,
     params(
-        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
-        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        TenantHeaders,
     ),
     security(("bearer" = [], "capability_token" = [])),
     responses(
@@ -303,9 +325,8 @@ async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Respon
     operation_id = "get_session",
     tag = "sessions",
     params(
-        ("id" = String, Path, description = "The session's id (`ses_…`)"),
-        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
-        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        SessionPath,
+        TenantHeaders,
     ),
     security(("bearer" = [])),
     responses(
@@ -336,9 +357,8 @@ pub async fn get(
     operation_id = "delete_session",
     tag = "sessions",
     params(
-        ("id" = String, Path, description = "The session's id (`ses_…`)"),
-        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
-        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        SessionPath,
+        TenantHeaders,
     ),
     security(("bearer" = [])),
     responses(
@@ -409,9 +429,8 @@ pub struct ExecBody {
     tag = "sessions",
     request_body = ExecBody,
     params(
-        ("id" = String, Path, description = "The session's id (`ses_…`)"),
-        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
-        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        SessionPath,
+        TenantHeaders,
         ("Idempotency-Key" = Option<String>, Header, description = "As on /execute; the fingerprint includes the session"),
     ),
     security(("bearer" = [])),
@@ -568,10 +587,9 @@ async fn exec_inner(
     operation_id = "get_session_exec",
     tag = "sessions",
     params(
-        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        SessionPath,
         ("exec_id" = String, Path, description = "The exec's `exec_id`"),
-        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
-        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        TenantHeaders,
     ),
     security(("bearer" = [])),
     responses(
@@ -602,10 +620,9 @@ pub async fn exec_get(
     operation_id = "stream_session_exec",
     tag = "sessions",
     params(
-        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        SessionPath,
         ("exec_id" = String, Path, description = "The exec's `exec_id`"),
-        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
-        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        TenantHeaders,
         ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event: `<stdout bytes>.<stderr bytes>`"),
     ),
     security(("bearer" = [])),
@@ -636,10 +653,9 @@ pub async fn exec_stream(
     operation_id = "cancel_session_exec",
     tag = "sessions",
     params(
-        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        SessionPath,
         ("exec_id" = String, Path, description = "The exec's `exec_id`"),
-        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
-        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        TenantHeaders,
     ),
     request_body(content = Option<CancelRequest>, description = "Optional: an empty body gives the default grace"),
     security(("bearer" = [])),
@@ -672,10 +688,9 @@ pub async fn exec_cancel(
     operation_id = "put_session_file",
     tag = "sessions",
     params(
-        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        SessionPath,
         ("path" = String, Path, description = "A path relative to the workspace"),
-        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
-        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        TenantHeaders,
     ),
     request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "The file's bytes, at most `sessions.max_file_bytes`"),
     security(("bearer" = [])),
@@ -756,10 +771,9 @@ pub fn file_calls() -> Arc<tokio::sync::Semaphore> {
     operation_id = "get_session_file",
     tag = "sessions",
     params(
-        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        SessionPath,
         ("path" = String, Path, description = "A path relative to the workspace"),
-        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
-        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        TenantHeaders,
     ),
     security(("bearer" = [])),
     responses(
@@ -833,10 +847,9 @@ pub struct FileList {
     operation_id = "list_session_files",
     tag = "sessions",
     params(
-        ("id" = String, Path, description = "The session's id (`ses_…`)"),
+        SessionPath,
         ListQuery,
-        ("X-Tenant-ID" = Option<String>, Header, description = "The tenant (0-256 visible ASCII; none is the empty tenant)"),
-        ("X-Koder-Tenant" = Option<String>, Header, description = "Alias of X-Tenant-ID; both given must agree"),
+        TenantHeaders,
     ),
     security(("bearer" = [])),
     responses(
