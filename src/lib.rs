@@ -18,6 +18,7 @@
 //! - `state`: replay and idempotency records (embedded, or Redis for several replicas).
 //! - `config`, `vocabulary`, `metrics`: typed configuration, the shared words (action types,
 //!   capabilities), Prometheus series.
+//! - `telemetry`: the JSON log lines and, when configured, OTLP export of the request spans.
 //! - `app`: builds the whole daemon from a config; `main.rs` is the command line around it.
 
 pub mod api;
@@ -35,4 +36,5 @@ pub mod provenance;
 pub mod sandbox;
 pub mod sessions;
 pub mod state;
+pub mod telemetry;
 pub mod vocabulary;

@@ -287,16 +287,6 @@ fn check_config(path: Option<PathBuf>) -> Result<()> {
     Ok(())
 }
 
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .json()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
-}
-
 /// A private temp dir with a fresh 256-bit secret for `serve --dev`.
 fn dev_secret() -> Result<(tempfile::TempDir, PathBuf)> {
     let dir = tempfile::Builder::new()
@@ -314,7 +304,29 @@ fn dev_secret() -> Result<(tempfile::TempDir, PathBuf)> {
 }
 
 fn serve(config: Option<PathBuf>, listen: Option<String>, dev: bool) -> Result<()> {
-    init_tracing();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    // The span exporter, when there is one, runs on the daemon's runtime.
+    let telemetry = {
+        let _rt = rt.enter();
+        executor_arm::telemetry::init()?
+    };
+    if telemetry.exporting() {
+        tracing::info!("exporting spans over OTLP/HTTP");
+    }
+    let served = serve_on(&rt, config, listen, dev);
+    // Once the daemon stopped, while the runtime still runs the exporter: the last spans go out.
+    telemetry.shutdown();
+    served
+}
+
+fn serve_on(
+    rt: &tokio::runtime::Runtime,
+    config: Option<PathBuf>,
+    listen: Option<String>,
+    dev: bool,
+) -> Result<()> {
     let mut env = EnvOverrides::from_process();
     let mut dev_dir = None;
     if dev {
@@ -337,9 +349,6 @@ fn serve(config: Option<PathBuf>, listen: Option<String>, dev: bool) -> Result<(
         .listen
         .parse()
         .with_context(|| format!("listen address '{}'", cfg.server.listen))?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
     rt.block_on(async move {
         let state = executor_arm::app::build(cfg).await?;
         // Before "listening": a SIGHUP must never find the default (terminating) disposition.

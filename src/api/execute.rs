@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use tokio::sync::watch;
+use tracing::Instrument as _;
 use utoipa::ToSchema;
 
 use super::error::{ApiError, ErrorBody};
@@ -339,7 +340,8 @@ where
         cancel: on_disconnect.clone(),
         armed: true,
     };
-    let resp = match tokio::spawn(f(st, on_disconnect)).await {
+    // The task stays in the request's span: its steps are the request's.
+    let resp = match tokio::spawn(f(st, on_disconnect).in_current_span()).await {
         Ok(resp) => resp,
         Err(e) => ApiError::Internal(format!("request task failed: {e}")).into_response(),
     };

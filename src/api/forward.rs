@@ -119,6 +119,10 @@ pub async fn forward_within(
             req = req.header(name, v);
         }
     }
+    // The owning replica's http.request continues this request's trace (when exporting).
+    if let Some(h) = req.headers_mut() {
+        crate::telemetry::inject_current(h);
+    }
     let req = req
         .body(http_body_util::Full::new(body))
         .map_err(|e| ApiError::Internal(format!("forwarded request: {e}")))?;

@@ -26,6 +26,7 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
+use tracing::Instrument as _;
 
 use crate::auth::Authenticator;
 use crate::config::Config;
@@ -85,15 +86,26 @@ async fn request_id(mut req: Request, next: Next) -> Response {
         .map(str::to_string)
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     req.extensions_mut().insert(RequestId(id.clone()));
-    let route = status_log().map(|_| {
-        let template = req
-            .extensions()
-            .get::<axum::extract::MatchedPath>()
-            .map_or("-", |p| p.as_str())
-            .to_string();
-        (req.method().clone(), template)
-    });
-    let mut resp = next.run(req).await;
+    let template = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("-", |p| p.as_str())
+        .to_string();
+    // The request's span: every step it takes (auth, policy.decide, sandbox.run, audit.append)
+    // is a child of it, on whatever task the step runs. `exec_id` is recorded once admitted.
+    let span = tracing::info_span!(
+        "http.request",
+        otel.kind = "server",
+        http.request.method = %req.method(),
+        http.route = %template,
+        request_id = %id,
+        exec_id = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+    );
+    crate::telemetry::set_remote_parent(&span, req.headers());
+    let route = status_log().map(|_| (req.method().clone(), template));
+    let mut resp = next.run(req).instrument(span.clone()).await;
+    span.record("http.response.status_code", resp.status().as_u16());
     if let (Some(log), Some((method, template))) = (status_log(), route) {
         use std::io::Write as _;
         let line = format!("{method} {template} {}\n", resp.status().as_u16());

@@ -287,6 +287,7 @@ impl Authenticator {
     }
 
     /// Verifies a token of `kind` (JWT or static).
+    #[tracing::instrument(name = "auth", skip_all, fields(token_kind = ?kind))]
     pub fn verify(&self, token: &str, kind: TokenKind) -> Result<Verified, AuthError> {
         if token.is_empty() || token.len() > 8192 {
             return Err(rejected("token missing or oversized"));

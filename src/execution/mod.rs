@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use serde_json::{Map, Value, json};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tracing::Instrument as _;
 
 use self::record::{AdmittedRun, KnownRequest, RefusalKind};
 use self::result::{ExecutionResult, Provenance, b64_unless_utf8, outcome_name};
@@ -561,6 +562,8 @@ impl ExecutionService {
         let slot = self.take_slot(plan.backend, req.abandoned.as_ref()).await?;
 
         let exec_id = format!("exec-{}", uuid::Uuid::new_v4().simple());
+        // The request's span (`http.request`) declares the field: from here on it names the run.
+        tracing::Span::current().record("exec_id", exec_id.as_str());
         let (mut spec, invocation_hash) = self.run_spec(&exec_id, &plan, &req, external.as_ref());
         let (stop, stop_rx) = watch::channel(None);
         spec.stop = Some(stop_rx);
@@ -733,7 +736,7 @@ impl ExecutionService {
         // lives at most the run's own time limit beyond the retention.
         let running_ttl = execution.spec.limits.timeout + retention;
         let task_live = live.clone();
-        tokio::spawn(async move {
+        let task = async move {
             let record =
                 |response: Option<StoredResponse>, cancelled_by: Option<String>| StoredExecution {
                     instance: instance.clone(),
@@ -750,7 +753,7 @@ impl ExecutionService {
             // The run on a task of its own: should it panic, the execution's drop still writes
             // its error line and frees its slot, and the run still gets an answer here instead of
             // staying live with its waiters waiting forever.
-            let ran = match tokio::spawn(execution.run()).await {
+            let ran = match tokio::spawn(execution.run().in_current_span()).await {
                 Ok(ran) => ran,
                 Err(e) => Err(ExecutionError::Internal(format!(
                     "the run's task failed: {e}"
@@ -777,7 +780,10 @@ impl ExecutionService {
                 runs.keep_until(&exec_id, std::time::Instant::now() + retention);
             }
             metrics.live_runs.set(runs.len() as f64);
-        });
+        };
+        // Both tasks stay in the caller's span: the run's steps belong to the request that
+        // started it, even when that request answered long before (async, streamed).
+        tokio::spawn(task.in_current_span());
         live
     }
 
@@ -842,6 +848,11 @@ impl ExecutionService {
 
     /// The plan of an allowlisted command or of a registered external executor (with what its
     /// invocation adds); a refusal is audited here.
+    #[tracing::instrument(
+        name = "policy.decide",
+        skip_all,
+        fields(request_id = %req.request_id, action_type = req.action.as_str(), command = %req.command)
+    )]
     fn decide(
         &self,
         req: &ExecutionRequest,
@@ -1027,12 +1038,22 @@ impl Execution {
             .inflight
             .with_label_values(&[backend_label])
             .increment(1.0);
+        let span = tracing::info_span!(
+            "sandbox.run",
+            backend = backend_label,
+            profile = %plan.profile.name,
+            request_id = %admitted.run().request_id,
+            exec_id = %exec_id,
+        );
         // The run is its own task: a panic in a backend fails this execution, not the daemon.
-        let task = tokio::spawn(async move {
-            let r = backend.run(spec).await;
-            drop(slot);
-            r
-        });
+        let task = tokio::spawn(
+            async move {
+                let r = backend.run(spec).await;
+                drop(slot);
+                r
+            }
+            .instrument(span),
+        );
         let joined = task.await;
         metrics
             .inflight

@@ -452,6 +452,7 @@ impl AuditLog {
     /// Appends one event; returns its sequence number. Every event but `execution_start` is
     /// fsync'd (an execution's end line covers its start line). A failed append leaves no part of
     /// its line behind.
+    #[tracing::instrument(name = "audit.append", skip_all, fields(event = event.name()))]
     pub fn append(&self, event: &AuditEvent) -> Result<u64, AuditError> {
         let sync = !matches!(event, AuditEvent::ExecutionStart(_));
         let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
