@@ -855,6 +855,62 @@ async fn a_pool_launch_in_flight_at_shutdown_leaves_no_container() {
     }
 }
 
+/// A session's container launched for its creation (no warm pool) is still being created when
+/// the shutdown grace runs out: the exit waits for that launch too, so the container does not
+/// outlive the daemon.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_launch_in_flight_when_the_grace_ends_leaves_no_container() {
+    let _serial = common::docker::one_at_a_time().await;
+    require_docker("a_cold_launch_in_flight_when_the_grace_ends_leaves_no_container");
+    let delay = Duration::from_secs(4);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sock = dir.path().join("engine.sock");
+    let _proxy = EngineProxy::start_delaying_creates(&sock, delay);
+    let config = format!(
+        "{}\n[server]\nshutdown_grace_seconds = 1\n",
+        config(0, sock.to_str().unwrap_or_default())
+    );
+    let mut d = Daemon::start_with(Opts {
+        env: vec![("SANDBOX_RUNTIME".into(), "runc".into())],
+        config: Some(config),
+        ..Default::default()
+    });
+    let label = format!("executor-arm.instance={}", instance_of(&d));
+    let svc = format!("Bearer {}", d.service_token());
+    let body = json!({"language": "bash", "capability_token": d.cap_all()}).to_string();
+    let url = format!("{}/v1/sandbox/sessions", d.base);
+    let client = d.client.clone();
+    let create = tokio::spawn(async move {
+        client
+            .post(url)
+            .header("authorization", svc)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+    });
+    // The creation is waiting for its container (the proxy holds the create back).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let code = tokio::task::spawn_blocking(move || d.stop())
+        .await
+        .expect("stop");
+    assert_eq!(code, Some(0), "the daemon did not exit by itself");
+    let _ = create.await;
+    // A create released after the daemon's last sweep would land by now.
+    tokio::time::sleep(delay).await;
+    wait_until(
+        &format!("no container labelled {label}"),
+        Duration::from_secs(30),
+        || containers(&label).is_empty(),
+    );
+    for v in volumes(&label) {
+        assert!(
+            docker(&["volume", "rm", &v]).is_some(),
+            "volume {v} of a stopped daemon is still in use"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_engine_is_not_ready_and_refuses_with_503() {
     let _serial = common::docker::one_at_a_time().await;

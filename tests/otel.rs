@@ -261,6 +261,18 @@ async fn spans_of_a_request_reach_the_otlp_endpoint_under_its_traceparent() {
     assert_eq!(r.status, 200, "{}", r.text);
     let exec_id3 = r.json["exec_id"].as_str().expect("exec_id").to_string();
 
+    // A refused command of 100 000 characters: its span carries a clipped copy (a caller must
+    // not set the size of what waits in the exporter's queue).
+    let (tp4, trace_id4, _) = traceparent();
+    let r = execute(
+        &d,
+        json!({"action_type": "shell", "command": "x".repeat(100_000)}),
+        &tp4,
+        "otel-long-1",
+    )
+    .await;
+    assert_eq!(r.status, 403, "{}", r.text);
+
     // The log lines are what they were without export: their own fields, no span fields.
     let starts = log_lines(&d, "execution start");
     assert!(!starts.is_empty());
@@ -273,6 +285,18 @@ async fn spans_of_a_request_reach_the_otlp_endpoint_under_its_traceparent() {
     let spans = rx.spans();
     assert!(!spans.is_empty(), "nothing exported");
     assert!(spans.iter().all(|s| s.service == "executor-arm"));
+
+    let long = trace_of(&spans, &trace_id4);
+    let decide = long
+        .iter()
+        .find(|s| s.name == "policy.decide")
+        .expect("policy.decide of the long command");
+    let command = &decide.attrs["command"];
+    assert!(
+        command.starts_with("xxxx") && command.chars().count() <= 129,
+        "{} characters exported",
+        command.chars().count()
+    );
 
     let trace = trace_of(&spans, &trace_id);
     let names: Vec<&str> = trace.iter().map(|s| s.name.as_str()).collect();

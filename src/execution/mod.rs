@@ -336,6 +336,11 @@ impl Drop for QueuePlace<'_> {
     }
 }
 
+/// The caller's command as a span attribute is clipped to this many characters: a span waits in
+/// the exporter's queue (up to 2048 of them while a collector is slow), and the caller must not
+/// set its size.
+const SPAN_COMMAND_CHARS: usize = 128;
+
 /// Decides, admits, runs and records executions. Shared by every request of the daemon.
 pub struct ExecutionService {
     policy: Policy,
@@ -851,7 +856,11 @@ impl ExecutionService {
     #[tracing::instrument(
         name = "policy.decide",
         skip_all,
-        fields(request_id = %req.request_id, action_type = req.action.as_str(), command = %req.command)
+        fields(
+            request_id = %req.request_id,
+            action_type = req.action.as_str(),
+            command = %crate::auth::clip(&req.command, SPAN_COMMAND_CHARS),
+        )
     )]
     fn decide(
         &self,

@@ -1,6 +1,7 @@
 """The retry policy, against scripted answers (httpx.MockTransport): the daemon cannot be made
 to answer 503 on demand. Retries happen for ``retryable`` errors only, keep the Idempotency-Key,
-honour Retry-After and stop at max_attempts."""
+honour Retry-After and stop at max_attempts; a proxy's error page repeats only a call that is
+safe to repeat; a server that does not stream, or streams garbage, gets a ProtocolError."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from executor_arm_client import (
     AsyncClient,
     CapabilityViolationError,
     Client,
+    ExecutorArmError,
     InternalServerError,
+    ProtocolError,
     RateLimitedError,
     RetryPolicy,
     TransportError,
@@ -286,3 +289,196 @@ def test_a_stream_broken_before_any_event_resumes_where_it_was_asked_to() -> Non
     assert [type(e).__name__ for e in events] == ["ResultEvent"]
     assert [r.headers["Last-Event-ID"] for r in script.requests] == ["4.0", "4.0"]
     assert len(delays) == 1
+
+
+SESSION = {
+    "id": "sess-1",
+    "language": "python",
+    "backend": "local",
+    "profile": "p",
+    "tenant": "default",
+    "created_at": "t",
+    "expires_at": "t",
+    "idle_timeout_seconds": 60,
+    "limits": {},
+    "workspace": "/workspace",
+    "execs": 0,
+}
+
+
+def gateway_timeout() -> httpx.Response:
+    """A proxy's 504: no daemon error body, no verdict on whether the request ran."""
+    return httpx.Response(
+        504,
+        text="<html><body><h1>504 Gateway Time-out</h1></body></html>",
+        headers={"Content-Type": "text/html"},
+    )
+
+
+def test_a_proxy_error_does_not_repeat_a_session_create() -> None:
+    # The daemon may have created the session before the proxy gave up: sending the POST again
+    # (it takes no Idempotency-Key) could create another.
+    script = Script(gateway_timeout(), gateway_timeout(), httpx.Response(201, json=SESSION))
+    delays: list[float] = []
+    with pytest.raises(ExecutorArmError) as info:
+        sync_client(script, POLICY, delays).sessions.create()
+    assert len(script.requests) == 1 and delays == []
+    assert "Idempotency-Key" not in script.requests[0].headers
+    assert info.value.status == 504 and info.value.retryable is False
+    assert info.value.error_type is None and "504 Gateway Time-out" in info.value.message
+
+
+def test_a_proxy_error_repeats_a_call_with_an_idempotency_key() -> None:
+    script = Script(gateway_timeout(), gateway_timeout(), httpx.Response(200, json=RESULT))
+    delays: list[float] = []
+    assert sync_client(script, POLICY, delays).execute("echo", ["ok"]).stdout == "ok\n"
+    assert len(script.requests) == 3 and len(delays) == 2
+    keys = {r.headers["Idempotency-Key"] for r in script.requests}
+    assert len(keys) == 1
+
+    # So is a GET's, and a session exec's.
+    status = {"exec_id": "exec-1", "status": "running"}
+    script = Script(gateway_timeout(), httpx.Response(200, json=status))
+    assert sync_client(script, POLICY, delays).get("exec-1").status == "running"
+    assert len(script.requests) == 2
+    script = Script(httpx.Response(502, text="bad gateway"), httpx.Response(200, json=RESULT))
+    assert sync_client(script, POLICY, delays).sessions.exec("sess-1", "print(1)").success
+    assert len(script.requests) == 2
+    assert script.requests[0].headers["Idempotency-Key"] == script.requests[1].headers[
+        "Idempotency-Key"
+    ]
+
+
+def test_the_daemons_retryable_verdict_is_honoured_on_session_create() -> None:
+    # The daemon says retryable only when nothing ran (here: no sandbox could be started).
+    script = Script(
+        error(503, "SandboxUnavailable", True, "0"), httpx.Response(201, json=SESSION)
+    )
+    delays: list[float] = []
+    assert sync_client(script, POLICY, delays).sessions.create().id == "sess-1"
+    assert len(script.requests) == 2 and len(delays) == 1
+
+    # And its final verdict is final, whatever the status.
+    script = Script(error(503, "SandboxUnavailable", False), httpx.Response(201, json=SESSION))
+    with pytest.raises(UnavailableError) as info:
+        sync_client(script, POLICY, delays).sessions.create()
+    assert len(script.requests) == 1 and info.value.retryable is False
+
+
+def test_async_client_does_not_repeat_a_session_create_after_a_proxy_error() -> None:
+    script = Script(gateway_timeout(), httpx.Response(201, json=SESSION))
+    delays: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        delays.append(seconds)
+
+    async def main() -> None:
+        c = AsyncClient("http://arm.test", retry=POLICY, transport=httpx.MockTransport(script))
+        c._sleep = sleep  # type: ignore[method-assign]
+        with pytest.raises(ExecutorArmError) as info:
+            await c.sessions.create()
+        assert info.value.status == 504 and info.value.retryable is False
+        await c.aclose()
+
+    asyncio.run(main())
+    assert len(script.requests) == 1 and delays == []
+
+
+ACCEPTED = {
+    "exec_id": "exec-1",
+    "status": "running",
+    "links": {
+        "self": "/v1/executions/exec-1",
+        "stream": "/v1/executions/exec-1/stream",
+        "cancel": "/v1/executions/exec-1/cancel",
+    },
+}
+
+
+class Endless:
+    """A server that answers every request with a run's 202 as JSON, never with a stream."""
+
+    def __init__(self) -> None:
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        if len(self.requests) > 50:
+            raise AssertionError("the client keeps sending")
+        return httpx.Response(200, json=ACCEPTED)
+
+
+def endless_client(server: Endless, delays: list[float]) -> Client:
+    c = Client("http://arm.test", retry=POLICY, transport=httpx.MockTransport(server))
+    c._sleep = delays.append  # type: ignore[method-assign,assignment]
+    return c
+
+
+def test_a_stream_that_is_never_a_stream_is_followed_at_most_once() -> None:
+    # A GET of a stream answered with JSON: not followed at all.
+    server = Endless()
+    delays: list[float] = []
+    with pytest.raises(ProtocolError) as info:
+        list(endless_client(server, delays).stream("exec-1"))
+    assert 1 <= len(server.requests) <= 2
+    assert info.value.status == 200 and info.value.retryable is False
+    assert "did not answer with a stream" in info.value.message
+
+    # A streamed POST answered with a run's 202 (a replay): followed once, then not again.
+    server = Endless()
+    with pytest.raises(ProtocolError):
+        list(endless_client(server, delays).execute_stream("echo", ["x"]))
+    assert [r.url.path for r in server.requests] == ["/execute", "/v1/executions/exec-1/stream"]
+    assert delays == []
+
+
+def test_async_stream_that_is_never_a_stream_is_followed_at_most_once() -> None:
+    server = Endless()
+
+    async def main() -> None:
+        c = AsyncClient("http://arm.test", retry=POLICY, transport=httpx.MockTransport(server))
+        with pytest.raises(ProtocolError):
+            async for _ in c.execute_stream("echo", ["x"]):
+                pass
+        await c.aclose()
+
+    asyncio.run(main())
+    assert len(server.requests) == 2
+
+
+def test_an_event_id_that_is_not_visible_ascii_is_not_sent_back() -> None:
+    head = (
+        'event: start\nid: 0.0\ndata: {"exec_id":"exec-1","backend":"local","profile":"p"}\n\n'
+        'event: stdout\nid: 3.\u00e9\ndata: {"offset":0,"data":"ok\\n"}\n\n'
+        'event: stdout\nid: 4 0\ndata: {"offset":3,"data":"ok\\n"}\n\n'
+    )
+    tail = f"event: result\nid: 5.0\ndata: {json.dumps({'http_status': 200, **RESULT})}\n\n"
+    script = Script(
+        httpx.Response(200, text=head, headers={"Content-Type": "text/event-stream"}),
+        httpx.Response(200, text=tail, headers={"Content-Type": "text/event-stream"}),
+    )
+    delays: list[float] = []
+    events = list(sync_client(script, POLICY, delays).stream("exec-1"))
+    assert [e.id for e in events] == ["0.0", None, None, "5.0"]
+    # The resume carries the last usable id.
+    assert script.requests[1].headers["Last-Event-ID"] == "0.0"
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        "event: start\ndata: {not json\n\n",
+        "event: start\ndata: {}\n\n",
+        'event: start\ndata: {"exec_id": 5}\n\n',
+        "event: stdout\ndata: [1, 2]\n\n",
+        'event: stdout\ndata: {"offset": "x"}\n\n',
+        'event: result\ndata: {"http_status": 200, "stdout": "x"}\n\n',
+    ],
+)
+def test_malformed_event_data_raises_a_protocol_error(event: str) -> None:
+    script = Script(httpx.Response(200, text=event, headers={"Content-Type": "text/event-stream"}))
+    delays: list[float] = []
+    with pytest.raises(ProtocolError) as info:
+        list(sync_client(script, POLICY, delays).stream("exec-1"))
+    assert info.value.retryable is False and "malformed" in info.value.message
+    assert len(script.requests) == 1

@@ -36,6 +36,9 @@ pub enum EngineError {
     NotFound(String),
     #[error("docker engine error: {0}")]
     Api(String),
+    /// The daemon is exiting: no container is launched any more (see [`super::janitor::Janitor::close_launches`]).
+    #[error("the daemon is shutting down")]
+    Closed,
 }
 
 impl EngineError {

@@ -48,6 +48,11 @@ pub struct Janitor {
     engine_down: AtomicBool,
     startup_swept: AtomicBool,
     removals: Arc<Semaphore>,
+    /// Held shared by every container launch, from before its create until it is started (or
+    /// failed); taken whole by [`Janitor::close_launches`] at exit.
+    launch_gate: tokio::sync::RwLock<()>,
+    /// Set at exit: no launch starts any more.
+    launches_closed: AtomicBool,
 }
 
 impl Janitor {
@@ -61,6 +66,8 @@ impl Janitor {
             engine_down: AtomicBool::new(false),
             startup_swept: AtomicBool::new(false),
             removals: Arc::new(Semaphore::new(REMOVAL_SLOTS)),
+            launch_gate: tokio::sync::RwLock::new(()),
+            launches_closed: AtomicBool::new(false),
         })
     }
 
@@ -68,10 +75,13 @@ impl Janitor {
         &self.owner
     }
 
-    /// Label filters matching exactly the containers of this daemon's backend.
+    /// Label filters matching exactly the containers of this daemon's backend. The owner label
+    /// (host, pid namespace, pid, start time) is part of it: two daemons can share an instance
+    /// id (each pid 1 of its own pid namespace, with one hostname), never an owner.
     pub fn own_labels(&self) -> Vec<String> {
         vec![
             format!("{LABEL_INSTANCE}={}", self.owner.instance),
+            format!("{LABEL_OWNER}={}", self.owner.label()),
             format!("{LABEL_BACKEND}={}", self.backend.as_str()),
         ]
     }
@@ -93,6 +103,30 @@ impl Janitor {
 
     pub fn engine_down(&self) -> bool {
         self.engine_down.load(Ordering::SeqCst)
+    }
+
+    /// A permit for one container launch, held until the container is started: refused once
+    /// the daemon exits ([`Janitor::close_launches`]).
+    pub async fn launch_permit(&self) -> Result<tokio::sync::RwLockReadGuard<'_, ()>, EngineError> {
+        if self.launches_closed.load(Ordering::SeqCst) {
+            return Err(EngineError::Closed);
+        }
+        let permit = self.launch_gate.read().await;
+        // Closed while this one waited behind the exit's write lock.
+        if self.launches_closed.load(Ordering::SeqCst) {
+            return Err(EngineError::Closed);
+        }
+        Ok(permit)
+    }
+
+    /// Refuses every container launch from now on and waits, up to `within`, for those in
+    /// flight (a pool refill, or a cold launch for a run or a session): once it returns true, no
+    /// container of ours is created after a sweep. False: some were still launching.
+    pub async fn close_launches(&self, within: Duration) -> bool {
+        self.launches_closed.store(true, Ordering::SeqCst);
+        tokio::time::timeout(within, self.launch_gate.write())
+            .await
+            .is_ok()
     }
 
     /// Marks a container id or volume name as in use.
@@ -284,8 +318,13 @@ impl Janitor {
 /// Removes every container carrying all of `labels`, then their disk volumes, giving up after
 /// `within`. Used when the daemon exits: nothing is in use any more, so nothing is spared. A
 /// volume can only go once its container is gone (a background disposal may still be removing
-/// one), so volumes are retried until then. Returns how many containers were removed.
-pub async fn remove_labelled(engine: &dyn Engine, labels: &[String], within: Duration) -> usize {
+/// one), so volumes are retried until then. Returns how many containers were removed, or `None`
+/// when `within` ran out first.
+pub async fn remove_labelled(
+    engine: &dyn Engine,
+    labels: &[String],
+    within: Duration,
+) -> Option<usize> {
     let work = async {
         let listed = engine.list(labels).await.unwrap_or_default();
         let removed = futures::future::join_all(listed.iter().map(|c| engine.remove(&c.id)))
@@ -305,7 +344,7 @@ pub async fn remove_labelled(engine: &dyn Engine, labels: &[String], within: Dur
         }
         removed
     };
-    tokio::time::timeout(within, work).await.unwrap_or(0)
+    tokio::time::timeout(within, work).await.ok()
 }
 
 /// Start time (clock ticks after boot, field 22 of `/proc/<pid>/stat`) of a live process.
@@ -527,11 +566,25 @@ mod engine_tests {
     async fn removals_survive_an_engine_outage_and_reconnect_cleans_up() {
         let engine = Arc::new(FakeEngine::default());
         let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me(), BackendKind::Docker);
+        let owner = me().label();
         let ours = [
             (LABEL_MANAGED, "true"),
             (LABEL_INSTANCE, "h-10"),
+            (LABEL_OWNER, owner.as_str()),
             (LABEL_BACKEND, "docker"),
         ];
+        // Another daemon with the same instance id (pid 1 of another pid namespace, same
+        // hostname): never ours to remove.
+        let namesake = create(
+            &engine,
+            &[
+                (LABEL_MANAGED, "true"),
+                (LABEL_INSTANCE, "h-10"),
+                (LABEL_OWNER, "h/pid:[2]/10/100"),
+                (LABEL_BACKEND, "docker"),
+            ],
+        )
+        .await;
         let sibling = create(
             &engine,
             &[
@@ -564,13 +617,20 @@ mod engine_tests {
 
         engine.down.store(false, Ordering::SeqCst);
         assert!(j.tick().await, "came back");
-        let mut kept = vec![leased.clone(), sibling.clone()];
+        let mut kept = vec![leased.clone(), sibling.clone(), namesake.clone()];
         kept.sort();
         assert_eq!(
             engine.existing(),
             kept,
-            "stale {stale} and pending removed; the leased one and the gvisor backend's kept"
+            "stale {stale} and pending removed; the leased one, the gvisor backend's and the \
+             namesake daemon's kept"
         );
+        // The removal at exit spares the namesake too.
+        let removed = remove_labelled(&*engine, &j.own_labels(), Duration::from_secs(5)).await;
+        assert_eq!(removed, Some(1), "only the leased one of ours");
+        let mut kept = vec![sibling.clone(), namesake.clone()];
+        kept.sort();
+        assert_eq!(engine.existing(), kept);
         assert_eq!(j.pending_count(), 0);
     }
 

@@ -388,6 +388,7 @@ fn launch_error(plan: &ContainerPlan, e: EngineError) -> SandboxError {
             SandboxError::Unavailable("docker engine did not answer in time".to_string())
         }
         EngineError::NotFound(m) => SandboxError::Unavailable(format!("image {}: {m}", plan.image)),
+        EngineError::Closed => SandboxError::Unavailable(e.to_string()),
         EngineError::Api(m) if m.contains(supervisor::PERL) => SandboxError::Unavailable(format!(
             "image {} cannot run the sandbox supervisor ({} is missing?): {m}",
             plan.image,
@@ -571,12 +572,21 @@ impl Sandbox for DockerSandbox {
         self.egress.is_some()
     }
 
-    /// Stops the pool (launches in flight end first, so none creates a container after the
-    /// sweep), then removes every container and volume of this instance and backend.
+    /// Stops the pool and refuses container launches, waiting for those in flight (a pool refill,
+    /// a cold launch for a run or a session), so none creates a container after the sweep; then
+    /// removes every container and volume of this instance and backend.
     async fn shutdown(&self) {
-        self.pool.close(EXIT_REMOVAL_LIMIT).await;
-        self.remove_all(self.engine().as_ref()).await;
-        self.shut_down.store(true, Ordering::SeqCst);
+        self.pool.close();
+        if !self.janitor.close_launches(EXIT_REMOVAL_LIMIT).await {
+            tracing::warn!(
+                backend = self.kind.as_str(),
+                "container launches still in flight at exit; removing what exists now"
+            );
+        }
+        // Only a sweep that ran to its end makes the drop's fallback sweep unnecessary.
+        if self.remove_all(self.engine().as_ref()).await {
+            self.shut_down.store(true, Ordering::SeqCst);
+        }
     }
 
     async fn status(&self) -> BackendStatus {
@@ -783,16 +793,20 @@ const EXIT_REMOVAL_LIMIT: Duration = Duration::from_secs(10);
 
 impl DockerSandbox {
     /// The removal of every container of this instance and backend at exit, over `engine`.
-    async fn remove_all(&self, engine: &dyn Engine) {
+    /// Returns whether it ran to its end.
+    async fn remove_all(&self, engine: &dyn Engine) -> bool {
         let labels = self.janitor.own_labels();
-        let n = janitor::remove_labelled(engine, &labels, EXIT_REMOVAL_LIMIT).await;
-        if n > 0 {
+        let removed = janitor::remove_labelled(engine, &labels, EXIT_REMOVAL_LIMIT).await;
+        if let Some(n) = removed
+            && n > 0
+        {
             tracing::info!(
                 removed = n,
                 backend = self.kind.as_str(),
                 "removed this daemon's sandbox containers"
             );
         }
+        removed.is_some()
     }
 }
 
@@ -815,14 +829,14 @@ impl Drop for DockerSandbox {
                 .enable_all()
                 .build()
             else {
-                return 0;
+                return None;
             };
             rt.block_on(async move {
                 let engine = BollardEngine::new(&socket);
                 janitor::remove_labelled(&engine, &labels, EXIT_REMOVAL_LIMIT).await
             })
         });
-        if let Ok(n) = worker.join()
+        if let Ok(Some(n)) = worker.join()
             && n > 0
         {
             tracing::info!(

@@ -104,6 +104,8 @@ impl WarmContainer {
                 ));
             }
         };
+        // Held until the container is started: the daemon's exit waits for it.
+        let _launching = janitor.launch_permit().await?;
         let engine = janitor.engine().clone();
         // dockerd creates the disk volume with the container; leased first, so no sweep takes
         // it in between.
@@ -357,14 +359,10 @@ impl Pool {
     }
 
     /// Closes the pool for good when the daemon exits: nothing is launched or handed out from
-    /// now on; launches in flight are waited for (up to `within`), so none creates a container
-    /// after the caller's final sweep; then the idle containers are dropped (their guards remove
-    /// them).
-    pub async fn close(&self, within: Duration) {
+    /// now on, and the idle containers are dropped (their guards remove them). Launches in
+    /// flight are the janitor's to wait for ([`Janitor::close_launches`]).
+    pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
-        // The semaphore is fair: launches queued before this acquire get their slot first, see
-        // `closed` and stop; once every slot is ours, none is in flight.
-        let _ = tokio::time::timeout(within, self.launches.acquire_many(LAUNCH_SLOTS as u32)).await;
         let mut dropped = Vec::new();
         if let Ok(mut keys) = self.keys.lock() {
             for kp in keys.values_mut() {

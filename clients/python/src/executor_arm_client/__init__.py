@@ -21,6 +21,7 @@ from .errors import (
     MethodNotAllowedError,
     NotFoundError,
     PayloadTooLargeError,
+    ProtocolError,
     RateLimitedError,
     RequestTimeoutError,
     SessionBusyError,
@@ -71,6 +72,7 @@ __all__ = [
     # errors
     "ExecutorArmError",
     "TransportError",
+    "ProtocolError",
     "InvalidRequestError",
     "MethodNotAllowedError",
     "AuthenticationError",

@@ -12,6 +12,7 @@ from urllib.parse import quote
 
 import httpx
 
+from .errors import ProtocolError
 from .models import (
     CancelAccepted,
     CancelRequest,
@@ -198,6 +199,29 @@ def cancel_run_call(
     body = to_wire(CancelRequest(grace_seconds=grace_seconds))
     return Call(
         "POST", run_path(exec_id, session_id) + "/cancel", decode_as(CancelAccepted), h, json=body
+    )
+
+
+def is_event_stream(response: httpx.Response) -> bool:
+    content_type: str = response.headers.get("content-type", "")
+    return content_type.startswith("text/event-stream")
+
+
+def replayed_run(response: httpx.Response, *, may_follow: bool) -> str:
+    """The ``exec_id`` of a stream's 2xx answer that is not a stream (its body read): a replayed
+    streamed POST answers with the run's stored 202, which the caller follows once by streaming
+    the run. Anything else (a second such answer, one to a GET, a body that is not a
+    :class:`RunAccepted`) raises :class:`ProtocolError` rather than sending again."""
+    kind = response.headers.get("content-type") or "no content type"
+    if may_follow:
+        try:
+            return from_wire(RunAccepted, _json(response)).exec_id
+        except (ValueError, TypeError, KeyError):  # json.JSONDecodeError is a ValueError
+            pass
+    raise ProtocolError(
+        f"the server did not answer with a stream (HTTP {response.status_code}, {kind})",
+        status=response.status_code,
+        body=response.text[:500],
     )
 
 

@@ -29,7 +29,6 @@ from .models import (
     SessionInfo,
     SessionLimits,
     StartEvent,
-    from_wire,
 )
 from .retry import RetryPolicy
 from .sse import aiter_events
@@ -136,16 +135,17 @@ class AsyncClient:
         last_id: str | None = call.headers.get("Last-Event-ID")
         failures = 0
         current = call
+        # Only the POST that starts a run may be answered with its stored 202 (a replay), once.
+        may_follow = call.method == "POST"
         while True:
             progressed = False
             try:
                 response = await self._request(current, stream=True)
                 try:
-                    if not response.headers.get("content-type", "").startswith("text/event-stream"):
-                        # A replayed streamed request answers with the run's 202: follow it.
+                    if not _core.is_event_stream(response):
                         await response.aread()
-                        accepted = from_wire(RunAccepted, response.json())
-                        exec_id = accepted.exec_id
+                        exec_id = _core.replayed_run(response, may_follow=may_follow)
+                        may_follow = False
                         current = resume(exec_id, last_id)
                         continue
                     async for ev in aiter_events(response.aiter_lines()):

@@ -28,7 +28,6 @@ from .models import (
     SessionInfo,
     SessionLimits,
     StartEvent,
-    from_wire,
     to_wire,
 )
 from .retry import RetryPolicy
@@ -148,16 +147,17 @@ class Client:
         last_id: str | None = call.headers.get("Last-Event-ID")
         failures = 0
         current = call
+        # Only the POST that starts a run may be answered with its stored 202 (a replay), once.
+        may_follow = call.method == "POST"
         while True:
             progressed = False
             try:
                 response = self._request(current, stream=True)
                 try:
-                    if not response.headers.get("content-type", "").startswith("text/event-stream"):
-                        # A replayed streamed request answers with the run's 202: follow it.
+                    if not _core.is_event_stream(response):
                         response.read()
-                        accepted = from_wire(RunAccepted, response.json())
-                        exec_id = accepted.exec_id
+                        exec_id = _core.replayed_run(response, may_follow=may_follow)
+                        may_follow = False
                         current = resume(exec_id, last_id)
                         continue
                     for ev in iter_events(response.iter_lines()):

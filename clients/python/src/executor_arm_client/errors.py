@@ -1,6 +1,7 @@
 """Typed errors. Every error answer of the daemon is ``{"success": false, "error", "error_type",
 "retryable", …}``; it is raised as the subclass of :class:`ExecutorArmError` its ``error_type``
-names (or, failing that, its status)."""
+names (or, failing that, its status). An answer without that body (a proxy's 502 page, say)
+is retryable only when the request is safe to send again: see :func:`error_from_response`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .models import ErrorBody, ExecutionResult, from_wire
 __all__ = [
     "ExecutorArmError",
     "TransportError",
+    "ProtocolError",
     "InvalidRequestError",
     "MethodNotAllowedError",
     "AuthenticationError",
@@ -34,14 +36,18 @@ __all__ = [
     "InternalServerError",
     "error_from_response",
     "error_from_body",
+    "safe_to_repeat",
 ]
 
 
 class ExecutorArmError(Exception):
     """An error answer of the daemon (or, for :class:`TransportError`, no answer at all).
 
-    ``retryable`` is the daemon's own verdict: the same request may succeed later (429, 503, 5xx,
-    an Idempotency-Key still running). ``retry_after`` is the ``Retry-After`` header in seconds.
+    ``retryable`` says the same request may be sent again: the daemon's own verdict when the
+    answer carries its error body (it says so only when nothing ran: 429, 503, an
+    Idempotency-Key still running); for an answer without it (a proxy's 502/504, …), a 429 or
+    5xx of a request that is safe to repeat (a GET, or one with an ``Idempotency-Key``).
+    ``retry_after`` is the ``Retry-After`` header in seconds.
     """
 
     def __init__(
@@ -89,6 +95,14 @@ class TransportError(ExecutorArmError):
     def from_httpx(cls, exc: httpx.TransportError, method: str | None = None) -> TransportError:
         unsent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
         return cls(f"{type(exc).__name__}: {exc}", retryable=unsent or method == "GET", cause=exc)
+
+
+class ProtocolError(ExecutorArmError):
+    """The server's answer does not follow the daemon's API: a stream answered with something
+    that is not a stream, or an event that cannot be decoded. Not retryable."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: Any = None) -> None:
+        super().__init__(message, status=status, retryable=False, body=body)
 
 
 class InvalidRequestError(ExecutorArmError):
@@ -233,11 +247,16 @@ def error_from_body(
     reason: str | None = None,
     retry_after: float | None = None,
     request_id: str | None = None,
+    safe_to_repeat: bool = False,
 ) -> ExecutorArmError:
-    """The typed error of an error body (a dict as the daemon sends it, or anything else)."""
+    """The typed error of an error body (a dict as the daemon sends it, or anything else).
+
+    ``retryable`` is the body's own ``retryable`` when it has one; else a 429 or 5xx is
+    retryable only when ``safe_to_repeat`` (the request may have run: a gateway timeout does
+    not say whether the daemon did the work)."""
     error_type: str | None = None
     message = reason or (f"HTTP {status}" if status else "error")
-    retryable = status is not None and (status == 429 or status >= 500)
+    retryable = safe_to_repeat and status is not None and (status == 429 or status >= 500)
     if isinstance(body, dict):
         if isinstance(body.get("error_type"), str):
             error_type = body["error_type"]
@@ -259,8 +278,16 @@ def error_from_body(
     )
 
 
+def safe_to_repeat(request: httpx.Request) -> bool:
+    """Whether sending ``request`` again cannot do the work twice: it only reads (GET, HEAD) or
+    carries an ``Idempotency-Key`` (the daemon answers a repeat with the stored result)."""
+    return request.method in ("GET", "HEAD") or "Idempotency-Key" in request.headers
+
+
 def error_from_response(response: httpx.Response) -> ExecutorArmError:
-    """The typed error of a non-success answer (its body must have been read)."""
+    """The typed error of a non-success answer (its body must have been read). Without the
+    daemon's error body, a 429 or 5xx is retryable only when the request that got it is
+    :func:`safe_to_repeat`."""
     body: Any = None
     reason = response.reason_phrase or None
     try:
@@ -274,7 +301,16 @@ def error_from_response(response: httpx.Response) -> ExecutorArmError:
         reason=reason,
         retry_after=_retry_after(response.headers.get("retry-after")),
         request_id=response.headers.get("x-request-id"),
+        safe_to_repeat=_sent_request_is_safe_to_repeat(response),
     )
+
+
+def _sent_request_is_safe_to_repeat(response: httpx.Response) -> bool:
+    try:
+        request = response.request
+    except RuntimeError:  # a Response built by hand: nothing says the request was safe
+        return False
+    return safe_to_repeat(request)
 
 
 def error_body(err: ExecutorArmError) -> ErrorBody | None:

@@ -10,9 +10,18 @@ __all__ = ["RetryPolicy"]
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retries with exponential backoff and jitter, only for errors the daemon marks
-    ``retryable`` (429, 503, 5xx, an Idempotency-Key still running) and connections that could
-    not be opened. Every attempt of one call sends the same ``Idempotency-Key``.
+    """Retries with exponential backoff and jitter, only for errors whose ``retryable`` is true:
+
+    * an error answer of the daemon that says ``"retryable": true`` (it says so only when
+      nothing ran: 429 ``Overloaded``, 503, a 409 ``IdempotencyInProgress``);
+    * a 429 or 5xx without the daemon's error body (a proxy's 502 or 504 page), only for a
+      request that is safe to repeat: a GET, or one with an ``Idempotency-Key`` (``execute``
+      and session ``exec``). Session creation, cancel, delete and upload are not retried then:
+      the daemon may have done the work before the proxy gave up;
+    * a connection that could not be opened (the request was never sent), or, for a GET, one
+      that broke.
+
+    Every attempt of one call sends the same ``Idempotency-Key``.
 
     ``max_attempts`` counts the first try (1 disables retries). The n-th retry waits a random
     time in ``[backoff/2, backoff]`` with ``backoff = min(max_backoff, initial_backoff *

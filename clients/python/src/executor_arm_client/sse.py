@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from .errors import ProtocolError
 from .models import (
     Event,
     OutputEvent,
@@ -15,7 +17,20 @@ from .models import (
     run_answer_type,
 )
 
-__all__ = ["RawEvent", "SseParser", "parse_event", "iter_events", "aiter_events"]
+__all__ = [
+    "RawEvent",
+    "SseParser",
+    "parse_event",
+    "iter_events",
+    "aiter_events",
+    "usable_event_id",
+]
+
+
+def usable_event_id(value: str) -> bool:
+    """Whether an event id can be sent back as ``Last-Event-ID``: 1+ visible ASCII characters
+    (the daemon's ids are; anything else could not be encoded in a header)."""
+    return value != "" and all("!" <= c <= "~" for c in value)
 
 
 @dataclass
@@ -27,7 +42,8 @@ class RawEvent:
 
 @dataclass
 class SseParser:
-    """Feeds lines, yields complete events (comments and heartbeats are skipped)."""
+    """Feeds lines, yields complete events (comments and heartbeats are skipped). An ``id``
+    that is not :func:`usable_event_id` is ignored."""
 
     _event: str | None = None
     _id: str | None = None
@@ -50,18 +66,36 @@ class SseParser:
             self._event = value
         elif name == "data":
             self._data.append(value)
-        elif name == "id":
+        elif name == "id" and usable_event_id(value):
             self._id = value
         return None
 
 
 def parse_event(raw: RawEvent) -> Event | None:
-    """The typed event of a raw one; None for an event name this client does not know."""
-    data = json.loads(raw.data) if raw.data else {}
+    """The typed event of a raw one; None for an event name this client does not know. Data
+    that is not the event's JSON object raises :class:`~.errors.ProtocolError`."""
+    if raw.event not in ("start", "stdout", "stderr", "result"):
+        return None
+    try:
+        data = json.loads(raw.data) if raw.data else {}
+        if not isinstance(data, dict):
+            raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+        return _typed_event(raw, data)
+    except (ValueError, TypeError, KeyError) as e:  # json.JSONDecodeError is a ValueError
+        raise ProtocolError(
+            f"malformed {raw.event!r} event (id {raw.id!r}): {type(e).__name__}: {e}",
+            body=raw.data[:500],
+        ) from e
+
+
+def _typed_event(raw: RawEvent, data: dict[str, Any]) -> Event | None:
     if raw.event == "start":
+        exec_id = data["exec_id"]
+        if not isinstance(exec_id, str) or not exec_id:
+            raise TypeError(f"exec_id: expected a non-empty string, got {exec_id!r}")
         return StartEvent(
             id=raw.id,
-            exec_id=data["exec_id"],
+            exec_id=exec_id,
             backend=data.get("backend"),
             profile=data.get("profile"),
         )
