@@ -13,8 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::docker::{
-    SOCKET, config, container_exists, container_of, containers, docker, docker_ps, finish,
-    instance_of, remove_all, require_docker, running_containers, volumes, wait_until,
+    SOCKET, assert_nothing_left, config, container_exists, container_of, containers, docker,
+    docker_ps, finish, instance_of, remove_all, require_docker, running_containers, volumes,
+    wait_until,
 };
 use common::{Daemon, Opts};
 use serde_json::{Value, json};
@@ -842,17 +843,7 @@ async fn a_pool_launch_in_flight_at_shutdown_leaves_no_container() {
     assert_eq!(code, Some(0), "the daemon did not exit by itself");
     // A create released after the daemon's last sweep would land by now.
     tokio::time::sleep(delay + Duration::from_secs(1)).await;
-    wait_until(
-        &format!("no container labelled {label}"),
-        Duration::from_secs(30),
-        || containers(&label).is_empty(),
-    );
-    for v in volumes(&label) {
-        assert!(
-            docker(&["volume", "rm", &v]).is_some(),
-            "volume {v} of a stopped daemon is still in use"
-        );
-    }
+    assert_nothing_left(&label, Duration::from_secs(30));
 }
 
 /// A session's container launched for its creation (no warm pool) is still being created when
@@ -898,17 +889,7 @@ async fn a_cold_launch_in_flight_when_the_grace_ends_leaves_no_container() {
     let _ = create.await;
     // A create released after the daemon's last sweep would land by now.
     tokio::time::sleep(delay).await;
-    wait_until(
-        &format!("no container labelled {label}"),
-        Duration::from_secs(30),
-        || containers(&label).is_empty(),
-    );
-    for v in volumes(&label) {
-        assert!(
-            docker(&["volume", "rm", &v]).is_some(),
-            "volume {v} of a stopped daemon is still in use"
-        );
-    }
+    assert_nothing_left(&label, Duration::from_secs(30));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

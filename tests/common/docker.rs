@@ -143,12 +143,16 @@ pub fn finish(mut d: Daemon) {
     // A bound, not a timing check: a gVisor sandbox saturated by its guest (a fork bomb under its
     // CPU quota) can take half a minute to act on a kill on this 2-vCPU machine, and minutes while
     // other tests load dockerd at the same time.
-    wait_until(
-        &format!("no container labelled {label}"),
-        Duration::from_secs(300),
-        || containers(&label).is_empty(),
-    );
-    for v in volumes(&label) {
+    assert_nothing_left(&label, Duration::from_secs(300));
+}
+
+/// Waits (up to `limit`) until no container carries `label`, then checks that every volume with
+/// it is unused (and removes it).
+pub fn assert_nothing_left(label: &str, limit: Duration) {
+    wait_until(&format!("no container labelled {label}"), limit, || {
+        containers(label).is_empty()
+    });
+    for v in volumes(label) {
         assert!(
             docker(&["volume", "rm", &v]).is_some(),
             "volume {v} of a stopped daemon is still in use"
