@@ -84,6 +84,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     let local = LocalSandbox::new(
         &config.sandbox.local.cgroup_name,
         config.sandbox.local.warm_slots,
+        config.sandbox.local.cgroup_favor_dynmods,
         &runtime_dir(),
         Some(egress.clone()),
     );

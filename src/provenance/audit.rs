@@ -306,12 +306,35 @@ struct Tail {
     len: u64,
     /// A failed append may have left part of a line past `len` that could not be cut off yet.
     torn: bool,
+    /// Bumped whenever lines not yet known durable are cut off (a failed fsync).
+    generation: u64,
+}
+
+/// Where an appended line ended, for [`AuditLog::commit`].
+struct Written {
+    seq: u64,
+    end: u64,
+    generation: u64,
+}
+
+/// The part of the log known to be on disk: lines up to `len`, the last being `seq`/`last_hash`.
+struct Synced {
+    len: u64,
+    seq: u64,
+    last_hash: String,
+    generation: u64,
 }
 
 pub struct AuditLog {
     path: PathBuf,
     instance: String,
     tail: Mutex<Tail>,
+    /// Group commit: one `fdatasync` makes every line written before it durable, so appenders
+    /// waiting here find their line already covered by the one in progress. Locked before
+    /// `tail`, never after.
+    synced: Mutex<Synced>,
+    /// The log's open file description again, synced without holding `tail`.
+    sync_file: File,
     /// Why the last append failed, until an append or a probe succeeds (for /readyz).
     failing: Mutex<Option<String>>,
     recovered: Option<SegmentStart>,
@@ -363,15 +386,24 @@ impl AuditLog {
             let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
         }
         let len = file.metadata().map_err(io)?.len();
+        let sync_file = file.try_clone().map_err(io)?;
         let log = AuditLog {
             path: path.to_path_buf(),
             instance: instance.to_string(),
+            synced: Mutex::new(Synced {
+                len,
+                seq: chain.last_seq,
+                last_hash: chain.last_hash.clone(),
+                generation: 0,
+            }),
+            sync_file,
             tail: Mutex::new(Tail {
                 file,
                 seq: chain.last_seq,
                 last_hash: chain.last_hash,
                 len,
                 torn: false,
+                generation: 0,
             }),
             failing: Mutex::new(None),
             recovered: segment.clone(),
@@ -439,8 +471,18 @@ impl AuditLog {
     /// a flood adds no more lines than the rate allows plus one per interval.
     pub fn flush_suppressed(&self) -> Result<Option<u64>, AuditError> {
         let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        let r = self.write_suppressed(&mut tail, true);
+        let r = self.write_suppressed(&mut tail);
         drop(tail);
+        let r = match r {
+            Ok(Some((w, counts))) => self.commit(w).map(Some).inspect_err(|_| {
+                self.refusals
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .restore_pending(counts);
+            }),
+            Ok(None) => Ok(None),
+            Err(e) => Err(e),
+        };
         // Writing nothing proves nothing about the log: a failed append stays noted (/readyz
         // keeps probing) until a line is written.
         if !matches!(r, Ok(None)) {
@@ -450,16 +492,70 @@ impl AuditLog {
     }
 
     /// Appends one event; returns its sequence number. Every event but `execution_start` is
-    /// fsync'd (an execution's end line covers its start line). A failed append leaves no part of
-    /// its line behind.
+    /// durable when this returns Ok (an execution's end line covers its start line): appends
+    /// that arrive together share one `fdatasync` (group commit). A failed append leaves no part
+    /// of its line behind.
     #[tracing::instrument(name = "audit.append", skip_all, fields(event = event.name()))]
     pub fn append(&self, event: &AuditEvent) -> Result<u64, AuditError> {
         let sync = !matches!(event, AuditEvent::ExecutionStart(_));
         let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        let r = self.append_locked(&mut tail, event, sync);
+        let r = self.append_locked(&mut tail, event);
         drop(tail);
+        let r = match r {
+            Ok(w) if sync => self.commit(w),
+            Ok(w) => Ok(w.seq),
+            Err(e) => Err(e),
+        };
         self.note(&r);
         r
+    }
+
+    /// Returns once the line `w` is on disk: at once when an `fdatasync` that started after it
+    /// was written has completed, else after one of its own, which covers every line written so
+    /// far. A failed `fdatasync` cuts every line not known durable (so the file holds exactly
+    /// what was acknowledged, and the chain continues from its last durable line) and fails
+    /// every append waiting on them.
+    fn commit(&self, w: Written) -> Result<u64, AuditError> {
+        let mut synced = self.synced.lock().unwrap_or_else(|p| p.into_inner());
+        if synced.generation != w.generation {
+            return Err(AuditError::Io {
+                path: self.path.clone(),
+                source: std::io::Error::other(
+                    "the log could not be synced to disk; this line was cut off",
+                ),
+            });
+        }
+        if synced.len >= w.end {
+            return Ok(w.seq);
+        }
+        let (len, seq, last_hash) = {
+            let tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+            (tail.len, tail.seq, tail.last_hash.clone())
+        };
+        match self.sync_file.sync_data() {
+            Ok(()) => {
+                *synced = Synced {
+                    len,
+                    seq,
+                    last_hash,
+                    generation: synced.generation,
+                };
+                Ok(w.seq)
+            }
+            Err(e) => {
+                let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+                tail.len = synced.len;
+                tail.seq = synced.seq;
+                tail.last_hash = synced.last_hash.clone();
+                tail.torn = tail.file.set_len(synced.len).is_err();
+                tail.generation += 1;
+                synced.generation = tail.generation;
+                Err(AuditError::Io {
+                    path: self.path.clone(),
+                    source: e,
+                })
+            }
+        }
     }
 
     /// Remembers whether the last append failed and why (for /readyz).
@@ -468,8 +564,12 @@ impl AuditLog {
             r.as_ref().err().map(AuditError::cause);
     }
 
-    /// Writes the pending `refusals_suppressed` line, if any; on failure the counts stay pending.
-    fn write_suppressed(&self, tail: &mut Tail, sync: bool) -> Result<Option<u64>, AuditError> {
+    /// Writes the pending `refusals_suppressed` line, if any, and returns it with its counts (to
+    /// be restored if it cannot be made durable); on failure the counts stay pending.
+    fn write_suppressed(
+        &self,
+        tail: &mut Tail,
+    ) -> Result<Option<(Written, RefusalsSuppressed)>, AuditError> {
         let pending = self
             .refusals
             .lock()
@@ -478,8 +578,8 @@ impl AuditLog {
         let Some(counts) = pending else {
             return Ok(None);
         };
-        match self.append_locked(tail, &AuditEvent::RefusalsSuppressed(counts.clone()), sync) {
-            Ok(seq) => Ok(Some(seq)),
+        match self.append_locked(tail, &AuditEvent::RefusalsSuppressed(counts.clone())) {
+            Ok(w) => Ok(Some((w, counts))),
             Err(e) => {
                 self.refusals
                     .lock()
@@ -490,12 +590,8 @@ impl AuditLog {
         }
     }
 
-    fn append_locked(
-        &self,
-        tail: &mut Tail,
-        event: &AuditEvent,
-        sync: bool,
-    ) -> Result<u64, AuditError> {
+    /// Writes one line (not yet synced: see [`AuditLog::commit`]).
+    fn append_locked(&self, tail: &mut Tail, event: &AuditEvent) -> Result<Written, AuditError> {
         let io = |source| AuditError::Io {
             path: self.path.clone(),
             source,
@@ -514,11 +610,7 @@ impl AuditLog {
                     message,
                 }
             })?;
-        let written = tail
-            .file
-            .write_all(&line)
-            .and_then(|()| if sync { tail.file.sync_data() } else { Ok(()) });
-        if let Err(e) = written {
+        if let Err(e) = tail.file.write_all(&line) {
             // A short write (a full disk) may have left part of the line: cut it off now, which
             // frees its space, or before the next append.
             tail.torn = tail.file.set_len(tail.len).is_err();
@@ -528,7 +620,11 @@ impl AuditLog {
         tail.seq = seq;
         tail.last_hash = hash;
         tracing::info!(target: "audit", "{}", String::from_utf8_lossy(&line).trim_end());
-        Ok(seq)
+        Ok(Written {
+            seq,
+            end: tail.len,
+            generation: tail.generation,
+        })
     }
 
     /// Ok while appends succeed. After a failed one, probes for room (a few KiB written and

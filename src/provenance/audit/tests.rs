@@ -537,3 +537,58 @@ fn a_flush_with_nothing_pending_does_not_clear_a_failed_append() {
         "a flush that wrote nothing proves nothing about the log: /readyz must keep probing"
     );
 }
+
+#[test]
+fn appends_from_many_threads_share_fsyncs_and_keep_one_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit.jsonl");
+    let log = std::sync::Arc::new(AuditLog::open(&path, "i-1").unwrap());
+    let threads: Vec<_> = (0..16)
+        .map(|t| {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                (0..25)
+                    .map(|i| log.append(&execution(t * 100 + i)).unwrap())
+                    .collect::<Vec<u64>>()
+            })
+        })
+        .collect();
+    let mut seqs: Vec<u64> = threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=400).collect::<Vec<u64>>());
+    let v = verify(&path).unwrap();
+    assert_eq!((v.lines, v.last_seq), (400, 400));
+    // Every acknowledged line is covered by a completed fsync.
+    let synced = log.synced.lock().unwrap();
+    assert_eq!(synced.len, std::fs::metadata(&path).unwrap().len());
+    assert_eq!(synced.seq, 400);
+}
+
+#[test]
+fn a_failed_fsync_cuts_the_lines_it_did_not_make_durable_and_the_chain_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit.jsonl");
+    let mut log = AuditLog::open(&path, "i-1").unwrap();
+    log.append(&execution(1)).unwrap();
+    let durable = std::fs::read(&path).unwrap();
+    // fdatasync(2) of a pipe fails with EINVAL: the next commit's sync fails.
+    let (r, _w) = nix::unistd::pipe().unwrap();
+    let real = std::mem::replace(&mut log.sync_file, File::from(r));
+    log.append(&start("exec-2")).unwrap();
+    let e = log.append(&execution(3)).unwrap_err();
+    assert!(matches!(e, AuditError::Io { .. }), "{e}");
+    assert!(
+        log.failing.lock().unwrap().is_some(),
+        "/readyz sees the failure"
+    );
+    // Only what was acknowledged as durable is left, and it verifies.
+    assert_eq!(std::fs::read(&path).unwrap(), durable);
+    assert_eq!(verify(&path).unwrap().last_seq, 1);
+    log.sync_file = real;
+    assert_eq!(log.append(&execution(4)).unwrap(), 2);
+    let v = verify(&path).unwrap();
+    assert_eq!((v.lines, v.last_seq), (2, 2));
+}

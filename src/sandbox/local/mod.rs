@@ -8,8 +8,10 @@
 
 pub mod cgroup;
 pub mod child;
+pub mod dynmods;
 pub mod egress;
 pub mod landlock;
+mod reaper;
 pub mod seccomp;
 
 use std::collections::BTreeSet;
@@ -44,6 +46,10 @@ pub struct LocalSandbox {
     /// refused.
     seccomp: Option<Arc<SeccompProgram>>,
     egress: Option<egress::EgressSettings>,
+    /// Removes finished runs' cgroups off the request path (None: each run removes its own).
+    reaper: Option<reaper::Reaper>,
+    /// Holds the kernel's `favordynmods` mode while the backend lives (see [`dynmods`]).
+    _dynmods: Option<dynmods::FavorDynMods>,
 }
 
 impl LocalSandbox {
@@ -53,6 +59,7 @@ impl LocalSandbox {
     pub fn new(
         cgroup_name: &str,
         warm_slots: usize,
+        favor_dynmods: bool,
         runtime_dir: &Path,
         egress: Option<egress::EgressSettings>,
     ) -> Self {
@@ -71,6 +78,25 @@ impl LocalSandbox {
                 None
             }
         };
+        // Before the first slot is prepared: its joins are what the mode makes cheap. Only where
+        // the host already has cgroup v1 hierarchies: on a cgroup v2 host a v1 hierarchy would
+        // add a line to every process's /proc/<pid>/cgroup, which tools read to tell the
+        // versions apart.
+        let v1 = cgroups
+            .as_ref()
+            .is_some_and(|d| d.version() == cgroup::CgroupVersion::V1);
+        let dynmods = (favor_dynmods && v1)
+            .then(|| match dynmods::FavorDynMods::hold() {
+                Ok(h) => {
+                    tracing::info!("cgroup favordynmods mode held: cgroup joins wait for no RCU grace period");
+                    Some(h)
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot hold the cgroup favordynmods mode: each cgroup join may stall forks host-wide for an RCU grace period");
+                    None
+                }
+            })
+            .flatten();
         let root_dir = runtime_dir.join("sandbox-root");
         if let Err(e) = std::fs::create_dir_all(&root_dir) {
             probe
@@ -106,6 +132,10 @@ impl LocalSandbox {
             root_dir,
             seccomp,
             egress,
+            reaper: reaper::Reaper::start()
+                .inspect_err(|e| tracing::warn!(error = %e, "no teardown thread: runs remove their own cgroups"))
+                .ok(),
+            _dynmods: dynmods,
         }
     }
 
@@ -114,6 +144,31 @@ impl LocalSandbox {
     }
 
     /// The minimal root of a run: its mounts and Landlock rules.
+    /// Ends a finished run's life on the host: its cgroup is removed (which frees the memory its
+    /// children ran on) and then the prepared slots are topped up. On the reaper's thread when
+    /// it takes the work, so the caller's answer does not wait for it; here otherwise.
+    async fn retire(&self, guard: CgroupGuard, refill: RefillOnDrop) -> Result<(), SandboxError> {
+        let Some(reaper) = &self.reaper else {
+            guard.finish().await?;
+            drop(refill);
+            return Ok(());
+        };
+        let runtime = tokio::runtime::Handle::current();
+        // CgroupGuard's drop removes the cgroup (logging a failure) and releases the memory
+        // only once it is gone; the refill needs the runtime to start its tasks.
+        let teardown: reaper::Teardown = Box::new(move || {
+            drop(guard);
+            let _entered = runtime.enter();
+            drop(refill);
+        });
+        if let Err(teardown) = reaper.submit(teardown) {
+            tokio::task::spawn_blocking(teardown)
+                .await
+                .map_err(|e| SandboxError::Setup(format!("cgroup cleanup task: {e}")))?;
+        }
+        Ok(())
+    }
+
     fn layout(&self, spec: &RunSpec) -> Result<PlanBuilder, SandboxError> {
         let handled = landlock::handled_fs(self.probe.landlock_abi);
         let mut b = PlanBuilder::new(&self.root_dir, handled);
@@ -489,7 +544,10 @@ impl Drop for LocalSandbox {
     /// At exit (the runtime drops the daemon's state): remove this daemon's empty cgroup owner
     /// directories, so a clean shutdown leaves nothing for the next start to sweep.
     fn drop(&mut self) {
-        // Prepared slots first: their cgroups live in the owner directories.
+        // Finished runs' cgroups, then prepared slots: they live in the owner directories.
+        if let Some(r) = &self.reaper {
+            r.close();
+        }
         if let Some(w) = &self.warm {
             w.drain();
         }
@@ -847,7 +905,7 @@ impl Sandbox for LocalSandbox {
         // cgroup holding the kernel's cgroup mutex for a grace period, which would stall this
         // run's own cgroup work (rename, limits, removal) behind it. Declared before the guard,
         // so it acts after the guard's removal on every path.
-        let _refill = RefillOnDrop(self.warm.clone());
+        let refill = RefillOnDrop(self.warm.clone());
         // The child's ends of the run's pipes, declared before the guard so that on every early
         // return the run is killed before their numbers are freed: a prepared shim shares our fd
         // table until it takes its own copy.
@@ -1065,7 +1123,7 @@ impl Sandbox for LocalSandbox {
         let network = run::connections(egress_run).await;
         let record = read_status(&status_r);
         let stats = cg.stats();
-        guard.finish().await?;
+        self.retire(guard, refill).await?;
 
         let exit = match record {
             Some([child::TAG_SETUP_ERROR, stage, _, _, a, b, c, d]) => {
@@ -1148,7 +1206,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_wall_clock_that_fires_before_the_shim_joined_still_kills_the_run() {
         let dir = tempfile::tempdir().unwrap();
-        let sb = LocalSandbox::new("executor-arm", 4, dir.path(), None);
+        let sb = LocalSandbox::new("executor-arm", 4, true, dir.path(), None);
         assert!(sb.probe.local_missing(1).is_empty(), "{:?}", sb.probe);
         for i in 0..12 {
             let o = sb
