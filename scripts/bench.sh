@@ -72,7 +72,8 @@ skip_bench() {
   printf '%s\t%s\tskipped: %s\n' "$1" "$1.json" "$2" >>"$RESULTS/runs.tsv"
 }
 
-# The command line as it was given, with the knobs that change what is measured.
+# The command line as it was given, with the knobs that change what is measured (taken before
+# BENCH_QUICK sets bench-docker.sh's sample counts).
 command_line() {
   local words=() v
   for v in BENCH_QUICK BENCH_DOCKER EXECUTOR_ARM_BASELINE_BIN N_WARM N_COLD N_BASE N_TPUT CONC POOL; do
@@ -84,7 +85,8 @@ command_line() {
 
 bench_all() {
   need_root_and_bwrap
-  local stamp docs runtimes quick_flag=() docker_reason="" gvisor_reason=""
+  local stamp docs runtimes cmdline quick_flag=() docker_reason="" gvisor_reason=""
+  cmdline=$(command_line)
   stamp=$(date -u +%Y%m%dT%H%M%SZ)
   RESULTS=${BENCH_RESULTS:-$TARGET/bench-results/$stamp}
   docs=${BENCH_DOCS:-docs}
@@ -140,7 +142,7 @@ bench_all() {
   pinned_venv "$VENV" "${PY_REQUIREMENTS[@]}"
   "$VENV/bin/python" scripts/bench/report.py --results "$RESULTS" \
     --out "$docs/benchmarks.md" --png "$docs/benchmarks.png" \
-    --command "$(command_line)" "${quick_flag[@]}"
+    --command "$cmdline" "${quick_flag[@]}"
   printf '\nbench: runs\n'
   cat "$RESULTS/runs.tsv"
 }
