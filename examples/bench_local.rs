@@ -9,12 +9,21 @@
 //! second daemon from that binary serves a fourth series in the same blocks: old beside new in one
 //! run.
 //!
-//! Run: `scripts/bench.sh` (builds release and runs this as root). Prints p50/p95/p99 and ratios.
+//! A last part measures throughput at 16 in flight: `CONC_N` requests from 16 concurrent clients
+//! (the default `server.concurrency.local`, set explicitly here so all 16 are admitted) against
+//! the same number of bwrap runs, 16 at a time, interleaved in rounds.
+//!
+//! Run: `scripts/bench.sh` (builds release and runs this as root). Prints p50/p95/p99 and ratios;
+//! `BENCH_JSON=<path>` also writes them as JSON, `BENCH_QUICK=1` takes a tenth of the samples
+//! (see `scripts/bench.sh`).
 
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use executor_arm::config::TokenKind;
+use support::report::{Report, Series, Target, count};
 
 mod support;
 
@@ -23,23 +32,26 @@ const WARMUP: usize = 20;
 const BLOCK: usize = 25;
 const SPORADIC: usize = 40;
 const SPORADIC_GAP: Duration = Duration::from_millis(250);
+/// Requests (and bwrap runs) of the 16-in-flight throughput series.
+const CONC_N: usize = 800;
+const CONC: usize = 16;
+const CONC_ROUNDS: usize = 4;
 
-fn pct(sorted: &[Duration], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i].as_secs_f64() * 1000.0
+const BWRAP: [&str; 7] = [
+    "bwrap",
+    "--ro-bind",
+    "/",
+    "/",
+    "--unshare-all",
+    "/bin/echo",
+    "hi",
+];
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
 }
 
-fn summary(name: &str, mut v: Vec<Duration>) -> f64 {
-    v.sort();
-    let (p50, p95, p99) = (pct(&v, 0.50), pct(&v, 0.95), pct(&v, 0.99));
-    println!(
-        "{name:<44} n={:<4} p50={p50:>8.3} ms  p95={p95:>8.3} ms  p99={p99:>8.3} ms",
-        v.len()
-    );
-    p50
-}
-
-fn time_cmd(argv: &[&str], n: usize, out: &mut Vec<Duration>) {
+fn time_cmd(argv: &[&str], n: usize, out: &mut Vec<f64>) {
     for _ in 0..n {
         let t = Instant::now();
         let st = Command::new(argv[0])
@@ -50,76 +62,168 @@ fn time_cmd(argv: &[&str], n: usize, out: &mut Vec<Duration>) {
             .expect("spawn");
         let d = t.elapsed();
         assert!(st.success(), "{argv:?} failed");
-        out.push(d);
+        out.push(ms(d));
     }
+}
+
+/// One `POST /execute` of `echo hi`: its latency, or what went wrong.
+async fn execute(
+    client: &reqwest::Client,
+    url: &str,
+    svc: &str,
+    body: &str,
+) -> Result<Duration, String> {
+    let t = Instant::now();
+    let r = client
+        .post(url)
+        .header("authorization", svc)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = r.status();
+    let text = r.text().await.map_err(|e| e.to_string())?;
+    let d = t.elapsed();
+    if status.is_success() && text.contains("\"stdout\":\"hi\\n\"") {
+        Ok(d)
+    } else {
+        Err(format!("{status} {text}"))
+    }
+}
+
+/// `n` requests from `CONC` concurrent clients: the latencies of the answered ones, the number
+/// that failed, and the wall time.
+async fn execute_concurrent(
+    client: &reqwest::Client,
+    url: &str,
+    svc: &str,
+    body: &str,
+    n: usize,
+) -> (Vec<f64>, usize, Duration) {
+    let left = Arc::new(AtomicUsize::new(n));
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..CONC {
+        let (client, url, svc, body) = (
+            client.clone(),
+            url.to_string(),
+            svc.to_string(),
+            body.to_string(),
+        );
+        let left = left.clone();
+        tasks.spawn(async move {
+            let (mut lat, mut errors) = (Vec::new(), 0);
+            while left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1))
+                .is_ok()
+            {
+                match execute(&client, &url, &svc, &body).await {
+                    Ok(d) => lat.push(ms(d)),
+                    Err(e) => {
+                        eprintln!("concurrent request failed: {e}");
+                        errors += 1;
+                    }
+                }
+            }
+            (lat, errors)
+        });
+    }
+    let (mut lat, mut errors) = (Vec::new(), 0);
+    while let Some(done) = tasks.join_next().await {
+        let (l, e) = done.expect("client task");
+        lat.extend(l);
+        errors += e;
+    }
+    (lat, errors, start.elapsed())
+}
+
+/// `n` runs of `argv`, `CONC` at a time: their latencies and the wall time.
+fn cmd_concurrent(argv: &[&str], n: usize) -> (Vec<f64>, Duration) {
+    let left = AtomicUsize::new(n);
+    let start = Instant::now();
+    let lat = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..CONC)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = Vec::new();
+                    while left
+                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1))
+                        .is_ok()
+                    {
+                        time_cmd(argv, 1, &mut out);
+                    }
+                    out
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("bwrap worker"))
+            .collect::<Vec<_>>()
+    });
+    (lat, start.elapsed())
 }
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
+    let (n, warmup, sporadic, conc_n) = (
+        count(N, 2 * BLOCK),
+        count(WARMUP, 5),
+        count(SPORADIC, 8),
+        count(CONC_N, 4 * CONC),
+    );
+    let concurrency = CONC.to_string();
     // The baseline first: an older build sweeps the run cgroups of its own name at start, so the
     // daemon under test, started after it, uses a name of its own.
     let baseline_bin = std::env::var("EXECUTOR_ARM_BASELINE_BIN").ok();
     let baseline = baseline_bin
         .as_deref()
         .map(|bin| support::Daemon::start_bin(bin, &[]));
-    let daemon = support::Daemon::start(&[(
-        "EXECUTOR_ARM__SANDBOX__LOCAL__CGROUP_NAME",
-        "executor-arm-bench",
-    )]);
+    let daemon = support::Daemon::start(&[
+        (
+            "EXECUTOR_ARM__SANDBOX__LOCAL__CGROUP_NAME",
+            "executor-arm-bench",
+        ),
+        (
+            "EXECUTOR_ARM__SERVER__CONCURRENCY__LOCAL",
+            concurrency.as_str(),
+        ),
+    ]);
     let addr = daemon.addr.clone();
     let mint = |kind, caps: &[&str]| daemon.mint(kind, caps);
     let svc = format!("Bearer {}", mint(TokenKind::Service, &[]));
     let body = serde_json::json!({"action_type": "shell", "command": "echo", "args": ["hi"], "capability_token": mint(TokenKind::Capability, &["ShellExecute"])}).to_string();
     let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(1)
+        .pool_max_idle_per_host(CONC)
         .build()
         .expect("client");
     let url = format!("http://{addr}/execute");
     let baseline_url = baseline
         .as_ref()
         .map(|b| format!("http://{}/execute", b.addr));
-    let send = |url: String| async {
-        let t = Instant::now();
-        let r = client
-            .post(url)
-            .header("authorization", &svc)
-            .header("content-type", "application/json")
-            .body(body.clone())
-            .send()
-            .await
-            .expect("request");
-        let status = r.status();
-        let text = r.text().await.expect("body");
-        let d = t.elapsed();
-        assert!(
-            status.is_success() && text.contains("\"stdout\":\"hi\\n\""),
-            "{status} {text}"
-        );
-        d
+    let send = |url: String| {
+        let (client, svc, body) = (&client, &svc, &body);
+        async move {
+            ms(execute(client, &url, svc, body)
+                .await
+                .unwrap_or_else(|e| panic!("{e}")))
+        }
     };
     let request = || send(url.clone());
-    let bwrap = [
-        "bwrap",
-        "--ro-bind",
-        "/",
-        "/",
-        "--unshare-all",
-        "/bin/echo",
-        "hi",
-    ];
     let mut discard = Vec::new();
-    for _ in 0..WARMUP {
+    for _ in 0..warmup {
         request().await;
     }
-    time_cmd(&["/bin/echo", "hi"], WARMUP, &mut discard);
-    time_cmd(&bwrap, WARMUP, &mut discard);
+    time_cmd(&["/bin/echo", "hi"], warmup, &mut discard);
+    time_cmd(&BWRAP, warmup, &mut discard);
     if let Some(u) = &baseline_url {
-        for _ in 0..WARMUP {
+        for _ in 0..warmup {
             send(u.clone()).await;
         }
     }
     let (mut api, mut fork, mut bw, mut old) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..N / BLOCK {
+    for _ in 0..n / BLOCK {
         for _ in 0..BLOCK {
             api.push(request().await);
         }
@@ -129,45 +233,162 @@ async fn main() {
             }
         }
         time_cmd(&["/bin/echo", "hi"], BLOCK, &mut fork);
-        time_cmd(&bwrap, BLOCK, &mut bw);
+        time_cmd(&BWRAP, BLOCK, &mut bw);
     }
     // Sporadic traffic: one request (and one bwrap) every SPORADIC_GAP, the way an orchestrator
     // with little to do calls. Idle CPUs and idle kernel state (RCU, cgroup locks) show here.
     let (mut api_idle, mut bw_idle) = (Vec::new(), Vec::new());
-    for _ in 0..SPORADIC {
+    for _ in 0..sporadic {
         tokio::time::sleep(SPORADIC_GAP).await;
         api_idle.push(request().await);
         tokio::time::sleep(SPORADIC_GAP).await;
-        time_cmd(&bwrap, 1, &mut bw_idle);
+        time_cmd(&BWRAP, 1, &mut bw_idle);
+    }
+    // Throughput at 16 in flight, the daemon and bwrap taking turns in rounds.
+    let (mut conc, mut conc_errors, mut conc_wall) = (Vec::new(), 0, Duration::ZERO);
+    let (mut bw_conc, mut bw_conc_wall) = (Vec::new(), Duration::ZERO);
+    for _ in 0..CONC_ROUNDS {
+        let (l, e, w) = execute_concurrent(&client, &url, &svc, &body, conc_n / CONC_ROUNDS).await;
+        conc.extend(l);
+        conc_errors += e;
+        conc_wall += w;
+        let (l, w) = cmd_concurrent(&BWRAP, conc_n / CONC_ROUNDS);
+        bw_conc.extend(l);
+        bw_conc_wall += w;
     }
     drop(daemon);
     drop(baseline);
 
     println!(
-        "executor-arm local backend benchmark ({N} sequential requests per series, interleaved in \
-         blocks of {BLOCK}, {WARMUP} warm-up discarded)"
+        "executor-arm local backend benchmark ({n} sequential requests per series, interleaved in \
+         blocks of {BLOCK}, {warmup} warm-up discarded)"
     );
-    let p_api = summary("POST /execute echo hi (local, keep-alive)", api);
-    let p_fork = summary("fork/exec /bin/echo", fork);
-    let p_bwrap = summary("bwrap --ro-bind / / --unshare-all /bin/echo", bw);
-    println!("ratio p50 execute / fork-exec: {:.2}x", p_api / p_fork);
-    println!(
-        "ratio p50 execute / bwrap:     {:.2}x   (target <= 1.5x)",
-        p_api / p_bwrap
+    let mut report = Report::new("local", 44);
+    report.fact("n_sequential", n);
+    report.fact("block", BLOCK);
+    report.fact("warmup", warmup);
+    let local = |id, label, baseline| Series {
+        id,
+        label,
+        backend: "local",
+        baseline,
+    };
+    let p_api = report.series(
+        local(
+            "local.execute.seq",
+            "POST /execute echo hi (local, keep-alive)",
+            Some("local.bwrap"),
+        ),
+        &api,
+    );
+    let p_fork = report.series(local("local.fork", "fork/exec /bin/echo", None), &fork);
+    let p_bwrap = report.series(
+        local(
+            "local.bwrap",
+            "bwrap --ro-bind / / --unshare-all /bin/echo",
+            None,
+        ),
+        &bw,
+    );
+    report.ratio(
+        "local.p50_vs_fork",
+        "p50 execute / fork-exec",
+        p_api.p50 / p_fork.p50,
+        None,
+    );
+    report.ratio(
+        "local.p50_vs_bwrap",
+        "p50 execute / bwrap",
+        p_api.p50 / p_bwrap.p50,
+        Some(Target::AtMost(1.1)),
+    );
+    report.ratio(
+        "local.p95_vs_bwrap",
+        "p95 execute / bwrap",
+        p_api.p95 / p_bwrap.p95,
+        Some(Target::AtMost(1.5)),
+    );
+    report.ratio(
+        "local.p99_vs_bwrap",
+        "p99 execute / bwrap",
+        p_api.p99 / p_bwrap.p99,
+        Some(Target::AtMost(2.0)),
     );
     if let Some(bin) = &baseline_bin {
-        let p_old = summary("POST /execute echo hi (baseline binary)", old);
+        let p_old = report.series(
+            local(
+                "local.execute.baseline_bin",
+                "POST /execute echo hi (baseline binary)",
+                None,
+            ),
+            &old,
+        );
         println!("baseline binary: {bin}");
-        println!("ratio p50 execute / baseline binary: {:.2}x", p_api / p_old);
+        report.fact("baseline_bin", bin.as_str());
+        report.ratio(
+            "local.p50_vs_baseline_bin",
+            "p50 execute / baseline binary",
+            p_api.p50 / p_old.p50,
+            None,
+        );
     }
     println!(
-        "sporadic: {SPORADIC} of each, one every {} ms",
+        "sporadic: {sporadic} of each, one every {} ms",
         SPORADIC_GAP.as_millis() * 2
     );
-    let p_api_idle = summary("POST /execute echo hi (sporadic)", api_idle);
-    let p_bw_idle = summary("bwrap --unshare-all /bin/echo (sporadic)", bw_idle);
-    println!(
-        "ratio p50 execute / bwrap (sporadic): {:.2}x",
-        p_api_idle / p_bw_idle
+    report.fact("n_sporadic", sporadic);
+    report.fact("sporadic_gap_ms", SPORADIC_GAP.as_millis() as u64 * 2);
+    let p_api_idle = report.series(
+        local(
+            "local.execute.sporadic",
+            "POST /execute echo hi (sporadic)",
+            Some("local.bwrap.sporadic"),
+        ),
+        &api_idle,
     );
+    let p_bw_idle = report.series(
+        local(
+            "local.bwrap.sporadic",
+            "bwrap --unshare-all /bin/echo (sporadic)",
+            None,
+        ),
+        &bw_idle,
+    );
+    report.ratio(
+        "local.sporadic.p50_vs_bwrap",
+        "p50 execute / bwrap (sporadic)",
+        p_api_idle.p50 / p_bw_idle.p50,
+        Some(Target::AtMost(1.1)),
+    );
+    println!(
+        "concurrency {CONC}: {conc_n} of each, in {CONC_ROUNDS} rounds taking turns \
+         (server.concurrency.local = {CONC})"
+    );
+    report.fact("n_concurrent", conc_n);
+    report.fact("concurrency", CONC);
+    let tput = conc.len() as f64 / conc_wall.as_secs_f64();
+    let bw_tput = bw_conc.len() as f64 / bw_conc_wall.as_secs_f64();
+    report.throughput(
+        local(
+            "local.conc16",
+            "POST /execute echo hi (16 in flight)",
+            Some("local.bwrap16"),
+        ),
+        &conc,
+        conc_errors,
+        tput,
+    );
+    report.throughput(
+        local("local.bwrap16", "bwrap /bin/echo (16 at a time)", None),
+        &bw_conc,
+        0,
+        bw_tput,
+    );
+    report.ratio(
+        "local.conc16.tput_vs_bwrap16",
+        "throughput execute / bwrap, 16 in flight",
+        tput / bw_tput,
+        Some(Target::AtLeast(1.0)),
+    );
+    report.write();
 }

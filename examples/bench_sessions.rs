@@ -10,12 +10,17 @@
 //! again (the "warm" figures: what a caller sees when requests do not outrun the refills); a
 //! session's exec never takes a container (it runs in the session's own).
 //!
+//! Targets: an exec p50 at most 1.2x the `/execute` p50; a create p50 at most 10 ms on local, at
+//! most the warm `/execute` p50 on docker and gVisor.
+//!
 //! Run: `scripts/bench-sessions.sh [local|runc|gvisor]` (builds release and runs this as root).
-//! Prints p50/p95/p99 and the ratios.
+//! Prints p50/p95/p99 and the ratios; `BENCH_JSON=<path>` also writes them as JSON, `BENCH_QUICK=1`
+//! takes a tenth of the samples (see `scripts/bench.sh`).
 
 use std::time::Instant;
 
 use executor_arm::config::TokenKind;
+use support::report::{Report, Series, Target, count};
 
 mod support;
 
@@ -25,20 +30,6 @@ const N: usize = 200;
 const BLOCK: usize = 25;
 const WARMUP: usize = 10;
 const CREATES: usize = 60;
-
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn summary(name: &str, mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let (p50, p95, p99) = (pct(&v, 0.50), pct(&v, 0.95), pct(&v, 0.99));
-    println!(
-        "{name:<52} n={:<4} p50={p50:>8.3} ms  p95={p95:>8.3} ms  p99={p99:>8.3} ms",
-        v.len()
-    );
-    p50
-}
 
 /// Idle warm containers of the python profile, from `/metrics` (all keys: the `/execute` one
 /// and the session one).
@@ -78,7 +69,8 @@ async fn main() {
         env.push(("SANDBOX_RUNTIME", backend.as_str()));
     }
     let d = support::Daemon::start(&env);
-    let n = if containers { N / 2 } else { N };
+    let n = count(if containers { N / 2 } else { N }, 2 * BLOCK);
+    let (warmup, creates_n) = (count(WARMUP, 3), count(CREATES, 10));
     // Both pools (the /execute key and the session key) at the default pool_size of 2.
     let full = 4;
     let base = format!("http://{}", d.addr);
@@ -141,7 +133,7 @@ async fn main() {
         assert!(text.contains("\"stdout\":\"1\\n\""), "{text}");
         t.elapsed().as_secs_f64() * 1000.0
     };
-    for _ in 0..WARMUP {
+    for _ in 0..warmup {
         exec_once().await;
         execute_once().await;
     }
@@ -156,7 +148,7 @@ async fn main() {
     }
     delete(session).await;
     let mut creates = Vec::new();
-    for _ in 0..CREATES {
+    for _ in 0..creates_n {
         if containers {
             wait_pool(&client, &base, full).await;
         }
@@ -174,9 +166,71 @@ async fn main() {
             ""
         }
     );
-    let a = summary("exec print(1) in a warm python session", in_session);
-    let b = summary("/execute python3 -c 'print(1)' (baseline)", execute);
-    println!("ratio session exec / execute p50: {:.2}", a / b);
-    let c = summary("POST /v1/sandbox/sessions (python)", creates);
-    println!("ratio session create / execute p50: {:.2}", c / b);
+    let mut report = Report::new(&format!("sessions-{backend}"), 52);
+    report.fact("backend", backend.as_str());
+    report.fact("n", n);
+    report.fact("block", BLOCK);
+    report.fact("creates", creates_n);
+    report.fact("waits_for_full_pool", containers);
+    let id = |what: &str| format!("sessions.{backend}.{what}");
+    let (exec_id, execute_id, create_id) = (id("exec"), id("execute"), id("create"));
+    let series = |id, label, baseline| Series {
+        id,
+        label,
+        backend: &backend,
+        baseline,
+    };
+    let a = report.series(
+        series(
+            &exec_id,
+            "exec print(1) in a warm python session",
+            Some(&execute_id),
+        ),
+        &in_session,
+    );
+    let b = report.series(
+        series(
+            &execute_id,
+            "/execute python3 -c 'print(1)' (baseline)",
+            None,
+        ),
+        &execute,
+    );
+    report.ratio(
+        &id("exec_vs_execute"),
+        &format!("p50 session exec / execute ({backend})"),
+        a.p50 / b.p50,
+        Some(Target::AtMost(1.2)),
+    );
+    let c = report.series(
+        series(
+            &create_id,
+            "POST /v1/sandbox/sessions (python)",
+            Some(&execute_id),
+        ),
+        &creates,
+    );
+    if containers {
+        report.ratio(
+            &id("create_vs_execute"),
+            &format!("p50 session create / warm execute ({backend})"),
+            c.p50 / b.p50,
+            Some(Target::AtMost(1.0)),
+        );
+    } else {
+        report.ratio(
+            &id("create_vs_execute"),
+            &format!("p50 session create / execute ({backend})"),
+            c.p50 / b.p50,
+            None,
+        );
+        report.target(
+            &id("create.p50"),
+            "session create p50 (local)",
+            c.p50,
+            "ms",
+            Target::AtMost(10.0),
+        );
+    }
+    report.write();
 }

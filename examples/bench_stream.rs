@@ -8,14 +8,18 @@
 //! 2. Streaming overhead: `echo hi` as a synchronous call against the same call streamed (until
 //!    its `result` event is read), interleaved in blocks of 25 so load changes weigh on both.
 //!
+//! Targets: line latency p50 at most 5 ms; streaming p50 at most 1.1x the JSON call's.
+//!
 //! Run: `scripts/bench-stream.sh` (builds release and runs this as root). Prints p50/p95/p99 and
-//! the ratios.
+//! the ratios; `BENCH_JSON=<path>` also writes them as JSON, `BENCH_QUICK=1` takes a tenth of the
+//! samples (see `scripts/bench.sh`).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use executor_arm::config::TokenKind;
+use support::report::{Report, Series, Target, count};
 
 mod support;
 
@@ -32,20 +36,6 @@ fn now() -> f64 {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_secs_f64()
-}
-
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn summary(name: &str, mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let (p50, p95, p99) = (pct(&v, 0.50), pct(&v, 0.95), pct(&v, 0.99));
-    println!(
-        "{name:<52} n={:<4} p50={p50:>8.3} ms  p95={p95:>8.3} ms  p99={p99:>8.3} ms",
-        v.len()
-    );
-    p50
 }
 
 /// Milliseconds between each line's stamp and when this process read it from a pipe.
@@ -90,6 +80,11 @@ async fn read_events(mut resp: reqwest::Response, mut on: impl FnMut(&str, &serd
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let runtime = std::env::var("SANDBOX_RUNTIME").unwrap_or_else(|_| "local".into());
+    let (latency_runs, echo_n, warmup) = (
+        count(LATENCY_RUNS, 3),
+        count(ECHO_N, 2 * BLOCK),
+        count(WARMUP, 3),
+    );
     let daemon = support::Daemon::start(&[("SANDBOX_RUNTIME", runtime.as_str())]);
     let addr = daemon.addr.clone();
     let mint = |kind, caps: &[&str]| daemon.mint(kind, caps);
@@ -115,7 +110,7 @@ async fn main() {
     // 1. Line latency.
     let py = serde_json::json!({"action_type": "python", "command": "python3", "args": ["-c", SCRIPT], "capability_token": cap});
     let (mut sse, mut pipe) = (Vec::new(), Vec::new());
-    for run in 0..LATENCY_RUNS + 1 {
+    for run in 0..latency_runs + 1 {
         let resp = post(py.clone(), true).await.expect("request");
         assert!(resp.status().is_success(), "{}", resp.status());
         let mut lat = Vec::new();
@@ -162,12 +157,12 @@ async fn main() {
         assert!(got, "streamed result");
         t.elapsed().as_secs_f64() * 1000.0
     };
-    for _ in 0..WARMUP {
+    for _ in 0..warmup {
         sync_once().await;
         stream_once().await;
     }
     let (mut sync, mut streamed) = (Vec::new(), Vec::new());
-    for _ in 0..ECHO_N / BLOCK {
+    for _ in 0..echo_n / BLOCK {
         for _ in 0..BLOCK {
             sync.push(sync_once().await);
         }
@@ -178,19 +173,66 @@ async fn main() {
     drop(daemon);
 
     println!(
-        "executor-arm streaming benchmark, SANDBOX_RUNTIME={runtime} ({LATENCY_RUNS} runs of \
-         {LINES} lines 50 ms apart; {ECHO_N} echo calls per series in blocks of {BLOCK})"
+        "executor-arm streaming benchmark, SANDBOX_RUNTIME={runtime} ({latency_runs} runs of \
+         {LINES} lines 50 ms apart; {echo_n} echo calls per series in blocks of {BLOCK})"
     );
-    let p_sse = summary("line written -> SSE event read", sse);
-    let p_pipe = summary("line written -> read from a pipe (baseline)", pipe);
-    println!(
-        "line latency p50: {p_sse:.3} ms (target <= 5 ms); {:.3} ms above the pipe",
-        p_sse - p_pipe
+    let mut report = Report::new(&format!("stream-{runtime}"), 52);
+    report.fact("backend", runtime.as_str());
+    report.fact("latency_runs", latency_runs);
+    report.fact("lines_per_run", LINES);
+    report.fact("echo_n", echo_n);
+    report.fact("block", BLOCK);
+    let id = |what: &str| format!("stream.{runtime}.{what}");
+    let (line_sse, line_pipe) = (id("line_sse"), id("line_pipe"));
+    let (echo_json, echo_sse) = (id("echo_json"), id("echo_sse"));
+    let series = |id, label, baseline| Series {
+        id,
+        label,
+        backend: &runtime,
+        baseline,
+    };
+    let p_sse = report.series(
+        series(
+            &line_sse,
+            "line written -> SSE event read",
+            Some(&line_pipe),
+        ),
+        &sse,
     );
-    let p_sync = summary("POST /execute echo hi (JSON)", sync);
-    let p_stream = summary("POST /execute echo hi (SSE, to the result event)", streamed);
-    println!(
-        "ratio p50 streamed / JSON: {:.2}x (target <= 1.10x)",
-        p_stream / p_sync
+    let p_pipe = report.series(
+        series(
+            &line_pipe,
+            "line written -> read from a pipe (baseline)",
+            None,
+        ),
+        &pipe,
     );
+    report.target(
+        &id("line_sse.p50"),
+        &format!("line latency p50 ({runtime})"),
+        p_sse.p50,
+        "ms",
+        Target::AtMost(5.0),
+    );
+    println!("{:.3} ms above the pipe", p_sse.p50 - p_pipe.p50);
+    report.fact("line_p50_above_pipe_ms", p_sse.p50 - p_pipe.p50);
+    let p_sync = report.series(
+        series(&echo_json, "POST /execute echo hi (JSON)", None),
+        &sync,
+    );
+    let p_stream = report.series(
+        series(
+            &echo_sse,
+            "POST /execute echo hi (SSE, to the result event)",
+            Some(&echo_json),
+        ),
+        &streamed,
+    );
+    report.ratio(
+        &id("echo_sse_vs_json"),
+        &format!("p50 streamed / JSON ({runtime})"),
+        p_stream.p50 / p_sync.p50,
+        Some(Target::AtMost(1.1)),
+    );
+    report.write();
 }

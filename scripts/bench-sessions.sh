@@ -6,4 +6,6 @@
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --bin executor-arm --example bench_sessions
-BACKEND="${1:-local}" target/release/examples/bench_sessions
+TARGET=${CARGO_TARGET_DIR:-target}
+export EXECUTOR_ARM_BIN="${EXECUTOR_ARM_BIN:-$TARGET/release/executor-arm}"
+BACKEND="${1:-local}" "$TARGET/release/examples/bench_sessions"

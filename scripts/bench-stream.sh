@@ -5,6 +5,8 @@
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --bin executor-arm --example bench_stream
+TARGET=${CARGO_TARGET_DIR:-target}
+export EXECUTOR_ARM_BIN="${EXECUTOR_ARM_BIN:-$TARGET/release/executor-arm}"
 for rt in ${RUNTIMES:-local runc}; do
-    SANDBOX_RUNTIME=$rt target/release/examples/bench_stream
+    SANDBOX_RUNTIME=$rt "$TARGET/release/examples/bench_stream"
 done

@@ -3,8 +3,8 @@
 # checks the dependency tree (scripts/supply-chain.sh: cargo deny, cargo audit), sets up Docker +
 # gVisor and the sandbox image, starts Redis, then runs formatting, lints, unit and integration tests
 # (local, docker, gvisor backends), Schemathesis against the OpenAPI document, the Python client's
-# tests against a live daemon, every fuzz target for a bounded time (FUZZ_SECONDS each, default
-# 20), and the Helm chart validation.
+# tests against a live daemon, the benchmark report generator's tests (fixture results), every fuzz
+# target for a bounded time (FUZZ_SECONDS each, default 20), and the Helm chart validation.
 set -Eeuo pipefail
 trap 'echo "test-all: failed at line $LINENO" >&2' ERR
 cd "$(dirname "$0")/.."
@@ -57,6 +57,9 @@ scripts/api-fuzz.sh "${CARGO_TARGET_DIR:-target}/tmp/status-log"
 
 step "python client"
 scripts/test-python-client.sh
+
+step "benchmark report generator (scripts/bench/report.py, fixture results)"
+scripts/bench.sh test
 
 step "fuzz (every target, bounded)"
 FUZZ_JOBS=2 FUZZ_SEED="${FUZZ_SEED:-1}" scripts/fuzz.sh "${FUZZ_SECONDS:-20}"

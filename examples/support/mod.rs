@@ -1,5 +1,5 @@
 //! What the benchmarks share: a release daemon on a loopback port with a throwaway secret and
-//! audit log, and tokens for it.
+//! audit log, and tokens for it; and the recording of results ([`report`]).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -7,6 +7,10 @@ use std::time::Duration;
 
 use executor_arm::auth::{MintRequest, mint_hs256};
 use executor_arm::config::TokenKind;
+
+// Each benchmark uses the part of it that it needs.
+#[allow(dead_code)]
+pub mod report;
 
 const SECRET: &str = "bench-secret-0123456789abcdef0123456789abcdef";
 
