@@ -1,39 +1,54 @@
 #!/usr/bin/env bash
 # Latency and throughput of POST /execute `echo hi` on the docker (runc) and gvisor (runsc)
-# backends, warm pool on and off, beside `docker run --rm` with the same runtime measured in the
-# same run. Prints p50/p95/p99 and ratios; asserts nothing (timing belongs here, not in tests).
+# backends with the daemon's DEFAULT config, beside `docker run --rm` with the same runtime and
+# confinement measured in the same run. Prints p50/p95/p99, throughput, ratios and the targets;
+# asserts nothing (timing belongs here, not in tests).
 #
 # Needs: root, a running dockerd with runc + runsc and the sandbox image (scripts/setup-docker.sh,
-# scripts/build-sandbox-image.sh), python3, cargo.
+# scripts/build-sandbox-image.sh), python3, cargo (unless EXECUTOR_ARM_BIN is set).
+#
+# Series per runtime (ids <backend>.<series>; SERIES selects them):
+#   base    `docker run --rm`, sequential (N_BASE)
+#   b2b     N_B2B sequential requests back to back, no pause, right after the first request of a
+#           fresh daemon (no waiting for a full pool)
+#   warm    N_WARM sequential requests, each once the pool holds WARM_IDLE idle containers (hit
+#           latency)
+#   conc8   N_TPUT requests from CONC workers, right after the first request of a fresh daemon
+#   base8   N_BASE8 `docker run --rm`, CONC at a time
 #
 # Environment (defaults in brackets):
-#   N_WARM [100]   sequential requests per warm-pool series (each waits until the pool is full)
-#   N_COLD [30]    sequential requests per pool-off series
-#   N_BASE [30]    `docker run --rm` samples per runtime
-#   N_TPUT [200]   requests of the concurrency series
-#   CONC [8]       concurrency of the throughput series
-#   POOL [8]       sandbox.docker.pool_size for the pool-on daemons
-#   RUNTIMES ["runc gvisor"]
+#   SERIES ["base b2b warm conc8 base8"]   RUNTIMES ["runc gvisor"]
+#   N_BASE [30] N_B2B [200] N_WARM [100] N_TPUT [200] N_BASE8 [40] CONC [8] WARM_IDLE [2]
+#   EXECUTOR_ARM_BIN   the daemon binary to measure (default: build this checkout's release)
 #   CARGO_TARGET_DIR [target]   where the release binary is built
-# The daemon logs at info (its production default), to a file.
+#   BENCH_JSON         also write the results as JSON to this file
+# The daemons run with the embedded default config (only the backend is chosen, by
+# SANDBOX_RUNTIME) and log at info (the production default), to a file.
 set -Eeuo pipefail
 trap 'echo "bench-docker: failed at line $LINENO" >&2' ERR
 cd "$(dirname "$0")/.."
 
-N_WARM=${N_WARM:-100}
-N_COLD=${N_COLD:-30}
-N_BASE=${N_BASE:-30}
-N_TPUT=${N_TPUT:-200}
-CONC=${CONC:-8}
-POOL=${POOL:-8}
+SERIES=${SERIES:-"base b2b warm conc8 base8"}
 RUNTIMES=${RUNTIMES:-"runc gvisor"}
+N_BASE=${N_BASE:-30}
+N_B2B=${N_B2B:-200}
+N_WARM=${N_WARM:-100}
+N_TPUT=${N_TPUT:-200}
+N_BASE8=${N_BASE8:-40}
+CONC=${CONC:-8}
+WARM_IDLE=${WARM_IDLE:-2}
 IMAGE=executor-arm-sandbox:latest
 
 docker info >/dev/null 2>&1 || { echo "bench-docker: dockerd is not reachable (scripts/setup-docker.sh)" >&2; exit 1; }
 docker image inspect "$IMAGE" >/dev/null 2>&1 || { echo "bench-docker: $IMAGE missing (scripts/build-sandbox-image.sh)" >&2; exit 1; }
 
-cargo build --release --quiet
-BIN="${CARGO_TARGET_DIR:-target}/release/executor-arm"
+if [ -n "${EXECUTOR_ARM_BIN:-}" ]; then
+  BIN=$EXECUTOR_ARM_BIN
+else
+  cargo build --release --locked --quiet
+  BIN="${CARGO_TARGET_DIR:-target}/release/executor-arm"
+fi
+[ -x "$BIN" ] || { echo "bench-docker: no executable at $BIN" >&2; exit 1; }
 WORK=$(mktemp -d /tmp/bench-docker.XXXXXX)
 DAEMON_PID=""
 cleanup() {
@@ -47,13 +62,13 @@ cat >"$WORK/client.py" <<'PY'
 """Sequential / concurrent POST /execute client; prints one JSON line of results."""
 import http.client, json, sys, threading, time
 
-addr, svc, cap, mode, n, conc = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
-pool = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+addr, svc, cap, mode, n, conc, idle, backend = sys.argv[1:9]
+n, conc, idle = int(n), int(conc), int(idle)
 host, port = addr.rsplit(":", 1)
 body = json.dumps({"action_type": "shell", "command": "echo", "args": ["hi"], "capability_token": cap})
 headers = {"Authorization": f"Bearer {svc}", "Content-Type": "application/json"}
 
-def metric(_conn, name):
+def metric(name):
     # A fresh connection: the daemon closes keep-alive connections idle past its header timeout.
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.request("GET", "/metrics")
@@ -70,11 +85,11 @@ def one(conn):
     ok = r.status == 200 and json.loads(data).get("stdout") == "hi\n"
     return dt, ok
 
-def wait_full(conn, backend):
-    # Warm series: start each request with a full pool, so it measures a hit, not refill speed.
+def wait_idle():
+    # Warm series: start each request with `idle` idle containers, so it measures a hit.
     deadline = time.time() + 60
     while time.time() < deadline:
-        if metric(conn, f'executor_pool_idle_containers{{backend="{backend}"') >= pool:
+        if metric(f'executor_pool_idle_containers{{backend="{backend}"') >= idle:
             return
         time.sleep(0.02)
 
@@ -83,23 +98,20 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 conn = http.client.HTTPConnection(host, int(port), timeout=120)
-backend = sys.argv[8] if len(sys.argv) > 8 else "docker"
-one(conn)  # first use of the profile: creates its pool (or warms the daemon)
-hits0 = metric(conn, f'executor_pool_events_total{{backend="{backend}",event="hit"}}')
-miss0 = metric(conn, f'executor_pool_events_total{{backend="{backend}",event="miss"}}')
+one(conn)  # first use of the profile: makes its pool
+hit = f'executor_pool_events_total{{backend="{backend}",event="hit"}}'
+miss = f'executor_pool_events_total{{backend="{backend}",event="miss"}}'
+hits0, miss0 = metric(hit), metric(miss)
 lat, errors = [], 0
-t0 = time.perf_counter()
 if mode == "seq":
     for _ in range(n):
-        if pool:
-            wait_full(conn, backend)
+        if idle:
+            wait_idle()
         dt, ok = one(conn)
         lat.append(dt)
         errors += not ok
     wall = None
 else:
-    if pool:
-        wait_full(conn, backend)
     lock = threading.Lock()
     left = [n]
     def worker():
@@ -119,16 +131,15 @@ else:
     for t in ts: t.start()
     for t in ts: t.join()
     wall = time.perf_counter() - t0
-hits = metric(conn, f'executor_pool_events_total{{backend="{backend}",event="hit"}}') - hits0
-miss = metric(conn, f'executor_pool_events_total{{backend="{backend}",event="miss"}}') - miss0
 print(json.dumps({"n": len(lat), "errors": errors, "p50": pct(lat, 50), "p95": pct(lat, 95), "p99": pct(lat, 99),
-                  "rps": (len(lat) / wall) if wall else None, "hits": hits, "misses": miss}))
+                  "rps": (len(lat) / wall) if wall else None, "hits": metric(hit) - hits0,
+                  "misses": metric(miss) - miss0, "samples": lat}))
 PY
 
 cat >"$WORK/baseline.py" <<'PY'
-"""`docker run --rm` latency of `echo hi` with one runtime; one JSON line."""
-import json, subprocess, sys, time
-rt, n, image = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+"""`docker run --rm` of `echo hi` with one runtime, `conc` at a time; one JSON line."""
+import json, subprocess, sys, threading, time
+rt, n, conc, image = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 # The same confinement the backend gives a run (see src/sandbox/docker/container.rs).
 pids = ["--pids-limit", "1280", "--ulimit", "nproc=64:64"] if rt == "runsc" else ["--pids-limit", "64"]
 cmd = ["docker", "run", "--rm", f"--runtime={rt}", "--network", "none", "--read-only", "--cap-drop", "ALL",
@@ -138,24 +149,35 @@ cmd = ["docker", "run", "--rm", f"--runtime={rt}", "--network", "none", "--read-
        "--cpus", "1", *pids, "--ulimit", "nofile=256:256", "--ulimit", "core=0:0", "--ipc", "none",
        "--log-driver", "none", "--hostname", "sandbox", image, "/usr/bin/echo", "hi"]
 subprocess.run(cmd, check=True, capture_output=True)  # warm the image cache
-lat = []
-for _ in range(n):
-    t = time.perf_counter()
-    out = subprocess.run(cmd, check=True, capture_output=True).stdout
-    lat.append((time.perf_counter() - t) * 1000)
-    assert out == b"hi\n", out
-lat.sort()
-p = lambda q: lat[min(len(lat) - 1, int(round(q / 100 * (len(lat) - 1))))]
-print(json.dumps({"n": n, "p50": p(50), "p95": p(95), "p99": p(99)}))
+lat, errors, lock, left = [], 0, threading.Lock(), [n]
+def worker():
+    global errors
+    while True:
+        with lock:
+            if left[0] == 0:
+                return
+            left[0] -= 1
+        t = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True).stdout
+        dt = (time.perf_counter() - t) * 1000
+        with lock:
+            lat.append(dt)
+            errors += out != b"hi\n"
+t0 = time.perf_counter()
+ts = [threading.Thread(target=worker) for _ in range(conc)]
+for t in ts: t.start()
+for t in ts: t.join()
+wall = time.perf_counter() - t0
+s = sorted(lat)
+p = lambda q: s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+print(json.dumps({"n": n, "errors": errors, "p50": p(50), "p95": p(95), "p99": p(99),
+                  "rps": n / wall if conc > 1 else None, "samples": lat}))
 PY
 
-start_daemon() { # runtime pool
-  local cfg="$WORK/config.toml"
-  printf '[sandbox.docker]\nimage = "%s"\npool_size = %s\n[server.concurrency]\nlocal = 16\ndocker = %s\ngvisor = %s\n' \
-    "$IMAGE" "$2" "$CONC" "$CONC" >"$cfg"
+start_daemon() { # runtime
   : >"$WORK/daemon.log"
   SANDBOX_RUNTIME="$1" EXECUTOR_ARM_JWT_SECRET_FILE="$WORK/secret" EXECUTOR_ARM_AUDIT_LOG="$WORK/audit.jsonl" \
-    RUST_LOG=info "$BIN" serve --config "$cfg" --listen 127.0.0.1:0 2>"$WORK/daemon.log" &
+    RUST_LOG=info "$BIN" serve --listen 127.0.0.1:0 2>"$WORK/daemon.log" &
   DAEMON_PID=$!
   ADDR=""
   for _ in $(seq 100); do
@@ -170,55 +192,126 @@ stop_daemon() {
   kill "$DAEMON_PID"; wait "$DAEMON_PID" 2>/dev/null || true; DAEMON_PID=""
 }
 
+# A daemon's series: a fresh daemon each, so no series inherits another's pool or removals.
+daemon_series() { # runtime backend id mode n conc idle
+  echo "== $2.$3 ($5 requests, $4, concurrency $6)" >&2
+  start_daemon "$1"
+  python3 "$WORK/client.py" "$ADDR" "$SVC" "$CAP" "$4" "$5" "$6" "$7" "$2" >"$WORK/r/$2.$3"
+  stop_daemon
+}
+
+has() { [[ " $SERIES " == *" $1 "* ]]; }
+
 SVC=$("$BIN" token mint --kind service --secret-file "$WORK/secret" --ttl 3600 --sub bench | tail -1)
 CAP=$("$BIN" token mint --kind capability --secret-file "$WORK/secret" --ttl 3600 --sub bench --capabilities ShellExecute | tail -1)
 
 mkdir -p "$WORK/r"
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
+UTC_START=$(date -u +%FT%TZ)
 for rt in $RUNTIMES; do
   backend=$([ "$rt" = runc ] && echo docker || echo gvisor)
   oci=$([ "$rt" = runc ] && echo runc || echo runsc)
-  echo "== $backend: docker run --rm baseline ($N_BASE)" >&2
-  R_base=$(python3 "$WORK/baseline.py" "$oci" "$N_BASE" "$IMAGE")
-  echo "$R_base" >"$WORK/r/$backend,base"
-  echo "== $backend: pool on ($POOL), sequential ($N_WARM, each with a full pool)" >&2
-  start_daemon "$rt" "$POOL"
-  R_warm=$(python3 "$WORK/client.py" "$ADDR" "$SVC" "$CAP" seq "$N_WARM" 1 "$POOL" "$backend")
-  echo "$R_warm" >"$WORK/r/$backend,warm"
-  echo "== $backend: pool on ($POOL), concurrency $CONC ($N_TPUT)" >&2
-  R_tput=$(python3 "$WORK/client.py" "$ADDR" "$SVC" "$CAP" conc "$N_TPUT" "$CONC" "$POOL" "$backend")
-  echo "$R_tput" >"$WORK/r/$backend,tput"
-  stop_daemon
-  echo "== $backend: pool off, sequential ($N_COLD)" >&2
-  start_daemon "$rt" 0
-  R_cold=$(python3 "$WORK/client.py" "$ADDR" "$SVC" "$CAP" seq "$N_COLD" 1 0 "$backend")
-  echo "$R_cold" >"$WORK/r/$backend,cold"
-  echo "== $backend: pool off, concurrency $CONC ($N_COLD)" >&2
-  R_coldtput=$(python3 "$WORK/client.py" "$ADDR" "$SVC" "$CAP" conc "$N_COLD" "$CONC" 0 "$backend")
-  echo "$R_coldtput" >"$WORK/r/$backend,coldtput"
-  stop_daemon
+  if has base; then
+    echo "== $backend.base (docker run --rm, $N_BASE sequential)" >&2
+    python3 "$WORK/baseline.py" "$oci" "$N_BASE" 1 "$IMAGE" >"$WORK/r/$backend.base"
+  fi
+  has b2b && daemon_series "$rt" "$backend" b2b seq "$N_B2B" 1 0
+  has warm && daemon_series "$rt" "$backend" warm seq "$N_WARM" 1 "$WARM_IDLE"
+  has conc8 && daemon_series "$rt" "$backend" conc8 conc "$N_TPUT" "$CONC" 0
+  if has base8; then
+    echo "== $backend.base8 (docker run --rm, $N_BASE8, $CONC at a time)" >&2
+    python3 "$WORK/baseline.py" "$oci" "$N_BASE8" "$CONC" "$IMAGE" >"$WORK/r/$backend.base8"
+  fi
 done
 
-python3 - "$WORK/r" "$POOL" "$CONC" "$LOAD_START" "$(cut -d' ' -f1-3 /proc/loadavg)" "$(nproc)" <<'PY'
+RUNSC_VERSION=$(runsc --version 2>/dev/null | head -1 || true)
+RUNSC_PLATFORM=$(docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -o -- '--platform=[a-z]*' | head -1 | cut -d= -f2 || true)
+python3 - "$WORK/r" "$CONC" "$LOAD_START" "$(cut -d' ' -f1-3 /proc/loadavg)" "$(nproc)" "$UTC_START" \
+  "$(date -u +%FT%TZ)" "$BIN" "$RUNSC_VERSION" "${RUNSC_PLATFORM:-unknown}" "${BENCH_JSON:-}" <<'PY'
 import json, os, sys
-d, pool, conc, load0, load1, cpus = sys.argv[1:7]
-print(f"\nhost: {cpus} CPUs, load average {load0} at start, {load1} at end")
+d, conc, load0, load1, cpus, t0, t1, binary, runsc_version, runsc_platform, out = sys.argv[1:12]
+conc = int(conc)
 r = {f: json.loads(open(os.path.join(d, f)).read()) for f in os.listdir(d)}
-print(f"executor-arm POST /execute 'echo hi' vs docker run --rm  (ms; pool_size={pool}, concurrency={conc})")
-print(f"{'series':44} {'n':>4} {'p50':>8} {'p95':>8} {'p99':>8} {'req/s':>7} {'hit/miss':>9} {'err':>4}")
-for b in ("docker", "gvisor"):
-    if f"{b},base" not in r:
-        continue
-    rows = [("docker run --rm (same runtime)", r[f"{b},base"]),
-            ("pool on, sequential (hit latency)", r[f"{b},warm"]),
-            (f"pool on, concurrency {conc}", r[f"{b},tput"]),
-            ("pool off, sequential", r[f"{b},cold"]),
-            (f"pool off, concurrency {conc}", r[f"{b},coldtput"])]
-    for name, x in rows:
-        rps = f"{x['rps']:.1f}" if x.get("rps") else "-"
-        hm = f"{int(x['hits'])}/{int(x['misses'])}" if "hits" in x else "-"
-        print(f"{b + ': ' + name:44} {x['n']:>4} {x['p50']:>8.1f} {x['p95']:>8.1f} {x['p99']:>8.1f} {rps:>7} {hm:>9} {x.get('errors', 0):>4}")
-    base = r[f"{b},base"]["p50"]
-    print(f"{b}: pool off p50 is {100 * (1 - r[f'{b},cold']['p50'] / base):.0f}% below docker run --rm; "
-          f"warm p50 {r[f'{b},warm']['p50']:.1f} ms ({base / r[f'{b},warm']['p50']:.0f}x faster)\n")
+labels = {
+    "base": "{b}: docker run --rm --runtime={rt}, sequential",
+    "b2b": "{b} POST /execute back-to-back, defaults",
+    "warm": "{b} POST /execute with a full pool (hit latency), defaults",
+    "conc8": f"{{b}} POST /execute {conc} concurrent, defaults",
+    "base8": f"{{b}}: docker run --rm --runtime={{rt}}, {conc} at a time",
+}
+series, ratios, targets, pool_events = [], [], [], {}
+for b, rt in (("docker", "runc"), ("gvisor", "runsc")):
+    for s in ("base", "b2b", "warm", "conc8", "base8"):
+        x = r.get(f"{b}.{s}")
+        if x is None:
+            continue
+        series.append({"id": f"{b}.{s}", "label": labels[s].format(b=b, rt=rt), "backend": b, "n": x["n"],
+                       "errors": x.get("errors", 0), "p50_ms": round(x["p50"], 2), "p95_ms": round(x["p95"], 2),
+                       "p99_ms": round(x["p99"], 2),
+                       "throughput_per_s": round(x["rps"], 2) if x.get("rps") else None,
+                       "samples_ms": [round(v, 2) for v in x["samples"]]})
+        if "hits" in x:
+            pool_events[f"{b}.{s}"] = f"{int(x['hits'])}/{int(x['misses'])}"
+S = {s["id"]: s for s in series}
+
+def ratio(id, label, num, den, target=None, ok=None):
+    if num is None or den in (None, 0):
+        return
+    v = num / den
+    ratios.append({"id": id, "label": label, "value": round(v, 3), "target": target,
+                   "met": None if ok is None else bool(ok(v))})
+
+def target(id, label, value, limit, unit="ms"):
+    if value is None:
+        return
+    targets.append({"id": id, "label": label, "value": round(value, 2), "unit": unit, "target": f"<= {limit}",
+                    "met": value <= limit})
+
+def get(id, field):
+    return S[id][field] if id in S else None
+
+for b, tput_goal in (("docker", 2.0), ("gvisor", 1.5)):
+    rt = "runc" if b == "docker" else "runsc"
+    ratio(f"{b}.conc8.tput_vs_docker_run", f"{b} {conc}-concurrent throughput / docker run --rm {conc} at a time",
+          get(f"{b}.conc8", "throughput_per_s"), get(f"{b}.base8", "throughput_per_s"), f">= {tput_goal}",
+          lambda v, g=tput_goal: v >= g)
+    tp = get(f"{b}.conc8", "throughput_per_s")
+    ratio(f"{b}.conc8.p50_vs_ideal", f"{b} {conc}-concurrent p50 / ({conc} / throughput)",
+          get(f"{b}.conc8", "p50_ms"), (conc / tp * 1000) if tp else None,
+          "<= 2.0" if b == "docker" else None, (lambda v: v <= 2.0) if b == "docker" else None)
+    ratio(f"{b}.b2b.p50_vs_docker_run", f"{b} back-to-back p50 / docker run --rm p50",
+          get(f"{b}.b2b", "p50_ms"), get(f"{b}.base", "p50_ms"))
+    ratio(f"{b}.warm.p50_vs_docker_run", f"{b} warm p50 / docker run --rm p50",
+          get(f"{b}.warm", "p50_ms"), get(f"{b}.base", "p50_ms"))
+target("docker.b2b.p50", "docker back-to-back p50", get("docker.b2b", "p50_ms"), 25)
+target("docker.b2b.p95", "docker back-to-back p95", get("docker.b2b", "p95_ms"), 120)
+target("docker.b2b.p99", "docker back-to-back p99", get("docker.b2b", "p99_ms"), 200)
+target("gvisor.b2b.p95", "gvisor back-to-back p95", get("gvisor.b2b", "p95_ms"), 240)
+target("gvisor.warm.p50", "gvisor warm p50", get("gvisor.warm", "p50_ms"), 20)
+
+print(f"\nhost: {cpus} CPUs, load average {load0} at start, {load1} at end; {t0} .. {t1} UTC")
+print(f"binary: {binary}; runsc: {runsc_version} (platform {runsc_platform})")
+print(f"executor-arm POST /execute 'echo hi' vs docker run --rm (ms; daemon defaults)")
+print(f"{'series':14} {'n':>4} {'p50':>8} {'p95':>8} {'p99':>8} {'exec/s':>7} {'hit/miss':>9} {'err':>4}  label")
+for s in series:
+    tp = f"{s['throughput_per_s']:.1f}" if s["throughput_per_s"] else "-"
+    hm = pool_events.get(s["id"], "-")
+    print(f"{s['id']:14} {s['n']:>4} {s['p50_ms']:>8.1f} {s['p95_ms']:>8.1f} {s['p99_ms']:>8.1f} {tp:>7} {hm:>9} {s['errors']:>4}  {s['label']}")
+if ratios:
+    print("\nratios")
+    for x in ratios:
+        met = "" if x["met"] is None else ("  met" if x["met"] else "  MISSED")
+        print(f"  {x['id']:34} {x['value']:>8.2f}  {x['target'] or '':8}{met}")
+if targets:
+    print("\ntargets")
+    for x in targets:
+        print(f"  {x['id']:34} {x['value']:>8.1f} {x['unit']}  {x['target']:8}  {'met' if x['met'] else 'MISSED'}")
+if out:
+    with open(out, "w") as f:
+        # Ratios without a target are for the table only.
+        json.dump({"bench": "docker", "series": series, "ratios": [x for x in ratios if x["target"]],
+                   "targets": targets,
+                   "facts": {"runsc_version": runsc_version.removeprefix("runsc version ").strip(),
+                             "runsc_platform": runsc_platform}}, f)
+    print(f"\nJSON: {out}")
 PY

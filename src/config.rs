@@ -227,8 +227,8 @@ pub struct LocalConfig {
     /// Prepared run slots (a cgroup with a sandbox shim already in it) kept ready; 0 disables.
     #[serde(default = "default_warm_slots")]
     pub warm_slots: usize,
-    /// Hold the kernel's cgroup `favordynmods` mode while the daemon runs (a private cgroup v1
-    /// mount; see `sandbox::local::dynmods`): cgroup joins then stall no fork on the host.
+    /// Hold the kernel's cgroup `favordynmods` mode while the daemon runs, on cgroup v1 hosts (a
+    /// detached cgroup v1 mount; see `sandbox::local::dynmods`): cgroup joins stall no fork.
     #[serde(default = "default_true")]
     pub cgroup_favor_dynmods: bool,
 }

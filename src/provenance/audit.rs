@@ -306,23 +306,27 @@ struct Tail {
     len: u64,
     /// A failed append may have left part of a line past `len` that could not be cut off yet.
     torn: bool,
-    /// Bumped whenever lines not yet known durable are cut off (a failed fsync).
-    generation: u64,
 }
 
 /// Where an appended line ended, for [`AuditLog::commit`].
 struct Written {
     seq: u64,
     end: u64,
-    generation: u64,
 }
 
-/// The part of the log known to be on disk: lines up to `len`, the last being `seq`/`last_hash`.
+/// Failed `fdatasync` ranges remembered at most (oldest forgotten first); the appends waiting
+/// on one are served long before this many more fail.
+const FAILED_SYNCS: usize = 64;
+
+/// What is known about the log on disk.
 struct Synced {
+    /// Every line ending at or before this offset is durable.
     len: u64,
-    seq: u64,
-    last_hash: String,
-    generation: u64,
+    /// Byte ranges `(start, end]` whose `fdatasync` failed, oldest first. Their lines stay in
+    /// the file (cutting them would drop runs' start lines already acknowledged, and hand their
+    /// sequence numbers out twice) but are never reported durable: the kernel reports a
+    /// writeback error once, so a later `fdatasync` can succeed without them being on disk.
+    failed: std::collections::VecDeque<(u64, u64)>,
 }
 
 pub struct AuditLog {
@@ -392,9 +396,7 @@ impl AuditLog {
             instance: instance.to_string(),
             synced: Mutex::new(Synced {
                 len,
-                seq: chain.last_seq,
-                last_hash: chain.last_hash.clone(),
-                generation: 0,
+                failed: Default::default(),
             }),
             sync_file,
             tail: Mutex::new(Tail {
@@ -403,7 +405,6 @@ impl AuditLog {
                 last_hash: chain.last_hash,
                 len,
                 torn: false,
-                generation: 0,
             }),
             failing: Mutex::new(None),
             recovered: segment.clone(),
@@ -474,12 +475,9 @@ impl AuditLog {
         let r = self.write_suppressed(&mut tail);
         drop(tail);
         let r = match r {
-            Ok(Some((w, counts))) => self.commit(w).map(Some).inspect_err(|_| {
-                self.refusals
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .restore_pending(counts);
-            }),
+            // Not durable but in the file: the counts are not restored, or they would be
+            // written twice.
+            Ok(Some(w)) => self.commit(w).map(Some),
             Ok(None) => Ok(None),
             Err(e) => Err(e),
         };
@@ -512,44 +510,40 @@ impl AuditLog {
 
     /// Returns once the line `w` is on disk: at once when an `fdatasync` that started after it
     /// was written has completed, else after one of its own, which covers every line written so
-    /// far. A failed `fdatasync` cuts every line not known durable (so the file holds exactly
-    /// what was acknowledged, and the chain continues from its last durable line) and fails
-    /// every append waiting on them.
+    /// far. A line an `fdatasync` failed for is never reported durable (see [`Synced::failed`]);
+    /// it stays in the file, chained as written.
     fn commit(&self, w: Written) -> Result<u64, AuditError> {
         let mut synced = self.synced.lock().unwrap_or_else(|p| p.into_inner());
-        if synced.generation != w.generation {
+        if synced
+            .failed
+            .iter()
+            .any(|&(start, end)| start < w.end && w.end <= end)
+        {
             return Err(AuditError::Io {
                 path: self.path.clone(),
-                source: std::io::Error::other(
-                    "the log could not be synced to disk; this line was cut off",
-                ),
+                source: std::io::Error::other("the log could not be synced to disk"),
             });
         }
         if synced.len >= w.end {
             return Ok(w.seq);
         }
-        let (len, seq, last_hash) = {
-            let tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-            (tail.len, tail.seq, tail.last_hash.clone())
-        };
+        let len = self.tail.lock().unwrap_or_else(|p| p.into_inner()).len;
         match self.sync_file.sync_data() {
             Ok(()) => {
-                *synced = Synced {
-                    len,
-                    seq,
-                    last_hash,
-                    generation: synced.generation,
-                };
+                synced.len = len;
                 Ok(w.seq)
             }
             Err(e) => {
-                let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-                tail.len = synced.len;
-                tail.seq = synced.seq;
-                tail.last_hash = synced.last_hash.clone();
-                tail.torn = tail.file.set_len(synced.len).is_err();
-                tail.generation += 1;
-                synced.generation = tail.generation;
+                let start = synced.len;
+                match synced.failed.back_mut() {
+                    Some(last) if last.0 == start => last.1 = len,
+                    _ => {
+                        if synced.failed.len() == FAILED_SYNCS {
+                            synced.failed.pop_front();
+                        }
+                        synced.failed.push_back((start, len));
+                    }
+                }
                 Err(AuditError::Io {
                     path: self.path.clone(),
                     source: e,
@@ -564,12 +558,9 @@ impl AuditLog {
             r.as_ref().err().map(AuditError::cause);
     }
 
-    /// Writes the pending `refusals_suppressed` line, if any, and returns it with its counts (to
-    /// be restored if it cannot be made durable); on failure the counts stay pending.
-    fn write_suppressed(
-        &self,
-        tail: &mut Tail,
-    ) -> Result<Option<(Written, RefusalsSuppressed)>, AuditError> {
+    /// Writes the pending `refusals_suppressed` line, if any; if it cannot be written the counts
+    /// stay pending.
+    fn write_suppressed(&self, tail: &mut Tail) -> Result<Option<Written>, AuditError> {
         let pending = self
             .refusals
             .lock()
@@ -579,7 +570,7 @@ impl AuditLog {
             return Ok(None);
         };
         match self.append_locked(tail, &AuditEvent::RefusalsSuppressed(counts.clone())) {
-            Ok(w) => Ok(Some((w, counts))),
+            Ok(w) => Ok(Some(w)),
             Err(e) => {
                 self.refusals
                     .lock()
@@ -620,11 +611,7 @@ impl AuditLog {
         tail.seq = seq;
         tail.last_hash = hash;
         tracing::info!(target: "audit", "{}", String::from_utf8_lossy(&line).trim_end());
-        Ok(Written {
-            seq,
-            end: tail.len,
-            generation: tail.generation,
-        })
+        Ok(Written { seq, end: tail.len })
     }
 
     /// Ok while appends succeed. After a failed one, probes for room (a few KiB written and

@@ -564,31 +564,41 @@ fn appends_from_many_threads_share_fsyncs_and_keep_one_chain() {
     // Every acknowledged line is covered by a completed fsync.
     let synced = log.synced.lock().unwrap();
     assert_eq!(synced.len, std::fs::metadata(&path).unwrap().len());
-    assert_eq!(synced.seq, 400);
+    assert!(synced.failed.is_empty());
 }
 
 #[test]
-fn a_failed_fsync_cuts_the_lines_it_did_not_make_durable_and_the_chain_goes_on() {
+fn a_failed_fsync_fails_the_lines_it_covered_keeps_them_and_the_chain_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
     let mut log = AuditLog::open(&path, "i-1").unwrap();
     log.append(&execution(1)).unwrap();
-    let durable = std::fs::read(&path).unwrap();
     // fdatasync(2) of a pipe fails with EINVAL: the next commit's sync fails.
     let (r, _w) = nix::unistd::pipe().unwrap();
     let real = std::mem::replace(&mut log.sync_file, File::from(r));
-    log.append(&start("exec-2")).unwrap();
+    assert_eq!(log.append(&start("exec-2")).unwrap(), 2);
     let e = log.append(&execution(3)).unwrap_err();
     assert!(matches!(e, AuditError::Io { .. }), "{e}");
     assert!(
         log.failing.lock().unwrap().is_some(),
         "/readyz sees the failure"
     );
-    // Only what was acknowledged as durable is left, and it verifies.
-    assert_eq!(std::fs::read(&path).unwrap(), durable);
-    assert_eq!(verify(&path).unwrap().last_seq, 1);
+    // The lines stay, chained: an acknowledged start line is not dropped and no sequence number
+    // is handed out twice.
+    assert_eq!(verify(&path).unwrap().last_seq, 3);
     log.sync_file = real;
-    assert_eq!(log.append(&execution(4)).unwrap(), 2);
+    // A later successful fsync does not make the failed line durable after the fact.
+    assert_eq!(log.append(&execution(4)).unwrap(), 4);
+    let failed_end = log.synced.lock().unwrap().failed[0].1;
+    assert!(
+        log.commit(Written {
+            seq: 3,
+            end: failed_end
+        })
+        .is_err()
+    );
+    // A line made durable before the failure stays durable.
+    assert!(log.commit(Written { seq: 1, end: 1 }).is_ok());
     let v = verify(&path).unwrap();
-    assert_eq!((v.lines, v.last_seq), (2, 2));
+    assert_eq!((v.lines, v.last_seq), (4, 4));
 }
