@@ -229,16 +229,14 @@ pub struct LocalConfig {
     pub warm_slots: usize,
     /// Hold the kernel's cgroup `favordynmods` mode while the daemon runs, on cgroup v1 hosts (a
     /// detached cgroup v1 mount; see `sandbox::local::dynmods`): cgroup joins stall no fork.
-    #[serde(default = "default_true")]
+    /// Off by default: containerd's cgroup v1 code fails on a hierarchy that is listed in
+    /// `/proc/<pid>/cgroup` but mounted nowhere, and Docker then stops flagging OOM kills.
+    #[serde(default)]
     pub cgroup_favor_dynmods: bool,
 }
 
 fn default_warm_slots() -> usize {
     2
-}
-
-fn default_true() -> bool {
-    true
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -1206,7 +1206,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_wall_clock_that_fires_before_the_shim_joined_still_kills_the_run() {
         let dir = tempfile::tempdir().unwrap();
-        let sb = LocalSandbox::new("executor-arm", 4, true, dir.path(), None);
+        let sb = LocalSandbox::new("executor-arm", 4, false, dir.path(), None);
         assert!(sb.probe.local_missing(1).is_empty(), "{:?}", sb.probe);
         for i in 0..12 {
             let o = sb
