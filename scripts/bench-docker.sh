@@ -27,6 +27,8 @@
 set -Eeuo pipefail
 trap 'echo "bench-docker: failed at line $LINENO" >&2' ERR
 cd "$(dirname "$0")/.."
+# shellcheck source=lib/daemon-addr.sh
+source scripts/lib/daemon-addr.sh
 
 SERIES=${SERIES:-"base b2b warm conc8 base8"}
 RUNTIMES=${RUNTIMES:-"runc gvisor"}
@@ -179,13 +181,7 @@ start_daemon() { # runtime
   SANDBOX_RUNTIME="$1" EXECUTOR_ARM_JWT_SECRET_FILE="$WORK/secret" EXECUTOR_ARM_AUDIT_LOG="$WORK/audit.jsonl" \
     RUST_LOG=info "$BIN" serve --listen 127.0.0.1:0 2>"$WORK/daemon.log" &
   DAEMON_PID=$!
-  ADDR=""
-  for _ in $(seq 100); do
-    ADDR=$(grep -o '"addr":"[^"]*"' "$WORK/daemon.log" | head -1 | cut -d'"' -f4 || true)
-    [ -n "$ADDR" ] && break
-    sleep 0.1
-  done
-  [ -n "$ADDR" ] || { cat "$WORK/daemon.log" >&2; exit 1; }
+  ADDR=$(daemon_addr "$WORK/daemon.log") || exit 1
 }
 
 stop_daemon() {

@@ -8,6 +8,8 @@
 #   scripts/profile-local.sh [BINARY] [N]     BINARY defaults to target/release/executor-arm, N to 300
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=lib/daemon-addr.sh
+source scripts/lib/daemon-addr.sh
 BIN=${1:-target/release/executor-arm}
 N=${2:-300}
 WORK=$(mktemp -d /tmp/profile-local.XXXXXX)
@@ -23,13 +25,7 @@ EXECUTOR_ARM_JWT_SECRET_FILE="$WORK/secret" EXECUTOR_ARM_AUDIT_LOG="$WORK/audit.
   EXECUTOR_ARM_SESSIONS_DIR="$WORK/sessions" EXECUTOR_ARM__SANDBOX__LOCAL__CGROUP_NAME=executor-arm-profile \
   RUST_LOG=info "$BIN" serve --listen 127.0.0.1:0 2>"$WORK/daemon.log" &
 PID=$!
-ADDR=""
-for _ in $(seq 100); do
-  ADDR=$(grep -o '"addr":"[^"]*"' "$WORK/daemon.log" | head -1 | cut -d'"' -f4 || true)
-  [ -n "$ADDR" ] && break
-  sleep 0.1
-done
-[ -n "$ADDR" ] || { cat "$WORK/daemon.log" >&2; exit 1; }
+ADDR=$(daemon_addr "$WORK/daemon.log") || exit 1
 SVC=$("$BIN" token mint --kind service --secret-file "$WORK/secret" --ttl 3600 --sub profile | tail -1)
 CAP=$("$BIN" token mint --kind capability --secret-file "$WORK/secret" --ttl 3600 --sub profile --capabilities ShellExecute | tail -1)
 cat >"$WORK/client.py" <<'PY'
