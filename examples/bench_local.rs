@@ -6,8 +6,9 @@
 //! sporadic part sends one request (and runs one bwrap) every 500 ms: latency after idle spells.
 //!
 //! With `EXECUTOR_ARM_BASELINE_BIN` set (another build of the daemon, e.g. an older commit's), a
-//! second daemon from that binary serves a fourth series in the same blocks: old beside new in one
-//! run.
+//! second daemon from that binary serves a fourth series in the same blocks, every third sporadic
+//! request, and its own turn in each throughput round: old beside new in one run, each target's
+//! ratio also given for the old build (`before` in the JSON).
 //!
 //! A last part measures throughput at 16 in flight: `CONC_N` requests from 16 concurrent clients
 //! (the default `server.concurrency.local`, set explicitly here so all 16 are admitted) against
@@ -177,9 +178,15 @@ async fn main() {
     // The baseline first: an older build sweeps the run cgroups of its own name at start, so the
     // daemon under test, started after it, uses a name of its own.
     let baseline_bin = std::env::var("EXECUTOR_ARM_BASELINE_BIN").ok();
-    let baseline = baseline_bin
-        .as_deref()
-        .map(|bin| support::Daemon::start_bin(bin, &[]));
+    let baseline = baseline_bin.as_deref().map(|bin| {
+        support::Daemon::start_bin(
+            bin,
+            &[(
+                "EXECUTOR_ARM__SERVER__CONCURRENCY__LOCAL",
+                concurrency.as_str(),
+            )],
+        )
+    });
     let daemon = support::Daemon::start(&[
         (
             "EXECUTOR_ARM__SANDBOX__LOCAL__CGROUP_NAME",
@@ -237,16 +244,21 @@ async fn main() {
     }
     // Sporadic traffic: one request (and one bwrap) every SPORADIC_GAP, the way an orchestrator
     // with little to do calls. Idle CPUs and idle kernel state (RCU, cgroup locks) show here.
-    let (mut api_idle, mut bw_idle) = (Vec::new(), Vec::new());
+    let (mut api_idle, mut bw_idle, mut old_idle) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..sporadic {
         tokio::time::sleep(SPORADIC_GAP).await;
         api_idle.push(request().await);
         tokio::time::sleep(SPORADIC_GAP).await;
         time_cmd(&BWRAP, 1, &mut bw_idle);
+        if let Some(u) = &baseline_url {
+            tokio::time::sleep(SPORADIC_GAP).await;
+            old_idle.push(send(u.clone()).await);
+        }
     }
     // Throughput at 16 in flight, the daemon and bwrap taking turns in rounds.
     let (mut conc, mut conc_errors, mut conc_wall) = (Vec::new(), 0, Duration::ZERO);
     let (mut bw_conc, mut bw_conc_wall) = (Vec::new(), Duration::ZERO);
+    let (mut old_conc, mut old_conc_errors, mut old_conc_wall) = (Vec::new(), 0, Duration::ZERO);
     for _ in 0..CONC_ROUNDS {
         let (l, e, w) = execute_concurrent(&client, &url, &svc, &body, conc_n / CONC_ROUNDS).await;
         conc.extend(l);
@@ -255,6 +267,12 @@ async fn main() {
         let (l, w) = cmd_concurrent(&BWRAP, conc_n / CONC_ROUNDS);
         bw_conc.extend(l);
         bw_conc_wall += w;
+        if let Some(u) = &baseline_url {
+            let (l, e, w) = execute_concurrent(&client, u, &svc, &body, conc_n / CONC_ROUNDS).await;
+            old_conc.extend(l);
+            old_conc_errors += e;
+            old_conc_wall += w;
+        }
     }
     drop(daemon);
     drop(baseline);
@@ -331,6 +349,9 @@ async fn main() {
             p_api.p50 / p_old.p50,
             None,
         );
+        report.before("local.p50_vs_bwrap", p_old.p50 / p_bwrap.p50);
+        report.before("local.p95_vs_bwrap", p_old.p95 / p_bwrap.p95);
+        report.before("local.p99_vs_bwrap", p_old.p99 / p_bwrap.p99);
     }
     println!(
         "sporadic: {sporadic} of each, one every {} ms",
@@ -360,6 +381,20 @@ async fn main() {
         p_api_idle.p50 / p_bw_idle.p50,
         Some(Target::AtMost(1.1)),
     );
+    if baseline_bin.is_some() {
+        let p_old_idle = report.series(
+            local(
+                "local.execute.sporadic.baseline_bin",
+                "POST /execute echo hi (sporadic, baseline binary)",
+                None,
+            ),
+            &old_idle,
+        );
+        report.before(
+            "local.sporadic.p50_vs_bwrap",
+            p_old_idle.p50 / p_bw_idle.p50,
+        );
+    }
     println!(
         "concurrency {CONC}: {conc_n} of each, in {CONC_ROUNDS} rounds taking turns \
          (server.concurrency.local = {CONC})"
@@ -390,5 +425,19 @@ async fn main() {
         tput / bw_tput,
         Some(Target::AtLeast(1.0)),
     );
+    if baseline_bin.is_some() {
+        let old_tput = old_conc.len() as f64 / old_conc_wall.as_secs_f64();
+        report.throughput(
+            local(
+                "local.conc16.baseline_bin",
+                "POST /execute echo hi (16 in flight, baseline binary)",
+                None,
+            ),
+            &old_conc,
+            old_conc_errors,
+            old_tput,
+        );
+        report.before("local.conc16.tput_vs_bwrap16", old_tput / bw_tput);
+    }
     report.write();
 }

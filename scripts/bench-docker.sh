@@ -15,11 +15,16 @@
 #           latency)
 #   conc8   N_TPUT requests from CONC workers, right after the first request of a fresh daemon
 #   base8   N_BASE8 `docker run --rm`, CONC at a time
+# With EXECUTOR_ARM_BASELINE_BIN (another build of the daemon, e.g. an older commit's), each daemon
+# series is run again right after with that build (ids <backend>.before_<series>), and every
+# target and ratio also gets its value for that build ("before" in the JSON): old beside new in
+# one run.
 #
 # Environment (defaults in brackets):
 #   SERIES ["base b2b warm conc8 base8"]   RUNTIMES ["runc gvisor"]
 #   N_BASE [30] N_B2B [200] N_WARM [100] N_TPUT [200] N_BASE8 [40] CONC [8] WARM_IDLE [2]
 #   EXECUTOR_ARM_BIN   the daemon binary to measure (default: build this checkout's release)
+#   EXECUTOR_ARM_BASELINE_BIN   another build measured beside it [unset]
 #   CARGO_TARGET_DIR [target]   where the release binary is built
 #   BENCH_JSON         also write the results as JSON to this file
 # The daemons run with the embedded default config (only the backend is chosen, by
@@ -51,6 +56,8 @@ else
   BIN="${CARGO_TARGET_DIR:-target}/release/executor-arm"
 fi
 [ -x "$BIN" ] || { echo "bench-docker: no executable at $BIN" >&2; exit 1; }
+BASELINE_BIN=${EXECUTOR_ARM_BASELINE_BIN:-}
+[ -z "$BASELINE_BIN" ] || [ -x "$BASELINE_BIN" ] || { echo "bench-docker: no executable at $BASELINE_BIN" >&2; exit 1; }
 WORK=$(mktemp -d /tmp/bench-docker.XXXXXX)
 DAEMON_PID=""
 cleanup() {
@@ -176,10 +183,10 @@ print(json.dumps({"n": n, "errors": errors, "p50": p(50), "p95": p(95), "p99": p
                   "rps": n / wall if conc > 1 else None, "samples": lat}))
 PY
 
-start_daemon() { # runtime
+start_daemon() { # runtime binary
   : >"$WORK/daemon.log"
   SANDBOX_RUNTIME="$1" EXECUTOR_ARM_JWT_SECRET_FILE="$WORK/secret" EXECUTOR_ARM_AUDIT_LOG="$WORK/audit.jsonl" \
-    RUST_LOG=info "$BIN" serve --listen 127.0.0.1:0 2>"$WORK/daemon.log" &
+    RUST_LOG=info "$2" serve --listen 127.0.0.1:0 2>"$WORK/daemon.log" &
   DAEMON_PID=$!
   ADDR=$(daemon_addr "$WORK/daemon.log") || exit 1
 }
@@ -188,12 +195,19 @@ stop_daemon() {
   kill "$DAEMON_PID"; wait "$DAEMON_PID" 2>/dev/null || true; DAEMON_PID=""
 }
 
-# A daemon's series: a fresh daemon each, so no series inherits another's pool or removals.
+# A daemon's series: a fresh daemon each, so no series inherits another's pool or removals; with a
+# baseline build, that build's fresh daemon runs the same series right after.
 daemon_series() { # runtime backend id mode n conc idle
   echo "== $2.$3 ($5 requests, $4, concurrency $6)" >&2
-  start_daemon "$1"
+  start_daemon "$1" "$BIN"
   python3 "$WORK/client.py" "$ADDR" "$SVC" "$CAP" "$4" "$5" "$6" "$7" "$2" >"$WORK/r/$2.$3"
   stop_daemon
+  if [ -n "$BASELINE_BIN" ]; then
+    echo "== $2.before_$3 (the same, baseline build)" >&2
+    start_daemon "$1" "$BASELINE_BIN"
+    python3 "$WORK/client.py" "$ADDR" "$SVC" "$CAP" "$4" "$5" "$6" "$7" "$2" >"$WORK/r/$2.before_$3"
+    stop_daemon
+  fi
 }
 
 has() { [[ " $SERIES " == *" $1 "* ]]; }
@@ -223,9 +237,9 @@ done
 RUNSC_VERSION=$(runsc --version 2>/dev/null | head -1 || true)
 RUNSC_PLATFORM=$(docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -o -- '--platform=[a-z]*' | head -1 | cut -d= -f2 || true)
 python3 - "$WORK/r" "$CONC" "$LOAD_START" "$(cut -d' ' -f1-3 /proc/loadavg)" "$(nproc)" "$UTC_START" \
-  "$(date -u +%FT%TZ)" "$BIN" "$RUNSC_VERSION" "${RUNSC_PLATFORM:-unknown}" "${BENCH_JSON:-}" <<'PY'
+  "$(date -u +%FT%TZ)" "$BIN" "$RUNSC_VERSION" "${RUNSC_PLATFORM:-unknown}" "${BENCH_JSON:-}" "$BASELINE_BIN" <<'PY'
 import json, os, sys
-d, conc, load0, load1, cpus, t0, t1, binary, runsc_version, runsc_platform, out = sys.argv[1:12]
+d, conc, load0, load1, cpus, t0, t1, binary, runsc_version, runsc_platform, out, baseline_bin = sys.argv[1:13]
 conc = int(conc)
 r = {f: json.loads(open(os.path.join(d, f)).read()) for f in os.listdir(d)}
 labels = {
@@ -235,9 +249,11 @@ labels = {
     "conc8": f"{{b}} POST /execute {conc} concurrent, defaults",
     "base8": f"{{b}}: docker run --rm --runtime={{rt}}, {conc} at a time",
 }
+for s in ("b2b", "warm", "conc8"):
+    labels[f"before_{s}"] = labels[s] + ", baseline build"
 series, ratios, targets, pool_events = [], [], [], {}
 for b, rt in (("docker", "runc"), ("gvisor", "runsc")):
-    for s in ("base", "b2b", "warm", "conc8", "base8"):
+    for s in ("base", "b2b", "warm", "conc8", "base8", "before_b2b", "before_warm", "before_conc8"):
         x = r.get(f"{b}.{s}")
         if x is None:
             continue
@@ -250,43 +266,56 @@ for b, rt in (("docker", "runc"), ("gvisor", "runsc")):
             pool_events[f"{b}.{s}"] = f"{int(x['hits'])}/{int(x['misses'])}"
 S = {s["id"]: s for s in series}
 
-def ratio(id, label, num, den, target=None, ok=None):
-    if num is None or den in (None, 0):
-        return
-    v = num / den
-    ratios.append({"id": id, "label": label, "value": round(v, 3), "target": target,
-                   "met": None if ok is None else bool(ok(v))})
+def div(num, den):
+    return None if num is None or den in (None, 0) else num / den
 
-def target(id, label, value, limit, unit="ms"):
+# `before`: the same figure of the baseline build (EXECUTOR_ARM_BASELINE_BIN), when it ran.
+def ratio(id, label, v, target=None, ok=None, before=None):
+    if v is None:
+        return
+    ratios.append({"id": id, "label": label, "value": round(v, 3), "target": target,
+                   "met": None if ok is None else bool(ok(v)),
+                   "before": None if before is None else round(before, 3)})
+
+def target(id, label, value, limit, before=None, unit="ms"):
     if value is None:
         return
     targets.append({"id": id, "label": label, "value": round(value, 2), "unit": unit, "target": f"<= {limit}",
-                    "met": value <= limit})
+                    "met": value <= limit, "before": None if before is None else round(before, 2)})
 
 def get(id, field):
     return S[id][field] if id in S else None
 
+def ideal_ratio(id):
+    # p50 under load / (conc / throughput): how far a request waits beyond its share of the work.
+    tp = get(id, "throughput_per_s")
+    return div(get(id, "p50_ms"), (conc / tp * 1000) if tp else None)
+
 for b, tput_goal in (("docker", 2.0), ("gvisor", 1.5)):
-    rt = "runc" if b == "docker" else "runsc"
+    base8_tp = get(f"{b}.base8", "throughput_per_s")
     ratio(f"{b}.conc8.tput_vs_docker_run", f"{b} {conc}-concurrent throughput / docker run --rm {conc} at a time",
-          get(f"{b}.conc8", "throughput_per_s"), get(f"{b}.base8", "throughput_per_s"), f">= {tput_goal}",
-          lambda v, g=tput_goal: v >= g)
-    tp = get(f"{b}.conc8", "throughput_per_s")
+          div(get(f"{b}.conc8", "throughput_per_s"), base8_tp), f">= {tput_goal}",
+          lambda v, g=tput_goal: v >= g, div(get(f"{b}.before_conc8", "throughput_per_s"), base8_tp))
     ratio(f"{b}.conc8.p50_vs_ideal", f"{b} {conc}-concurrent p50 / ({conc} / throughput)",
-          get(f"{b}.conc8", "p50_ms"), (conc / tp * 1000) if tp else None,
-          "<= 2.0" if b == "docker" else None, (lambda v: v <= 2.0) if b == "docker" else None)
+          ideal_ratio(f"{b}.conc8"), "<= 2.0" if b == "docker" else None,
+          (lambda v: v <= 2.0) if b == "docker" else None, ideal_ratio(f"{b}.before_conc8"))
+    base_p50 = get(f"{b}.base", "p50_ms")
     ratio(f"{b}.b2b.p50_vs_docker_run", f"{b} back-to-back p50 / docker run --rm p50",
-          get(f"{b}.b2b", "p50_ms"), get(f"{b}.base", "p50_ms"))
+          div(get(f"{b}.b2b", "p50_ms"), base_p50), before=div(get(f"{b}.before_b2b", "p50_ms"), base_p50))
     ratio(f"{b}.warm.p50_vs_docker_run", f"{b} warm p50 / docker run --rm p50",
-          get(f"{b}.warm", "p50_ms"), get(f"{b}.base", "p50_ms"))
-target("docker.b2b.p50", "docker back-to-back p50", get("docker.b2b", "p50_ms"), 25)
-target("docker.b2b.p95", "docker back-to-back p95", get("docker.b2b", "p95_ms"), 120)
-target("docker.b2b.p99", "docker back-to-back p99", get("docker.b2b", "p99_ms"), 200)
-target("gvisor.b2b.p95", "gvisor back-to-back p95", get("gvisor.b2b", "p95_ms"), 240)
-target("gvisor.warm.p50", "gvisor warm p50", get("gvisor.warm", "p50_ms"), 20)
+          div(get(f"{b}.warm", "p50_ms"), base_p50), before=div(get(f"{b}.before_warm", "p50_ms"), base_p50))
+for id, label, limit in (("docker.b2b.p50", "docker back-to-back p50", 25),
+                         ("docker.b2b.p95", "docker back-to-back p95", 120),
+                         ("docker.b2b.p99", "docker back-to-back p99", 200),
+                         ("gvisor.b2b.p95", "gvisor back-to-back p95", 240),
+                         ("gvisor.warm.p50", "gvisor warm p50", 20)):
+    b, s, p = id.split(".")
+    target(id, label, get(f"{b}.{s}", f"{p}_ms"), limit, get(f"{b}.before_{s}", f"{p}_ms"))
 
 print(f"\nhost: {cpus} CPUs, load average {load0} at start, {load1} at end; {t0} .. {t1} UTC")
 print(f"binary: {binary}; runsc: {runsc_version} (platform {runsc_platform})")
+if baseline_bin:
+    print(f"baseline build: {baseline_bin} (series before_*)")
 print(f"executor-arm POST /execute 'echo hi' vs docker run --rm (ms; daemon defaults)")
 print(f"{'series':14} {'n':>4} {'p50':>8} {'p95':>8} {'p99':>8} {'exec/s':>7} {'hit/miss':>9} {'err':>4}  label")
 for s in series:
@@ -297,17 +326,20 @@ if ratios:
     print("\nratios")
     for x in ratios:
         met = "" if x["met"] is None else ("  met" if x["met"] else "  MISSED")
-        print(f"  {x['id']:34} {x['value']:>8.2f}  {x['target'] or '':8}{met}")
+        before = "" if x["before"] is None else f"  (baseline build {x['before']:.2f})"
+        print(f"  {x['id']:34} {x['value']:>8.2f}  {x['target'] or '':8}{met}{before}")
 if targets:
     print("\ntargets")
     for x in targets:
-        print(f"  {x['id']:34} {x['value']:>8.1f} {x['unit']}  {x['target']:8}  {'met' if x['met'] else 'MISSED'}")
+        before = "" if x["before"] is None else f"  (baseline build {x['before']:.1f} {x['unit']})"
+        print(f"  {x['id']:34} {x['value']:>8.1f} {x['unit']}  {x['target']:8}  {'met' if x['met'] else 'MISSED'}{before}")
 if out:
     with open(out, "w") as f:
         # Ratios without a target are for the table only.
         json.dump({"bench": "docker", "series": series, "ratios": [x for x in ratios if x["target"]],
                    "targets": targets,
                    "facts": {"runsc_version": runsc_version.removeprefix("runsc version ").strip(),
-                             "runsc_platform": runsc_platform}}, f)
+                             "runsc_platform": runsc_platform,
+                             **({"baseline_bin": baseline_bin} if baseline_bin else {})}}, f)
     print(f"\nJSON: {out}")
 PY

@@ -6,7 +6,9 @@
 //! throughput_per_s, samples_ms}], "ratios": [{id, label, value, target, met}],
 //! "targets": [{id, label, value, unit, target, met}], "facts": {}}`
 //!
-//! A series' `baseline` names the same-run series it is compared with (null for a baseline).
+//! A series' `baseline` names the same-run series it is compared with (null for a baseline). A
+//! ratio or target may also carry `before`: the same figure of another build of the daemon
+//! measured in the same run (`EXECUTOR_ARM_BASELINE_BIN`).
 
 use serde_json::{Map, Value, json};
 
@@ -169,6 +171,18 @@ impl Report {
             "met": target.map(|t| t.met(value)),
         }));
         value
+    }
+
+    /// Adds `before` to the ratio recorded as `id`: the same figure of the baseline build, measured
+    /// in the same run.
+    pub fn before(&mut self, id: &str, value: f64) {
+        let ratio = self
+            .ratios
+            .iter_mut()
+            .find(|r| r["id"] == id)
+            .unwrap_or_else(|| panic!("no ratio {id} recorded"));
+        println!("  baseline build: {value:.2}x");
+        ratio["before"] = json!(value);
     }
 
     /// Records and prints an absolute figure held to a bound.

@@ -45,6 +45,11 @@ BACKENDS = {
 }
 BACKEND_ORDER = ["local", "docker (runc)", "gVisor (runsc)"]
 
+# Where the analysis of a benchmark's missed targets is kept (what was tried, what the profiles
+# showed): the docker and gVisor pages, else the history of the local and session runs.
+ANALYSIS = {"docker": "benchmarks-docker.md"}
+ANALYSIS_DEFAULT = "benchmarks-history.md"
+
 
 def load_json(path):
     with open(path, encoding="utf-8") as f:
@@ -216,31 +221,54 @@ def runs_table(results):
 
 
 def targets_table(results):
+    """Every figure held to a target, met or missed; with the baseline build's figure measured in
+    the same run ("before") when the run had one (EXECUTOR_ARM_BASELINE_BIN)."""
     rows, other = [], []
     for name, _status, doc, _note in results:
         if doc is None:
             continue
         for r in doc.get("ratios") or []:
             row = (name, r.get("label") or r.get("id"), times(r.get("value")),
-                   bound_text(r.get("target"), "×"), met_text(r.get("met")))
+                   bound_text(r.get("target"), "×"), met_text(r.get("met")), times(r.get("before")))
             (rows if r.get("target") else other).append(row)
         for t in doc.get("targets") or []:
             unit = t.get("unit") or ""
             rows.append((name, t.get("label") or t.get("id"), num(t.get("value"), f" {unit}"),
-                         bound_text(t.get("target"), unit), met_text(t.get("met"))))
+                         bound_text(t.get("target"), unit), met_text(t.get("met")),
+                         num(t.get("before"), f" {unit}")))
+    with_before = any(r[5] != "—" for r in rows + other)
     lines = ["## Targets", ""]
     if rows:
         missed = sum(1 for r in rows if r[4] != "met")
         lines.append(f"{len(rows) - missed} of {len(rows)} met." + (
             f" **{missed} missed.**" if missed else ""))
-        lines += ["", "| benchmark | figure | value | target | |", "|---|---|---:|---|---|"]
-        lines += [f"| {a} | {md_escape(b)} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
+        missed_in = sorted({r[0] for r in rows if r[4] != "met"})
+        if missed_in:
+            lines += ["", "What was tried for the missed targets, and what the profiles showed: " +
+                      "; ".join(f"{name}: [{ANALYSIS.get(name, ANALYSIS_DEFAULT)}]"
+                                f"({ANALYSIS.get(name, ANALYSIS_DEFAULT)})" for name in missed_in) +
+                      "."]
+        if with_before:
+            lines += ["", "*baseline build*: the same figure of the other build of the daemon "
+                      "measured in this run (`EXECUTOR_ARM_BASELINE_BIN`)."]
+            lines += ["", "| benchmark | figure | value | target | | baseline build |",
+                      "|---|---|---:|---|---|---:|"]
+            lines += [f"| {a} | {md_escape(b)} | {c} | {d} | {e} | {f} |"
+                      for a, b, c, d, e, f in rows]
+        else:
+            lines += ["", "| benchmark | figure | value | target | |", "|---|---|---:|---|---|"]
+            lines += [f"| {a} | {md_escape(b)} | {c} | {d} | {e} |" for a, b, c, d, e, _f in rows]
     else:
         lines.append("No benchmark with targets ran.")
     if other:
-        lines += ["", "Other same-run ratios:", "", "| benchmark | ratio | value |",
-                  "|---|---|---:|"]
-        lines += [f"| {a} | {md_escape(b)} | {c} |" for a, b, c, _d, _e in other]
+        if with_before:
+            lines += ["", "Other same-run ratios:", "", "| benchmark | ratio | value | baseline build |",
+                      "|---|---|---:|---:|"]
+            lines += [f"| {a} | {md_escape(b)} | {c} | {f} |" for a, b, c, _d, _e, f in other]
+        else:
+            lines += ["", "Other same-run ratios:", "", "| benchmark | ratio | value |",
+                      "|---|---|---:|"]
+            lines += [f"| {a} | {md_escape(b)} | {c} |" for a, b, c, _d, _e, _f in other]
     return lines
 
 

@@ -184,6 +184,26 @@ class ReportTest(unittest.TestCase):
         self.assertIn("| sessions-gvisor | `examples/bench_sessions.rs`, BACKEND=gvisor | "
                       "not run: no results file |", md)
 
+    def test_baseline_build_figures_beside_each_target(self):
+        local = json.loads(json.dumps(LOCAL))
+        local["ratios"][0]["before"] = 1.22
+        local["ratios"][2]["before"] = 4.0
+        docker = json.loads(json.dumps(DOCKER))
+        docker["targets"][0]["before"] = 61.0
+        self.write("local.json", local)
+        self.write("docker.json", docker)
+        md = self.generate()
+        self.assertIn("| local | p50 execute / bwrap | 1.05× | ≤ 1.1× | met | 1.22× |", md)
+        # A target without a figure of the baseline build says so.
+        self.assertIn("| local | throughput execute / bwrap, 16 in flight | 0.90× | ≥ 1.0× "
+                      "| **MISSED** | — |", md)
+        self.assertIn("| docker | gvisor warm p50 | 47.40 ms | ≤ 40 ms | **MISSED** | 61.00 ms |",
+                      md)
+        self.assertIn("| local | p50 execute / fork-exec | 4.50× | 4.00× |", md)
+        # Each benchmark with a missed target points at its analysis.
+        self.assertIn("docker: [benchmarks-docker.md](benchmarks-docker.md); "
+                      "local: [benchmarks-history.md](benchmarks-history.md).", md)
+
     def test_benchmark_that_wrote_nothing(self):
         self.runs([("local", "local.json", "ok"), ("docker", "docker.json", "ok")])
         md = self.generate()

@@ -2,7 +2,8 @@
 #
 # Mode "once" (every /execute container): waits (idle, possibly for a long time in the warm pool)
 # for ONE request on stdin, runs it, reports, exits. Exiting as PID 1 makes the kernel kill
-# whatever the command left behind.
+# whatever the command left behind. The command's process is forked while it waits (see spawn),
+# already with the command's identity, and only receives its argv when the request comes.
 # Mode "kept" (a session's container): serves requests one after another for the session's life.
 # After each run every process of the command's uid is killed before the report, so nothing of
 # one exec outlives it; between runs it serves file calls in the workdir. Never a shell: argv goes
@@ -277,6 +278,70 @@ sub pids_max_hits { keyed('max', '/sys/fs/cgroup/pids/pids.events', '/sys/fs/cgr
 # What a counter grew by during one run of a kept sandbox ('-' when it is not visible).
 sub grew { my ($before, $after) = @_; return ($before eq '-' || $after eq '-') ? '-' : $after - $before }
 
+# The command's process, forked before its order and waiting for it: once mode makes it while the
+# container idles in the pool, because under gVisor forking is the costliest step of a run (the
+# sentry copies the address space); kept mode makes it per request. The child takes its
+# descriptors (stdin from a pipe, stdout and stderr into the report's pipes) and the command's
+# identity at once, then reads its order: whether stdin has bytes, the working directory, argv
+# and the environment, which it only ever receives from this process. A failure before execve is
+# written to the exec pipe. Returns the parent's ends (pid, order, out, err, exec, in), or why it
+# could not fork (a string: nothing is framed here, the request reports it).
+sub spawn {
+    my @ends = qw(out err exec in order);
+    my %p;
+    my ($ow, $ew, $xw, $ir, $cr);
+    pipe($p{out}, $ow) && pipe($p{err}, $ew) && pipe($p{exec}, $xw) && pipe($ir, $p{in})
+        && pipe($cr, $p{order}) or return "pipe: $!";
+    binmode($_, ':raw') for (@p{@ends}, $ow, $ew, $xw, $ir, $cr);
+    my $pid = fork();
+    return "fork: $!" unless defined $pid;
+    if ($pid == 0) {
+        # Ignored signals stay ignored across execve: give the command default dispositions.
+        $SIG{$_} = 'DEFAULT' for qw(PIPE CHLD TERM USR1);
+        close $_ for @p{@ends};
+        # perl opens every fd above 2 close-on-exec, so the command gets exactly 0, 1 and 2: none of
+        # ours (the attach streams, the relay's sockets, the order pipe) reaches it.
+        POSIX::dup2(fileno($ir), 0);
+        POSIX::dup2(fileno($ow), 1);
+        POSIX::dup2(fileno($ew), 2);
+        my $why = become($UID, $GID);
+        if ($why) {
+            syswrite($xw, "cannot run as $UID:$GID: $why");
+            POSIX::_exit(127);
+        }
+        my $order = '';
+        while (1) {
+            my $r = sysread($cr, $order, 65536, length $order);
+            next if eintr($r);
+            last unless $r;
+        }
+        my ($has_in, $cwd, $argc, @rest) = split /\0/, $order, -1;
+        # No order (the request was abandoned): nothing runs.
+        POSIX::_exit(127) unless defined $argc && $argc > 0;
+        my @argv = splice(@rest, 0, $argc);
+        if (!$has_in) {
+            open(my $null, '<', '/dev/null') or POSIX::_exit(127);
+            POSIX::dup2(fileno($null), 0);
+        }
+        own_workspace();
+        unless (chdir($cwd)) {
+            syswrite($xw, "cannot run as $UID:$GID: chdir $cwd: $!");
+            POSIX::_exit(127);
+        }
+        %ENV = ();
+        for (@rest) { my ($k, $v) = split /=/, $_, 2; $ENV{$k} = $v }
+        { no warnings 'exec'; exec { $argv[0] } @argv; }
+        syswrite($xw, "cannot execute $argv[0]: $!");
+        POSIX::_exit(127);
+    }
+    close $_ for ($ow, $ew, $xw, $ir, $cr);
+    $p{pid} = $pid;
+    return \%p;
+}
+# Once mode: the command's process is made now; if that failed, the request tries again and
+# reports why it could not.
+my $prepared = $KEPT ? undef : spawn();
+
 # One run request, after its magic: reads it, runs it, reports.
 sub run_request {
     my @f = split /\0/, rd(unpack('N', rd(4))), -1;
@@ -320,40 +385,22 @@ sub run_request {
     }
     my ($oom0, $pmax0) = $KEPT ? (oom_kills(), pids_max_hits()) : ('-', '-');
 
-    pipe(my $or, my $ow) or fail("pipe: $!");
-    pipe(my $er, my $ew) or fail("pipe: $!");
-    pipe(my $xr, my $xw) or fail("pipe: $!");
-    my ($ir, $iw);
-    if (defined $input) { pipe($ir, $iw) or fail("pipe: $!") }
-    binmode($_, ':raw') for grep { defined } ($or, $ow, $er, $ew, $xr, $xw, $ir, $iw);
-
-    my $pid = fork();
-    fail("fork: $!") unless defined $pid;
-    if ($pid == 0) {
-        # Ignored signals stay ignored across execve: give the command default dispositions.
-        $SIG{$_} = 'DEFAULT' for qw(PIPE CHLD TERM USR1);
-        my $in = $ir;
-        if (!defined $in) { open($in, '<', '/dev/null') or POSIX::_exit(127) }
-        # perl opens every fd above 2 close-on-exec, so the command gets exactly 0, 1 and 2: none of
-        # ours (the attach streams, the relay's sockets) reaches it.
-        POSIX::dup2(fileno($in), 0);
-        POSIX::dup2(fileno($ow), 1);
-        POSIX::dup2(fileno($ew), 2);
-        my $why = become($UID, $GID);
-        own_workspace() unless $why;
-        $why = "chdir $cwd: $!" if !$why && !chdir($cwd);
-        if ($why) {
-            syswrite($xw, "cannot run as $UID:$GID: $why");
-            POSIX::_exit(127);
-        }
-        %ENV = ();
-        for (@env) { my ($k, $v) = split /=/, $_, 2; $ENV{$k} = $v }
-        { no warnings 'exec'; exec { $argv[0] } @argv; }
-        syswrite($xw, "cannot execute $argv[0]: $!");
-        POSIX::_exit(127);
+    my $p = ref($prepared) ? $prepared : spawn();
+    undef $prepared;
+    fail($p) unless ref $p;
+    my ($pid, $or, $er, $xr, $iw) = @{$p}{qw(pid out err exec in)};
+    # The order: whether stdin has bytes, the working directory, then argv and the environment.
+    # A child that already ended (it could not take the command's identity) reads none of it: its
+    # reason is on the exec pipe, and the failed write is only EPIPE (SIGPIPE is ignored here).
+    my $order = join("\0", defined($input) ? 1 : 0, $cwd, scalar(@argv), @argv, @env);
+    while (length $order) {
+        my $w = syswrite($p->{order}, $order);
+        next if eintr($w);
+        last unless defined $w;
+        substr($order, 0, $w, '');
     }
-    close $ow; close $ew; close $xw;
-    close $ir if defined $ir;
+    close $p->{order};
+    unless (defined $input) { close $iw; undef $iw }
 
     # EOF on the exec pipe: execve succeeded (close-on-exec); anything else: why the command could not
     # start.
@@ -364,6 +411,7 @@ sub run_request {
         last unless $r;
     }
     close $xr;
+    $x = 'the command\'s process ended before it received its request' if !length($x) && length($order);
     if (length $x) {
         waitpid($pid, 0);
         unlink($code_path) if defined $code;

@@ -5,8 +5,10 @@
 //! frames it writes back. Must not: talk to the engine or decide outcomes.
 //!
 //! Why a supervisor: a pooled container is started long before its request exists, so its main
-//! process must wait for the argv. It reads one request from stdin, forks, `execve`s the argv as a
-//! list (never a shell), relays the command's stdout/stderr as frames, reaps every orphan (it is
+//! process must wait for the argv. It reads one request from stdin and `execve`s the argv as a
+//! list (never a shell) in a child it forked while idle (forking is the costliest step of a hit
+//! under gVisor, so the pool pays it; the child holds the command's identity and nothing of the
+//! request until it arrives), relays the command's stdout/stderr as frames, reaps every orphan (it is
 //! PID 1, so no separate init is needed), reports the exact wait status in a final frame the
 //! moment the command exits (so no run waits for container teardown), then exits, which makes the
 //! kernel kill anything the command left behind.
@@ -359,6 +361,14 @@ mod tests {
         spec: &RunSpec,
         relay: Option<&Relay>,
     ) -> (std::process::Child, std::process::ChildStdin) {
+        let (mut child, mut stdin) = idle_supervisor();
+        let req = encode_request(spec, relay, None).unwrap();
+        stdin.write_all(&req).unwrap();
+        (child.take(), stdin)
+    }
+
+    /// A started supervisor that has no request yet, as in the warm pool.
+    fn idle_supervisor() -> (ChildSlot, std::process::ChildStdin) {
         // The container's environment: the image's (LANG=C.UTF-8) plus SUPERVISOR_ENV.
         let mut cmd = Command::new(PERL);
         cmd.env_clear().env("LANG", "C.UTF-8");
@@ -374,10 +384,54 @@ mod tests {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("perl");
-        let req = encode_request(spec, relay, None).unwrap();
-        let mut stdin = child.stdin.take().unwrap();
-        stdin.write_all(&req).unwrap();
-        (child, stdin)
+        let stdin = child.stdin.take().unwrap();
+        (ChildSlot(Some(child)), stdin)
+    }
+
+    /// Kills the supervisor when a test fails before taking it.
+    struct ChildSlot(Option<std::process::Child>);
+
+    impl ChildSlot {
+        fn take(&mut self) -> std::process::Child {
+            self.0.take().expect("taken once")
+        }
+    }
+
+    impl Drop for ChildSlot {
+        fn drop(&mut self) {
+            if let Some(c) = self.0.as_mut() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+
+    /// `pid`'s children (every thread's), once there is one, waiting at most 5 s.
+    fn children_of(pid: u32) -> Vec<u32> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let text = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+                .unwrap_or_default();
+            let kids: Vec<u32> = text
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect();
+            if !kids.is_empty() || std::time::Instant::now() > deadline {
+                return kids;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The real and effective uid of `pid` (the `Uid:` line of its status).
+    fn uids_of(pid: u32) -> String {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+        line.split_whitespace()
+            .skip(1)
+            .take(2)
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 
     /// Reads frames until the supervisor closes its stdout.
@@ -445,6 +499,36 @@ mod tests {
         let f = supervise(&spec(&["/bin/cat"], Some(b"from stdin\0with nul")));
         assert_eq!(stdout_of(&f), b"from stdin\0with nul");
         assert!(!exit_of(&f).stdin_broken_pipe);
+    }
+
+    #[test]
+    fn the_commands_process_waits_with_the_run_identity_before_the_request() {
+        let (mut slot, mut stdin) = idle_supervisor();
+        let supervisor = slot.0.as_ref().unwrap().id();
+        // Made while idle: one child, already the command's uid, holding no request yet.
+        let kids = children_of(supervisor);
+        assert_eq!(kids.len(), 1, "one prepared process: {kids:?}");
+        let (uid, _) = identity();
+        assert_eq!(uids_of(kids[0]), format!("{uid} {uid}"));
+        // The request runs in that very process (execve keeps the pid), with /dev/null as stdin
+        // when the request has none.
+        let req = encode_request(
+            &spec(
+                &["/bin/sh", "-c", "echo $$; readlink /proc/self/fd/0"],
+                None,
+            ),
+            None,
+            None,
+        )
+        .unwrap();
+        stdin.write_all(&req).unwrap();
+        let f = frames_of(&mut slot.take());
+        drop(stdin);
+        assert_eq!(exit_of(&f).exit, ExitKind::Exited(0), "{f:?}");
+        assert_eq!(
+            String::from_utf8(stdout_of(&f)).unwrap(),
+            format!("{}\n/dev/null\n", kids[0])
+        );
     }
 
     #[test]
