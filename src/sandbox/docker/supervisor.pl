@@ -317,10 +317,17 @@ sub spawn {
         }
         my ($has_in, $cwd, $argc, @rest) = split /\0/, $order, -1;
         # No order (the request was abandoned): nothing runs.
-        POSIX::_exit(127) unless defined $argc && $argc > 0;
+        unless (defined $argc && $argc > 0) {
+            syswrite($xw, "the order of the command's process was incomplete");
+            POSIX::_exit(127);
+        }
         my @argv = splice(@rest, 0, $argc);
         if (!$has_in) {
-            open(my $null, '<', '/dev/null') or POSIX::_exit(127);
+            my $null;
+            unless (open($null, '<', '/dev/null')) {
+                syswrite($xw, "cannot open /dev/null for stdin: $!");
+                POSIX::_exit(127);
+            }
             POSIX::dup2(fileno($null), 0);
         }
         own_workspace();
@@ -385,33 +392,40 @@ sub run_request {
     }
     my ($oom0, $pmax0) = $KEPT ? (oom_kills(), pids_max_hits()) : ('-', '-');
 
-    my $p = ref($prepared) ? $prepared : spawn();
-    undef $prepared;
-    fail($p) unless ref $p;
-    my ($pid, $or, $er, $xr, $iw) = @{$p}{qw(pid out err exec in)};
     # The order: whether stdin has bytes, the working directory, then argv and the environment.
-    # A child that already ended (it could not take the command's identity) reads none of it: its
-    # reason is on the exec pipe, and the failed write is only EPIPE (SIGPIPE is ignored here).
-    my $order = join("\0", defined($input) ? 1 : 0, $cwd, scalar(@argv), @argv, @env);
-    while (length $order) {
-        my $w = syswrite($p->{order}, $order);
-        next if eintr($w);
-        last unless defined $w;
-        substr($order, 0, $w, '');
+    my $order0 = join("\0", defined($input) ? 1 : 0, $cwd, scalar(@argv), @argv, @env);
+    my ($p, $x);
+    for my $try (1, 2) {
+        $p = ref($prepared) ? $prepared : spawn();
+        undef $prepared;
+        fail($p) unless ref $p;
+        # A child that already ended reads none of the order; the failed write is only EPIPE
+        # (SIGPIPE is ignored here).
+        my $order = $order0;
+        while (length $order) {
+            my $w = syswrite($p->{order}, $order);
+            next if eintr($w);
+            last unless defined $w;
+            substr($order, 0, $w, '');
+        }
+        close $p->{order};
+        # EOF on the exec pipe: execve succeeded (close-on-exec); anything else: why the command
+        # could not start.
+        $x = '';
+        while (length($x) < 4096) {
+            my $r = sysread($p->{exec}, $x, 4096 - length($x), length($x));
+            next if eintr($r);
+            last unless $r;
+        }
+        close $p->{exec};
+        last if length($x) || !length($order);
+        # It ended before taking its whole order and said nothing (killed while the container
+        # idled): nothing of the request ran, so a fresh process gets it, once.
+        1 while waitpid($p->{pid}, 0) < 0 && $! == POSIX::EINTR();
+        $x = "the command's process ended before it received its request (wait status $?)";
     }
-    close $p->{order};
+    my ($pid, $or, $er, $iw) = @{$p}{qw(pid out err in)};
     unless (defined $input) { close $iw; undef $iw }
-
-    # EOF on the exec pipe: execve succeeded (close-on-exec); anything else: why the command could not
-    # start.
-    my $x = '';
-    while (length($x) < 4096) {
-        my $r = sysread($xr, $x, 4096 - length($x), length($x));
-        next if eintr($r);
-        last unless $r;
-    }
-    close $xr;
-    $x = 'the command\'s process ended before it received its request' if !length($x) && length($order);
     if (length $x) {
         waitpid($pid, 0);
         unlink($code_path) if defined $code;

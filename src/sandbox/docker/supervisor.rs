@@ -509,7 +509,16 @@ mod tests {
         let kids = children_of(supervisor);
         assert_eq!(kids.len(), 1, "one prepared process: {kids:?}");
         let (uid, _) = identity();
-        assert_eq!(uids_of(kids[0]), format!("{uid} {uid}"));
+        // It takes the identity right after the fork, without waiting for anything.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while uids_of(kids[0]) != format!("{uid} {uid}") {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "uids {}",
+                uids_of(kids[0])
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
         // The request runs in that very process (execve keeps the pid), with /dev/null as stdin
         // when the request has none.
         let req = encode_request(
@@ -529,6 +538,30 @@ mod tests {
             String::from_utf8(stdout_of(&f)).unwrap(),
             format!("{}\n/dev/null\n", kids[0])
         );
+    }
+
+    #[test]
+    fn a_prepared_process_killed_while_idle_is_replaced_for_the_request() {
+        let (mut slot, mut stdin) = idle_supervisor();
+        let supervisor = slot.0.as_ref().unwrap().id();
+        let kids = children_of(supervisor);
+        assert_eq!(kids.len(), 1, "one prepared process: {kids:?}");
+        // SAFETY: kill has no memory preconditions; the pid is the supervisor's child, which
+        // stays a zombie (so the pid is not reused) until the supervisor reaps it.
+        assert_eq!(unsafe { libc::kill(kids[0] as i32, libc::SIGKILL) }, 0);
+        // Dead (a zombie) before the request comes, as after an idle spell.
+        let stat = format!("/proc/{}/stat", kids[0]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !std::fs::read_to_string(&stat).is_ok_and(|s| s.contains(") Z ")) {
+            assert!(std::time::Instant::now() < deadline, "still alive");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let req = encode_request(&spec(&["/bin/echo", "ran"], None), None, None).unwrap();
+        stdin.write_all(&req).unwrap();
+        let f = frames_of(&mut slot.take());
+        drop(stdin);
+        assert_eq!(stdout_of(&f), b"ran\n", "{f:?}");
+        assert_eq!(exit_of(&f).exit, ExitKind::Exited(0));
     }
 
     #[test]
