@@ -199,15 +199,17 @@ stop_daemon() {
 # baseline build, that build's fresh daemon runs the same series right after.
 daemon_series() { # runtime backend id mode n conc idle
   echo "== $2.$3 ($5 requests, $4, concurrency $6)" >&2
-  start_daemon "$1" "$BIN"
-  python3 "$WORK/client.py" "$ADDR" "$SVC" "$CAP" "$4" "$5" "$6" "$7" "$2" >"$WORK/r/$2.$3"
-  stop_daemon
+  one_daemon_series "$BIN" "$@"
   if [ -n "$BASELINE_BIN" ]; then
     echo "== $2.before_$3 (the same, baseline build)" >&2
-    start_daemon "$1" "$BASELINE_BIN"
-    python3 "$WORK/client.py" "$ADDR" "$SVC" "$CAP" "$4" "$5" "$6" "$7" "$2" >"$WORK/r/$2.before_$3"
-    stop_daemon
+    one_daemon_series "$BASELINE_BIN" "$1" "$2" "before_$3" "${@:4}"
   fi
+}
+
+one_daemon_series() { # binary runtime backend id mode n conc idle
+  start_daemon "$2" "$1"
+  python3 "$WORK/client.py" "$ADDR" "$SVC" "$CAP" "$5" "$6" "$7" "$8" "$3" >"$WORK/r/$3.$4"
+  stop_daemon
 }
 
 has() { [[ " $SERIES " == *" $1 "* ]]; }

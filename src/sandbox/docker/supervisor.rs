@@ -406,21 +406,32 @@ mod tests {
         }
     }
 
-    /// `pid`'s children (every thread's), once there is one, waiting at most 5 s.
-    fn children_of(pid: u32) -> Vec<u32> {
+    /// Polls `cond` every 5 ms until it holds; fails the test after 5 s, naming `what`.
+    fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        loop {
-            let text = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-                .unwrap_or_default();
-            let kids: Vec<u32> = text
+        while !cond() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "not within 5 s: {what}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The process an idle supervisor prepared for the command: its one child.
+    fn prepared_process(slot: &ChildSlot) -> u32 {
+        let supervisor = slot.0.as_ref().unwrap().id();
+        let children = || {
+            std::fs::read_to_string(format!("/proc/{supervisor}/task/{supervisor}/children"))
+                .unwrap_or_default()
                 .split_whitespace()
                 .filter_map(|p| p.parse().ok())
-                .collect();
-            if !kids.is_empty() || std::time::Instant::now() > deadline {
-                return kids;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+                .collect::<Vec<u32>>()
+        };
+        wait_for("a child of the idle supervisor", || !children().is_empty());
+        let kids = children();
+        assert_eq!(kids.len(), 1, "one prepared process: {kids:?}");
+        kids[0]
     }
 
     /// The real and effective uid of `pid` (the `Uid:` line of its status).
@@ -504,21 +515,13 @@ mod tests {
     #[test]
     fn the_commands_process_waits_with_the_run_identity_before_the_request() {
         let (mut slot, mut stdin) = idle_supervisor();
-        let supervisor = slot.0.as_ref().unwrap().id();
         // Made while idle: one child, already the command's uid, holding no request yet.
-        let kids = children_of(supervisor);
-        assert_eq!(kids.len(), 1, "one prepared process: {kids:?}");
+        let prepared = prepared_process(&slot);
         let (uid, _) = identity();
         // It takes the identity right after the fork, without waiting for anything.
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while uids_of(kids[0]) != format!("{uid} {uid}") {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "uids {}",
-                uids_of(kids[0])
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_for("the run's uid", || {
+            uids_of(prepared) == format!("{uid} {uid}")
+        });
         // The request runs in that very process (execve keeps the pid), with /dev/null as stdin
         // when the request has none.
         let req = encode_request(
@@ -536,26 +539,22 @@ mod tests {
         assert_eq!(exit_of(&f).exit, ExitKind::Exited(0), "{f:?}");
         assert_eq!(
             String::from_utf8(stdout_of(&f)).unwrap(),
-            format!("{}\n/dev/null\n", kids[0])
+            format!("{prepared}\n/dev/null\n")
         );
     }
 
     #[test]
     fn a_prepared_process_killed_while_idle_is_replaced_for_the_request() {
         let (mut slot, mut stdin) = idle_supervisor();
-        let supervisor = slot.0.as_ref().unwrap().id();
-        let kids = children_of(supervisor);
-        assert_eq!(kids.len(), 1, "one prepared process: {kids:?}");
+        let prepared = prepared_process(&slot);
         // SAFETY: kill has no memory preconditions; the pid is the supervisor's child, which
         // stays a zombie (so the pid is not reused) until the supervisor reaps it.
-        assert_eq!(unsafe { libc::kill(kids[0] as i32, libc::SIGKILL) }, 0);
+        assert_eq!(unsafe { libc::kill(prepared as i32, libc::SIGKILL) }, 0);
         // Dead (a zombie) before the request comes, as after an idle spell.
-        let stat = format!("/proc/{}/stat", kids[0]);
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while !std::fs::read_to_string(&stat).is_ok_and(|s| s.contains(") Z ")) {
-            assert!(std::time::Instant::now() < deadline, "still alive");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let stat = format!("/proc/{prepared}/stat");
+        wait_for("the prepared process dead", || {
+            std::fs::read_to_string(&stat).is_ok_and(|s| s.contains(") Z "))
+        });
         let req = encode_request(&spec(&["/bin/echo", "ran"], None), None, None).unwrap();
         stdin.write_all(&req).unwrap();
         let f = frames_of(&mut slot.take());
