@@ -168,10 +168,18 @@ COPY config/executor-arm.toml config/executor-arm.toml
 COPY sandbox-profiles/ sandbox-profiles/
 # The commit for executor_arm_build_info (the context has no .git): --build-arg REVISION=<sha>.
 ARG REVISION=unknown
-RUN EXECUTOR_ARM_GIT_SHA="${REVISION}" cargo build --release --locked --bin executor-arm
+# The shipped binary is stripped of its DWARF, which goes to executor-arm.debug beside it (named in
+# the binary's .gnu_debuglink, so gdb and perf find it): copy it out of this stage with
+# `docker build --target builder -t executor-arm-builder . && docker create executor-arm-builder`
+# then `docker cp <container>:/build/target/release-debug/executor-arm.debug .`.
+RUN set -eux; \
+    EXECUTOR_ARM_GIT_SHA="${REVISION}" cargo build --profile release-debug --locked --bin executor-arm; \
+    cd target/release-debug; \
+    objcopy --only-keep-debug --compress-debug-sections=zlib executor-arm executor-arm.debug; \
+    objcopy --strip-debug --add-gnu-debuglink=executor-arm.debug executor-arm
 
 # ----------------------------------------------------------------------------------------------
 # daemon: the executor-arm daemon (the default target)
 # ----------------------------------------------------------------------------------------------
 FROM daemon-runtime AS daemon
-COPY --from=builder /build/target/release/executor-arm /usr/local/bin/executor-arm
+COPY --from=builder /build/target/release-debug/executor-arm /usr/local/bin/executor-arm

@@ -26,6 +26,8 @@ trap 'printf "[build-sandbox] ERROR: line %s: \`%s\` failed (exit %s)\n" "${LINE
 SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd -- "${SCRIPT_DIR}/.." && pwd)"
 cd -- "${REPO_ROOT}"
+# shellcheck source=lib/apt-mirror.sh
+. "${SCRIPT_DIR}/lib/apt-mirror.sh"
 
 BASE_IMAGE="${BASE_IMAGE:-executor-arm-debian-base:bookworm}"
 SANDBOX_IMAGE="${SANDBOX_IMAGE:-executor-arm-sandbox:latest}"
@@ -67,50 +69,6 @@ grep -qx runsc <<<"${runtimes}" || die "dockerd has no runsc runtime; run script
 # ---------------------------------------------------------------------------------------------
 # 1. Base image
 # ---------------------------------------------------------------------------------------------
-# First http(s) mirror the host's apt uses for SUITE ($1): deb822 *.sources, then one-line *.list.
-host_apt_mirror() {
-    local suite="$1" f uri
-    for f in /etc/apt/sources.list.d/*.sources; do
-        [[ -r ${f} ]] || continue
-        uri="$(awk -v suite="${suite}" '
-            BEGIN { RS = ""; FS = "\n" }
-            {
-                types = ""; uris = ""; suites = ""; enabled = "yes"
-                for (i = 1; i <= NF; i++) {
-                    line = $i
-                    if (line ~ /^[ \t]*#/) continue
-                    if (match(line, /^Types:[ \t]*/))   types   = substr(line, RLENGTH + 1)
-                    if (match(line, /^URIs:[ \t]*/))    uris    = substr(line, RLENGTH + 1)
-                    if (match(line, /^Suites:[ \t]*/))  suites  = substr(line, RLENGTH + 1)
-                    if (match(line, /^Enabled:[ \t]*/)) enabled = substr(line, RLENGTH + 1)
-                }
-                if (enabled == "no") next
-                if ((" " types " ") !~ / deb /) next
-                if ((" " suites " ") !~ (" " suite " ")) next
-                n = split(uris, u, /[ \t]+/)
-                for (j = 1; j <= n; j++) if (u[j] ~ /^https?:\/\//) { print u[j]; exit }
-            }' "${f}")"
-        if [[ -n ${uri} ]]; then
-            printf '%s\n' "${uri%/}"
-            return 0
-        fi
-    done
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-        [[ -r ${f} ]] || continue
-        uri="$(awk -v suite="${suite}" '
-            $1 == "deb" {
-                i = 2
-                if ($i ~ /^\[/) { while (i <= NF && $i !~ /\]$/) i++; i++ }
-                if ($(i + 1) == suite && $i ~ /^https?:\/\//) { print $i; exit }
-            }' "${f}")"
-        if [[ -n ${uri} ]]; then
-            printf '%s\n' "${uri%/}"
-            return 0
-        fi
-    done
-    return 1
-}
-
 rootfs=""
 cleanup_rootfs() {
     [[ -n ${rootfs} && -d ${rootfs} ]] || return 0
@@ -126,9 +84,8 @@ trap cleanup_rootfs EXIT
 
 debootstrap_base() {
     local mirror security_mirror bootstrap_log
-    mirror="${DEBIAN_MIRROR:-$(host_apt_mirror "${SUITE}" || echo http://deb.debian.org/debian)}"
-    security_mirror="${DEBIAN_SECURITY_MIRROR:-$(host_apt_mirror "${SUITE}-security" \
-        || echo http://deb.debian.org/debian-security)}"
+    mirror="$(debian_mirror DEBIAN_MIRROR "${SUITE}")" || exit 1
+    security_mirror="$(debian_mirror DEBIAN_SECURITY_MIRROR "${SUITE}-security")" || exit 1
 
     if ! command -v debootstrap >/dev/null 2>&1; then
         log "installing debootstrap"

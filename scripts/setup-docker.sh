@@ -21,11 +21,15 @@
 #   DOCKERD_WAIT_SECONDS  how long to wait for dockerd   (default 60)
 #   RUNSC_VERSION         the runsc package version      (default 0.0~20240729.0-4+b7)
 #   RUNSC_PLATFORM        systrap | ptrace               (default: systrap if it works here)
+#   DEBIAN_MIRROR         Debian mirror for the trixie source (default: the host apt mirror of
+#                         its own release)
 set -Eeuo pipefail
 trap 'printf "[setup-docker] ERROR: line %s: \`%s\` failed (exit %s)\n" "${LINENO}" "${BASH_COMMAND}" "$?" >&2' ERR
 
 SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd -- "${SCRIPT_DIR}/.." && pwd)"
+# shellcheck source=lib/apt-mirror.sh
+. "${SCRIPT_DIR}/lib/apt-mirror.sh"
 cd -- "${REPO_ROOT}"
 
 DOCKERD_CONFIG="${DOCKERD_CONFIG:-/etc/docker/daemon.json}"
@@ -74,10 +78,14 @@ write_if_changed() { # path content
     fi
     return 1
 }
+# The mirror is the one the host's apt uses for its own release (or DEBIAN_MIRROR).
+host_suite="$(. /etc/os-release && printf '%s' "${VERSION_CODENAME:-}")"
+[[ -n ${host_suite} ]] || die "/etc/os-release names no VERSION_CODENAME: set DEBIAN_MIRROR"
+debian_uri="$(debian_mirror DEBIAN_MIRROR "${host_suite}")" || exit 1
 apt_changed=0
 write_if_changed "${APT_TRIXIE_SOURCE}" "# executor-arm: runsc only (see ${APT_RUNSC_PIN})
 Types: deb
-URIs: http://deb.debian.org/debian
+URIs: ${debian_uri}
 Suites: trixie
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg" && apt_changed=1
