@@ -61,7 +61,12 @@ fn no_script_names_a_package_mirror_host() {
     assert!(found.is_empty(), "host literals in scripts: {found:#?}");
 }
 
-fn debian_mirror(apt_dir: &Path, var: &str, value: Option<&str>, suite: &str) -> (bool, String, String) {
+fn debian_mirror(
+    apt_dir: &Path,
+    var: &str,
+    value: Option<&str>,
+    suite: &str,
+) -> (bool, String, String) {
     let mut cmd = Command::new("bash");
     cmd.arg("-c")
         .arg(format!(
@@ -109,12 +114,18 @@ fn the_mirror_is_the_variable_else_the_hosts_apt_source_for_the_suite() {
     )
     .unwrap();
     let m = |var, value, suite| debian_mirror(apt.path(), var, value, suite);
-    assert_eq!(m("DEBIAN_MIRROR", None, "bookworm").1, "http://mirror.test/debian");
+    assert_eq!(
+        m("DEBIAN_MIRROR", None, "bookworm").1,
+        "http://mirror.test/debian"
+    );
     assert_eq!(
         m("DEBIAN_SECURITY_MIRROR", None, "bookworm-security").1,
         "http://security.test/debian-security"
     );
-    assert_eq!(m("DEBIAN_MIRROR", None, "trixie").1, "http://old.test/debian");
+    assert_eq!(
+        m("DEBIAN_MIRROR", None, "trixie").1,
+        "http://old.test/debian"
+    );
     assert_eq!(
         m("DEBIAN_MIRROR", Some("http://given.test/d/"), "bookworm").1,
         "http://given.test/d"
