@@ -448,6 +448,7 @@ async fn token_attacks_are_401_and_audited() {
             ttl_seconds: 60,
             aud: "executor-arm".into(),
             iss: Some("orchestrator".into()),
+            sub: Some("orchestrator".into()),
             ..Default::default()
         })
     );
@@ -2180,13 +2181,8 @@ async fn a_header_token_that_may_not_run_the_command_gets_no_replay_of_its_resul
             body,
         )
         .await;
-    assert!(
-        r.status == 403 || r.status == 422,
-        "{} {:?}: {}",
-        r.status,
-        r.headers.get("idempotent-replayed"),
-        r.text
-    );
+    assert_error(&r, 403, "CapabilityViolation");
+    assert!(r.headers.get("idempotent-replayed").is_none());
 }
 
 /// A 401 of an authenticated service (its single-use capability token replayed) names a subject:
@@ -2299,4 +2295,382 @@ async fn allowed_commands_adds_a_command_found_on_the_search_path() {
         err.contains("no-such-command-here") && err.contains("not found"),
         "{err}"
     );
+}
+
+/// An orchestrator that mints a capability token per attempt retries with another token: the
+/// retry gets the stored answer (the fingerprint is what runs and for whom, not the credential),
+/// unless the new token could not run the request, which is refused as a first attempt would
+/// be. Another request under the key is still 422, and a retry spelt in another key order or
+/// with the token in the header instead of the body is the same request.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_with_a_fresh_capability_token_gets_the_stored_answer() {
+    let d = Daemon::start();
+    d.wait_until_tokens_postdate_start();
+    let svc = format!("Bearer {}", d.service_token());
+    let mint = |caps: &[&str], single_use: bool| {
+        d.mint(MintRequest {
+            kind: Some(TokenKind::Capability),
+            ttl_seconds: 120,
+            aud: "executor-arm".into(),
+            sub: Some("orchestrator".into()),
+            capabilities: caps.iter().map(|s| s.to_string()).collect(),
+            single_use,
+            ..Default::default()
+        })
+    };
+    let py = ["PythonExecute"];
+    let code = "import uuid; print(uuid.uuid4())";
+    let key = [
+        ("authorization", svc.as_str()),
+        ("idempotency-key", "attempt-token"),
+    ];
+    let first = d
+        .post(
+            "/execute",
+            &key,
+            json!({"action_type": "python", "command": "python3", "args": ["-c", code], "capability_token": mint(&py, false)}).to_string(),
+        )
+        .await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    let runs = |d: &Daemon| {
+        d.audit_lines()
+            .iter()
+            .filter(|l| l["event"] == "execution_start")
+            .count()
+    };
+    let ran = runs(&d);
+    // A fresh token, in the body, the fields in another order.
+    let retry = d
+        .post(
+            "/execute",
+            &key,
+            format!(
+                r#"{{"capability_token": "{}", "args": ["-c", "{code}"], "command": "python3", "action_type": "python"}}"#,
+                mint(&py, false)
+            ),
+        )
+        .await;
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert_eq!(retry.headers.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(retry.json["exec_id"], first.json["exec_id"]);
+    assert_eq!(retry.json["stdout"], first.json["stdout"]);
+    // A fresh single-use token in the header: served, and used up by it.
+    let once = mint(&py, true);
+    let body =
+        json!({"action_type": "python", "command": "python3", "args": ["-c", code]}).to_string();
+    let with_header = [key[0], key[1], ("x-capability-token", once.as_str())];
+    let retry = d.post("/execute", &with_header, body.clone()).await;
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert_eq!(retry.json["exec_id"], first.json["exec_id"]);
+    let replayed = d.post("/execute", &with_header, body.clone()).await;
+    assert_error(&replayed, 401, "Unauthorized");
+    // A token that does not grant the request gets the refusal, not the stored output.
+    let shell_only = mint(&["ShellExecute"], false);
+    let refused = d
+        .post(
+            "/execute",
+            &[key[0], key[1], ("x-capability-token", shell_only.as_str())],
+            body,
+        )
+        .await;
+    assert_error(&refused, 403, "CapabilityViolation");
+    assert!(refused.headers.get("idempotent-replayed").is_none());
+    assert!(
+        !refused
+            .text
+            .contains(first.json["stdout"].as_str().unwrap().trim())
+    );
+    // What runs changed: still a conflict.
+    let other = d
+        .post(
+            "/execute",
+            &key,
+            json!({"action_type": "python", "command": "python3", "args": ["-c", "print(2)"], "capability_token": mint(&py, false)}).to_string(),
+        )
+        .await;
+    assert_error(&other, 422, "IdempotencyConflict");
+    let other = d
+        .post(
+            "/execute",
+            &key,
+            json!({"action_type": "python", "command": "python3", "args": ["-c", code], "env": {"LANG": "C"}, "capability_token": mint(&py, false)}).to_string(),
+        )
+        .await;
+    assert_error(&other, 422, "IdempotencyConflict");
+    // The key is the calling service's: another service runs its own request under it.
+    let other_svc = format!(
+        "Bearer {}",
+        d.mint(MintRequest {
+            kind: Some(TokenKind::Service),
+            ttl_seconds: 60,
+            aud: "executor-arm".into(),
+            sub: Some("another-service".into()),
+            ..Default::default()
+        })
+    );
+    let theirs = d
+        .post(
+            "/execute",
+            &[("authorization", other_svc.as_str()), key[1]],
+            json!({"action_type": "python", "command": "python3", "args": ["-c", code], "capability_token": mint(&py, false)}).to_string(),
+        )
+        .await;
+    assert_eq!(theirs.status, 200, "{}", theirs.text);
+    assert_ne!(theirs.json["exec_id"], first.json["exec_id"]);
+    assert_eq!(
+        runs(&d),
+        ran + 1,
+        "only the other service's request ran again"
+    );
+}
+
+/// Every optional field of `/execute` (as the OpenAPI document lists them) may be `null`, the
+/// same as leaving it out.
+#[tokio::test(flavor = "multi_thread")]
+async fn null_is_absent_for_every_optional_field_of_execute() {
+    let d = Daemon::start();
+    let doc = d.get("/openapi.json").await.json;
+    let schema = &doc["components"]["schemas"]["ExecuteRequest"];
+    let required: Vec<&str> = schema["required"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    let optional: Vec<&String> = schema["properties"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| !required.contains(&k.as_str()) && k.as_str() != "capability_token")
+        .collect();
+    assert!(optional.len() >= 10, "{optional:?}");
+    let mut body =
+        json!({"action_type": "shell", "command": "echo", "capability_token": d.cap_all()});
+    for field in &optional {
+        let mut one = body.clone();
+        one[field.as_str()] = Value::Null;
+        let r = d.exec(one).await;
+        assert_eq!(r.status, 200, "{field}: null: {}", r.text);
+        body[field.as_str()] = Value::Null;
+    }
+    let r = d.exec(body).await;
+    assert_eq!(r.status, 200, "all null: {}", r.text);
+    assert_eq!(r.json["stdout"], "\n");
+}
+
+/// An Idempotency-Key that is not 1-255 visible ASCII characters (a byte above 0x7f included)
+/// is a 400, never ignored: ignored, a retry would run the command again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_non_ascii_idempotency_key_is_400_and_runs_nothing() {
+    let d = Daemon::start();
+    let svc = format!("Bearer {}", d.service_token());
+    let body = json!({"action_type": "shell", "command": "echo", "args": ["x"], "capability_token": d.cap_all()}).to_string();
+    for key in [&b"\xfc"[..], b"job-\xc3\xbc", b"a b", b"", &[b'k'; 256][..]] {
+        let r = d
+            .client
+            .post(format!("{}/execute", d.base))
+            .header("authorization", &svc)
+            .header("content-type", "application/json")
+            .header(
+                "idempotency-key",
+                reqwest::header::HeaderValue::from_bytes(key).unwrap(),
+            )
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        let r = Daemon::read(r).await;
+        assert_error(&r, 400, "InvalidRequest");
+        assert!(
+            r.json["error"]
+                .as_str()
+                .unwrap()
+                .contains("Idempotency-Key"),
+            "{}",
+            r.text
+        );
+    }
+    let r = d
+        .client
+        .post(format!("{}/execute", d.base))
+        .header("authorization", &svc)
+        .header("idempotency-key", "one")
+        .header("idempotency-key", "two")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_error(&Daemon::read(r).await, 400, "InvalidRequest");
+    assert!(
+        !d.audit_lines()
+            .iter()
+            .any(|l| l["event"] == "execution_start"),
+        "nothing ran"
+    );
+}
+
+/// RFC 7515 §4.1.11: a JWT whose header has `crit` is refused (401), as a service token and as
+/// a capability token, though its signature and claims are good.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_token_header_with_crit_is_refused() {
+    let d = Daemon::start();
+    let claims = |token_use: &str| {
+        json!({"aud": "executor-arm", "sub": "orchestrator", "exp": now() + 60, "iat": now(),
+            "capabilities": ["ShellExecute"], "token_use": token_use})
+    };
+    let plain = json!({"alg": "HS256", "typ": "JWT"});
+    let crit = json!({"alg": "HS256", "typ": "JWT", "crit": ["exp"], "exp": now() + 60});
+    let call = |svc: String, cap: String| {
+        let d = &d;
+        async move {
+            d.post(
+                "/execute",
+                &[("authorization", &format!("Bearer {svc}"))],
+                json!({"action_type": "shell", "command": "echo", "capability_token": cap})
+                    .to_string(),
+            )
+            .await
+        }
+    };
+    let svc = |h: &Value| hs256(SECRET.as_bytes(), h, &claims("service"));
+    let cap = |h: &Value| hs256(SECRET.as_bytes(), h, &claims("capability"));
+    assert_eq!(
+        call(svc(&plain), cap(&plain)).await.status,
+        200,
+        "the control tokens"
+    );
+    assert_error(&call(svc(&crit), cap(&plain)).await, 401, "Unauthorized");
+    assert_error(&call(svc(&plain), cap(&crit)).await, 401, "Unauthorized");
+    let refusals: Vec<String> = d
+        .audit_lines()
+        .iter()
+        .filter(|l| l["event"] == "refusal")
+        .map(|l| l.to_string())
+        .collect();
+    assert_eq!(refusals.len(), 2, "{refusals:?}");
+    assert!(refusals.iter().all(|r| r.contains("crit")), "{refusals:?}");
+}
+
+/// A subject names an owner: a service token whose `sub` has a control character, is empty or
+/// is missing is refused (401), and so is a capability token whose `sub` has one.
+#[tokio::test(flavor = "multi_thread")]
+async fn token_subjects_with_control_characters_or_none_are_refused() {
+    let d = Daemon::start();
+    let mint = |kind: TokenKind, sub: Option<&str>| {
+        d.mint(MintRequest {
+            kind: Some(kind),
+            ttl_seconds: 60,
+            aud: "executor-arm".into(),
+            sub: sub.map(str::to_string),
+            capabilities: vec!["ShellExecute".into()],
+            ..Default::default()
+        })
+    };
+    let call = |svc: String, cap: String| {
+        let d = &d;
+        async move {
+            d.post(
+                "/execute",
+                &[("authorization", &format!("Bearer {svc}"))],
+                json!({"action_type": "shell", "command": "echo", "capability_token": cap})
+                    .to_string(),
+            )
+            .await
+        }
+    };
+    let good_cap = || mint(TokenKind::Capability, Some("orchestrator"));
+    assert_eq!(
+        call(mint(TokenKind::Service, Some("svcA")), good_cap())
+            .await
+            .status,
+        200
+    );
+    for sub in [Some("svcA\u{1}t1"), Some("svcA\r\nx"), Some(""), None] {
+        let r = call(mint(TokenKind::Service, sub), good_cap()).await;
+        assert_error(&r, 401, "Unauthorized");
+    }
+    let r = call(
+        mint(TokenKind::Service, Some("svcA")),
+        mint(TokenKind::Capability, Some("orch\u{1}x")),
+    )
+    .await;
+    assert_error(&r, 401, "Unauthorized");
+    // A capability token may still name no subject.
+    let r = call(
+        mint(TokenKind::Service, Some("svcA")),
+        mint(TokenKind::Capability, None),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+}
+
+/// Every route with a path parameter or a query answers a malformed one (a path segment not
+/// UTF-8 once percent-decoded, a query that does not parse) with the documented JSON error
+/// body, not axum's plain text.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_malformed_path_or_query_gets_the_json_error_body() {
+    let d = Daemon::start();
+    let svc = format!("Bearer {}", d.service_token());
+    let doc = d.get("/openapi.json").await.json;
+    let mut checked = 0;
+    for (template, ops) in doc["paths"].as_object().unwrap() {
+        for (method, op) in ops.as_object().unwrap() {
+            let params: Vec<&Value> = op["parameters"]
+                .as_array()
+                .map(|a| a.iter().collect())
+                .unwrap_or_default();
+            let in_path = params.iter().any(|p| p["in"] == "path");
+            let in_query: Vec<&str> = params
+                .iter()
+                .filter(|p| p["in"] == "query")
+                .filter_map(|p| p["name"].as_str())
+                .collect();
+            let mut urls = Vec::new();
+            if in_path {
+                // Each parameter in turn is the bad one; the others are well formed.
+                let names: Vec<&str> = params
+                    .iter()
+                    .filter(|p| p["in"] == "path")
+                    .filter_map(|p| p["name"].as_str())
+                    .collect();
+                for bad in &names {
+                    let mut url = template.clone();
+                    for n in &names {
+                        let v = if n == bad { "x%FFy" } else { "ses_00" };
+                        url = url.replace(&format!("{{{n}}}"), v);
+                    }
+                    urls.push(url);
+                }
+            }
+            for q in &in_query {
+                let url = template.replace(['{', '}'], "");
+                // A query that does not parse (a field given twice).
+                urls.push(format!("{url}?{q}=a&{q}=b"));
+            }
+            for url in urls {
+                let m = reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
+                let r = d
+                    .client
+                    .request(m, format!("{}{url}", d.base))
+                    .header("authorization", &svc)
+                    .header("content-type", "application/json")
+                    .body("{}")
+                    .send()
+                    .await
+                    .unwrap();
+                let r = Daemon::read(r).await;
+                assert_eq!(
+                    r.headers.get("content-type").map(|v| v.to_str().unwrap()),
+                    Some("application/json"),
+                    "{method} {url}: {} {}",
+                    r.status,
+                    r.text
+                );
+                assert_eq!(r.status, 400, "{method} {url}: {}", r.text);
+                assert_error(&r, 400, "InvalidRequest");
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 10, "only {checked} calls");
 }

@@ -488,21 +488,25 @@ async fn another_service_gets_404_for_a_run_it_did_not_start() {
     assert_eq!(bad.status, 400, "{}", bad.text);
 }
 
-/// A run belongs to the calling service, never to the capability token's subject: a service
-/// token without a subject starts a run whose capability token names "orchestrator", and only
-/// a service token without a subject reads or cancels it; the "orchestrator" service gets 404.
+/// A run belongs to the calling service, never to the capability token's subject: the "ingest"
+/// service starts a run whose capability token names "orchestrator", and only "ingest" reads or
+/// cancels it; the "orchestrator" service gets 404. A service token without a subject names no
+/// owner and is refused.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_run_belongs_to_the_calling_service_not_to_the_capability_tokens_subject() {
     let d = Daemon::start();
-    let anonymous_service = || {
+    let service = |sub: Option<&str>| {
         d.mint(MintRequest {
             kind: Some(TokenKind::Service),
             ttl_seconds: 300,
             aud: "executor-arm".into(),
-            sub: None,
+            sub: sub.map(str::to_string),
             ..Default::default()
         })
     };
+    let anonymous = get(&d, "exec-0", &service(None)).await;
+    assert_eq!(anonymous.status, 401, "{}", anonymous.text);
+    let anonymous_service = || service(Some("ingest"));
     let mut body = py("import time\ntime.sleep(2)", &marker());
     body["async"] = json!(true);
     body["capability_token"] = json!(d.cap_all());

@@ -911,3 +911,399 @@ async fn every_config_key_has_an_environment_override() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("max_totl"), "{err}");
 }
+
+/// Koder's step timeout: `timeout_ms: 0` is the service default, and a synchronous exec may ask
+/// for more than 300 s (a step runs synchronously with its own TimeoutSec): the profile's async
+/// maximum clamps it, as for an async exec.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sync_exec_takes_zero_as_the_default_and_a_step_timeout_past_300_s() {
+    let d = Daemon::start();
+    let c = koder(&d, Some("t1"));
+    let id = new_session(&c, "python").await;
+    let timeout_of = |exec_id: &str| {
+        d.audit_lines()
+            .into_iter()
+            .find(|l| l["event"] == "execution_start" && l["exec_id"] == exec_id)
+            .map(|l| l["timeout_seconds"].clone())
+    };
+    let zero = c
+        .exec(&id, json!({"code": "print('zero')", "timeout_ms": 0}))
+        .await;
+    assert_eq!(zero.status, 200, "{}", zero.text);
+    assert_eq!(zero.json["stdout"], "zero\n");
+    let none = c.exec(&id, json!({"code": "print('none')"})).await;
+    assert_eq!(none.status, 200, "{}", none.text);
+    let default = timeout_of(none.json["exec_id"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        timeout_of(zero.json["exec_id"].as_str().unwrap()),
+        Some(default)
+    );
+    let long = c
+        .exec(
+            &id,
+            json!({"code": "print('long')", "timeout_ms": 1_800_000}),
+        )
+        .await;
+    assert_eq!(long.status, 200, "{}", long.text);
+    assert_eq!(long.json["stdout"], "long\n");
+    assert_eq!(
+        timeout_of(long.json["exec_id"].as_str().unwrap()),
+        Some(json!(1800)),
+        "the step's own timeout, within the profile's async maximum"
+    );
+    let over = c
+        .exec(
+            &id,
+            json!({"code": "print(1)", "timeout_ms": 86_400_001u64}),
+        )
+        .await;
+    assert_eq!(over.status, 400, "{}", over.text);
+}
+
+/// Every optional field of the session bodies (as the OpenAPI document lists them) may be
+/// `null`, the same as leaving it out.
+#[tokio::test(flavor = "multi_thread")]
+async fn null_is_absent_for_every_optional_field_of_the_session_bodies() {
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let doc = d.get("/openapi.json").await.json;
+    let optional = |name: &str| -> Vec<String> {
+        let schema = &doc["components"]["schemas"][name];
+        let required: Vec<&Value> = schema["required"]
+            .as_array()
+            .map(|a| a.iter().collect())
+            .unwrap_or_default();
+        schema["properties"]
+            .as_object()
+            .unwrap_or_else(|| panic!("{name}: {schema}"))
+            .keys()
+            .filter(|k| !required.contains(&&json!(k)))
+            .cloned()
+            .collect()
+    };
+    let create = optional("CreateBody");
+    assert!(create.len() >= 5, "{create:?}");
+    let base = json!({"language": "python", "capability_token": d.cap_all()});
+    let mut all = base.clone();
+    for field in create.iter().filter(|f| *f != "capability_token") {
+        let mut one = base.clone();
+        one[field.as_str()] = Value::Null;
+        let r = c.create(one).await;
+        assert_eq!(r.status, 201, "{field}: null: {}", r.text);
+        c.call(
+            "DELETE",
+            &format!("/v1/sandbox/sessions/{}", r.json["id"].as_str().unwrap()),
+            None,
+        )
+        .await;
+        all[field.as_str()] = Value::Null;
+    }
+    let r = c.create(all).await;
+    assert_eq!(r.status, 201, "all null: {}", r.text);
+    let id = r.json["id"].as_str().unwrap().to_string();
+    let exec = optional("ExecBody");
+    assert!(exec.len() >= 6, "{exec:?}");
+    let base = json!({"code": "print('n')"});
+    let mut all = base.clone();
+    for field in &exec {
+        let mut one = base.clone();
+        one[field.as_str()] = Value::Null;
+        let r = c.exec(&id, one).await;
+        assert_eq!(r.status, 200, "{field}: null: {}", r.text);
+        all[field.as_str()] = Value::Null;
+    }
+    let r = c.exec(&id, all).await;
+    assert_eq!(r.status, 200, "all null: {}", r.text);
+    assert_eq!(r.json["stdout"], "n\n");
+}
+
+/// A session exec's Idempotency-Key is checked like `/execute`'s: one that is not visible ASCII
+/// is a 400 and runs nothing. Its replay is bound to the session, not to the bytes of the body.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_exec_key_is_checked_and_bound_to_what_runs() {
+    let d = Daemon::start();
+    let c = koder(&d, Some("t1"));
+    let id = new_session(&c, "python").await;
+    let exec = |key: &[u8], body: String, session: &str| {
+        let mut rb = d
+            .client
+            .post(format!("{}/v1/sandbox/sessions/{session}/exec", d.base))
+            .header("content-type", "application/json")
+            .header(
+                "idempotency-key",
+                reqwest::header::HeaderValue::from_bytes(key).unwrap(),
+            )
+            .body(body);
+        for (k, v) in c.headers() {
+            rb = rb.header(k, v);
+        }
+        async move { Daemon::read(rb.send().await.unwrap()).await }
+    };
+    let code = "import uuid; print(uuid.uuid4())";
+    let r = exec(b"k\xfc", json!({"code": code}).to_string(), &id).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert_eq!(r.json["error_type"], "InvalidRequest");
+    assert_eq!(
+        d.audit_lines()
+            .iter()
+            .filter(|l| l["event"] == "execution_start")
+            .count(),
+        0
+    );
+    let first = exec(b"step-1", json!({"code": code, "env": {}}).to_string(), &id).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    // The same exec spelt otherwise (a field null, keys reordered): the stored answer.
+    let again = exec(
+        b"step-1",
+        format!(r#"{{"stdin": null, "code": {}}}"#, json!(code)),
+        &id,
+    )
+    .await;
+    assert_eq!(again.status, 200, "{}", again.text);
+    assert_eq!(again.json["stdout"], first.json["stdout"]);
+    assert_eq!(again.headers.get("idempotent-replayed").unwrap(), "true");
+    let other = exec(b"step-1", json!({"code": "print(2)"}).to_string(), &id).await;
+    assert_eq!(other.status, 422, "{}", other.text);
+}
+
+/// A service token whose subject joins another service's name and a tenant with a control
+/// character is refused: it cannot read that service's session execs as runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_subject_with_a_control_character_reads_no_ones_session_execs() {
+    let d = Daemon::start();
+    let svc_a = |sub: &str| {
+        d.mint(MintRequest {
+            kind: Some(TokenKind::Service),
+            ttl_seconds: 300,
+            aud: "executor-arm".into(),
+            sub: Some(sub.into()),
+            ..Default::default()
+        })
+    };
+    let c = SandboxClient {
+        d: &d,
+        service: svc_a("svcA"),
+        tenant: Some("t1"),
+    };
+    let id = new_session(&c, "python").await;
+    let r = c
+        .exec(
+            &id,
+            json!({"code": "import time\ntime.sleep(2)\nprint('secret')", "async": true}),
+        )
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let exec_id = r.json["exec_id"].as_str().unwrap().to_string();
+    for forged in ["svcA\u{1}t1", "\u{1}4:svcA:t1"] {
+        let r = d
+            .client
+            .get(format!("{}/v1/executions/{exec_id}", d.base))
+            .header("authorization", format!("Bearer {}", svc_a(forged)))
+            .send()
+            .await
+            .unwrap();
+        let r = Daemon::read(r).await;
+        assert_eq!(r.status, 401, "{forged:?}: {}", r.text);
+    }
+    // Through its session, its owner reads it.
+    let mine = c
+        .call(
+            "GET",
+            &format!("/v1/sandbox/sessions/{id}/execs/{exec_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(mine.status, 200, "{}", mine.text);
+}
+
+/// Sends `PUT path` with `body` on a raw connection, then resets it (SO_LINGER 0) `after`
+/// the last byte, without reading the answer.
+async fn put_then_reset(d: &Daemon, service: &str, path: &str, body: &[u8], after: Duration) {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(&d.addr).await.unwrap();
+    let head = format!(
+        "PUT {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {service}\r\nContent-Type: application/octet-stream\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+    s.flush().await.unwrap();
+    tokio::time::sleep(after).await;
+    s.set_zero_linger().unwrap();
+    drop(s);
+}
+
+/// An upload whose client resets the connection right after its last byte either lands with
+/// its `session_file` audit line or does not land: the write and its line are one unit of work
+/// that the client's going away does not cut.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upload_reset_after_its_last_byte_is_audited_if_it_landed() {
+    use sha2::{Digest, Sha256};
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    let path = format!("/v1/sandbox/sessions/{id}/files/x.bin");
+    let mut landed = 0;
+    for i in 0..12u8 {
+        let mut body = vec![i; 16 << 20];
+        body[..8].copy_from_slice(&u64::from(i).to_be_bytes());
+        let digest = format!("sha256:{}", hex::encode(Sha256::digest(&body)));
+        put_then_reset(
+            &d,
+            &c.service,
+            &path,
+            &body,
+            Duration::from_millis(u64::from(i % 5)),
+        )
+        .await;
+        // Whether this upload landed: the file has its bytes (looked for a while; one found
+        // later is only not checked).
+        let until = Instant::now() + Duration::from_secs(3);
+        let mut arrived = false;
+        while Instant::now() < until {
+            let r = c.call("GET", &path, None).await;
+            if r.status == 200
+                && format!("sha256:{}", hex::encode(Sha256::digest(&r.bytes))) == digest
+            {
+                arrived = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if !arrived {
+            continue;
+        }
+        landed += 1;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let audited = d.audit_lines().iter().any(|l| {
+                l["event"] == "session_file"
+                    && l["session_id"] == id.as_str()
+                    && l["sha256"] == digest.as_str()
+            });
+            if audited {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "upload {i} is in the workspace with no session_file line"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert!(landed > 0, "no upload landed: the test checked nothing");
+    assert!(
+        common::audit_verify(&d.audit).status.success(),
+        "the audit log stays intact"
+    );
+}
+
+/// Sandboxes (session directories) made in `dir`, as inotify reports their creation.
+struct DirWatch(std::os::fd::OwnedFd);
+
+impl DirWatch {
+    fn new(dir: &std::path::Path) -> DirWatch {
+        use std::os::fd::FromRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).unwrap();
+        // SAFETY: plain syscalls on a fd made here and a NUL-terminated path that outlives them.
+        unsafe {
+            let fd = libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC);
+            assert!(fd >= 0, "inotify_init1");
+            let watch = libc::inotify_add_watch(fd, path.as_ptr(), libc::IN_CREATE);
+            assert!(watch >= 0, "inotify_add_watch {}", dir.display());
+            DirWatch(std::os::fd::OwnedFd::from_raw_fd(fd))
+        }
+    }
+
+    /// The directories created since the last call whose names start with `ses_`.
+    fn sessions_made(&self) -> Vec<String> {
+        use std::os::fd::AsRawFd;
+        let mut made = Vec::new();
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            // SAFETY: reads into a buffer of its length, on the fd this struct owns.
+            let n = unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n <= 0 {
+                return made;
+            }
+            let mut at = 0;
+            let head = std::mem::size_of::<libc::inotify_event>();
+            while at + head <= n as usize {
+                // SAFETY: the kernel wrote a whole event at `at`; read unaligned.
+                let ev: libc::inotify_event =
+                    unsafe { std::ptr::read_unaligned(buf[at..].as_ptr().cast()) };
+                let name = &buf[at + head..at + head + ev.len as usize];
+                let name = String::from_utf8_lossy(name)
+                    .trim_end_matches('\0')
+                    .to_string();
+                if ev.mask & libc::IN_ISDIR != 0 && name.starts_with("ses_") {
+                    made.push(name);
+                }
+                at += head + ev.len as usize;
+            }
+        }
+    }
+}
+
+/// A burst of creations for one tenant launches no sandbox past the tenant's limit: the place is
+/// taken before the sandbox is made (and given back when it is not).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_of_creations_launches_no_sandbox_past_the_limit() {
+    let d = Daemon::start_with(Opts {
+        config: Some("[sessions]\nmax_per_tenant = 8\nmax_total = 64\n".into()),
+        ..Opts::default()
+    });
+    let watch = DirWatch::new(&d.dir.path().join("sessions"));
+    let c = koder(&d, Some("burst"));
+    let creates =
+        (0..24).map(|_| c.create(json!({"language": "python", "capability_token": d.cap_all()})));
+    let answers = futures::future::join_all(creates).await;
+    let made = answers.iter().filter(|r| r.status == 201).count();
+    let refused = answers.iter().filter(|r| r.status == 429).count();
+    assert_eq!(
+        (made, refused),
+        (8, 16),
+        "{:?}",
+        answers.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    let launched = watch.sessions_made();
+    assert_eq!(launched.len(), 8, "sandboxes launched: {launched:?}");
+    // A creation that fails once its sandbox is made (its single-use token was used already)
+    // gives its place back: with one place free, it is 401, and the next creation is made.
+    let first = answers.iter().find(|r| r.status == 201).unwrap();
+    let r = c
+        .call(
+            "DELETE",
+            &format!(
+                "/v1/sandbox/sessions/{}",
+                first.json["id"].as_str().unwrap()
+            ),
+            None,
+        )
+        .await;
+    assert_eq!(r.status, 204);
+    d.wait_until_tokens_postdate_start();
+    let once = d.mint(MintRequest {
+        kind: Some(TokenKind::Capability),
+        ttl_seconds: 120,
+        aud: "executor-arm".into(),
+        capabilities: vec!["PythonExecute".into()],
+        single_use: true,
+        ..Default::default()
+    });
+    let used = d
+        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "1"], "capability_token": once}))
+        .await;
+    assert_eq!(used.status, 200, "{}", used.text);
+    let replayed = c
+        .create(json!({"language": "python", "capability_token": once}))
+        .await;
+    assert_eq!(replayed.status, 401, "{}", replayed.text);
+    new_session(&c, "python").await;
+    assert_eq!(
+        watch.sessions_made().len(),
+        2,
+        "the refused one and the last one"
+    );
+}

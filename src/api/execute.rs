@@ -16,7 +16,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 use tokio::sync::watch;
 use tracing::Instrument as _;
 use utoipa::ToSchema;
@@ -41,7 +41,9 @@ use crate::provenance::sha256_prefixed;
 use crate::state::{IdemBegin, IdemKey, StoredResponse};
 
 /// The request body. Unknown fields are refused: a misspelt limit must not be silently ignored.
-#[derive(Debug, Deserialize, ToSchema)]
+/// Every optional field may also be `null`, which is the same as leaving it out. An
+/// Idempotency-Key's fingerprint covers it as parsed (see [`what_runs`]).
+#[derive(Debug, Deserialize, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecuteRequest {
     /// `shell`, `http`, `python` or `external`.
@@ -51,7 +53,8 @@ pub struct ExecuteRequest {
     /// name; never a path.
     pub command: String,
     /// Passed as argv, never through a shell.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::null_as_default")]
+    #[schema(nullable)]
     pub args: Vec<String>,
     /// 1-300 for a synchronous run, up to 86400 for an async or streamed one; default from the
     /// profile; clamped by the profile and the token.
@@ -70,7 +73,8 @@ pub struct ExecuteRequest {
     #[serde(default)]
     pub stdin: Option<String>,
     /// Only names the profile's `env.allow` lists.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::null_as_default")]
+    #[schema(nullable)]
     pub env: BTreeMap<String, String>,
     /// A sandbox profile the token permits (default: the command's).
     #[serde(default)]
@@ -93,10 +97,12 @@ pub struct ExecuteRequest {
     #[serde(default)]
     pub model: Option<String>,
     /// Answer 202 with the run's `exec_id` at once instead of waiting for its result.
-    #[serde(default, rename = "async")]
+    #[serde(default, rename = "async", deserialize_with = "super::null_as_default")]
+    #[schema(nullable)]
     pub run_async: bool,
     /// Cancel the run when the caller goes away before its answer (by default it runs on).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::null_as_default")]
+    #[schema(nullable)]
     pub cancel_on_disconnect: bool,
 }
 
@@ -297,7 +303,7 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
     tag = "execute",
     request_body = ExecuteRequest,
     params(
-        ("Idempotency-Key" = Option<String>, Header, description = "1-255 visible ASCII characters, scoped to the calling service: a retry with the same key, body and capability token gets the stored answer (header `Idempotent-Replayed: true`) and runs nothing again"),
+        ("Idempotency-Key" = Option<String>, Header, description = "1-255 visible ASCII characters (any other byte is a 400), scoped to the calling service: a retry of the same request (the body's fields less `capability_token` and `cancel_on_disconnect`) gets the stored answer (header `Idempotent-Replayed: true`) and runs nothing again, once its own capability token is checked as a first attempt's would be (a token that may not run the request gets that 401 or 403, never the answer)"),
     ),
     security(("bearer" = [], "capability_token" = [])),
     responses(
@@ -307,13 +313,13 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
         )),
         (status = 202, description = "`async`: the run started; `Location` names it", body = RunAccepted,
             headers(("Location" = String, description = "/v1/executions/{exec_id}"))),
-        (status = 400, description = "InvalidRequest: malformed JSON, wrong types, unknown field or action_type, timeout out of range, NUL in argv, argv or env over execve's limits, the capability token given twice, async with a stream", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: malformed JSON, wrong types, unknown field or action_type, timeout out of range, NUL in argv, argv or env over execve's limits, the capability token given twice, async with a stream, a malformed Idempotency-Key", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service or capability token is missing, malformed, invalid, expired or replayed", body = ErrorBody),
         (status = 403, description = "CapabilityViolation: the command is not allowlisted (adds `allowed_commands`), the token lacks a capability, an argument, profile or env name is refused", body = ErrorBody),
         (status = 408, description = "ExecutionTimeout: the wall clock ended the run (the result, with `error_type`); or RequestTimeout: the body did not arrive in time", body = RunAnswer),
         (status = 409, description = "IdempotencyInProgress: the first request with this Idempotency-Key is still running", body = ErrorBody),
         (status = 413, description = "PayloadTooLarge: the body is over `server.body_limit_bytes`", body = ErrorBody),
-        (status = 422, description = "IdempotencyConflict: the Idempotency-Key was used with another body or capability token", body = ErrorBody),
+        (status = 422, description = "IdempotencyConflict: the Idempotency-Key was used with another request", body = ErrorBody),
         (status = 429, description = "Overloaded: no run slot came free (or too many streams are open)", body = ErrorBody),
         (status = 500, description = "InternalError: the sandbox failed unexpectedly", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the backend, a kernel feature, egress or the state store is missing or down, or the daemon is shutting down", body = ErrorBody),
@@ -440,26 +446,12 @@ async fn execute_detached(
         .get::<RequestId>()
         .map(|r| r.0.clone())
         .unwrap_or_default();
-    let idem_key = req
-        .headers()
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
     let (parts, body) = req.into_parts();
     let mut known = KnownRequest {
         request_id: rid,
         ..KnownRequest::default()
     };
-    match handle(
-        &st,
-        &parts.headers,
-        body,
-        idem_key,
-        &mut known,
-        &on_disconnect,
-    )
-    .await
-    {
+    match handle(&st, &parts.headers, body, &mut known, &on_disconnect).await {
         Ok(resp) => resp,
         Err(e) => {
             let label = match &e {
@@ -488,7 +480,6 @@ async fn handle(
     st: &Arc<AppState>,
     headers: &HeaderMap,
     body: Body,
-    idem_key: Option<String>,
     known: &mut KnownRequest,
     on_disconnect: &DisconnectCancel,
 ) -> Result<Response, ApiError> {
@@ -497,6 +488,7 @@ async fn handle(
     }
     // Who is calling: checked before the body is even read.
     let service = calling_service(st, headers, known).await?;
+    let idem_key = idempotency_key(headers)?;
     let raw = read_body(
         body,
         headers,
@@ -572,20 +564,22 @@ async fn handle(
     }
 
     // Idempotency: a retry of a finished request gets the stored answer without running again.
-    // The fingerprint covers the capability token as well as the body: a token in the header is
-    // not in the body, and a replay must never hand a result to a token that could not have run
-    // the request (another token with the same key and body gets 422).
-    let body_hash = {
-        let mut fingerprint = Vec::with_capacity(raw.len() + 1 + token.len());
-        fingerprint.extend_from_slice(&raw);
-        fingerprint.push(0);
-        fingerprint.extend_from_slice(token.as_bytes());
-        sha256_prefixed(&fingerprint)
-    };
-    let idem = idem_key.map(|k| (k, body_hash));
-    let cancel_on_disconnect = req.cancel_on_disconnect;
+    // The fingerprint is what runs and for whom, never a credential: a caller that mints a
+    // capability token per attempt retries with another token. That token must grant the
+    // request as a first attempt's would (checked before the stored answer is given).
     let owner = owner_of(service.subject.as_deref());
+    let idem = match idem_key {
+        Some(k) => Some((
+            k,
+            fingerprint(&json!({"service": owner, "request": what_runs(&req)?}))?,
+        )),
+        None => None,
+    };
+    let cancel_on_disconnect = req.cancel_on_disconnect;
     let known = known.clone();
+    let request = req.into_execution(&known, owner, cap, action, timeout, mode != Mode::Sync);
+    let probe = request.clone();
+    let checker = st.clone();
     let job = Job {
         service,
         idem,
@@ -593,10 +587,11 @@ async fn handle(
         cancel_on_disconnect,
         timeout_status: StatusCode::REQUEST_TIMEOUT,
         links: "/v1/executions/".into(),
+        replay_check: Some(Box::new(move || {
+            Box::pin(async move { grants_replay(&checker, &probe).await })
+        })),
         build: Box::new(move || {
             Box::pin(async move {
-                let request =
-                    req.into_execution(&known, owner, cap, action, timeout, mode != Mode::Sync);
                 Ok(Prepared {
                     request,
                     on_start: None,
@@ -605,6 +600,78 @@ async fn handle(
         }),
     };
     serve(st, job, on_disconnect).await
+}
+
+/// Whether the capability token of a retry may have the stored answer of its Idempotency-Key:
+/// the request is decided as a first attempt's would be (a refusal is audited and is the
+/// answer: 403), and a single-use token is used up by it (a replayed one is 401).
+async fn grants_replay(st: &AppState, request: &ExecutionRequest) -> Result<(), ApiError> {
+    st.executions.plan(request)?;
+    match claim_single_use(&**st.executions.store(), &request.capability).await {
+        Ok(()) => Ok(()),
+        Err(ClaimError::Refused(reason)) => Err(unauthorized(st, &request.known(), &reason)),
+        Err(ClaimError::Unavailable(m)) => Err(ApiError::SandboxUnavailable(m)),
+    }
+}
+
+/// A request body as an Idempotency-Key's fingerprint covers it: its fields less the
+/// credential and how the caller waits (`capability_token`, `cancel_on_disconnect`).
+pub(super) fn what_runs(body: &impl Serialize) -> Result<Value, ApiError> {
+    let mut v =
+        serde_json::to_value(body).map_err(|e| ApiError::Internal(format!("fingerprint: {e}")))?;
+    if let Some(m) = v.as_object_mut() {
+        m.remove("capability_token");
+        m.remove("cancel_on_disconnect");
+    }
+    Ok(v)
+}
+
+/// An Idempotency-Key's fingerprint: the SHA-256 of `what` as canonical JSON (object keys
+/// sorted, at every depth), so that the same request spelt in another key order matches.
+pub(super) fn fingerprint(what: &Value) -> Result<String, ApiError> {
+    fn canonical(v: &Value) -> Value {
+        match v {
+            Value::Object(m) => {
+                let mut keys: Vec<&String> = m.keys().collect();
+                keys.sort();
+                Value::Object(
+                    keys.into_iter()
+                        .map(|k| (k.clone(), canonical(&m[k])))
+                        .collect(),
+                )
+            }
+            Value::Array(a) => Value::Array(a.iter().map(canonical).collect()),
+            other => other.clone(),
+        }
+    }
+    let text = serde_json::to_string(&canonical(what))
+        .map_err(|e| ApiError::Internal(format!("fingerprint: {e}")))?;
+    Ok(sha256_prefixed(text.as_bytes()))
+}
+
+/// The `Idempotency-Key` a request carries: 1-255 visible ASCII characters, at most once. A
+/// key that is not (bytes outside ASCII included) is a 400, never ignored: ignoring it would
+/// run a retry again.
+pub(super) fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let invalid = || {
+        ApiError::InvalidRequest("Idempotency-Key must be 1-255 visible ASCII characters".into())
+    };
+    let mut keys = headers.get_all("idempotency-key").iter();
+    let Some(key) = keys.next() else {
+        return Ok(None);
+    };
+    if keys.next().is_some() {
+        return Err(ApiError::InvalidRequest(
+            "Idempotency-Key is given more than once".into(),
+        ));
+    }
+    let bytes = key.as_bytes();
+    if bytes.is_empty() || bytes.len() > 255 || !bytes.iter().all(u8::is_ascii_graphic) {
+        return Err(invalid());
+    }
+    String::from_utf8(bytes.to_vec())
+        .map(Some)
+        .map_err(|_| invalid())
 }
 
 /// What [`serve`] runs: the request as its route parsed it, and how its caller waits.
@@ -619,9 +686,15 @@ pub(super) struct Job {
     /// Where the run is read, streamed and cancelled, less its exec_id: `/v1/executions/` for
     /// `/execute`, the session's `/execs/` for a session's exec (the 202's links).
     pub links: String,
+    /// Checks that the caller may have a stored answer of its Idempotency-Key (its credentials
+    /// are not in the fingerprint), before it is given; None: the fingerprint binds them.
+    pub replay_check: Option<ReplayCheck>,
     /// Makes the execution request once the Idempotency-Key is held: a replay makes none.
     pub build: Box<dyn FnOnce() -> BoxFuture<'static, Result<Prepared, ApiError>> + Send>,
 }
+
+/// See [`Job::replay_check`].
+pub(super) type ReplayCheck = Box<dyn FnOnce() -> BoxFuture<'static, Result<(), ApiError>> + Send>;
 
 /// A run about to be admitted, and what to do once it started.
 pub(super) struct Prepared {
@@ -647,15 +720,11 @@ pub(super) async fn serve(
         cancel_on_disconnect,
         timeout_status,
         links,
+        replay_check,
         build,
     } = job;
     let idem = match idem {
         Some((k, body_hash)) => {
-            if k.is_empty() || k.len() > 255 || !k.bytes().all(|b| b.is_ascii_graphic()) {
-                return Err(ApiError::InvalidRequest(
-                    "Idempotency-Key must be 1-255 visible ASCII characters".into(),
-                ));
-            }
             let scoped = IdemKey {
                 subject: service.subject.clone().unwrap_or_else(|| "-".into()),
                 key: k,
@@ -678,7 +747,12 @@ pub(super) async fn serve(
                 IdemBegin::Done {
                     same_body: true,
                     response,
-                } => return Ok(stored_response(&response, true)),
+                } => {
+                    if let Some(check) = replay_check {
+                        check().await?;
+                    }
+                    return Ok(stored_response(&response, true));
+                }
             }
         }
         None => None,

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Path, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -17,6 +17,7 @@ use utoipa::ToSchema;
 
 use super::error::{ApiError, ErrorBody};
 use super::execute::{calling_service, read_body};
+use super::extract::Path;
 use super::forward::{forward, was_forwarded};
 use super::stream::{Position, Source, StreamPermit, follow};
 use super::{AppState, RequestId};
@@ -75,6 +76,7 @@ fn json(status: StatusCode, body: String) -> Response {
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The run: running, or finished with its result", body = RunStatus),
+        (status = 400, description = "InvalidRequest: an exec_id that is not UTF-8 once percent-decoded", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no run with this id is visible to the calling service", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
@@ -149,6 +151,7 @@ pub(super) async fn get_owned(
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The run as Server-Sent Events: `start`, `stdout`/`stderr`, `result`", body = String, content_type = "text/event-stream"),
+        (status = 400, description = "InvalidRequest: an exec_id that is not UTF-8 once percent-decoded", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no run with this id is visible to the calling service", body = ErrorBody),
         (status = 429, description = "Overloaded: `executions.max_open_streams` streams are open", body = ErrorBody),
@@ -340,7 +343,7 @@ pub enum RunAnswer {
     security(("bearer" = [])),
     responses(
         (status = 202, description = "The run is stopping", body = CancelAccepted),
-        (status = 400, description = "InvalidRequest: malformed body or grace_seconds out of 0-30", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: malformed body, grace_seconds out of 0-30, an exec_id that is not UTF-8", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no run with this id is visible to the calling service", body = ErrorBody),
         (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),

@@ -7,6 +7,7 @@
 pub mod error;
 pub mod execute;
 pub mod executions;
+pub mod extract;
 pub mod forward;
 pub mod openapi;
 pub mod ops;
@@ -64,6 +65,17 @@ impl AppState {
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::SeqCst)
     }
+}
+
+/// For an optional field whose absence is a value (an empty list, `false`): `null` is the same
+/// as leaving the field out, as for every `Option` field.
+pub(crate) fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de> + Default,
+{
+    use serde::Deserialize as _;
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 /// The request id of this request (the caller's if valid, else a new UUID).

@@ -13,26 +13,28 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::{ApiError, ErrorBody};
 use super::execute::RunAccepted;
 use super::execute::{
-    Job, Mode, Prepared, calling_service, capability_token, detached, read_body, serve,
-    unauthorized,
+    Job, Mode, Prepared, calling_service, capability_token, detached, fingerprint, idempotency_key,
+    read_body, serve, unauthorized, what_runs,
 };
 use super::executions::request_id;
 use super::executions::{CancelAccepted, CancelRequest, RunStatus};
+use super::extract::{Path, Query};
 use super::{AppState, RequestId, executions};
 use crate::config::TokenKind;
 use crate::execution::record::KnownRequest;
 use crate::execution::result::ExecutionResult;
 use crate::execution::{SessionLimits, owner_of};
-use crate::policy::profile::{MAX_ASYNC_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS};
+use crate::policy::profile::MAX_ASYNC_TIMEOUT_SECONDS;
 use crate::provenance::sha256_prefixed;
 use crate::sessions::SessionInfo;
 use crate::sessions::workspace::FileError;
@@ -331,7 +333,7 @@ async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Respon
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The session", body = SessionInfo),
-        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree, a path parameter that is not UTF-8", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
@@ -363,7 +365,7 @@ pub async fn get(
     security(("bearer" = [])),
     responses(
         (status = 204, description = "The session ended"),
-        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree, a path parameter that is not UTF-8", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
@@ -391,8 +393,10 @@ pub async fn delete(
     .await
 }
 
-/// The body of `POST /v1/sandbox/sessions/{id}/exec`. Unknown fields are refused.
-#[derive(Debug, Deserialize, ToSchema)]
+/// The body of `POST /v1/sandbox/sessions/{id}/exec`. Unknown fields are refused; every optional
+/// field may be `null`, the same as leaving it out. An Idempotency-Key's fingerprint covers it
+/// as parsed (see `execute::what_runs`), with the session, the calling service and the tenant.
+#[derive(Debug, Deserialize, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecBody {
     /// The program, in the session's language; its interpreter runs it as a file.
@@ -401,21 +405,25 @@ pub struct ExecBody {
     #[serde(default)]
     stdin: Option<String>,
     /// Only names the profile allows.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::null_as_default")]
+    #[schema(nullable)]
     env: BTreeMap<String, String>,
     /// A directory of the workspace (relative, or absolute under `/workspace`).
     #[serde(default)]
     cwd: Option<String>,
-    /// The deadline in milliseconds: 1-300000 (async and streamed execs: up to the profile's
-    /// async maximum).
+    /// The deadline in milliseconds, up to the profile's async maximum whether the exec is
+    /// synchronous, async or streamed (a synchronous exec's connection stays open for it); 0 or
+    /// none is the profile's default.
     #[serde(default)]
-    #[schema(minimum = 1, maximum = 86_400_000)]
+    #[schema(minimum = 0, maximum = 86_400_000)]
     timeout_ms: Option<u64>,
     /// Answer 202 with the run's links at once.
-    #[serde(default, rename = "async")]
+    #[serde(default, rename = "async", deserialize_with = "super::null_as_default")]
+    #[schema(nullable)]
     run_async: bool,
     /// Cancel the exec when the caller goes away before its answer.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::null_as_default")]
+    #[schema(nullable)]
     cancel_on_disconnect: bool,
 }
 
@@ -431,7 +439,7 @@ pub struct ExecBody {
     params(
         SessionPath,
         TenantHeaders,
-        ("Idempotency-Key" = Option<String>, Header, description = "As on /execute; the fingerprint includes the session"),
+        ("Idempotency-Key" = Option<String>, Header, description = "As on /execute; the fingerprint includes the session, the calling service and the tenant"),
     ),
     security(("bearer" = [])),
     responses(
@@ -440,7 +448,7 @@ pub struct ExecBody {
             (String = "text/event-stream"),
         )),
         (status = 202, description = "`async`: the exec started", body = RunAccepted),
-        (status = 400, description = "InvalidRequest: malformed body, timeout_ms out of range, NUL in the code, a cwd outside the workspace, a malformed tenant, async with a stream", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: malformed body, timeout_ms out of range, NUL in the code, a cwd outside the workspace, a malformed tenant or Idempotency-Key, async with a stream, a path parameter that is not UTF-8", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 403, description = "CapabilityViolation: an env name the profile refuses", body = ErrorBody),
         (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
@@ -487,8 +495,9 @@ async fn exec_inner(
         Duration::from_secs(st.config.server.body_read_timeout_seconds),
     )
     .await?;
-    let asked: ExecBody = serde_json::from_slice(&raw)
+    let mut asked: ExecBody = serde_json::from_slice(&raw)
         .map_err(|e| ApiError::InvalidRequest(format!("invalid exec request: {e}")))?;
+    let idem_key = idempotency_key(&parts.headers)?;
     let streaming = parts
         .headers
         .get_all(header::ACCEPT)
@@ -505,17 +514,18 @@ async fn exec_inner(
         (false, true) => Mode::Stream,
         (false, false) => Mode::Sync,
     };
-    let max_ms = 1000
-        * if mode == Mode::Sync {
-            MAX_TIMEOUT_SECONDS
-        } else {
-            MAX_ASYNC_TIMEOUT_SECONDS
-        };
+    // A step runs synchronously with its own timeout (Koder's TimeoutSec), so a synchronous
+    // exec may last as long as an async one: the profile's max_async_timeout_seconds clamps it.
+    // 0 is the profile's default, as no value is.
+    let max_ms = 1000 * MAX_ASYNC_TIMEOUT_SECONDS;
+    if asked.timeout_ms == Some(0) {
+        asked.timeout_ms = None;
+    }
     if let Some(t) = asked.timeout_ms
-        && !(1..=max_ms).contains(&t)
+        && t > max_ms
     {
         return Err(ApiError::InvalidRequest(format!(
-            "timeout_ms must be between 1 and {max_ms} for this call, got {t}"
+            "timeout_ms must be between 0 and {max_ms}, got {t}"
         )));
     }
     if asked.code.contains('\0') {
@@ -523,18 +533,19 @@ async fn exec_inner(
             "code may not contain NUL bytes".into(),
         ));
     }
-    // The fingerprint binds a replay to this session as well as to the body.
-    let body_hash = {
-        let mut fingerprint = raw.to_vec();
-        fingerprint.push(0);
-        fingerprint.extend_from_slice(session.id.as_bytes());
-        sha256_prefixed(&fingerprint)
+    // The fingerprint binds a replay to this session, its service and tenant, and what runs.
+    let idem = match idem_key {
+        Some(k) => {
+            let what = json!({
+                "service": session.owner.subject,
+                "tenant": session.owner.tenant,
+                "session": session.id,
+                "request": what_runs(&asked)?,
+            });
+            Some((k, fingerprint(&what)?))
+        }
+        None => None,
     };
-    let idem_key = parts
-        .headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
     let exec_parts = ExecParts {
         owner: session.owner.runs(),
         request_id: known.request_id.clone(),
@@ -544,7 +555,7 @@ async fn exec_inner(
         env: asked.env,
         cwd: asked.cwd,
         timeout_ms: asked.timeout_ms,
-        long_run: mode != Mode::Sync,
+        long_run: true,
     };
     let sessions = st.sessions.clone();
     // Keys are scoped like the session's runs: by the calling service and the tenant.
@@ -552,11 +563,13 @@ async fn exec_inner(
     service.subject = Some(session.owner.runs());
     let job = Job {
         service,
-        idem: idem_key.map(|k| (k, body_hash)),
+        idem,
         mode,
         cancel_on_disconnect: asked.cancel_on_disconnect,
         timeout_status: StatusCode::OK,
         links: format!("/v1/sandbox/sessions/{id}/execs/"),
+        // The grant is the session's, and the caller was found its owner above.
+        replay_check: None,
         build: Box::new(move || {
             Box::pin(async move {
                 let claim = sessions.claim(&session)?;
@@ -594,7 +607,7 @@ async fn exec_inner(
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The exec: running, or finished with its result", body = RunStatus),
-        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree, a path parameter that is not UTF-8", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session, or no such exec of it", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
@@ -628,7 +641,7 @@ pub async fn exec_get(
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The exec as Server-Sent Events", body = String, content_type = "text/event-stream"),
-        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree, a path parameter that is not UTF-8", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session, or no such exec of it", body = ErrorBody),
         (status = 429, description = "Overloaded: `executions.max_open_streams` streams are open", body = ErrorBody),
@@ -661,7 +674,7 @@ pub async fn exec_stream(
     security(("bearer" = [])),
     responses(
         (status = 202, description = "The exec is stopping", body = CancelAccepted),
-        (status = 400, description = "InvalidRequest: malformed body, grace_seconds out of 0-30, a malformed tenant", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: malformed body, grace_seconds out of 0-30, a malformed tenant, a path parameter that is not UTF-8", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session, or no such exec of it", body = ErrorBody),
         (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),
@@ -696,7 +709,7 @@ pub async fn exec_cancel(
     security(("bearer" = [])),
     responses(
         (status = 204, description = "The file is written (missing parent directories are made)"),
-        (status = 400, description = "InvalidRequest: an absolute path, `..`, `.` or empty components, a symlink or non-file on the way, a malformed tenant", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: an absolute path, `..`, `.` or empty components, a symlink or non-file on the way, a malformed tenant, a path parameter that is not UTF-8", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
         (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),
@@ -713,11 +726,27 @@ pub async fn put_file(
     Path((id, path)): Path<(String, String)>,
     req: Request,
 ) -> Response {
+    // On a task of its own, the write and its audit line together: a client that goes away
+    // once its bytes arrived cannot leave a written file unaudited.
+    detached(st, move |st, _| async move {
+        put_file_inner(&st, &id, &path, req)
+            .await
+            .unwrap_or_else(|e| e.into_response())
+    })
+    .await
+}
+
+async fn put_file_inner(
+    st: &Arc<AppState>,
+    id: &str,
+    path: &str,
+    req: Request,
+) -> Result<Response, ApiError> {
     let rid = request_id(&req);
-    let result = async {
+    {
         let (parts, body): (_, Body) = req.into_parts();
-        let (session, _, known) = session_of(&st, &parts.headers, rid, &id, Touch::Use).await?;
-        let _permit = file_permit(&st)?;
+        let (session, _, known) = session_of(st, &parts.headers, rid, id, Touch::Use).await?;
+        let _permit = file_permit(st)?;
         let bytes = read_body(
             body,
             &parts.headers,
@@ -731,19 +760,18 @@ pub async fn put_file(
                 session_id: session.id.clone(),
                 owner: session.owner.subject.clone(),
                 tenant: session.owner.tenant.clone(),
-                path: path.clone(),
+                path: path.to_string(),
                 bytes: bytes.len() as u64,
                 sha256: sha256_prefixed(&bytes),
             },
         );
         session
-            .write_file(&path, bytes.to_vec())
+            .write_file(path, bytes.to_vec())
             .await
             .map_err(|e| file_failure(&session, e))?;
         crate::execution::record::record(&st.audit, &st.metrics, &line);
-        Ok::<_, ApiError>(StatusCode::NO_CONTENT.into_response())
-    };
-    result.await.unwrap_or_else(|e| e.into_response())
+        Ok(StatusCode::NO_CONTENT.into_response())
+    }
 }
 
 /// File calls that may hold a file's bytes in memory at once (each up to
@@ -778,7 +806,7 @@ pub fn file_calls() -> Arc<tokio::sync::Semaphore> {
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The file's bytes", body = Vec<u8>, content_type = "application/octet-stream"),
-        (status = 400, description = "InvalidRequest: an absolute path, `..`, `.` or empty components, a symlink or non-file on the way, a malformed tenant", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: an absolute path, `..`, `.` or empty components, a symlink or non-file on the way, a malformed tenant, a path parameter that is not UTF-8", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session, or no such file", body = ErrorBody),
         (status = 409, description = "SessionBusy: an exec runs in the session's container", body = ErrorBody),
@@ -854,7 +882,7 @@ pub struct FileList {
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The directory's entries", body = FileList),
-        (status = 400, description = "InvalidRequest: an absolute path, `..`, `.` or empty components, a symlink or non-directory on the way, a malformed tenant", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: an absolute path, `..`, `.` or empty components, a symlink or non-directory on the way, a malformed tenant, a path parameter that is not UTF-8 or a query that does not parse", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session, or no such directory", body = ErrorBody),
         (status = 409, description = "SessionBusy: an exec runs in the session's container", body = ErrorBody),
@@ -892,8 +920,9 @@ pub async fn list_files(
 }
 
 /// The longest a forwarded session call may take to begin its answer: a synchronous exec's
-/// begins when its run ends (at most the synchronous limit), plus room for its queue and setup.
-const FORWARDED_ANSWER_TIMEOUT: Duration = Duration::from_secs(MAX_TIMEOUT_SECONDS + 60);
+/// begins when its run ends (at most the async limit, as for any session exec), plus room for
+/// its queue and setup.
+const FORWARDED_ANSWER_TIMEOUT: Duration = Duration::from_secs(MAX_ASYNC_TIMEOUT_SECONDS + 60);
 
 /// In front of every route of one session: a session another replica holds (the state store
 /// says which) is handed to it, the call unchanged, and its answer relayed; the owner checks
@@ -936,12 +965,12 @@ pub async fn to_owner(
         Ok(_) => return next.run(req).await,
         Err(e) => return ApiError::SandboxUnavailable(e.to_string()).into_response(),
     };
+    // The replica that holds the session is the only one that can tell whether the caller owns
+    // it: one it cannot be asked is answered exactly like an unknown id, whoever calls (where the
+    // session was goes to the log only).
     let Some(address) = record.address else {
-        return ApiError::SessionGone(format!(
-            "session {id} lives on daemon instance {}, which did not record how to reach it",
-            record.instance
-        ))
-        .into_response();
+        tracing::warn!(session_id = %id, instance = %record.instance, "session's replica did not record how to reach it: answered as unknown");
+        return ApiError::SessionNotFound.into_response();
     };
     let (parts, body) = req.into_parts();
     let limit = st
@@ -970,7 +999,8 @@ pub async fn to_owner(
     {
         Ok(r) => r,
         Err(ApiError::SandboxUnavailable(why)) => {
-            ApiError::SessionGone(format!("session {id} cannot be reached: {why}")).into_response()
+            tracing::warn!(session_id = %id, %address, %why, "session's replica cannot be reached: answered as unknown");
+            ApiError::SessionNotFound.into_response()
         }
         Err(e) => e.into_response(),
     }

@@ -310,6 +310,7 @@ impl Authenticator {
             }
         }
         let s = found.ok_or_else(|| rejected("unknown static token"))?;
+        check_subject(Some(&s.id), kind)?;
         Ok(Verified {
             subject: Some(s.id.clone()),
             token_id: Some(s.id.clone()),
@@ -322,6 +323,7 @@ impl Authenticator {
     }
 
     fn verify_jwt(&self, token: &str, kind: TokenKind) -> Result<Verified, AuthError> {
+        refuse_critical_extensions(token)?;
         // The header is read only to pick the key by kid; the algorithm comes from the key.
         let header = jsonwebtoken::decode_header(token)
             .map_err(|e| rejected(format!("malformed token header: {e}")))?;
@@ -374,6 +376,7 @@ impl Authenticator {
             return Err(rejected("token issued in the future"));
         }
         check_token_use(c.token_use.as_deref(), kind)?;
+        check_subject(c.sub.as_deref(), kind)?;
         let single_use = if c.single_use {
             let jti = c
                 .jti
@@ -400,6 +403,41 @@ impl Authenticator {
                 max_timeout_seconds: c.max_timeout_seconds,
             },
         })
+    }
+}
+
+/// RFC 7515 §4.1.11: a recipient must reject a JWS whose `crit` header names extensions it does
+/// not understand, and this daemon understands none. The JOSE header is decoded here, as the JWT
+/// library does not expose `crit`.
+fn refuse_critical_extensions(token: &str) -> Result<(), AuthError> {
+    use base64::Engine as _;
+    let encoded = token.split('.').next().unwrap_or_default();
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(encoded.trim_end_matches('='))
+        .map_err(|e| rejected(format!("malformed token header: {e}")))?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&raw)
+        .map_err(|e| rejected(format!("malformed token header: {e}")))?;
+    if header.contains_key("crit") {
+        return Err(rejected(
+            "token header has \"crit\": no JWS extension is understood here (RFC 7515 §4.1.11)",
+        ));
+    }
+    Ok(())
+}
+
+/// The token's subject names an owner (of runs, sessions, Idempotency-Keys): a service token
+/// must have one, non-empty, and no token's subject may hold a control character (owner keys
+/// are composed from it, and audit lines quote it).
+fn check_subject(sub: Option<&str>, kind: TokenKind) -> Result<(), AuthError> {
+    match sub {
+        Some(s) if s.chars().any(char::is_control) => Err(rejected(format!(
+            "token subject '{}' has a control character",
+            clip(&s.escape_debug().to_string(), 64)
+        ))),
+        Some("") | None if kind == TokenKind::Service => {
+            Err(rejected("a service token must name its subject (sub)"))
+        }
+        _ => Ok(()),
     }
 }
 
@@ -664,6 +702,7 @@ mod tests {
             let mut c = serde_json::json!({"aud": "executor-arm", "exp": now() + 60, "iat": now()});
             if kind == TokenKind::Service {
                 c["token_use"] = serde_json::json!("service");
+                c["sub"] = serde_json::json!("orchestrator");
             }
             let e = a.verify(&enc(c.clone()), kind).unwrap_err();
             assert!(e.to_string().contains("iss"), "{kind:?}: {e}");
@@ -696,6 +735,7 @@ mod tests {
         assert!(a.verify(&enc(other), TokenKind::Capability).is_err());
         let mut svc = bare;
         svc["token_use"] = serde_json::json!("service");
+        svc["sub"] = serde_json::json!("orchestrator");
         assert!(a.verify(&enc(svc.clone()), TokenKind::Service).is_ok());
         assert!(a.verify(&enc(svc), TokenKind::Capability).is_err());
         // What `token mint --kind service` emits passes.
@@ -703,6 +743,7 @@ mod tests {
             SECRET,
             &MintRequest {
                 kind: Some(TokenKind::Service),
+                sub: Some("orchestrator".into()),
                 ..req()
             },
         )
@@ -713,7 +754,7 @@ mod tests {
     #[test]
     fn single_use_is_honoured_on_both_kinds_in_separate_namespaces() {
         let a = auth();
-        let c = serde_json::json!({"aud": "executor-arm", "exp": now() + 60, "iat": now(), "jti": "j1", "single_use": true, "token_use": "service"});
+        let c = serde_json::json!({"aud": "executor-arm", "exp": now() + 60, "iat": now(), "jti": "j1", "single_use": true, "token_use": "service", "sub": "orchestrator"});
         let svc = a.verify(&enc(c.clone()), TokenKind::Service).unwrap();
         let su = svc
             .single_use
@@ -727,7 +768,7 @@ mod tests {
         assert_eq!(cu.jti, su.jti);
         assert_ne!(cu.replay_key(), su.replay_key());
         // A service token that is single-use without a jti is refused like a capability token.
-        let no_jti = serde_json::json!({"aud": "executor-arm", "exp": now() + 60, "single_use": true, "token_use": "service"});
+        let no_jti = serde_json::json!({"aud": "executor-arm", "exp": now() + 60, "single_use": true, "token_use": "service", "sub": "orchestrator"});
         assert!(a.verify(&enc(no_jti), TokenKind::Service).is_err());
     }
 
@@ -743,5 +784,78 @@ mod tests {
         assert!(su(Some(999)).may_predate(1_000));
         assert!(!su(Some(1_000)).may_predate(1_000));
         assert!(!su(Some(1_001)).may_predate(1_000));
+    }
+
+    /// An HS256 JWT with any header, signed by hand (HMAC-SHA256, RFC 2104): the library
+    /// under test cannot write a `crit` header.
+    fn signed(header: &serde_json::Value, claims: &serde_json::Value) -> String {
+        let input = format!("{}.{}", b64(header), b64(claims));
+        let mut k = SECRET.to_vec();
+        k.resize(64, 0);
+        let pad = |b: u8| k.iter().map(|x| x ^ b).collect::<Vec<u8>>();
+        let inner = Sha256::digest([pad(0x36).as_slice(), input.as_bytes()].concat());
+        let outer = Sha256::digest([pad(0x5c).as_slice(), &inner[..]].concat());
+        let sig = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(outer);
+        format!("{input}.{sig}")
+    }
+
+    /// RFC 7515 §4.1.11: a header with `crit` names extensions this daemon does not understand;
+    /// the token is refused for either use, whatever `crit` lists, though its signature is good.
+    #[test]
+    fn a_header_with_crit_is_refused_for_both_kinds() {
+        let a = auth();
+        for kind in [TokenKind::Service, TokenKind::Capability] {
+            let claims = serde_json::json!({"aud": "executor-arm", "exp": now() + 60, "iat": now(), "sub": "orchestrator", "token_use": match kind { TokenKind::Service => "service", TokenKind::Capability => "capability" }});
+            let plain = signed(&serde_json::json!({"alg": "HS256", "typ": "JWT"}), &claims);
+            assert!(
+                a.verify(&plain, kind).is_ok(),
+                "{kind:?}: the control token"
+            );
+            for crit in [
+                serde_json::json!(["exp"]),
+                serde_json::json!(["b64"]),
+                serde_json::json!([]),
+            ] {
+                let header = serde_json::json!({"alg": "HS256", "typ": "JWT", "crit": crit, "b64": true, "exp": 1});
+                let e = a.verify(&signed(&header, &claims), kind).unwrap_err();
+                assert!(e.to_string().contains("crit"), "{kind:?}: {e}");
+            }
+        }
+    }
+
+    /// A subject is an owner's name: control characters in it are refused for both kinds, and a
+    /// service token must have a non-empty one; a capability token may have none.
+    #[test]
+    fn subjects_with_control_characters_or_none_for_a_service_are_refused() {
+        let a = auth();
+        let claims = |kind: TokenKind, sub: Option<&str>| {
+            let mut c = serde_json::json!({"aud": "executor-arm", "exp": now() + 60, "iat": now()});
+            if kind == TokenKind::Service {
+                c["token_use"] = serde_json::json!("service");
+            }
+            if let Some(s) = sub {
+                c["sub"] = serde_json::json!(s);
+            }
+            enc(c)
+        };
+        for kind in [TokenKind::Service, TokenKind::Capability] {
+            assert!(a.verify(&claims(kind, Some("svcA")), kind).is_ok());
+            for bad in ["svcA\u{1}t1", "svcA\nt1", "\u{7f}", "a\u{85}b"] {
+                let e = a.verify(&claims(kind, Some(bad)), kind).unwrap_err();
+                assert!(e.to_string().contains("control"), "{kind:?} {bad:?}: {e}");
+            }
+        }
+        assert!(
+            a.verify(&claims(TokenKind::Service, None), TokenKind::Service)
+                .is_err()
+        );
+        assert!(
+            a.verify(&claims(TokenKind::Service, Some("")), TokenKind::Service)
+                .is_err()
+        );
+        assert!(
+            a.verify(&claims(TokenKind::Capability, None), TokenKind::Capability)
+                .is_ok()
+        );
     }
 }

@@ -191,7 +191,7 @@ impl ExecutionRequest {
     }
 
     /// The request as a refusal's audit line tells it.
-    fn known(&self) -> KnownRequest {
+    pub fn known(&self) -> KnownRequest {
         KnownRequest {
             request_id: self.request_id.clone(),
             subject: self.subject.clone(),

@@ -66,12 +66,19 @@ pub struct Owner {
 }
 
 impl Owner {
-    /// The owner of the session's execs as runs: the calling service and the tenant together
-    /// (a U+0001 between them), so that `/v1/executions/{exec_id}` (which knows no tenant) and
-    /// another tenant of the same service find none of them, and their Idempotency-Keys are the
-    /// tenant's own.
+    /// The owner of the session's execs as runs: the calling service and the tenant together,
+    /// so that `/v1/executions/{exec_id}` (which knows no tenant) and another tenant of the same
+    /// service find none of them, and their Idempotency-Keys are the tenant's own. The subject's
+    /// length comes first, so no (subject, tenant) pair spells another's; the leading U+0001
+    /// keeps it apart from every service's own owner name (a subject with a control character
+    /// is refused at authentication).
     pub fn runs(&self) -> String {
-        format!("{}\u{1}{}", self.subject, self.tenant)
+        format!(
+            "\u{1}{}:{}:{}",
+            self.subject.len(),
+            self.subject,
+            self.tenant
+        )
     }
 }
 
@@ -350,6 +357,10 @@ pub struct SessionService {
     config: SessionsConfig,
     executions: Arc<ExecutionService>,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
+    /// Places taken by creations in progress, per owner: counted with the open sessions against
+    /// the limits, so a burst of creations launches no sandbox past them. Locked after
+    /// `sessions` whenever both are held.
+    reserved: Mutex<HashMap<Owner, usize>>,
     /// Raised at shutdown: no session is made any more.
     closed: watch::Sender<bool>,
     /// The lock on `sessions.dir` this daemon holds, or why it could not take it (sessions are
@@ -383,6 +394,7 @@ impl SessionService {
             config: config.clone(),
             executions,
             sessions: Mutex::new(HashMap::new()),
+            reserved: Mutex::new(HashMap::new()),
             closed: watch::channel(false).0,
             dir,
             lost: Default::default(),
@@ -554,21 +566,9 @@ impl SessionService {
                 plan.backend.as_str()
             )));
         }
-        {
-            let sessions = self.lock();
-            if sessions.len() >= self.config.max_total {
-                return Err(SessionError::TooMany(format!(
-                    "{} sessions are open (sessions.max_total)",
-                    self.config.max_total
-                )));
-            }
-            let mine = sessions.values().filter(|s| s.owner == new.owner).count();
-            if mine >= self.config.max_per_tenant {
-                return Err(SessionError::TooMany(format!(
-                    "this tenant has {mine} sessions open (sessions.max_per_tenant)"
-                )));
-            }
-        }
+        // A place under the limits is taken before the sandbox is launched, and given back if
+        // the session is not made.
+        let place_taken = self.reserve(&new.owner)?;
         let place = if plan.backend == BackendKind::Local {
             let (dir, session_id) = (self.config.dir.clone(), id.clone());
             let disk = plan.limits.disk_bytes;
@@ -638,27 +638,8 @@ impl SessionService {
                 return Err(ExecutionError::Unavailable(m).into());
             }
         }
-        // Counted again under the lock: two creations at once cannot both take the last place.
-        let refused = {
-            let mut sessions = self.lock();
-            let mine = sessions.values().filter(|s| s.owner == new.owner).count();
-            if sessions.len() >= self.config.max_total || mine >= self.config.max_per_tenant {
-                true
-            } else {
-                sessions.insert(id.clone(), session.clone());
-                false
-            }
-        };
-        if refused {
-            if let Some(token) = &new.grant.single_use
-                && let Err(e) = self.executions.store().release_jti(token).await
-            {
-                tracing::error!(error = %e, "single-use token not released");
-            }
-            return Err(SessionError::TooMany(
-                "the session limit was reached meanwhile".into(),
-            ));
-        }
+        // The reserved place becomes the session's, under both locks.
+        place_taken.fill(&mut self.lock(), session.clone());
         let metrics = self.executions.metrics();
         metrics
             .sessions_open
@@ -685,6 +666,32 @@ impl SessionService {
             tracing::warn!(session_id = %id, error = %e, "session not recorded in the state store: other replicas will not find it");
         }
         Ok(session)
+    }
+
+    /// Takes a place for a session of `owner` if `max_total` and `max_per_tenant`, counting the
+    /// open sessions and the places other creations hold, leave one; 429 otherwise.
+    fn reserve(&self, owner: &Owner) -> Result<Reservation<'_>, SessionError> {
+        let sessions = self.lock();
+        let mut reserved = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
+        let total = sessions.len() + reserved.values().sum::<usize>();
+        if total >= self.config.max_total {
+            return Err(SessionError::TooMany(format!(
+                "{} sessions are open or being made (sessions.max_total)",
+                self.config.max_total
+            )));
+        }
+        let mine = sessions.values().filter(|s| &s.owner == owner).count()
+            + reserved.get(owner).copied().unwrap_or(0);
+        if mine >= self.config.max_per_tenant {
+            return Err(SessionError::TooMany(format!(
+                "this tenant has {mine} sessions open or being made (sessions.max_per_tenant)"
+            )));
+        }
+        *reserved.entry(owner.clone()).or_default() += 1;
+        Ok(Reservation {
+            reserved: &self.reserved,
+            owner: owner.clone(),
+        })
     }
 
     /// Whether this daemon holds session `id` (whoever owns it).
@@ -871,6 +878,35 @@ impl SessionService {
     }
 }
 
+/// A place under the session limits held by a creation in progress; given back when dropped
+/// (the creation failed), or filled by the session it made.
+struct Reservation<'a> {
+    reserved: &'a Mutex<HashMap<Owner, usize>>,
+    owner: Owner,
+}
+
+impl Reservation<'_> {
+    /// Gives the place to `session`, put into `sessions` (locked by the caller, so no count
+    /// sees the session both open and reserved, or neither).
+    fn fill(self, sessions: &mut HashMap<String, Arc<Session>>, session: Arc<Session>) {
+        sessions.insert(session.id.clone(), session);
+        // Dropped here, under the caller's lock on `sessions`.
+        drop(self);
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        let mut reserved = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = reserved.get_mut(&self.owner) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                reserved.remove(&self.owner);
+            }
+        }
+    }
+}
+
 /// What a session binds an exec to.
 struct Binding {
     session_id: String,
@@ -958,5 +994,31 @@ fn check_limits(asked: &SessionLimits, plan: &crate::policy::Plan) -> Result<(),
             plan.profile.name
         ))),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Owner;
+
+    /// No (subject, tenant) pair spells another's owner key, and none spells a service's own
+    /// owner name (a subject, which holds no control character).
+    #[test]
+    fn owner_keys_of_sessions_are_unambiguous() {
+        let key = |s: &str, t: &str| {
+            Owner {
+                subject: s.into(),
+                tenant: t.into(),
+            }
+            .runs()
+        };
+        assert_ne!(key("a", "b:c"), key("a:b", "c"));
+        assert_ne!(key("a:1", ""), key("a", "1"));
+        assert_ne!(key("", "x"), key("x", ""));
+        for (s, t) in [("svcA", "t1"), ("", ""), ("a:b", "c")] {
+            let k = key(s, t);
+            assert!(k.starts_with('\u{1}'), "{k:?}");
+            assert_ne!(k, format!("{s}\u{1}{t}"));
+        }
     }
 }
