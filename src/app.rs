@@ -17,7 +17,7 @@ use crate::sandbox::docker::{DockerSandbox, PoolMetrics};
 use crate::sandbox::local::LocalSandbox;
 use crate::sandbox::{BackendKind, Sandbox};
 use crate::state::StateStore;
-use crate::state::memory::MemoryStore;
+use crate::state::durable::DurableStore;
 use crate::state::redis_store::RedisStore;
 
 #[derive(Debug, thiserror::Error)]
@@ -67,10 +67,20 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         Some(url) => {
             Arc::new(RedisStore::connect(url, config.state.redis_ca_file.as_deref()).await?)
         }
-        None => Arc::new(MemoryStore::new(
-            config.state.idempotency_max_bytes,
-            config.auth.leeway_seconds,
-        )),
+        None => {
+            let (dir, max_bytes, leeway) = (
+                config.state.dir.clone(),
+                config.state.idempotency_max_bytes,
+                config.auth.leeway_seconds,
+            );
+            // Opening checks the whole file: off the runtime's threads.
+            let opened = tokio::task::spawn_blocking(move || {
+                DurableStore::open(&dir, max_bytes, leeway, crate::state::durable::LOCK_WAIT)
+            })
+            .await
+            .map_err(|e| crate::state::StateError::Unavailable(format!("state file: {e}")))??;
+            Arc::new(opened)
+        }
     };
     crate::execution::record::record_interrupted(
         &audit,

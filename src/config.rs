@@ -196,6 +196,9 @@ impl AuditConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StateConfig {
+    /// The embedded store's directory (created with mode 0700): it keeps `state.redb` there,
+    /// which one daemon alone may open. Unused with `redis_url`.
+    pub dir: PathBuf,
     #[serde(default)]
     pub redis_url: Option<String>,
     /// PEM CA bundle that alone is trusted for a `rediss://` server (default: the system's roots).
@@ -327,6 +330,7 @@ pub struct EnvOverrides {
     pub redis_url: Option<String>,
     pub advertise_url: Option<String>,
     pub sessions_dir: Option<String>,
+    pub state_dir: Option<String>,
 }
 
 impl EnvOverrides {
@@ -343,6 +347,7 @@ impl EnvOverrides {
             redis_url: get("EXECUTOR_ARM_REDIS_URL"),
             advertise_url: get("EXECUTOR_ARM_ADVERTISE_URL"),
             sessions_dir: get("EXECUTOR_ARM_SESSIONS_DIR"),
+            state_dir: get("EXECUTOR_ARM_STATE_DIR"),
         }
     }
 }
@@ -407,6 +412,9 @@ impl Config {
         }
         if let Some(v) = &env.sessions_dir {
             self.sessions.dir = PathBuf::from(v);
+        }
+        if let Some(v) = &env.state_dir {
+            self.state.dir = PathBuf::from(v);
         }
         if let Some(v) = &env.listen {
             self.server.listen = v.clone();
@@ -591,6 +599,13 @@ mod tests {
         assert_eq!(c.server.body_limit_bytes, 1 << 20);
         assert_eq!(c.server.body_read_timeout_seconds, 10);
         assert_eq!(c.state.idempotency_max_bytes, 64 << 20);
+        assert_eq!(c.state.dir, PathBuf::from("executor-arm-state"));
+        let env = EnvOverrides {
+            state_dir: Some("/var/lib/x/state".into()),
+            ..Default::default()
+        };
+        let c = Config::load(None, &env).unwrap();
+        assert_eq!(c.state.dir, PathBuf::from("/var/lib/x/state"));
     }
 
     #[test]

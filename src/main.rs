@@ -33,7 +33,8 @@ enum Cmd {
         /// Listen address (overrides EXECUTOR_ARM_LISTEN and the config).
         #[arg(long)]
         listen: Option<String>,
-        /// Zero-setup development mode: ephemeral secret, embedded config, prints a ready curl.
+        /// Zero-setup development mode: ephemeral secret, audit log and state directory, embedded
+        /// config, prints a ready curl.
         #[arg(long)]
         dev: bool,
     },
@@ -222,14 +223,17 @@ fn check_config(path: Option<PathBuf>) -> Result<()> {
     println!("listen: {}", cfg.server.listen);
     println!("default backend: {}", cfg.sandbox.default_backend.as_str());
     println!("audit log: {}", cfg.audit.path.display());
-    println!(
-        "state store: {}",
-        if cfg.state.redis_url.is_some() {
-            "redis"
-        } else {
-            "memory"
-        }
-    );
+    if cfg.state.redis_url.is_some() {
+        println!("state store: redis");
+    } else {
+        println!(
+            "state store: embedded ({})",
+            cfg.state
+                .dir
+                .join(executor_arm::state::durable::FILE_NAME)
+                .display()
+        );
+    }
     println!("profiles ({}):", cfg.sandbox.profiles_dir.display());
     for p in policy.profiles.values() {
         println!(
@@ -334,6 +338,9 @@ fn serve_on(
         env.jwt_secret_file = Some(secret.display().to_string());
         if env.audit_log.is_none() {
             env.audit_log = Some(dir.path().join("audit.jsonl").display().to_string());
+        }
+        if env.state_dir.is_none() {
+            env.state_dir = Some(dir.path().join("state").display().to_string());
         }
         if env.listen.is_none() && listen.is_none() {
             env.listen = Some("127.0.0.1:8003".into());

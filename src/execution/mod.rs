@@ -263,7 +263,7 @@ pub enum ClaimError {
 }
 
 /// Uses up a single-use token's jti (a token that is not single-use passes). A replay, or a token
-/// the store cannot vouch for (issued before the embedded store's record began), is refused.
+/// the store cannot vouch for (issued before its record began), is refused.
 pub async fn claim_single_use(store: &dyn StateStore, token: &Verified) -> Result<(), ClaimError> {
     let Some(su) = &token.single_use else {
         return Ok(());
@@ -279,7 +279,7 @@ pub async fn claim_single_use(store: &dyn StateStore, token: &Verified) -> Resul
         ))),
         Ok(JtiClaim::PredatesRecord { since }) => Err(ClaimError::Refused(format!(
             "{kind}: single-use token issued before {since} (unix), when this daemon's replay \
-             record begins; the embedded store forgets used tokens on restart"
+             record begins (its state store was created empty then)"
         ))),
         Err(e) => Err(ClaimError::Unavailable(e.to_string())),
     }

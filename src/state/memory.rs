@@ -1,5 +1,6 @@
-//! The embedded store: one process, in memory, entries expire. A restart forgets everything,
-//! Idempotency-Keys in progress included.
+//! An in-memory store: one process, entries expire, a restart forgets everything (Idempotency-Keys
+//! in progress included). The daemon keeps its state in [`super::durable`] (or Redis); this one
+//! serves the unit tests of the layers above, which need a store but no file.
 //!
 //! Two bounds keep it honest. Replay: it remembers nothing from before it started, so a
 //! single-use token that may have been issued before then is refused (it may have been used on
@@ -9,17 +10,15 @@
 //! evicted (they lapse when their owner stops renewing their lease); a result larger than the
 //! whole budget is not stored.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use super::budget::{ResultBudget, result_bytes};
 use super::{
     IdemBegin, IdemKey, JtiClaim, StateError, StateStore, StoredExecution, StoredResponse,
 };
 use crate::auth::SingleUse;
-
-/// Bookkeeping bytes charged per stored result on top of its strings (map nodes, headers).
-const ENTRY_OVERHEAD: usize = 128;
 
 enum Slot {
     Running {
@@ -41,13 +40,6 @@ struct Entry {
     slot: Slot,
 }
 
-/// One subject's completed results, oldest first, and the bytes they hold.
-#[derive(Default)]
-struct SubjectResults {
-    bytes: usize,
-    by_age: BTreeMap<u64, String>,
-}
-
 /// What `IdemTable::complete` did with a result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Completion {
@@ -61,20 +53,14 @@ enum Completion {
 /// Idempotency entries keyed by [`IdemKey::scoped`], completed results within `max_bytes`.
 struct IdemTable {
     entries: HashMap<String, Entry>,
-    results: BTreeMap<String, SubjectResults>,
-    result_bytes: usize,
-    max_bytes: usize,
-    next_seq: u64,
+    budget: ResultBudget,
 }
 
 impl IdemTable {
     fn new(max_bytes: usize) -> Self {
         IdemTable {
             entries: HashMap::new(),
-            results: BTreeMap::new(),
-            result_bytes: 0,
-            max_bytes,
-            next_seq: 0,
+            budget: ResultBudget::new(max_bytes),
         }
     }
 
@@ -94,27 +80,15 @@ impl IdemTable {
         let Some(e) = self.entries.remove(scoped) else {
             return;
         };
-        if let Slot::Done { seq, bytes, .. } = e.slot
-            && let Some(r) = self.results.get_mut(&e.subject)
-        {
-            r.bytes -= bytes;
-            r.by_age.remove(&seq);
-            self.result_bytes -= bytes;
-            if r.by_age.is_empty() {
-                self.results.remove(&e.subject);
-            }
+        if let Slot::Done { seq, bytes, .. } = e.slot {
+            self.budget.remove(&e.subject, seq, bytes);
         }
     }
 
     /// Evicts the oldest completed result of the subject holding the most bytes; false when
     /// there is none.
     fn evict_one(&mut self) -> bool {
-        let victim = self
-            .results
-            .iter()
-            .max_by_key(|(_, r)| r.bytes)
-            .and_then(|(_, r)| r.by_age.values().next().cloned());
-        match victim {
+        match self.budget.victim() {
             Some(k) => {
                 self.remove(&k);
                 true
@@ -208,21 +182,12 @@ impl IdemTable {
     ) -> Completion {
         let scoped = key.scoped();
         self.remove(&scoped);
-        let bytes = ENTRY_OVERHEAD
-            + scoped.len()
-            + key.subject.len()
-            + body_hash.len()
-            + response.body.len();
-        if bytes > self.max_bytes {
+        let bytes = result_bytes(&scoped, &key.subject, body_hash, &response.body);
+        if self.budget.too_large(bytes) {
             return Completion::TooLarge { bytes };
         }
-        while self.result_bytes + bytes > self.max_bytes && self.evict_one() {}
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let r = self.results.entry(key.subject.clone()).or_default();
-        r.bytes += bytes;
-        r.by_age.insert(seq, scoped.clone());
-        self.result_bytes += bytes;
+        while self.budget.overfull_with(bytes) && self.evict_one() {}
+        let seq = self.budget.add(&key.subject, &scoped, bytes);
         self.entries.insert(
             scoped,
             Entry {
@@ -332,7 +297,7 @@ impl StateStore for MemoryStore {
             tracing::warn!(
                 subject = %key.subject,
                 bytes,
-                max_bytes = t.max_bytes,
+                max_bytes = t.budget.max_bytes(),
                 "idempotent result larger than state.idempotency_max_bytes: not stored, a retry runs again"
             );
         }
@@ -361,7 +326,7 @@ impl StateStore for MemoryStore {
             tracing::warn!(
                 subject = %key.subject,
                 bytes,
-                max_bytes = t.max_bytes,
+                max_bytes = t.budget.max_bytes(),
                 "run record larger than state.idempotency_max_bytes: not kept"
             );
         }

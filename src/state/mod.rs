@@ -1,11 +1,14 @@
 //! Shared request state: single-use token ids, idempotency results and the records of runs (so
 //! any replica can answer for a run, and find the one that runs it).
 //!
-//! The embedded in-memory store is the default; with `state.redis_url` set, both live in Redis
-//! so replicas share them. The embedded store forgets everything on restart, so it refuses
-//! single-use tokens that may predate its start ([`JtiClaim::PredatesRecord`]). Must not:
-//! interpret the responses it stores.
+//! The embedded store ([`durable`], a file under `state.dir`) is the default and survives
+//! restarts; with `state.redis_url` set, everything lives in Redis so replicas share it. An
+//! embedded store refuses single-use tokens that may predate its record
+//! ([`JtiClaim::PredatesRecord`]): the file's begins when it is created, the in-memory store's
+//! ([`memory`], for tests) at every start. Must not: interpret the responses it stores.
 
+mod budget;
+pub mod durable;
 pub mod memory;
 pub mod redis_store;
 
@@ -53,7 +56,8 @@ pub enum JtiClaim {
     /// Seen before: a replay.
     Replayed,
     /// The token may have been issued before this store's record begins (unix second `since`),
-    /// so it may have been used before: refused, never recorded.
+    /// so it may have been used before: refused, never recorded. The in-memory store's record
+    /// begins at its start, the embedded file's when the file was created (not at a restart).
     PredatesRecord { since: u64 },
 }
 
@@ -99,6 +103,12 @@ pub enum IdemBegin {
 pub enum StateError {
     #[error("state store unavailable: {0}")]
     Unavailable(String),
+    /// The embedded store's file cannot be used as it is (at start).
+    #[error("state file {path}: {reason}")]
+    File {
+        path: std::path::PathBuf,
+        reason: String,
+    },
 }
 
 /// Where a session lives: the replica that holds its workspace and runs its execs.
@@ -147,8 +157,8 @@ pub trait StateStore: Send + Sync {
     /// Releases `owner`'s claim on `key` (a request that ended without a response to keep, or
     /// one of a daemon that stopped mid-run); a finished entry or another owner's claim stays.
     async fn idempotency_release(&self, key: &IdemKey, owner: &str) -> Result<(), StateError>;
-    /// Stores (or replaces) the record of the run `key` names for `ttl`. The embedded store
-    /// keeps records within a byte budget and may drop the oldest.
+    /// Stores (or replaces) the record of the run `key` names for `ttl`. The embedded stores
+    /// keep records within a byte budget and may drop the oldest.
     async fn execution_put(
         &self,
         key: &IdemKey,

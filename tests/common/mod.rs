@@ -1,5 +1,5 @@
 //! Test harness: starts the real `executor-arm` binary on a free loopback port with a private
-//! secret, audit log and config, and speaks HTTP to it.
+//! secret, audit log, state directory and config, and speaks HTTP to it.
 #![allow(dead_code)]
 
 pub mod docker;
@@ -34,6 +34,7 @@ pub fn run_until_exit(env: &[(&str, &str)]) -> std::process::Output {
         .env("EXECUTOR_ARM_JWT_SECRET_FILE", dir.path().join("secret"))
         .env("EXECUTOR_ARM_AUDIT_LOG", dir.path().join("audit.jsonl"))
         .env("EXECUTOR_ARM_SESSIONS_DIR", dir.path().join("sessions"))
+        .env("EXECUTOR_ARM_STATE_DIR", dir.path().join("state"))
         .env("EXECUTOR_ARM_PROFILES_DIR", repo.join("sandbox-profiles"))
         .envs(env.iter().copied())
         .current_dir(repo)
@@ -132,6 +133,7 @@ impl Daemon {
             .env("EXECUTOR_ARM_PROFILES_DIR", repo.join("sandbox-profiles"))
             .env("EXECUTOR_ARM_EXECUTORS_DIR", dir.path().join("executors"))
             .env("EXECUTOR_ARM_SESSIONS_DIR", dir.path().join("sessions"))
+            .env("EXECUTOR_ARM_STATE_DIR", dir.path().join("state"))
             .env("EXECUTOR_ARM_STATUS_LOG", status_log())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -192,9 +194,10 @@ impl Daemon {
     }
 
     /// Waits until a token minted now has an `iat` past the daemon's start plus the default
-    /// verification leeway (5 s). The embedded replay store refuses single-use tokens that may
-    /// predate its start, and a token whose `iat` is within the leeway of it may. Waits on the
-    /// clock, at most about six seconds.
+    /// verification leeway (5 s). A state file created at this start refuses single-use tokens
+    /// that may predate its creation, and a token whose `iat` is within the leeway of it may (a
+    /// restart on the same directory keeps the file: no wait then). Waits on the clock, at most
+    /// about six seconds.
     pub fn wait_until_tokens_postdate_start(&self) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while executor_arm::auth::now() <= self.listening_at + 5 {
@@ -206,7 +209,8 @@ impl Daemon {
         }
     }
 
-    /// Stops the daemon and starts a new one on the same directory (secret, audit log, config).
+    /// Stops the daemon and starts a new one on the same directory (secret, audit log, state
+    /// directory, config).
     pub fn restart(mut self, opts: Opts) -> Daemon {
         self.stop();
         let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().expect("tempdir"));

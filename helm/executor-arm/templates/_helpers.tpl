@@ -342,7 +342,7 @@ app.kubernetes.io/component: test
 {{- $tokens = append $tokens $t }}
 {{- end }}
 {{- if $tokens }}{{ $_ := set $auth "static_tokens" $tokens }}{{ end }}
-{{- $state := dict "idempotency_ttl_seconds" ($v.state.idempotencyTtlSeconds | int64) "idempotency_lease_seconds" ($v.state.idempotencyLeaseSeconds | int64) }}
+{{- $state := dict "dir" (printf "%s/state" (include "executor-arm.stateDir" .)) "idempotency_ttl_seconds" ($v.state.idempotencyTtlSeconds | int64) "idempotency_lease_seconds" ($v.state.idempotencyLeaseSeconds | int64) }}
 {{- if $v.state.redisUrl }}{{ $_ := set $state "redis_url" $v.state.redisUrl }}{{ end }}
 {{- $docker := dict "image" $v.config.sandbox.docker.image "pool_size" ($v.config.sandbox.docker.poolSize | int64) }}
 {{- if eq $v.mode "dind" }}

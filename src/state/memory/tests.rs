@@ -140,7 +140,7 @@ fn the_horizon_is_the_first_whole_second_after_start() {
 
 /// Bytes one stored result of `key` with a 1-byte body hash and `body` bytes costs.
 fn cost(k: &IdemKey, body: usize) -> usize {
-    ENTRY_OVERHEAD + k.scoped().len() + k.subject.len() + 1 + body
+    result_bytes(&k.scoped(), &k.subject, "h", &"x".repeat(body))
 }
 
 fn done(t: &IdemTable, k: &IdemKey, now: Instant) -> bool {
@@ -173,7 +173,11 @@ fn eviction_takes_the_oldest_result_of_the_subject_holding_the_most_bytes() {
             t.complete(g, "h", &response(body), TTL, now),
             Completion::Stored
         );
-        assert!(t.result_bytes <= t.max_bytes, "{i}: {}", t.result_bytes);
+        assert!(
+            t.budget.bytes() <= t.budget.max_bytes(),
+            "{i}: {}",
+            t.budget.bytes()
+        );
     }
     // The greedy subject evicted only its own oldest results.
     assert!(done(&t, &quiet, now), "the quiet subject's result survives");
@@ -194,7 +198,7 @@ fn eviction_takes_the_oldest_result_of_the_subject_holding_the_most_bytes() {
         IdemBegin::InProgress { same_body: true },
         "an in-progress entry is never evicted"
     );
-    assert_eq!(t.result_bytes, 4 * unit);
+    assert_eq!(t.budget.bytes(), 4 * unit);
 
     // Now the quiet subject adds results: the greedy one still holds the most, so it pays.
     let q1 = key("quietx", "q1");
@@ -240,13 +244,13 @@ fn expired_results_give_their_bytes_back() {
     let mut t = IdemTable::new(1 << 20);
     t.begin(&k, "h", "d", TTL, now);
     t.complete(&k, "h", &response(500), TTL, now);
-    assert_eq!(t.result_bytes, cost(&k, 500));
+    assert_eq!(t.budget.bytes(), cost(&k, 500));
     assert_eq!(
         t.begin(&key("s", "other"), "h", "d", TTL, now + TTL),
         IdemBegin::Started
     );
-    assert_eq!(t.result_bytes, 0);
-    assert!(t.results.is_empty());
+    assert_eq!(t.budget.bytes(), 0);
+    assert!(t.budget.is_empty());
     assert_eq!(t.begin(&k, "h", "d", TTL, now + TTL), IdemBegin::Started);
 }
 
