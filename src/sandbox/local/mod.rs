@@ -274,6 +274,12 @@ impl LocalSandbox {
             stacks,
             shim_state: Default::default(),
             sync_fd: fds.sync,
+            passed_fds: fds.passed(),
+            keep_fds: {
+                let mut k = fds.passed();
+                k.sort_unstable();
+                k
+            },
             _argv: argv,
             _envp: envp,
         })
@@ -649,7 +655,7 @@ impl Drop for CgroupGuard {
 struct Slot {
     guard: CgroupGuard,
     shim: Arc<child::WarmShim>,
-    /// Write end of the go pipe; dropping it unused makes the shim exit.
+    /// Our end of the go socket; dropping it unused makes the shim exit.
     go: OwnedFd,
     /// Resolves once the shim has exited.
     exited: tokio::task::JoinHandle<std::io::Result<()>>,
@@ -754,7 +760,7 @@ fn prepare_slot(driver: &dyn CgroupDriver, seq: u64) -> Result<Slot, SandboxErro
         })
         .collect::<Result<Vec<_>, _>>()?;
     let stacks = Arc::new(child::Stacks::new()?);
-    let (go_r, go_w) = pipe(libc::O_CLOEXEC)?;
+    let (go_w, go_r) = go_socket()?;
     let shim = Arc::new(child::WarmShim::new(procs, go_r.as_raw_fd(), stacks));
     guard.keep(shim.clone());
     let runner = shim.clone();
@@ -780,6 +786,47 @@ struct PlanFds {
     sync: i32,
     hello: i32,
     stdio: [i32; 3],
+}
+
+impl PlanFds {
+    fn passed(&self) -> Vec<i32> {
+        child::passed_fds(
+            self.status,
+            self.stdio,
+            self.landlock,
+            self.sync,
+            self.hello,
+        )
+    }
+}
+
+/// A prepared shim's go channel (ours, the shim's): the go byte travels with the run's
+/// descriptors, which the shim, holding none of the daemon's, could not reach otherwise.
+fn go_socket() -> Result<(OwnedFd, OwnedFd), SandboxError> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+    socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(|e| SandboxError::Setup(format!("go socket of a run slot: {e}")))
+}
+
+/// Tells a prepared shim to go, handing it `fds` (the plan's passed descriptors, in order).
+fn send_go(go: &OwnedFd, fds: &[i32]) -> Result<(), SandboxError> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    let iov = [std::io::IoSlice::new(b"1")];
+    let cmsgs = [ControlMessage::ScmRights(fds)];
+    match sendmsg::<()>(go.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+        Ok(1) => Ok(()),
+        Ok(n) => Err(SandboxError::Setup(format!(
+            "go message of a run slot: {n} bytes sent"
+        ))),
+        Err(e) => Err(SandboxError::Setup(format!(
+            "go message of a run slot: {e}"
+        ))),
+    }
 }
 
 /// The status pipe: non-blocking, read once after the sandbox is gone.
@@ -907,8 +954,8 @@ impl Sandbox for LocalSandbox {
         // so it acts after the guard's removal on every path.
         let refill = RefillOnDrop(self.warm.clone());
         // The child's ends of the run's pipes, declared before the guard so that on every early
-        // return the run is killed before their numbers are freed: a prepared shim shares our fd
-        // table until it takes its own copy.
+        // return the run is killed before their numbers are freed: a shim started for the run
+        // copies our fd table when it is cloned, on another thread.
         let mut child_ends_slot;
         let (mut guard, warm) = match slot {
             Some(mut slot) => {
@@ -984,7 +1031,7 @@ impl Sandbox for LocalSandbox {
         let (sync_r, sync_w) = sync.unzip();
         let (hello_r, hello_w) = hello.unzip();
         // The child's ends stay open until the shim is gone: the shim copies the fd table when it
-        // is cloned (or, prepared, when it is told to go), which happens on another thread.
+        // is cloned, which happens on another thread (a prepared one gets them with its go byte).
         child_ends_slot = Some((
             status_w,
             landlock_fd,
@@ -999,10 +1046,7 @@ impl Sandbox for LocalSandbox {
         let mut exited = match warm {
             Some((shim, go, exited)) => {
                 shim.arm(&plan);
-                // SAFETY: write(2) of one byte from a static buffer to a pipe we own.
-                if unsafe { libc::write(go.as_raw_fd(), b"1".as_ptr().cast(), 1) } != 1 {
-                    return Err(std::io::Error::last_os_error().into());
-                }
+                send_go(&go, &plan.passed_fds)?;
                 exited
             }
             None => tokio::task::spawn_blocking(move || {
