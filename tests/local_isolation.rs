@@ -892,11 +892,16 @@ done()
     refused_with(&res, "setgid 0", &[libc::EPERM]);
     refused_with(&res, "setresuid 0", &[libc::EPERM]);
     refused_with(&res, "setgroups", &[libc::EPERM]);
-    assert_eq!(
-        res["ids"]["value"],
-        json!("(65534, 65534, 65534, 65534, [])"),
-        "{res}"
-    );
+    // The run's own uid from the configured block (default 200000 + 65536), the profile's gid.
+    let ids = res["ids"]["value"].as_str().unwrap_or_default();
+    let uid: u32 = ids
+        .trim_start_matches('(')
+        .split(',')
+        .next()
+        .and_then(|u| u.trim().parse().ok())
+        .unwrap_or_else(|| panic!("ids: {res}"));
+    assert!((200_000..265_536).contains(&uid), "{res}");
+    assert_eq!(ids, format!("({uid}, {uid}, 65534, 65534, [])"), "{res}");
     let status = res["status"]["text"].as_str().unwrap_or_default();
     for want in [
         "NoNewPrivs:\t1\n",
@@ -942,10 +947,10 @@ done()
         !su_res["out"].as_str().unwrap_or_default().contains('0'),
         "su ran id -u: {su_res}"
     );
-    for uid in su_res["uids"].as_array().expect("uids") {
+    for line in su_res["uids"].as_array().expect("uids") {
         assert_eq!(
-            uid,
-            &json!("Uid:\t65534\t65534\t65534\t65534"),
+            line,
+            &json!(format!("Uid:\t{uid}\t{uid}\t{uid}\t{uid}")),
             "setuid took effect: {su_res}"
         );
     }
@@ -1112,6 +1117,73 @@ done()
     assert_eq!(hostname(), host_name_before);
     assert_ne!(host_name_before, "sandbox");
     assert_run_left_nothing(&d, &r, &m);
+}
+
+/// Each live run has a host uid of its own, so the kernel's per-user counters are its own: run A
+/// opens inotify instances until the kernel refuses one (`fs.inotify.max_user_instances`) and
+/// holds them; run B, meanwhile, still gets one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_exhausting_its_inotify_instances_leaves_another_run_its_own() {
+    let d = Daemon::start();
+    let limit: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances")
+        .expect("max_user_instances")
+        .trim()
+        .parse()
+        .expect("a number");
+    let (ma, mb) = (marker(), marker());
+    let hog = r#"
+fds = []
+while True:
+    try:
+        fds.append(call(libc.inotify_init1, 0))
+    except OSError as e:
+        R["hog"] = {"ok": True, "count": len(fds), "errno": e.errno, "uid": os.getuid()}
+        break
+sys.stdout.flush()
+time.sleep(6)
+done()
+"#;
+    let other = r#"
+t("inotify", lambda: call(libc.inotify_init1, 0))
+t("uid", lambda: os.getuid())
+done()
+"#;
+    let held = async {
+        // B starts only once A holds every instance its uid may have.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut most = 0;
+        while Instant::now() < deadline {
+            for p in pids_with_cmdline(&ma) {
+                let n = fd_links(p)
+                    .iter()
+                    .filter(|l| l.as_str() == "anon_inode:inotify")
+                    .count();
+                most = most.max(n);
+            }
+            if most >= limit {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            most >= limit,
+            "run A held {most} of {limit} inotify instances"
+        );
+        py(&d, &mb, other, 20).await
+    };
+    let (a, b) = tokio::join!(py(&d, &ma, hog, 30), held);
+    let (a, b) = (results(&a), results(&b));
+    assert_eq!(a["hog"]["errno"], json!(libc::EMFILE), "{a}");
+    allowed(&b, "inotify");
+    let uid_a = a["hog"]["uid"].as_u64().expect("uid of A");
+    let uid_b: u64 = b["uid"]["value"]
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .expect("uid of B");
+    assert_ne!(uid_a, uid_b, "{a} {b}");
+    for uid in [uid_a, uid_b] {
+        assert!((200_000..265_536).contains(&uid), "uid {uid}");
+    }
 }
 
 /// The inode of the TCP socket listening on `addr` ("ip:port") in the network namespace of `pid`.
@@ -1428,8 +1500,9 @@ while True:
     assert_run_left_nothing(&d, &r3, &m3);
 }
 
-/// Runs of every daemon on a host share the sandbox uid (65534). Runs that hold their full pids
-/// allowance must not make another daemon's run fail: the per-run cgroup is the bound, and a
+/// Runs of every daemon on a host draw their uids from one block (and 65534 is shared with the
+/// host's other nobody processes). Runs that hold their full pids allowance must not make
+/// another daemon's run fail: the per-run cgroup is the bound, and a
 /// per-uid count across the host (RLIMIT_NPROC, sized by the *other* daemon's concurrency of 1)
 /// would couple unrelated runs.
 #[tokio::test(flavor = "multi_thread")]

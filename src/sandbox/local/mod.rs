@@ -32,6 +32,7 @@ use self::seccomp::SeccompProgram;
 use super::capture::OutputCapture;
 use super::probe::HostProbe;
 use super::run::{self, Ending, Waited};
+use super::uids::UidRange;
 use super::{BackendKind, BackendStatus, ExitKind, RunOutcome, RunSpec, Sandbox, SandboxError};
 
 pub struct LocalSandbox {
@@ -50,6 +51,8 @@ pub struct LocalSandbox {
     reaper: Option<reaper::Reaper>,
     /// Holds the kernel's `favordynmods` mode while the backend lives (see [`dynmods`]).
     _dynmods: Option<dynmods::FavorDynMods>,
+    /// Where each run's own host uid comes from (a session's execs come with the session's).
+    uids: Arc<UidRange>,
 }
 
 impl LocalSandbox {
@@ -62,6 +65,7 @@ impl LocalSandbox {
         favor_dynmods: bool,
         runtime_dir: &Path,
         egress: Option<egress::EgressSettings>,
+        uids: Arc<UidRange>,
     ) -> Self {
         let mut probe = HostProbe::detect();
         let cgroups = match cgroup::detect(Path::new("/sys/fs/cgroup"), cgroup_name) {
@@ -136,6 +140,7 @@ impl LocalSandbox {
                 .inspect_err(|e| tracing::warn!(error = %e, "no teardown thread: runs remove their own cgroups"))
                 .ok(),
             _dynmods: dynmods,
+            uids,
         }
     }
 
@@ -252,10 +257,10 @@ impl LocalSandbox {
                         None => spec.limits.disk_bytes,
                     },
                 ),
-                // No RLIMIT_NPROC: it counts every process of the uid on the host, and every run
-                // of every daemon (and any other uid-65534 process) shares the uid, so a value
-                // sized for this daemon lets runs elsewhere make our exec fail with EAGAIN. The
-                // run's pids cgroup, joined before anything forks, is the bound.
+                // No RLIMIT_NPROC: it counts every process of the uid on the host, and a uid of
+                // the block may be held by a process this run does not know (a leftover of a
+                // killed daemon, another user of the range). The run's pids cgroup, joined before
+                // anything forks, is the bound.
             ],
             uid: spec.uid,
             gid: spec.gid,
@@ -926,7 +931,7 @@ impl Sandbox for LocalSandbox {
         }
     }
 
-    async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError> {
+    async fn run(&self, mut spec: RunSpec) -> Result<RunOutcome, SandboxError> {
         // Fail closed: refuse before anything starts when a mechanism is missing.
         let missing = self.probe.local_missing(spec.landlock_abi);
         if !missing.is_empty() {
@@ -935,6 +940,20 @@ impl Sandbox for LocalSandbox {
                 missing.join(", ")
             )));
         }
+        // A host uid of the run's own, held until the run is over (its processes are gone by
+        // then: pid 1's exit killed the namespace). A session's exec comes with the uid the
+        // session holds for its life, which owns its workspace.
+        let _uid = match spec.fs.workspace {
+            Some(_) => None,
+            None => {
+                let uids = self.uids.clone();
+                let lease = tokio::task::spawn_blocking(move || uids.lease())
+                    .await
+                    .map_err(|e| SandboxError::Setup(format!("uid lease task: {e}")))??;
+                spec.uid = lease.uid();
+                Some(lease)
+            }
+        };
         let egress_settings = run::egress_for(&spec.network, self.egress.as_ref())?.cloned();
         let driver = self
             .cgroups
@@ -1250,7 +1269,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_wall_clock_that_fires_before_the_shim_joined_still_kills_the_run() {
         let dir = tempfile::tempdir().unwrap();
-        let sb = LocalSandbox::new("executor-arm", 4, false, dir.path(), None);
+        let uids = Arc::new(UidRange::new(300_000, 64, &dir.path().join("uids")).unwrap());
+        let sb = LocalSandbox::new("executor-arm", 4, false, dir.path(), None, uids);
         assert!(sb.probe.local_missing(1).is_empty(), "{:?}", sb.probe);
         for i in 0..12 {
             let o = sb
