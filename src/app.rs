@@ -36,6 +36,8 @@ pub enum BuildError {
     State(#[from] crate::state::StateError),
     #[error(transparent)]
     Egress(#[from] crate::egress::EgressError),
+    #[error("sandbox.local.uid_first / uid_count: {0}")]
+    Uids(String),
 }
 
 /// Directory for the daemon's runtime files (the empty mount point of sandbox roots).
@@ -91,12 +93,18 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     .await;
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
     let egress = egress_settings(&config)?;
+    let l = &config.sandbox.local;
+    let uids = Arc::new(
+        crate::sandbox::uids::UidRange::new(l.uid_first, l.uid_count, &l.uid_lock_dir)
+            .map_err(BuildError::Uids)?,
+    );
     let local = LocalSandbox::new(
-        &config.sandbox.local.cgroup_name,
-        config.sandbox.local.warm_slots,
-        config.sandbox.local.cgroup_favor_dynmods,
+        &l.cgroup_name,
+        l.warm_slots,
+        l.cgroup_favor_dynmods,
         &runtime_dir(),
         Some(egress.clone()),
+        uids.clone(),
     );
     let host_probe = Some(local.probe().clone());
     backends.insert(BackendKind::Local, Arc::new(local));
@@ -135,7 +143,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         audit.clone(),
         metrics.clone(),
     ));
-    let sessions = crate::sessions::SessionService::new(&config.sessions, executions.clone());
+    let sessions = crate::sessions::SessionService::new(&config.sessions, executions.clone(), uids);
     Ok(Arc::new(AppState {
         auth,
         executions,

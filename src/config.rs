@@ -236,10 +236,34 @@ pub struct LocalConfig {
     /// `/proc/<pid>/cgroup` but mounted nowhere, and Docker then stops flagging OOM kills.
     #[serde(default)]
     pub cgroup_favor_dynmods: bool,
+    /// The block of host uids each live run or session gets one of, its own, for its life
+    /// (`uid_first` .. `uid_first + uid_count - 1`): the kernel counts inotify instances and
+    /// watches and pipe buffers per uid, so sandboxes sharing one could exhaust them for each
+    /// other.
+    #[serde(default = "default_uid_first")]
+    pub uid_first: u32,
+    #[serde(default = "default_uid_count")]
+    pub uid_count: u32,
+    /// One lock file per uid in use (`flock`): every daemon of the host must name the same
+    /// directory, so none hands out a uid another one holds.
+    #[serde(default = "default_uid_lock_dir")]
+    pub uid_lock_dir: PathBuf,
 }
 
 fn default_warm_slots() -> usize {
     2
+}
+
+fn default_uid_first() -> u32 {
+    200_000
+}
+
+fn default_uid_count() -> u32 {
+    65_536
+}
+
+fn default_uid_lock_dir() -> PathBuf {
+    PathBuf::from("/run/executor-arm/uids")
 }
 
 #[derive(Debug, Clone, Deserialize)]

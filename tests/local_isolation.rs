@@ -229,13 +229,18 @@ done()
     refused_with(&res, "list secret dir", &[libc::ENOENT]);
     refused_with(&res, "daemon environ", &[libc::ENOENT]);
     refused_with(&res, "daemon mem", &[libc::ENOENT]);
-    refused_with(&res, "init environ", &[libc::EACCES]);
-    refused_with(&res, "init mem", &[libc::EACCES]);
-    refused_with(&res, "init maps", &[libc::EACCES]);
-    refused_with(&res, "init root secret", &[libc::EACCES]);
-    refused_with(&res, "init cwd", &[libc::EACCES]);
-    refused_with(&res, "init fds", &[libc::EACCES]);
-    refused_with(&res, "init fd 3", &[libc::EACCES]);
+    // pid 1 (root) is not even visible to the command (its /proc is hidepid=2).
+    for name in [
+        "init environ",
+        "init mem",
+        "init maps",
+        "init root secret",
+        "init cwd",
+        "init fds",
+        "init fd 3",
+    ] {
+        refused_with(&res, name, &[libc::ENOENT]);
+    }
     refused_with(&res, "process_vm_readv init", &[libc::EPERM]);
     // The command's own environment is the profile's, nothing of the daemon's.
     allowed(&res, "own environ");
@@ -604,7 +609,7 @@ done()
         refused_with(&res, &format!("write through {n}"), &[libc::ENOENT]);
     }
     refused_with(&res, "write through dir symlink", &[libc::ENOENT]);
-    refused_with(&res, "write through proc root", &[libc::EACCES]);
+    refused_with(&res, "write through proc root", &[libc::ENOENT]);
     assert_eq!(sha256_file(&canary), before, "canary changed");
     assert_run_left_nothing(&d, &r, &m);
 
@@ -887,11 +892,16 @@ done()
     refused_with(&res, "setgid 0", &[libc::EPERM]);
     refused_with(&res, "setresuid 0", &[libc::EPERM]);
     refused_with(&res, "setgroups", &[libc::EPERM]);
-    assert_eq!(
-        res["ids"]["value"],
-        json!("(65534, 65534, 65534, 65534, [])"),
-        "{res}"
-    );
+    // The run's own uid from the configured block (default 200000 + 65536), the profile's gid.
+    let ids = res["ids"]["value"].as_str().unwrap_or_default();
+    let uid: u32 = ids
+        .trim_start_matches('(')
+        .split(',')
+        .next()
+        .and_then(|u| u.trim().parse().ok())
+        .unwrap_or_else(|| panic!("ids: {res}"));
+    assert!((200_000..265_536).contains(&uid), "{res}");
+    assert_eq!(ids, format!("({uid}, {uid}, 65534, 65534, [])"), "{res}");
     let status = res["status"]["text"].as_str().unwrap_or_default();
     for want in [
         "NoNewPrivs:\t1\n",
@@ -937,10 +947,10 @@ done()
         !su_res["out"].as_str().unwrap_or_default().contains('0'),
         "su ran id -u: {su_res}"
     );
-    for uid in su_res["uids"].as_array().expect("uids") {
+    for line in su_res["uids"].as_array().expect("uids") {
         assert_eq!(
-            uid,
-            &json!("Uid:\t65534\t65534\t65534\t65534"),
+            line,
+            &json!(format!("Uid:\t{uid}\t{uid}\t{uid}\t{uid}")),
             "setuid took effect: {su_res}"
         );
     }
@@ -1084,8 +1094,9 @@ done()
 "#;
     let r = py(&d, &m, body, 20).await;
     let res = results(&r);
-    // pid 1 is the sandbox's init, pid 2 the command: no host process is visible.
-    assert_eq!(res["pids"]["value"], json!("[1, 2]"), "{res}");
+    // pid 2 is the command; pid 1, the sandbox's init (root, sharing the daemon's memory), is
+    // hidden from it like every process it may not trace; no host process is visible.
+    assert_eq!(res["pids"]["value"], json!("[2]"), "{res}");
     assert_eq!(res["self"]["value"], json!("2"), "{res}");
     assert_eq!(res["ppid"]["value"], json!("1"), "{res}");
     for k in ["hostname", "uname", "proc hostname"] {
@@ -1105,6 +1116,214 @@ done()
     // The host's hostname is untouched.
     assert_eq!(hostname(), host_name_before);
     assert_ne!(host_name_before, "sandbox");
+    assert_run_left_nothing(&d, &r, &m);
+}
+
+/// Each live run has a host uid of its own, so the kernel's per-user counters are its own: run A
+/// opens inotify instances until the kernel refuses one (`fs.inotify.max_user_instances`) and
+/// holds them; run B, meanwhile, still gets one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_exhausting_its_inotify_instances_leaves_another_run_its_own() {
+    let d = Daemon::start();
+    let limit: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances")
+        .expect("max_user_instances")
+        .trim()
+        .parse()
+        .expect("a number");
+    let (ma, mb) = (marker(), marker());
+    let hog = r#"
+fds = []
+while True:
+    try:
+        fds.append(call(libc.inotify_init1, 0))
+    except OSError as e:
+        R["hog"] = {"ok": True, "count": len(fds), "errno": e.errno, "uid": os.getuid()}
+        break
+sys.stdout.flush()
+time.sleep(6)
+done()
+"#;
+    let other = r#"
+t("inotify", lambda: call(libc.inotify_init1, 0))
+t("uid", lambda: os.getuid())
+done()
+"#;
+    let held = async {
+        // B starts only once A holds every instance its uid may have.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut most = 0;
+        while Instant::now() < deadline {
+            for p in pids_with_cmdline(&ma) {
+                let n = fd_links(p)
+                    .iter()
+                    .filter(|l| l.as_str() == "anon_inode:inotify")
+                    .count();
+                most = most.max(n);
+            }
+            if most >= limit {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            most >= limit,
+            "run A held {most} of {limit} inotify instances"
+        );
+        py(&d, &mb, other, 20).await
+    };
+    let (a, b) = tokio::join!(py(&d, &ma, hog, 30), held);
+    let (a, b) = (results(&a), results(&b));
+    assert_eq!(a["hog"]["errno"], json!(libc::EMFILE), "{a}");
+    allowed(&b, "inotify");
+    let uid_a = a["hog"]["uid"].as_u64().expect("uid of A");
+    let uid_b: u64 = b["uid"]["value"]
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .expect("uid of B");
+    assert_ne!(uid_a, uid_b, "{a} {b}");
+    for uid in [uid_a, uid_b] {
+        assert!((200_000..265_536).contains(&uid), "uid {uid}");
+    }
+}
+
+/// The inode of the TCP socket listening on `addr` ("ip:port") in the network namespace of `pid`.
+fn listener_inode(pid: i32, addr: &str) -> String {
+    let port = addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse::<u16>().ok())
+        .expect("port");
+    let tcp = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).expect("net/tcp");
+    tcp.lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.len() > 9 && f[3] == "0A" && f[1].ends_with(&format!(":{port:04X}")))
+        .map(|f| f[9].to_string())
+        .unwrap_or_else(|| panic!("no listener on {addr} in {tcp}"))
+}
+
+/// Every descendant of `pid`, from the parent field of each process's stat.
+fn descendants(pid: i32) -> Vec<i32> {
+    let mut parent = std::collections::HashMap::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        // The parent is the second field after the ")" that ends the command name.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        if let Some(pp) = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse::<i32>().ok())
+        {
+            parent.insert(p, pp);
+        }
+    }
+    let mut out = Vec::new();
+    let mut todo = vec![pid];
+    while let Some(p) = todo.pop() {
+        for (&c, &pp) in &parent {
+            if pp == p && !out.contains(&c) {
+                out.push(c);
+                todo.push(c);
+            }
+        }
+    }
+    out
+}
+
+/// The targets of a process's descriptors (empty once it is gone).
+fn fd_links(pid: i32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect()
+}
+
+/// No descriptor of the daemon reaches a sandbox process but the run's own: not a prepared slot
+/// waiting for its run (it holds /dev/null, its go socket and its cgroup's files), not the
+/// processes of a running sandbox, not the command (0-2 only). Above all not the daemon's
+/// listening socket, which a process holding it would keep bound past the daemon's exit, nor its
+/// audit log or secret.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_descriptor_of_the_daemon_reaches_a_slot_or_a_sandbox() {
+    let d = Daemon::start();
+    let listener = format!("socket:[{}]", listener_inode(d.pid(), &d.addr));
+    let private = d.dir.path().to_string_lossy().into_owned();
+    let forbidden = |links: &[String]| -> Vec<String> {
+        links
+            .iter()
+            .filter(|l| **l == listener || l.starts_with(&private))
+            .cloned()
+            .collect()
+    };
+    // The prepared slots' shims, waiting for their runs.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let slots = loop {
+        let s = descendants(d.pid());
+        if s.len() >= 2 || Instant::now() > deadline {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!slots.is_empty(), "no prepared slot appeared within 20 s");
+    for &p in &slots {
+        let links = fd_links(p);
+        assert!(forbidden(&links).is_empty(), "slot {p} holds {links:?}");
+        let sockets = links.iter().filter(|l| l.starts_with("socket:")).count();
+        assert!(
+            sockets <= 1,
+            "slot {p} holds more than its go socket: {links:?}"
+        );
+        for l in &links {
+            assert!(
+                l == "/dev/null" || l.starts_with("socket:") || l.ends_with("cgroup.procs"),
+                "slot {p} holds {l} of the daemon: {links:?}"
+            );
+        }
+    }
+    // A running sandbox: its processes seen from the host while the command sleeps, and the
+    // command's own view.
+    let m = marker();
+    let body = r#"
+R["fds"] = {"ok": True, "links": sorted(os.readlink(f"/proc/self/fd/{n}") for n in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{n}"))}
+print("READY", flush=True)
+time.sleep(3)
+done()
+"#;
+    let watch = async {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            for p in descendants(d.pid()) {
+                let links = fd_links(p);
+                assert!(
+                    forbidden(&links).is_empty(),
+                    "sandbox process {p} holds {links:?}"
+                );
+                if pids_with_cmdline(&m).contains(&p) {
+                    return true;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    };
+    let (r, seen_command) = tokio::join!(py(&d, &m, body, 20), watch);
+    assert!(seen_command, "the command never appeared on the host");
+    let res = results(&r);
+    let links: Vec<String> = serde_json::from_value(res["fds"]["links"].clone()).expect("links");
+    assert!(
+        !links.iter().any(|l| l.starts_with("socket:")),
+        "the command holds a socket: {links:?}"
+    );
     assert_run_left_nothing(&d, &r, &m);
 }
 
@@ -1281,8 +1500,9 @@ while True:
     assert_run_left_nothing(&d, &r3, &m3);
 }
 
-/// Runs of every daemon on a host share the sandbox uid (65534). Runs that hold their full pids
-/// allowance must not make another daemon's run fail: the per-run cgroup is the bound, and a
+/// Runs of every daemon on a host draw their uids from one block (and 65534 is shared with the
+/// host's other nobody processes). Runs that hold their full pids allowance must not make
+/// another daemon's run fail: the per-run cgroup is the bound, and a
 /// per-uid count across the host (RLIMIT_NPROC, sized by the *other* daemon's concurrency of 1)
 /// would couple unrelated runs.
 #[tokio::test(flavor = "multi_thread")]

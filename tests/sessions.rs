@@ -12,6 +12,52 @@ use executor_arm::auth::MintRequest;
 use executor_arm::config::TokenKind;
 use serde_json::{Value, json};
 
+/// What a session's exec sees of its sandbox's pid 1 names nothing of the daemon: not its binary,
+/// not its command line (`serve --listen <address>`), not its listen address, not its exe link.
+/// pid 1 shares the daemon's memory (and with it the daemon's argv), so it is not visible to the
+/// command at all; every process the command can see is its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_sees_nothing_of_the_daemons_command_line_in_its_pid_1() {
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    let code = r#"
+import os
+def get(f):
+    try:
+        return repr(f())
+    except OSError as e:
+        return "ERR " + os.strerror(e.errno)
+for p in ["1"] + sorted(p for p in os.listdir("/proc") if p.isdigit()):
+    print(p, "cmdline", get(lambda: open(f"/proc/{p}/cmdline", "rb").read()))
+    print(p, "comm", get(lambda: open(f"/proc/{p}/comm").read()))
+    print(p, "status", get(lambda: open(f"/proc/{p}/status").read().splitlines()[0]))
+    print(p, "exe", get(lambda: os.readlink(f"/proc/{p}/exe")))
+"#;
+    let r = c
+        .exec(&id, json!({"code": code, "timeout_ms": 20000}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let out = r.json["stdout"].as_str().unwrap_or_default();
+    assert!(out.contains("cmdline"), "{}", r.text);
+    let daemon = common::bin();
+    let name = std::path::Path::new(daemon)
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    for needle in [daemon, name.as_str(), d.addr.as_str(), "--listen", "serve"] {
+        assert!(!out.contains(needle), "the sandbox sees {needle:?}:\n{out}");
+    }
+    // Whatever the command can see of pid 1, it is not readable as the daemon's.
+    for line in out.lines().filter(|l| l.starts_with("1 ")) {
+        assert!(
+            line.contains("ERR ") || line.contains("init"),
+            "pid 1 as the sandbox sees it: {line}"
+        );
+    }
+}
+
 /// The seed's two calls: create a python session, run code, read every ExecResponse field, and
 /// reuse the session for a second exec that reads what the first wrote. Then bash does the same.
 #[tokio::test(flavor = "multi_thread")]

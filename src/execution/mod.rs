@@ -116,6 +116,9 @@ pub enum SessionPlace {
     Host {
         workspace: PathBuf,
         code_file: PathBuf,
+        /// The session's own host uid (see [`crate::sandbox::uids`]); None only while a
+        /// session is being decided, before it has one.
+        uid: Option<u32>,
     },
     /// Docker/gVisor: the session's kept sandbox, which writes `code` at the language's path.
     Kept {
@@ -940,7 +943,11 @@ impl ExecutionService {
                 SessionPlace::Host {
                     workspace,
                     code_file,
+                    uid,
                 } => {
+                    if let Some(uid) = uid {
+                        spec.uid = *uid;
+                    }
                     spec.fs.workspace = Some(workspace.clone());
                     spec.fs.extra_files = vec![(code_file.clone(), s.language.code_path())];
                 }

@@ -12,6 +12,7 @@ pub mod local;
 pub mod probe;
 pub mod run;
 pub mod syscalls;
+pub mod uids;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -32,6 +32,7 @@ use crate::policy::language::Language;
 use crate::provenance::audit::{self, AuditEvent};
 use crate::sandbox::BackendKind;
 use crate::sandbox::files::Kept;
+use crate::sandbox::uids::UidRange;
 use crate::state::SessionRecord;
 
 /// Every session id starts with this (the startup reaper only touches such names).
@@ -369,6 +370,8 @@ pub struct SessionService {
     /// Sessions ended because their sandbox died, newest last (at most [`LOST_KEPT`]): their
     /// owner is told why instead of a bare 404.
     lost: Mutex<std::collections::VecDeque<(String, Owner, String)>>,
+    /// Each local session's own host uid comes from here (held by its workspace).
+    uids: Arc<UidRange>,
 }
 
 /// How many sandbox deaths are remembered for their owners.
@@ -379,7 +382,11 @@ const SANDBOX_GONE: &str = "sandbox_gone";
 
 impl SessionService {
     /// The service; sessions a previous process left under `sessions.dir` are removed first.
-    pub fn new(config: &SessionsConfig, executions: Arc<ExecutionService>) -> Arc<Self> {
+    pub fn new(
+        config: &SessionsConfig,
+        executions: Arc<ExecutionService>,
+        uids: Arc<UidRange>,
+    ) -> Arc<Self> {
         let dir = workspace::claim_dir(&config.dir);
         match &dir {
             Ok(_) => {
@@ -398,6 +405,7 @@ impl SessionService {
             closed: watch::channel(false).0,
             dir,
             lost: Default::default(),
+            uids,
         })
     }
 
@@ -544,6 +552,7 @@ impl SessionService {
                 place: SessionPlace::Host {
                     workspace: PathBuf::new(),
                     code_file: PathBuf::new(),
+                    uid: None,
                 },
                 code_sha256: String::new(),
                 cwd: WORKSPACE.into(),
@@ -572,9 +581,10 @@ impl SessionService {
         let place = if plan.backend == BackendKind::Local {
             let (dir, session_id) = (self.config.dir.clone(), id.clone());
             let disk = plan.limits.disk_bytes;
-            let (uid, gid) = (plan.profile.user.uid, plan.profile.user.gid);
+            let (uids, gid) = (self.uids.clone(), plan.profile.user.gid);
             let workspace = tokio::task::spawn_blocking(move || {
-                Workspace::create(&dir, &session_id, disk, uid, gid)
+                let lease = uids.lease().map_err(|e| e.to_string())?;
+                Workspace::create(&dir, &session_id, disk, lease, gid)
             })
             .await
             .map_err(|e| ExecutionError::Internal(e.to_string()))?
@@ -761,6 +771,7 @@ impl SessionService {
                     SessionPlace::Host {
                         workspace: w.host_dir(),
                         code_file: code_file.clone(),
+                        uid: Some(w.uid()),
                     },
                     CodeFile(Some(code_file)),
                 )

@@ -21,6 +21,8 @@ use nix::mount::{MntFlags, MsFlags};
 use nix::sys::stat::{FileStat, Mode, SFlag};
 use nix::unistd::{Gid, Uid};
 
+use crate::sandbox::uids::UidLease;
+
 pub use crate::sandbox::files::{Entry, FileError, relative};
 
 /// The workspace's mount point under a session's directory.
@@ -36,6 +38,8 @@ pub struct Workspace {
     root: PathBuf,
     uid: u32,
     gid: u32,
+    /// The session's own host uid, held for the workspace's life (see [`crate::sandbox::uids`]).
+    _lease: UidLease,
     /// The workspace tmpfs's root, opened once when it was mounted: every file call resolves
     /// from it, never from a path, so a call racing the session's end reaches the detached tmpfs
     /// (freed with this fd) and never the host directory under the mount point.
@@ -56,21 +60,24 @@ fn io(e: impl std::fmt::Display) -> FileError {
 }
 
 impl Workspace {
-    /// Makes `<dir>/<id>` with a tmpfs of `disk_bytes` at its workspace, owned by the sandbox's
-    /// `uid`:`gid`. Anything made is removed again when a step fails.
+    /// Makes `<dir>/<id>` with a tmpfs of `disk_bytes` at its workspace, owned by the session's
+    /// uid (`lease`, held as long as the workspace) and `gid`. Anything made is removed again
+    /// when a step fails.
     pub fn create(
         dir: &Path,
         id: &str,
         disk_bytes: u64,
-        uid: u32,
+        lease: UidLease,
         gid: u32,
     ) -> Result<Workspace, String> {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let root = dir.join(id);
+        let uid = lease.uid();
         let mut ws = Workspace {
             root,
             uid,
             gid,
+            _lease: lease,
             fd: None,
         };
         let made = (|| {
@@ -112,6 +119,11 @@ impl Workspace {
                 Err(e)
             }
         }
+    }
+
+    /// The session's host uid: what its execs run as and what owns its files.
+    pub fn uid(&self) -> u32 {
+        self.uid
     }
 
     /// The workspace on the host: what each exec gets bound at its workdir.

@@ -318,7 +318,13 @@ impl ContainerPlan {
             user: Some("0:0".into()),
             working_dir: Some("/".into()),
             hostname: Some("sandbox".into()),
-            entrypoint: Some(supervisor::entrypoint(spec.uid, spec.gid, &workdir, kept)),
+            entrypoint: Some(supervisor::entrypoint(
+                spec.uid,
+                spec.gid,
+                &workdir,
+                kept,
+                command_address_space(kind, l.memory_bytes),
+            )),
             cmd: None,
             env: Some(env),
             // stdin stays open for the supervisor's request; StdinOnce closes it when our attach
@@ -403,6 +409,20 @@ impl ContainerPlan {
 }
 
 /// The labels of one container and of its disk volume.
+/// The RLIMIT_AS each command process starts with. gVisor only: the container's memory cgroup
+/// holds the sentry as well as the command, and a command that fills it gets the sentry killed,
+/// which ends the whole sandbox (a session with it). Three quarters of the memory limit leaves the
+/// sentry its headroom (measured under runsc at 512 MiB: a 2 GiB `bytearray` is refused, filling
+/// memory 8 MiB at a time stops near 360 MiB with a 100 MiB file in the workdir, and the sandbox
+/// lives on). runc and local: the cgroup's OOM killer takes the command only, no limit needed.
+/// (runsc enforces RLIMIT_AS on mmap and brk; it does not enforce RLIMIT_DATA.)
+pub fn command_address_space(kind: BackendKind, memory_bytes: u64) -> Option<u64> {
+    match kind {
+        BackendKind::Gvisor => Some((memory_bytes / 4).saturating_mul(3).max(16 << 20)),
+        BackendKind::Docker | BackendKind::Local => None,
+    }
+}
+
 fn labels(owner: &Owner, exec_label: &str, kind: BackendKind) -> HashMap<String, String> {
     HashMap::from([
         (LABEL_MANAGED.to_string(), "true".to_string()),
@@ -477,7 +497,18 @@ pub(crate) mod tests {
         assert_eq!(b.working_dir.as_deref(), Some("/"));
         let ep = b.entrypoint.clone().unwrap();
         assert_eq!(ep[0], supervisor::PERL);
-        assert_eq!(&ep[3..], ["65534", "65534", "/work", "once"]);
+        // gVisor: the command's address space stays below the container's memory (the sentry's
+        // headroom).
+        assert_eq!(
+            &ep[3..],
+            [
+                "65534",
+                "65534",
+                "/work",
+                "once",
+                &(384u64 << 20).to_string()
+            ]
+        );
         assert_eq!(h.runtime.as_deref(), Some("runsc"));
         assert_eq!(h.network_mode.as_deref(), Some("none"));
         assert_eq!(h.readonly_rootfs, Some(true));
@@ -542,11 +573,12 @@ pub(crate) mod tests {
         assert_eq!(labels[LABEL_MANAGED], "true");
         assert_eq!(labels[LABEL_EXEC_ID], "exec-1");
         assert_eq!(labels[LABEL_OWNER], "host/pid:[7]/1/42");
-        let runc = ContainerPlan::new(&spec(), BackendKind::Docker, "i", false)
+        let runc_body = ContainerPlan::new(&spec(), BackendKind::Docker, "i", false)
             .unwrap()
-            .body(&owner(), "x", "v", None)
-            .host_config
-            .unwrap();
+            .body(&owner(), "x", "v", None);
+        // runc: the cgroup's OOM killer takes the command alone; no address-space limit.
+        assert_eq!(runc_body.entrypoint.as_ref().unwrap().last().unwrap(), "0");
+        let runc = runc_body.host_config.unwrap();
         assert_eq!(runc.runtime.as_deref(), Some("runc"));
         assert_eq!(runc.pids_limit, Some(64));
         assert!(

@@ -9,7 +9,8 @@
 # one exec outlives it; between runs it serves file calls in the workdir. Never a shell: argv goes
 # to execve as a list; nothing is interpreted.
 #
-# Arguments:        UID GID WORKDIR [MODE] (who the command runs as, where, once|kept)
+# Arguments:        UID GID WORKDIR [MODE [AS]] (who the command runs as, where, once|kept, and
+#                   the RLIMIT_AS in bytes each command process starts with, 0 for none)
 # Run request:      "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1,
 #                   relay_port|0, relay_socket, timeout_ms, code_path|"", code_len|-1, cwd|"")
 #                   stdin-bytes code-bytes   (code: kept mode only, written to code_path, a file
@@ -55,7 +56,10 @@ binmode($_, ':raw') for (\*STDIN, \*STDOUT, \*STDERR);
 sub eintr { return !defined($_[0]) && $! == POSIX::EINTR() }
 
 # Syscalls perl has no wrapper for, by architecture.
-my %NR = (x86_64 => { prctl => 157, getrusage => 98 }, aarch64 => { prctl => 167, getrusage => 165 });
+my %NR = (
+    x86_64  => { prctl => 157, getrusage => 98,  prlimit64 => 302 },
+    aarch64 => { prctl => 167, getrusage => 165, prlimit64 => 261 },
+);
 my ($ARCH) = ($Config::Config{archname} // '') =~ /^([^-]+)/;
 my $nr = $NR{ $ARCH // '' } // {};
 # Seconds the supervisor's own deadline leaves the daemon to end a timed-out run first.
@@ -173,10 +177,13 @@ sub relay_step {
 
 
 # Before anything else: nothing in this container may trace us or read us through /proc.
-my ($UID, $GID, $WORKDIR, $MODE) = @ARGV;
+my ($UID, $GID, $WORKDIR, $MODE, $AS) = @ARGV;
 $MODE //= 'once';
-unless (defined $WORKDIR && $UID =~ /^[0-9]+$/ && $GID =~ /^[0-9]+$/ && $MODE =~ /^(once|kept)$/) {
-    frame('f', 'usage: UID GID WORKDIR [once|kept]');
+$AS   //= 0;
+unless (defined $WORKDIR && $UID =~ /^[0-9]+$/ && $GID =~ /^[0-9]+$/ && $MODE =~ /^(once|kept)$/
+    && $AS =~ /^[0-9]+$/)
+{
+    frame('f', 'usage: UID GID WORKDIR [once|kept [AS]]');
     POSIX::_exit(0);
 }
 my $KEPT = $MODE eq 'kept';
@@ -308,6 +315,16 @@ sub spawn {
         if ($why) {
             syswrite($xw, "cannot run as $UID:$GID: $why");
             POSIX::_exit(127);
+        }
+        # gVisor: the container's memory cgroup holds the sentry too, and a command that fills it
+        # takes the whole sandbox down with it. Below it, an allocation past this limit fails in
+        # the command (ENOMEM) and the sentry keeps its headroom.
+        if ($AS) {
+            my $rl = pack('QQ', $AS, $AS);
+            unless ($nr->{prlimit64} && syscall($nr->{prlimit64}, 0, 9, $rl, 0) == 0) {    # RLIMIT_AS
+                syswrite($xw, "cannot limit the address space to $AS bytes: $!");
+                POSIX::_exit(127);
+            }
         }
         my $order = '';
         while (1) {

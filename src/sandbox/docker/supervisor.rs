@@ -70,9 +70,16 @@ pub struct Relay {
 /// container: the command reads its code but cannot change it).
 pub const CODE_DIR: &str = "/run/session";
 
-/// The container's entrypoint: the supervisor, told who the command runs as, where, and whether
-/// it serves one request (`/execute`) or a session's requests one after another (`kept`).
-pub fn entrypoint(uid: u32, gid: u32, workdir: &str, kept: bool) -> Vec<String> {
+/// The container's entrypoint: the supervisor, told who the command runs as, where, whether
+/// it serves one request (`/execute`) or a session's requests one after another (`kept`), and
+/// the address-space limit (RLIMIT_AS, bytes) each command process gets, if any.
+pub fn entrypoint(
+    uid: u32,
+    gid: u32,
+    workdir: &str,
+    kept: bool,
+    address_space: Option<u64>,
+) -> Vec<String> {
     vec![
         PERL.to_string(),
         "-e".to_string(),
@@ -81,6 +88,7 @@ pub fn entrypoint(uid: u32, gid: u32, workdir: &str, kept: bool) -> Vec<String> 
         gid.to_string(),
         workdir.to_string(),
         if kept { "kept" } else { "once" }.to_string(),
+        address_space.unwrap_or(0).to_string(),
     ]
 }
 
@@ -378,7 +386,7 @@ mod tests {
         }
         let (uid, gid) = identity();
         let mut child = cmd
-            .args(&entrypoint(uid, gid, "/", false)[1..])
+            .args(&entrypoint(uid, gid, "/", false, None)[1..])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -819,7 +827,7 @@ mod tests {
         req.extend_from_slice(cut.as_bytes());
         let (uid, gid) = identity();
         let mut child = Command::new(PERL)
-            .args(&entrypoint(uid, gid, "/", false)[1..])
+            .args(&entrypoint(uid, gid, "/", false, None)[1..])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

@@ -235,6 +235,11 @@ pub struct ChildPlan {
     /// Read end of the go-signal pipe (-1: none). With egress, the daemon binds the proxy
     /// listener inside our network namespace and then writes one byte; the command starts after.
     pub sync_fd: i32,
+    /// The descriptors above (status, stdio, and the ruleset, go-signal and hello ends where
+    /// present), in the order a prepared shim receives them (see [`WarmShim`]).
+    pub passed_fds: Vec<i32>,
+    /// `passed_fds` sorted: what a shim keeps of the fd table it starts with.
+    pub keep_fds: Vec<i32>,
     // Owners of the memory argv_ptrs / envp_ptrs point into.
     pub _argv: Vec<CString>,
     pub _envp: Vec<CString>,
@@ -348,6 +353,19 @@ fn fail(fd: i32, stage: Stage) -> ! {
     report(fd, TAG_SETUP_ERROR, stage as u8, errno());
     // SAFETY: _exit is async-signal-safe and never returns.
     unsafe { libc::_exit(126) }
+}
+
+/// The most descriptors a run hands its shim: status, stdin, stdout, stderr, ruleset, go-signal,
+/// hello.
+pub const MAX_PASSED_FDS: usize = 7;
+
+/// The descriptors a run hands its shim, in the order [`ChildPlan::passed_fds`] lists them (-1:
+/// none, skipped).
+pub fn passed_fds(status: i32, stdio: [i32; 3], landlock: i32, sync: i32, hello: i32) -> Vec<i32> {
+    [status, stdio[0], stdio[1], stdio[2], landlock, sync, hello]
+        .into_iter()
+        .filter(|&fd| fd >= 0)
+        .collect()
 }
 
 /// Closes every fd >= 3 except the listed ones (sorted ascending).
@@ -537,13 +555,17 @@ unsafe fn join_cgroup(procs: &[CString]) -> bool {
 
 /// A shim started before its run: it joins a prepared cgroup at once (joining is the slow part
 /// of starting a run on cgroup v1, one RCU grace period after an idle spell) and then waits for
-/// the plan of the run it will serve. It shares the daemon's fd table while it waits, so the
-/// run's pipes, made later, are there when it takes its own copy.
+/// the plan of the run it will serve. It keeps nothing of the daemon's fd table but its go socket
+/// and the cgroup files (its stdio is /dev/null): the daemon's listener, audit log and
+/// connections never reach it. The run's descriptors, made later, come with the go byte
+/// (SCM_RIGHTS) and are put at the numbers the plan names.
 pub struct WarmShim {
     /// `cgroup.procs` of the slot's cgroup, opened by the daemon: the slot may be renamed for
     /// its run before a slow shim got to join it.
     cgroup_procs: Vec<std::os::fd::OwnedFd>,
     go_fd: i32,
+    /// go_fd and the cgroup files, sorted: all the shim keeps of the table it is cloned with.
+    keep_fds: Vec<i32>,
     /// The run's plan, set once before the go byte; holding it here keeps it alive as long as
     /// the shim's starting thread runs. Reading it is one atomic load (async-signal-safe).
     armed: std::sync::OnceLock<Arc<ChildPlan>>,
@@ -552,16 +574,24 @@ pub struct WarmShim {
 }
 
 impl WarmShim {
-    /// `go_fd` is the read end of the pipe [`WarmShim::arm`]'s caller writes one byte to; EOF
-    /// makes the shim exit unused. It must stay open until the shim is gone.
+    /// `go_fd` is the shim's end of a `SOCK_SEQPACKET` pair; [`WarmShim::arm`]'s caller sends
+    /// one byte with the run's [`ChildPlan::passed_fds`] on the other end, and EOF makes the shim
+    /// exit unused. It must stay open until the shim is gone.
     pub fn new(
         cgroup_procs: Vec<std::os::fd::OwnedFd>,
         go_fd: i32,
         stacks: Arc<Stacks>,
     ) -> WarmShim {
+        let mut keep_fds: Vec<i32> = cgroup_procs
+            .iter()
+            .map(std::os::fd::AsRawFd::as_raw_fd)
+            .chain([go_fd])
+            .collect();
+        keep_fds.sort_unstable();
         WarmShim {
             cgroup_procs,
             go_fd,
+            keep_fds,
             armed: std::sync::OnceLock::new(),
             stacks,
             state: ShimState::default(),
@@ -572,7 +602,7 @@ impl WarmShim {
         &self.stacks
     }
 
-    /// Hands the shim its run; the caller then writes the go byte. The plan must use this
+    /// Hands the shim its run; the caller then sends the go byte. The plan must use this
     /// shim's stacks and outlive the run's cgroup like the shim itself.
     pub fn arm(&self, plan: &Arc<ChildPlan>) {
         let _ = self.armed.set(plan.clone());
@@ -584,14 +614,14 @@ impl WarmShim {
     /// `self`, its stacks and the plan it is armed with must stay alive until the cgroup it
     /// joins is empty.
     pub unsafe fn spawn_and_wait(&self) -> std::io::Result<()> {
-        // SAFETY: the caller keeps self and the stacks alive; CLONE_FILES shares our fd table
-        // until the shim takes its own copy.
+        // SAFETY: the caller keeps self and the stacks alive. The shim gets a copy of our fd
+        // table and closes all of it but its own descriptors first thing.
         unsafe {
             run_shim(
                 warm_shim_main,
                 self as *const WarmShim as *const libc::c_void,
                 &self.stacks,
-                libc::CLONE_FILES,
+                0,
                 &self.state,
             )
         }
@@ -606,6 +636,16 @@ impl WarmShim {
         // clone; the plan is read only after the go byte, which the daemon writes after arm().
         unsafe {
             shim_prologue();
+            // Nothing of the daemon's table stays: stdio on /dev/null, every other descriptor
+            // but ours closed, before anything else can block.
+            let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+            if null < 0 {
+                libc::_exit(0);
+            }
+            for target in 0..3 {
+                libc::dup2(null, target);
+            }
+            close_other_fds(&self.keep_fds);
             let joined = self.cgroup_procs.iter().all(|fd| {
                 libc::write(std::os::fd::AsRawFd::as_raw_fd(fd), b"0".as_ptr().cast(), 1) == 1
             });
@@ -616,31 +656,110 @@ impl WarmShim {
             }
             // After joining: nothing of the run may exist outside its cgroup.
             let unshared = libc::unshare(EARLY_NAMESPACES) == 0;
-            let mut b = 0u8;
-            loop {
-                let n = libc::read(self.go_fd, (&mut b as *mut u8).cast(), 1);
-                if n == 1 {
-                    break;
-                }
-                if n < 0 && errno() == libc::EINTR {
-                    continue;
-                }
-                libc::_exit(0); // the slot was discarded
-            }
+            let mut received = [-1i32; MAX_PASSED_FDS];
+            // EOF or an error: the slot was discarded.
+            let Some(n) = recv_go(self.go_fd, &mut received) else {
+                libc::_exit(0);
+            };
             let Some(plan) = self.armed.get() else {
                 libc::_exit(0);
             };
-            if !unshared {
-                fail(plan.status_fd, Stage::Unshare);
+            // The run's descriptors at the numbers the plan names (the daemon's): until then
+            // there is no status pipe to report a failure on.
+            if !install_passed(&received[..n], &plan.passed_fds) {
+                libc::_exit(0);
             }
-            // Our own fd table from here on: a copy of the daemon's as it is now, with the run's
-            // pipes in it.
-            if libc::unshare(libc::CLONE_FILES) != 0 {
+            if !unshared {
                 fail(plan.status_fd, Stage::Unshare);
             }
             plan.start_sandbox(LATE_NAMESPACES, &self.state)
         }
     }
+}
+
+/// Receives a prepared shim's go message: one byte and up to [`MAX_PASSED_FDS`] descriptors
+/// (close-on-exec) into `out`. Returns how many came, None on EOF or an error.
+/// Async-signal-safe.
+///
+/// # Safety
+/// `sock` is the shim's end of its go socket.
+unsafe fn recv_go(sock: i32, out: &mut [i32; MAX_PASSED_FDS]) -> Option<usize> {
+    // SAFETY: recvmsg(2) into stack buffers whose sizes the msghdr states; the CMSG_* helpers
+    // only compute addresses inside the control buffer the kernel filled.
+    unsafe {
+        let mut byte = 0u8;
+        let mut iov = libc::iovec {
+            iov_base: (&mut byte as *mut u8).cast(),
+            iov_len: 1,
+        };
+        // u64s: the control buffer must be aligned for cmsghdr.
+        let mut control = [0u64; 16];
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&control) as _;
+        let n = loop {
+            let n = libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC);
+            if n < 0 && errno() == libc::EINTR {
+                continue;
+            }
+            break n;
+        };
+        if n != 1 || msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return None;
+        }
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        if cmsg.is_null() {
+            return Some(0);
+        }
+        if (*cmsg).cmsg_level != libc::SOL_SOCKET || (*cmsg).cmsg_type != libc::SCM_RIGHTS {
+            return None;
+        }
+        let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+        let count = bytes / std::mem::size_of::<i32>();
+        if count > MAX_PASSED_FDS {
+            return None;
+        }
+        let data = libc::CMSG_DATA(cmsg).cast::<i32>();
+        for (i, slot) in out.iter_mut().enumerate().take(count) {
+            *slot = data.add(i).read_unaligned();
+        }
+        Some(count)
+    }
+}
+
+/// Puts each of `received` at the number `targets` names (the same index), close-on-exec, and
+/// closes the received copies. Targets are free in a prepared shim's table but for the received
+/// descriptors themselves, which are first moved above every target. Async-signal-safe.
+///
+/// # Safety
+/// Called in a prepared shim only, on its own fd table.
+unsafe fn install_passed(received: &[i32], targets: &[i32]) -> bool {
+    if received.len() != targets.len() || received.len() > MAX_PASSED_FDS {
+        return false;
+    }
+    let above = targets.iter().copied().max().unwrap_or(2).saturating_add(1);
+    let mut moved = [-1i32; MAX_PASSED_FDS];
+    // SAFETY: fcntl/dup3/close on descriptor numbers; no memory involved.
+    unsafe {
+        for (m, &r) in moved.iter_mut().zip(received) {
+            *m = libc::fcntl(r, libc::F_DUPFD_CLOEXEC, above);
+            if *m < 0 {
+                return false;
+            }
+        }
+        for &r in received {
+            libc::close(r);
+        }
+        for (&m, &t) in moved.iter().zip(targets) {
+            if libc::dup3(m, t, libc::O_CLOEXEC) < 0 {
+                return false;
+            }
+            libc::close(m);
+        }
+    }
+    true
 }
 
 impl ChildPlan {
@@ -692,6 +811,10 @@ impl ChildPlan {
         let sfd = self.status_fd;
         // SAFETY: (whole function) only async-signal-safe syscalls on memory prepared before clone.
         unsafe {
+            // 0. Nothing of the daemon's fd table but the run's own descriptors: the daemon's
+            //    listener, connections and files never reach the sandbox, not even before init
+            //    closes what it does not need (step 10).
+            close_other_fds(&self.keep_fds);
             // 1. The command's stdio on 0-2.
             for (target, &fd) in self.stdio.iter().enumerate() {
                 if libc::dup2(fd, target as i32) < 0 {
@@ -745,6 +868,9 @@ impl ChildPlan {
         unsafe {
             // Die with the shim (which dies with the daemon).
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            // A name of our own rather than the spawning daemon thread's. (Our command line is
+            // the daemon's: we share its memory. The sandbox's /proc hides us, see MountOp::Proc.)
+            libc::prctl(libc::PR_SET_NAME, c"init".as_ptr(), 0, 0, 0);
 
             // 4. Nothing we mount may propagate back to the host.
             if libc::mount(
@@ -1027,13 +1153,16 @@ impl ChildPlan {
                 MountOp::Detach(p) => {
                     libc::umount2(p.as_ptr(), libc::MNT_DETACH) == 0 && libc::rmdir(p.as_ptr()) == 0
                 }
+                // hidepid=2 (invisible): the command sees only processes it may ptrace, its own.
+                // Init (pid 1, root) shares the daemon's memory, so its /proc/1/cmdline would be
+                // the daemon's argv (binary path, listen address) and /proc/1/exe its binary.
                 MountOp::Proc(dst) => {
                     libc::mount(
                         c"proc".as_ptr(),
                         dst.as_ptr(),
                         c"proc".as_ptr(),
                         libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-                        std::ptr::null(),
+                        c"hidepid=2".as_ptr().cast(),
                     ) == 0
                 }
             }

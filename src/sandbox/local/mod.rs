@@ -32,6 +32,7 @@ use self::seccomp::SeccompProgram;
 use super::capture::OutputCapture;
 use super::probe::HostProbe;
 use super::run::{self, Ending, Waited};
+use super::uids::UidRange;
 use super::{BackendKind, BackendStatus, ExitKind, RunOutcome, RunSpec, Sandbox, SandboxError};
 
 pub struct LocalSandbox {
@@ -50,6 +51,8 @@ pub struct LocalSandbox {
     reaper: Option<reaper::Reaper>,
     /// Holds the kernel's `favordynmods` mode while the backend lives (see [`dynmods`]).
     _dynmods: Option<dynmods::FavorDynMods>,
+    /// Where each run's own host uid comes from (a session's execs come with the session's).
+    uids: Arc<UidRange>,
 }
 
 impl LocalSandbox {
@@ -62,6 +65,7 @@ impl LocalSandbox {
         favor_dynmods: bool,
         runtime_dir: &Path,
         egress: Option<egress::EgressSettings>,
+        uids: Arc<UidRange>,
     ) -> Self {
         let mut probe = HostProbe::detect();
         let cgroups = match cgroup::detect(Path::new("/sys/fs/cgroup"), cgroup_name) {
@@ -136,6 +140,7 @@ impl LocalSandbox {
                 .inspect_err(|e| tracing::warn!(error = %e, "no teardown thread: runs remove their own cgroups"))
                 .ok(),
             _dynmods: dynmods,
+            uids,
         }
     }
 
@@ -252,10 +257,10 @@ impl LocalSandbox {
                         None => spec.limits.disk_bytes,
                     },
                 ),
-                // No RLIMIT_NPROC: it counts every process of the uid on the host, and every run
-                // of every daemon (and any other uid-65534 process) shares the uid, so a value
-                // sized for this daemon lets runs elsewhere make our exec fail with EAGAIN. The
-                // run's pids cgroup, joined before anything forks, is the bound.
+                // No RLIMIT_NPROC: it counts every process of the uid on the host, and a uid of
+                // the block may be held by a process this run does not know (a leftover of a
+                // killed daemon, another user of the range). The run's pids cgroup, joined before
+                // anything forks, is the bound.
             ],
             uid: spec.uid,
             gid: spec.gid,
@@ -274,6 +279,12 @@ impl LocalSandbox {
             stacks,
             shim_state: Default::default(),
             sync_fd: fds.sync,
+            passed_fds: fds.passed(),
+            keep_fds: {
+                let mut k = fds.passed();
+                k.sort_unstable();
+                k
+            },
             _argv: argv,
             _envp: envp,
         })
@@ -649,7 +660,7 @@ impl Drop for CgroupGuard {
 struct Slot {
     guard: CgroupGuard,
     shim: Arc<child::WarmShim>,
-    /// Write end of the go pipe; dropping it unused makes the shim exit.
+    /// Our end of the go socket; dropping it unused makes the shim exit.
     go: OwnedFd,
     /// Resolves once the shim has exited.
     exited: tokio::task::JoinHandle<std::io::Result<()>>,
@@ -754,7 +765,7 @@ fn prepare_slot(driver: &dyn CgroupDriver, seq: u64) -> Result<Slot, SandboxErro
         })
         .collect::<Result<Vec<_>, _>>()?;
     let stacks = Arc::new(child::Stacks::new()?);
-    let (go_r, go_w) = pipe(libc::O_CLOEXEC)?;
+    let (go_w, go_r) = go_socket()?;
     let shim = Arc::new(child::WarmShim::new(procs, go_r.as_raw_fd(), stacks));
     guard.keep(shim.clone());
     let runner = shim.clone();
@@ -780,6 +791,47 @@ struct PlanFds {
     sync: i32,
     hello: i32,
     stdio: [i32; 3],
+}
+
+impl PlanFds {
+    fn passed(&self) -> Vec<i32> {
+        child::passed_fds(
+            self.status,
+            self.stdio,
+            self.landlock,
+            self.sync,
+            self.hello,
+        )
+    }
+}
+
+/// A prepared shim's go channel (ours, the shim's): the go byte travels with the run's
+/// descriptors, which the shim, holding none of the daemon's, could not reach otherwise.
+fn go_socket() -> Result<(OwnedFd, OwnedFd), SandboxError> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+    socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(|e| SandboxError::Setup(format!("go socket of a run slot: {e}")))
+}
+
+/// Tells a prepared shim to go, handing it `fds` (the plan's passed descriptors, in order).
+fn send_go(go: &OwnedFd, fds: &[i32]) -> Result<(), SandboxError> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    let iov = [std::io::IoSlice::new(b"1")];
+    let cmsgs = [ControlMessage::ScmRights(fds)];
+    match sendmsg::<()>(go.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+        Ok(1) => Ok(()),
+        Ok(n) => Err(SandboxError::Setup(format!(
+            "go message of a run slot: {n} bytes sent"
+        ))),
+        Err(e) => Err(SandboxError::Setup(format!(
+            "go message of a run slot: {e}"
+        ))),
+    }
 }
 
 /// The status pipe: non-blocking, read once after the sandbox is gone.
@@ -879,7 +931,7 @@ impl Sandbox for LocalSandbox {
         }
     }
 
-    async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError> {
+    async fn run(&self, mut spec: RunSpec) -> Result<RunOutcome, SandboxError> {
         // Fail closed: refuse before anything starts when a mechanism is missing.
         let missing = self.probe.local_missing(spec.landlock_abi);
         if !missing.is_empty() {
@@ -888,6 +940,20 @@ impl Sandbox for LocalSandbox {
                 missing.join(", ")
             )));
         }
+        // A host uid of the run's own, held until the run is over (its processes are gone by
+        // then: pid 1's exit killed the namespace). A session's exec comes with the uid the
+        // session holds for its life, which owns its workspace.
+        let _uid = match spec.fs.workspace {
+            Some(_) => None,
+            None => {
+                let uids = self.uids.clone();
+                let lease = tokio::task::spawn_blocking(move || uids.lease())
+                    .await
+                    .map_err(|e| SandboxError::Setup(format!("uid lease task: {e}")))??;
+                spec.uid = lease.uid();
+                Some(lease)
+            }
+        };
         let egress_settings = run::egress_for(&spec.network, self.egress.as_ref())?.cloned();
         let driver = self
             .cgroups
@@ -907,8 +973,8 @@ impl Sandbox for LocalSandbox {
         // so it acts after the guard's removal on every path.
         let refill = RefillOnDrop(self.warm.clone());
         // The child's ends of the run's pipes, declared before the guard so that on every early
-        // return the run is killed before their numbers are freed: a prepared shim shares our fd
-        // table until it takes its own copy.
+        // return the run is killed before their numbers are freed: a shim started for the run
+        // copies our fd table when it is cloned, on another thread.
         let mut child_ends_slot;
         let (mut guard, warm) = match slot {
             Some(mut slot) => {
@@ -984,7 +1050,7 @@ impl Sandbox for LocalSandbox {
         let (sync_r, sync_w) = sync.unzip();
         let (hello_r, hello_w) = hello.unzip();
         // The child's ends stay open until the shim is gone: the shim copies the fd table when it
-        // is cloned (or, prepared, when it is told to go), which happens on another thread.
+        // is cloned, which happens on another thread (a prepared one gets them with its go byte).
         child_ends_slot = Some((
             status_w,
             landlock_fd,
@@ -999,10 +1065,7 @@ impl Sandbox for LocalSandbox {
         let mut exited = match warm {
             Some((shim, go, exited)) => {
                 shim.arm(&plan);
-                // SAFETY: write(2) of one byte from a static buffer to a pipe we own.
-                if unsafe { libc::write(go.as_raw_fd(), b"1".as_ptr().cast(), 1) } != 1 {
-                    return Err(std::io::Error::last_os_error().into());
-                }
+                send_go(&go, &plan.passed_fds)?;
                 exited
             }
             None => tokio::task::spawn_blocking(move || {
@@ -1206,7 +1269,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_wall_clock_that_fires_before_the_shim_joined_still_kills_the_run() {
         let dir = tempfile::tempdir().unwrap();
-        let sb = LocalSandbox::new("executor-arm", 4, false, dir.path(), None);
+        let uids = Arc::new(UidRange::new(300_000, 64, &dir.path().join("uids")).unwrap());
+        let sb = LocalSandbox::new("executor-arm", 4, false, dir.path(), None, uids);
         assert!(sb.probe.local_missing(1).is_empty(), "{:?}", sb.probe);
         for i in 0..12 {
             let o = sb
