@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use common::docker::{
     SOCKET, assert_nothing_left, config, container_exists, container_of, containers, docker,
     docker_ps, finish, instance_of, remove_all, require_docker, running_containers, volumes,
-    wait_until,
 };
+use common::wait::wait_until;
 use common::{Daemon, Opts};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -16,7 +16,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::docker::{container_exists, container_of, wait_until};
+use common::docker::{container_exists, container_of};
+use common::wait::wait_until;
 use common::{Daemon, Opts, Resp, pids_with_cmdline, write_executor_def};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -282,7 +283,8 @@ impl Sandboxed {
     }
 
     /// Checks from the host that nothing of the run `r` is left: no process whose command line
-    /// holds `marker`; on the local backend no run cgroup either (it is gone before the response);
+    /// holds `marker`; on the local backend no run cgroup either (waiting for the low-priority
+    /// reaper that removes it after the response);
     /// on the container backends neither the run's container nor a host process naming it (its
     /// shim, runsc's sandbox and gofer), waiting for the removal the backend does after responding.
     fn assert_nothing_left(&mut self, r: &Resp, marker: &str) {
@@ -293,11 +295,7 @@ impl Sandboxed {
                     Vec::<i32>::new(),
                     "a process of the run survived it"
                 );
-                assert_eq!(
-                    self.run_cgroups(),
-                    Vec::<String>::new(),
-                    "a run cgroup is left"
-                );
+                self.wait_for_no_run_cgroups();
             }
             Backend::Docker | Backend::Gvisor => {
                 let exec_id = r.json["exec_id"].as_str().expect("exec_id");

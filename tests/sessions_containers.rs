@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use common::docker::{
     SOCKET, config, docker_ps, finish, instance_of, one_at_a_time, require_docker, volumes,
-    wait_until,
 };
 use common::sessions::{SandboxClient, koder, new_session};
+use common::wait::wait_until;
 use common::{Daemon, Opts};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
