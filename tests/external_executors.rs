@@ -342,15 +342,13 @@ fn executor_names(r: &Resp) -> Vec<String> {
 
 /// Polls /v1/executors until `done` holds for the listed names (a SIGHUP reload is asynchronous).
 async fn wait_for_executors(d: &Daemon, done: impl Fn(&[String]) -> bool) -> Vec<String> {
-    let mut names = Vec::new();
-    for _ in 0..200 {
-        names = executor_names(&d.get("/v1/executors").await);
-        if done(&names) {
-            return names;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("executors never reached the expected state; last listing: {names:?}");
+    common::wait::wait_for_async(
+        "the listed executors to reach the expected state",
+        common::wait::CLEANUP,
+        || async { executor_names(&d.get("/v1/executors").await) },
+        |names| done(names),
+    )
+    .await
 }
 
 /// Sends SIGHUP once the daemon catches it: its handler is installed by a task spawned after the
@@ -365,15 +363,15 @@ async fn sighup(d: &Daemon) {
             .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
             .is_some_and(|m| m & (1 << (libc::SIGHUP - 1)) != 0)
     };
-    for _ in 0..200 {
-        if caught() {
-            // SAFETY: kill(2) on our own child's pid.
-            assert_eq!(unsafe { libc::kill(d.pid(), libc::SIGHUP) }, 0, "SIGHUP");
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("the daemon never installed its SIGHUP handler");
+    common::wait::wait_for_async(
+        "the daemon to install its SIGHUP handler",
+        common::wait::CLEANUP,
+        || async { caught() },
+        |caught| *caught,
+    )
+    .await;
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(d.pid(), libc::SIGHUP) }, 0, "SIGHUP");
 }
 
 // ---------------------------------------------------------------------------------------------
