@@ -235,7 +235,7 @@ async fn error_table_rows() {
     let d = Daemon::start_with(Opts {
         config: Some(
             "[server]\nconcurrency = { local = 1, docker = 1, gvisor = 1 }\n\
-             queue = { max_waiting = 1, max_wait_ms = 500 }\n"
+             queue = { max_waiting = 1, max_wait_ms = 3000 }\n"
                 .into(),
         ),
         ..Default::default()
@@ -385,12 +385,14 @@ async fn error_table_rows() {
     // 429: the one local slot is busy and the one place in its queue is taken (at once), or the
     // wait for it ran out (after max_wait_ms).
     let echo = || d.exec(json!({"action_type": "shell", "command": "echo", "args": ["x"]}));
-    let slow = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(3)"]}));
+    // The slow run outlasts the wait, and the wait leaves the second request time to come.
+    let slow = d.exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(10)"]}));
     let probes = async {
-        tokio::time::sleep(Duration::from_millis(700)).await;
+        d.wait_for_metric("executor_runs_live 1").await;
         let waiting = echo();
         let full = async {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            d.wait_for_metric("executor_queue_waiting{backend=\"local\"} 1")
+                .await;
             echo().await
         };
         tokio::join!(waiting, full)
@@ -399,7 +401,7 @@ async fn error_table_rows() {
     assert_eq!(slow.status, 200, "{}", slow.text);
     for (busy, why) in [
         (&full, "queue is full (server.queue.max_waiting = 1)"),
-        (&waited, "within server.queue.max_wait_ms = 500"),
+        (&waited, "within server.queue.max_wait_ms = 3000"),
     ] {
         assert_error(busy, 429, "Overloaded");
         assert_eq!(busy.headers.get("retry-after").unwrap(), "1");
@@ -653,13 +655,15 @@ async fn idempotency_request_id_and_ops_endpoints() {
         json!("IdempotencyConflict")
     );
     // Concurrent duplicate -> 409.
-    let slow = json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(2)"], "capability_token": d.cap_all()}).to_string();
+    let slow = json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(5)"], "capability_token": d.cap_all()}).to_string();
     let h2 = [
         ("authorization", svc.as_str()),
         ("idempotency-key", "concurrent-1"),
     ];
+    d.wait_for_metric("executor_runs_live 0").await;
     let (a, b) = tokio::join!(d.post("/execute", &h2, slow.clone()), async {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // The first one holds the key from before its run starts.
+        d.wait_for_metric("executor_runs_live 1").await;
         d.post("/execute", &h2, slow.clone()).await
     });
     assert_eq!(a.status, 200);
@@ -783,7 +787,7 @@ async fn a_burst_of_two_hundred_requests_is_absorbed_by_the_queue() {
     let d = Daemon::start();
     let took = common::assert_burst_absorbed(&d, "local", 200).await;
     eprintln!("local: 200 requests at once answered in {took:?}");
-    assert_eq!(d.run_cgroups(), Vec::<String>::new(), "no run cgroup left");
+    d.wait_for_no_run_cgroups();
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -876,7 +880,7 @@ async fn slow_header_client_is_cut_off_and_sigterm_drains() {
     // A running execution finishes; readiness flips at once; exit code 0.
     let client = d.client.clone();
     let url = format!("{}/execute", d.base);
-    let body = json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(2); print('done')"], "capability_token": d.cap_all()}).to_string();
+    let body = json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(5); print('done')"], "capability_token": d.cap_all()}).to_string();
     let svc = format!("Bearer {}", d.service_token());
     let inflight = tokio::spawn(async move {
         client
@@ -890,14 +894,24 @@ async fn slow_header_client_is_cut_off_and_sigterm_drains() {
             .await
             .unwrap()
     });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    d.wait_for_metric("executor_runs_live 1").await;
     // SAFETY: signal our own child.
     unsafe { libc::kill(d.pid(), libc::SIGTERM) };
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let ready = d.client.get(format!("{}/readyz", d.base)).send().await;
-    if let Ok(r) = ready {
-        assert_eq!(r.status().as_u16(), 503, "readyz must fail while draining");
-    }
+    // The signal is handled asynchronously: readiness fails from then until the daemon is gone
+    // (the run still in flight keeps it up).
+    common::wait::wait_for_async(
+        "readyz to fail while draining",
+        common::wait::CLEANUP,
+        || async {
+            match d.client.get(format!("{}/readyz", d.base)).send().await {
+                Ok(r) => Some(r.status().as_u16()),
+                Err(_) => None,
+            }
+        },
+        |status| *status != Some(200),
+    )
+    .await
+    .inspect(|status| assert_eq!(*status, 503, "readyz must fail while draining"));
     let out = inflight.await.unwrap();
     assert!(out.contains("\"stdout\":\"done\\n\""), "{out}");
     assert_eq!(d.stop(), Some(0));
@@ -928,9 +942,10 @@ async fn sigterm_refuses_queued_requests_and_lets_the_running_one_finish() {
         tokio::spawn(async move { req.send().await.expect("request").text().await })
     };
     let running = send("import time; time.sleep(15); print('finished')");
-    wait_for_metric_line(&d, "executor_runs_live 1").await;
+    d.wait_for_metric("executor_runs_live 1").await;
     let queued = send("print('queued-run-started')");
-    wait_for_metric_line(&d, "executor_queue_waiting{backend=\"local\"} 1").await;
+    d.wait_for_metric("executor_queue_waiting{backend=\"local\"} 1")
+        .await;
     // SAFETY: signal our own child.
     unsafe { libc::kill(d.pid(), libc::SIGTERM) };
     let queued: Value = serde_json::from_str(&queued.await.unwrap().unwrap()).unwrap();
@@ -951,22 +966,6 @@ async fn sigterm_refuses_queued_requests_and_lets_the_running_one_finish() {
         "the queued request started during the shutdown"
     );
     assert!(common::audit_verify(&d.audit).status.success());
-}
-
-/// Waits (at most 30 s) until the daemon's /metrics has exactly this line.
-async fn wait_for_metric_line(d: &Daemon, line: &str) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let m = d.get("/metrics").await.text;
-        if m.lines().any(|l| l == line) {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{line} never showed: {m}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[test]
@@ -1071,22 +1070,9 @@ async fn a_client_disconnect_mid_run_still_audits_and_records_the_run() {
         .await;
     assert!(hung_up.is_err(), "the client was meant to give up first");
 
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    let line = loop {
-        let found = d
-            .audit_lines()
-            .into_iter()
-            .find(|l| l["event"] == json!("execution") && l["args"].to_string().contains(&marker));
-        if let Some(l) = found {
-            break l;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no audit line for the abandoned run: {:?}",
-            d.audit_lines()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let line = d.wait_for_audit_line("the abandoned run's execution line", |l| {
+        l["event"] == json!("execution") && l["args"].to_string().contains(&marker)
+    });
     assert_eq!(line["outcome"], json!("success"), "{line}");
     assert!(
         line["exec_id"]
@@ -1106,17 +1092,13 @@ async fn a_client_disconnect_mid_run_still_audits_and_records_the_run() {
                 .lines()
                 .any(|l| l.starts_with("executor_executions_total{") && !l.ends_with(" 0"))
     };
-    loop {
-        let metrics = d.get("/metrics").await.text;
-        if recorded(&metrics) {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the abandoned run is not in the metrics (or still in flight): {metrics}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    common::wait::wait_for_async(
+        "the abandoned run in the metrics, none in flight",
+        common::wait::CLEANUP,
+        || async { d.get("/metrics").await.text },
+        |m| recorded(m),
+    )
+    .await;
     common::assert_runs_paired(&d.audit_lines());
     let out = std::process::Command::new(common::bin())
         .args(["audit", "verify"])
@@ -1929,19 +1911,19 @@ async fn a_refusal_flood_is_audited_at_its_rate_and_counted_in_full() {
     assert_eq!(ok.status, 200, "{}", ok.text);
 
     // The counts are written at the daemon's next flush (every few seconds).
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let lines = loop {
-        let lines = d.audit_lines();
-        let counted: u64 = lines
-            .iter()
-            .filter(|l| l["event"] == json!("refusals_suppressed"))
-            .map(|l| l["count"].as_u64().unwrap_or(0))
-            .sum();
-        if counted >= 35 || std::time::Instant::now() > deadline {
-            break lines;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let lines = common::wait::wait_for(
+        "refusals_suppressed lines counting 35 refusals",
+        common::wait::CLEANUP,
+        || d.audit_lines(),
+        |lines| {
+            lines
+                .iter()
+                .filter(|l| l["event"] == json!("refusals_suppressed"))
+                .map(|l| l["count"].as_u64().unwrap_or(0))
+                .sum::<u64>()
+                >= 35
+        },
+    );
     let count = |event: &str, status: u64| {
         lines
             .iter()
@@ -2002,22 +1984,9 @@ async fn suppressed_refusals_are_written_without_waiting_for_another_line() {
         assert_eq!(r.status, 401, "{}", r.text);
     }
     // No other request comes: the daemon's periodic flush writes the counts.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let summary = loop {
-        if let Some(l) = d
-            .audit_lines()
-            .into_iter()
-            .find(|l| l["event"] == json!("refusals_suppressed"))
-        {
-            break l;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no refusals_suppressed line: {:?}",
-            d.audit_lines()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let summary = d.wait_for_audit_line("refusals_suppressed", |l| {
+        l["event"] == json!("refusals_suppressed")
+    });
     assert_eq!(summary["count"], json!(2), "{summary}");
     let out = common::audit_verify(&d.audit);
     assert!(

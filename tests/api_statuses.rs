@@ -321,24 +321,20 @@ async fn session_execs_and_files_answer_their_documented_errors() {
         .await;
     assert_eq!(r.status, 202, "{}", r.text);
     // Once the cancelled exec has ended: an env name no profile may set.
-    let mut r = c
-        .exec(
+    let exec = || {
+        c.exec(
             &f.session,
             json!({"code": "print(1)", "env": {"LD_PRELOAD": "/tmp/x.so"}}),
         )
-        .await;
-    for _ in 0..100 {
-        if r.status != 409 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        r = c
-            .exec(
-                &f.session,
-                json!({"code": "print(1)", "env": {"LD_PRELOAD": "/tmp/x.so"}}),
-            )
-            .await;
-    }
+    };
+    common::wait::wait_for_async(
+        "the cancelled exec to end (no more 409)",
+        common::wait::CLEANUP,
+        || async { exec().await.status },
+        |status| *status != 409,
+    )
+    .await;
+    let r = exec().await;
     assert_error(&r, 403, "CapabilityViolation", "exec with LD_PRELOAD");
     let big = c
         .exec(

@@ -12,7 +12,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::docker::{config, containers, instance_of, require_docker, wait_until};
+use common::docker::{config, containers, instance_of, require_docker};
+use common::wait::wait_until;
 use common::{Daemon, Opts, Resp, assert_runs_paired, audit_verify, owner_dirs, pids_with_cmdline};
 use serde_json::{Value, json};
 

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use common::docker::{
     SOCKET, assert_nothing_left, config, container_exists, container_of, containers, docker,
     docker_ps, finish, instance_of, remove_all, require_docker, running_containers, volumes,
-    wait_until,
 };
+use common::wait::wait_until;
 use common::{Daemon, Opts};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -1282,6 +1282,41 @@ async fn cancel_run(d: &Daemon, exec_id: &str, grace: u64) -> common::Resp {
     .await
 }
 
+/// Follows the run's stream until its stdout holds `want` (bounded): a run that printed it is
+/// past that point of its script.
+async fn wait_for_stdout(d: &Daemon, exec_id: &str, want: &str) {
+    let resp = d
+        .client
+        .get(format!("{}/v1/executions/{exec_id}/stream", d.base))
+        .header("authorization", format!("Bearer {}", d.service_token()))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(resp.status().as_u16(), 200, "the stream of {exec_id}");
+    let mut events = common::SseReader {
+        resp,
+        buf: String::new(),
+    };
+    let mut out = String::new();
+    let read = async {
+        while let Some(e) = events.next().await {
+            if e.event == "stdout" {
+                out.push_str(e.data["data"].as_str().unwrap_or_default());
+                if out.contains(want) {
+                    return true;
+                }
+            }
+        }
+        false
+    };
+    let seen = tokio::time::timeout(common::wait::CLEANUP, read).await;
+    assert!(
+        seen == Ok(true),
+        "{exec_id} never printed {want:?} (its stream ended, or {:?} passed): {out:?}",
+        common::wait::CLEANUP
+    );
+}
+
 /// Polls the run until it finished (bounded); its result.
 async fn finished_result(d: &Daemon, exec_id: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -1317,17 +1352,18 @@ async fn a_cancel_terminates_then_kills_a_container_run() {
         let polite = "import signal, sys, time\n\
                       def bye(*_):\n    print('cleaned up', flush=True)\n    sys.exit(0)\n\
                       signal.signal(signal.SIGTERM, bye)\n\
+                      print('ready', flush=True)\n\
                       while True: time.sleep(0.05)";
         let exec_id = start_async(&d, polite, &m).await;
         container_of(&d, &exec_id, &mut log);
-        // The handler is installed first thing; a python3 start is well under this.
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        // Cancel only once the handler is installed.
+        wait_for_stdout(&d, &exec_id, "ready\n").await;
         let r = cancel_run(&d, &exec_id, 30).await;
         assert_eq!(r.status, 202, "{rt}: {}", r.text);
         let result = finished_result(&d, &exec_id).await;
         assert_eq!(result["outcome"], "cancelled", "{rt}: {result}");
         assert_eq!(result["killed_reason"], "cancelled", "{rt}: {result}");
-        assert_eq!(result["stdout"], "cleaned up\n", "{rt}: {result}");
+        assert_eq!(result["stdout"], "ready\ncleaned up\n", "{rt}: {result}");
         assert_eq!(result["exit_code"], 0, "{rt}: {result}");
 
         // Ignores SIGTERM, with a daemonised grandchild.
@@ -1335,6 +1371,8 @@ async fn a_cancel_terminates_then_kills_a_container_run() {
         let stubborn = "import os, signal, time\n\
                         signal.signal(signal.SIGTERM, signal.SIG_IGN)\n\
                         if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        while True: time.sleep(1)\n    os._exit(0)\n\
+                        os.wait()\n\
+                        print('forked', flush=True)\n\
                         while True: time.sleep(1)";
         let exec_id = start_async(&d, stubborn, &m).await;
         let container = container_of(&d, &exec_id, &mut log);
@@ -1348,15 +1386,17 @@ async fn a_cancel_terminates_then_kills_a_container_run() {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         } else {
-            tokio::time::sleep(Duration::from_secs(3)).await;
+            // The intermediate child has exited: the grandchild is up.
+            wait_for_stdout(&d, &exec_id, "forked\n").await;
         }
         let grace = 2;
         let cancelled_at = Instant::now();
         let r = cancel_run(&d, &exec_id, grace).await;
         assert_eq!(r.status, 202, "{rt}: {}", r.text);
-        // Gone within the grace and a second, seen from the host: runc's processes are host
-        // processes; a gVisor sandbox's are not, so its container must have stopped.
-        let bound = Duration::from_secs(grace + 1);
+        // Gone after the grace, seen from the host: runc's processes are host processes; a
+        // gVisor sandbox's are not, so its container must have stopped. A bound, not a timing
+        // check: they ignore SIGTERM and would never end unkilled.
+        let bound = common::wait::CLEANUP;
         while !host_processes(&m).is_empty() || container_running(&container) {
             assert!(
                 cancelled_at.elapsed() < bound,

@@ -15,9 +15,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::docker::{
-    config, container_of, containers, finish, instance_of, require_docker, wait_until,
-};
+use common::docker::{config, container_of, containers, finish, instance_of, require_docker};
+use common::wait::wait_until;
 use common::{Daemon, Opts, assert_runs_paired, audit_verify, pids_with_cmdline};
 use serde_json::json;
 

@@ -27,6 +27,7 @@ use serde_json::{Value, json};
 const ALLOWED: &str = "203.0.113.10"; // "public-looking" (TEST-NET-3)
 const METADATA: &str = "169.254.169.254";
 use common::docker::IMAGE;
+use common::wait::{CLEANUP, wait_for, wait_until};
 /// Warm pool size of the container backends: the first run launches its container, later ones
 /// take a pooled one, so both paths carry egress.
 const POOL: usize = 1;
@@ -191,16 +192,9 @@ impl Net {
             .stdout(Stdio::null())
             .spawn()
             .expect("test hosts");
-        for _ in 0..200 {
-            if logdir.path().join("ready").exists() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        assert!(
-            logdir.path().join("ready").exists(),
-            "test hosts did not start"
-        );
+        wait_until("test hosts to start", CLEANUP, || {
+            logdir.path().join("ready").exists()
+        });
         let loopback = Command::new("nsenter")
             .arg(format!("--net=/run/netns/{daemon_ns}"))
             .arg("python3")
@@ -209,16 +203,9 @@ impl Net {
             .stdout(Stdio::null())
             .spawn()
             .expect("loopback listener");
-        for _ in 0..200 {
-            if logdir.path().join("loopback-ready").exists() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        assert!(
-            logdir.path().join("loopback-ready").exists(),
-            "loopback listener did not start"
-        );
+        wait_until("loopback listener to start", CLEANUP, || {
+            logdir.path().join("loopback-ready").exists()
+        });
         Net {
             daemon_ns,
             hosts_ns,
@@ -360,31 +347,27 @@ impl Setup {
         if !self.backend.is_container() {
             return;
         }
-        let t = Instant::now();
-        let id = loop {
-            let found = self.d.log.try_iter().find_map(|line| {
-                if !line.contains("sandbox container assigned") {
-                    return None;
-                }
-                let v: Value = serde_json::from_str(&line).ok()?;
-                v["fields"]["container"].as_str().map(str::to_string)
-            });
-            if let Some(id) = found {
-                break id;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(30),
-                "after {after}: no container assigned in the log"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        };
-        while self.containers().contains(&id) {
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "after {after}: the run's container {id} is still there"
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let id = wait_for(
+            &format!("after {after}: a container assigned in the daemon's log"),
+            CLEANUP,
+            || {
+                self.d.log.try_iter().find_map(|line| {
+                    if !line.contains("sandbox container assigned") {
+                        return None;
+                    }
+                    let v: Value = serde_json::from_str(&line).ok()?;
+                    v["fields"]["container"].as_str().map(str::to_string)
+                })
+            },
+            Option::is_some,
+        )
+        .expect("found");
+        wait_for(
+            &format!("after {after}: the run's container {id} removed"),
+            CLEANUP,
+            || self.containers(),
+            |c| !c.contains(&id),
+        );
         self.wait_for_cleanup(after);
     }
 
@@ -394,18 +377,14 @@ impl Setup {
         if !self.backend.is_container() {
             return;
         }
-        let t = Instant::now();
-        loop {
-            let (c, dirs, socks) = (self.containers(), self.socket_dirs(), self.proxy_sockets());
-            if c.len() <= POOL && dirs.len() <= POOL && socks.is_empty() {
-                return;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "after {after}: containers {c:?}, socket directories {dirs:?}, proxy sockets {socks:?} left"
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        wait_for(
+            &format!(
+                "after {after}: no more than the pool's containers and socket directories, no proxy socket (containers, socket directories, proxy sockets)"
+            ),
+            CLEANUP,
+            || (self.containers(), self.socket_dirs(), self.proxy_sockets()),
+            |(c, dirs, socks)| c.len() <= POOL && dirs.len() <= POOL && socks.is_empty(),
+        );
     }
 
     /// Stops the daemon; nothing of its containers may remain on the host.
@@ -415,15 +394,12 @@ impl Setup {
         if !self.backend.is_container() {
             return;
         }
-        let t = Instant::now();
-        while !self.containers().is_empty() {
-            assert!(
-                t.elapsed() < Duration::from_secs(30),
-                "containers of {instance} left: {:?}",
-                self.containers()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        wait_for(
+            &format!("no container of {instance} left"),
+            CLEANUP,
+            || self.containers(),
+            Vec::is_empty,
+        );
         let left: Vec<_> = std::fs::read_dir(self.egress_dir.path())
             .unwrap()
             .map(|e| e.unwrap().path())

@@ -16,7 +16,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::docker::{container_exists, container_of, wait_until};
+use common::docker::{container_exists, container_of};
+use common::wait::wait_until;
 use common::{Daemon, Opts, Resp, pids_with_cmdline, write_executor_def};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -282,7 +283,8 @@ impl Sandboxed {
     }
 
     /// Checks from the host that nothing of the run `r` is left: no process whose command line
-    /// holds `marker`; on the local backend no run cgroup either (it is gone before the response);
+    /// holds `marker`; on the local backend no run cgroup either (waiting for the low-priority
+    /// reaper that removes it after the response);
     /// on the container backends neither the run's container nor a host process naming it (its
     /// shim, runsc's sandbox and gofer), waiting for the removal the backend does after responding.
     fn assert_nothing_left(&mut self, r: &Resp, marker: &str) {
@@ -293,11 +295,7 @@ impl Sandboxed {
                     Vec::<i32>::new(),
                     "a process of the run survived it"
                 );
-                assert_eq!(
-                    self.run_cgroups(),
-                    Vec::<String>::new(),
-                    "a run cgroup is left"
-                );
+                self.wait_for_no_run_cgroups();
             }
             Backend::Docker | Backend::Gvisor => {
                 let exec_id = r.json["exec_id"].as_str().expect("exec_id");
@@ -344,15 +342,13 @@ fn executor_names(r: &Resp) -> Vec<String> {
 
 /// Polls /v1/executors until `done` holds for the listed names (a SIGHUP reload is asynchronous).
 async fn wait_for_executors(d: &Daemon, done: impl Fn(&[String]) -> bool) -> Vec<String> {
-    let mut names = Vec::new();
-    for _ in 0..200 {
-        names = executor_names(&d.get("/v1/executors").await);
-        if done(&names) {
-            return names;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("executors never reached the expected state; last listing: {names:?}");
+    common::wait::wait_for_async(
+        "the listed executors to reach the expected state",
+        common::wait::CLEANUP,
+        || async { executor_names(&d.get("/v1/executors").await) },
+        |names| done(names),
+    )
+    .await
 }
 
 /// Sends SIGHUP once the daemon catches it: its handler is installed by a task spawned after the
@@ -367,15 +363,15 @@ async fn sighup(d: &Daemon) {
             .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
             .is_some_and(|m| m & (1 << (libc::SIGHUP - 1)) != 0)
     };
-    for _ in 0..200 {
-        if caught() {
-            // SAFETY: kill(2) on our own child's pid.
-            assert_eq!(unsafe { libc::kill(d.pid(), libc::SIGHUP) }, 0, "SIGHUP");
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("the daemon never installed its SIGHUP handler");
+    common::wait::wait_for_async(
+        "the daemon to install its SIGHUP handler",
+        common::wait::CLEANUP,
+        || async { caught() },
+        |caught| *caught,
+    )
+    .await;
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(d.pid(), libc::SIGHUP) }, 0, "SIGHUP");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -58,13 +58,12 @@ fn serve_redis(args: &[&str], port: u16, url: String) -> Redis {
         .spawn()
         .expect("redis-server");
     let redis = Redis { child, url };
-    for _ in 0..100 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return redis;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("redis-server did not start");
+    common::wait::wait_until(
+        "redis-server to accept connections",
+        common::wait::CLEANUP,
+        || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+    );
+    redis
 }
 
 /// Starts a private redis-server that speaks TLS only, with a certificate for 127.0.0.1 signed

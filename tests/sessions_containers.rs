@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use common::docker::{
     SOCKET, config, docker_ps, finish, instance_of, one_at_a_time, require_docker, volumes,
-    wait_until,
 };
 use common::sessions::{SandboxClient, koder, new_session};
+use common::wait::wait_until;
 use common::{Daemon, Opts};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -452,17 +452,17 @@ async fn limits_and_cancels_end_the_exec_not_the_session() {
             "{runtime}: {}",
             cancel.text
         );
-        let mut last = Value::Null;
-        for _ in 0..100 {
-            let r = c
-                .call("GET", &path(&id, &format!("execs/{exec_id}")), None)
-                .await;
-            last = r.json;
-            if last["status"] != "running" && last["status"] != "queued" {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let last = common::wait::wait_for_async(
+            &format!("{runtime}: the cancelled exec to end"),
+            common::wait::CLEANUP,
+            || async {
+                c.call("GET", &path(&id, &format!("execs/{exec_id}")), None)
+                    .await
+                    .json
+            },
+            |last| last["status"] != "running" && last["status"] != "queued",
+        )
+        .await;
         assert_eq!(
             last["result"]["killed_reason"], "cancelled",
             "{runtime}: {last}"
@@ -564,16 +564,18 @@ async fn a_session_whose_container_dies_ends_with_a_clear_error() {
         let ids = session_containers(&d, &id);
         assert_eq!(ids.len(), 1);
         common::docker::docker(&["kill", &ids[0]]).expect("docker kill");
-        let mut r = c.exec(&id, json!({"code": "cat x"})).await;
-        for _ in 0..50 {
-            if r.status == 404 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            r = c.exec(&id, json!({"code": "cat x"})).await;
-        }
-        assert_eq!(r.status, 404, "{runtime}: {}", r.text);
-        assert!(r.text.contains("sandbox is gone"), "{runtime}: {}", r.text);
+        // The daemon learns of the kill from the engine in its own time.
+        let (_, text) = common::wait::wait_for_async(
+            &format!("{runtime}: an exec in the killed sandbox to be 404"),
+            common::wait::CLEANUP,
+            || async {
+                let r = c.exec(&id, json!({"code": "cat x"})).await;
+                (r.status, r.text)
+            },
+            |(status, _)| *status == 404,
+        )
+        .await;
+        assert!(text.contains("sandbox is gone"), "{runtime}: {text}");
         let g = c
             .call("GET", &format!("/v1/sandbox/sessions/{id}"), None)
             .await;

@@ -2,11 +2,12 @@
 //! whether the engine is there, the daemon's config for it, and host-side checks of containers.
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
 use super::Daemon;
+use super::wait::{CLEANUP, wait_for, wait_until};
 
 pub const SOCKET: &str = "/var/run/docker.sock";
 pub const IMAGE: &str = "executor-arm-sandbox:latest";
@@ -117,17 +118,6 @@ pub fn remove_all(label: &str) {
     }
 }
 
-pub fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !done() {
-        assert!(
-            t.elapsed() < limit,
-            "timed out after {limit:?} waiting for: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// Stops the daemon and checks from the host that none of its containers remain, nor a disk
 /// volume in use.
 ///
@@ -162,24 +152,24 @@ pub fn assert_nothing_left(label: &str, limit: Duration) {
 
 /// The container the daemon assigned to `exec_id` (from its log).
 pub fn container_of(d: &Daemon, exec_id: &str, seen: &mut Vec<String>) -> String {
-    let t = Instant::now();
-    loop {
-        seen.extend(d.log.try_iter());
-        for line in seen.iter() {
-            if line.contains("sandbox container assigned")
-                && let Ok(v) = serde_json::from_str::<Value>(line)
-                && v["fields"]["exec_id"] == exec_id
-                && let Some(c) = v["fields"]["container"].as_str()
-            {
-                return c.to_string();
-            }
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "no container logged for {exec_id}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let assigned = |seen: &[String]| {
+        seen.iter().find_map(|line| {
+            let v = serde_json::from_str::<Value>(line).ok()?;
+            (line.contains("sandbox container assigned") && v["fields"]["exec_id"] == exec_id)
+                .then(|| v["fields"]["container"].as_str().map(str::to_string))
+                .flatten()
+        })
+    };
+    wait_for(
+        &format!("the daemon to log the container of {exec_id}"),
+        CLEANUP,
+        || {
+            seen.extend(d.log.try_iter());
+            assigned(seen)
+        },
+        Option::is_some,
+    )
+    .expect("found")
 }
 
 pub fn container_exists(id: &str) -> bool {

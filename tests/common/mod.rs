@@ -4,6 +4,7 @@
 
 pub mod docker;
 pub mod sessions;
+pub mod wait;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -535,6 +536,54 @@ impl Daemon {
     pub fn run_cgroups(&self) -> Vec<String> {
         run_cgroups_of(self.pid())
     }
+
+    /// Waits (bounded) until this daemon has no run cgroup: its reaper removes a finished run's
+    /// cgroups after the answer, at low priority.
+    pub fn wait_for_no_run_cgroups(&self) {
+        wait::wait_for(
+            &format!("the run cgroups of daemon {} removed", self.pid()),
+            wait::CLEANUP,
+            || self.run_cgroups(),
+            Vec::is_empty,
+        );
+    }
+
+    /// Waits (bounded) until `/metrics` has exactly the line `line`: a gauge or counter moves
+    /// just after the answer a test has already read. Returns the whole text.
+    pub async fn wait_for_metric(&self, line: &str) -> String {
+        wait::wait_for_async(
+            &format!("/metrics to show {line}"),
+            wait::CLEANUP,
+            || async { self.get("/metrics").await.text },
+            |m| m.lines().any(|l| l == line),
+        )
+        .await
+    }
+
+    /// Waits (bounded) until the audit log has a line for which `found` holds, and returns it:
+    /// lines of a run the client no longer waits for are written when the run ends.
+    pub fn wait_for_audit_line(&self, what: &str, found: impl Fn(&Value) -> bool) -> Value {
+        wait::wait_for(
+            &format!("an audit line: {what}"),
+            wait::CLEANUP,
+            || self.audit_lines(),
+            |lines| lines.iter().any(&found),
+        )
+        .into_iter()
+        .find(found)
+        .expect("found above")
+    }
+}
+
+/// Waits (bounded) until no process on the host has `needle` in its command line: a killed
+/// run's processes are reaped by their parents after the kill.
+pub fn wait_for_no_process(needle: &str) {
+    wait::wait_for(
+        &format!("no process with {needle} in its command line"),
+        wait::CLEANUP,
+        || pids_with_cmdline(needle),
+        Vec::is_empty,
+    );
 }
 
 /// Writes `yaml` to `<dir>/executors/<file>` (creating the directory) and returns its path. `dir` is
