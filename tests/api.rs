@@ -1431,6 +1431,61 @@ async fn a_full_disk_under_the_audit_log_refuses_with_503_and_runs_nothing() {
     );
 }
 
+/// With no room for the audit log, an upload into a session is refused with 503 and its file is
+/// not written: no file lands in a workspace without its `session_file` line. Once space is
+/// freed, the same upload lands with its line.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_disk_under_the_audit_log_refuses_an_upload_and_writes_nothing() {
+    let fs = Tmpfs::mount("1m");
+    let log = fs.path().join("audit.jsonl");
+    let d = Daemon::start_with(Opts {
+        env: vec![("EXECUTOR_ARM_AUDIT_LOG".into(), log.display().to_string())],
+        ..Default::default()
+    });
+    let lines = || -> Vec<Value> {
+        std::fs::read_to_string(&log)
+            .expect("audit log")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("audit line is JSON"))
+            .collect()
+    };
+    let c = common::sessions::koder(&d, Some("tenant-1"));
+    let id = common::sessions::new_session(&c, "bash").await;
+    // A path (under the 4096-byte limit) that makes the line longer than a page, so no tail of
+    // an allocated page can hold it.
+    let dirs: Vec<String> = (0..16)
+        .map(|i| format!("{i:02}{}", "d".repeat(240)))
+        .collect();
+    let file = format!(
+        "/v1/sandbox/sessions/{id}/files/{}/upload.txt",
+        dirs.join("/")
+    );
+    let filler = fill(fs.path());
+    let before = lines().len();
+    let r = c.call("PUT", &file, Some(b"unaudited".to_vec())).await;
+    assert_error(&r, 503, "SandboxUnavailable");
+    assert_eq!(lines().len(), before, "no line was written");
+    let got = c.call("GET", &file, None).await;
+    assert_eq!(got.status, 404, "the file was written: {}", got.text);
+
+    std::fs::remove_file(&filler).expect("free the space");
+    let r = c.call("PUT", &file, Some(b"audited".to_vec())).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    let got = c.call("GET", &file, None).await;
+    assert_eq!(got.status, 200, "{}", got.text);
+    assert_eq!(got.bytes, b"audited");
+    assert!(
+        lines()
+            .iter()
+            .any(|l| l["event"] == "session_file" && l["session_id"] == id.as_str()),
+        "the upload has its line"
+    );
+    assert!(
+        common::audit_verify(&log).status.success(),
+        "the audit log stays intact"
+    );
+}
+
 /// execve refuses one argument over MAX_ARG_STRLEN (E2BIG): the request is refused as the
 /// caller's error before anything runs.
 #[tokio::test(flavor = "multi_thread")]

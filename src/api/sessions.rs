@@ -717,7 +717,7 @@ pub async fn exec_cancel(
         (status = 413, description = "PayloadTooLarge: the file is over `sessions.max_file_bytes`", body = ErrorBody),
         (status = 429, description = "Overloaded: eight file transfers are in progress", body = ErrorBody),
         (status = 500, description = "InternalError: the write failed unexpectedly", body = ErrorBody),
-        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable, or the audit log cannot record the upload (nothing is written)", body = ErrorBody),
         (status = 507, description = "WorkspaceFull: the session's disk quota is used up", body = ErrorBody),
     )
 )]
@@ -765,11 +765,18 @@ async fn put_file_inner(
                 sha256: sha256_prefixed(&bytes),
             },
         );
+        // The line comes first, as a run's start line does: an upload the audit log cannot
+        // record is refused before anything is written (a write that then fails is answered
+        // with its error; its line stays as the record of the attempt).
+        if crate::execution::record::record(&st.audit, &st.metrics, &line).is_none() {
+            return Err(ApiError::SandboxUnavailable(
+                "audit log unavailable: the upload was not written".into(),
+            ));
+        }
         session
             .write_file(path, bytes.to_vec())
             .await
             .map_err(|e| file_failure(&session, e))?;
-        crate::execution::record::record(&st.audit, &st.metrics, &line);
         Ok(StatusCode::NO_CONTENT.into_response())
     }
 }
