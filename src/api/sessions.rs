@@ -432,6 +432,7 @@ pub struct ExecBody {
         SessionPath,
         TenantHeaders,
         ("Idempotency-Key" = Option<String>, Header, description = "As on /execute; the fingerprint includes the session"),
+        super::stream::StreamQuery,
     ),
     security(("bearer" = [])),
     responses(
@@ -440,7 +441,7 @@ pub struct ExecBody {
             (String = "text/event-stream"),
         )),
         (status = 202, description = "`async`: the exec started", body = RunAccepted),
-        (status = 400, description = "InvalidRequest: malformed body, timeout_ms out of range, NUL in the code, a cwd outside the workspace, a malformed tenant, async with a stream", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: malformed body, timeout_ms out of range, NUL in the code, a cwd outside the workspace, a malformed tenant, async with a stream, an unknown `framing`", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 403, description = "CapabilityViolation: an env name the profile refuses", body = ErrorBody),
         (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
@@ -505,6 +506,7 @@ async fn exec_inner(
         (false, true) => Mode::Stream,
         (false, false) => Mode::Sync,
     };
+    let framing = super::stream::Framing::of(&parts.uri)?;
     let max_ms = 1000
         * if mode == Mode::Sync {
             MAX_TIMEOUT_SECONDS
@@ -554,6 +556,7 @@ async fn exec_inner(
         service,
         idem: idem_key.map(|k| (k, body_hash)),
         mode,
+        framing,
         cancel_on_disconnect: asked.cancel_on_disconnect,
         timeout_status: StatusCode::OK,
         links: format!("/v1/sandbox/sessions/{id}/execs/"),
@@ -623,12 +626,13 @@ pub async fn exec_get(
         SessionPath,
         ("exec_id" = String, Path, description = "The exec's `exec_id`"),
         TenantHeaders,
-        ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event: `<stdout bytes>.<stderr bytes>`"),
+        super::stream::StreamQuery,
+        ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event: `<stdout bytes>.<stderr bytes>` (in either framing); a position past the output is clamped to its end"),
     ),
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The exec as Server-Sent Events", body = String, content_type = "text/event-stream"),
-        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree, an unknown `framing`", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session, or no such exec of it", body = ErrorBody),
         (status = 429, description = "Overloaded: `executions.max_open_streams` streams are open", body = ErrorBody),
