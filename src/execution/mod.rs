@@ -178,8 +178,9 @@ impl ExecutionRequest {
     fn external_call(&self) -> ExternalCall<'_> {
         let x = &self.external;
         ExternalCall {
-            has_args: !self.args.is_empty(),
-            has_stdin: self.stdin.is_some(),
+            args: &self.args,
+            stdin: self.stdin.as_deref(),
+            orbit: self.metadata.as_ref().and_then(|m| m.get("orbit")),
             activity: x.activity.as_ref(),
             input: x.input.as_ref(),
             skills: x.skills.as_ref(),
@@ -920,7 +921,7 @@ impl ExecutionService {
         external: Option<&ExternalInvocation>,
     ) -> (RunSpec, String) {
         let (argv_tail, stdin) = match external {
-            Some(x) => (x.argv_tail.clone(), Some(x.envelope.clone())),
+            Some(x) => (x.argv_tail.clone(), Some(x.stdin.clone())),
             None => (
                 req.args.clone(),
                 req.stdin.as_ref().map(|s| s.clone().into_bytes()),
