@@ -196,7 +196,10 @@ pub(super) async fn stream_owned(
     match locate(&st, &exec_id, &headers, who).await {
         Ok((Located::Here(Lookup::Live(live)), _)) => respond(Source::Live(live)),
         Ok((Located::Here(Lookup::Stored(record)), _)) => match record.response {
-            Some(answer) => respond(Source::finished(&exec_id, answer)),
+            Some(answer) => {
+                let ran_on = (record.backend, record.profile);
+                respond(Source::finished(&exec_id, answer, ran_on))
+            }
             None => ApiError::ExecutionNotFound.into_response(),
         },
         Ok((Located::Here(Lookup::Unknown), _)) => ApiError::ExecutionNotFound.into_response(),

@@ -55,13 +55,20 @@ pub enum Source {
         exec_id: String,
         output: [Vec<u8>; 2],
         answer: Arc<StoredResponse>,
+        /// The `start` event's data.
+        start: Value,
     },
 }
 
 impl Source {
     /// A finished run's source: its output is the result's `stdout` / `stderr` (their base64
-    /// form when the bytes were not UTF-8).
-    pub fn finished(exec_id: &str, answer: StoredResponse) -> Source {
+    /// form when the bytes were not UTF-8); its backend and profile those of the result, else
+    /// `ran_on` (from the run's record: an answer that is an error does not name them).
+    pub fn finished(
+        exec_id: &str,
+        answer: StoredResponse,
+        ran_on: (Option<String>, Option<String>),
+    ) -> Source {
         let result: Value = serde_json::from_str(&answer.body).unwrap_or(Value::Null);
         let stream = |text: &str, b64: &str| -> Vec<u8> {
             match result[b64].as_str() {
@@ -75,6 +82,15 @@ impl Source {
                     .to_vec(),
             }
         };
+        let named = |key: &str, recorded: Option<String>| match &result[key] {
+            Value::String(s) => json!(s),
+            _ => json!(recorded),
+        };
+        let start = json!({
+            "exec_id": exec_id,
+            "backend": named("backend", ran_on.0),
+            "profile": named("profile", ran_on.1),
+        });
         Source::Finished {
             exec_id: exec_id.to_string(),
             output: [
@@ -82,6 +98,7 @@ impl Source {
                 stream("stderr", "stderr_b64"),
             ],
             answer: Arc::new(answer),
+            start,
         }
     }
 
@@ -113,16 +130,7 @@ impl Source {
                 "backend": live.backend(),
                 "profile": live.profile(),
             }),
-            Source::Finished {
-                exec_id, answer, ..
-            } => {
-                let result: Value = serde_json::from_str(&answer.body).unwrap_or(Value::Null);
-                json!({
-                    "exec_id": exec_id,
-                    "backend": result["backend"],
-                    "profile": result["profile"],
-                })
-            }
+            Source::Finished { start, .. } => start.clone(),
         }
     }
 }

@@ -738,6 +738,10 @@ impl ExecutionService {
         let (store, runs, metrics) = (self.store.clone(), self.runs.clone(), self.metrics.clone());
         let (instance, retention) = (self.instance.clone(), self.retention);
         let address = self.address.get().cloned();
+        let ran_on = (
+            execution.plan.backend.as_str().to_string(),
+            execution.plan.profile.name.clone(),
+        );
         // The record that says "running" reaches the store before anything can finish: it
         // lives at most the run's own time limit beyond the retention.
         let running_ttl = execution.spec.limits.timeout + retention;
@@ -749,6 +753,8 @@ impl ExecutionService {
                     address: address.clone(),
                     response,
                     cancelled_by,
+                    backend: Some(ran_on.0.clone()),
+                    profile: Some(ran_on.1.clone()),
                 };
             log_store_error(
                 &exec_id,
