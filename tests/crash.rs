@@ -526,6 +526,25 @@ async fn redis_an_async_run_in_flight_at_a_crash_is_finished_after_the_restart()
         r.text
     );
     assert_eq!(r.json["result"]["retryable"], true, "{}", r.text);
+    // Its stream, served from the record, still names where it ran.
+    let stream = d
+        .client
+        .get(format!("{}/v1/executions/{exec_id}/stream", d.base))
+        .header("authorization", format!("Bearer {}", d.service_token()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let start: Value = stream
+        .lines()
+        .find_map(|l| l.strip_prefix("data: "))
+        .and_then(|l| serde_json::from_str(l).ok())
+        .expect("a start event");
+    assert_eq!(start["exec_id"], exec_id.as_str(), "{stream}");
+    assert_eq!(start["backend"], "local", "{stream}");
+    assert_eq!(start["profile"], "python", "{stream}");
     let cancel = d
         .post(
             &format!("/v1/executions/{exec_id}/cancel"),

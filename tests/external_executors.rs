@@ -92,7 +92,153 @@ on_every_backend!(
     the_executor_file_is_a_read_only_bind,
     stream_json_lines_reach_a_stream_as_they_are_written,
     a_budget_above_300_s_is_honoured_in_async_mode,
+    an_opted_in_executor_takes_the_request_stdin_args_and_orbit_ids,
 );
+
+/// A def with `stdin: request` and `request_args` runs the way coding-agent CLIs are driven: the
+/// prompt on stdin, `--resume <id>` appended after the def's args, Orbit's run, job and step in
+/// the environment; the audit line names the appended args and the invocation hash covers stdin.
+/// Arguments beyond `max` or outside the pattern, and malformed Orbit ids, are 400s that run
+/// nothing.
+async fn an_opted_in_executor_takes_the_request_stdin_args_and_orbit_ids(
+    backend: Backend,
+) -> Sandboxed {
+    let scripts = Scripts::new();
+    let script = scripts.python(
+        "agent-cli",
+        r#"import json, os, sys
+prompt = sys.stdin.read()
+keys = ["ORBIT_RUN_ID", "ORBIT_JOB_ID", "ORBIT_STEP_ID", "ORBIT_AGENT_NAME"]
+print(json.dumps({"argv": sys.argv[1:], "stdin": prompt, "env": {k: os.environ.get(k) for k in keys}}))
+"#,
+    );
+    let def = def_yaml(
+        "agent-cli",
+        &script,
+        "  args: [-p, --output-format=stream-json]
+  model_flag: --model
+  stdin: request
+  request_args:
+    max: 2
+    pattern: '--resume|[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}'
+",
+    );
+    let d = start(backend, &[("agent-cli.yaml", def)]);
+    let session = "0123abcd-0000-4000-8000-0123456789ab";
+    let call = |stdin: &str| {
+        json!({
+            "stdin": stdin,
+            "args": ["--resume", session],
+            "model": "model-x",
+            "metadata": {"orbit": {"run_id": "run-1", "job_id": "job-2", "step_id": 3}},
+        })
+    };
+    let r = d
+        .run(
+            "agent-cli",
+            call(
+                "fix the failing test
+",
+            ),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["outcome"], "success", "{}", r.text);
+    let out: Value = serde_json::from_str(r.json["stdout"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        out["argv"],
+        json!([
+            "-p",
+            "--output-format=stream-json",
+            "--model",
+            "model-x",
+            "--resume",
+            session
+        ])
+    );
+    assert_eq!(
+        out["stdin"],
+        "fix the failing test
+"
+    );
+    assert_eq!(out["env"]["ORBIT_RUN_ID"], "run-1");
+    assert_eq!(out["env"]["ORBIT_JOB_ID"], "job-2");
+    assert_eq!(out["env"]["ORBIT_STEP_ID"], "3");
+    assert_eq!(out["env"]["ORBIT_AGENT_NAME"], "agent-cli");
+    // What ran is on record: the appended args in the audit line and the command hash, the
+    // stdin in the invocation hash.
+    let exec_id = r.json["exec_id"].as_str().unwrap();
+    let line = audit_line(&d, exec_id);
+    assert_eq!(line["args"], json!(["--resume", session]), "{line}");
+    assert_eq!(
+        r.json["provenance"]["command_hash"],
+        sha256(format!("agent-cli --resume {session}").as_bytes())
+    );
+    let other = d
+        .run(
+            "agent-cli",
+            call(
+                "another prompt
+",
+            ),
+        )
+        .await;
+    assert_eq!(other.status, 200, "{}", other.text);
+    assert_ne!(
+        other.json["provenance"]["invocation_hash"], r.json["provenance"]["invocation_hash"],
+        "the invocation hash does not cover stdin"
+    );
+    // Without stdin the executor reads an empty one; without args none are appended.
+    let r = d.run("agent-cli", json!({})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let out: Value = serde_json::from_str(r.json["stdout"].as_str().unwrap()).unwrap();
+    assert_eq!(out["argv"], json!(["-p", "--output-format=stream-json"]));
+    assert_eq!(out["stdin"], "");
+    assert!(out["env"]["ORBIT_RUN_ID"].is_null());
+
+    let before = d.audit_lines().len();
+    for (extra, why) in [
+        (
+            json!({"args": ["--resume", session, "--resume"]}),
+            "at most 2",
+        ),
+        (json!({"args": ["--resume;rm -rf /"]}), "does not match"),
+        (json!({"args": [format!("x{session}")]}), "does not match"),
+        (
+            json!({"args": ["--dangerously-skip-permissions"]}),
+            "does not match",
+        ),
+        (
+            json!({"metadata": {"orbit": {"run_id": "run
+1"}}}),
+            "metadata.orbit.run_id",
+        ),
+        (
+            json!({"metadata": {"orbit": {"job_id": "j".repeat(257)}}}),
+            "metadata.orbit.job_id",
+        ),
+        (
+            json!({"metadata": {"orbit": {"step_id": {"id": 1}}}}),
+            "metadata.orbit.step_id",
+        ),
+        (json!({"metadata": {"orbit": "run-1"}}), "metadata.orbit"),
+    ] {
+        let r = d.run("agent-cli", extra.clone()).await;
+        assert_eq!(r.status, 400, "{extra}: {}", r.text);
+        assert_eq!(r.json["error_type"], "InvalidRequest", "{}", r.text);
+        assert!(
+            r.json["error"].as_str().unwrap().contains(why),
+            "{extra}: {}",
+            r.text
+        );
+    }
+    let ran = d.audit_lines()[before..]
+        .iter()
+        .filter(|l| l["event"] == "execution_start")
+        .count();
+    assert_eq!(ran, 0, "a refused request ran");
+    d
+}
 
 /// An executor that writes stream-json lines (one JSON object per line, flushed, the way coding
 /// agents report progress) is followed line by line while it runs.

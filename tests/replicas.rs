@@ -370,10 +370,13 @@ async fn a_run_started_on_one_replica_is_read_streamed_and_cancelled_through_ano
         "{body}"
     );
 
-    // Streamed through B: every line and the result.
+    // Streamed through B, one event per line: every line and the result.
     let mut resp = b
         .client
-        .get(format!("{}/v1/executions/{exec_id}/stream", b.base))
+        .get(format!(
+            "{}/v1/executions/{exec_id}/stream?framing=lines",
+            b.base
+        ))
         .header("authorization", &svc)
         .send()
         .await
@@ -394,9 +397,22 @@ async fn a_run_started_on_one_replica_is_read_streamed_and_cancelled_through_ano
     }
     assert!(counted_on_b, "B did not count the stream it relayed");
     assert!(text.starts_with("event: start"), "{text}");
+    // The relayed start event names the run's backend and profile, as A's own would.
+    let start: serde_json::Value = text
+        .lines()
+        .find_map(|l| l.strip_prefix("data: "))
+        .and_then(|d| serde_json::from_str(d).ok())
+        .expect("start event data");
+    assert_eq!(start["exec_id"], exec_id.as_str(), "{start}");
+    assert_eq!(start["backend"], "local", "{start}");
+    assert_eq!(start["profile"], "python", "{start}");
     for i in 0..6 {
-        assert!(text.contains(&format!("tick {i}")), "{text}");
+        assert!(
+            text.contains(&format!("data: {{\"data\":\"tick {i}\\n\"")),
+            "{text}"
+        );
     }
+    assert_eq!(text.matches("event: stdout").count(), 6, "{text}");
     assert!(text.contains("event: result"), "{text}");
     let (status, body) = get_b(exec_id.clone()).await;
     assert_eq!(status, 200);

@@ -657,6 +657,200 @@ async fn a_resumed_stream_loses_nothing() {
     assert_eq!(whole.last().unwrap().data, *result);
 }
 
+/// A `Last-Event-ID` past the output is clamped to it: the stream resumes at the end of what
+/// the run wrote, and the result's id is the true end of the output, never the id the client
+/// sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_last_event_id_past_the_output_resumes_at_its_end() {
+    let d = Daemon::start();
+    let code = "import sys\nprint('out')\nprint('err', file=sys.stderr)";
+    let exec_id = start_async(&d, py(code, &marker())).await;
+    finished(&d, &exec_id).await;
+    for past in ["999999.999999", "4.999999", "999999.4"] {
+        let mut s = follow_stream(&d, &exec_id, Some(past)).await;
+        let events = s.rest().await;
+        assert_eq!(events.len(), 1, "{past}: {events:?}");
+        assert_eq!(events[0].event, "result", "{past}: {events:?}");
+        assert_eq!(events[0].id, "4.4", "{past}: {events:?}");
+    }
+    // Within the output, it resumes exactly there.
+    let mut s = follow_stream(&d, &exec_id, Some("2.999")).await;
+    let events = s.rest().await;
+    assert_eq!(stream_bytes(&events, "stdout", 2), b"t\n");
+    assert_eq!(stream_bytes(&events, "stderr", 4), b"");
+    assert_eq!(events.last().unwrap().id, "4.4", "{events:?}");
+}
+
+/// `POST /execute` with `Accept: text/event-stream` at `path_and_query`.
+async fn post_stream(d: &Daemon, path_and_query: &str, body: Value) -> reqwest::Response {
+    let mut body = body;
+    body["capability_token"] = json!(d.cap_all());
+    d.client
+        .post(format!("{}{path_and_query}", d.base))
+        .header("authorization", bearer(&d.service_token()))
+        .header("content-type", "application/json")
+        .header("accept", "text/event-stream")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("request")
+}
+
+/// JSON lines written in pieces that cut lines and join several: three lines, then an
+/// unfinished fourth.
+const JSON_LINES: &str = "import os, time\n\
+    os.write(1, b'{\"a\":1}\\n{\"a\":2}\\n{\"a\"')\n\
+    time.sleep(0.3)\n\
+    os.write(1, b':3}\\n{\"b\":')\n\
+    os.write(2, b'warn\\n')\n\
+    time.sleep(0.3)\n\
+    os.write(1, b'4}')";
+
+/// Lines framing: each output event is one complete line however the run's writes cut them; the
+/// unfinished last line comes once the run is over, marked partial; offsets and ids stay byte
+/// positions, so the events still add up to the output exactly.
+#[tokio::test(flavor = "multi_thread")]
+async fn lines_framing_sends_one_event_per_line() {
+    let d = Daemon::start();
+    let resp = post_stream(&d, "/execute?framing=lines", py(JSON_LINES, &marker())).await;
+    assert_eq!(resp.status().as_u16(), 200);
+    let events = SseReader {
+        resp,
+        buf: String::new(),
+    }
+    .rest()
+    .await;
+    let lines: Vec<(&str, bool)> = events
+        .iter()
+        .filter(|e| e.event == "stdout")
+        .map(|e| {
+            (
+                e.data["data"].as_str().unwrap(),
+                e.data["partial"] == json!(true),
+            )
+        })
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            ("{\"a\":1}\n", false),
+            ("{\"a\":2}\n", false),
+            ("{\"a\":3}\n", false),
+            ("{\"b\":4}", true)
+        ],
+        "{events:?}"
+    );
+    for (line, _) in &lines {
+        serde_json::from_str::<Value>(line).expect("each event is one JSON object");
+    }
+    let result = events.last().unwrap();
+    assert_eq!(result.event, "result");
+    let out = stream_bytes(&events, "stdout", 0);
+    assert_eq!(result.data["stdout"], String::from_utf8(out).unwrap());
+    assert_eq!(stream_bytes(&events, "stderr", 0), b"warn\n");
+    let end = format!("{}.5", result.data["stdout"].as_str().unwrap().len());
+    assert_eq!(result.id, end);
+}
+
+/// A lines-framed stream resumed from the id of any of its events goes on at the next line, in
+/// either framing; a resume id taken mid-line (from bytes framing) goes on mid-line.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lines_framed_stream_resumes_exactly() {
+    let d = Daemon::start();
+    let exec_id = start_async(&d, py(JSON_LINES, &marker())).await;
+    let whole = finished(&d, &exec_id).await;
+    let stdout = whole.json["result"]["stdout"].as_str().unwrap().to_string();
+    let open = |framing: &'static str, last: Option<String>| {
+        let (d, exec_id) = (&d, exec_id.clone());
+        async move {
+            let mut req = d
+                .client
+                .get(format!(
+                    "{}/v1/executions/{exec_id}/stream?framing={framing}",
+                    d.base
+                ))
+                .header("authorization", bearer(&d.service_token()));
+            if let Some(id) = last {
+                req = req.header("last-event-id", id);
+            }
+            let resp = req.send().await.expect("request");
+            assert_eq!(resp.status().as_u16(), 200);
+            SseReader {
+                resp,
+                buf: String::new(),
+            }
+            .rest()
+            .await
+        }
+    };
+    let all = open("lines", None).await;
+    let outputs: Vec<&Sse> = all.iter().filter(|e| e.event == "stdout").collect();
+    assert_eq!(outputs.len(), 4, "{all:?}");
+    for (i, cut) in outputs.iter().enumerate() {
+        for framing in ["lines", "bytes"] {
+            let rest = open(framing, Some(cut.id.clone())).await;
+            assert!(rest.iter().all(|e| e.event != "start"), "{rest:?}");
+            let before: usize = cut.id.split('.').next().unwrap().parse().unwrap();
+            let after = stream_bytes(&rest, "stdout", before);
+            assert_eq!(
+                [&stdout.as_bytes()[..before], &after[..]].concat(),
+                stdout.as_bytes(),
+                "{framing} after event {i}"
+            );
+            if framing == "lines" {
+                assert_eq!(
+                    rest.iter().filter(|e| e.event == "stdout").count(),
+                    3 - i,
+                    "{rest:?}"
+                );
+            }
+        }
+    }
+    let mid = open("lines", Some("3.0".into())).await;
+    let first = mid.iter().find(|e| e.event == "stdout").unwrap();
+    assert_eq!(first.data["offset"], 3);
+    assert_eq!(first.data["data"], "\":1}\n");
+}
+
+/// A framing that is not `bytes` or `lines` is a 400 with the error body, on every stream
+/// route, and nothing runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unknown_framing_is_refused() {
+    let d = Daemon::start();
+    let m = marker();
+    let refused = post_stream(&d, "/execute?framing=words", py("print(1)", &m)).await;
+    let r = read(refused).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert_eq!(r.json["error_type"], "InvalidRequest");
+    assert_eq!(r.json["success"], false);
+    assert!(
+        r.json["error"].as_str().unwrap().contains("framing"),
+        "{}",
+        r.text
+    );
+    assert!(audit_lines_of_marker(&d, &m).is_empty(), "it ran");
+    let exec_id = start_async(&d, py("print(1)", &marker())).await;
+    for q in ["framing=", "framing=LINES", "framing=lines&framing=bytes"] {
+        let r = d
+            .client
+            .get(format!("{}/v1/executions/{exec_id}/stream?{q}", d.base))
+            .header("authorization", bearer(&d.service_token()))
+            .send()
+            .await
+            .expect("request");
+        let r = read(r).await;
+        assert_eq!(r.status, 400, "{q}: {}", r.text);
+        assert_eq!(r.json["error_type"], "InvalidRequest", "{q}");
+    }
+}
+
+fn audit_lines_of_marker(d: &Daemon, marker: &str) -> Vec<Value> {
+    d.audit_lines()
+        .into_iter()
+        .filter(|l| l.to_string().contains(marker))
+        .collect()
+}
+
 /// A streamed run whose client goes away runs on unless it said `cancel_on_disconnect`.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stream_client_that_goes_away_cancels_only_when_asked() {

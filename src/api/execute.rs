@@ -304,6 +304,7 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
     request_body = ExecuteRequest,
     params(
         ("Idempotency-Key" = Option<String>, Header, description = "1-255 visible ASCII characters (any other byte is a 400), scoped to the calling service: a retry of the same request (the body's fields less `capability_token` and `cancel_on_disconnect`) gets the stored answer (header `Idempotent-Replayed: true`) and runs nothing again, once its own capability token is checked as a first attempt's would be (a token that may not run the request gets that 401 or 403, never the answer)"),
+        stream::StreamQuery,
     ),
     security(("bearer" = [], "capability_token" = [])),
     responses(
@@ -313,7 +314,7 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
         )),
         (status = 202, description = "`async`: the run started; `Location` names it", body = RunAccepted,
             headers(("Location" = String, description = "/v1/executions/{exec_id}"))),
-        (status = 400, description = "InvalidRequest: malformed JSON, wrong types, unknown field or action_type, timeout out of range, NUL in argv, argv or env over execve's limits, the capability token given twice, async with a stream, a malformed Idempotency-Key", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: malformed JSON, wrong types, unknown field or action_type, timeout out of range, NUL in argv, argv or env over execve's limits, the capability token given twice, async with a stream, a malformed Idempotency-Key, an unknown `framing`", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service or capability token is missing, malformed, invalid, expired or replayed", body = ErrorBody),
         (status = 403, description = "CapabilityViolation: the command is not allowlisted (adds `allowed_commands`), the token lacks a capability, an argument, profile or env name is refused", body = ErrorBody),
         (status = 408, description = "ExecutionTimeout: the wall clock ended the run (the result, with `error_type`); or RequestTimeout: the body did not arrive in time", body = RunAnswer),
@@ -451,7 +452,16 @@ async fn execute_detached(
         request_id: rid,
         ..KnownRequest::default()
     };
-    match handle(&st, &parts.headers, body, &mut known, &on_disconnect).await {
+    match handle(
+        &st,
+        &parts.headers,
+        &parts.uri,
+        body,
+        &mut known,
+        &on_disconnect,
+    )
+    .await
+    {
         Ok(resp) => resp,
         Err(e) => {
             let label = match &e {
@@ -479,6 +489,7 @@ async fn execute_detached(
 async fn handle(
     st: &Arc<AppState>,
     headers: &HeaderMap,
+    uri: &axum::http::Uri,
     body: Body,
     known: &mut KnownRequest,
     on_disconnect: &DisconnectCancel,
@@ -523,6 +534,7 @@ async fn handle(
         (false, true) => Mode::Stream,
         (false, false) => Mode::Sync,
     };
+    let framing = stream::Framing::of(uri)?;
     // Synchronous runs keep the wire's 1-300 s; async and streamed ones may ask for more (the
     // profile's max_async_timeout_seconds clamps it).
     let max_timeout = if mode == Mode::Sync {
@@ -584,6 +596,7 @@ async fn handle(
         service,
         idem,
         mode,
+        framing,
         cancel_on_disconnect,
         timeout_status: StatusCode::REQUEST_TIMEOUT,
         links: "/v1/executions/".into(),
@@ -680,6 +693,8 @@ pub(super) struct Job {
     /// The Idempotency-Key as the caller sent it, and the fingerprint of what it asked.
     pub idem: Option<(String, String)>,
     pub mode: Mode,
+    /// How a stream cuts output into events (`?framing=`).
+    pub framing: stream::Framing,
     pub cancel_on_disconnect: bool,
     /// The status of a synchronous answer whose run the wall clock ended.
     pub timeout_status: StatusCode,
@@ -717,6 +732,7 @@ pub(super) async fn serve(
         service,
         idem,
         mode,
+        framing,
         cancel_on_disconnect,
         timeout_status,
         links,
@@ -841,7 +857,13 @@ pub(super) async fn serve(
             });
             let permit =
                 permit.ok_or_else(|| ApiError::Internal("stream without permit".into()))?;
-            Ok(stream::follow(permit, Source::Live(live), None, cancel))
+            Ok(stream::follow(
+                permit,
+                Source::Live(live),
+                framing,
+                None,
+                cancel,
+            ))
         }
     }
 }

@@ -19,7 +19,7 @@ use super::error::{ApiError, ErrorBody};
 use super::execute::{calling_service, read_body};
 use super::extract::Path;
 use super::forward::{forward, was_forwarded};
-use super::stream::{Position, Source, StreamPermit, follow};
+use super::stream::{Framing, Position, Source, StreamPermit, StreamQuery, follow};
 use super::{AppState, RequestId};
 use crate::execution::record::KnownRequest;
 use crate::execution::runs::CancelOutcome;
@@ -146,12 +146,13 @@ pub(super) async fn get_owned(
     tag = "runs",
     params(
         ("exec_id" = String, Path, description = "The run's `exec_id`"),
-        ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event: `<stdout bytes>.<stderr bytes>`"),
+        StreamQuery,
+        ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event: `<stdout bytes>.<stderr bytes>` (in either framing); a position past the output is clamped to its end"),
     ),
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The run as Server-Sent Events: `start`, `stdout`/`stderr`, `result`", body = String, content_type = "text/event-stream"),
-        (status = 400, description = "InvalidRequest: an exec_id that is not UTF-8 once percent-decoded", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: an exec_id that is not UTF-8 once percent-decoded, an unknown `framing`", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no run with this id is visible to the calling service", body = ErrorBody),
         (status = 429, description = "Overloaded: `executions.max_open_streams` streams are open", body = ErrorBody),
@@ -178,22 +179,29 @@ pub(super) async fn stream_owned(
     req: Request,
     who: (String, KnownRequest),
 ) -> Response {
+    let framing = match Framing::of(req.uri()) {
+        Ok(f) => f,
+        Err(e) => return e.into_response(),
+    };
     let from = req
         .headers()
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .and_then(Position::parse);
     let headers = req.headers().clone();
-    let path = format!("/v1/executions/{exec_id}/stream");
+    let path = format!("/v1/executions/{exec_id}/stream{}", framing.query());
     let permit = || StreamPermit::take(&st);
     let respond = |source: Source| match permit() {
-        Ok(p) => follow(p, source, from, None),
+        Ok(p) => follow(p, source, framing, from, None),
         Err(e) => e.into_response(),
     };
     match locate(&st, &exec_id, &headers, who).await {
         Ok((Located::Here(Lookup::Live(live)), _)) => respond(Source::Live(live)),
         Ok((Located::Here(Lookup::Stored(record)), _)) => match record.response {
-            Some(answer) => respond(Source::finished(&exec_id, answer)),
+            Some(answer) => {
+                let ran_on = (record.backend, record.profile);
+                respond(Source::finished(&exec_id, answer, ran_on))
+            }
             None => ApiError::ExecutionNotFound.into_response(),
         },
         Ok((Located::Here(Lookup::Unknown), _)) => ApiError::ExecutionNotFound.into_response(),

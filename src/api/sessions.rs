@@ -440,6 +440,7 @@ pub struct ExecBody {
         SessionPath,
         TenantHeaders,
         ("Idempotency-Key" = Option<String>, Header, description = "As on /execute; the fingerprint includes the session, the calling service and the tenant"),
+        super::stream::StreamQuery,
     ),
     security(("bearer" = [])),
     responses(
@@ -448,7 +449,7 @@ pub struct ExecBody {
             (String = "text/event-stream"),
         )),
         (status = 202, description = "`async`: the exec started", body = RunAccepted),
-        (status = 400, description = "InvalidRequest: malformed body, timeout_ms out of range, NUL in the code, a cwd outside the workspace, a malformed tenant or Idempotency-Key, async with a stream, a path parameter that is not UTF-8", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: malformed body, timeout_ms out of range, NUL in the code, a cwd outside the workspace, a malformed tenant or Idempotency-Key, async with a stream, an unknown `framing`, a path parameter that is not UTF-8", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 403, description = "CapabilityViolation: an env name the profile refuses", body = ErrorBody),
         (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
@@ -514,6 +515,7 @@ async fn exec_inner(
         (false, true) => Mode::Stream,
         (false, false) => Mode::Sync,
     };
+    let framing = super::stream::Framing::of(&parts.uri)?;
     // A step runs synchronously with its own timeout (Koder's TimeoutSec), so a synchronous
     // exec may last as long as an async one: the profile's max_async_timeout_seconds clamps it.
     // 0 is the profile's default, as no value is.
@@ -565,6 +567,7 @@ async fn exec_inner(
         service,
         idem,
         mode,
+        framing,
         cancel_on_disconnect: asked.cancel_on_disconnect,
         timeout_status: StatusCode::OK,
         links: format!("/v1/sandbox/sessions/{id}/execs/"),
@@ -636,12 +639,13 @@ pub async fn exec_get(
         SessionPath,
         ("exec_id" = String, Path, description = "The exec's `exec_id`"),
         TenantHeaders,
-        ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event: `<stdout bytes>.<stderr bytes>`"),
+        super::stream::StreamQuery,
+        ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event: `<stdout bytes>.<stderr bytes>` (in either framing); a position past the output is clamped to its end"),
     ),
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The exec as Server-Sent Events", body = String, content_type = "text/event-stream"),
-        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree, a path parameter that is not UTF-8", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree, an unknown `framing`, a path parameter that is not UTF-8", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session, or no such exec of it", body = ErrorBody),
         (status = 429, description = "Overloaded: `executions.max_open_streams` streams are open", body = ErrorBody),

@@ -181,8 +181,9 @@ impl ExecutionRequest {
     fn external_call(&self) -> ExternalCall<'_> {
         let x = &self.external;
         ExternalCall {
-            has_args: !self.args.is_empty(),
-            has_stdin: self.stdin.is_some(),
+            args: &self.args,
+            stdin: self.stdin.as_deref(),
+            orbit: self.metadata.as_ref().and_then(|m| m.get("orbit")),
             activity: x.activity.as_ref(),
             input: x.input.as_ref(),
             skills: x.skills.as_ref(),
@@ -740,6 +741,10 @@ impl ExecutionService {
         let (store, runs, metrics) = (self.store.clone(), self.runs.clone(), self.metrics.clone());
         let (instance, retention) = (self.instance.clone(), self.retention);
         let address = self.address.get().cloned();
+        let ran_on = (
+            execution.plan.backend.as_str().to_string(),
+            execution.plan.profile.name.clone(),
+        );
         // The record that says "running" reaches the store before anything can finish: it
         // lives at most the run's own time limit beyond the retention.
         let running_ttl = execution.spec.limits.timeout + retention;
@@ -751,6 +756,8 @@ impl ExecutionService {
                     address: address.clone(),
                     response,
                     cancelled_by,
+                    backend: Some(ran_on.0.clone()),
+                    profile: Some(ran_on.1.clone()),
                 };
             log_store_error(
                 &exec_id,
@@ -923,7 +930,7 @@ impl ExecutionService {
         external: Option<&ExternalInvocation>,
     ) -> (RunSpec, String) {
         let (argv_tail, stdin) = match external {
-            Some(x) => (x.argv_tail.clone(), Some(x.envelope.clone())),
+            Some(x) => (x.argv_tail.clone(), Some(x.stdin.clone())),
             None => (
                 req.args.clone(),
                 req.stdin.as_ref().map(|s| s.clone().into_bytes()),

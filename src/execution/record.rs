@@ -260,6 +260,8 @@ async fn finish_record(
             .to_string(),
         }),
         cancelled_by: None,
+        backend: Some(i.run.backend.to_string()),
+        profile: Some(i.run.profile.clone()),
     };
     if let Err(e) = store.execution_put(&key, &finished, retention).await {
         tracing::error!(exec_id = %i.run.exec_id, error = %e, "record of an interrupted run not finished");

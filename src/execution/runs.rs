@@ -54,11 +54,18 @@ impl LiveRun {
 
     /// At most `max` bytes of `stream` from `offset` on (empty when there are none yet).
     pub fn output_from(&self, stream: StreamKind, offset: usize, max: usize) -> Vec<u8> {
+        self.with_output(stream, |all| {
+            all.get(offset..)
+                .map(|rest| rest[..rest.len().min(max)].to_vec())
+                .unwrap_or_default()
+        })
+    }
+
+    /// `f` of everything the run has written to `stream` so far (the output stays locked
+    /// meanwhile: `f` only looks).
+    pub fn with_output<R>(&self, stream: StreamKind, f: impl FnOnce(&[u8]) -> R) -> R {
         let out = self.output.lock().unwrap_or_else(|p| p.into_inner());
-        let all = &out[stream as usize];
-        all.get(offset..)
-            .map(|rest| rest[..rest.len().min(max)].to_vec())
-            .unwrap_or_default()
+        f(&out[stream as usize])
     }
 
     /// Wakes when output arrives or the answer is set.

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
 
-use super::Registry;
+use super::{ExecutorDef, Registry, StdinSource};
 use crate::policy::{ActionType, Ask, Capability, Grant, Plan, Policy, PolicyError, Refusal};
 use crate::sandbox::{ExitKind, RunOutcome};
 
@@ -17,19 +17,23 @@ pub const DEFAULT_PROFILE: &str = "shell-readonly";
 #[derive(Debug, Clone)]
 pub struct ExternalInvocation {
     pub argv_tail: Vec<String>,
-    pub envelope: Vec<u8>,
+    /// What the executor reads on stdin: the envelope, or the request's `stdin` for a def that
+    /// says `stdin: request`.
+    pub stdin: Vec<u8>,
     pub env: BTreeMap<String, String>,
     /// The executor's file, bound read-only at the same path inside the sandbox.
     pub extra_files: Vec<(PathBuf, PathBuf)>,
     pub def_sha256: String,
 }
 
-/// What an `external` request carries besides its ask: the envelope's parts and the model, and
-/// whether it also sent what an executor does not take (args, stdin).
+/// What an `external` request carries besides its ask: its args and stdin (which only a def
+/// that opts in takes), the envelope's parts, the model and `metadata.orbit`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ExternalCall<'a> {
-    pub has_args: bool,
-    pub has_stdin: bool,
+    pub args: &'a [String],
+    pub stdin: Option<&'a str>,
+    /// `metadata.orbit`: the Orbit run, job and step the call belongs to.
+    pub orbit: Option<&'a Value>,
     pub activity: Option<&'a Value>,
     pub input: Option<&'a Value>,
     pub skills: Option<&'a Value>,
@@ -65,6 +69,73 @@ fn activity_names(activity: Option<&Value>, key: &str) -> Result<Option<String>,
         names.push(name);
     }
     Ok(Some(names.join(",")))
+}
+
+/// The longest Orbit id (`metadata.orbit.run_id`, `job_id`, `step_id`) passed to an executor.
+pub const MAX_ORBIT_ID_LEN: usize = 256;
+
+/// The `ORBIT_RUN_ID`, `ORBIT_JOB_ID` and `ORBIT_STEP_ID` of `metadata.orbit`: each id given as a
+/// string (or an integer) of 1-256 characters without control characters; anything else is
+/// refused rather than passed on.
+fn orbit_vars(orbit: Option<&Value>) -> Result<Vec<(&'static str, String)>, PolicyError> {
+    let Some(orbit) = orbit else {
+        return Ok(Vec::new());
+    };
+    let orbit = orbit.as_object().ok_or_else(|| {
+        PolicyError::Invalid("metadata.orbit must be an object of run_id, job_id, step_id".into())
+    })?;
+    let mut vars = Vec::new();
+    for (key, var) in [
+        ("run_id", "ORBIT_RUN_ID"),
+        ("job_id", "ORBIT_JOB_ID"),
+        ("step_id", "ORBIT_STEP_ID"),
+    ] {
+        let id = match orbit.get(key) {
+            None | Some(Value::Null) => continue,
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Number(n)) if n.is_u64() || n.is_i64() => n.to_string(),
+            Some(_) => String::new(),
+        };
+        let n = id.chars().count();
+        if n == 0 || n > MAX_ORBIT_ID_LEN || id.chars().any(char::is_control) {
+            return Err(PolicyError::Invalid(format!(
+                "metadata.orbit.{key} must be a string (or an integer) of 1-{MAX_ORBIT_ID_LEN} \
+                 characters without control characters"
+            )));
+        }
+        vars.push((var, id));
+    }
+    Ok(vars)
+}
+
+/// The request's args, when the def takes them: at most `request_args.max`, each matching its
+/// pattern in full.
+fn request_args(def: &ExecutorDef, args: &[String]) -> Result<(), PolicyError> {
+    if args.is_empty() {
+        return Ok(());
+    }
+    let Some(allowed) = &def.request_args else {
+        return Err(PolicyError::Invalid(format!(
+            "args are not accepted by executor '{}': its def fixes them (no spec.request_args)",
+            def.name
+        )));
+    };
+    if args.len() > allowed.max {
+        return Err(PolicyError::Invalid(format!(
+            "executor '{}' takes at most {} request args, got {}",
+            def.name,
+            allowed.max,
+            args.len()
+        )));
+    }
+    if let Some((i, arg)) = args.iter().enumerate().find(|(_, a)| !allowed.accepts(a)) {
+        return Err(PolicyError::Invalid(format!(
+            "args[{i}] '{}' does not match the pattern executor '{}' allows for request args",
+            crate::auth::clip(&arg.escape_debug().to_string(), 128),
+            def.name
+        )));
+    }
+    Ok(())
 }
 
 /// The schemaVersion-1 request envelope written to the executor's stdin.
@@ -113,15 +184,13 @@ pub fn decide(
             ),
         }));
     };
-    if req.has_args {
-        return Err(PolicyError::Invalid(
-            "args are not accepted for external executors: the def fixes them".into(),
-        ));
-    }
-    if req.has_stdin {
-        return Err(PolicyError::Invalid(
-            "stdin is not accepted for external executors: the envelope is their stdin".into(),
-        ));
+    request_args(&def, req.args)?;
+    if req.stdin.is_some() && def.stdin == StdinSource::Envelope {
+        return Err(PolicyError::Invalid(format!(
+            "stdin is not accepted by executor '{}': the envelope is its stdin (no spec.stdin: \
+             request)",
+            def.name
+        )));
     }
     let timeout = match (ask.timeout_seconds, def.timeout_seconds) {
         (Some(a), Some(b)) => Some(a.min(b)),
@@ -155,6 +224,8 @@ pub fn decide(
         argv_tail.push(flag.clone());
         argv_tail.push(model.to_string());
     }
+    // The request's own (checked above), last.
+    argv_tail.extend(req.args.iter().cloned());
     let mut env = BTreeMap::new();
     env.insert("ORBIT_AGENT_NAME".to_string(), def.name.clone());
     if let Some(model) = req.model {
@@ -180,6 +251,10 @@ pub fn decide(
             env.insert(var.to_string(), names);
         }
     }
+    // The Orbit run, job and step the call belongs to.
+    for (var, id) in orbit_vars(req.orbit)? {
+        env.insert(var.to_string(), id);
+    }
     // The operator's env wins on conflict.
     env.extend(def.env.clone());
     if env
@@ -202,14 +277,18 @@ pub fn decide(
         full_env,
     )
     .map_err(PolicyError::Invalid)?;
-    let envelope =
-        serde_json::to_vec(&envelope(req)).map_err(|e| PolicyError::Invalid(e.to_string()))?;
+    let stdin = match def.stdin {
+        StdinSource::Envelope => {
+            serde_json::to_vec(&envelope(req)).map_err(|e| PolicyError::Invalid(e.to_string()))?
+        }
+        StdinSource::Request => req.stdin.unwrap_or_default().as_bytes().to_vec(),
+    };
     let cmd = PathBuf::from(&def.command);
     Ok((
         plan,
         Some(ExternalInvocation {
             argv_tail,
-            envelope,
+            stdin,
             env,
             extra_files: vec![(cmd.clone(), cmd)],
             def_sha256: def.def_sha256.clone(),

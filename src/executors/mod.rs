@@ -24,10 +24,72 @@ pub struct ExecutorDef {
     pub model_flag: Option<String>,
     pub timeout_seconds: Option<u64>,
     pub profile: Option<String>,
+    /// What the executor reads on stdin.
+    pub stdin: StdinSource,
+    /// The arguments a request may append, when the def takes any.
+    pub request_args: Option<RequestArgs>,
     /// `sha256:` of the def file's bytes.
     pub def_sha256: String,
     #[serde(skip)]
     pub source: PathBuf,
+}
+
+/// What an executor reads on stdin.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum StdinSource {
+    /// The protocol's JSON envelope (a request's `stdin` is refused).
+    #[default]
+    Envelope,
+    /// The request's `stdin` (empty when it has none); no envelope is written.
+    Request,
+}
+
+/// The most arguments a def may let a request append.
+pub const MAX_REQUEST_ARGS: usize = 64;
+/// The longest `request_args.pattern`.
+const MAX_PATTERN_LEN: usize = 1024;
+
+/// The arguments a request may append after the def's: at most `max`, each matching `pattern`
+/// as a whole.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct RequestArgs {
+    pub max: usize,
+    /// A regular expression (Rust `regex` syntax) every argument must match in full.
+    pub pattern: String,
+    #[serde(skip)]
+    #[schema(ignore)]
+    matcher: regex::Regex,
+}
+
+impl RequestArgs {
+    fn new(max: usize, pattern: String) -> Result<RequestArgs, String> {
+        if !(1..=MAX_REQUEST_ARGS).contains(&max) {
+            return Err(format!(
+                "spec.request_args.max must be between 1 and {MAX_REQUEST_ARGS}"
+            ));
+        }
+        if pattern.is_empty() || pattern.len() > MAX_PATTERN_LEN {
+            return Err(format!(
+                "spec.request_args.pattern must be 1-{MAX_PATTERN_LEN} bytes"
+            ));
+        }
+        // Anchored at both ends: an argument matches as a whole or not at all.
+        let matcher = regex::RegexBuilder::new(&format!("^(?:{pattern})$"))
+            .size_limit(1 << 20)
+            .build()
+            .map_err(|e| format!("spec.request_args.pattern is not a valid regex: {e}"))?;
+        Ok(RequestArgs {
+            max,
+            pattern,
+            matcher,
+        })
+    }
+
+    /// Whether `arg` is one the def takes.
+    pub fn accepts(&self, arg: &str) -> bool {
+        self.matcher.is_match(arg)
+    }
 }
 
 impl ExecutorDef {
@@ -76,6 +138,17 @@ struct Spec {
     timeout_seconds: Option<u64>,
     #[serde(default)]
     profile: Option<String>,
+    #[serde(default)]
+    stdin: Option<String>,
+    #[serde(default)]
+    request_args: Option<RequestArgsSpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RequestArgsSpec {
+    max: usize,
+    pattern: String,
 }
 
 /// Why a def file was skipped.
@@ -124,6 +197,18 @@ pub fn parse_def(path: &Path, bytes: &[u8]) -> Result<ExecutorDef, String> {
     if f.spec.timeout_seconds == Some(0) {
         return Err("spec.timeout_seconds must be > 0".into());
     }
+    let stdin = match f.spec.stdin.as_deref() {
+        None | Some("envelope") => StdinSource::Envelope,
+        Some("request") => StdinSource::Request,
+        Some(other) => {
+            return Err(format!("spec.stdin '{other}' is not envelope or request"));
+        }
+    };
+    let request_args = f
+        .spec
+        .request_args
+        .map(|r| RequestArgs::new(r.max, r.pattern))
+        .transpose()?;
     Ok(ExecutorDef {
         name: f.metadata.name,
         command,
@@ -132,6 +217,8 @@ pub fn parse_def(path: &Path, bytes: &[u8]) -> Result<ExecutorDef, String> {
         model_flag: f.spec.model_flag,
         timeout_seconds: f.spec.timeout_seconds,
         profile: f.spec.profile,
+        stdin,
+        request_args,
         def_sha256: format!("sha256:{}", hex::encode(Sha256::digest(bytes))),
         source: path.to_path_buf(),
     })
@@ -248,6 +335,37 @@ mod tests {
                 .unwrap_err()
                 .contains("command")
         );
+    }
+
+    #[test]
+    fn stdin_and_request_args_are_opted_into_and_checked_at_load() {
+        let d = parse_def(Path::new("/x/acme.yaml"), GOOD.as_bytes()).unwrap();
+        assert_eq!(d.stdin, StdinSource::Envelope);
+        assert!(d.request_args.is_none());
+        let opted = format!(
+            "{GOOD}  stdin: request\n  request_args:\n    max: 2\n    pattern: '--resume|[0-9a-f]{{8}}'\n"
+        );
+        let d = parse_def(Path::new("/x/acme.yaml"), opted.as_bytes()).unwrap();
+        assert_eq!(d.stdin, StdinSource::Request);
+        let args = d.request_args.unwrap();
+        assert_eq!(args.max, 2);
+        assert!(args.accepts("--resume") && args.accepts("0123abcd"));
+        // Anchored: a match inside the argument is not enough.
+        for bad in ["x--resume", "--resume;rm", "0123abcd0", "", "--res"] {
+            assert!(!args.accepts(bad), "{bad}");
+        }
+        for (bad, why) in [
+            ("  stdin: file\n", "spec.stdin"),
+            ("  request_args:\n    max: 0\n    pattern: x\n", "max"),
+            ("  request_args:\n    max: 65\n    pattern: x\n", "max"),
+            ("  request_args:\n    max: 1\n    pattern: '('\n", "regex"),
+            ("  request_args:\n    max: 1\n    pattern: ''\n", "pattern"),
+            ("  request_args:\n    max: 1\n", "pattern"),
+        ] {
+            let def = format!("{GOOD}{bad}");
+            let err = parse_def(Path::new("/x/acme.yaml"), def.as_bytes()).unwrap_err();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
     }
 
     #[test]

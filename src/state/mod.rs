@@ -82,6 +82,12 @@ pub struct StoredExecution {
     /// The subject that asked to cancel it, if one did.
     #[serde(default)]
     pub cancelled_by: Option<String>,
+    /// The backend and profile it ran on (a stream's `start` names them even when its answer
+    /// is an error that does not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
 }
 
 /// What `idempotency_begin` found.

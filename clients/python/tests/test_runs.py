@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -88,6 +89,39 @@ def test_stream_resumes_from_last_event_id(client: Client) -> None:
     assert not any(isinstance(e, OutputEvent) for e in resumed)
     assert isinstance(resumed[-1], ResultEvent)
     assert resumed[-1].result == result
+
+
+JSON_LINES = (
+    "import os, time\n"
+    "os.write(1, b'{\"a\":1}\\n{\"a\"')\n"
+    "time.sleep(0.3)\n"
+    "os.write(1, b':2}\\n{\"b\":')\n"
+    "time.sleep(0.3)\n"
+    "os.write(1, b'3}')"
+)
+
+
+def test_lines_framing_gives_one_event_per_line(client: Client) -> None:
+    events = list(
+        client.execute_stream("python3", ["-c", JSON_LINES], action_type="python", framing="lines")
+    )
+    output = [e for e in events if isinstance(e, OutputEvent)]
+    assert [(e.text, e.partial) for e in output] == [
+        ('{"a":1}\n', False),
+        ('{"a":2}\n', False),
+        ('{"b":3}', True),
+    ]
+    assert [json.loads(e.text) for e in output] == [{"a": 1}, {"a": 2}, {"b": 3}]
+    result = events[-1]
+    assert isinstance(result, ResultEvent) and isinstance(result.result, ExecutionResult)
+    # Resumed after the first line, still in lines: the rest, line by line.
+    resumed = list(client.stream(result.result.exec_id, last_event_id=output[0].id, framing="lines"))
+    assert [e.text for e in resumed if isinstance(e, OutputEvent)] == ['{"a":2}\n', '{"b":3}']
+
+
+def test_an_unknown_framing_is_refused_before_sending(client: Client) -> None:
+    with pytest.raises(ValueError, match="framing"):
+        list(client.stream("exec-00000000000000000000000000000000", framing="words"))  # type: ignore[arg-type]
 
 
 def test_async_run_result_via_get(client: Client) -> None:

@@ -49,6 +49,8 @@ fn run(instance: &str, done: bool) -> StoredExecution {
             body: "{\"ok\":true}".into(),
         }),
         cancelled_by: None,
+        backend: Some("local".into()),
+        profile: Some("python".into()),
     }
 }
 

@@ -7,7 +7,7 @@ import json
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -72,7 +72,7 @@ class Call(Generic[T]):
     content: bytes | None = None
     params: Mapping[str, str] | None = None
 
-    def stream_variant(self) -> Call[T]:
+    def stream_variant(self, framing: Framing | None = None) -> Call[T]:
         return Call(
             self.method,
             self.path,
@@ -80,8 +80,22 @@ class Call(Generic[T]):
             {**self.headers, "Accept": "text/event-stream"},
             self.json,
             self.content,
-            self.params,
+            {**(self.params or {}), **framing_params(framing)} or None,
         )
+
+
+#: How a stream cuts output into events: ``bytes`` (the daemon's default: chunks as they come)
+#: or ``lines`` (one event per complete line).
+Framing = Literal["bytes", "lines"]
+
+
+def framing_params(framing: Framing | None) -> dict[str, str]:
+    """The query of a stream in ``framing`` (none: the daemon's default)."""
+    if framing is None:
+        return {}
+    if framing not in ("bytes", "lines"):
+        raise ValueError(f"framing must be 'bytes' or 'lines', got {framing!r}")
+    return {"framing": framing}
 
 
 def _seg(value: str) -> str:
@@ -175,13 +189,20 @@ def stream_run_call(
     session_id: str | None = None,
     tenant: str | None = None,
     request_id: str | None = None,
+    framing: Framing | None = None,
 ) -> Call[None]:
     h = {**creds.bearer(), **_common(request_id, None), "Accept": "text/event-stream"}
     if session_id is not None:
         h.update(creds.tenant_header(tenant))
     if last_event_id is not None:
         h["Last-Event-ID"] = last_event_id
-    return Call("GET", run_path(exec_id, session_id) + "/stream", _no_content, h)
+    return Call(
+        "GET",
+        run_path(exec_id, session_id) + "/stream",
+        _no_content,
+        h,
+        params=framing_params(framing) or None,
+    )
 
 
 def cancel_run_call(

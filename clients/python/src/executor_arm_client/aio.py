@@ -176,10 +176,20 @@ class AsyncClient:
                 await self._sleep(self.retry.delay(failures, None))
             current = resume(exec_id, last_id)
 
-    def _stream_resume(self, session_id: str | None = None, tenant: str | None = None) -> _Resume:
+    def _stream_resume(
+        self,
+        session_id: str | None = None,
+        tenant: str | None = None,
+        framing: _core.Framing | None = None,
+    ) -> _Resume:
         def resume(exec_id: str, last_id: str | None) -> Call[None]:
             return _core.stream_run_call(
-                self._creds, exec_id, last_event_id=last_id, session_id=session_id, tenant=tenant
+                self._creds,
+                exec_id,
+                last_event_id=last_id,
+                session_id=session_id,
+                tenant=tenant,
+                framing=framing,
             )
 
         return resume
@@ -336,9 +346,11 @@ class AsyncClient:
         capability_token: str | None = None,
         idempotency_key: str | None = None,
         request_id: str | None = None,
+        framing: _core.Framing | None = None,
     ) -> AsyncIterator[Event]:
         """``POST /execute`` with ``Accept: text/event-stream``: the run's events as it goes
-        (``start``, ``stdout``/``stderr`` chunks, then ``result``)."""
+        (``start``, ``stdout``/``stderr`` chunks, then ``result``). ``framing="lines"``: one
+        output event per complete line (the daemon's default, ``bytes``, cuts chunks anywhere)."""
         request = ExecuteRequest(
             action_type=action_type,
             command=command,
@@ -357,8 +369,8 @@ class AsyncClient:
             idempotency_key=idempotency_key,
             request_id=request_id,
             headers=None,
-        ).stream_variant()
-        return self._events(call, self._stream_resume())
+        ).stream_variant(framing)
+        return self._events(call, self._stream_resume(framing=framing))
 
     async def get(self, exec_id: str, *, request_id: str | None = None) -> RunStatus:
         """``GET /v1/executions/{exec_id}``: the run's status, and its answer once finished."""
@@ -377,11 +389,19 @@ class AsyncClient:
                 raise TimeoutError(f"run {exec_id} still running after {timeout} s")
             await self._sleep(poll_interval)
 
-    def stream(self, exec_id: str, *, last_event_id: str | None = None) -> AsyncIterator[Event]:
+    def stream(
+        self,
+        exec_id: str,
+        *,
+        last_event_id: str | None = None,
+        framing: _core.Framing | None = None,
+    ) -> AsyncIterator[Event]:
         """``GET /v1/executions/{exec_id}/stream``: a running or finished run's events, from
-        ``last_event_id`` when given."""
-        call = _core.stream_run_call(self._creds, exec_id, last_event_id=last_event_id)
-        return self._events(call, self._stream_resume(), exec_id)
+        ``last_event_id`` when given; ``framing="lines"``: one output event per line."""
+        call = _core.stream_run_call(
+            self._creds, exec_id, last_event_id=last_event_id, framing=framing
+        )
+        return self._events(call, self._stream_resume(framing=framing), exec_id)
 
     async def cancel(
         self, exec_id: str, *, grace_seconds: int | None = None, request_id: str | None = None
@@ -536,8 +556,9 @@ class AsyncSessions:
         cancel_on_disconnect: bool | None = None,
         tenant: str | None = None,
         idempotency_key: str | None = None,
+        framing: _core.Framing | None = None,
     ) -> AsyncIterator[Event]:
-        """Runs ``code`` and streams its events."""
+        """Runs ``code`` and streams its events (``framing="lines"``: one per output line)."""
         request = SessionExecRequest(
             code=code,
             stdin=stdin,
@@ -553,8 +574,10 @@ class AsyncSessions:
             tenant=tenant,
             idempotency_key=idempotency_key,
             request_id=None,
-        ).stream_variant()
-        return self._client._events(call, self._client._stream_resume(session_id, tenant))
+        ).stream_variant(framing)
+        return self._client._events(
+            call, self._client._stream_resume(session_id, tenant, framing)
+        )
 
     async def get_exec(
         self, session_id: str, exec_id: str, *, tenant: str | None = None
@@ -570,6 +593,7 @@ class AsyncSessions:
         *,
         last_event_id: str | None = None,
         tenant: str | None = None,
+        framing: _core.Framing | None = None,
     ) -> AsyncIterator[Event]:
         call = _core.stream_run_call(
             self._client._creds,
@@ -577,8 +601,11 @@ class AsyncSessions:
             last_event_id=last_event_id,
             session_id=session_id,
             tenant=tenant,
+            framing=framing,
         )
-        return self._client._events(call, self._client._stream_resume(session_id, tenant), exec_id)
+        return self._client._events(
+            call, self._client._stream_resume(session_id, tenant, framing), exec_id
+        )
 
     async def cancel_exec(
         self,

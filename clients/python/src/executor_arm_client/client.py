@@ -188,10 +188,20 @@ class Client:
                 self._sleep(self.retry.delay(failures, None))
             current = resume(exec_id, last_id)
 
-    def _stream_resume(self, session_id: str | None = None, tenant: str | None = None) -> _Resume:
+    def _stream_resume(
+        self,
+        session_id: str | None = None,
+        tenant: str | None = None,
+        framing: _core.Framing | None = None,
+    ) -> _Resume:
         def resume(exec_id: str, last_id: str | None) -> Call[None]:
             return _core.stream_run_call(
-                self._creds, exec_id, last_event_id=last_id, session_id=session_id, tenant=tenant
+                self._creds,
+                exec_id,
+                last_event_id=last_id,
+                session_id=session_id,
+                tenant=tenant,
+                framing=framing,
             )
 
         return resume
@@ -348,9 +358,11 @@ class Client:
         capability_token: str | None = None,
         idempotency_key: str | None = None,
         request_id: str | None = None,
+        framing: _core.Framing | None = None,
     ) -> Iterator[Event]:
         """``POST /execute`` with ``Accept: text/event-stream``: the run's events as it goes
-        (``start``, ``stdout``/``stderr`` chunks, then ``result``)."""
+        (``start``, ``stdout``/``stderr`` chunks, then ``result``). ``framing="lines"``: one
+        output event per complete line (the daemon's default, ``bytes``, cuts chunks anywhere)."""
         request = ExecuteRequest(
             action_type=action_type,
             command=command,
@@ -369,8 +381,8 @@ class Client:
             idempotency_key=idempotency_key,
             request_id=request_id,
             headers=None,
-        ).stream_variant()
-        return self._events(call, self._stream_resume())
+        ).stream_variant(framing)
+        return self._events(call, self._stream_resume(framing=framing))
 
     def get(self, exec_id: str, *, request_id: str | None = None) -> RunStatus:
         """``GET /v1/executions/{exec_id}``: the run's status, and its answer once finished."""
@@ -389,11 +401,19 @@ class Client:
                 raise TimeoutError(f"run {exec_id} still running after {timeout} s")
             self._sleep(poll_interval)
 
-    def stream(self, exec_id: str, *, last_event_id: str | None = None) -> Iterator[Event]:
+    def stream(
+        self,
+        exec_id: str,
+        *,
+        last_event_id: str | None = None,
+        framing: _core.Framing | None = None,
+    ) -> Iterator[Event]:
         """``GET /v1/executions/{exec_id}/stream``: a running or finished run's events, from
-        ``last_event_id`` when given."""
-        call = _core.stream_run_call(self._creds, exec_id, last_event_id=last_event_id)
-        return self._events(call, self._stream_resume(), exec_id)
+        ``last_event_id`` when given; ``framing="lines"``: one output event per line."""
+        call = _core.stream_run_call(
+            self._creds, exec_id, last_event_id=last_event_id, framing=framing
+        )
+        return self._events(call, self._stream_resume(framing=framing), exec_id)
 
     def cancel(
         self, exec_id: str, *, grace_seconds: int | None = None, request_id: str | None = None
@@ -548,8 +568,9 @@ class Sessions:
         cancel_on_disconnect: bool | None = None,
         tenant: str | None = None,
         idempotency_key: str | None = None,
+        framing: _core.Framing | None = None,
     ) -> Iterator[Event]:
-        """Runs ``code`` and streams its events."""
+        """Runs ``code`` and streams its events (``framing="lines"``: one per output line)."""
         request = SessionExecRequest(
             code=code,
             stdin=stdin,
@@ -565,8 +586,10 @@ class Sessions:
             tenant=tenant,
             idempotency_key=idempotency_key,
             request_id=None,
-        ).stream_variant()
-        return self._client._events(call, self._client._stream_resume(session_id, tenant))
+        ).stream_variant(framing)
+        return self._client._events(
+            call, self._client._stream_resume(session_id, tenant, framing)
+        )
 
     def get_exec(self, session_id: str, exec_id: str, *, tenant: str | None = None) -> RunStatus:
         return self._client._send(
@@ -580,6 +603,7 @@ class Sessions:
         *,
         last_event_id: str | None = None,
         tenant: str | None = None,
+        framing: _core.Framing | None = None,
     ) -> Iterator[Event]:
         call = _core.stream_run_call(
             self._client._creds,
@@ -587,8 +611,11 @@ class Sessions:
             last_event_id=last_event_id,
             session_id=session_id,
             tenant=tenant,
+            framing=framing,
         )
-        return self._client._events(call, self._client._stream_resume(session_id, tenant), exec_id)
+        return self._client._events(
+            call, self._client._stream_resume(session_id, tenant, framing), exec_id
+        )
 
     def cancel_exec(
         self,

@@ -330,6 +330,9 @@ class OutputEvent:
     offset: int
     data: str | None = None
     data_b64: str | None = None
+    #: ``framing="lines"``: the event does not end a line (the unfinished last line of a run
+    #: that is over, or a piece of a line over 1 MiB).
+    partial: bool = False
 
     @property
     def bytes(self) -> bytes:

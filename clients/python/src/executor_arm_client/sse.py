@@ -106,6 +106,7 @@ def _typed_event(raw: RawEvent, data: dict[str, Any]) -> Event | None:
             offset=int(data.get("offset", 0)),
             data=data.get("data"),
             data_b64=data.get("data_b64"),
+            partial=data.get("partial") is True,
         )
     if raw.event == "result":
         http_status = int(data.pop("http_status", 200))
