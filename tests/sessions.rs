@@ -1258,6 +1258,65 @@ async fn an_upload_reset_after_its_last_byte_is_audited_if_it_landed() {
     );
 }
 
+/// An upload whose body is still arriving when its session is deleted is refused as one to no
+/// session: no upload is answered 204 into an ended session, and no `session_file` line
+/// follows the session's `session_end`.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upload_still_arriving_when_its_session_is_deleted_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    let body = vec![7u8; 1 << 20];
+    let mut uploads = Vec::new();
+    for i in 0..4 {
+        let mut s = tokio::net::TcpStream::connect(&d.addr).await.unwrap();
+        let head = format!(
+            "PUT /v1/sandbox/sessions/{id}/files/d{i}/f.bin HTTP/1.1\r\nHost: x\r\n\
+             Authorization: Bearer {}\r\nContent-Type: application/octet-stream\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n",
+            c.service,
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(&body[..body.len() / 2]).await.unwrap();
+        uploads.push(s);
+    }
+    // Time for the uploads to look their session up before the delete. One that has not yet
+    // gets the same 404 (the session is gone when it looks), so the assertions below hold either
+    // way; the pause only makes the race they guard against the likely case.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let r = c
+        .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    for mut s in uploads {
+        s.write_all(&body[body.len() / 2..]).await.unwrap();
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.starts_with("HTTP/1.1 404"),
+            "an upload into a deleted session was answered: {answer}"
+        );
+    }
+    let lines = d.audit_lines();
+    let end = lines
+        .iter()
+        .position(|l| l["event"] == "session_end" && l["session_id"] == id.as_str())
+        .expect("the session_end line");
+    assert!(
+        !lines[end..]
+            .iter()
+            .any(|l| l["event"] == "session_file" && l["session_id"] == id.as_str()),
+        "a session_file line follows session_end"
+    );
+    assert!(
+        common::audit_verify(&d.audit).status.success(),
+        "the audit log stays intact"
+    );
+}
+
 /// Sandboxes (session directories) made in `dir`, as inotify reports their creation.
 struct DirWatch(std::os::fd::OwnedFd);
 

@@ -769,6 +769,11 @@ async fn put_file_inner(
                 sha256: sha256_prefixed(&bytes),
             },
         );
+        // The session may have ended while the body arrived: such an upload is refused as one
+        // to no session. Held from here to the last byte, so the session's end waits for it.
+        let Some(_open) = session.upload_gate().await else {
+            return Err(ApiError::SessionNotFound);
+        };
         // The line comes first, as a run's start line does: an upload the audit log cannot
         // record is refused before anything is written (a write that then fails is answered
         // with its error; its line stays as the record of the attempt).

@@ -140,6 +140,10 @@ pub struct Session {
     /// The exec ids this session ran, newest last (at most [`EXECS_KEPT`]): its exec routes
     /// serve these only.
     ran: Mutex<std::collections::VecDeque<String>>,
+    /// True once the session ended. An upload holds it shared from its audit line to its last
+    /// byte ([`Session::upload_gate`]); the end takes it whole first, so every upload lands and
+    /// is recorded before the session's end, or is refused as one to no session.
+    ended: tokio::sync::RwLock<bool>,
 }
 
 /// Where a session's workspace lives.
@@ -190,6 +194,13 @@ impl Session {
             Place::Host(_) => None,
             Place::Kept(k) => k.gone(),
         }
+    }
+
+    /// Held while an upload is recorded and written; None once the session ended (or is
+    /// ending), whose workspace takes no more files.
+    pub async fn upload_gate(&self) -> Option<tokio::sync::RwLockReadGuard<'_, bool>> {
+        let gate = self.ended.read().await;
+        (!*gate).then_some(gate)
     }
 
     /// Writes an uploaded file into the workspace (see [`Workspace::write_file`]).
@@ -624,6 +635,7 @@ impl SessionService {
             activity: Mutex::new(Activity::Idle),
             execs: Default::default(),
             ran: Default::default(),
+            ended: Default::default(),
         });
         // The grant's single-use token is used up only now that the session can be made.
         match crate::execution::claim_single_use(&**self.executions.store(), &new.grant).await {
@@ -819,6 +831,8 @@ impl SessionService {
     }
 
     async fn finish_end(&self, session: Arc<Session>, id: &str, reason: &'static str) -> bool {
+        // Uploads in progress finish (and are recorded) first; later ones are refused.
+        *session.ended.write().await = true;
         // A claim being admitted now finds the session gone when it starts: wait for it too.
         let until = Instant::now() + Duration::from_secs(10);
         loop {
