@@ -59,6 +59,40 @@ for p in ["1"] + sorted(p for p in os.listdir("/proc") if p.isdigit()):
     }
 }
 
+/// The mount table a session's exec reads names no directory of the daemon: its code file is
+/// bound from a file system of the session's own, so the host path of `sessions.dir` (and the
+/// daemon's directory around it) never shows as a bind's source root.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_sees_nothing_of_the_daemons_directories_in_its_mount_table() {
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    let code = r#"
+for f in ["/proc/self/mountinfo", "/proc/self/mounts", "/proc/1/mountinfo"]:
+    try:
+        print(f, open(f).read())
+    except OSError as e:
+        print(f, "ERR", e.strerror)
+"#;
+    let r = c
+        .exec(&id, json!({"code": code, "timeout_ms": 20000}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let out = r.json["stdout"].as_str().unwrap_or_default();
+    assert!(out.contains("/run/session/main.py"), "{}", r.text);
+    let sessions = d.dir.path().join("sessions");
+    for needle in [
+        d.dir.path().display().to_string(),
+        sessions.display().to_string(),
+        id.clone(),
+    ] {
+        assert!(
+            !out.contains(&needle),
+            "the sandbox sees {needle:?}:\n{out}"
+        );
+    }
+}
+
 /// The seed's two calls: create a python session, run code, read every ExecResponse field, and
 /// reuse the session for a second exec that reads what the first wrote. Then bash does the same.
 #[tokio::test(flavor = "multi_thread")]

@@ -203,6 +203,18 @@ impl Session {
         (!*gate).then_some(gate)
     }
 
+    /// A kept container's files wait for its exec: refused while one runs. Its supervisor's
+    /// channel is taken by the exec only once the exec's task gets to it, after the exec was
+    /// answered as started (202), so the channel alone would let a file call in first.
+    fn kept_idle(&self) -> Result<(), FileError> {
+        match self.running() {
+            Some(_) => Err(FileError::Busy(
+                "the session is running an exec; its files can be reached when it ends".into(),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Writes an uploaded file into the workspace (see [`Workspace::write_file`]).
     pub async fn write_file(&self, rel: &str, bytes: Vec<u8>) -> Result<(), FileError> {
         match &self.place {
@@ -212,6 +224,7 @@ impl Session {
             }
             Place::Kept(k) => {
                 relative(rel)?;
+                self.kept_idle()?;
                 k.write_file(rel, bytes).await
             }
         }
@@ -226,6 +239,7 @@ impl Session {
             }
             Place::Kept(k) => {
                 relative(rel)?;
+                self.kept_idle()?;
                 k.read_file(rel, max).await
             }
         }
@@ -242,6 +256,7 @@ impl Session {
                 if !rel.is_empty() {
                     relative(rel)?;
                 }
+                self.kept_idle()?;
                 k.list(rel).await
             }
         }

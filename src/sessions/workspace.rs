@@ -27,8 +27,12 @@ pub use crate::sandbox::files::{Entry, FileError, relative};
 
 /// The workspace's mount point under a session's directory.
 const WORKSPACE_DIR: &str = "workspace";
-/// Where exec code files are kept, outside the workspace.
+/// Where exec code files are kept, outside the workspace: a small tmpfs of its own, so the
+/// mount table the sandbox reads shows a code file's bind as `/<file>` of that tmpfs and never
+/// its host path (which would name `sessions.dir` and the session).
 const CODE_DIR: &str = "code";
+/// Code files the code tmpfs may hold at once (one per exec in flight).
+const MAX_CODE_FILES: u64 = 1024;
 /// Files and directories a workspace may hold (the tmpfs's inode limit).
 const MAX_INODES: u64 = 16384;
 
@@ -92,6 +96,14 @@ impl Workspace {
                     .create(ws.root.join(sub))
                     .map_err(|e| format!("{sub}: {e}"))?;
             }
+            nix::mount::mount(
+                Some("tmpfs"),
+                &ws.root.join(CODE_DIR),
+                Some("tmpfs"),
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+                Some(format!("nr_inodes={MAX_CODE_FILES},mode=0755").as_str()),
+            )
+            .map_err(|e| format!("mounting the code tmpfs: {e}"))?;
             let options =
                 format!("size={disk_bytes},nr_inodes={MAX_INODES},mode=0700,uid={uid},gid={gid}");
             nix::mount::mount(
@@ -378,13 +390,17 @@ impl Drop for Workspace {
     }
 }
 
-/// Unmounts `<root>/workspace` (lazily: a process still inside cannot keep it) and removes the
-/// session directory `root`.
+/// Unmounts `<root>/workspace` and `<root>/code` (lazily: a process still inside cannot keep
+/// them) and removes the session directory `root`.
 fn remove_session_dir(root: &Path) {
-    let ws = root.join(WORKSPACE_DIR);
-    match nix::mount::umount2(&ws, MntFlags::MNT_DETACH | MntFlags::UMOUNT_NOFOLLOW) {
-        Ok(()) | Err(Errno::EINVAL) | Err(Errno::ENOENT) => {}
-        Err(e) => tracing::warn!(path = %ws.display(), error = %e, "workspace not unmounted"),
+    for sub in [WORKSPACE_DIR, CODE_DIR] {
+        let mp = root.join(sub);
+        match nix::mount::umount2(&mp, MntFlags::MNT_DETACH | MntFlags::UMOUNT_NOFOLLOW) {
+            Ok(()) | Err(Errno::EINVAL) | Err(Errno::ENOENT) => {}
+            Err(e) => {
+                tracing::warn!(path = %mp.display(), error = %e, "session mount not unmounted")
+            }
+        }
     }
     match std::fs::remove_dir_all(root) {
         Ok(()) => {}

@@ -323,7 +323,7 @@ impl ContainerPlan {
                 spec.gid,
                 &workdir,
                 kept,
-                command_address_space(kind, l.memory_bytes),
+                command_address_space(kind, l.memory_bytes, kept),
             )),
             cmd: None,
             env: Some(env),
@@ -408,21 +408,24 @@ impl ContainerPlan {
     }
 }
 
-/// The labels of one container and of its disk volume.
-/// The RLIMIT_AS each command process starts with. gVisor only: the container's memory cgroup
-/// holds the sentry as well as the command, and a command that fills it gets the sentry killed,
-/// which ends the whole sandbox (a session with it). Three quarters of the memory limit leaves the
-/// sentry its headroom (measured under runsc at 512 MiB: a 2 GiB `bytearray` is refused, filling
-/// memory 8 MiB at a time stops near 360 MiB with a 100 MiB file in the workdir, and the sandbox
-/// lives on). runc and local: the cgroup's OOM killer takes the command only, no limit needed.
-/// (runsc enforces RLIMIT_AS on mmap and brk; it does not enforce RLIMIT_DATA.)
-pub fn command_address_space(kind: BackendKind, memory_bytes: u64) -> Option<u64> {
+/// The RLIMIT_AS each command process of a session's container starts with. gVisor only: the
+/// container's memory cgroup holds the sentry as well as the command, and a command that fills it
+/// gets the sentry killed, which ends the whole sandbox and the session with it. Three quarters
+/// of the memory limit leaves the sentry its headroom (measured under runsc at 512 MiB: a 2 GiB
+/// `bytearray` is refused, filling memory 8 MiB at a time stops near 360 MiB with a 100 MiB file
+/// in the workdir, and the sandbox lives on). A one-run container (`/execute`) gets none: its
+/// sandbox ends with its run anyway, and the cgroup's OOM kill is what the run then reports
+/// (`oom`, `killed_reason: oom`), where an allocation refused inside would look like any failure.
+/// runc and local: the cgroup's OOM killer takes the command only, no limit needed. (runsc
+/// enforces RLIMIT_AS on mmap and brk; it does not enforce RLIMIT_DATA.)
+pub fn command_address_space(kind: BackendKind, memory_bytes: u64, kept: bool) -> Option<u64> {
     match kind {
-        BackendKind::Gvisor => Some((memory_bytes / 4).saturating_mul(3).max(16 << 20)),
-        BackendKind::Docker | BackendKind::Local => None,
+        BackendKind::Gvisor if kept => Some((memory_bytes / 4).saturating_mul(3).max(16 << 20)),
+        BackendKind::Gvisor | BackendKind::Docker | BackendKind::Local => None,
     }
 }
 
+/// The labels of one container and of its disk volume.
 fn labels(owner: &Owner, exec_label: &str, kind: BackendKind) -> HashMap<String, String> {
     HashMap::from([
         (LABEL_MANAGED.to_string(), "true".to_string()),
@@ -497,15 +500,21 @@ pub(crate) mod tests {
         assert_eq!(b.working_dir.as_deref(), Some("/"));
         let ep = b.entrypoint.clone().unwrap();
         assert_eq!(ep[0], supervisor::PERL);
-        // gVisor: the command's address space stays below the container's memory (the sentry's
-        // headroom).
+        // A one-run gVisor container: no address-space limit, its memory limit ends in the
+        // cgroup's OOM kill, reported as such.
+        assert_eq!(&ep[3..], ["65534", "65534", "/work", "once", "0"]);
+        // A session's: the command's address space stays below the container's memory (the
+        // sentry's headroom), so a memory bomb does not end the session.
+        let kept = ContainerPlan::new(&spec(), BackendKind::Gvisor, "img:latest", true)
+            .unwrap()
+            .body(&owner(), "exec-1", "executor-arm-disk-1", None);
         assert_eq!(
-            &ep[3..],
+            &kept.entrypoint.unwrap()[3..],
             [
                 "65534",
                 "65534",
                 "/work",
-                "once",
+                "kept",
                 &(384u64 << 20).to_string()
             ]
         );
