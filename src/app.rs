@@ -94,10 +94,16 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
     let egress = egress_settings(&config)?;
     let l = &config.sandbox.local;
-    let uids = Arc::new(
-        crate::sandbox::uids::UidRange::new(l.uid_first, l.uid_count, &l.uid_lock_dir)
-            .map_err(BuildError::Uids)?,
-    );
+    let uids = crate::sandbox::uids::UidRange::new(l.uid_first, l.uid_count, &l.uid_lock_dir)
+        .map_err(BuildError::Uids)?;
+    // A host without one of these files has no such uids: a missing file reads as empty.
+    let host_file = |p: &str| match std::fs::read_to_string(p) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
+        r => r.map_err(|e| BuildError::Uids(format!("{p}: {e}"))),
+    };
+    uids.check_host(&host_file("/etc/passwd")?, &host_file("/etc/subuid")?)
+        .map_err(BuildError::Uids)?;
+    let uids = Arc::new(uids);
     let local = LocalSandbox::new(
         &l.cgroup_name,
         l.warm_slots,

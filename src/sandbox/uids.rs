@@ -67,6 +67,48 @@ impl UidRange {
         self.first
     }
 
+    /// Refuses a block that holds a uid the host already uses: an account's in `passwd` (the
+    /// text of /etc/passwd) or a subordinate range in `subuid` (/etc/subuid, `name:first:count`,
+    /// what rootless containers and user namespaces of the host map). A sandbox sharing such a
+    /// uid would share its processes' signals, files and kernel counters.
+    pub fn check_host(&self, passwd: &str, subuid: &str) -> Result<(), String> {
+        let (first, last) = (
+            u64::from(self.first),
+            u64::from(self.first) + u64::from(self.count) - 1,
+        );
+        let mut clashes = Vec::new();
+        for line in passwd.lines() {
+            let mut f = line.split(':');
+            if let (Some(name), Some(uid)) = (f.next(), f.nth(1))
+                && let Ok(uid) = uid.parse::<u64>()
+                && (first..=last).contains(&uid)
+            {
+                clashes.push(format!("user {name} (uid {uid}, /etc/passwd)"));
+            }
+        }
+        for line in subuid.lines().filter(|l| !l.trim_start().starts_with('#')) {
+            let mut f = line.trim().split(':');
+            if let (Some(name), Some(start), Some(count)) = (f.next(), f.next(), f.next())
+                && let (Ok(start), Ok(count)) = (start.parse::<u64>(), count.parse::<u64>())
+                && count > 0
+                && start <= last
+                && start + count - 1 >= first
+            {
+                clashes.push(format!(
+                    "subordinate uids {start}..={} of {name} (/etc/subuid)",
+                    start + count - 1
+                ));
+            }
+        }
+        if clashes.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "the sandbox uid block {first}..={last} (sandbox.local.uid_first, uid_count) holds uids the host uses: {}; move the block",
+            clashes.join(", ")
+        ))
+    }
+
     pub fn count(&self) -> u32 {
         self.count
     }
@@ -154,6 +196,29 @@ mod tests {
         uids.dedup();
         assert_eq!(uids.len(), 4, "{uids:?}");
         assert!(two.lease().is_err());
+    }
+
+    #[test]
+    fn a_block_holding_a_hosts_user_or_subordinate_range_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = UidRange::new(200_000, 65_536, dir.path()).unwrap();
+        let passwd = "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534::/:/usr/sbin/nologin\n";
+        assert_eq!(r.check_host(passwd, ""), Ok(()));
+        // A second rootless user's default range (165536 + 65536) reaches into the block.
+        let subuid = "# comment\nalice:100000:65536\nbob:165536:65536\n";
+        let err = r.check_host(passwd, subuid).unwrap_err();
+        assert!(err.contains("bob") && !err.contains("alice"), "{err}");
+        // Ranges that touch the block's ends without entering it.
+        assert_eq!(
+            r.check_host(passwd, "a:100000:100000\nb:265536:10\n"),
+            Ok(())
+        );
+        assert!(r.check_host(passwd, "a:100000:100001\n").is_err());
+        assert!(r.check_host(passwd, "b:265535:1\n").is_err());
+        let err = r
+            .check_host("svc:x:231000:231000::/:/bin/false\n", "")
+            .unwrap_err();
+        assert!(err.contains("user svc (uid 231000"), "{err}");
     }
 
     #[test]
