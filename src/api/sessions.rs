@@ -488,6 +488,8 @@ async fn exec_inner(
         return Err(ApiError::ShuttingDown);
     }
     let (parts, body) = req.into_parts();
+    // A malformed query is the request's fault whatever the session: 400 before the lookup.
+    let framing = super::stream::Framing::of(&parts.uri)?;
     let (session, service, known) = session_of(st, &parts.headers, rid, id, Touch::Use).await?;
     let raw = read_body(
         body,
@@ -515,7 +517,6 @@ async fn exec_inner(
         (false, true) => Mode::Stream,
         (false, false) => Mode::Sync,
     };
-    let framing = super::stream::Framing::of(&parts.uri)?;
     // A step runs synchronously with its own timeout (Koder's TimeoutSec), so a synchronous
     // exec may last as long as an async one: the profile's max_async_timeout_seconds clamps it.
     // 0 is the profile's default, as no value is.
@@ -657,6 +658,10 @@ pub async fn exec_stream(
     Path((id, exec_id)): Path<(String, String)>,
     req: Request,
 ) -> Response {
+    // A malformed query is the request's fault whatever the session: 400 before the lookup.
+    if let Err(e) = super::stream::Framing::of(req.uri()) {
+        return e.into_response();
+    }
     match session_exec(&st, &req.headers().clone(), request_id(&req), &id, &exec_id).await {
         Ok(who) => executions::stream_owned(st, exec_id, req, who).await,
         Err(e) => e.into_response(),

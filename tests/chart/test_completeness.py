@@ -111,7 +111,8 @@ EXTRA = ["config.extra.sandbox.local.warm_slots=4", "config.extra.egress.dns_ser
 def test_config_extra_is_deep_merged():
     cfg = config_toml(render(sets=[SECRET, *EXTRA]))
     # New nested keys land where they belong...
-    assert cfg["sandbox"]["local"] == {"cgroup_name": "executor-arm", "warm_slots": 4}
+    assert cfg["sandbox"]["local"] == {"cgroup_name": "executor-arm", "warm_slots": 4,
+                                       "uid_lock_dir": "/var/lib/executor-arm/uids"}
     assert cfg["egress"] == {"dns_server": "10.96.0.10:53"}
     assert cfg["audit"]["refusal_burst"] == 500 and cfg["audit"]["path"].startswith("/var/lib/executor-arm/")
     # ...a key the chart sets is overridden, its siblings kept.

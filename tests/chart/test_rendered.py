@@ -186,6 +186,15 @@ def test_config_toml_parses_and_listens_on_8003(docs, mode):
         assert cfg["auth"]["jwt_secret_file"].startswith("/etc/executor-arm/secrets/")
 
 
+def test_paths_the_daemon_writes_are_on_writable_volumes(docs, mode):
+    # The root file system is read-only in every mode: the audit log, the state file and the
+    # locks of the sandbox uids must each be under a volume the daemon mounts read-write.
+    cfg = config_toml(docs)
+    writable = [p for p, m in mounts_of(daemon(docs)).items() if not m.get("readOnly")]
+    for path in (cfg["audit"]["path"], cfg["state"]["dir"], cfg["sandbox"]["local"]["uid_lock_dir"]):
+        assert any(path.startswith(w.rstrip("/") + "/") for w in writable), (path, writable)
+
+
 def test_profiles_and_executors_each_their_own_key_and_mount(docs):
     cm = config_map(docs)
     cfg = config_toml(docs)

@@ -356,7 +356,7 @@ app.kubernetes.io/component: test
       "default_backend" (include "executor-arm.defaultBackend" .)
       "profiles_dir" (include "executor-arm.profilesDir" .)
       "search_path" $v.config.sandbox.searchPath
-      "local" (dict "cgroup_name" $v.config.sandbox.local.cgroupName)
+      "local" (dict "cgroup_name" $v.config.sandbox.local.cgroupName "uid_lock_dir" (printf "%s/uids" (include "executor-arm.stateDir" .)))
       "docker" $docker }}
 {{- $commands := dict }}
 {{- range $name, $c := $v.commands }}
