@@ -92,7 +92,7 @@ impl UidRange {
                 && let (Ok(start), Ok(count)) = (start.parse::<u64>(), count.parse::<u64>())
                 && count > 0
                 && start <= last
-                && start + count - 1 >= first
+                && start + count > first
             {
                 clashes.push(format!(
                     "subordinate uids {start}..={} of {name} (/etc/subuid)",
