@@ -42,6 +42,9 @@ if ! redis-cli -p 6390 ping >/dev/null 2>&1; then
 fi
 export EXECUTOR_ARM_TEST_REDIS_URL=redis://127.0.0.1:6390/0
 
+step "unit tests as an unprivileged user"
+scripts/test-unit-unprivileged.sh
+
 step "fmt + clippy"
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
@@ -51,6 +54,8 @@ cargo build --release --locked
 # The integration tests' daemons record every status they answer here (scripts/api-fuzz.sh reads it).
 rm -rf "${CARGO_TARGET_DIR:-target}/tmp/status-log"
 cargo test --locked --all-targets --no-fail-fast -- --test-threads=4
+# The unit tests that need root (marked ignored, so the unprivileged run above lists them).
+cargo test --locked --lib -- --ignored --test-threads=2
 
 step "api fuzz (schemathesis against the OpenAPI document)"
 scripts/api-fuzz.sh "${CARGO_TARGET_DIR:-target}/tmp/status-log"

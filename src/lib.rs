@@ -20,6 +20,15 @@
 //!   capabilities), Prometheus series.
 //! - `telemetry`: the JSON log lines and, when configured, OTLP export of the request spans.
 //! - `app`: builds the whole daemon from a config; `main.rs` is the command line around it.
+//!
+//! # Tests
+//! - Unit tests sit at the end of the file they test, in `#[cfg(test)] mod tests { … }`. They
+//!   need nothing of the host: they pass as an unprivileged user with no dockerd or Redis
+//!   (`scripts/test-unit-unprivileged.sh` runs them as `nobody`). The few that need root say so
+//!   in `#[ignore = "needs root …"]`; `scripts/test-all.sh` runs those as root.
+//! - Integration tests (`tests/*.rs`) drive the built daemon over HTTP, with helpers in
+//!   `tests/common/`. They need root, and dockerd or Redis where they use them; without one they
+//!   fail naming what is missing, never skip.
 
 pub mod api;
 pub mod app;

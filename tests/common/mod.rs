@@ -103,6 +103,7 @@ impl Daemon {
 
     /// Starts a daemon whose files live in `dir` (reused by restart tests).
     pub fn start_in(dir: tempfile::TempDir, opts: Opts) -> Daemon {
+        require_root();
         let secret = dir.path().join("jwt-secret");
         if !secret.exists() {
             std::fs::write(&secret, SECRET).expect("secret");
@@ -375,6 +376,19 @@ impl Daemon {
         let _ = child.kill();
         child.wait().ok().and_then(|s| s.code())
     }
+}
+
+/// The daemons these tests start confine local runs with namespaces, cgroups and per-run uids,
+/// which need root: without it a test fails here, naming what is missing, instead of failing
+/// later in a way that hides why.
+pub fn require_root() {
+    // SAFETY: geteuid(2) takes no arguments and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "this integration test needs root (the daemon it starts confines runs with namespaces, \
+         cgroups and per-run uids); it runs as uid {euid}: run it as root, as scripts/test-all.sh does"
+    );
 }
 
 impl Drop for Daemon {

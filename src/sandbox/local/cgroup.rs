@@ -1177,17 +1177,18 @@ mod tests {
         run.apply_limits(&limits()).unwrap();
     }
 
-    /// On the host's own cgroup v1 hierarchies (root only; skipped elsewhere): the limits land
-    /// in the kernel's files, and `kill_all` empties a cgroup whose processes fork as fast as
-    /// they can and leave their session (setsid, double fork), after which removal leaves no
-    /// directory behind.
+    /// On the host's own cgroup hierarchies, v1 (the v2 driver's kernel behaviour is covered by
+    /// the local backend's integration tests on v2 hosts): the limits land in the kernel's
+    /// files, and `kill_all` empties a cgroup whose processes fork as fast as they can and leave
+    /// their session (setsid, double fork), after which removal leaves no directory behind.
     #[test]
+    #[ignore = "needs root and the host's cgroups: scripts/test-all.sh runs it as root"]
     fn v1_host_limits_land_and_kill_all_stops_a_setsid_fork_storm() {
         // SAFETY: geteuid(2) takes no arguments and cannot fail.
-        let root = unsafe { libc::geteuid() } == 0;
+        assert_eq!(unsafe { libc::geteuid() }, 0, "this test needs root");
         let mount = Path::new("/sys/fs/cgroup");
-        if !root || mount.join("cgroup.controllers").exists() || !mount.join("pids").is_dir() {
-            eprintln!("skipped: needs root on a cgroup v1 host");
+        if mount.join("cgroup.controllers").exists() || !mount.join("pids").is_dir() {
+            eprintln!("not a cgroup v1 host: nothing of the v1 driver to check against a kernel");
             return;
         }
         let driver = detect(mount, "executor-arm-unit").unwrap();

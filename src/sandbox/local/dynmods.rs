@@ -83,6 +83,7 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "needs root (mounts a cgroup v1 hierarchy): scripts/test-all.sh runs it as root"]
     fn the_mode_is_held_by_a_descriptor_no_mount_table_shows() {
         // SAFETY: geteuid has no preconditions.
         assert_eq!(unsafe { libc::geteuid() }, 0, "this test needs root");
