@@ -13,8 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::docker::{
-    SOCKET, assert_nothing_left, config, container_exists, container_of, containers, docker,
-    docker_ps, finish, instance_of, remove_all, require_docker, running_containers, volumes,
+    SOCKET, assert_nothing_left, assigned_containers, config, container_exists, container_of,
+    containers, docker, docker_ps, finish, instance_of, remove_all, require_docker,
+    running_containers, volumes, wait_for_assigned,
 };
 use common::wait::wait_until;
 use common::{Daemon, Opts};
@@ -627,23 +628,7 @@ async fn orphans_of_a_killed_daemon_are_removed_at_restart() {
             .await;
     });
     // Wait until the run has its container, then kill -9 the daemon mid-run.
-    let t = Instant::now();
-    let id = loop {
-        log.extend(d.log.try_iter());
-        if let Some(line) = log
-            .iter()
-            .find(|l| l.contains("sandbox container assigned"))
-            && let Ok(v) = serde_json::from_str::<Value>(line)
-            && let Some(c) = v["fields"]["container"].as_str()
-        {
-            break c.to_string();
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "the run never got a container"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let id = wait_for_assigned(&d, &mut log, 1, common::wait::CLEANUP, |_| true)[0].clone();
     if let Some(mut child) = d.child.take() {
         let _ = child.kill();
         let _ = child.wait();
@@ -760,13 +745,7 @@ async fn engine_loss_fails_the_run_and_leaves_nothing_once_back() {
     let cut = async {
         let t = Instant::now();
         loop {
-            log.extend(d.log.try_iter());
-            if log
-                .iter()
-                .filter(|l| l.contains("sandbox container assigned"))
-                .count()
-                >= 2
-            {
+            if assigned_containers(&d, &mut log).len() >= 2 {
                 break;
             }
             assert!(
@@ -1049,25 +1028,10 @@ async fn containers_die_with_their_daemon() {
                     .await;
             }));
         }
-        let t = Instant::now();
-        let ids = loop {
-            log.extend(d.log.try_iter());
-            let ids: Vec<String> = log
-                .iter()
-                .filter(|l| l.contains("sandbox container assigned"))
-                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-                .filter_map(|v| v["fields"]["container"].as_str().map(String::from))
-                .collect();
+        let ids = wait_for_assigned(&d, &mut log, 2, common::wait::CLEANUP, |ids| {
             let running = running_containers(&label);
-            if ids.len() == 2 && ids.iter().all(|id| running.contains(id)) {
-                break ids;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "{rt}: the runs never got running containers"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+            ids.iter().all(|id| running.contains(id))
+        });
         // Let the commands start, then kill -9 the daemon and never restart it.
         tokio::time::sleep(Duration::from_secs(2)).await;
         if let Some(mut child) = d.child.take() {

@@ -350,14 +350,11 @@ impl Setup {
         let id = wait_for(
             &format!("after {after}: a container assigned in the daemon's log"),
             CLEANUP,
+            // Only the lines logged since the last call: the latest run's assignment.
             || {
-                self.d.log.try_iter().find_map(|line| {
-                    if !line.contains("sandbox container assigned") {
-                        return None;
-                    }
-                    let v: Value = serde_json::from_str(&line).ok()?;
-                    v["fields"]["container"].as_str().map(str::to_string)
-                })
+                common::docker::assigned_containers(&self.d, &mut Vec::new())
+                    .into_iter()
+                    .next()
             },
             Option::is_some,
         )

@@ -150,22 +150,60 @@ pub fn assert_nothing_left(label: &str, limit: Duration) {
     }
 }
 
+/// The daemon's log line for a container taking a run: `(exec_id, container id)`.
+fn assignment(line: &str) -> Option<(String, String)> {
+    if !line.contains("sandbox container assigned") {
+        return None;
+    }
+    let v = serde_json::from_str::<Value>(line).ok()?;
+    let container = v["fields"]["container"].as_str()?.to_string();
+    Some((
+        v["fields"]["exec_id"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+        container,
+    ))
+}
+
+/// The containers the daemon assigned to runs, in the order its log shows them: every line read
+/// so far is kept in `seen`, so successive calls see everything since the test began.
+pub fn assigned_containers(d: &Daemon, seen: &mut Vec<String>) -> Vec<String> {
+    seen.extend(d.log.try_iter());
+    seen.iter()
+        .filter_map(|l| assignment(l))
+        .map(|(_, c)| c)
+        .collect()
+}
+
+/// Waits (bounded by `limit`) until the daemon has assigned at least `n` containers and `ready`
+/// holds for them; returns them.
+pub fn wait_for_assigned(
+    d: &Daemon,
+    seen: &mut Vec<String>,
+    n: usize,
+    limit: Duration,
+    ready: impl Fn(&[String]) -> bool,
+) -> Vec<String> {
+    wait_for(
+        &format!("the daemon to assign {n} container(s) to runs"),
+        limit,
+        || assigned_containers(d, seen),
+        |ids| ids.len() >= n && ready(ids),
+    )
+}
+
 /// The container the daemon assigned to `exec_id` (from its log).
 pub fn container_of(d: &Daemon, exec_id: &str, seen: &mut Vec<String>) -> String {
-    let assigned = |seen: &[String]| {
-        seen.iter().find_map(|line| {
-            let v = serde_json::from_str::<Value>(line).ok()?;
-            (line.contains("sandbox container assigned") && v["fields"]["exec_id"] == exec_id)
-                .then(|| v["fields"]["container"].as_str().map(str::to_string))
-                .flatten()
-        })
-    };
     wait_for(
         &format!("the daemon to log the container of {exec_id}"),
         CLEANUP,
         || {
             seen.extend(d.log.try_iter());
-            assigned(seen)
+            seen.iter()
+                .filter_map(|l| assignment(l))
+                .find(|(e, _)| e == exec_id)
+                .map(|(_, c)| c)
         },
         Option::is_some,
     )
