@@ -131,6 +131,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
             &instance_id,
             Some(pool),
             Some(docker_egress),
+            uids.clone(),
         );
         backends.insert(kind, Arc::new(docker));
     }

@@ -236,10 +236,10 @@ pub struct LocalConfig {
     /// `/proc/<pid>/cgroup` but mounted nowhere, and Docker then stops flagging OOM kills.
     #[serde(default)]
     pub cgroup_favor_dynmods: bool,
-    /// The block of host uids each live run or session gets one of, its own, for its life
-    /// (`uid_first` .. `uid_first + uid_count - 1`): the kernel counts inotify instances and
-    /// watches and pipe buffers per uid, so sandboxes sharing one could exhaust them for each
-    /// other.
+    /// The block of host uids each live run or session, and each docker or gvisor container
+    /// (warm pool ones included), gets one of, its own, for its life (`uid_first` ..
+    /// `uid_first + uid_count - 1`): the kernel counts inotify instances and watches and pipe
+    /// buffers per uid, so sandboxes sharing one could exhaust them for each other.
     #[serde(default = "default_uid_first")]
     pub uid_first: u32,
     #[serde(default = "default_uid_count")]

@@ -231,7 +231,17 @@ print("uid", os.getuid(), os.getgid(), "cwd", os.getcwd())
             o.contains("/work/x written") && o.contains("/tmp/x written"),
             "{rt}: {o}"
         );
-        assert!(o.contains("uid 65534 65534 cwd /work"), "{rt}: {o}");
+        // A host uid of the container's own from the uid block, the profile's gid.
+        let ids = o
+            .lines()
+            .find_map(|l| l.strip_prefix("uid "))
+            .and_then(|l| l.strip_suffix(" cwd /work"))
+            .and_then(|l| l.split_once(' '))
+            .and_then(|(u, g)| Some((u.parse::<u32>().ok()?, g.parse::<u32>().ok()?)));
+        assert!(
+            ids.is_some_and(|(u, g)| (200_000..265_536).contains(&u) && g == 65534),
+            "{rt}: {o}"
+        );
 
         // Only stdio reaches the command (3 is listdir's own fd).
         let r = py(
@@ -1376,6 +1386,94 @@ async fn a_cancel_terminates_then_kills_a_container_run() {
         let result = finished_result(&d, &exec_id).await;
         assert_eq!(result["outcome"], "cancelled", "{rt}: {result}");
         assert_eq!(result["killed_reason"], "cancelled", "{rt}: {result}");
+        finish(d);
+    }
+}
+
+/// Each container runs as a host uid of its own (`sandbox.local.uid_first`/`uid_count`), so the
+/// kernel's per-user counters are its own: run A opens inotify instances until the kernel
+/// refuses one (under runc, `fs.inotify.max_user_instances` of its uid) and holds them; run B,
+/// meanwhile, in another container, still gets one. Under gVisor the counters are the sentry's
+/// own anyway; the uids are checked there all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_exhausting_its_inotify_instances_leaves_another_its_own() {
+    let _serial = common::docker::one_at_a_time().await;
+    require_docker("a_container_exhausting_its_inotify_instances_leaves_another_its_own");
+    let limit: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances")
+        .expect("max_user_instances")
+        .trim()
+        .parse()
+        .expect("a number");
+    let hog = r#"
+import ctypes, json, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fds = []
+while True:
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        err = ctypes.get_errno()
+        break
+    fds.append(fd)
+print(json.dumps({"count": len(fds), "errno": err, "uid": os.getuid()}), flush=True)
+time.sleep(8)
+"#;
+    let other = r#"
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+print(json.dumps({"fd": fd, "errno": ctypes.get_errno() if fd < 0 else 0, "uid": os.getuid()}))
+"#;
+    for rt in RUNTIMES {
+        // Two warm containers: A and B run side by side.
+        let d = start(rt, 2);
+        let mut a = common::open_stream(
+            &d,
+            json!({"action_type": "python", "command": "python3", "args": ["-c", hog], "timeout_seconds": 60}),
+        )
+        .await;
+        // B starts only once A printed its count: A then holds every instance it could get.
+        let mut seen = String::new();
+        let printed = async {
+            while let Some(e) = a.next().await {
+                if e.event == "stdout" {
+                    seen.push_str(e.data["data"].as_str().unwrap_or_default());
+                    if seen.ends_with('\n') {
+                        return true;
+                    }
+                }
+            }
+            false
+        };
+        let held = tokio::time::timeout(common::wait::CLEANUP, printed).await;
+        assert_eq!(held, Ok(true), "{rt}: run A printed {seen:?}");
+        let hog_result: Value = serde_json::from_str(seen.trim()).expect("A's JSON line");
+        assert_eq!(
+            hog_result["errno"],
+            json!(libc::EMFILE),
+            "{rt}: {hog_result}"
+        );
+        if rt == "runc" {
+            // The kernel's per-uid limit stopped A, not its descriptor limit (nofile 256).
+            assert_eq!(hog_result["count"], json!(limit), "{rt}: {hog_result}");
+        }
+        let b = py(&d, other, json!({})).await;
+        assert_eq!(b.status, 200, "{rt}: {}", b.text);
+        let b_result: Value = serde_json::from_str(out(&b).trim()).expect("B's JSON line");
+        assert!(
+            b_result["fd"].as_i64().is_some_and(|fd| fd >= 0),
+            "{rt}: B's inotify_init1 failed while A held its instances: {b_result} (A: {hog_result})"
+        );
+        let (uid_a, uid_b) = (
+            hog_result["uid"].as_u64().expect("uid of A"),
+            b_result["uid"].as_u64().expect("uid of B"),
+        );
+        assert_ne!(uid_a, uid_b, "{rt}");
+        for uid in [uid_a, uid_b] {
+            assert!((200_000..265_536).contains(&uid), "{rt}: uid {uid}");
+        }
+        // A ends by itself once it has slept.
+        let rest = tokio::time::timeout(common::wait::CLEANUP, a.rest()).await;
+        assert!(rest.is_ok(), "{rt}: run A's stream did not end");
         finish(d);
     }
 }

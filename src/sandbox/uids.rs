@@ -31,6 +31,9 @@ pub struct UidRange {
     lock_dir: PathBuf,
     /// Where the next search starts: a uid just released is the last one tried again.
     next: AtomicU32,
+    /// Unit tests: the temporary lock directory, removed with the range.
+    #[cfg(test)]
+    _dir: Option<tempfile::TempDir>,
 }
 
 /// One uid, held until dropped.
@@ -60,7 +63,18 @@ impl UidRange {
             count,
             lock_dir: lock_dir.to_path_buf(),
             next: AtomicU32::new(0),
+            #[cfg(test)]
+            _dir: None,
         })
+    }
+
+    /// Unit tests: `count` uids from 300000 with a lock directory of their own.
+    #[cfg(test)]
+    pub(crate) fn for_tests(count: u32) -> std::sync::Arc<UidRange> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut r = UidRange::new(300_000, count, &dir.path().join("uids")).expect("range");
+        r._dir = Some(dir);
+        std::sync::Arc::new(r)
     }
 
     pub fn first(&self) -> u32 {

@@ -4,9 +4,12 @@
 //! a request can change). Must not: talk to the engine. Pure, so unit-tested field by field.
 //!
 //! Identity: the container's main process is the supervisor, as root with only CAP_SETUID and
-//! CAP_SETGID (for the switch to the profile's uid/gid, which it does before `execve`) under
+//! CAP_SETGID (for the switch to the command's uid/gid, which it does before `execve`) under
 //! `no-new-privileges` and the shared seccomp profile ([`super::seccomp`]); the command itself
-//! runs with no capability. See [`super::supervisor`] for why the two must differ.
+//! runs with no capability. See [`super::supervisor`] for why the two must differ. The command's
+//! uid is the container's own host uid, leased when the container is made (see
+//! [`crate::sandbox::uids`]), not the profile's: it is given to [`ContainerPlan::body`], so it is
+//! no part of the plan or its pool key. The gid stays the profile's.
 //!
 //! Disk: the workdir and /tmp are ONE tmpfs of `disk` bytes, so the limit holds for the two
 //! together. Docker's per-path tmpfs mounts cannot share a size, so each container gets a named
@@ -115,14 +118,41 @@ pub struct ContainerPlan {
     /// Outbound network through the daemon's proxy: each container gets its own socket
     /// directory, bind-mounted read-only at [`CONTAINER_DIR`] (added by [`ContainerPlan::body`]).
     pub egress: bool,
+    /// Without the entrypoint, which carries the container's own uid (see [`ContainerPlan::body`]).
     body: ContainerCreateBody,
+    /// The supervisor's arguments other than the uid.
+    gid: u32,
+    workdir: String,
+    kept: bool,
+    address_space: Option<u64>,
+    /// Size of the disk volume, in bytes.
+    disk: u64,
     /// Where the disk volume is mounted: the workdir, and /tmp unless that is the workdir.
     disk_targets: Vec<String>,
-    /// The `local` volume driver's options of the disk volume (a tmpfs of the disk limit).
-    disk_options: HashMap<String, String>,
-    /// Hash of `profile`, `egress`, `body` and the disk volume: equal keys are interchangeable
-    /// warm containers.
+    /// Hash of `profile`, `egress`, `body` and the disk volume with everything but the uid:
+    /// equal keys are interchangeable warm containers (each gets its own uid when launched).
     pub key: String,
+}
+
+/// The `local` volume driver's options of a disk volume: a tmpfs of `disk` bytes owned by the
+/// command's `uid`/`gid`. noexec: the workdir is for data; programs come from the read-only image.
+fn disk_options(disk: u64, kept: bool, uid: u32, gid: u32) -> HashMap<String, String> {
+    HashMap::from([
+        ("type".to_string(), "tmpfs".to_string()),
+        ("device".to_string(), "tmpfs".to_string()),
+        (
+            "o".to_string(),
+            format!(
+                "size={disk},{}uid={uid},gid={gid},mode=0700,noexec,nosuid,nodev",
+                // A session's workspace lives long and is listed whole: bound its entries.
+                if kept {
+                    format!("nr_inodes={KEPT_INODES},")
+                } else {
+                    String::new()
+                },
+            ),
+        ),
+    ])
 }
 
 /// A sandbox path: absolute, no `..`, no `.`, valid in a mount spec.
@@ -205,25 +235,6 @@ impl ContainerPlan {
             }
             BackendKind::Docker | BackendKind::Local => pids,
         };
-        // noexec: the workdir is for data; programs come from the read-only image.
-        let disk_options = HashMap::from([
-            ("type".to_string(), "tmpfs".to_string()),
-            ("device".to_string(), "tmpfs".to_string()),
-            (
-                "o".to_string(),
-                format!(
-                    "size={disk},{}uid={},gid={},mode=0700,noexec,nosuid,nodev",
-                    // A session's workspace lives long and is listed whole: bound its entries.
-                    if kept {
-                        format!("nr_inodes={KEPT_INODES},")
-                    } else {
-                        String::new()
-                    },
-                    spec.uid,
-                    spec.gid
-                ),
-            ),
-        ]);
         let mut disk_targets = vec![workdir.clone()];
         if workdir != "/tmp" {
             disk_targets.push("/tmp".to_string());
@@ -312,19 +323,15 @@ impl ContainerPlan {
             .map(|s| s.to_string())
             .collect();
         env.sort();
-        let body = ContainerCreateBody {
+        let address_space = command_address_space(kind, l.memory_bytes, kept);
+        let mut body = ContainerCreateBody {
             image: Some(image.clone()),
-            // The supervisor; it runs the command as spec.uid:spec.gid in the workdir.
+            // The supervisor; it runs the command as the container's uid and the profile's gid
+            // in the workdir (the entrypoint, see [`ContainerPlan::body`]).
             user: Some("0:0".into()),
             working_dir: Some("/".into()),
             hostname: Some("sandbox".into()),
-            entrypoint: Some(supervisor::entrypoint(
-                spec.uid,
-                spec.gid,
-                &workdir,
-                kept,
-                command_address_space(kind, l.memory_bytes, kept),
-            )),
+            entrypoint: None,
             cmd: None,
             env: Some(env),
             // stdin stays open for the supervisor's request; StdinOnce closes it when our attach
@@ -339,36 +346,65 @@ impl ContainerPlan {
             host_config: Some(host_config),
             ..Default::default()
         };
+        // The key: the body as every container of the plan gets it, with uid 0 standing for its
+        // own (never a sandbox's uid).
         let mut h = Sha256::new();
         h.update(spec.profile.as_bytes());
         h.update([0, u8::from(egress)]);
-        let value = serde_json::to_value((&body, &disk_targets, &disk_options))
-            .map_err(|e| SandboxError::Setup(format!("container body: {e}")))?;
+        body.entrypoint = Some(supervisor::entrypoint(
+            0,
+            spec.gid,
+            &workdir,
+            kept,
+            address_space,
+        ));
+        let value =
+            serde_json::to_value((&body, &disk_targets, &disk_options(disk, kept, 0, spec.gid)))
+                .map_err(|e| SandboxError::Setup(format!("container body: {e}")))?;
         canonical(&value, &mut h);
         let key = hex::encode(&h.finalize()[..12]);
+        body.entrypoint = None;
         Ok(ContainerPlan {
             kind,
             profile: spec.profile.clone(),
             image,
             egress,
             body,
+            // The profile's gid, kept with a uid of the container's own, as on the local
+            // backend: the kernel counters a shared id exhausts (inotify, pipe buffers) are
+            // counted per uid, and files the profile opens to its group (an executor's program,
+            // mode 0750 root:<gid>) stay readable to it.
+            gid: spec.gid,
+            workdir,
+            kept,
+            address_space,
+            disk,
             disk_targets,
-            disk_options,
             key,
         })
     }
 
-    /// The create body for one container of this plan: `disk_volume` is its own disk volume
-    /// (created by dockerd with the container), `egress_dir` its own socket directory (egress
-    /// plans only).
+    /// The create body for one container of this plan: `uid` is its own host uid (a lease the
+    /// container's life long, never 0), which the command runs as and owns the disk volume;
+    /// `disk_volume` is its own disk volume (created by dockerd with the container),
+    /// `egress_dir` its own socket directory (egress plans only).
     pub fn body(
         &self,
         owner: &Owner,
         exec_label: &str,
         disk_volume: &str,
+        uid: u32,
         egress_dir: Option<&Path>,
     ) -> ContainerCreateBody {
         let mut body = self.body.clone();
+        body.entrypoint = Some(supervisor::entrypoint(
+            uid,
+            self.gid,
+            &self.workdir,
+            self.kept,
+            self.address_space,
+        ));
+        let disk_options = disk_options(self.disk, self.kept, uid, self.gid);
         let labels = labels(owner, exec_label, self.kind);
         if let Some(hc) = body.host_config.as_mut() {
             let mounts = hc.mounts.get_or_insert_with(Vec::new);
@@ -384,7 +420,7 @@ impl ContainerPlan {
                         labels: Some(labels.clone()),
                         driver_config: Some(MountVolumeOptionsDriverConfig {
                             name: Some("local".into()),
-                            options: Some(self.disk_options.clone()),
+                            options: Some(disk_options.clone()),
                         }),
                         subpath: None,
                     }),
@@ -479,6 +515,9 @@ pub(crate) mod tests {
         }
     }
 
+    /// A container's own uid, as a lease from the uid block gives it.
+    const UID: u32 = 200_123;
+
     fn owner() -> Owner {
         Owner {
             instance: "host-1".into(),
@@ -492,26 +531,27 @@ pub(crate) mod tests {
     #[test]
     fn hardening_and_limits_are_all_set() {
         let p = ContainerPlan::new(&spec(), BackendKind::Gvisor, "img:latest", false).unwrap();
-        let b = p.body(&owner(), "exec-1", "executor-arm-disk-1", None);
+        let b = p.body(&owner(), "exec-1", "executor-arm-disk-1", UID, None);
         let h = b.host_config.clone().unwrap();
         assert_eq!(b.image.as_deref(), Some("img:latest"));
-        // The supervisor is root; the command gets the profile's ids from it.
+        // The supervisor is root; the command gets the container's own uid and the profile's
+        // gid from it.
         assert_eq!(b.user.as_deref(), Some("0:0"));
         assert_eq!(b.working_dir.as_deref(), Some("/"));
         let ep = b.entrypoint.clone().unwrap();
         assert_eq!(ep[0], supervisor::PERL);
         // A one-run gVisor container: no address-space limit, its memory limit ends in the
         // cgroup's OOM kill, reported as such.
-        assert_eq!(&ep[3..], ["65534", "65534", "/work", "once", "0"]);
+        assert_eq!(&ep[3..], ["200123", "65534", "/work", "once", "0"]);
         // A session's: the command's address space stays below the container's memory (the
         // sentry's headroom), so a memory bomb does not end the session.
         let kept = ContainerPlan::new(&spec(), BackendKind::Gvisor, "img:latest", true)
             .unwrap()
-            .body(&owner(), "exec-1", "executor-arm-disk-1", None);
+            .body(&owner(), "exec-1", "executor-arm-disk-1", UID, None);
         assert_eq!(
             &kept.entrypoint.unwrap()[3..],
             [
-                "65534",
+                "200123",
                 "65534",
                 "/work",
                 "kept",
@@ -573,7 +613,7 @@ pub(crate) mod tests {
             assert_eq!(
                 o["o"],
                 format!(
-                    "size={},uid=65534,gid=65534,mode=0700,noexec,nosuid,nodev",
+                    "size={},uid=200123,gid=65534,mode=0700,noexec,nosuid,nodev",
                     100 << 20
                 )
             );
@@ -584,7 +624,7 @@ pub(crate) mod tests {
         assert_eq!(labels[LABEL_OWNER], "host/pid:[7]/1/42");
         let runc_body = ContainerPlan::new(&spec(), BackendKind::Docker, "i", false)
             .unwrap()
-            .body(&owner(), "x", "v", None);
+            .body(&owner(), "x", "v", UID, None);
         // runc: the cgroup's OOM killer takes the command alone; no address-space limit.
         assert_eq!(runc_body.entrypoint.as_ref().unwrap().last().unwrap(), "0");
         let runc = runc_body.host_config.unwrap();
@@ -616,7 +656,7 @@ pub(crate) mod tests {
     fn egress_keeps_network_none_and_mounts_only_its_own_directory_read_only() {
         let p = ContainerPlan::new(&egress_spec(), BackendKind::Gvisor, "i", false).unwrap();
         assert!(p.egress);
-        let b = p.body(&owner(), "e", "v", Some(Path::new("/run/x/egress/c1")));
+        let b = p.body(&owner(), "e", "v", UID, Some(Path::new("/run/x/egress/c1")));
         assert_eq!(b.network_disabled, Some(true));
         let h = b.host_config.unwrap();
         assert_eq!(h.network_mode.as_deref(), Some("none"));
@@ -631,7 +671,7 @@ pub(crate) mod tests {
         // Without egress no directory is mounted, whatever the caller passes.
         let none = ContainerPlan::new(&spec(), BackendKind::Gvisor, "i", false).unwrap();
         assert!(!none.egress);
-        let b = none.body(&owner(), "e", "v", Some(Path::new("/run/x/egress/c1")));
+        let b = none.body(&owner(), "e", "v", UID, Some(Path::new("/run/x/egress/c1")));
         assert!(
             b.host_config
                 .unwrap()
@@ -672,7 +712,7 @@ pub(crate) mod tests {
         )];
         let p = ContainerPlan::new(&s, BackendKind::Docker, "i", false).unwrap();
         let m = p
-            .body(&owner(), "e", "v", None)
+            .body(&owner(), "e", "v", UID, None)
             .host_config
             .unwrap()
             .mounts
@@ -727,6 +767,65 @@ pub(crate) mod tests {
                 .key,
             a.key
         );
+    }
+
+    #[test]
+    fn each_container_runs_as_its_own_uid_which_is_not_part_of_the_key() {
+        for kept in [false, true] {
+            let p = ContainerPlan::new(&spec(), BackendKind::Docker, "i", kept).unwrap();
+            let (one, two) = (
+                p.body(&owner(), "e", "v", 200_001, None),
+                p.body(&owner(), "e", "v", 200_002, None),
+            );
+            for (b, uid) in [(&one, "200001"), (&two, "200002")] {
+                // The supervisor switches to it; the profile's uid (65534) is not used.
+                assert_eq!(b.entrypoint.as_ref().unwrap()[3..5], [uid, "65534"]);
+                // It owns the disk volume at the workdir and /tmp.
+                let mounts = b.host_config.clone().unwrap().mounts.unwrap();
+                assert_eq!(mounts.len(), 2);
+                for m in mounts {
+                    let o = m
+                        .volume_options
+                        .unwrap()
+                        .driver_config
+                        .unwrap()
+                        .options
+                        .unwrap();
+                    assert!(
+                        o["o"].contains(&format!(",uid={uid},gid=65534,")),
+                        "{}",
+                        o["o"]
+                    );
+                }
+            }
+            // Only the uid differs between two containers of one plan, which share a pool key.
+            let mut same = two.clone();
+            same.entrypoint = one.entrypoint.clone();
+            same.host_config.as_mut().unwrap().mounts =
+                one.host_config.as_ref().unwrap().mounts.clone();
+            assert_eq!(
+                serde_json::to_value(&same).unwrap(),
+                serde_json::to_value(&one).unwrap()
+            );
+            let mut s = spec();
+            s.uid = 4242;
+            assert_eq!(
+                ContainerPlan::new(&s, BackendKind::Docker, "i", kept)
+                    .unwrap()
+                    .key,
+                p.key,
+                "the profile's uid decides nothing"
+            );
+            let mut s = spec();
+            s.gid = 4242;
+            assert_ne!(
+                ContainerPlan::new(&s, BackendKind::Docker, "i", kept)
+                    .unwrap()
+                    .key,
+                p.key,
+                "the gid is the plan's"
+            );
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! state of one that just stopped. Volumes follow the same owner rule, as if stopped: dockerd
 //! refuses to remove one a container still uses.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,6 +23,7 @@ use tokio::sync::Semaphore;
 use super::container::{LABEL_BACKEND, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, Owner};
 use super::engine::{Engine, EngineError, Listed};
 use crate::sandbox::BackendKind;
+use crate::sandbox::uids::UidLease;
 
 /// Concurrent background removals (each is a few hundred ms of dockerd work on 2 cores).
 const REMOVAL_SLOTS: usize = 4;
@@ -44,6 +45,9 @@ pub struct Janitor {
     /// Containers (ids) and their disk volumes (names) in use right now: never swept while a
     /// run or the pool holds them.
     leased: Mutex<HashSet<String>>,
+    /// The host uids of disposed containers (by id or name), each released once its container
+    /// is removed: a uid goes back to the block only when nothing can run as it any more.
+    uids: Mutex<HashMap<String, UidLease>>,
     /// Set by any "unreachable" failure; cleared (with clean-up) once dockerd answers again.
     engine_down: AtomicBool,
     startup_swept: AtomicBool,
@@ -63,6 +67,7 @@ impl Janitor {
             backend,
             pending: Mutex::new(HashSet::new()),
             leased: Mutex::new(HashSet::new()),
+            uids: Mutex::new(HashMap::new()),
             engine_down: AtomicBool::new(false),
             startup_swept: AtomicBool::new(false),
             removals: Arc::new(Semaphore::new(REMOVAL_SLOTS)),
@@ -142,6 +147,15 @@ impl Janitor {
         }
     }
 
+    /// Holds `lease`, the uid container `id` (an id or a name) runs as, until a removal of
+    /// `id` succeeds ([`Janitor::dispose`] or a retry of it); at the daemon's exit, until the
+    /// process ends (the lock goes with it).
+    pub fn hold_uid(&self, id: &str, lease: UidLease) {
+        if let Ok(mut u) = self.uids.lock() {
+            u.insert(id.to_string(), lease);
+        }
+    }
+
     fn leased(&self) -> HashSet<String> {
         self.leased.lock().map(|l| l.clone()).unwrap_or_default()
     }
@@ -209,6 +223,10 @@ impl Janitor {
         self.observe(&r);
         if let Err(e) = &r {
             tracing::warn!(what = ?what, error = %e, "sandbox removal failed; will retry");
+        }
+        if let (Ok(()), Leftover::Container(id)) = (&r, what) {
+            let lease = self.uids.lock().ok().and_then(|mut u| u.remove(id));
+            drop(lease);
         }
         r
     }

@@ -322,7 +322,7 @@ impl DockerSandbox {
             pid,
             socket_dir: _,
         } = container;
-        tracing::info!(session_id, container = %short(guard.id()), pooled, backend = self.kind.as_str(), "session container assigned");
+        tracing::info!(session_id, container = %short(guard.id()), uid = guard.uid(), pooled, backend = self.kind.as_str(), "session container assigned");
         let kept = Arc::new(KeptContainer {
             id: guard.id().to_string(),
             pid,

@@ -42,6 +42,7 @@ use super::{
     BackendKind, BackendStatus, ExitKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError,
 };
 use crate::egress::{ProxyRun, proxy_env};
+use crate::sandbox::uids::UidRange;
 /// How long a kill may take the engine before the run goes on without its confirmation.
 const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long readiness waits for dockerd.
@@ -91,13 +92,15 @@ pub struct DockerConfig {
 impl DockerSandbox {
     /// Never fails and never blocks on dockerd: what is missing shows in [`Sandbox::status`] and
     /// makes runs fail with `Unavailable`. Spawns the maintenance task (startup sweep first).
-    /// Without `egress`, egress profiles are refused.
+    /// Without `egress`, egress profiles are refused. Each container runs as a host uid of its
+    /// own from `uids` (see [`pool`]).
     pub fn new(
         kind: BackendKind,
         config: &DockerConfig,
         instance_id: &str,
         metrics: Option<PoolMetrics>,
         egress: Option<EgressSettings>,
+        uids: Arc<UidRange>,
     ) -> Self {
         let engine: Arc<dyn Engine> = Arc::new(BollardEngine::new(&config.socket));
         let owner = Owner {
@@ -118,12 +121,14 @@ impl DockerSandbox {
             config.pool_size,
             metrics,
             egress,
+            uids,
         );
         s.shutdown_socket = Some(config.socket.clone());
         s
     }
 
     /// The backend over any engine (unit tests use a fake).
+    #[allow(clippy::too_many_arguments)]
     pub fn with_engine(
         kind: BackendKind,
         engine: Arc<dyn Engine>,
@@ -132,6 +137,7 @@ impl DockerSandbox {
         pool_size: usize,
         metrics: Option<PoolMetrics>,
         egress: Option<EgressSettings>,
+        uids: Arc<UidRange>,
     ) -> Self {
         let dirs = egress.as_ref().map(|e| {
             let dirs = SocketDirs::new(&e.dir, &owner, kind);
@@ -141,7 +147,7 @@ impl DockerSandbox {
             Arc::new(dirs)
         });
         let janitor = Janitor::new(engine, owner, kind);
-        let pool = Pool::new(pool_size, kind, janitor.clone(), dirs, metrics);
+        let pool = Pool::new(pool_size, kind, janitor.clone(), uids, dirs, metrics);
         let weak = Arc::downgrade(&pool);
         let j = janitor.clone();
         tokio::spawn(async move {
@@ -230,11 +236,13 @@ impl DockerSandbox {
             });
             return Ok((w, true));
         }
+        let uid = self.pool.lease_uid().await?;
         let w = WarmContainer::launch(
             &self.janitor,
             plan,
             &format!("executor-arm-{exec_id}"),
             exec_id,
+            uid,
             self.pool.egress_dirs(),
         )
         .await
@@ -883,6 +891,7 @@ mod tests {
             0,
             None,
             None,
+            UidRange::for_tests(16),
         );
         (engine, s)
     }
@@ -910,6 +919,7 @@ mod tests {
             pool_size,
             None,
             Some(settings),
+            UidRange::for_tests(16),
         );
         (engine, s)
     }
@@ -1164,6 +1174,7 @@ mod tests {
             0,
             None,
             None,
+            UidRange::for_tests(16),
         );
         *engine.runsc_args.lock().unwrap() = vec!["--platform=ptrace".into()];
         let st = s.status().await;

@@ -5,6 +5,10 @@
 //! dead ones, and the pool metrics. A container leaves the pool exactly once and is destroyed
 //! after its run: the pool never takes one back. Must not: run commands.
 //!
+//! Every container, a warm one too, gets a host uid of its own from the daemon's uid block when
+//! it is launched ([`Pool::lease_uid`]); its [`ContainerGuard`] holds the lease, and the janitor
+//! keeps it after the guard is dropped until the container is removed.
+//!
 //! Pools are created on first use of a key, then kept at `pool_size` idle containers.
 
 use std::collections::{HashMap, VecDeque};
@@ -20,7 +24,8 @@ use super::container::{ContainerPlan, DISK_VOLUME_PREFIX};
 use super::egress::{SocketDir, SocketDirs};
 use super::engine::{Attached, EngineError};
 use super::janitor::Janitor;
-use crate::sandbox::BackendKind;
+use crate::sandbox::uids::{UidLease, UidRange};
+use crate::sandbox::{BackendKind, SandboxError};
 
 /// Concurrent container launches for refills: each is a few hundred ms of dockerd and runtime
 /// work; more at once only slows the runs that are executing.
@@ -41,23 +46,31 @@ pub struct PoolMetrics {
     pub events: CounterVec,
 }
 
-/// A container we own, with its disk volume. Dropping the guard destroys both (in the
-/// background), so every path out of a run, including a dropped future, removes them.
+/// A container we own, with its disk volume and the lease of the uid it runs as. Dropping the
+/// guard destroys the container and the volume (in the background), so every path out of a run,
+/// including a dropped future, removes them; the uid is released once the container is gone.
 pub struct ContainerGuard {
     id: String,
     volume: Option<String>,
+    uid: Option<UidLease>,
     janitor: Arc<Janitor>,
 }
 
 impl ContainerGuard {
     /// `volume` must already be leased (see [`WarmContainer::launch`]).
-    pub fn new(id: String, volume: Option<String>, janitor: Arc<Janitor>) -> Self {
+    pub fn new(id: String, volume: Option<String>, uid: UidLease, janitor: Arc<Janitor>) -> Self {
         janitor.lease(&id);
         ContainerGuard {
             id,
             volume,
+            uid: Some(uid),
             janitor,
         }
+    }
+
+    /// The host uid the container's command runs as.
+    pub fn uid(&self) -> Option<u32> {
+        self.uid.as_ref().map(UidLease::uid)
     }
 
     pub fn id(&self) -> &str {
@@ -67,6 +80,9 @@ impl ContainerGuard {
 
 impl Drop for ContainerGuard {
     fn drop(&mut self) {
+        if let Some(uid) = self.uid.take() {
+            self.janitor.hold_uid(&self.id, uid);
+        }
         self.janitor
             .dispose(std::mem::take(&mut self.id), self.volume.take());
     }
@@ -84,13 +100,14 @@ pub struct WarmContainer {
 }
 
 impl WarmContainer {
-    /// Creates, attaches (before start, so nothing is missed) and starts one container; an
-    /// egress plan first gets its socket directory from `dirs`.
+    /// Creates, attaches (before start, so nothing is missed) and starts one container whose
+    /// command runs as `uid`; an egress plan first gets its socket directory from `dirs`.
     pub async fn launch(
         janitor: &Arc<Janitor>,
         plan: &ContainerPlan,
         name: &str,
         exec_label: &str,
+        uid: UidLease,
         dirs: Option<&SocketDirs>,
     ) -> Result<WarmContainer, EngineError> {
         let socket_dir = match (plan.egress, dirs) {
@@ -118,6 +135,7 @@ impl WarmContainer {
                     janitor.owner(),
                     exec_label,
                     &volume,
+                    uid.uid(),
                     socket_dir.as_ref().map(SocketDir::path),
                 ),
             )
@@ -125,12 +143,19 @@ impl WarmContainer {
         janitor.observe(&created);
         let created = match created {
             Ok(id) => id,
+            // dockerd may have made the container without our hearing of it: removed by name,
+            // and its uid is held until that removal went through.
+            Err(e) if matches!(e, EngineError::Unreachable(_) | EngineError::Timeout) => {
+                janitor.hold_uid(name, uid);
+                janitor.dispose(name.to_string(), Some(volume));
+                return Err(e);
+            }
             Err(e) => {
                 janitor.dispose_volume(volume);
                 return Err(e);
             }
         };
-        let guard = ContainerGuard::new(created, Some(volume), janitor.clone());
+        let guard = ContainerGuard::new(created, Some(volume), uid, janitor.clone());
         let attached = engine.attach(guard.id()).await;
         janitor.observe(&attached);
         let attached = attached?;
@@ -164,6 +189,8 @@ pub struct Pool {
     size: usize,
     kind: BackendKind,
     janitor: Arc<Janitor>,
+    /// The block every container's uid comes from (the daemon's, shared with the local backend).
+    uids: Arc<UidRange>,
     /// Socket directories of egress containers (None: this backend has no egress).
     egress_dirs: Option<Arc<SocketDirs>>,
     metrics: Option<PoolMetrics>,
@@ -180,6 +207,7 @@ impl Pool {
         size: usize,
         kind: BackendKind,
         janitor: Arc<Janitor>,
+        uids: Arc<UidRange>,
         egress_dirs: Option<Arc<SocketDirs>>,
         metrics: Option<PoolMetrics>,
     ) -> Arc<Pool> {
@@ -187,6 +215,7 @@ impl Pool {
             size,
             kind,
             janitor,
+            uids,
             egress_dirs,
             metrics,
             keys: Mutex::new(HashMap::new()),
@@ -202,6 +231,15 @@ impl Pool {
 
     pub fn egress_dirs(&self) -> Option<&SocketDirs> {
         self.egress_dirs.as_deref()
+    }
+
+    /// A host uid for one container to be launched, held by it until it is removed. Every uid
+    /// of the block held: `Unavailable` (503), never a uid shared with another sandbox.
+    pub async fn lease_uid(&self) -> Result<UidLease, SandboxError> {
+        let uids = self.uids.clone();
+        tokio::task::spawn_blocking(move || uids.lease())
+            .await
+            .map_err(|e| SandboxError::Setup(format!("uid lease task: {e}")))?
     }
 
     /// Idle containers over all keys.
@@ -314,17 +352,23 @@ impl Pool {
             Ok(_) if self.closed.load(Ordering::SeqCst) => {
                 Err(EngineError::Api("pool closed".into()))
             }
-            Ok(_slot) => {
-                let tag = uuid::Uuid::new_v4().simple().to_string();
-                WarmContainer::launch(
-                    &self.janitor,
-                    &plan,
-                    &format!("executor-arm-pool-{tag}"),
-                    &format!("pool-{tag}"),
-                    self.egress_dirs(),
-                )
-                .await
-            }
+            Ok(_slot) => match self.lease_uid().await {
+                Ok(uid) => {
+                    let tag = uuid::Uuid::new_v4().simple().to_string();
+                    WarmContainer::launch(
+                        &self.janitor,
+                        &plan,
+                        &format!("executor-arm-pool-{tag}"),
+                        &format!("pool-{tag}"),
+                        uid,
+                        self.egress_dirs(),
+                    )
+                    .await
+                }
+                Err(e) => Err(EngineError::Api(format!(
+                    "no uid for a warm container: {e}"
+                ))),
+            },
             Err(_) => Err(EngineError::Api("pool closed".into())),
         };
         let mut discard = None;
@@ -510,7 +554,14 @@ mod tests {
         let (m, pool_metrics) = metrics();
         (
             engine,
-            Pool::new(size, BackendKind::Docker, janitor, None, Some(pool_metrics)),
+            Pool::new(
+                size,
+                BackendKind::Docker,
+                janitor,
+                UidRange::for_tests(16),
+                None,
+                Some(pool_metrics),
+            ),
             m,
         )
     }
@@ -596,6 +647,60 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(engine.count("create"), 0);
         assert_eq!(event(&m, "miss"), 0.0, "no pool, no misses");
+    }
+
+    #[tokio::test]
+    async fn each_container_holds_a_uid_of_its_own_until_it_is_removed() {
+        let engine = Arc::new(FakeEngine::default());
+        let janitor = Janitor::new(
+            engine.clone() as Arc<dyn Engine>,
+            owner(),
+            BackendKind::Docker,
+        );
+        let pool = Pool::new(
+            1,
+            BackendKind::Docker,
+            janitor.clone(),
+            UidRange::for_tests(2),
+            None,
+            None,
+        );
+        let p = plan();
+        assert!(pool.take(&p, true).is_none());
+        eventually("pool filled", || pool.idle() == 1).await;
+        // The warm container holds one uid from its launch on; a run's launch takes the other.
+        let uid = pool.lease_uid().await.unwrap();
+        let cold = WarmContainer::launch(&janitor, &p, "executor-arm-x", "x", uid, None)
+            .await
+            .unwrap();
+        let warm = pool.take(&p, false).expect("hit");
+        let (a, b) = (warm.guard.uid().unwrap(), cold.guard.uid().unwrap());
+        assert_ne!(a, b);
+        assert!([a, b].iter().all(|u| (300_000..300_002).contains(u)));
+        // Every uid held: the next container gets none (503), never a shared one.
+        assert!(matches!(
+            pool.lease_uid().await,
+            Err(SandboxError::Unavailable(_))
+        ));
+        // Its removal fails while the engine is away: the uid stays held.
+        engine.down.store(true, Ordering::SeqCst);
+        let id = cold.guard.id().to_string();
+        drop(cold);
+        eventually("the removal failed and is pending", || {
+            janitor.pending_count() > 0
+        })
+        .await;
+        assert!(engine.existing().contains(&id));
+        assert!(
+            pool.lease_uid().await.is_err(),
+            "released while its container may still exist"
+        );
+        // Once the container is removed, its uid is free again.
+        engine.down.store(false, Ordering::SeqCst);
+        janitor.tick().await;
+        assert!(!engine.existing().contains(&id));
+        assert_eq!(pool.lease_uid().await.unwrap().uid(), b);
+        drop(warm);
     }
 
     #[tokio::test]
