@@ -40,7 +40,7 @@ impl RequestId {
         )
     }
 
-    /// The id [`super::router`]'s middleware gave `req` ("" outside the router).
+    /// The id the router's middleware gave `req` ("" outside the router).
     pub fn of(req: &Request) -> String {
         req.extensions()
             .get::<RequestId>()

@@ -1,17 +1,17 @@
-//! POST /execute: authenticate the caller, parse the request, hold its Idempotency-Key, hand it
-//! to the execution service, answer.
+//! POST /execute: authenticate the caller, parse the request, hand it as a [`RunJob`] to the
+//! run plumbing every run route shares (see [`super::run`]).
 //!
 //! Owns: the wire request, the order of the checks that come before a request is an
 //! [`ExecutionRequest`] (draining, service token, body, fields, capability token, idempotency),
-//! and turning a finished execution into a status and body. Must not: decide, admit or run
-//! anything itself (the execution service does).
+//! and who may have a retry's stored answer. Must not: decide, admit or run anything itself
+//! (the execution service does), or render a run's answer (`run` does).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
@@ -20,10 +20,9 @@ use utoipa::ToSchema;
 use super::app_state::AppState;
 use super::caller::{BodyLimit, Caller, RequestId, capability_token, read_body, unauthorized};
 use super::error::{ApiError, ErrorBody};
-use super::executions::RunAnswer;
 use super::run::{
-    ClientLink, IdemAsk, RunAccepted, RunJob, RunMode, Work, fingerprint, idempotency_key,
-    what_runs,
+    AskedTimeout, ClientLink, IdemAsk, RunAccepted, RunAnswer, RunAsk, RunJob, RunMode, RunOptions,
+    Work, fingerprint, idempotency_key, what_runs,
 };
 use super::stream;
 use crate::auth::Verified;
@@ -32,7 +31,6 @@ use crate::execution::result::ExecutionResult;
 use crate::execution::runs::LiveRun;
 use crate::execution::{ClaimError, ExecutionRequest, ExternalParts, claim_single_use};
 use crate::policy::ActionType;
-use crate::policy::profile::{MAX_ASYNC_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS};
 use crate::state::IdemKey;
 
 /// The request body. Unknown fields are refused: a misspelt limit must not be silently ignored.
@@ -196,11 +194,13 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
 pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let client = ClientLink::new();
     client
-        .serve(&st, execute_detached(st.clone(), req, client.clone()))
+        .serve(&st, answer(st.clone(), req, client.clone()))
         .await
 }
 
-async fn execute_detached(st: Arc<AppState>, req: Request, client: Arc<ClientLink>) -> Response {
+/// The answer to one request, on the task [`ClientLink::serve`] gives it; a refusal is counted
+/// in `rejected` by its kind.
+async fn answer(st: Arc<AppState>, req: Request, client: Arc<ClientLink>) -> Response {
     let rid = RequestId::of(&req);
     let (parts, body) = req.into_parts();
     match handle(&st, &parts.headers, &parts.uri, body, rid, &client).await {
@@ -255,45 +255,17 @@ async fn handle(
             req.action_type.escape_debug()
         ))
     })?;
-    let streaming = headers
-        .get_all(header::ACCEPT)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .any(|v| v.contains("text/event-stream"));
-    let mode = match (req.run_async, streaming) {
-        (true, true) => {
-            return Err(ApiError::InvalidRequest(
-                "async and Accept: text/event-stream exclude each other: stream an async run \
-                 at its links.stream"
-                    .into(),
-            ));
-        }
-        (true, false) => RunMode::Async,
-        (false, true) => RunMode::Stream,
-        (false, false) => RunMode::Sync,
-    };
-    let framing = stream::Framing::of(uri)?;
-    // Synchronous runs keep the wire's 1-300 s; async and streamed ones may ask for more (the
-    // profile's max_async_timeout_seconds clamps it).
-    let max_timeout = if mode == RunMode::Sync {
-        MAX_TIMEOUT_SECONDS
-    } else {
-        MAX_ASYNC_TIMEOUT_SECONDS
-    };
-    let timeout = match req.timeout_seconds {
-        None => None,
-        Some(t) if (1..=max_timeout as i64).contains(&t) => Some(t as u64),
-        Some(t) => {
-            let mode = match mode {
-                RunMode::Async => "an async run",
-                RunMode::Stream => "a streamed run",
-                RunMode::Sync => "a synchronous run",
-            };
-            return Err(ApiError::InvalidRequest(format!(
-                "timeout_seconds must be between 1 and {max_timeout} for {mode}, got {t}"
-            )));
-        }
-    };
+    let RunOptions {
+        mode,
+        framing,
+        timeout,
+    } = RunOptions::check(RunAsk {
+        run_async: req.run_async,
+        timeout: AskedTimeout::Seconds(req.timeout_seconds),
+        headers,
+        uri,
+    })?;
+    let timeout = timeout.map(|t| t.as_secs());
     if req.args.iter().any(|a| a.contains('\0')) || req.command.contains('\0') {
         return Err(ApiError::InvalidRequest(
             "command and args may not contain NUL bytes".into(),

@@ -20,6 +20,7 @@ use super::caller::{BodyLimit, Caller, RequestId, read_body};
 use super::error::{ApiError, ErrorBody};
 use super::extract::Path;
 use super::forward::{forward, was_forwarded};
+use super::run::RunAnswer;
 use super::stream::{Framing, Position, Source, StreamPermit, StreamQuery, follow};
 use crate::execution::Lookup;
 use crate::execution::record::KnownRequest;
@@ -316,15 +317,6 @@ pub struct RunStatus {
     pub http_status: Option<u16>,
     /// Once finished: exactly the body the synchronous call answers with.
     pub result: Option<RunAnswer>,
-}
-
-/// A finished run's answer: its result, or the error it ended with.
-#[derive(Debug, Serialize, ToSchema)]
-#[serde(untagged)]
-#[allow(dead_code)]
-pub enum RunAnswer {
-    Result(Box<crate::execution::result::ExecutionResult>),
-    Error(super::error::ErrorBody),
 }
 
 /// `POST /v1/executions/{exec_id}/cancel`, body `{"grace_seconds": n}` (optional, 0-30, default

@@ -3,6 +3,28 @@
 //! Owns: parsing and answering HTTP, authenticating callers, idempotency, mapping errors to
 //! statuses and bodies. Must not: decide, admit or run an execution (it hands a typed request to
 //! the execution service), know cgroups, Landlock or Docker, or decide policy.
+//!
+//! # Files
+//! Imports go down this list, never up (no file imports one that imports it back):
+//! - `mod.rs` (this file): the router, the request-id middleware, the accept loop and the drain.
+//! - Route files, each with its own wire types and handlers only:
+//!   - `execute.rs`: `POST /execute`: the order of its checks, its request made into an
+//!     `ExecutionRequest`.
+//!   - `sessions.rs`: `/v1/sandbox/sessions`: sessions, their execs and their files.
+//!   - `executions.rs`: `/v1/executions/{exec_id}`: read, stream and cancel a run (session
+//!     execs' run routes use it too).
+//!   - `ops.rs`: health, readiness, capabilities, metrics, executors, 404 and 405.
+//!   - `openapi.rs`: the OpenAPI document assembled from the routes' annotations, and `/docs`.
+//! - `run.rs`: what every route that runs something shares, in the order a request goes
+//!   through it: the run mode, timeout and framing check, the task that outlives the client,
+//!   the Idempotency-Key, admission and start, the answer.
+//! - `stream.rs`: a run as Server-Sent Events.
+//! - `caller.rs`: who is calling and what it sent: request id, service and capability tokens,
+//!   tenant, the body within its limits.
+//! - `forward.rs`: handing a call to the replica that holds its run or session.
+//! - `extract.rs`: `Path` and `Query` whose rejections are the documented error body.
+//! - `error.rs`: `ApiError`, its statuses and bodies.
+//! - `app_state.rs`: `AppState`, what every handler may use.
 
 pub mod app_state;
 pub mod caller;
@@ -34,8 +56,7 @@ use tracing::Instrument as _;
 
 pub use app_state::AppState;
 pub use caller::RequestId;
-
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+pub use ops::VERSION;
 
 async fn request_id(mut req: Request, next: Next) -> Response {
     let RequestId(id) = RequestId::assign(req.headers());

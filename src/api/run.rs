@@ -21,7 +21,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use serde_json::Value;
@@ -30,11 +30,12 @@ use tracing::Instrument as _;
 use utoipa::ToSchema;
 
 use super::app_state::AppState;
-use super::error::ApiError;
+use super::error::{ApiError, ErrorBody};
 use super::stream::{self, DISCONNECT_GRACE, Disconnect, Framing, Source, StreamPermit};
 use crate::execution::runs::LiveRun;
 use crate::execution::{ExecutionError, ExecutionRequest, Finished};
 use crate::metrics::Metrics;
+use crate::policy::profile::{MAX_ASYNC_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS};
 use crate::provenance::sha256_prefixed;
 use crate::state::{IdemBegin, IdemKey, StoredResponse};
 
@@ -60,6 +61,111 @@ impl RunMode {
             RunMode::Async => "async",
             RunMode::Stream => "stream",
         }
+    }
+
+    /// A run of this mode, in an error message.
+    fn run_words(self) -> &'static str {
+        match self {
+            RunMode::Async => "an async run",
+            RunMode::Stream => "a streamed run",
+            RunMode::Sync => "a synchronous run",
+        }
+    }
+}
+
+/// The timeout a run request asks for, in its route's unit.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum AskedTimeout {
+    /// `/execute`'s `timeout_seconds`: 1-300 for a synchronous run (the wire's limit), up to
+    /// 86400 for an async or streamed one (the profile's `max_async_timeout_seconds` clamps it).
+    Seconds(Option<i64>),
+    /// A session exec's `timeout_ms`: up to 86400 s whatever the mode (a step runs synchronously
+    /// with its own timeout, so a synchronous exec may last as long as an async one); 0 is the
+    /// profile's default, as none is.
+    Millis(Option<u64>),
+}
+
+/// What a run request asks of how its run goes.
+pub(super) struct RunAsk<'a> {
+    /// The body's `async`.
+    pub run_async: bool,
+    pub timeout: AskedTimeout,
+    /// Where `Accept: text/event-stream` asks for a stream.
+    pub headers: &'a HeaderMap,
+    /// Where `?framing=` is.
+    pub uri: &'a Uri,
+}
+
+/// How a run request's run goes, checked.
+#[derive(Debug)]
+pub(super) struct RunOptions {
+    pub mode: RunMode,
+    /// How a stream cuts output into events.
+    pub framing: Framing,
+    /// None: the profile's default.
+    pub timeout: Option<Duration>,
+}
+
+impl RunOptions {
+    /// The one check of how a run goes, for every run route, in this order: the mode (`async`
+    /// and `Accept: text/event-stream` exclude each other), the framing, the timeout; each
+    /// refusal is a 400.
+    pub fn check(ask: RunAsk<'_>) -> Result<RunOptions, ApiError> {
+        let streaming = ask
+            .headers
+            .get_all(header::ACCEPT)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .any(|v| v.contains("text/event-stream"));
+        let mode = match (ask.run_async, streaming) {
+            (true, true) => {
+                return Err(ApiError::InvalidRequest(
+                    "async and Accept: text/event-stream exclude each other: stream an async run \
+                     at its links.stream"
+                        .into(),
+                ));
+            }
+            (true, false) => RunMode::Async,
+            (false, true) => RunMode::Stream,
+            (false, false) => RunMode::Sync,
+        };
+        let framing = Framing::of(ask.uri)?;
+        let timeout = match ask.timeout {
+            AskedTimeout::Seconds(asked) => {
+                let max = if mode == RunMode::Sync {
+                    MAX_TIMEOUT_SECONDS
+                } else {
+                    MAX_ASYNC_TIMEOUT_SECONDS
+                };
+                match asked {
+                    None => None,
+                    Some(t) if (1..=max as i64).contains(&t) => Some(Duration::from_secs(t as u64)),
+                    Some(t) => {
+                        return Err(ApiError::InvalidRequest(format!(
+                            "timeout_seconds must be between 1 and {max} for {}, got {t}",
+                            mode.run_words()
+                        )));
+                    }
+                }
+            }
+            AskedTimeout::Millis(asked) => {
+                let max_ms = 1000 * MAX_ASYNC_TIMEOUT_SECONDS;
+                match asked {
+                    None | Some(0) => None,
+                    Some(t) if t <= max_ms => Some(Duration::from_millis(t)),
+                    Some(t) => {
+                        return Err(ApiError::InvalidRequest(format!(
+                            "timeout_ms must be between 0 and {max_ms}, got {t}"
+                        )));
+                    }
+                }
+            }
+        };
+        Ok(RunOptions {
+            mode,
+            framing,
+            timeout,
+        })
     }
 }
 
@@ -584,6 +690,15 @@ pub struct RunLinks {
     pub stream: String,
     /// Where to cancel it.
     pub cancel: String,
+}
+
+/// A finished run's answer: its result, or the error it ended with.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)]
+pub enum RunAnswer {
+    Result(Box<crate::execution::result::ExecutionResult>),
+    Error(ErrorBody),
 }
 
 /// What the caller of a run gets once it ended: 200, or `timeout_status` when the wall clock

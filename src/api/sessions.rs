@@ -28,8 +28,8 @@ use super::error::{ApiError, ErrorBody};
 use super::executions::{self, CancelAccepted, CancelRequest, RunStatus};
 use super::extract::{Path, Query};
 use super::run::{
-    ClientLink, IdemAsk, RunAccepted, RunJob, RunMode, Work, detach, fingerprint, idempotency_key,
-    what_runs,
+    AskedTimeout, ClientLink, IdemAsk, RunAccepted, RunAsk, RunJob, RunOptions, Work, detach,
+    fingerprint, idempotency_key, what_runs,
 };
 use crate::config::TokenKind;
 use crate::execution::ExecutionRequest;
@@ -453,42 +453,25 @@ async fn exec_inner(
     }
     let (parts, body) = req.into_parts();
     // A malformed query is the request's fault whatever the session: 400 before the lookup.
-    let framing = super::stream::Framing::of(&parts.uri)?;
+    super::stream::Framing::of(&parts.uri)?;
     let (session, service, known) = session_of(st, &parts.headers, rid, id, Touch::Use).await?;
     let raw = read_body(body, &parts.headers, BodyLimit::request(st)).await?;
     let mut asked: ExecBody = serde_json::from_slice(&raw)
         .map_err(|e| ApiError::InvalidRequest(format!("invalid exec request: {e}")))?;
     let idem_key = idempotency_key(&parts.headers)?;
-    let streaming = parts
-        .headers
-        .get_all(header::ACCEPT)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .any(|v| v.contains("text/event-stream"));
-    let mode = match (asked.run_async, streaming) {
-        (true, true) => {
-            return Err(ApiError::InvalidRequest(
-                "async and Accept: text/event-stream exclude each other".into(),
-            ));
-        }
-        (true, false) => RunMode::Async,
-        (false, true) => RunMode::Stream,
-        (false, false) => RunMode::Sync,
-    };
-    // A step runs synchronously with its own timeout (Koder's TimeoutSec), so a synchronous
-    // exec may last as long as an async one: the profile's max_async_timeout_seconds clamps it.
-    // 0 is the profile's default, as no value is.
-    let max_ms = 1000 * MAX_ASYNC_TIMEOUT_SECONDS;
-    if asked.timeout_ms == Some(0) {
-        asked.timeout_ms = None;
-    }
-    if let Some(t) = asked.timeout_ms
-        && t > max_ms
-    {
-        return Err(ApiError::InvalidRequest(format!(
-            "timeout_ms must be between 0 and {max_ms}, got {t}"
-        )));
-    }
+    // The framing is checked again, and passes: one check of how a run goes, for every route.
+    let RunOptions {
+        mode,
+        framing,
+        timeout,
+    } = RunOptions::check(RunAsk {
+        run_async: asked.run_async,
+        timeout: AskedTimeout::Millis(asked.timeout_ms),
+        headers: &parts.headers,
+        uri: &parts.uri,
+    })?;
+    // As checked (0 is none): the Idempotency-Key's fingerprint covers it so.
+    asked.timeout_ms = timeout.map(|t| t.as_millis() as u64);
     if asked.code.contains('\0') {
         return Err(ApiError::InvalidRequest(
             "code may not contain NUL bytes".into(),
