@@ -796,3 +796,77 @@ fn stored_response(r: &StoredResponse, replayed: bool) -> Response {
     }
     resp
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(
+        run_async: bool,
+        accept: Option<&str>,
+        uri: &str,
+        timeout: AskedTimeout,
+    ) -> Result<RunOptions, ApiError> {
+        let mut headers = HeaderMap::new();
+        if let Some(a) = accept {
+            headers.insert(header::ACCEPT, HeaderValue::from_str(a).unwrap());
+        }
+        let uri: Uri = uri.parse().unwrap();
+        RunOptions::check(RunAsk {
+            run_async,
+            timeout,
+            headers: &headers,
+            uri: &uri,
+        })
+    }
+
+    /// The one rule both run routes take: the mode from `async` and `Accept`, then the framing,
+    /// then the timeout in the route's unit and range.
+    #[test]
+    fn run_options() {
+        let none = AskedTimeout::Seconds(None);
+        let sse = Some("text/event-stream");
+        assert_eq!(
+            check(false, None, "/execute", none).unwrap().mode,
+            RunMode::Sync
+        );
+        assert_eq!(
+            check(true, None, "/execute", none).unwrap().mode,
+            RunMode::Async
+        );
+        assert_eq!(
+            check(false, sse, "/execute", none).unwrap().mode,
+            RunMode::Stream
+        );
+        // Both: refused before the framing is read.
+        let both = check(true, sse, "/execute?framing=nonsense", none).unwrap_err();
+        assert!(
+            matches!(&both, ApiError::InvalidRequest(m) if m.contains("exclude each other")),
+            "{both:?}"
+        );
+        assert!(check(false, sse, "/execute?framing=nonsense", none).is_err());
+
+        // Seconds: 1-300 synchronous, up to the async limit otherwise.
+        let secs = |t| AskedTimeout::Seconds(Some(t));
+        let max = MAX_TIMEOUT_SECONDS as i64;
+        assert_eq!(
+            check(false, None, "/execute", secs(max)).unwrap().timeout,
+            Some(Duration::from_secs(max as u64))
+        );
+        assert!(check(false, None, "/execute", secs(max + 1)).is_err());
+        assert!(check(false, None, "/execute", secs(0)).is_err());
+        assert!(check(true, None, "/execute", secs(max + 1)).is_ok());
+        let async_max = MAX_ASYNC_TIMEOUT_SECONDS as i64;
+        assert!(check(true, None, "/execute", secs(async_max + 1)).is_err());
+
+        // Milliseconds: 0 is none, up to the async limit whatever the mode.
+        let ms = |t| AskedTimeout::Millis(Some(t));
+        assert_eq!(check(false, None, "/x", ms(0)).unwrap().timeout, None);
+        let max_ms = 1000 * MAX_ASYNC_TIMEOUT_SECONDS;
+        assert_eq!(
+            check(false, None, "/x", ms(max_ms)).unwrap().timeout,
+            Some(Duration::from_millis(max_ms))
+        );
+        assert!(check(false, None, "/x", ms(max_ms + 1)).is_err());
+    }
+}
