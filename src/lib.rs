@@ -4,7 +4,9 @@
 //! # Layout
 //! A request goes down through these modules, never up:
 //! - `api`: HTTP only: routes, authentication of the caller, request parsing, idempotency, errors
-//!   to statuses and bodies; `api::execute` parses a request into an `ExecutionRequest`.
+//!   to statuses and bodies; each route file (`api::execute`, `api::sessions`, ...) parses its
+//!   request into an `ExecutionRequest`, `api::caller` reads who calls, `api::run` holds what
+//!   every run route shares (modes, idempotency, disconnects, answers); see `api`'s own layout.
 //! - `execution`: the execution service, no HTTP: decide → admit → run → record (provenance, one
 //!   typed audit event per line, metrics), the one path every execution takes.
 //! - `sessions`: sandboxes kept across execs (owner, tenant, workspace, lifetimes); each exec

@@ -15,15 +15,16 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use super::app_state::AppState;
+use super::caller::{BodyLimit, Caller, RequestId, read_body};
 use super::error::{ApiError, ErrorBody};
-use super::execute::{calling_service, read_body};
 use super::extract::Path;
 use super::forward::{forward, was_forwarded};
+use super::run::RunAnswer;
 use super::stream::{Framing, Position, Source, StreamPermit, StreamQuery, follow};
-use super::{AppState, RequestId};
+use crate::execution::Lookup;
 use crate::execution::record::KnownRequest;
 use crate::execution::runs::CancelOutcome;
-use crate::execution::{Lookup, owner_of};
 use crate::state::StoredResponse;
 
 /// The longest grace a cancel may give a run between SIGTERM and SIGKILL.
@@ -37,19 +38,8 @@ async fn caller(
     headers: &HeaderMap,
     request_id: String,
 ) -> Result<(String, KnownRequest), ApiError> {
-    let mut known = KnownRequest {
-        request_id,
-        ..KnownRequest::default()
-    };
-    let service = calling_service(st, headers, &mut known).await?;
-    Ok((owner_of(service.subject.as_deref()), known))
-}
-
-pub(super) fn request_id(req: &Request) -> String {
-    req.extensions()
-        .get::<RequestId>()
-        .map(|r| r.0.clone())
-        .unwrap_or_default()
+    let caller = Caller::authenticate(st, headers, request_id).await?;
+    Ok((caller.owner(), caller.known))
 }
 
 fn json(status: StatusCode, body: String) -> Response {
@@ -87,7 +77,7 @@ pub async fn get(
     Path(exec_id): Path<String>,
     req: Request,
 ) -> Response {
-    let rid = request_id(&req);
+    let rid = RequestId::of(&req);
     match get_inner(&st, &exec_id, req.headers(), rid).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
@@ -164,7 +154,7 @@ pub async fn stream(
     Path(exec_id): Path<String>,
     req: Request,
 ) -> Response {
-    let rid = request_id(&req);
+    let rid = RequestId::of(&req);
     match caller(&st, req.headers(), rid).await {
         Ok(who) => stream_owned(st, exec_id, req, who).await,
         Err(e) => e.into_response(),
@@ -329,15 +319,6 @@ pub struct RunStatus {
     pub result: Option<RunAnswer>,
 }
 
-/// A finished run's answer: its result, or the error it ended with.
-#[derive(Debug, Serialize, ToSchema)]
-#[serde(untagged)]
-#[allow(dead_code)]
-pub enum RunAnswer {
-    Result(Box<crate::execution::result::ExecutionResult>),
-    Error(super::error::ErrorBody),
-}
-
 /// `POST /v1/executions/{exec_id}/cancel`, body `{"grace_seconds": n}` (optional, 0-30, default
 /// 5): SIGTERM to every process of the run, SIGKILL after the grace. 202 with the grace the run
 /// was given, the same for a repeated call while it stops; 409 `AlreadyFinished` once it ended.
@@ -365,7 +346,7 @@ pub async fn cancel(
     Path(exec_id): Path<String>,
     req: Request,
 ) -> Response {
-    let rid = request_id(&req);
+    let rid = RequestId::of(&req);
     match caller(&st, req.headers(), rid).await {
         Ok(who) => cancel_owned(&st, &exec_id, req, who).await,
         Err(e) => e.into_response(),
@@ -392,13 +373,7 @@ async fn cancel_inner(
     who: (String, KnownRequest),
 ) -> Result<Response, ApiError> {
     let (parts, body) = req.into_parts();
-    let raw = read_body(
-        body,
-        &parts.headers,
-        st.config.server.body_limit_bytes,
-        Duration::from_secs(st.config.server.body_read_timeout_seconds),
-    )
-    .await?;
+    let raw = read_body(body, &parts.headers, BodyLimit::request(st)).await?;
     let grace = grace_of(&raw)?;
     let (located, (owner, known)) = locate(st, exec_id, &parts.headers, who).await?;
     let live = match located {

@@ -3,7 +3,31 @@
 //! Owns: parsing and answering HTTP, authenticating callers, idempotency, mapping errors to
 //! statuses and bodies. Must not: decide, admit or run an execution (it hands a typed request to
 //! the execution service), know cgroups, Landlock or Docker, or decide policy.
+//!
+//! # Files
+//! Imports go down this list, never up (no file imports one that imports it back):
+//! - `mod.rs` (this file): the router, the request-id middleware, the accept loop and the drain.
+//! - Route files, each with its own wire types and handlers only:
+//!   - `execute.rs`: `POST /execute`: the order of its checks, its request made into an
+//!     `ExecutionRequest`.
+//!   - `sessions.rs`: `/v1/sandbox/sessions`: sessions, their execs and their files.
+//!   - `executions.rs`: `/v1/executions/{exec_id}`: read, stream and cancel a run (session
+//!     execs' run routes use it too).
+//!   - `ops.rs`: health, readiness, capabilities, metrics, executors, 404 and 405.
+//!   - `openapi.rs`: the OpenAPI document assembled from the routes' annotations, and `/docs`.
+//! - `run.rs`: what every route that runs something shares, in the order a request goes
+//!   through it: the run mode, timeout and framing check, the task that outlives the client,
+//!   the Idempotency-Key, admission and start, the answer.
+//! - `stream.rs`: a run as Server-Sent Events.
+//! - `caller.rs`: who is calling and what it sent: request id, service and capability tokens,
+//!   tenant, the body within its limits.
+//! - `forward.rs`: handing a call to the replica that holds its run or session.
+//! - `extract.rs`: `Path` and `Query` whose rejections are the documented error body.
+//! - `error.rs`: `ApiError`, its statuses and bodies.
+//! - `app_state.rs`: `AppState`, what every handler may use.
 
+pub mod app_state;
+pub mod caller;
 pub mod error;
 pub mod execute;
 pub mod executions;
@@ -11,12 +35,13 @@ pub mod extract;
 pub mod forward;
 pub mod openapi;
 pub mod ops;
+pub mod run;
 pub mod sessions;
 pub mod stream;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::Router;
@@ -29,74 +54,12 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tracing::Instrument as _;
 
-use crate::auth::Authenticator;
-use crate::config::Config;
-use crate::execution::ExecutionService;
-use crate::metrics::Metrics;
-use crate::provenance::audit::AuditLog;
-use crate::state::StateStore;
-
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
-
-/// Everything a request handler may use.
-pub struct AppState {
-    pub config: Config,
-    pub auth: Authenticator,
-    /// Decides, admits, runs and records executions; holds the policy, the executor registry and
-    /// the backends.
-    pub executions: Arc<ExecutionService>,
-    /// Sessions: sandboxes kept across execs.
-    pub sessions: Arc<crate::sessions::SessionService>,
-    /// Session file transfers in progress (see `sessions::file_permit`).
-    pub file_calls: Arc<tokio::sync::Semaphore>,
-    /// The audit log, the state store and the metrics the execution service shares.
-    pub audit: Arc<AuditLog>,
-    pub store: Arc<dyn StateStore>,
-    pub metrics: Arc<Metrics>,
-    pub draining: AtomicBool,
-    /// Server-Sent Event streams open now (at most `executions.max_open_streams`).
-    pub open_streams: std::sync::atomic::AtomicUsize,
-    pub instance_id: String,
-    /// What the kernel offers the local backend (None when it is not configured).
-    pub host_probe: Option<crate::sandbox::probe::HostProbe>,
-}
-
-impl AppState {
-    pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::SeqCst)
-    }
-}
-
-/// For an optional field whose absence is a value (an empty list, `false`): `null` is the same
-/// as leaving the field out, as for every `Option` field.
-pub(crate) fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
-where
-    D: serde::Deserializer<'de>,
-    T: serde::Deserialize<'de> + Default,
-{
-    use serde::Deserialize as _;
-    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
-}
-
-/// The request id of this request (the caller's if valid, else a new UUID).
-#[derive(Debug, Clone)]
-pub struct RequestId(pub String);
-
-fn valid_request_id(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 128
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
+pub use app_state::AppState;
+pub use caller::RequestId;
+pub use ops::VERSION;
 
 async fn request_id(mut req: Request, next: Next) -> Response {
-    let id = req
-        .headers()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|s| valid_request_id(s))
-        .map(str::to_string)
-        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    let RequestId(id) = RequestId::assign(req.headers());
     req.extensions_mut().insert(RequestId(id.clone()));
     let template = req
         .extensions()
@@ -303,19 +266,5 @@ fn flush_suppressed(state: &AppState) {
             .and_then(|p| serde_json::to_string(&p).ok())
             .unwrap_or_default();
         tracing::error!(error = %e, event = "refusals_suppressed", %pending, "audit append failed");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn request_ids() {
-        assert!(valid_request_id("abc-123_x.y"));
-        assert!(!valid_request_id(""));
-        assert!(!valid_request_id("a b"));
-        assert!(!valid_request_id(&"a".repeat(129)));
-        assert!(!valid_request_id("x\r\nSet-Cookie: y"));
     }
 }

@@ -9,13 +9,16 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use super::app_state::AppState;
 use super::error::ApiError;
-use super::{AppState, VERSION};
 use crate::executors::ExecutorDef;
 use crate::policy::profile::{LimitsSection, NetworkMode, OutputSection};
 use crate::sandbox::probe::HostProbe;
 use crate::sandbox::{BackendKind, BackendStatus};
 use crate::vocabulary::{ActionType, Capability};
+
+/// The daemon's version, as `/health` reports it.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The body of `/health` and `/livez`.
 #[derive(Debug, Serialize, ToSchema)]

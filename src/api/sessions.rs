@@ -20,27 +20,29 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa::{IntoParams, ToSchema};
 
-use super::error::{ApiError, ErrorBody};
-use super::execute::RunAccepted;
-use super::execute::{
-    Job, Mode, Prepared, calling_service, capability_token, detached, fingerprint, idempotency_key,
-    read_body, serve, unauthorized, what_runs,
+use super::app_state::AppState;
+use super::caller::{
+    BodyLimit, Caller, RequestId, bearer, capability_token, read_body, unauthorized,
 };
-use super::executions::request_id;
-use super::executions::{CancelAccepted, CancelRequest, RunStatus};
+use super::error::{ApiError, ErrorBody};
+use super::executions::{self, CancelAccepted, CancelRequest, RunStatus};
 use super::extract::{Path, Query};
-use super::{AppState, RequestId, executions};
+use super::run::{
+    AskedTimeout, ClientLink, IdemAsk, RunAccepted, RunAsk, RunJob, RunOptions, Work, detach,
+    fingerprint, idempotency_key, what_runs,
+};
 use crate::config::TokenKind;
+use crate::execution::ExecutionRequest;
+use crate::execution::SessionLimits;
 use crate::execution::record::KnownRequest;
 use crate::execution::result::ExecutionResult;
-use crate::execution::{SessionLimits, owner_of};
+use crate::execution::runs::LiveRun;
 use crate::policy::profile::MAX_ASYNC_TIMEOUT_SECONDS;
 use crate::provenance::sha256_prefixed;
 use crate::sessions::SessionInfo;
 use crate::sessions::workspace::FileError;
-use crate::sessions::{ExecParts, NewSession, Owner, Session, SessionError};
-
-const TENANT_HEADERS: [&str; 2] = ["x-tenant-id", "x-koder-tenant"];
+use crate::sessions::{CodeFile, ExecClaim, ExecParts, NewSession, Owner, Session, SessionError};
+use crate::state::IdemKey;
 
 impl From<SessionError> for ApiError {
     fn from(e: SessionError) -> Self {
@@ -91,7 +93,8 @@ struct SessionPath {
     id: String,
 }
 
-/// The tenant headers every session route reads (OpenAPI only: [`tenant`] reads them).
+/// The tenant headers every session route reads (OpenAPI only: [`super::caller::tenant`] reads
+/// them).
 #[derive(IntoParams)]
 #[into_params(parameter_in = Header)]
 #[allow(dead_code)]
@@ -104,49 +107,15 @@ struct TenantHeaders {
     x_koder_tenant: Option<String>,
 }
 
-/// The tenant a call names: "" without one; both headers must agree.
-fn tenant(headers: &HeaderMap) -> Result<String, ApiError> {
-    let mut found: Option<String> = None;
-    for name in TENANT_HEADERS {
-        for v in headers.get_all(name) {
-            let v = v
-                .to_str()
-                .ok()
-                .filter(|v| v.len() <= 256 && v.bytes().all(|b| b.is_ascii_graphic()))
-                .ok_or_else(|| {
-                    ApiError::InvalidRequest(format!(
-                        "{name} must be 0-256 visible ASCII characters"
-                    ))
-                })?;
-            match &found {
-                Some(f) if f != v => {
-                    return Err(ApiError::InvalidRequest(
-                        "X-Tenant-ID / X-Koder-Tenant name different tenants".into(),
-                    ));
-                }
-                _ => found = Some(v.to_string()),
-            }
-        }
-    }
-    Ok(found.unwrap_or_default())
-}
-
 /// The calling service and its tenant, as a session's owner.
 async fn caller(
     st: &AppState,
     headers: &HeaderMap,
     rid: String,
 ) -> Result<(Owner, crate::auth::Verified, KnownRequest), ApiError> {
-    let mut known = KnownRequest {
-        request_id: rid,
-        ..KnownRequest::default()
-    };
-    let service = calling_service(st, headers, &mut known).await?;
-    let owner = Owner {
-        subject: owner_of(service.subject.as_deref()),
-        tenant: tenant(headers)?,
-    };
-    Ok((owner, service, known))
+    let caller = Caller::authenticate(st, headers, rid).await?;
+    let owner = caller.session_owner(headers)?;
+    Ok((owner, caller.service, caller.known))
 }
 
 /// How a call touches its session: reading it leaves its idle time running; an exec or a file
@@ -255,8 +224,8 @@ pub struct CreateBody {
 )]
 pub async fn create(State(st): State<Arc<AppState>>, req: Request) -> Response {
     // On a task of its own: a client that goes away mid-creation leaves no half-made session.
-    detached(st, move |st, _| async move {
-        let rid = request_id(&req);
+    detach(async move {
+        let rid = RequestId::of(&req);
         match create_inner(&st, req, rid).await {
             Ok(r) => r,
             Err(e) => e.into_response(),
@@ -270,32 +239,20 @@ async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Respon
         return Err(ApiError::ShuttingDown);
     }
     let (parts, body) = req.into_parts();
-    let (owner, service, mut known) = caller(st, &parts.headers, rid).await?;
-    let raw = read_body(
-        body,
-        &parts.headers,
-        st.config.server.body_limit_bytes,
-        Duration::from_secs(st.config.server.body_read_timeout_seconds),
-    )
-    .await?;
+    let mut caller = Caller::authenticate(st, &parts.headers, rid).await?;
+    let owner = caller.session_owner(&parts.headers)?;
+    let raw = read_body(body, &parts.headers, BodyLimit::request(st)).await?;
     let asked: CreateBody = serde_json::from_slice(&raw)
         .map_err(|e| ApiError::InvalidRequest(format!("invalid session request: {e}")))?;
     let token = capability_token(asked.capability_token.as_deref(), &parts.headers)?;
     let grant = match token {
-        Some(t) => {
-            let cap = st
-                .auth
-                .verify(t, TokenKind::Capability)
-                .map_err(|e| unauthorized(st, &known, &format!("capability token: {e}")))?;
-            known.token_id = cap.token_id.clone();
-            // A single-use token is used up by the session service once the session can be made.
-            cap
-        }
-        None if st.config.sessions.accept_service_capabilities => service,
+        // A single-use token is used up by the session service once the session can be made.
+        Some(t) => caller.capability(st, t)?,
+        None if st.config.sessions.accept_service_capabilities => caller.service,
         None => {
             return Err(unauthorized(
                 st,
-                &known,
+                &caller.known,
                 "missing capability token (sessions.accept_service_capabilities is off)",
             ));
         }
@@ -303,7 +260,7 @@ async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Respon
     let session = st
         .sessions
         .create(NewSession {
-            request_id: known.request_id.clone(),
+            request_id: caller.known.request_id.clone(),
             owner,
             language: asked.language,
             profile: asked.profile,
@@ -379,7 +336,7 @@ pub async fn delete(
 ) -> Response {
     let rid = rid.map(|r| r.0.0).unwrap_or_default();
     // On a task of its own: a DELETE that arrived is carried out even if its client goes away.
-    detached(st, move |st, _| async move {
+    detach(async move {
         let result = async {
             let (owner, ..) = caller(&st, &headers, rid).await?;
             if st.sessions.delete(&owner, &id).await {
@@ -405,7 +362,7 @@ pub struct ExecBody {
     #[serde(default)]
     stdin: Option<String>,
     /// Only names the profile allows.
-    #[serde(default, deserialize_with = "super::null_as_default")]
+    #[serde(default, deserialize_with = "super::caller::null_as_default")]
     #[schema(nullable)]
     env: BTreeMap<String, String>,
     /// A directory of the workspace (relative, or absolute under `/workspace`).
@@ -418,11 +375,15 @@ pub struct ExecBody {
     #[schema(minimum = 0, maximum = 86_400_000)]
     timeout_ms: Option<u64>,
     /// Answer 202 with the run's links at once.
-    #[serde(default, rename = "async", deserialize_with = "super::null_as_default")]
+    #[serde(
+        default,
+        rename = "async",
+        deserialize_with = "super::caller::null_as_default"
+    )]
     #[schema(nullable)]
     run_async: bool,
     /// Cancel the exec when the caller goes away before its answer.
-    #[serde(default, deserialize_with = "super::null_as_default")]
+    #[serde(default, deserialize_with = "super::caller::null_as_default")]
     #[schema(nullable)]
     cancel_on_disconnect: bool,
 }
@@ -467,14 +428,17 @@ pub async fn exec(
     Path(id): Path<String>,
     req: Request,
 ) -> Response {
-    detached(st, move |st, on_disconnect| async move {
-        let rid = request_id(&req);
-        match exec_inner(&st, &id, req, rid, &on_disconnect).await {
-            Ok(r) => r,
-            Err(e) => e.into_response(),
-        }
-    })
-    .await
+    let client = ClientLink::new();
+    let served = client.clone();
+    client
+        .serve(&st.clone(), async move {
+            let rid = RequestId::of(&req);
+            match exec_inner(&st, &id, req, rid, &served).await {
+                Ok(r) => r,
+                Err(e) => e.into_response(),
+            }
+        })
+        .await
 }
 
 async fn exec_inner(
@@ -482,74 +446,58 @@ async fn exec_inner(
     id: &str,
     req: Request,
     rid: String,
-    on_disconnect: &super::execute::DisconnectCancel,
+    client: &ClientLink,
 ) -> Result<Response, ApiError> {
     if st.is_draining() {
         return Err(ApiError::ShuttingDown);
     }
     let (parts, body) = req.into_parts();
     // A malformed query is the request's fault whatever the session: 400 before the lookup.
-    let framing = super::stream::Framing::of(&parts.uri)?;
+    super::stream::Framing::of(&parts.uri)?;
     let (session, service, known) = session_of(st, &parts.headers, rid, id, Touch::Use).await?;
-    let raw = read_body(
-        body,
-        &parts.headers,
-        st.config.server.body_limit_bytes,
-        Duration::from_secs(st.config.server.body_read_timeout_seconds),
-    )
-    .await?;
+    let raw = read_body(body, &parts.headers, BodyLimit::request(st)).await?;
     let mut asked: ExecBody = serde_json::from_slice(&raw)
         .map_err(|e| ApiError::InvalidRequest(format!("invalid exec request: {e}")))?;
     let idem_key = idempotency_key(&parts.headers)?;
-    let streaming = parts
-        .headers
-        .get_all(header::ACCEPT)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .any(|v| v.contains("text/event-stream"));
-    let mode = match (asked.run_async, streaming) {
-        (true, true) => {
-            return Err(ApiError::InvalidRequest(
-                "async and Accept: text/event-stream exclude each other".into(),
-            ));
-        }
-        (true, false) => Mode::Async,
-        (false, true) => Mode::Stream,
-        (false, false) => Mode::Sync,
-    };
-    // A step runs synchronously with its own timeout (Koder's TimeoutSec), so a synchronous
-    // exec may last as long as an async one: the profile's max_async_timeout_seconds clamps it.
-    // 0 is the profile's default, as no value is.
-    let max_ms = 1000 * MAX_ASYNC_TIMEOUT_SECONDS;
-    if asked.timeout_ms == Some(0) {
-        asked.timeout_ms = None;
-    }
-    if let Some(t) = asked.timeout_ms
-        && t > max_ms
-    {
-        return Err(ApiError::InvalidRequest(format!(
-            "timeout_ms must be between 0 and {max_ms}, got {t}"
-        )));
-    }
+    // The framing is checked again, and passes: one check of how a run goes, for every route.
+    let RunOptions {
+        mode,
+        framing,
+        timeout,
+    } = RunOptions::check(RunAsk {
+        run_async: asked.run_async,
+        timeout: AskedTimeout::Millis(asked.timeout_ms),
+        headers: &parts.headers,
+        uri: &parts.uri,
+    })?;
+    // As checked (0 is none): the Idempotency-Key's fingerprint covers it so.
+    asked.timeout_ms = timeout.map(|t| t.as_millis() as u64);
     if asked.code.contains('\0') {
         return Err(ApiError::InvalidRequest(
             "code may not contain NUL bytes".into(),
         ));
     }
-    // The fingerprint binds a replay to this session, its service and tenant, and what runs.
-    let idem = match idem_key {
-        Some(k) => {
+    // The fingerprint binds a replay to this session, its service and tenant, and what runs;
+    // keys are scoped like the session's runs: by the calling service and the tenant.
+    let idempotency = match idem_key {
+        Some(key) => {
             let what = json!({
                 "service": session.owner.subject,
                 "tenant": session.owner.tenant,
                 "session": session.id,
                 "request": what_runs(&asked)?,
             });
-            Some((k, fingerprint(&what)?))
+            Some(IdemAsk {
+                key: IdemKey {
+                    subject: session.owner.runs(),
+                    key,
+                },
+                fingerprint: fingerprint(&what)?,
+            })
         }
         None => None,
     };
-    let exec_parts = ExecParts {
+    let parts = ExecParts {
         owner: session.owner.runs(),
         request_id: known.request_id.clone(),
         subject: service.subject.clone().or_else(|| Some("-".into())),
@@ -560,40 +508,49 @@ async fn exec_inner(
         timeout_ms: asked.timeout_ms,
         long_run: true,
     };
-    let sessions = st.sessions.clone();
-    // Keys are scoped like the session's runs: by the calling service and the tenant.
-    let mut service = service;
-    service.subject = Some(session.owner.runs());
-    let job = Job {
-        service,
-        idem,
+    let job = RunJob {
+        work: SessionExec { session, parts },
+        idempotency,
         mode,
         framing,
         cancel_on_disconnect: asked.cancel_on_disconnect,
         timeout_status: StatusCode::OK,
         links: format!("/v1/sandbox/sessions/{id}/execs/"),
-        // The grant is the session's, and the caller was found its owner above.
-        replay_check: None,
-        build: Box::new(move || {
-            Box::pin(async move {
-                let claim = sessions.claim(&session)?;
-                let (request, code_file) = sessions.exec_request(&session, exec_parts).await?;
-                Ok(Prepared {
-                    request,
-                    on_start: Some(Box::new(move |live| {
-                        claim.started(live);
-                        // The code file goes once the exec answered (its sandbox binds it).
-                        let mut answer = live.answer();
-                        tokio::spawn(async move {
-                            let _ = answer.wait_for(Option::is_some).await;
-                            drop(code_file);
-                        });
-                    })),
-                })
-            })
-        }),
     };
-    serve(st, job, on_disconnect).await
+    job.serve(st, client).await
+}
+
+/// What a session's exec runs, made once its Idempotency-Key is held: the session's one exec is
+/// claimed, and its code written to a file of its own.
+struct SessionExec {
+    session: Arc<Session>,
+    parts: ExecParts,
+}
+
+impl Work for SessionExec {
+    /// The claim, given back unless the exec starts; the code file, kept until it answered.
+    type Held = (ExecClaim, CodeFile);
+
+    /// The grant is the session's, and the caller was found its owner before.
+    async fn may_replay(&self, _: &AppState) -> Result<(), ApiError> {
+        Ok(())
+    }
+
+    async fn prepare(self, st: &AppState) -> Result<(ExecutionRequest, Self::Held), ApiError> {
+        let claim = st.sessions.claim(&self.session)?;
+        let (request, code_file) = st.sessions.exec_request(&self.session, self.parts).await?;
+        Ok((request, (claim, code_file)))
+    }
+
+    fn started((claim, code_file): Self::Held, live: &Arc<LiveRun>) {
+        claim.started(live);
+        // The code file goes once the exec answered (its sandbox binds it).
+        let mut answer = live.answer();
+        tokio::spawn(async move {
+            let _ = answer.wait_for(Option::is_some).await;
+            drop(code_file);
+        });
+    }
 }
 
 /// `GET /v1/sandbox/sessions/{id}/execs/{exec_id}` (and `/stream`, `/cancel`): the run routes,
@@ -622,7 +579,15 @@ pub async fn exec_get(
     Path((id, exec_id)): Path<(String, String)>,
     req: Request,
 ) -> Response {
-    match session_exec(&st, &req.headers().clone(), request_id(&req), &id, &exec_id).await {
+    match session_exec(
+        &st,
+        &req.headers().clone(),
+        RequestId::of(&req),
+        &id,
+        &exec_id,
+    )
+    .await
+    {
         Ok((owner, _)) => executions::get_owned(&st, &exec_id, &owner)
             .await
             .unwrap_or_else(|e| e.into_response()),
@@ -662,7 +627,15 @@ pub async fn exec_stream(
     if let Err(e) = super::stream::Framing::of(req.uri()) {
         return e.into_response();
     }
-    match session_exec(&st, &req.headers().clone(), request_id(&req), &id, &exec_id).await {
+    match session_exec(
+        &st,
+        &req.headers().clone(),
+        RequestId::of(&req),
+        &id,
+        &exec_id,
+    )
+    .await
+    {
         Ok(who) => executions::stream_owned(st, exec_id, req, who).await,
         Err(e) => e.into_response(),
     }
@@ -697,7 +670,15 @@ pub async fn exec_cancel(
     Path((id, exec_id)): Path<(String, String)>,
     req: Request,
 ) -> Response {
-    match session_exec(&st, &req.headers().clone(), request_id(&req), &id, &exec_id).await {
+    match session_exec(
+        &st,
+        &req.headers().clone(),
+        RequestId::of(&req),
+        &id,
+        &exec_id,
+    )
+    .await
+    {
         Ok(who) => executions::cancel_owned(&st, &exec_id, req, who).await,
         Err(e) => e.into_response(),
     }
@@ -737,7 +718,7 @@ pub async fn put_file(
 ) -> Response {
     // On a task of its own, the write and its audit line together: a client that goes away
     // once its bytes arrived cannot leave a written file unaudited.
-    detached(st, move |st, _| async move {
+    detach(async move {
         put_file_inner(&st, &id, &path, req)
             .await
             .unwrap_or_else(|e| e.into_response())
@@ -751,18 +732,12 @@ async fn put_file_inner(
     path: &str,
     req: Request,
 ) -> Result<Response, ApiError> {
-    let rid = request_id(&req);
+    let rid = RequestId::of(&req);
     {
         let (parts, body): (_, Body) = req.into_parts();
         let (session, _, known) = session_of(st, &parts.headers, rid, id, Touch::Use).await?;
         let _permit = file_permit(st)?;
-        let bytes = read_body(
-            body,
-            &parts.headers,
-            st.config.sessions.max_file_bytes,
-            Duration::from_secs(st.config.server.body_read_timeout_seconds.max(60)),
-        )
-        .await?;
+        let bytes = read_body(body, &parts.headers, BodyLimit::file(st)).await?;
         let line = crate::provenance::audit::AuditEvent::SessionFile(
             crate::provenance::audit::SessionUpload {
                 request_id: known.request_id,
@@ -967,7 +942,7 @@ pub async fn to_owner(
     }
     // Only a calling service learns where a session lives (its token is verified here and
     // used up, when single-use, by the replica that holds the session).
-    let verified = super::execute::bearer(req.headers())
+    let verified = bearer(req.headers())
         .ok_or_else(|| "missing Authorization: Bearer service token".to_string())
         .and_then(|t| {
             st.auth
@@ -976,7 +951,7 @@ pub async fn to_owner(
         });
     if let Err(reason) = verified {
         let known = KnownRequest {
-            request_id: request_id(&req),
+            request_id: RequestId::of(&req),
             ..KnownRequest::default()
         };
         return unauthorized(&st, &known, &reason).into_response();
@@ -994,13 +969,7 @@ pub async fn to_owner(
         return ApiError::SessionNotFound.into_response();
     };
     let (parts, body) = req.into_parts();
-    let limit = st
-        .config
-        .server
-        .body_limit_bytes
-        .max(st.config.sessions.max_file_bytes);
-    let deadline = Duration::from_secs(st.config.server.body_read_timeout_seconds.max(60));
-    let body = match read_body(body, &parts.headers, limit, deadline).await {
+    let body = match read_body(body, &parts.headers, BodyLimit::forwarded(&st)).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };

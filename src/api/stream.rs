@@ -31,7 +31,7 @@ use futures::Stream;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::AppState;
+use super::app_state::AppState;
 use super::error::ApiError;
 use crate::execution::runs::LiveRun;
 use crate::sandbox::StreamKind;
