@@ -389,7 +389,7 @@ def test_default_values_render_with_a_secret():
         "app.kubernetes.io/name": "executor-arm-test", "app.kubernetes.io/instance": "ea"}}}]
     assert one(render(sets=[SECRET, "tests.enabled=false"]), "NetworkPolicy")["spec"]["ingress"] == []
     assert len(np["egress"]) == 1 and np["egress"][0]["ports"][0]["port"] == 53
-    assert pod_spec(docs)["terminationGracePeriodSeconds"] == 300 + 30 + 5 + 10
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] == 300 + 30 + 5 + 35
 
 
 def test_development_install_generates_a_secret():

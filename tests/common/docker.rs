@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::Daemon;
 use super::wait::{CLEANUP, wait_for, wait_until};
+use super::{Daemon, STOP_LIMIT, Stopped};
 
 pub const SOCKET: &str = "/var/run/docker.sock";
 pub const IMAGE: &str = "executor-arm-sandbox:latest";
@@ -126,10 +126,21 @@ pub fn remove_all(label: &str) {
 /// next daemon's startup sweep (dockerd unmounted its tmpfs with the container). Such a volume
 /// must then be removable; a volume leak during normal operation is what
 /// `disk_volumes_go_with_their_containers` checks.
+///
+/// A daemon that does not exit within [`STOP_LIMIT`] of SIGTERM fails the test as such: its
+/// exit was cut short, so what it left says nothing about its clean-up (it is removed here).
 pub fn finish(mut d: Daemon) {
     let instance = instance_of(&d);
-    d.stop();
+    let stopped = d.terminate();
     let label = format!("executor-arm.instance={instance}");
+    if stopped == Some(Stopped::Killed) {
+        let left = containers(&label);
+        remove_all(&label);
+        panic!(
+            "the daemon did not exit within {STOP_LIMIT:?} of SIGTERM and was SIGKILLed, cutting \
+             its exit short; containers it left: {left:?}"
+        );
+    }
     // A bound, not a timing check: a gVisor sandbox saturated by its guest (a fork bomb under its
     // CPU quota) can take half a minute to act on a kill on this 2-vCPU machine, and minutes while
     // other tests load dockerd at the same time.

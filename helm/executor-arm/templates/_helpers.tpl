@@ -173,7 +173,8 @@ app.kubernetes.io/component: test
 {{- define "executor-arm.terminationGrace" -}}
 {{- $min := include "executor-arm.minTerminationGrace" . | int }}
 {{- if kindIs "invalid" .Values.terminationGracePeriodSeconds }}
-{{- add $min 10 }}
+{{- /* + the daemon's exit after the drain: killed runs end (5 s), the container backends' exit (30 s) */}}
+{{- add $min 35 }}
 {{- else }}
 {{- $v := .Values.terminationGracePeriodSeconds | int }}
 {{- if le $v $min }}

@@ -432,9 +432,15 @@ pub(crate) mod fake {
 
     #[derive(Default)]
     pub struct FakeEngine {
-        containers: Mutex<HashMap<String, FakeContainer>>,
+        containers: Arc<Mutex<HashMap<String, FakeContainer>>>,
         /// Volumes (name → labels), created like dockerd does from a container's mounts.
-        volumes: Mutex<HashMap<String, HashMap<String, String>>>,
+        volumes: Arc<Mutex<HashMap<String, HashMap<String, String>>>>,
+        /// How long a create takes. As in dockerd, the container is made even when the caller
+        /// stops waiting for it.
+        pub create_delay: Mutex<Option<Duration>>,
+        /// This many of the next container removals fail (as dockerd's can: a sandbox that did
+        /// not die in time, a file system it could not remove yet).
+        pub failing_removals: AtomicUsize,
         pub calls: Mutex<Vec<String>>,
         pub down: AtomicBool,
         pub fail_create: AtomicBool,
@@ -545,36 +551,40 @@ pub(crate) mod fake {
                     })
                 })
                 .and_then(|m| m.source.clone());
-            let mut volumes = Vec::new();
-            for m in body
+            let mounts: Vec<(String, HashMap<String, String>)> = body
                 .host_config
                 .as_ref()
                 .and_then(|h| h.mounts.as_ref())
                 .into_iter()
                 .flatten()
                 .filter(|m| m.typ == Some(bollard::models::MountType::VOLUME))
-            {
-                let (Some(v), Some(o)) = (&m.source, &m.volume_options) else {
-                    continue;
-                };
-                self.volumes
-                    .lock()
-                    .unwrap()
-                    .entry(v.clone())
-                    .or_insert_with(|| o.labels.clone().unwrap_or_default());
-                volumes.push(v.clone());
-            }
-            let labels = body.labels.unwrap_or_default();
-            self.containers.lock().unwrap().insert(
-                id.clone(),
-                FakeContainer {
-                    name: name.into(),
-                    labels,
-                    egress_dir,
-                    volumes,
-                    ..Default::default()
-                },
-            );
+                .filter_map(|m| {
+                    let labels = m.volume_options.as_ref()?.labels.clone();
+                    Some((m.source.clone()?, labels.unwrap_or_default()))
+                })
+                .collect();
+            let container = FakeContainer {
+                name: name.into(),
+                labels: body.labels.unwrap_or_default(),
+                egress_dir,
+                volumes: mounts.iter().map(|(v, _)| v.clone()).collect(),
+                ..Default::default()
+            };
+            let delay = *self.create_delay.lock().unwrap();
+            let (containers, volumes, made) =
+                (self.containers.clone(), self.volumes.clone(), id.clone());
+            let make = async move {
+                if let Some(d) = delay {
+                    tokio::time::sleep(d).await;
+                }
+                let mut vs = volumes.lock().unwrap();
+                for (v, labels) in mounts {
+                    vs.entry(v).or_insert(labels);
+                }
+                containers.lock().unwrap().insert(made, container);
+            };
+            // Dropping the returned future leaves the task running, as dockerd does.
+            let _ = tokio::spawn(make).await;
             Ok(id)
         }
 
@@ -658,6 +668,15 @@ pub(crate) mod fake {
 
         async fn remove(&self, id: &str) -> Result<(), EngineError> {
             self.record(format!("remove {id}"))?;
+            let failing = &self.failing_removals;
+            if failing
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                return Err(EngineError::Api(format!(
+                    "500: cannot remove {id}: did not receive an exit event"
+                )));
+            }
             self.containers.lock().unwrap().remove(id);
             Ok(())
         }

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bollard::models::ContainerCreateBody;
 use tokio::sync::Semaphore;
 
 use super::container::{LABEL_BACKEND, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, Owner};
@@ -33,6 +34,12 @@ const REMOVAL_SLOTS: usize = 4;
 enum Leftover {
     Container(String),
     Volume(String),
+}
+
+/// A share of the launch gate (see [`Janitor::create`]): the daemon's exit waits until every
+/// one is dropped.
+pub struct LaunchPermit {
+    _gate: tokio::sync::OwnedRwLockReadGuard<()>,
 }
 
 pub struct Janitor {
@@ -53,8 +60,9 @@ pub struct Janitor {
     startup_swept: AtomicBool,
     removals: Arc<Semaphore>,
     /// Held shared by every container launch, from before its create until it is started (or
-    /// failed); taken whole by [`Janitor::close_launches`] at exit.
-    launch_gate: tokio::sync::RwLock<()>,
+    /// failed), and by a create the engine is still working on whatever became of its launch;
+    /// taken whole by [`Janitor::close_launches`] at exit.
+    launch_gate: Arc<tokio::sync::RwLock<()>>,
     /// Set at exit: no launch starts any more.
     launches_closed: AtomicBool,
 }
@@ -71,7 +79,7 @@ impl Janitor {
             engine_down: AtomicBool::new(false),
             startup_swept: AtomicBool::new(false),
             removals: Arc::new(Semaphore::new(REMOVAL_SLOTS)),
-            launch_gate: tokio::sync::RwLock::new(()),
+            launch_gate: Arc::new(tokio::sync::RwLock::new(())),
             launches_closed: AtomicBool::new(false),
         })
     }
@@ -112,21 +120,89 @@ impl Janitor {
 
     /// A permit for one container launch, held until the container is started: refused once
     /// the daemon exits ([`Janitor::close_launches`]).
-    pub async fn launch_permit(&self) -> Result<tokio::sync::RwLockReadGuard<'_, ()>, EngineError> {
-        if self.launches_closed.load(Ordering::SeqCst) {
+    async fn launch_permit(&self) -> Result<LaunchPermit, EngineError> {
+        if self.launches_closed() {
             return Err(EngineError::Closed);
         }
-        let permit = self.launch_gate.read().await;
+        let permit = self.launch_gate.clone().read_owned().await;
         // Closed while this one waited behind the exit's write lock.
-        if self.launches_closed.load(Ordering::SeqCst) {
+        if self.launches_closed() {
             return Err(EngineError::Closed);
         }
-        Ok(permit)
+        Ok(LaunchPermit { _gate: permit })
+    }
+
+    fn launches_closed(&self) -> bool {
+        self.launches_closed.load(Ordering::SeqCst)
+    }
+
+    /// Creates container `name` (its disk volume `volume`, leased by the caller, comes with it)
+    /// for a launch, under a launch permit that the caller holds until the container is started.
+    ///
+    /// dockerd finishes a create whose client went away, so the create is not the caller's to
+    /// cancel: it runs on its own task, which keeps the permit (the daemon's exit waits for it)
+    /// and removes the container itself, with its volume, when nobody takes it any more: the
+    /// launch was dropped meanwhile, or launches closed while the engine was creating it (the
+    /// exit gave up waiting and may have swept already).
+    pub async fn create(
+        self: &Arc<Self>,
+        name: &str,
+        body: ContainerCreateBody,
+        volume: &str,
+    ) -> Result<(String, LaunchPermit), EngineError> {
+        let permit = self.launch_permit().await?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (me, name, volume) = (self.clone(), name.to_string(), volume.to_string());
+        tokio::spawn(async move {
+            let created = me.engine.create(&name, body).await;
+            me.observe(&created);
+            let id = match created {
+                Ok(id) => id,
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            };
+            if me.launches_closed() {
+                // Under the permit: an exit still waiting waits for this removal too.
+                me.remove_unwanted(id, volume).await;
+                drop(permit);
+                let _ = tx.send(Err(EngineError::Closed));
+            } else if let Err(Ok((id, permit))) = tx.send(Ok((id, permit))) {
+                // The launch was dropped while the engine created its container.
+                me.remove_unwanted(id, volume).await;
+                drop(permit);
+            }
+        });
+        match rx.await {
+            Ok(r) => r,
+            // The create's task ended without an answer: only a runtime shutting down does that.
+            Err(_) => Err(EngineError::Closed),
+        }
+    }
+
+    /// Removes a container nobody took (see [`Janitor::create`]) and then its volume, now;
+    /// what fails stays pending (and the exit sweep, or the next daemon's startup sweep, gets it).
+    async fn remove_unwanted(&self, id: String, volume: String) {
+        tracing::info!(container = %id, "removing a container created after its launch ended");
+        let container = Leftover::Container(id);
+        if self.remove(&container).await.is_err() {
+            self.add_pending(container);
+            self.add_pending(Leftover::Volume(volume));
+            return;
+        }
+        self.unlease(&volume);
+        let volume = Leftover::Volume(volume);
+        if self.remove(&volume).await.is_err() {
+            self.add_pending(volume);
+        }
     }
 
     /// Refuses every container launch from now on and waits, up to `within`, for those in
-    /// flight (a pool refill, or a cold launch for a run or a session): once it returns true, no
-    /// container of ours is created after a sweep. False: some were still launching.
+    /// flight (a pool refill, a cold launch for a run or a session) and for creates the engine
+    /// is still working on. True: no container of ours is created after this returns. False:
+    /// some were still launching; each removes its own container once its create returns (see
+    /// [`Janitor::create`]).
     pub async fn close_launches(&self, within: Duration) -> bool {
         self.launches_closed.store(true, Ordering::SeqCst);
         tokio::time::timeout(within, self.launch_gate.write())
@@ -333,36 +409,85 @@ impl Janitor {
     }
 }
 
-/// Removes every container carrying all of `labels`, then their disk volumes, giving up after
-/// `within`. Used when the daemon exits: nothing is in use any more, so nothing is spared. A
-/// volume can only go once its container is gone (a background disposal may still be removing
-/// one), so volumes are retried until then. Returns how many containers were removed, or `None`
-/// when `within` ran out first.
+/// What [`remove_labelled`] did: how many containers it removed, and what it saw last of what
+/// it could not remove before its deadline (container ids, then volume names; empty: nothing of
+/// those labels is left).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Swept {
+    pub removed: usize,
+    pub left: Vec<String>,
+}
+
+/// Pause between two rounds of [`remove_labelled`].
+const SWEEP_ROUND_PAUSE: Duration = Duration::from_millis(200);
+
+/// Removes every container carrying all of `labels`, then their disk volumes, until a listing
+/// finds none of either or `deadline` passes. Used when the daemon exits: nothing is in use any
+/// more, so nothing is spared. Each round lists again, so a container whose removal failed (a
+/// gVisor sandbox slow to die), or that a create still in flight made after an earlier round,
+/// is taken by a later one; a volume can only go once its container is gone. A removal still
+/// running at the deadline is not cancelled in the engine (dockerd finishes a removal whose
+/// client went away), only no longer waited for.
 pub async fn remove_labelled(
     engine: &dyn Engine,
     labels: &[String],
-    within: Duration,
-) -> Option<usize> {
-    let work = async {
-        let listed = engine.list(labels).await.unwrap_or_default();
-        let removed = futures::future::join_all(listed.iter().map(|c| engine.remove(&c.id)))
-            .await
-            .iter()
-            .filter(|r| r.is_ok())
-            .count();
+    deadline: tokio::time::Instant,
+) -> Swept {
+    let removed = Mutex::new(HashSet::new());
+    // What the last listing showed (containers, then volumes); unknown until one answered.
+    let last_seen = Mutex::new(vec!["(the engine did not answer a listing)".to_string()]);
+    let rounds = async {
         loop {
-            let volumes = engine.list_volumes(labels).await.unwrap_or_default();
-            let results =
-                futures::future::join_all(volumes.iter().map(|v| engine.remove_volume(&v.id)))
-                    .await;
-            if results.iter().all(Result::is_ok) {
-                break;
+            match sweep_round(engine, labels, &removed).await {
+                Ok(seen) if seen.is_empty() => return,
+                Ok(seen) => *last_seen.lock().unwrap_or_else(|e| e.into_inner()) = seen,
+                Err(e) => tracing::debug!(error = %e, "exit sweep: the engine failed a listing"),
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::time::sleep(SWEEP_ROUND_PAUSE).await;
         }
-        removed
     };
-    tokio::time::timeout(within, work).await.ok()
+    let finished = tokio::time::timeout_at(deadline, rounds).await.is_ok();
+    let removed = removed.into_inner().map(|r| r.len()).unwrap_or(0);
+    let left = match finished {
+        true => Vec::new(),
+        false => last_seen.into_inner().unwrap_or_else(|e| e.into_inner()),
+    };
+    Swept { removed, left }
+}
+
+/// One round of [`remove_labelled`]: lists containers and removes them all, or, when there are
+/// none, lists volumes and removes those. Returns what the listing showed.
+async fn sweep_round(
+    engine: &dyn Engine,
+    labels: &[String],
+    removed: &Mutex<HashSet<String>>,
+) -> Result<Vec<String>, EngineError> {
+    let containers = engine.list(labels).await?;
+    if !containers.is_empty() {
+        let ids: Vec<String> = containers.into_iter().map(|c| c.id).collect();
+        let results = futures::future::join_all(ids.iter().map(|id| engine.remove(id))).await;
+        for (id, r) in ids.iter().zip(results) {
+            match r {
+                Ok(()) => {
+                    if let Ok(mut done) = removed.lock() {
+                        done.insert(id.clone());
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(container = %id, error = %e, "exit sweep: removal failed")
+                }
+            }
+        }
+        return Ok(ids);
+    }
+    let volumes: Vec<String> = engine
+        .list_volumes(labels)
+        .await?
+        .into_iter()
+        .map(|v| v.id)
+        .collect();
+    futures::future::join_all(volumes.iter().map(|v| engine.remove_volume(v))).await;
+    Ok(volumes)
 }
 
 /// Start time (clock ticks after boot, field 22 of `/proc/<pid>/stat`) of a live process.
@@ -644,12 +769,51 @@ mod engine_tests {
              namesake daemon's kept"
         );
         // The removal at exit spares the namesake too.
-        let removed = remove_labelled(&*engine, &j.own_labels(), Duration::from_secs(5)).await;
-        assert_eq!(removed, Some(1), "only the leased one of ours");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let swept = remove_labelled(&*engine, &j.own_labels(), deadline).await;
+        assert_eq!(
+            swept,
+            Swept {
+                removed: 1,
+                left: vec![]
+            },
+            "only the leased one of ours"
+        );
         let mut kept = vec![sibling.clone(), namesake.clone()];
         kept.sort();
         assert_eq!(engine.existing(), kept);
         assert_eq!(j.pending_count(), 0);
+    }
+
+    /// The exit sweep lists again after a round: a container whose removal failed, or that
+    /// appeared after the first listing, is removed by a later round; what is still there at
+    /// the deadline is named.
+    #[tokio::test]
+    async fn the_exit_sweep_lists_again_until_nothing_is_left() {
+        let engine = Arc::new(FakeEngine::default());
+        let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me(), BackendKind::Docker);
+        let owner = me().label();
+        let ours = [
+            (LABEL_MANAGED, "true"),
+            (LABEL_INSTANCE, "h-10"),
+            (LABEL_OWNER, owner.as_str()),
+            (LABEL_BACKEND, "docker"),
+        ];
+        create_with_volume(&engine, "v-1", &ours).await;
+        create(&engine, &ours).await;
+        engine.failing_removals.store(1, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let swept = remove_labelled(&*engine, &j.own_labels(), deadline).await;
+        assert_eq!((swept.removed, swept.left), (2, vec![]));
+        assert!(engine.existing().is_empty(), "{:?}", engine.existing());
+        assert!(engine.existing_volumes().is_empty());
+
+        // One that never goes: named when the deadline passes.
+        let stuck = create(&engine, &ours).await;
+        engine.failing_removals.store(usize::MAX, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
+        let swept = remove_labelled(&*engine, &j.own_labels(), deadline).await;
+        assert_eq!((swept.removed, swept.left), (0, vec![stuck]));
     }
 
     #[tokio::test]

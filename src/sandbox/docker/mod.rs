@@ -581,20 +581,11 @@ impl Sandbox for DockerSandbox {
     }
 
     /// Stops the pool and refuses container launches, waiting for those in flight (a pool refill,
-    /// a cold launch for a run or a session), so none creates a container after the sweep; then
-    /// removes every container and volume of this instance and backend.
+    /// a cold launch for a run or a session), then removes every container and volume of this
+    /// instance and backend: all of it within [`EXIT_LIMIT`].
     async fn shutdown(&self) {
-        self.pool.close();
-        if !self.janitor.close_launches(EXIT_REMOVAL_LIMIT).await {
-            tracing::warn!(
-                backend = self.kind.as_str(),
-                "container launches still in flight at exit; removing what exists now"
-            );
-        }
-        // Only a sweep that ran to its end makes the drop's fallback sweep unnecessary.
-        if self.remove_all(self.engine().as_ref()).await {
-            self.shut_down.store(true, Ordering::SeqCst);
-        }
+        self.shutdown_by(tokio::time::Instant::now() + EXIT_LIMIT, LAUNCH_WAIT)
+            .await;
     }
 
     async fn status(&self) -> BackendStatus {
@@ -795,26 +786,54 @@ fn short(id: &str) -> &str {
     &id[..id.len().min(12)]
 }
 
-/// How long the removal of this daemon's containers may take when it exits (a gVisor sandbox
-/// saturated by its guest can take seconds to act on a kill on 2 vCPUs).
-const EXIT_REMOVAL_LIMIT: Duration = Duration::from_secs(10);
+/// The whole of a container backend's exit (after the daemon's drain): launches in flight are
+/// waited for (at most [`LAUNCH_WAIT`] of it), then this instance's containers and volumes are
+/// removed, listing again until none is left. A gVisor sandbox saturated by its guest can take
+/// seconds to act on a kill on 2 vCPUs, and a burst leaves hundreds of containers to remove.
+/// docs/deployment.md and the chart's terminationGracePeriodSeconds count on this bound.
+pub const EXIT_LIMIT: Duration = Duration::from_secs(30);
+/// How long the exit waits for container launches in flight before it sweeps anyway (each then
+/// removes its own container when its create returns, see [`Janitor::create`]).
+const LAUNCH_WAIT: Duration = Duration::from_secs(10);
+/// How long the drop's fallback sweep (the exit never ran) may take.
+const DROP_SWEEP_LIMIT: Duration = Duration::from_secs(10);
 
 impl DockerSandbox {
-    /// The removal of every container of this instance and backend at exit, over `engine`.
-    /// Returns whether it ran to its end.
-    async fn remove_all(&self, engine: &dyn Engine) -> bool {
-        let labels = self.janitor.own_labels();
-        let removed = janitor::remove_labelled(engine, &labels, EXIT_REMOVAL_LIMIT).await;
-        if let Some(n) = removed
-            && n > 0
-        {
-            tracing::info!(
-                removed = n,
+    /// [`Sandbox::shutdown`] with its bounds: launches get `launch_wait`, everything `deadline`.
+    /// Whatever it could not remove is logged at WARN (the next daemon's startup sweep removes
+    /// it), and the drop's fallback then has nothing more to do.
+    async fn shutdown_by(&self, deadline: tokio::time::Instant, launch_wait: Duration) {
+        self.pool.close();
+        if !self.janitor.close_launches(launch_wait).await {
+            tracing::warn!(
                 backend = self.kind.as_str(),
-                "removed this daemon's sandbox containers"
+                "container launches still in flight at exit; each removes its own container"
             );
         }
-        removed.is_some()
+        let labels = self.janitor.own_labels();
+        let swept = janitor::remove_labelled(self.engine().as_ref(), &labels, deadline).await;
+        self.shut_down.store(true, Ordering::SeqCst);
+        log_exit_sweep(self.kind, &swept, EXIT_LIMIT);
+    }
+}
+
+/// The exit sweep's outcome in the log: a count at INFO, or at WARN what was left.
+fn log_exit_sweep(kind: BackendKind, swept: &janitor::Swept, limit: Duration) {
+    if !swept.left.is_empty() {
+        tracing::warn!(
+            backend = kind.as_str(),
+            removed = swept.removed,
+            left = ?swept.left,
+            limit_seconds = limit.as_secs(),
+            "sandbox containers or volumes still there when the exit's bound passed; the next \
+             daemon's startup sweep removes them"
+        );
+    } else if swept.removed > 0 {
+        tracing::info!(
+            removed = swept.removed,
+            backend = kind.as_str(),
+            "removed this daemon's sandbox containers"
+        );
     }
 }
 
@@ -841,17 +860,12 @@ impl Drop for DockerSandbox {
             };
             rt.block_on(async move {
                 let engine = BollardEngine::new(&socket);
-                janitor::remove_labelled(&engine, &labels, EXIT_REMOVAL_LIMIT).await
+                let deadline = tokio::time::Instant::now() + DROP_SWEEP_LIMIT;
+                Some(janitor::remove_labelled(&engine, &labels, deadline).await)
             })
         });
-        if let Ok(Some(n)) = worker.join()
-            && n > 0
-        {
-            tracing::info!(
-                removed = n,
-                backend = kind.as_str(),
-                "removed this daemon's sandbox containers"
-            );
+        if let Ok(Some(swept)) = worker.join() {
+            log_exit_sweep(kind, &swept, DROP_SWEEP_LIMIT);
         }
     }
 }
@@ -1210,6 +1224,55 @@ mod tests {
             at("remove c") < at("remove_volume executor-arm-disk-"),
             "{calls:?}"
         );
+    }
+
+    /// Creates the engine finishes only after the exit stopped waiting for launches: one for a
+    /// run still waiting for it, one for a run dropped meanwhile. Once both have landed, no
+    /// container may exist, although the process would end now (and the waiting run with it).
+    #[tokio::test]
+    async fn a_create_landing_after_the_exit_leaves_no_container() {
+        let (engine, s) = sandbox(Vec::new());
+        let delay = Duration::from_millis(600);
+        *engine.create_delay.lock().unwrap() = Some(delay);
+        // Dropped while the engine creates its container.
+        let dropped = s.run(container::tests::spec());
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), dropped)
+                .await
+                .is_err()
+        );
+        let waiting =
+            tokio::time::timeout(Duration::from_secs(10), s.run(container::tests::spec()));
+        let exit = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let t0 = tokio::time::Instant::now();
+            s.shutdown_by(t0 + Duration::from_millis(300), Duration::from_millis(100))
+                .await;
+            // Both creates have landed (the engine made them whatever the daemon did).
+            for _ in 0..500 {
+                if engine.count("create") == 2 && t0.elapsed() > delay {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            for _ in 0..300 {
+                if engine.existing().is_empty() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            engine.existing()
+        };
+        let (run, left) = tokio::join!(waiting, exit);
+        assert!(
+            left.is_empty(),
+            "containers created after the exit: {left:?}"
+        );
+        assert!(
+            matches!(run, Ok(Err(SandboxError::Unavailable(_)))),
+            "the waiting run gets no container: {run:?}"
+        );
+        assert!(engine.existing_volumes().is_empty());
     }
 
     #[tokio::test]

@@ -121,28 +121,21 @@ impl WarmContainer {
                 ));
             }
         };
-        // Held until the container is started: the daemon's exit waits for it.
-        let _launching = janitor.launch_permit().await?;
         let engine = janitor.engine().clone();
         // dockerd creates the disk volume with the container; leased first, so no sweep takes
         // it in between.
         let volume = format!("{DISK_VOLUME_PREFIX}{}", uuid::Uuid::new_v4().simple());
         janitor.lease(&volume);
-        let created = engine
-            .create(
-                name,
-                plan.body(
-                    janitor.owner(),
-                    exec_label,
-                    &volume,
-                    uid.uid(),
-                    socket_dir.as_ref().map(SocketDir::path),
-                ),
-            )
-            .await;
-        janitor.observe(&created);
-        let created = match created {
-            Ok(id) => id,
+        let body = plan.body(
+            janitor.owner(),
+            exec_label,
+            &volume,
+            uid.uid(),
+            socket_dir.as_ref().map(SocketDir::path),
+        );
+        // The permit is held until the container is started: the daemon's exit waits for it.
+        let (created, _launching) = match janitor.create(name, body, &volume).await {
+            Ok(c) => c,
             // dockerd may have made the container without our hearing of it: removed by name,
             // and its uid is held until that removal went through.
             Err(e) if matches!(e, EngineError::Unreachable(_) | EngineError::Timeout) => {
