@@ -44,10 +44,14 @@ export EXECUTOR_ARM_TEST_REDIS_URL=redis://127.0.0.1:6390/0
 
 step "fmt + clippy"
 cargo fmt --all -- --check
-cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "tests"
 cargo build --release --locked
+# The static in-container supervisor beside the release daemon (its default place), for the
+# scripts below that run it on docker/gvisor; the docker tests build their own.
+scripts/build-supervisor.sh --release "${CARGO_TARGET_DIR:-target}/release/executor-arm-supervisor" >/dev/null
+cargo test --locked -p executor-arm-supervisor --no-fail-fast
 # The integration tests' daemons record every status they answer here (scripts/api-fuzz.sh reads it).
 rm -rf "${CARGO_TARGET_DIR:-target}/tmp/status-log"
 cargo test --locked --all-targets --no-fail-fast -- --test-threads=4
