@@ -46,8 +46,9 @@ RUN set -eux; \
     find / -xdev -perm /6000 -type f -exec chmod a-s {} +; \
     test -z "$(find / -xdev -perm /6000 -type f)"
 # No ENTRYPOINT, and no init in executor-arm's containers (HostConfig.Init = false): the daemon
-# starts its own in-container supervisor as PID 1, which reaps orphans, forwards signals and
-# reports the command's exit status (killed by signal N gives 128+N). tini is here for running
+# bind-mounts its own in-container supervisor (a static executable, so this image needs nothing
+# of ours: no interpreter, any libc) and starts it as PID 1, which reaps orphans, forwards signals
+# and reports the command's exit status (killed by signal N gives 128+N). tini is here for running
 # the image by hand (`docker run --entrypoint /usr/bin/tini executor-arm-sandbox -- …`), which
 # scripts/build-sandbox-image.sh smoke-tests under runc and runsc.
 CMD ["/bin/sh"]
@@ -128,8 +129,10 @@ FROM daemon-runtime AS daemon-prebuilt
 # The classic builder builds this stage on the way to `daemon` too, where there is no host binary:
 # the glob may match nothing (COPY needs one source that exists, hence the small config file,
 # removed again). The binary keeps its mode from the build context, 0755 from cargo; the classic
-# builder has no COPY --chmod, and a chmod layer would store the binary twice.
-COPY docker/image/apt-minimal.conf target/release/executor-ar[m] /usr/local/bin/
+# builder has no COPY --chmod, and a chmod layer would store the binary twice. Beside it the
+# static supervisor (`scripts/build-supervisor.sh --release target/release/executor-arm-supervisor`),
+# where the daemon looks for it by default.
+COPY docker/image/apt-minimal.conf target/release/executor-ar[m] target/release/executor-arm-superviso[r] /usr/local/bin/
 RUN rm /usr/local/bin/apt-minimal.conf
 
 # ----------------------------------------------------------------------------------------------
@@ -163,6 +166,7 @@ RUN set -eux; \
 ENV PATH=/root/.cargo/bin:/usr/local/bin:/usr/bin:/bin
 WORKDIR /build
 COPY Cargo.toml Cargo.lock build.rs ./
+COPY supervisor/ supervisor/
 COPY src/ src/
 COPY config/executor-arm.toml config/executor-arm.toml
 COPY sandbox-profiles/ sandbox-profiles/
@@ -172,8 +176,19 @@ ARG REVISION=unknown
 # the binary's .gnu_debuglink, so gdb and perf find it): copy it out of this stage with
 # `docker build --target builder -t executor-arm-builder . && docker create executor-arm-builder`
 # then `docker cp <container>:/build/target/release-debug/executor-arm.debug .`.
+# The in-container supervisor: static (glibc's libc.a from libc6-dev), in a target dir of its own
+# (other flags), for the host's own target only; stripped (it is small and never debugged in
+# place).
 RUN set -eux; \
     EXECUTOR_ARM_GIT_SHA="${REVISION}" cargo build --profile release-debug --locked --bin executor-arm; \
+    triple="$(rustc -vV | sed -n 's/^host: //p')"; \
+    RUSTFLAGS="-C target-feature=+crt-static" cargo build --release --locked \
+        -p executor-arm-supervisor --bin executor-arm-supervisor --target "$triple" \
+        --target-dir target/supervisor-static; \
+    if readelf -lW "target/supervisor-static/$triple/release/executor-arm-supervisor" | grep -q INTERP; then \
+        echo "executor-arm-supervisor is not static" >&2; exit 1; \
+    fi; \
+    cp "target/supervisor-static/$triple/release/executor-arm-supervisor" target/release-debug/; \
     cd target/release-debug; \
     objcopy --only-keep-debug --compress-debug-sections=zlib executor-arm executor-arm.debug; \
     objcopy --strip-debug --add-gnu-debuglink=executor-arm.debug executor-arm
@@ -182,4 +197,4 @@ RUN set -eux; \
 # daemon: the executor-arm daemon (the default target)
 # ----------------------------------------------------------------------------------------------
 FROM daemon-runtime AS daemon
-COPY --from=builder /build/target/release-debug/executor-arm /usr/local/bin/executor-arm
+COPY --from=builder /build/target/release-debug/executor-arm /build/target/release-debug/executor-arm-supervisor /usr/local/bin/

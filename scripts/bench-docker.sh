@@ -23,7 +23,9 @@
 # Environment (defaults in brackets):
 #   SERIES ["base b2b warm conc8 base8"]   RUNTIMES ["runc gvisor"]
 #   N_BASE [30] N_B2B [200] N_WARM [100] N_TPUT [200] N_BASE8 [40] CONC [8] WARM_IDLE [2]
-#   EXECUTOR_ARM_BIN   the daemon binary to measure (default: build this checkout's release)
+#   EXECUTOR_ARM_BIN   the daemon binary to measure (default: build this checkout's release, and
+#                      its static supervisor beside it; a given binary needs its
+#                      executor-arm-supervisor beside it, scripts/build-supervisor.sh --release DEST)
 #   EXECUTOR_ARM_BASELINE_BIN   another build measured beside it [unset]
 #   CARGO_TARGET_DIR [target]   where the release binary is built
 #   BENCH_JSON         also write the results as JSON to this file
@@ -54,6 +56,8 @@ if [ -n "${EXECUTOR_ARM_BIN:-}" ]; then
 else
   cargo build --release --locked --quiet
   BIN="${CARGO_TARGET_DIR:-target}/release/executor-arm"
+  # The static in-container supervisor, where the daemon looks for it (beside its executable).
+  scripts/build-supervisor.sh --release "${BIN}-supervisor" >/dev/null
 fi
 [ -x "$BIN" ] || { echo "bench-docker: no executable at $BIN" >&2; exit 1; }
 BASELINE_BIN=${EXECUTOR_ARM_BASELINE_BIN:-}

@@ -3,6 +3,8 @@
 # executions, the coverage reached and the crashes found. Exits 1 when any target crashes.
 #
 # Usage: scripts/fuzz.sh [SECONDS_PER_TARGET=60] [TARGET...]
+#   targets (fuzz/Cargo.toml; docs/security.md says what each checks): execute_request, token,
+#   egress_http, executor_yaml, profile_toml, audit_roundtrip, argpolicy, supervisor_protocol
 #   FUZZ_JOBS [1]       targets fuzzed at once
 #   FUZZ_SEED [random]  libFuzzer's -seed: with it, a run repeats the same inputs in the same order
 #                       (the test command sets it, so a CI run explores what was explored before)
@@ -60,14 +62,14 @@ for t in "${targets[@]}"; do
 done
 for entry in "${pids[@]}"; do wait "${entry%%:*}" || status=1; done
 
-printf '%-18s %12s %8s %8s %8s\n' target executions exec/s cov crashes
+printf '%-20s %12s %8s %8s %8s\n' target executions exec/s cov crashes
 for t in "${targets[@]}"; do
   log="$WORK/logs/$t.log"
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
   speed=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
   cov=$(grep -oE 'cov: [0-9]+' "$log" | tail -1 | cut -d' ' -f2)
   crashes=$(find "artifacts/$t" -type f | wc -l)
-  printf '%-18s %12s %8s %8s %8s\n' "$t" "${execs:-?}" "${speed:-?}" "${cov:-?}" "$crashes"
+  printf '%-20s %12s %8s %8s %8s\n' "$t" "${execs:-?}" "${speed:-?}" "${cov:-?}" "$crashes"
   if [ "$crashes" -gt 0 ] || ! grep -q '^stat::number_of_executed_units' "$log"; then
     status=1
     echo "--- $t: $log" >&2

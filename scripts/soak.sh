@@ -22,6 +22,8 @@ IMAGE=executor-arm-sandbox:latest
 
 cargo build --release --quiet
 BIN="$(pwd)/${CARGO_TARGET_DIR:-target}/release/executor-arm"
+# The static in-container supervisor, where the daemon looks for it (beside its executable).
+scripts/build-supervisor.sh --release "${BIN}-supervisor" >/dev/null
 WORK=$(mktemp -d /tmp/executor-arm-soak.XXXXXX)
 declare -A PID ADDR
 cleanup() {

@@ -47,10 +47,14 @@ scripts/test-unit-unprivileged.sh
 
 step "fmt + clippy"
 cargo fmt --all -- --check
-cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "tests"
 cargo build --release --locked
+# The static in-container supervisor beside the release daemon (its default place), for the
+# scripts below that run it on docker/gvisor; the docker tests build their own.
+scripts/build-supervisor.sh --release "${CARGO_TARGET_DIR:-target}/release/executor-arm-supervisor" >/dev/null
+cargo test --locked -p executor-arm-supervisor --no-fail-fast
 # The integration tests' daemons record every status they answer here (scripts/api-fuzz.sh reads it).
 rm -rf "${CARGO_TARGET_DIR:-target}/tmp/status-log"
 cargo test --locked --all-targets --no-fail-fast -- --test-threads=4

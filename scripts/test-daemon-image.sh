@@ -18,6 +18,8 @@ cleanup() { docker rm -f "$name" >/dev/null 2>&1 || true; rm -rf "$work"; }
 trap cleanup EXIT
 
 cargo build --release --locked --bin executor-arm
+# The in-container supervisor beside it, static (the image's COPY takes both).
+scripts/build-supervisor.sh --release target/release/executor-arm-supervisor >/dev/null
 base=${BASE_IMAGE:-executor-arm-debian-base:bookworm}
 # Built from the base's image ID, so a tag moved meanwhile cannot change what the image is built on.
 base_id=$(docker image inspect -f '{{.Id}}' "$base")
@@ -28,7 +30,15 @@ echo "built $image ($(docker image inspect -f '{{.Size}}' "$image") bytes)"
 # The shipped binary carries symbols but no DWARF (Cargo.toml's release profile).
 docker create --name "$name" "$image" >/dev/null
 docker cp "$name:/usr/local/bin/executor-arm" "$work/shipped-binary"
+docker cp "$name:/usr/local/bin/executor-arm-supervisor" "$work/shipped-supervisor"
 docker rm "$name" >/dev/null
+# The supervisor must be static: it runs in sandbox images with any libc or none.
+readelf -lW "$work/shipped-supervisor" > "$work/segments"
+if grep -q 'INTERP' "$work/segments"; then
+  echo "test-daemon-image: the image's executor-arm-supervisor is dynamically linked" >&2
+  exit 1
+fi
+rm -f "$work/shipped-supervisor"
 # readelf's own failure stops the script (set -e); grep -c prints 0 and exits 1 when no section
 # matches, which is the case wanted here.
 readelf -S --wide "$work/shipped-binary" > "$work/sections"

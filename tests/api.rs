@@ -351,10 +351,11 @@ async fn error_table_rows() {
     // unconfined run. (Egress itself is routed on every backend; tests/egress.rs.)
     let no_docker = Daemon::start_with(Opts {
         env: vec![("SANDBOX_RUNTIME".into(), "runc".into())],
-        config: Some(
-            "[sandbox.docker]\nsocket = \"unix:///nonexistent/docker.sock\"\npool_size = 0\n"
-                .into(),
-        ),
+        config: Some(format!(
+            "[sandbox.docker]\nsocket = \"unix:///nonexistent/docker.sock\"\npool_size = 0\n\
+             supervisor = \"{}\"\n",
+            common::docker::supervisor()
+        )),
         ..Default::default()
     });
     if no_docker.get("/capabilities").await.json["allowed_commands"]
@@ -763,10 +764,11 @@ async fn backend_ready_gauge_follows_readiness() {
     );
     let no_docker = Daemon::start_with(Opts {
         env: vec![("SANDBOX_RUNTIME".into(), "runc".into())],
-        config: Some(
-            "[sandbox.docker]\nsocket = \"unix:///nonexistent/docker.sock\"\npool_size = 0\n"
-                .into(),
-        ),
+        config: Some(format!(
+            "[sandbox.docker]\nsocket = \"unix:///nonexistent/docker.sock\"\npool_size = 0\n\
+             supervisor = \"{}\"\n",
+            common::docker::supervisor()
+        )),
         ..Default::default()
     });
     // Scraped before any readiness probe: the scrape itself checks.

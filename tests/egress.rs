@@ -266,9 +266,11 @@ impl Net {
             ],
             config: Some(format!(
                 "[egress]\nproxy_port = 3128\ndns_server = \"{}:53\"\n\
-                 [sandbox.docker]\nimage = \"{IMAGE}\"\npool_size = {POOL}\negress_dir = \"{}\"\n",
+                 [sandbox.docker]\nimage = \"{IMAGE}\"\npool_size = {POOL}\negress_dir = \"{}\"\n\
+                 supervisor = \"{}\"\n",
                 self.dns_ip,
-                egress_dir.path().display()
+                egress_dir.path().display(),
+                common::docker::supervisor()
             )),
             wrapper: vec![
                 "nsenter".into(),

@@ -284,8 +284,8 @@ def test_dind_mode_daemon_unprivileged_sidecar_privileged():
     assert sc.get("privileged", False) is False
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["seccompProfile"]["type"] == "RuntimeDefault"
-    # dockerd: a native sidecar, the only privileged container.
-    (dockerd,) = spec["initContainers"]
+    # dockerd: a native sidecar, the only privileged container, after the supervisor's copy.
+    (supervisor, dockerd) = spec["initContainers"]
     assert dockerd["name"] == "dockerd"
     assert dockerd["restartPolicy"] == "Always"
     assert dockerd["securityContext"]["privileged"] is True
@@ -308,6 +308,23 @@ def test_dind_mode_daemon_unprivileged_sidecar_privileged():
     assert daemon_json["runtimes"]["runsc"]["path"] == "/usr/local/bin/runsc"
     # Egress: the proxy sockets live on the volume dockerd shares, and runsc may connect to them.
     assert cfg["sandbox"]["docker"]["egress_dir"] == f"{sock_dir}/egress"
+    # The static in-container supervisor: copied from the daemon image by an unprivileged init
+    # container to a volume the daemon and dockerd see read-only at the same path.
+    sup_dir = "/run/executor-arm-supervisor"
+    assert cfg["sandbox"]["docker"]["supervisor"] == f"{sup_dir}/executor-arm-supervisor"
+    assert supervisor["name"] == "supervisor" and "restartPolicy" not in supervisor
+    assert supervisor["image"] == c["image"]
+    assert supervisor["command"] == [
+        "/bin/cp",
+        "/usr/local/bin/executor-arm-supervisor",
+        f"{sup_dir}/executor-arm-supervisor",
+    ]
+    assert supervisor["securityContext"] == sc
+    assert not mounts_of(supervisor)[sup_dir].get("readOnly")
+    for x in (c, dockerd):
+        assert mounts_of(x)[sup_dir]["readOnly"] is True
+        assert mounts_of(x)[sup_dir]["name"] == mounts_of(supervisor)[sup_dir]["name"]
+    assert "emptyDir" in volumes_of(docs)[mounts_of(c)[sup_dir]["name"]]
     assert daemon_json["runtimes"]["runsc"]["runtimeArgs"] == [
         "--platform=systrap",
         "--host-uds=open",

@@ -58,8 +58,30 @@ pub fn require_docker(test: &str) {
 /// The daemon's `[sandbox.docker]` config.
 pub fn config(pool: usize, socket: &str) -> String {
     format!(
-        "[sandbox.docker]\nsocket = \"unix://{socket}\"\nimage = \"{IMAGE}\"\npool_size = {pool}\n"
+        "[sandbox.docker]\nsocket = \"unix://{socket}\"\nimage = \"{IMAGE}\"\npool_size = {pool}\nsupervisor = \"{}\"\n",
+        supervisor()
     )
+}
+
+/// The static supervisor binary the docker tests' daemons mount into their containers, built
+/// once per test binary by scripts/build-supervisor.sh (its own target dir: no wait on the
+/// build that runs these tests).
+pub fn supervisor() -> &'static str {
+    static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let root = env!("CARGO_MANIFEST_DIR");
+        let out = Command::new(format!("{root}/scripts/build-supervisor.sh"))
+            .current_dir(root)
+            .output()
+            .expect("scripts/build-supervisor.sh");
+        assert!(
+            out.status.success(),
+            "scripts/build-supervisor.sh: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rel = String::from_utf8(out.stdout).unwrap().trim().to_string();
+        format!("{root}/{rel}")
+    })
 }
 
 /// The `executor-arm.instance` label value of a daemon's containers.

@@ -75,6 +75,10 @@ app.kubernetes.io/component: test
 {{- define "executor-arm.auditLog" -}}/var/lib/executor-arm/executor-arm-audit.jsonl{{- end }}
 {{- define "executor-arm.dockerSocketDir" -}}/run/executor-arm-docker{{- end }}
 {{- define "executor-arm.dockerSocket" -}}/run/executor-arm-docker/docker.sock{{- end }}
+{{- /* dind: the in-container supervisor, copied from the daemon image by an init container to a
+volume the daemon and the dockerd sidecar mount read-only at the same path (dockerd bind-mounts
+it into every sandbox container). */}}
+{{- define "executor-arm.supervisorDir" -}}/run/executor-arm-supervisor{{- end }}
 
 {{/* ---------------------------------------------------------------- derived settings */}}
 
@@ -350,6 +354,7 @@ app.kubernetes.io/component: test
 {{- $_ := set $docker "socket" (printf "unix://%s" (include "executor-arm.dockerSocket" .)) }}
 {{- /* Egress proxy sockets: on the volume the dockerd sidecar mounts at the same path. */}}
 {{- $_ := set $docker "egress_dir" (printf "%s/egress" (include "executor-arm.dockerSocketDir" .)) }}
+{{- $_ := set $docker "supervisor" (printf "%s/executor-arm-supervisor" (include "executor-arm.supervisorDir" .)) }}
 {{- else }}
 {{- $_ := set $docker "socket" "unix:///var/run/docker.sock" }}
 {{- end }}

@@ -318,11 +318,6 @@ impl ContainerPlan {
             privileged: Some(false),
             ..Default::default()
         };
-        let mut env: Vec<String> = supervisor::SUPERVISOR_ENV
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        env.sort();
         let address_space = command_address_space(kind, l.memory_bytes, kept);
         let mut body = ContainerCreateBody {
             image: Some(image.clone()),
@@ -333,7 +328,8 @@ impl ContainerPlan {
             hostname: Some("sandbox".into()),
             entrypoint: None,
             cmd: None,
-            env: Some(env),
+            // The supervisor needs none of it, and the command gets exactly RunSpec::env.
+            env: None,
             // stdin stays open for the supervisor's request; StdinOnce closes it when our attach
             // connection goes away, so an idle container of a crashed daemon ends by itself.
             open_stdin: Some(true),
@@ -382,6 +378,23 @@ impl ContainerPlan {
             disk_targets,
             key,
         })
+    }
+
+    /// The plan with the supervisor binary at `host` (a static executable, see
+    /// [`supervisor::check_binary`]) bind-mounted read-only at [`supervisor::CONTAINER_PATH`],
+    /// the entrypoint. One daemon mounts the same file into all its containers, so it is not
+    /// part of the pool key.
+    pub fn with_supervisor(mut self, host: &Path) -> ContainerPlan {
+        if let Some(hc) = self.body.host_config.as_mut() {
+            hc.mounts.get_or_insert_with(Vec::new).push(Mount {
+                source: Some(host.to_string_lossy().into_owned()),
+                target: Some(supervisor::CONTAINER_PATH.to_string()),
+                typ: Some(MountType::BIND),
+                read_only: Some(true),
+                ..Default::default()
+            });
+        }
+        self
     }
 
     /// The create body for one container of this plan: `uid` is its own host uid (a lease the
@@ -539,17 +552,17 @@ pub(crate) mod tests {
         assert_eq!(b.user.as_deref(), Some("0:0"));
         assert_eq!(b.working_dir.as_deref(), Some("/"));
         let ep = b.entrypoint.clone().unwrap();
-        assert_eq!(ep[0], supervisor::PERL);
+        assert_eq!(ep[0], supervisor::CONTAINER_PATH);
         // A one-run gVisor container: no address-space limit, its memory limit ends in the
         // cgroup's OOM kill, reported as such.
-        assert_eq!(&ep[3..], ["200123", "65534", "/work", "once", "0"]);
+        assert_eq!(&ep[1..], ["200123", "65534", "/work", "once", "0"]);
         // A session's: the command's address space stays below the container's memory (the
         // sentry's headroom), so a memory bomb does not end the session.
         let kept = ContainerPlan::new(&spec(), BackendKind::Gvisor, "img:latest", true)
             .unwrap()
             .body(&owner(), "exec-1", "executor-arm-disk-1", UID, None);
         assert_eq!(
-            &kept.entrypoint.unwrap()[3..],
+            &kept.entrypoint.unwrap()[1..],
             [
                 "200123",
                 "65534",
@@ -779,7 +792,7 @@ pub(crate) mod tests {
             );
             for (b, uid) in [(&one, "200001"), (&two, "200002")] {
                 // The supervisor switches to it; the profile's uid (65534) is not used.
-                assert_eq!(b.entrypoint.as_ref().unwrap()[3..5], [uid, "65534"]);
+                assert_eq!(b.entrypoint.as_ref().unwrap()[1..3], [uid, "65534"]);
                 // It owns the disk volume at the workdir and /tmp.
                 let mounts = b.host_config.clone().unwrap().mounts.unwrap();
                 assert_eq!(mounts.len(), 2);
@@ -839,5 +852,31 @@ pub(crate) mod tests {
         );
         assert!(Owner::parse_label("nope").is_none());
         assert!(Owner::parse_label("h/ns/x/9").is_none());
+    }
+
+    #[test]
+    fn the_supervisor_binary_is_mounted_read_only_at_the_entrypoint() {
+        let owner = Owner::parse_label("h/pid:[1]/1/1").unwrap();
+        let host = Path::new("/opt/executor-arm/executor-arm-supervisor");
+        for kept in [false, true] {
+            let b = ContainerPlan::new(&spec(), BackendKind::Docker, "i", kept)
+                .unwrap()
+                .with_supervisor(host)
+                .body(&owner, "e", "v", 200_001, None);
+            assert_eq!(
+                b.entrypoint.as_ref().unwrap()[0],
+                supervisor::CONTAINER_PATH
+            );
+            assert_eq!(b.env, None, "nothing of ours in the environment");
+            let mounts = b.host_config.unwrap().mounts.unwrap();
+            let m: Vec<_> = mounts
+                .iter()
+                .filter(|m| m.target.as_deref() == Some(supervisor::CONTAINER_PATH))
+                .collect();
+            assert_eq!(m.len(), 1, "{mounts:?}");
+            assert_eq!(m[0].source.as_deref(), host.to_str());
+            assert_eq!(m[0].typ, Some(MountType::BIND));
+            assert_eq!(m[0].read_only, Some(true));
+        }
     }
 }

@@ -448,6 +448,8 @@ pub(crate) mod fake {
         pub reply: Mutex<Vec<u8>>,
         /// Requests containers received.
         pub requests: Arc<Mutex<Vec<Vec<u8>>>>,
+        /// Create bodies, in order.
+        pub bodies: Mutex<Vec<ContainerCreateBody>>,
         /// Bytes the "command" sends through the container's egress socket (as the relay would)
         /// after the request arrived and before the reply.
         pub egress_send: Mutex<Option<Vec<u8>>>,
@@ -540,6 +542,7 @@ pub(crate) mod fake {
             if self.fail_create.load(Ordering::SeqCst) {
                 return Err(EngineError::NotFound("No such image".into()));
             }
+            self.bodies.lock().unwrap().push(body.clone());
             let id = format!("c{:03}", self.next.fetch_add(1, Ordering::SeqCst));
             let egress_dir = body
                 .host_config

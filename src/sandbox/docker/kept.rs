@@ -20,7 +20,6 @@ use std::time::Duration;
 
 use tokio::io::AsyncWrite;
 
-use super::container::ContainerPlan;
 use super::engine::{Attached, OutputStream};
 use super::pool::{ContainerGuard, WarmContainer};
 use super::supervisor::{self, FileOp, Frame, FrameDecoder};
@@ -311,7 +310,7 @@ impl DockerSandbox {
         session_id: &str,
         warm: bool,
     ) -> Result<Arc<dyn Kept>, SandboxError> {
-        let plan = ContainerPlan::new(spec, self.kind, &self.default_image, true)?;
+        let plan = self.plan(spec, true)?;
         if let Some(why) = self.runtime_refusal().await {
             return Err(SandboxError::Unavailable(why));
         }

@@ -75,6 +75,9 @@ pub struct DockerSandbox {
     shut_down: AtomicBool,
     /// The last check that the runtime enforces the containers' seccomp profile, and when.
     runtime_check: std::sync::Mutex<Option<(Instant, Result<(), String>)>>,
+    /// The supervisor binary bind-mounted into every container, or why it cannot be (checked
+    /// once, at start: every run is then refused with that reason).
+    supervisor: Result<std::path::PathBuf, String>,
 }
 
 /// The `[sandbox.docker]` config table.
@@ -87,6 +90,11 @@ pub struct DockerConfig {
     /// Host directory of the egress proxy's per-container sockets; dockerd bind-mounts from it,
     /// so it must see it at the same path.
     pub egress_dir: std::path::PathBuf,
+    /// The in-container supervisor, a static executable bind-mounted read-only into every
+    /// container (dockerd must see it at this path). Unset: `executor-arm-supervisor` beside
+    /// the daemon's own executable.
+    #[serde(default)]
+    pub supervisor: Option<std::path::PathBuf>,
 }
 
 impl DockerSandbox {
@@ -124,6 +132,17 @@ impl DockerSandbox {
             uids,
         );
         s.shutdown_socket = Some(config.socket.clone());
+        let path = config
+            .supervisor
+            .clone()
+            .unwrap_or_else(supervisor::default_path);
+        s.supervisor = supervisor::check_binary(&path).map(|()| path);
+        if let Err(why) = &s.supervisor {
+            tracing::error!(
+                backend = kind.as_str(),
+                "{why}; this backend refuses every run"
+            );
+        }
         s
     }
 
@@ -173,7 +192,19 @@ impl DockerSandbox {
             shutdown_socket: None,
             shut_down: AtomicBool::new(false),
             runtime_check: std::sync::Mutex::new(None),
+            // A fake engine runs nothing; `new` puts the checked binary here.
+            supervisor: Ok(supervisor::default_path()),
         }
+    }
+
+    /// The container plan of `spec` with the supervisor mounted; refused (503) when the
+    /// supervisor binary is not usable.
+    fn plan(&self, spec: &RunSpec, kept: bool) -> Result<ContainerPlan, SandboxError> {
+        let binary = self
+            .supervisor
+            .as_ref()
+            .map_err(|why| SandboxError::Unavailable(why.clone()))?;
+        Ok(ContainerPlan::new(spec, self.kind, &self.default_image, kept)?.with_supervisor(binary))
     }
 
     /// Why this backend's runtime would not enforce the containers' seccomp profile (runsc
@@ -397,11 +428,13 @@ fn launch_error(plan: &ContainerPlan, e: EngineError) -> SandboxError {
         }
         EngineError::NotFound(m) => SandboxError::Unavailable(format!("image {}: {m}", plan.image)),
         EngineError::Closed => SandboxError::Unavailable(e.to_string()),
-        EngineError::Api(m) if m.contains(supervisor::PERL) => SandboxError::Unavailable(format!(
-            "image {} cannot run the sandbox supervisor ({} is missing?): {m}",
-            plan.image,
-            supervisor::PERL
-        )),
+        EngineError::Api(m) if m.contains(supervisor::CONTAINER_PATH) => {
+            SandboxError::Unavailable(format!(
+                "image {} cannot run the sandbox supervisor ({}): {m}",
+                plan.image,
+                supervisor::CONTAINER_PATH
+            ))
+        }
         EngineError::Api(m) if m.to_ascii_lowercase().contains("runtime") => {
             SandboxError::Unavailable(format!("runtime {}: {m}", runtime_of(plan.kind)))
         }
@@ -590,6 +623,13 @@ impl Sandbox for DockerSandbox {
 
     async fn status(&self) -> BackendStatus {
         let runtime = runtime_of(self.kind);
+        if let Err(why) = &self.supervisor {
+            return BackendStatus {
+                backend: self.kind,
+                ready: false,
+                detail: why.clone(),
+            };
+        }
         let (ready, detail) = match tokio::time::timeout(STATUS_TIMEOUT, self.engine().info()).await
         {
             Err(_) => (
@@ -662,7 +702,7 @@ impl Sandbox for DockerSandbox {
         if let Some(kept) = spec.kept.clone() {
             return self.run_kept(kept.as_ref(), spec).await;
         }
-        let plan = ContainerPlan::new(&spec, self.kind, &self.default_image, false)?;
+        let plan = self.plan(&spec, false)?;
         // Never a container whose runtime would drop its seccomp profile.
         if let Some(why) = self.runtime_refusal().await {
             return Err(SandboxError::Unavailable(why));
@@ -1280,6 +1320,41 @@ mod tests {
         let (engine, s) = sandbox(Vec::new());
         let run = s.run(container::tests::spec());
         let _ = tokio::time::timeout(Duration::from_millis(200), run).await;
+        gone(&engine).await;
+    }
+
+    #[tokio::test]
+    async fn an_unusable_supervisor_binary_refuses_every_run_and_says_why() {
+        let (engine, mut s) = sandbox(frame(b'x', b"exit 0 0 - 0 0"));
+        // What `new` makes of a dynamically linked binary.
+        s.supervisor = Err(supervisor::check_binary(std::path::Path::new("/bin/sh")).unwrap_err());
+        let Err(SandboxError::Unavailable(why)) = s.run(container::tests::spec()).await else {
+            panic!("not refused")
+        };
+        assert!(why.contains("dynamically linked"), "{why}");
+        assert!(why.contains("scripts/build-supervisor.sh"), "{why}");
+        assert!(matches!(
+            s.keep(&container::tests::spec(), "s-1", false).await,
+            Err(SandboxError::Unavailable(_))
+        ));
+        assert!(engine.existing().is_empty(), "no container was made");
+        let st = s.status().await;
+        assert!(!st.ready);
+        assert_eq!(st.detail, why);
+    }
+
+    #[tokio::test]
+    async fn containers_run_the_mounted_supervisor() {
+        let (engine, s) = sandbox(frame(b'x', b"exit 0 0 - 0 0"));
+        s.run(container::tests::spec()).await.unwrap();
+        let body = engine.bodies.lock().unwrap()[0].clone();
+        assert_eq!(body.entrypoint.unwrap()[0], supervisor::CONTAINER_PATH);
+        let mounts = body.host_config.unwrap().mounts.unwrap();
+        assert!(mounts.iter().any(|m| {
+            m.target.as_deref() == Some(supervisor::CONTAINER_PATH)
+                && m.source == Some(supervisor::default_path().to_string_lossy().into_owned())
+                && m.read_only == Some(true)
+        }));
         gone(&engine).await;
     }
 }

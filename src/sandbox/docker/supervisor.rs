@@ -1,8 +1,14 @@
-//! The in-container supervisor: PID 1 of every docker/gvisor sandbox, and its wire protocol.
+//! The in-container supervisor: PID 1 of every docker/gvisor sandbox, and the daemon's side of
+//! its wire protocol.
 //!
-//! Owns: the supervisor program (`supervisor.pl`, run by the image's `/usr/bin/perl`, which every
-//! Debian-based image has: perl-base is Essential), encoding a run request for it, and decoding the
-//! frames it writes back. Must not: talk to the engine or decide outcomes.
+//! Owns: where the supervisor binary is and whether it can run in any image (a static
+//! executable, checked once at start: [`check_binary`]), the container's entrypoint, encoding a
+//! run or file request for it, and decoding the frames it writes back. Must not: talk to the
+//! engine or decide outcomes. The wire format itself is ONE module both sides compile,
+//! [`executor_arm_supervisor::protocol`]; the supervisor is that crate's binary
+//! (`supervisor/src/main.rs`), built static with glibc (`scripts/build-supervisor.sh`) and
+//! bind-mounted read-only into every container at [`CONTAINER_PATH`], so the image needs
+//! nothing of ours (no interpreter, any libc or none).
 //!
 //! Why a supervisor: a pooled container is started long before its request exists, so its main
 //! process must wait for the argv. It reads one request from stdin and `execve`s the argv as a
@@ -11,7 +17,8 @@
 //! request until it arrives), relays the command's stdout/stderr as frames, reaps every orphan (it is
 //! PID 1, so no separate init is needed), reports the exact wait status in a final frame the
 //! moment the command exits (so no run waits for container teardown), then exits, which makes the
-//! kernel kill anything the command left behind.
+//! kernel kill anything the command left behind. The command's environment is exactly
+//! `RunSpec::env`.
 //!
 //! With egress the supervisor also relays `127.0.0.1:<port>` inside the container to the daemon's
 //! proxy socket ([`Relay`]; see [`super::egress`] for why).
@@ -29,33 +36,18 @@
 //! exits, which ends the container. It also ends the run itself a few seconds after the
 //! request's timeout (a `t` frame), in case the daemon cannot.
 
+use std::path::{Path, PathBuf};
+
 use bytes::{Buf, Bytes, BytesMut};
+use executor_arm_supervisor::protocol::{self, FileHeader, RunHeader, kind};
 
 use super::super::{ExitKind, RunSpec, SandboxError};
 
-/// The program; passed as `perl -e` so the image needs nothing of ours.
-pub const SCRIPT: &str = include_str!("supervisor.pl");
+/// The binary's file name, next to the daemon's by default (`sandbox.docker.supervisor`).
+pub const BINARY_NAME: &str = "executor-arm-supervisor";
 
-/// Where the interpreter lives in the image.
-pub const PERL: &str = "/usr/bin/perl";
-
-/// Environment of the supervisor process itself (the command gets exactly `RunSpec::env`):
-/// neutralise whatever the image sets that would make perl load code or change its I/O layers
-/// (an empty PERL_UNICODE would mean -CSDL, hence 0).
-pub const SUPERVISOR_ENV: [&str; 5] = [
-    "PERL5OPT=",
-    "PERL5LIB=",
-    "PERLLIB=",
-    "PERL5DB=",
-    "PERL_UNICODE=0",
-];
-
-const MAGIC: &[u8; 4] = b"EAR1";
-const FILE_MAGIC: &[u8; 4] = b"EARF";
-
-/// Largest frame payload we accept; the supervisor writes at most 64 KiB per frame, so anything
-/// bigger is a corrupted stream (and must not make us buffer it).
-const MAX_FRAME: usize = 256 * 1024;
+/// Where every container sees the supervisor (a read-only bind mount of the host's binary).
+pub const CONTAINER_PATH: &str = "/run/executor-arm/supervisor";
 
 /// The egress relay the supervisor sets up before the command starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,6 +62,106 @@ pub struct Relay {
 /// container: the command reads its code but cannot change it).
 pub const CODE_DIR: &str = "/run/session";
 
+/// The supervisor binary when `sandbox.docker.supervisor` is not set: beside the daemon's own
+/// executable (where the image and the release archive install both).
+pub fn default_path() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|d| d.join(BINARY_NAME)))
+        .unwrap_or_else(|| PathBuf::from("/usr/local/bin").join(BINARY_NAME))
+}
+
+/// Refuses a supervisor binary that could not run as PID 1 of any sandbox image: missing, not an
+/// executable regular file, not an ELF executable of this machine, or dynamically linked (it
+/// would need the image's loader and libc, which a musl or distroless image lacks).
+pub fn check_binary(path: &Path) -> Result<(), String> {
+    use std::io::Read;
+    use std::os::unix::fs::PermissionsExt;
+    let fix = "build it with scripts/build-supervisor.sh (a static executable) and set \
+               sandbox.docker.supervisor to it, or install it beside the daemon";
+    let meta = std::fs::metadata(path)
+        .map_err(|e| format!("sandbox supervisor {}: {e}; {fix}", path.display()))?;
+    if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+        return Err(format!(
+            "sandbox supervisor {} is not an executable file; {fix}",
+            path.display()
+        ));
+    }
+    let mut head = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(64 * 1024).read_to_end(&mut head))
+        .map_err(|e| format!("sandbox supervisor {}: {e}; {fix}", path.display()))?;
+    match elf_linkage(&head) {
+        Ok(Linkage::Static) => Ok(()),
+        Ok(Linkage::Dynamic) => Err(format!(
+            "sandbox supervisor {} is dynamically linked (it would need the image's loader and \
+             libc); {fix}",
+            path.display()
+        )),
+        Err(why) => Err(format!(
+            "sandbox supervisor {} {why}; {fix}",
+            path.display()
+        )),
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Linkage {
+    Static,
+    Dynamic,
+}
+
+/// The ELF machine of the daemon's own architecture.
+const fn own_machine() -> u16 {
+    if cfg!(target_arch = "x86_64") {
+        62
+    } else if cfg!(target_arch = "aarch64") {
+        183
+    } else {
+        0
+    }
+}
+
+/// Whether the 64-bit little-endian ELF executable starting `head` (its first 64 KiB: the header
+/// and program headers) asks for an interpreter (PT_INTERP: a dynamic loader). A static-pie has
+/// PT_DYNAMIC for its own relocations but no interpreter, which is what matters here.
+fn elf_linkage(head: &[u8]) -> Result<Linkage, String> {
+    let u16_at = |o: usize| head.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u32_at = |o: usize| {
+        head.get(o..o + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let u64_at = |o: usize| {
+        head.get(o..o + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+    };
+    if head.get(..4) != Some(b"\x7fELF") || head.get(4) != Some(&2) || head.get(5) != Some(&1) {
+        return Err("is not a 64-bit little-endian ELF executable".into());
+    }
+    let e_type = u16_at(16).ok_or("has a truncated ELF header")?;
+    if e_type != 2 && e_type != 3 {
+        return Err("is not an ELF executable".into());
+    }
+    if u16_at(18) != Some(own_machine()) {
+        return Err("is built for another machine than the daemon".into());
+    }
+    let phoff = u64_at(32).ok_or("has a truncated ELF header")?;
+    let phentsize = u16_at(54).ok_or("has a truncated ELF header")? as usize;
+    let phnum = u16_at(56).ok_or("has a truncated ELF header")? as usize;
+    let phoff = usize::try_from(phoff).map_err(|_| "has a bad program header offset")?;
+    if phentsize < 4 {
+        return Err("has bad program headers".into());
+    }
+    for i in 0..phnum {
+        let p_type = u32_at(phoff + i * phentsize).ok_or("has program headers past 64 KiB")?;
+        if p_type == 3 {
+            return Ok(Linkage::Dynamic);
+        }
+    }
+    Ok(Linkage::Static)
+}
+
 /// The container's entrypoint: the supervisor, told who the command runs as, where, whether
 /// it serves one request (`/execute`) or a session's requests one after another (`kept`), and
 /// the address-space limit (RLIMIT_AS, bytes) each command process gets, if any.
@@ -81,9 +173,7 @@ pub fn entrypoint(
     address_space: Option<u64>,
 ) -> Vec<String> {
     vec![
-        PERL.to_string(),
-        "-e".to_string(),
-        SCRIPT.to_string(),
+        CONTAINER_PATH.to_string(),
         uid.to_string(),
         gid.to_string(),
         workdir.to_string(),
@@ -114,21 +204,19 @@ pub fn encode_file_request(path: &str, op: FileOp<'_>) -> Result<Vec<u8>, Sandbo
             path.escape_debug()
         )));
     }
-    let (name, n, data): (&str, u64, &[u8]) = match op {
-        FileOp::Put(b) => ("put", b.len() as u64, b),
-        FileOp::Get(max) => ("get", max, &[]),
-        FileOp::List => ("list", 0, &[]),
-        FileOp::Dir => ("dir", 0, &[]),
+    let (op, n, data): (protocol::FileOp, u64, &[u8]) = match op {
+        FileOp::Put(b) => (protocol::FileOp::Put, b.len() as u64, b),
+        FileOp::Get(max) => (protocol::FileOp::Get, max, &[]),
+        FileOp::List => (protocol::FileOp::List, 0, &[]),
+        FileOp::Dir => (protocol::FileOp::Dir, 0, &[]),
     };
-    let header = format!("{name}\0{path}\0{n}");
-    let header_len =
-        u32::try_from(header.len()).map_err(|_| SandboxError::Setup("path too long".into()))?;
-    let mut out = Vec::with_capacity(8 + header.len() + data.len());
-    out.extend_from_slice(FILE_MAGIC);
-    out.extend_from_slice(&header_len.to_be_bytes());
-    out.extend_from_slice(header.as_bytes());
-    out.extend_from_slice(data);
-    Ok(out)
+    FileHeader {
+        op,
+        path: path.to_string(),
+        n,
+    }
+    .encode(data)
+    .map_err(SandboxError::Setup)
 }
 
 /// Serialises `spec`'s argv, env, stdin and timeout, the egress relay, and (kept sandboxes) the
@@ -147,10 +235,7 @@ pub fn encode_request(
             "argv[0] '{first}' is not an absolute path"
         )));
     }
-    let mut fields: Vec<String> = Vec::with_capacity(spec.argv.len() + spec.env.len() + 6);
-    fields.push(spec.argv.len().to_string());
-    fields.extend(spec.argv.iter().cloned());
-    fields.push(spec.env.len().to_string());
+    let mut env = Vec::with_capacity(spec.env.len());
     for (k, v) in &spec.env {
         if k.is_empty() || k.contains('=') {
             return Err(SandboxError::Setup(format!(
@@ -158,33 +243,19 @@ pub fn encode_request(
                 k.escape_debug()
             )));
         }
-        fields.push(format!("{k}={v}"));
+        env.push(format!("{k}={v}"));
     }
-    fields.push(
-        spec.stdin
-            .as_ref()
-            .map(|s| s.len() as i64)
-            .unwrap_or(-1)
-            .to_string(),
-    );
-    match relay {
-        Some(r) if r.port != 0 && r.socket.starts_with('/') => {
-            fields.push(r.port.to_string());
-            fields.push(r.socket.clone());
-        }
+    let (relay_port, relay_socket) = match relay {
+        Some(r) if r.port != 0 && r.socket.starts_with('/') => (r.port, r.socket.clone()),
         Some(r) => {
             return Err(SandboxError::Setup(format!(
                 "invalid egress relay {}:{}",
                 r.port, r.socket
             )));
         }
-        None => {
-            fields.push("0".into());
-            fields.push(String::new());
-        }
-    }
-    fields.push(spec.limits.timeout.as_millis().max(1).to_string());
-    match code {
+        None => (0, String::new()),
+    };
+    let (code_path, code_bytes) = match code {
         Some((path, bytes)) => {
             let name = path
                 .strip_prefix(CODE_DIR)
@@ -194,40 +265,36 @@ pub fn encode_request(
                     "code path {path} is not a file of {CODE_DIR}"
                 )));
             }
-            fields.push(path.to_string());
-            fields.push(bytes.len().to_string());
+            (path.to_string(), Some(bytes))
         }
-        None => {
-            fields.push(String::new());
-            fields.push("-1".into());
-        }
-    }
-    // Where the command starts ("": the workdir); the supervisor accepts only the workdir or a
-    // path below it.
-    fields.push(
-        spec.fs
+        None => (String::new(), None),
+    };
+    let header = RunHeader {
+        argv: spec.argv.clone(),
+        env,
+        stdin_len: spec.stdin.as_ref().map(|s| s.len() as u64),
+        relay_port,
+        relay_socket,
+        timeout_ms: u64::try_from(spec.limits.timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1),
+        code_path,
+        code_len: code_bytes.map(|c| c.len() as u64),
+        // Where the command starts ("": the workdir); the supervisor accepts only the workdir
+        // or a path below it.
+        cwd: spec
+            .fs
             .cwd
             .as_ref()
             .map(|c| c.to_string_lossy().into_owned())
             .unwrap_or_default(),
-    );
-    if fields.iter().any(|f| f.contains('\0')) {
-        return Err(SandboxError::Setup(
-            "NUL byte in argument or environment".into(),
-        ));
-    }
-    let header = fields.join("\0");
-    let header_len =
-        u32::try_from(header.len()).map_err(|_| SandboxError::Setup("request too large".into()))?;
-    let stdin = spec.stdin.as_deref().unwrap_or_default();
-    let code = code.map(|c| c.1).unwrap_or_default();
-    let mut out = Vec::with_capacity(8 + header.len() + stdin.len() + code.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&header_len.to_be_bytes());
-    out.extend_from_slice(header.as_bytes());
-    out.extend_from_slice(stdin);
-    out.extend_from_slice(code);
-    Ok(out)
+    };
+    header
+        .encode(
+            spec.stdin.as_deref().unwrap_or_default(),
+            code_bytes.unwrap_or_default(),
+        )
+        .map_err(SandboxError::Setup)
 }
 
 /// The supervisor's final report.
@@ -244,23 +311,16 @@ pub struct ExitReport {
 
 impl ExitReport {
     fn parse(payload: &[u8]) -> Option<ExitReport> {
-        let text = std::str::from_utf8(payload).ok()?;
-        let mut it = text.split(' ');
-        let how = it.next()?;
-        let n: i32 = it.next()?.parse().ok()?;
-        let exit = match how {
-            "exit" => ExitKind::Exited(n),
-            "signal" => ExitKind::Signaled(n),
-            _ => return None,
-        };
-        let stdin_broken_pipe = it.next()? == "1";
-        let num = |s: Option<&str>| s.and_then(|v| v.parse::<u64>().ok());
+        let r = protocol::ExitReport::parse(payload)?;
         Some(ExitReport {
-            exit,
-            stdin_broken_pipe,
-            peak_memory_kib: num(it.next()),
-            oom_kills: num(it.next()),
-            pids_max_hits: num(it.next()),
+            exit: match r.status {
+                protocol::Status::Exited(n) => ExitKind::Exited(n),
+                protocol::Status::Signaled(n) => ExitKind::Signaled(n),
+            },
+            stdin_broken_pipe: r.stdin_broken_pipe,
+            peak_memory_kib: r.peak_memory_kib,
+            oom_kills: r.oom_kills,
+            pids_max_hits: r.pids_max_hits,
         })
     }
 }
@@ -294,29 +354,26 @@ impl FrameDecoder {
 
     /// The next complete frame; `Err` on a corrupted stream.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, String> {
-        if self.buf.len() < 5 {
+        let Some((k, len)) = protocol::parse_frame_header(&self.buf)? else {
             return Ok(None);
-        }
-        let kind = self.buf[0];
-        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
-        if len > MAX_FRAME {
-            return Err(format!("supervisor frame of {len} bytes"));
-        }
+        };
         if self.buf.len() < 5 + len {
             return Ok(None);
         }
         self.buf.advance(5);
         let payload = self.buf.split_to(len).freeze();
-        let frame = match kind {
-            b'o' => Frame::Stdout(payload),
-            b'e' => Frame::Stderr(payload),
-            b'x' => Frame::Exit(ExitReport::parse(&payload).ok_or_else(|| {
-                format!("bad exit report {:?}", String::from_utf8_lossy(&payload))
-            })?),
-            b'f' => Frame::Failed(String::from_utf8_lossy(&payload).into_owned()),
-            b'u' => Frame::Unavailable(String::from_utf8_lossy(&payload).into_owned()),
-            b't' => Frame::Deadline(String::from_utf8_lossy(&payload).into_owned()),
-            b'r' => Frame::Result(String::from_utf8_lossy(&payload).into_owned()),
+        let text = || String::from_utf8_lossy(&payload).into_owned();
+        let frame = match k {
+            kind::STDOUT => Frame::Stdout(payload),
+            kind::STDERR => Frame::Stderr(payload),
+            kind::EXIT => Frame::Exit(
+                ExitReport::parse(&payload)
+                    .ok_or_else(|| format!("bad exit report {:?}", text()))?,
+            ),
+            kind::FAILED => Frame::Failed(text()),
+            kind::UNAVAILABLE => Frame::Unavailable(text()),
+            kind::DEADLINE => Frame::Deadline(text()),
+            kind::RESULT => Frame::Result(text()),
             other => return Err(format!("unknown supervisor frame type {other:#x}")),
         };
         Ok(Some(frame))
@@ -328,8 +385,6 @@ mod tests {
     use super::*;
     use crate::sandbox::Limits;
     use std::collections::BTreeMap;
-    use std::io::Write;
-    use std::process::{Command, Stdio};
     use std::time::Duration;
 
     fn spec(argv: &[&str], stdin: Option<&[u8]>) -> RunSpec {
@@ -343,7 +398,7 @@ mod tests {
             limits: Limits {
                 cpus: 1.0,
                 disk_bytes: 1 << 20,
-                timeout: Duration::from_secs(5),
+                timeout: Duration::from_millis(1500),
                 ..base.limits.clone()
             },
             profile: "p".into(),
@@ -351,269 +406,92 @@ mod tests {
         }
     }
 
-    /// Who the command runs as in these tests: nobody when we are root (as in CI, so the switch
-    /// itself is exercised), else ourselves (the supervisor only checks the ids took effect).
-    fn identity() -> (u32, u32) {
-        // SAFETY: getuid/getgid/geteuid have no preconditions.
-        unsafe {
-            if libc::geteuid() == 0 {
-                (65534, 65534)
-            } else {
-                (libc::getuid(), libc::getgid())
-            }
-        }
+    /// The request as the supervisor decodes it: header, then the bytes after it.
+    fn decoded(req: &[u8]) -> (RunHeader, Vec<u8>) {
+        let (magic, header, rest) = protocol::split_request(req).unwrap();
+        assert_eq!(&magic, protocol::RUN_MAGIC);
+        (RunHeader::decode(header).unwrap(), rest.to_vec())
     }
 
-    /// The supervisor (host perl, not PID 1) with the request written and stdin kept open.
-    fn start(
-        spec: &RunSpec,
-        relay: Option<&Relay>,
-    ) -> (std::process::Child, std::process::ChildStdin) {
-        let (mut child, mut stdin) = idle_supervisor();
-        let req = encode_request(spec, relay, None).unwrap();
-        stdin.write_all(&req).unwrap();
-        (child.take(), stdin)
-    }
-
-    /// A started supervisor that has no request yet, as in the warm pool.
-    fn idle_supervisor() -> (ChildSlot, std::process::ChildStdin) {
-        // The container's environment: the image's (LANG=C.UTF-8) plus SUPERVISOR_ENV.
-        let mut cmd = Command::new(PERL);
-        cmd.env_clear().env("LANG", "C.UTF-8");
-        for kv in SUPERVISOR_ENV {
-            let (k, v) = kv.split_once('=').unwrap();
-            cmd.env(k, v);
-        }
-        let (uid, gid) = identity();
-        let mut child = cmd
-            .args(&entrypoint(uid, gid, "/", false, None)[1..])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("perl");
-        let stdin = child.stdin.take().unwrap();
-        (ChildSlot(Some(child)), stdin)
-    }
-
-    /// Kills the supervisor when a test fails before taking it.
-    struct ChildSlot(Option<std::process::Child>);
-
-    impl ChildSlot {
-        fn take(&mut self) -> std::process::Child {
-            self.0.take().expect("taken once")
-        }
-    }
-
-    impl Drop for ChildSlot {
-        fn drop(&mut self) {
-            if let Some(c) = self.0.as_mut() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-        }
-    }
-
-    /// Polls `cond` every 5 ms until it holds; fails the test after 5 s, naming `what`.
-    fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while !cond() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "not within 5 s: {what}"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// The process an idle supervisor prepared for the command: its one child.
-    fn prepared_process(slot: &ChildSlot) -> u32 {
-        let supervisor = slot.0.as_ref().unwrap().id();
-        let children = || {
-            std::fs::read_to_string(format!("/proc/{supervisor}/task/{supervisor}/children"))
-                .unwrap_or_default()
-                .split_whitespace()
-                .filter_map(|p| p.parse().ok())
-                .collect::<Vec<u32>>()
+    #[test]
+    fn a_run_request_carries_exactly_the_specs_argv_env_stdin_and_timeout() {
+        let mut s = spec(&["/bin/echo", "$(id)", "a b", ""], Some(b"in\0put"));
+        s.fs.cwd = Some("/work/sub".into());
+        let relay = Relay {
+            port: 3128,
+            socket: "/run/executor-arm/egress/proxy.sock".into(),
         };
-        wait_for("a child of the idle supervisor", || !children().is_empty());
-        let kids = children();
-        assert_eq!(kids.len(), 1, "one prepared process: {kids:?}");
-        kids[0]
-    }
-
-    /// The real and effective uid of `pid` (the `Uid:` line of its status).
-    fn uids_of(pid: u32) -> String {
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-        let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
-        line.split_whitespace()
-            .skip(1)
-            .take(2)
-            .collect::<Vec<_>>()
-            .join(" ")
-    }
-
-    /// Reads frames until the supervisor closes its stdout.
-    fn frames_of(child: &mut std::process::Child) -> Vec<Frame> {
-        use std::io::Read;
-        let mut out = Vec::new();
-        child.stdout.take().unwrap().read_to_end(&mut out).unwrap();
-        child.wait().unwrap();
-        let mut d = FrameDecoder::default();
-        d.push(&out);
-        let mut frames = Vec::new();
-        while let Some(f) = d.next_frame().unwrap() {
-            frames.push(f);
-        }
-        frames
-    }
-
-    /// Runs the real supervisor and decodes its reply.
-    fn supervise(spec: &RunSpec) -> Vec<Frame> {
-        supervise_with(spec, None)
-    }
-
-    /// As [`supervise`], with an egress relay.
-    fn supervise_with(spec: &RunSpec, relay: Option<&Relay>) -> Vec<Frame> {
-        let (mut child, stdin) = start(spec, relay);
-        let frames = frames_of(&mut child);
-        drop(stdin);
-        frames
-    }
-
-    fn stdout_of(frames: &[Frame]) -> Vec<u8> {
-        frames
-            .iter()
-            .filter_map(|f| {
-                if let Frame::Stdout(b) = f {
-                    Some(b.to_vec())
-                } else {
-                    None
-                }
-            })
-            .flatten()
-            .collect()
-    }
-
-    fn exit_of(frames: &[Frame]) -> ExitReport {
-        match frames.last() {
-            Some(Frame::Exit(r)) => r.clone(),
-            other => panic!("no exit frame: {other:?}"),
-        }
-    }
-
-    #[test]
-    fn argv_env_and_stdin_pass_through_without_a_shell() {
-        let f = supervise(&spec(&["/bin/echo", "$(id)", "a b", ""], None));
-        assert_eq!(stdout_of(&f), b"$(id) a b \n");
-        assert_eq!(exit_of(&f).exit, ExitKind::Exited(0));
-
-        let f = supervise(&spec(&["/usr/bin/env"], None));
-        let out = String::from_utf8(stdout_of(&f)).unwrap();
+        let (h, rest) = decoded(&encode_request(&s, Some(&relay), None).unwrap());
+        assert_eq!(h.argv, ["/bin/echo", "$(id)", "a b", ""]);
         assert_eq!(
-            out, "PATH=/usr/bin:/bin\nX=a=b c\n",
-            "exactly the spec's env"
+            h.env,
+            ["PATH=/usr/bin:/bin", "X=a=b c"],
+            "exactly RunSpec::env"
         );
+        assert_eq!(h.stdin_len, Some(6));
+        assert_eq!(
+            (h.relay_port, h.relay_socket.as_str()),
+            (3128, relay.socket.as_str())
+        );
+        assert_eq!(h.timeout_ms, 1500);
+        assert_eq!((h.code_path.as_str(), h.code_len), ("", None));
+        assert_eq!(h.cwd, "/work/sub");
+        assert_eq!(rest, b"in\0put");
 
-        let f = supervise(&spec(&["/bin/cat"], Some(b"from stdin\0with nul")));
-        assert_eq!(stdout_of(&f), b"from stdin\0with nul");
-        assert!(!exit_of(&f).stdin_broken_pipe);
-    }
-
-    #[test]
-    fn the_commands_process_waits_with_the_run_identity_before_the_request() {
-        let (mut slot, mut stdin) = idle_supervisor();
-        // Made while idle: one child, already the command's uid, holding no request yet.
-        let prepared = prepared_process(&slot);
-        let (uid, _) = identity();
-        // It takes the identity right after the fork, without waiting for anything.
-        wait_for("the run's uid", || {
-            uids_of(prepared) == format!("{uid} {uid}")
-        });
-        // The request runs in that very process (execve keeps the pid), with /dev/null as stdin
-        // when the request has none.
-        let req = encode_request(
-            &spec(
-                &["/bin/sh", "-c", "echo $$; readlink /proc/self/fd/0"],
-                None,
-            ),
+        let code = encode_request(
+            &spec(&["/usr/bin/python3", "/run/session/c1.py"], None),
             None,
-            None,
+            Some(("/run/session/c1.py", b"print(1)")),
         )
         .unwrap();
-        stdin.write_all(&req).unwrap();
-        let f = frames_of(&mut slot.take());
-        drop(stdin);
-        assert_eq!(exit_of(&f).exit, ExitKind::Exited(0), "{f:?}");
+        let (h, rest) = decoded(&code);
+        assert_eq!((h.stdin_len, h.relay_port, h.cwd.as_str()), (None, 0, ""));
         assert_eq!(
-            String::from_utf8(stdout_of(&f)).unwrap(),
-            format!("{prepared}\n/dev/null\n")
+            (h.code_path.as_str(), h.code_len),
+            ("/run/session/c1.py", Some(8))
         );
+        assert_eq!(rest, b"print(1)");
     }
 
     #[test]
-    fn a_prepared_process_killed_while_idle_is_replaced_for_the_request() {
-        let (mut slot, mut stdin) = idle_supervisor();
-        let prepared = prepared_process(&slot);
-        // SAFETY: kill has no memory preconditions; the pid is the supervisor's child, which
-        // stays a zombie (so the pid is not reused) until the supervisor reaps it.
-        assert_eq!(unsafe { libc::kill(prepared as i32, libc::SIGKILL) }, 0);
-        // Dead (a zombie) before the request comes, as after an idle spell.
-        let stat = format!("/proc/{prepared}/stat");
-        wait_for("the prepared process dead", || {
-            std::fs::read_to_string(&stat).is_ok_and(|s| s.contains(") Z "))
-        });
-        let req = encode_request(&spec(&["/bin/echo", "ran"], None), None, None).unwrap();
-        stdin.write_all(&req).unwrap();
-        let f = frames_of(&mut slot.take());
-        drop(stdin);
-        assert_eq!(stdout_of(&f), b"ran\n", "{f:?}");
-        assert_eq!(exit_of(&f).exit, ExitKind::Exited(0));
+    fn requests_refuse_relative_programs_nul_and_bad_relays_or_code_paths() {
+        assert!(encode_request(&spec(&["echo"], None), None, None).is_err());
+        assert!(encode_request(&spec(&["/bin/echo", "a\0b"], None), None, None).is_err());
+        assert!(encode_request(&spec(&[], None), None, None).is_err());
+        let echo = spec(&["/bin/echo"], None);
+        for bad in [(0, "/s"), (3128, "relative"), (3128, "/a\0b")] {
+            let r = Relay {
+                port: bad.0,
+                socket: bad.1.into(),
+            };
+            assert!(encode_request(&echo, Some(&r), None).is_err(), "{bad:?}");
+        }
+        for bad in ["/tmp/c", "/run/session/", "/run/session/a/b"] {
+            assert!(
+                encode_request(&echo, None, Some((bad, b"x"))).is_err(),
+                "{bad}"
+            );
+        }
+        let mut env = spec(&["/bin/echo"], None);
+        env.env.insert("A=B".into(), "x".into());
+        assert!(encode_request(&env, None, None).is_err());
     }
 
     #[test]
-    fn statuses_failures_and_broken_pipe_are_reported() {
-        let f = supervise(&spec(&["/bin/sh", "-c", "echo err >&2; exit 3"], None));
-        assert!(f.contains(&Frame::Stderr(Bytes::from_static(b"err\n"))));
-        assert_eq!(exit_of(&f).exit, ExitKind::Exited(3));
-
-        let f = supervise(&spec(&["/bin/sh", "-c", "kill -TERM $$"], None));
-        assert_eq!(exit_of(&f).exit, ExitKind::Signaled(libc::SIGTERM));
-
-        let f = supervise(&spec(&["/nonexistent/program"], None));
-        assert!(
-            matches!(f.last(), Some(Frame::Failed(m)) if m.contains("No such file")),
-            "{f:?}"
-        );
-
-        let big = vec![b'y'; 1 << 20];
-        let f = supervise(&spec(&["/bin/true"], Some(&big)));
-        assert!(exit_of(&f).stdin_broken_pipe);
-    }
-
-    #[test]
-    fn only_stdio_fds_and_a_left_over_child_does_not_hold_the_report() {
-        // The same listing as ls started directly by this process: the supervisor adds no fd (in
-        // a container its own are only 0, 1 and 2; here it also inherits the test harness's).
-        let direct = Command::new("/bin/ls")
-            .arg("/proc/self/fd")
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-            .stdout;
-        let f = supervise(&spec(&["/bin/ls", "/proc/self/fd"], None));
+    fn file_requests_encode_their_operation() {
+        let put = encode_file_request("a/b", FileOp::Put(b"data")).unwrap();
+        let (magic, header, rest) = protocol::split_request(&put).unwrap();
+        assert_eq!((&magic, rest), (protocol::FILE_MAGIC, &b"data"[..]));
+        let h = FileHeader::decode(header).unwrap();
         assert_eq!(
-            String::from_utf8(stdout_of(&f)).unwrap(),
-            String::from_utf8(direct).unwrap()
+            (h.op, h.path.as_str(), h.n),
+            (protocol::FileOp::Put, "a/b", 4)
         );
-
-        let t = std::time::Instant::now();
-        let f = supervise(&spec(&["/bin/sh", "-c", "sleep 3 & echo started"], None));
-        assert_eq!(stdout_of(&f), b"started\n");
-        assert!(
-            t.elapsed() < Duration::from_secs(2),
-            "waited for the background child"
-        );
+        let get = encode_file_request("", FileOp::Get(10)).unwrap();
+        let h = FileHeader::decode(protocol::split_request(&get).unwrap().1).unwrap();
+        assert_eq!((h.op, h.n), (protocol::FileOp::Get, 10));
+        assert!(encode_file_request("/abs", FileOp::List).is_err());
+        assert!(encode_file_request("a\0b", FileOp::Dir).is_err());
     }
 
     #[test]
@@ -651,209 +529,67 @@ mod tests {
         let mut d = FrameDecoder::default();
         d.push(b"z\0\0\0\0");
         assert!(d.next_frame().is_err());
-    }
-
-    /// A free loopback port (a small race with other processes is acceptable in a test).
-    fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    }
-
-    /// A stand-in for the daemon's proxy on a unix socket: reads a connection to its end, then
-    /// answers "<bytes read> " followed by `reply_len` bytes of 'z', and closes.
-    fn socket_server(path: &std::path::Path, reply_len: usize) -> std::sync::mpsc::Receiver<usize> {
-        use std::io::Read;
-        let listener = std::os::unix::net::UnixListener::bind(path).unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(mut c) = conn else { return };
-                let tx = tx.clone();
-                std::thread::spawn(move || {
-                    let mut got = Vec::new();
-                    let _ = c.read_to_end(&mut got);
-                    let _ = tx.send(got.len());
-                    let mut reply = format!("{} ", got.len()).into_bytes();
-                    reply.resize(reply.len() + reply_len, b'z');
-                    let _ = c.write_all(&reply);
-                });
-            }
-        });
-        rx
-    }
-
-    /// The command: connect to 127.0.0.1:PORT, send SEND bytes, half-close, print what came back
-    /// as "<first word> <length of the rest>".
-    const CLIENT: &str = r#"use Socket; my ($port, $send) = @ARGV;
-        socket(my $s, PF_INET, SOCK_STREAM, 0) or die "socket: $!";
-        connect($s, pack_sockaddr_in($port, inet_aton("127.0.0.1"))) or die "connect: $!";
-        my $data = "a" x $send; while (length $data) { my $w = syswrite($s, $data) // die "write: $!"; substr($data, 0, $w, "") }
-        shutdown($s, 1); my $in = ""; while (sysread($s, $in, 65536, length $in)) {}
-        my ($n, $rest) = split / /, $in, 2; print "$n ", length($rest // ""), "\n";"#;
-
-    #[test]
-    fn the_egress_relay_carries_both_directions_and_half_closes() {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("proxy.sock");
-        let served = socket_server(&socket, 3 << 20);
-        let port = free_port();
-        let relay = Relay {
-            port,
-            socket: socket.to_string_lossy().into_owned(),
-        };
-        let argv = ["/usr/bin/perl", "-e", CLIENT, &port.to_string(), "300000"];
-        let f = supervise_with(&spec(&argv, None), Some(&relay));
-        assert_eq!(exit_of(&f).exit, ExitKind::Exited(0), "{f:?}");
-        // 300 000 bytes up, 3 MiB down, through 64 KiB buffers, each EOF passed on.
-        assert_eq!(
-            String::from_utf8(stdout_of(&f)).unwrap(),
-            format!("300000 {}\n", 3 << 20)
-        );
-        // The set-up probe (nothing sent) and the command's connection.
-        let mut seen: Vec<usize> = served.try_iter().collect();
-        seen.sort();
-        assert_eq!(seen, vec![0, 300_000]);
-        assert!(
-            std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
-            "the relay's listener ends with the supervisor"
-        );
-    }
-
-    #[test]
-    fn an_unreachable_proxy_socket_stops_the_run_before_the_command() {
-        let dir = tempfile::tempdir().unwrap();
-        let marker = dir.path().join("ran");
-        let relay = Relay {
-            port: free_port(),
-            socket: dir
-                .path()
-                .join("missing.sock")
-                .to_string_lossy()
-                .into_owned(),
-        };
-        let argv = ["/usr/bin/touch", marker.to_str().unwrap()];
-        let f = supervise_with(&spec(&argv, None), Some(&relay));
-        assert!(
-            matches!(f.last(), Some(Frame::Unavailable(m)) if m.contains("cannot reach the daemon's proxy")),
-            "{f:?}"
-        );
-        assert!(!marker.exists(), "the command never started");
-    }
-
-    /// The pid a command printed first (`echo $$`), and SIGKILL for it: the supervisor is not
-    /// PID 1 here, so what it leaves running is the test's to end.
-    fn kill_printed_pid(frames: &[Frame]) -> i32 {
-        let out = String::from_utf8(stdout_of(frames)).unwrap();
-        let pid: i32 = out.lines().next().unwrap().trim().parse().unwrap();
-        // SAFETY: kill(2) on a pid our own command printed; no memory effects.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        pid
-    }
-
-    #[test]
-    #[ignore = "needs root (switches uid): scripts/test-all.sh runs it as root"]
-    fn the_command_gets_the_run_identity_and_not_the_supervisor_as_root() {
-        // SAFETY: geteuid has no preconditions.
-        assert_eq!(unsafe { libc::geteuid() }, 0, "this test needs root");
-        let probe = r#"my @r; push @r, join(",", $<, $>, $(, $)), (open(my $f, ">", "/proc/" . getppid() . "/fd/1") ? "opened" : "refused"), (kill(0, getppid()) ? "signalled" : "refused"); print "@r\n""#;
-        let f = supervise(&spec(&["/usr/bin/perl", "-e", probe], None));
-        assert_eq!(exit_of(&f).exit, ExitKind::Exited(0), "{f:?}");
-        assert_eq!(
-            String::from_utf8(stdout_of(&f)).unwrap(),
-            "65534,65534,65534 65534,65534 65534 refused refused\n"
-        );
-    }
-
-    #[test]
-    fn a_closed_stdin_ends_the_supervisor_mid_run() {
-        let (mut child, mut stdin) = start(
-            &spec(&["/bin/sh", "-c", "echo $$; exec sleep 60"], None),
-            None,
-        );
-        // Wait for the command to run, then go away like a crashed daemon.
-        let mut stdout = child.stdout.take().unwrap();
-        let mut first = [0u8; 5];
-        std::io::Read::read_exact(&mut stdout, &mut first).unwrap();
-        assert_eq!(first[0], b'o');
-        stdin.flush().unwrap();
-        drop(stdin);
-        let mut rest = Vec::new();
-        std::io::Read::read_to_end(&mut stdout, &mut rest).unwrap();
-        child.wait().unwrap();
-        let mut all = first.to_vec();
-        all.extend(rest);
         let mut d = FrameDecoder::default();
-        d.push(&all);
-        let mut f = Vec::new();
-        while let Some(x) = d.next_frame().unwrap() {
-            f.push(x);
+        d.push(b"x\0\0\0\x04quit");
+        assert!(d.next_frame().is_err(), "a bad exit report");
+    }
+
+    #[test]
+    fn the_entrypoint_is_the_mounted_supervisor_with_its_arguments() {
+        assert_eq!(
+            entrypoint(10001, 10002, "/work", true, Some(1 << 20)),
+            [CONTAINER_PATH, "10001", "10002", "/work", "kept", "1048576"]
+        );
+        assert_eq!(&entrypoint(1, 2, "/w", false, None)[4..], ["once", "0"]);
+    }
+
+    /// A 64-bit little-endian ELF header of this machine with `types` as its program headers.
+    fn elf(types: &[u32]) -> Vec<u8> {
+        let mut b = vec![0u8; 64 + 56 * types.len()];
+        b[..4].copy_from_slice(b"\x7fELF");
+        (b[4], b[5]) = (2, 1);
+        b[16..18].copy_from_slice(&3u16.to_le_bytes());
+        b[18..20].copy_from_slice(&own_machine().to_le_bytes());
+        b[32..40].copy_from_slice(&64u64.to_le_bytes());
+        b[54..56].copy_from_slice(&56u16.to_le_bytes());
+        b[56..58].copy_from_slice(&(types.len() as u16).to_le_bytes());
+        for (i, t) in types.iter().enumerate() {
+            b[64 + 56 * i..68 + 56 * i].copy_from_slice(&t.to_le_bytes());
         }
-        assert!(
-            f.iter().all(|x| matches!(x, Frame::Stdout(_))),
-            "no report once the daemon is gone: {f:?}"
-        );
-        kill_printed_pid(&f);
+        b
     }
 
     #[test]
-    fn the_supervisor_ends_a_run_past_its_deadline() {
-        let mut s = spec(&["/bin/sh", "-c", "echo $$; exec sleep 60"], None);
-        s.limits.timeout = Duration::from_millis(1);
-        let t = std::time::Instant::now();
-        let f = supervise(&s);
-        assert!(
-            matches!(f.last(), Some(Frame::Deadline(m)) if m.contains("after its timeout")),
-            "{f:?}"
+    fn only_a_static_executable_of_this_machine_is_a_usable_supervisor() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, bytes: &[u8], mode: u32| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, bytes).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+            p
+        };
+        // A static-pie: PT_LOAD and PT_DYNAMIC, no PT_INTERP.
+        assert_eq!(
+            check_binary(&write("static", &elf(&[1, 2, 6]), 0o755)),
+            Ok(())
         );
-        assert!(
-            t.elapsed() < Duration::from_secs(50),
-            "ended by the deadline"
-        );
-        kill_printed_pid(&f);
-    }
-
-    #[test]
-    fn a_request_without_a_timeout_is_refused() {
-        let mut req = encode_request(&spec(&["/bin/true"], None), None, None).unwrap();
-        // Drop the timeout and the fields after it (code path, code length, cwd) and fix the
-        // length.
-        let len = u32::from_be_bytes(req[4..8].try_into().unwrap()) as usize;
-        let header = String::from_utf8(req[8..8 + len].to_vec()).unwrap();
-        let cut = header.rsplitn(5, '\0').last().unwrap().to_string();
-        req.truncate(4);
-        req.extend_from_slice(&(cut.len() as u32).to_be_bytes());
-        req.extend_from_slice(cut.as_bytes());
-        let (uid, gid) = identity();
-        let mut child = Command::new(PERL)
-            .args(&entrypoint(uid, gid, "/", false, None)[1..])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stdin = child.stdin.take().unwrap();
-        stdin.write_all(&req).unwrap();
-        let f = frames_of(&mut child);
-        assert!(
-            matches!(f.last(), Some(Frame::Failed(m)) if m.contains("no timeout")),
-            "{f:?}"
-        );
-    }
-
-    #[test]
-    fn requests_refuse_relative_programs_and_nul() {
-        assert!(encode_request(&spec(&["echo"], None), None, None).is_err());
-        assert!(encode_request(&spec(&["/bin/echo", "a\0b"], None), None, None).is_err());
-        assert!(encode_request(&spec(&[], None), None, None).is_err());
-        let echo = spec(&["/bin/echo"], None);
-        for bad in [(0, "/s"), (3128, "relative"), (3128, "/a\0b")] {
-            let r = Relay {
-                port: bad.0,
-                socket: bad.1.into(),
-            };
-            assert!(encode_request(&echo, Some(&r), None).is_err(), "{bad:?}");
-        }
+        let dynamic = check_binary(&write("dynamic", &elf(&[6, 3, 1, 2]), 0o755)).unwrap_err();
+        assert!(dynamic.contains("dynamically linked"), "{dynamic}");
+        assert!(dynamic.contains("scripts/build-supervisor.sh"), "{dynamic}");
+        let missing = check_binary(&dir.path().join("none")).unwrap_err();
+        assert!(missing.contains("scripts/build-supervisor.sh"), "{missing}");
+        let not_exec = check_binary(&write("plain", &elf(&[1]), 0o644)).unwrap_err();
+        assert!(not_exec.contains("not an executable file"), "{not_exec}");
+        let script = check_binary(&write("script", b"#!/bin/sh\n", 0o755)).unwrap_err();
+        assert!(script.contains("not a 64-bit"), "{script}");
+        let mut other = elf(&[1]);
+        other[18] = 0x28;
+        let other = check_binary(&write("arm32", &other, 0o755)).unwrap_err();
+        assert!(other.contains("another machine"), "{other}");
+        assert!(check_binary(&write("short", &elf(&[1])[..40], 0o755)).is_err());
+        // The host's own dynamically linked programs are refused.
+        let sh = std::fs::read("/bin/sh").unwrap();
+        assert_eq!(elf_linkage(&sh), Ok(Linkage::Dynamic));
     }
 }

@@ -1,0 +1,4 @@
+//! executor-arm's in-container supervisor: its wire protocol ([`protocol`]), shared by the
+//! daemon and the supervisor binary (`src/main.rs`, PID 1 of every docker/gvisor sandbox).
+
+pub mod protocol;

@@ -1,0 +1,475 @@
+//! The wire protocol between the daemon and the in-container supervisor, the one definition both
+//! sides compile: the daemon encodes requests and decodes frames with it, the supervisor decodes
+//! requests and encodes frames with it.
+//!
+//! Requests (daemon -> supervisor stdin):
+//!
+//! ```text
+//! run:   "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1, relay_port|0,
+//!        relay_socket, timeout_ms, code_path|"", code_len|-1, cwd|"")  stdin-bytes code-bytes
+//! file:  "EARF" u32be(len) NUL-joined(op, path, n)  [n bytes for put]
+//!        op: put (n = length), get (n = most bytes), list, dir (is it a directory)
+//! ```
+//!
+//! Frames (supervisor stdout -> daemon): `type(1) u32be(len) payload`; see [`kind`].
+//!
+//! Pure: no I/O, no allocation beyond what a decoded value holds, never panics on any input
+//! (fuzzed by the daemon's `supervisor_protocol` target).
+
+/// Magic of a run request.
+pub const RUN_MAGIC: &[u8; 4] = b"EAR1";
+/// Magic of a file request (kept sandboxes only).
+pub const FILE_MAGIC: &[u8; 4] = b"EARF";
+
+/// Most payload bytes the supervisor puts in one output frame.
+pub const CHUNK: usize = 64 * 1024;
+
+/// Largest frame payload a decoder accepts; the supervisor writes at most [`CHUNK`] per frame,
+/// so anything bigger is a corrupted stream (and must not make the reader buffer it).
+pub const MAX_FRAME: usize = 256 * 1024;
+
+/// Frame types.
+pub mod kind {
+    /// The command's stdout; to a file request: its data.
+    pub const STDOUT: u8 = b'o';
+    /// The command's stderr.
+    pub const STDERR: u8 = b'e';
+    /// The final report of a run: [`super::ExitReport`] (last frame).
+    pub const EXIT: u8 = b'x';
+    /// The request could not run (setup failure; last frame).
+    pub const FAILED: u8 = b'f';
+    /// The egress relay cannot reach the daemon's proxy (last frame).
+    pub const UNAVAILABLE: u8 = b'u';
+    /// The supervisor ended the run at its own deadline (last frame).
+    pub const DEADLINE: u8 = b't';
+    /// A file request's verdict: `ok` | `err CODE SIZE MESSAGE` (last frame).
+    pub const RESULT: u8 = b'r';
+
+    /// Every type a decoder accepts.
+    pub const ALL: [u8; 7] = [STDOUT, STDERR, EXIT, FAILED, UNAVAILABLE, DEADLINE, RESULT];
+}
+
+/// The 5-byte header of a frame of `len` payload bytes.
+pub fn frame_header(kind: u8, len: usize) -> [u8; 5] {
+    let n = u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes();
+    [kind, n[0], n[1], n[2], n[3]]
+}
+
+/// A whole frame.
+pub fn encode_frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(5 + payload.len());
+    out.extend_from_slice(&frame_header(kind, payload.len()));
+    out.extend_from_slice(payload);
+    out
+}
+
+/// The type and payload length of the frame at the start of `buf`: `Ok(None)` until its header
+/// is complete; `Err` on a corrupted stream (an unknown type, a payload over [`MAX_FRAME`]).
+pub fn parse_frame_header(buf: &[u8]) -> Result<Option<(u8, usize)>, String> {
+    let Some(h) = buf.get(..5) else {
+        return Ok(None);
+    };
+    let kind = h[0];
+    let len = u32::from_be_bytes([h[1], h[2], h[3], h[4]]) as usize;
+    if len > MAX_FRAME {
+        return Err(format!("supervisor frame of {len} bytes"));
+    }
+    if !kind::ALL.contains(&kind) {
+        return Err(format!("unknown supervisor frame type {kind:#x}"));
+    }
+    Ok(Some((kind, len)))
+}
+
+/// How the command ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// Exited with this code.
+    Exited(i32),
+    /// Killed by this signal.
+    Signaled(i32),
+}
+
+/// The final report of a run (an `x` frame): `exit|signal N broken peak_kib oom_kills pids_max`,
+/// `-` for a number that is not visible.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitReport {
+    pub status: Status,
+    /// Stdin bytes were left when the command stopped reading.
+    pub stdin_broken_pipe: bool,
+    pub peak_memory_kib: Option<u64>,
+    /// OOM kills the container's cgroup counted (None: not visible, e.g. under gVisor).
+    pub oom_kills: Option<u64>,
+    /// Times the pids limit refused a fork (None: not visible).
+    pub pids_max_hits: Option<u64>,
+}
+
+impl ExitReport {
+    pub fn to_payload(&self) -> String {
+        let (how, n) = match self.status {
+            Status::Exited(n) => ("exit", n),
+            Status::Signaled(n) => ("signal", n),
+        };
+        let num = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |v| v.to_string());
+        format!(
+            "{how} {n} {} {} {} {}",
+            u8::from(self.stdin_broken_pipe),
+            num(self.peak_memory_kib),
+            num(self.oom_kills),
+            num(self.pids_max_hits)
+        )
+    }
+
+    /// `None` unless `payload` starts with `exit N` or `signal N` and a broken-pipe flag.
+    pub fn parse(payload: &[u8]) -> Option<ExitReport> {
+        let text = std::str::from_utf8(payload).ok()?;
+        let mut it = text.split(' ');
+        let how = it.next()?;
+        let n: i32 = it.next()?.parse().ok()?;
+        let status = match how {
+            "exit" => Status::Exited(n),
+            "signal" => Status::Signaled(n),
+            _ => return None,
+        };
+        let stdin_broken_pipe = it.next()? == "1";
+        let num = |s: Option<&str>| s.and_then(|v| v.parse::<u64>().ok());
+        Some(ExitReport {
+            status,
+            stdin_broken_pipe,
+            peak_memory_kib: num(it.next()),
+            oom_kills: num(it.next()),
+            pids_max_hits: num(it.next()),
+        })
+    }
+}
+
+/// The header of a run request (what follows the magic and the length); the stdin and code
+/// bytes follow it on the stream.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunHeader {
+    /// argv[0] is executed as given (an absolute path), never through a shell.
+    pub argv: Vec<String>,
+    /// The command's whole environment, `K=V` each.
+    pub env: Vec<String>,
+    /// Bytes of stdin that follow the header (None: the command gets /dev/null).
+    pub stdin_len: Option<u64>,
+    /// Egress relay: loopback port inside the container (0: none) and the daemon's proxy socket.
+    pub relay_port: u16,
+    pub relay_socket: String,
+    /// 0: missing (the supervisor refuses the request).
+    pub timeout_ms: u64,
+    /// Kept sandboxes: where the exec's code goes ("" when none), and its length, after stdin.
+    pub code_path: String,
+    pub code_len: Option<u64>,
+    /// Where the command starts ("": the workdir).
+    pub cwd: String,
+}
+
+fn length_field(v: Option<u64>) -> String {
+    v.map_or_else(|| "-1".to_string(), |n| n.to_string())
+}
+
+/// A field holding a length or -1 (missing: -1).
+fn parse_length(field: Option<&str>, what: &str) -> Result<Option<u64>, String> {
+    match field {
+        None | Some("-1") => Ok(None),
+        Some(s) => s
+            .parse()
+            .map(Some)
+            .map_err(|_| format!("malformed request: {what} {s:?}")),
+    }
+}
+
+fn parse_count(field: Option<&str>, what: &str) -> Result<usize, String> {
+    match field {
+        None | Some("") => Ok(0),
+        Some(s) => s
+            .parse()
+            .map_err(|_| format!("malformed request: {what} {s:?}")),
+    }
+}
+
+fn joined(fields: &[&str]) -> Result<String, String> {
+    if fields.iter().any(|f| f.contains('\0')) {
+        return Err("NUL byte in argument or environment".into());
+    }
+    Ok(fields.join("\0"))
+}
+
+fn with_magic(magic: &[u8; 4], header: &str, tail: &[&[u8]]) -> Result<Vec<u8>, String> {
+    let len = u32::try_from(header.len()).map_err(|_| "request too large".to_string())?;
+    let mut out =
+        Vec::with_capacity(8 + header.len() + tail.iter().map(|t| t.len()).sum::<usize>());
+    out.extend_from_slice(magic);
+    out.extend_from_slice(&len.to_be_bytes());
+    out.extend_from_slice(header.as_bytes());
+    for t in tail {
+        out.extend_from_slice(t);
+    }
+    Ok(out)
+}
+
+impl RunHeader {
+    /// The whole request: magic, length, header, then `stdin` and `code` (their lengths must be
+    /// the header's).
+    pub fn encode(&self, stdin: &[u8], code: &[u8]) -> Result<Vec<u8>, String> {
+        if self.stdin_len.unwrap_or(0) != stdin.len() as u64
+            || self.code_len.unwrap_or(0) != code.len() as u64
+        {
+            return Err("request lengths do not match its data".into());
+        }
+        let (argc, envc) = (self.argv.len().to_string(), self.env.len().to_string());
+        let (stdin_len, code_len) = (length_field(self.stdin_len), length_field(self.code_len));
+        let (port, timeout) = (self.relay_port.to_string(), self.timeout_ms.to_string());
+        let mut fields: Vec<&str> = vec![&argc];
+        fields.extend(self.argv.iter().map(String::as_str));
+        fields.push(&envc);
+        fields.extend(self.env.iter().map(String::as_str));
+        fields.extend([
+            stdin_len.as_str(),
+            &port,
+            &self.relay_socket,
+            &timeout,
+            &self.code_path,
+            &code_len,
+            &self.cwd,
+        ]);
+        with_magic(RUN_MAGIC, &joined(&fields)?, &[stdin, code])
+    }
+
+    /// The header's bytes (after the magic and the length). Missing trailing fields take their
+    /// "none" value (a missing timeout reads as 0, which the supervisor refuses).
+    pub fn decode(header: &[u8]) -> Result<RunHeader, String> {
+        let text =
+            std::str::from_utf8(header).map_err(|_| "malformed request: not UTF-8".to_string())?;
+        let mut f = text.split('\0');
+        let argc = parse_count(f.next(), "argc")?;
+        let argv: Vec<String> = f.by_ref().take(argc).map(str::to_string).collect();
+        if argv.len() != argc {
+            return Err("malformed request: argv shorter than argc".into());
+        }
+        let envc = parse_count(f.next(), "envc")?;
+        let env: Vec<String> = f.by_ref().take(envc).map(str::to_string).collect();
+        if env.len() != envc {
+            return Err("malformed request: env shorter than envc".into());
+        }
+        let stdin_len = parse_length(f.next(), "stdin length")?;
+        let relay_port = match f.next() {
+            None | Some("") => 0,
+            Some(s) => s
+                .parse()
+                .map_err(|_| format!("malformed request: relay port {s:?}"))?,
+        };
+        let relay_socket = f.next().unwrap_or_default().to_string();
+        let timeout_ms = f.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+        let code_path = f.next().unwrap_or_default().to_string();
+        let code_len = parse_length(f.next(), "code length")?;
+        let cwd = f.next().unwrap_or_default().to_string();
+        if f.next().is_some() {
+            return Err("malformed request: fields after cwd".into());
+        }
+        Ok(RunHeader {
+            argv,
+            env,
+            stdin_len,
+            relay_port,
+            relay_socket,
+            timeout_ms,
+            code_path,
+            code_len,
+            cwd,
+        })
+    }
+}
+
+/// A file call's operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileOp {
+    /// Write the `n` bytes that follow (the file made or replaced, missing parents made).
+    Put,
+    /// Read the file, at most `n` bytes.
+    Get,
+    /// List the directory.
+    List,
+    /// Is it a directory.
+    Dir,
+}
+
+impl FileOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            FileOp::Put => "put",
+            FileOp::Get => "get",
+            FileOp::List => "list",
+            FileOp::Dir => "dir",
+        }
+    }
+}
+
+/// The header of a file request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileHeader {
+    pub op: FileOp,
+    /// Relative to the workdir ("" for the workdir itself).
+    pub path: String,
+    pub n: u64,
+}
+
+impl FileHeader {
+    /// The whole request; `data` (put only) must be `n` bytes.
+    pub fn encode(&self, data: &[u8]) -> Result<Vec<u8>, String> {
+        if self.op == FileOp::Put && self.n != data.len() as u64
+            || self.op != FileOp::Put && !data.is_empty()
+        {
+            return Err("file request length does not match its data".into());
+        }
+        let n = self.n.to_string();
+        with_magic(
+            FILE_MAGIC,
+            &joined(&[self.op.name(), &self.path, &n])?,
+            &[data],
+        )
+    }
+
+    pub fn decode(header: &[u8]) -> Result<FileHeader, String> {
+        let bad = || "unknown file operation".to_string();
+        let text = std::str::from_utf8(header).map_err(|_| bad())?;
+        let mut f = text.split('\0');
+        let op = match f.next() {
+            Some("put") => FileOp::Put,
+            Some("get") => FileOp::Get,
+            Some("list") => FileOp::List,
+            Some("dir") => FileOp::Dir,
+            _ => return Err(bad()),
+        };
+        let path = f.next().ok_or_else(bad)?.to_string();
+        let n = f.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+        if f.next().is_some() {
+            return Err(bad());
+        }
+        Ok(FileHeader { op, path, n })
+    }
+}
+
+/// Splits a request's bytes into (magic, header) once both are complete: `Ok(None)` until then.
+/// Used by the fuzz target and the tests; the supervisor reads the same layout from its stdin.
+pub fn split_request(buf: &[u8]) -> Option<([u8; 4], &[u8], &[u8])> {
+    let magic: [u8; 4] = buf.get(..4)?.try_into().ok()?;
+    let len = u32::from_be_bytes(buf.get(4..8)?.try_into().ok()?) as usize;
+    let header = buf.get(8..8usize.checked_add(len)?)?;
+    Some((magic, header, &buf[8 + len..]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> RunHeader {
+        RunHeader {
+            argv: vec!["/bin/echo".into(), "a b".into(), String::new()],
+            env: vec!["PATH=/bin".into(), "X=a=b".into()],
+            stdin_len: Some(3),
+            relay_port: 3128,
+            relay_socket: "/run/executor-arm/egress/proxy.sock".into(),
+            timeout_ms: 5000,
+            code_path: "/run/session/c1".into(),
+            code_len: Some(2),
+            cwd: "/work/sub".into(),
+        }
+    }
+
+    #[test]
+    fn run_requests_round_trip() {
+        let h = header();
+        let bytes = h.encode(b"abc", b"xy").unwrap();
+        let (magic, raw, rest) = split_request(&bytes).unwrap();
+        assert_eq!(&magic, RUN_MAGIC);
+        assert_eq!(rest, b"abcxy");
+        assert_eq!(RunHeader::decode(raw).unwrap(), h);
+
+        let none = RunHeader {
+            argv: vec!["/bin/true".into()],
+            timeout_ms: 1,
+            ..Default::default()
+        };
+        let bytes = none.encode(b"", b"").unwrap();
+        let (_, raw, rest) = split_request(&bytes).unwrap();
+        assert!(rest.is_empty());
+        assert_eq!(RunHeader::decode(raw).unwrap(), none);
+    }
+
+    #[test]
+    fn run_requests_with_missing_trailing_fields_take_none_values() {
+        let d = RunHeader::decode(b"1\0/bin/true\x000\0-1").unwrap();
+        assert_eq!(d.argv, ["/bin/true"]);
+        assert_eq!((d.timeout_ms, d.stdin_len, d.code_len), (0, None, None));
+        assert_eq!(RunHeader::decode(b"").unwrap().argv, Vec::<String>::new());
+    }
+
+    #[test]
+    fn malformed_run_requests_are_errors() {
+        for bad in [
+            &b"x"[..],
+            b"3\0/a",
+            b"1\0/a\x002\0A=1",
+            b"1\0/a\x000\0seven",
+            b"1\0/a\x000\0-1\x0070000",
+            b"1\0/a\x000\0-1\x000\0\x001\0\0nope",
+            b"1\0/a\x000\0-1\x000\0\x001\0\0-1\0/w\0extra",
+            b"\xff",
+        ] {
+            assert!(RunHeader::decode(bad).is_err(), "{bad:?}");
+        }
+        let mut h = header();
+        h.argv.push("a\0b".into());
+        assert!(h.encode(b"abc", b"xy").is_err());
+        assert!(header().encode(b"ab", b"xy").is_err(), "stdin length");
+    }
+
+    #[test]
+    fn file_requests_round_trip_and_refuse_the_unknown() {
+        let h = FileHeader {
+            op: FileOp::Put,
+            path: "a/b.txt".into(),
+            n: 4,
+        };
+        let bytes = h.encode(b"data").unwrap();
+        let (magic, raw, rest) = split_request(&bytes).unwrap();
+        assert_eq!((&magic, rest), (FILE_MAGIC, &b"data"[..]));
+        assert_eq!(FileHeader::decode(raw).unwrap(), h);
+        for bad in [
+            &b"del\0a\x000"[..],
+            b"get\0a",
+            b"get\0a\0x",
+            b"list\0\x000\0",
+        ] {
+            assert!(FileHeader::decode(bad).is_err(), "{bad:?}");
+        }
+        let get = FileHeader {
+            op: FileOp::Get,
+            path: String::new(),
+            n: 9,
+        };
+        assert!(get.encode(b"x").is_err());
+    }
+
+    #[test]
+    fn frames_and_reports_round_trip() {
+        let f = encode_frame(kind::STDOUT, b"hi");
+        assert_eq!(f, b"o\0\0\0\x02hi");
+        assert_eq!(parse_frame_header(&f).unwrap(), Some((kind::STDOUT, 2)));
+        assert_eq!(parse_frame_header(b"o\0\0").unwrap(), None);
+        assert!(parse_frame_header(b"o\xff\xff\xff\xff").is_err());
+        assert!(parse_frame_header(b"z\0\0\0\0").is_err());
+        let r = ExitReport {
+            status: Status::Signaled(9),
+            stdin_broken_pipe: true,
+            peak_memory_kib: Some(1024),
+            oom_kills: None,
+            pids_max_hits: Some(0),
+        };
+        assert_eq!(r.to_payload(), "signal 9 1 1024 - 0");
+        assert_eq!(ExitReport::parse(r.to_payload().as_bytes()), Some(r));
+        assert_eq!(ExitReport::parse(b"quit 0 0"), None);
+        assert_eq!(ExitReport::parse(b"exit x 0"), None);
+    }
+}
