@@ -173,6 +173,10 @@ else
     echo "building $EXECUTOR_ARM_BIN"
     (cd "$ROOT" && cargo build --release --locked --bin executor-arm)
   fi
+  # The live docker checks need the static in-container supervisor beside the daemon.
+  if [[ ! -x "$target/release/executor-arm-supervisor" ]]; then
+    (cd "$ROOT" && scripts/build-supervisor.sh --release "$target/release/executor-arm-supervisor" >/dev/null)
+  fi
 fi
 export EXECUTOR_ARM_BIN
 echo "using $EXECUTOR_ARM_BIN"

@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use crate::egress::{EgressPolicy, Resolver};
 use crate::sandbox::{BackendKind, NetworkPolicy};
 
-use super::container::Owner;
+use super::labels::Owner;
 
 /// Where a container sees its egress directory.
 pub const CONTAINER_DIR: &str = "/run/executor-arm/egress";
@@ -108,11 +108,7 @@ impl SocketDirs {
     /// Removes the directories of daemons that are gone (called once at startup, so a crashed
     /// daemon's directories do not wait for the next egress run). Returns how many.
     pub fn sweep_dead(&self) -> usize {
-        let swept = sweep(
-            &self.root,
-            &self.owner,
-            crate::sandbox::docker::janitor::process_start_time,
-        );
+        let swept = sweep(&self.root, &self.owner, super::labels::process_start_time);
         if swept > 0 {
             tracing::warn!(
                 swept,

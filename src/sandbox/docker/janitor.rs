@@ -21,8 +21,10 @@ use std::time::Duration;
 use bollard::models::ContainerCreateBody;
 use tokio::sync::Semaphore;
 
-use super::container::{LABEL_BACKEND, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, Owner};
 use super::engine::{Engine, EngineError, Listed};
+use super::labels::{
+    LABEL_BACKEND, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, Owner, process_start_time,
+};
 use crate::sandbox::BackendKind;
 use crate::sandbox::uids::UidLease;
 
@@ -488,14 +490,6 @@ async fn sweep_round(
         .collect();
     futures::future::join_all(volumes.iter().map(|v| engine.remove_volume(v))).await;
     Ok(volumes)
-}
-
-/// Start time (clock ticks after boot, field 22 of `/proc/<pid>/stat`) of a live process.
-pub fn process_start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may contain spaces and parentheses: fields start after the last ')'.
-    let rest = stat.rsplit_once(')')?.1;
-    rest.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// SIGKILLs host process `pid` if it is the main process of container `id`: its cgroup path names

@@ -18,6 +18,7 @@ pub mod egress;
 pub mod engine;
 pub mod janitor;
 pub mod kept;
+pub mod labels;
 pub mod pool;
 pub mod seccomp;
 pub mod supervisor;
@@ -29,10 +30,11 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use tokio::io::{AsyncWriteExt, DuplexStream};
 
-use self::container::{ContainerPlan, Owner, runtime_of};
+use self::container::{ContainerPlan, runtime_of};
 use self::egress::{CONTAINER_DIR, EgressSettings, SOCKET_NAME, SocketDirs};
 use self::engine::{BollardEngine, Engine, EngineError, Output, OutputStream};
 use self::janitor::Janitor;
+use self::labels::Owner;
 pub use self::pool::PoolMetrics;
 use self::pool::{Pool, WarmContainer};
 use self::supervisor::{ExitReport, Frame, FrameDecoder};
@@ -119,7 +121,7 @@ impl DockerSandbox {
                 .unwrap_or_default(),
             pid_ns: janitor::pid_namespace(),
             pid: std::process::id(),
-            start_time: janitor::process_start_time(std::process::id()).unwrap_or(0),
+            start_time: labels::process_start_time(std::process::id()).unwrap_or(0),
         };
         let mut s = Self::with_engine(
             kind,

@@ -482,9 +482,9 @@ impl Pool {
 mod tests {
     use super::*;
     use crate::metrics::Metrics;
-    use crate::sandbox::docker::container::Owner;
     use crate::sandbox::docker::engine::Engine;
     use crate::sandbox::docker::engine::fake::FakeEngine;
+    use crate::sandbox::docker::labels::Owner;
 
     fn owner() -> Owner {
         Owner {
