@@ -11,6 +11,7 @@ pub mod child;
 pub mod dynmods;
 pub mod egress;
 pub mod landlock;
+pub mod probe;
 mod reaper;
 pub mod seccomp;
 
@@ -28,9 +29,9 @@ use tokio::net::unix::pipe as upipe;
 use self::cgroup::{CgroupDriver, RunCgroup};
 use self::child::{ChildPlan, LandlockRule, MountOp};
 use self::landlock::AccessFs;
+use self::probe::HostProbe;
 use self::seccomp::SeccompProgram;
 use super::capture::OutputCapture;
-use super::probe::HostProbe;
 use super::run::{self, Ending, Waited};
 use super::uids::UidRange;
 use super::{BackendKind, BackendStatus, ExitKind, RunOutcome, RunSpec, Sandbox, SandboxError};
