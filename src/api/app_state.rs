@@ -33,7 +33,7 @@ pub struct AppState {
     pub open_streams: std::sync::atomic::AtomicUsize,
     pub instance_id: String,
     /// What the kernel offers the local backend (None when it is not configured).
-    pub host_probe: Option<crate::sandbox::probe::HostProbe>,
+    pub host_probe: Option<crate::sandbox::local::probe::HostProbe>,
 }
 
 impl AppState {

@@ -13,7 +13,7 @@ use super::app_state::AppState;
 use super::error::ApiError;
 use crate::executors::ExecutorDef;
 use crate::policy::profile::{LimitsSection, NetworkMode, OutputSection};
-use crate::sandbox::probe::HostProbe;
+use crate::sandbox::local::probe::HostProbe;
 use crate::sandbox::{BackendKind, BackendStatus};
 use crate::vocabulary::{ActionType, Capability};
 

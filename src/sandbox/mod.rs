@@ -9,7 +9,6 @@ pub mod capture;
 pub mod docker;
 pub mod files;
 pub mod local;
-pub mod probe;
 pub mod run;
 pub mod syscalls;
 pub mod uids;

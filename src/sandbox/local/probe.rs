@@ -1,9 +1,10 @@
-//! What the host kernel gives us, probed once at startup and shown in /capabilities and /readyz.
+//! What the host kernel gives the local backend (Landlock ABI, seccomp, namespaces, cgroups, root),
+//! probed once at startup and shown in /capabilities and /readyz.
 
 use serde::Serialize;
 
-use super::local::landlock;
-use super::local::seccomp;
+use super::landlock;
+use super::seccomp;
 
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct HostProbe {
