@@ -48,6 +48,8 @@ scripts/test-unit-unprivileged.sh
 step "fmt + clippy"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# No file imports a file that imports it back, at any level of src/.
+scripts/module-cycles.py .
 
 step "tests"
 cargo build --release --locked

@@ -658,279 +658,269 @@ mod tests {
         assert!(process_start_time(std::process::id()).is_some());
         assert!(pid_namespace().starts_with("pid:"));
     }
-}
 
-#[cfg(test)]
-mod engine_tests {
-    use super::*;
-    use crate::sandbox::docker::engine::Engine;
-    use crate::sandbox::docker::engine::fake::FakeEngine;
-    use bollard::models::ContainerCreateBody;
-    use std::collections::HashMap;
-    use std::sync::atomic::Ordering;
-    use std::time::Duration;
+    /// The janitor against an engine (the fake one).
+    mod engine {
+        use super::*;
+        use crate::sandbox::docker::engine::Engine;
+        use crate::sandbox::docker::engine::fake::FakeEngine;
+        use bollard::models::ContainerCreateBody;
+        use std::collections::HashMap;
+        use std::sync::atomic::Ordering;
+        use std::time::Duration;
 
-    fn me() -> Owner {
-        Owner {
-            instance: "h-10".into(),
-            host: "h".into(),
-            pid_ns: "pid:[1]".into(),
-            pid: 10,
-            start_time: 100,
-        }
-    }
-
-    async fn create(engine: &FakeEngine, labels: &[(&str, &str)]) -> String {
-        let labels: HashMap<String, String> = labels
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let id = engine
-            .create(
-                "x",
-                ContainerCreateBody {
-                    labels: Some(labels),
-                    ..Default::default()
-                },
-            )
-            .await
-            .unwrap();
-        engine.start(&id).await.unwrap();
-        id
-    }
-
-    #[tokio::test]
-    async fn removals_survive_an_engine_outage_and_reconnect_cleans_up() {
-        let engine = Arc::new(FakeEngine::default());
-        let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me(), BackendKind::Docker);
-        let owner = me().label();
-        let ours = [
-            (LABEL_MANAGED, "true"),
-            (LABEL_INSTANCE, "h-10"),
-            (LABEL_OWNER, owner.as_str()),
-            (LABEL_BACKEND, "docker"),
-        ];
-        // Another daemon with the same instance id (pid 1 of another pid namespace, same
-        // hostname): never ours to remove.
-        let namesake = create(
-            &engine,
-            &[
-                (LABEL_MANAGED, "true"),
-                (LABEL_INSTANCE, "h-10"),
-                (LABEL_OWNER, "h/pid:[2]/10/100"),
-                (LABEL_BACKEND, "docker"),
-            ],
-        )
-        .await;
-        let sibling = create(
-            &engine,
-            &[
-                (LABEL_MANAGED, "true"),
-                (LABEL_INSTANCE, "h-10"),
-                (LABEL_BACKEND, "gvisor"),
-            ],
-        )
-        .await;
-        let leased = create(&engine, &ours).await;
-        let stale = create(&engine, &ours).await;
-        let disposed = create(&engine, &ours).await;
-        j.lease(&leased);
-        assert!(
-            !j.tick().await,
-            "startup sweep, engine up: nothing came back"
-        );
-
-        engine.down.store(true, Ordering::SeqCst);
-        j.dispose(disposed.clone(), None);
-        for _ in 0..100 {
-            if j.pending_count() == 1 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(j.pending_count(), 1, "failed removal kept for retry");
-        assert!(j.engine_down());
-        assert!(!j.tick().await, "still down");
-
-        engine.down.store(false, Ordering::SeqCst);
-        assert!(j.tick().await, "came back");
-        let mut kept = vec![leased.clone(), sibling.clone(), namesake.clone()];
-        kept.sort();
-        assert_eq!(
-            engine.existing(),
-            kept,
-            "stale {stale} and pending removed; the leased one, the gvisor backend's and the \
-             namesake daemon's kept"
-        );
-        // The removal at exit spares the namesake too.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        let swept = remove_labelled(&*engine, &j.own_labels(), deadline).await;
-        assert_eq!(
-            swept,
-            Swept {
-                removed: 1,
-                left: vec![]
-            },
-            "only the leased one of ours"
-        );
-        let mut kept = vec![sibling.clone(), namesake.clone()];
-        kept.sort();
-        assert_eq!(engine.existing(), kept);
-        assert_eq!(j.pending_count(), 0);
-    }
-
-    /// The exit sweep lists again after a round: a container whose removal failed, or that
-    /// appeared after the first listing, is removed by a later round; what is still there at
-    /// the deadline is named.
-    #[tokio::test]
-    async fn the_exit_sweep_lists_again_until_nothing_is_left() {
-        let engine = Arc::new(FakeEngine::default());
-        let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me(), BackendKind::Docker);
-        let owner = me().label();
-        let ours = [
-            (LABEL_MANAGED, "true"),
-            (LABEL_INSTANCE, "h-10"),
-            (LABEL_OWNER, owner.as_str()),
-            (LABEL_BACKEND, "docker"),
-        ];
-        create_with_volume(&engine, "v-1", &ours).await;
-        create(&engine, &ours).await;
-        engine.failing_removals.store(1, Ordering::SeqCst);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        let swept = remove_labelled(&*engine, &j.own_labels(), deadline).await;
-        assert_eq!((swept.removed, swept.left), (2, vec![]));
-        assert!(engine.existing().is_empty(), "{:?}", engine.existing());
-        assert!(engine.existing_volumes().is_empty());
-
-        // One that never goes: named when the deadline passes.
-        let stuck = create(&engine, &ours).await;
-        engine.failing_removals.store(usize::MAX, Ordering::SeqCst);
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
-        let swept = remove_labelled(&*engine, &j.own_labels(), deadline).await;
-        assert_eq!((swept.removed, swept.left), (0, vec![stuck]));
-    }
-
-    #[tokio::test]
-    async fn startup_sweep_removes_only_what_crashed_daemons_left() {
-        let engine = Arc::new(FakeEngine::default());
-        let dead_owner = format!("h/{}/4194304/1", pid_namespace());
-        let me = Owner {
-            pid_ns: pid_namespace(),
-            pid: std::process::id(),
-            start_time: process_start_time(std::process::id()).unwrap(),
-            ..me()
-        };
-        let live_owner = me.label();
-        let other_host = "elsewhere/pid:[9]/1/1".to_string();
-        let orphan = create(
-            &engine,
-            &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &dead_owner)],
-        )
-        .await;
-        let mine = create(
-            &engine,
-            &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &live_owner)],
-        )
-        .await;
-        let foreign = create(
-            &engine,
-            &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &other_host)],
-        )
-        .await;
-        let unmanaged = create(&engine, &[(LABEL_OWNER, &dead_owner)]).await;
-        let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me, BackendKind::Docker);
-        assert_eq!(j.sweep_orphans().await.unwrap(), 1);
-        let left = engine.existing();
-        assert!(!left.contains(&orphan));
-        assert!(left.contains(&mine) && left.contains(&foreign) && left.contains(&unmanaged));
-    }
-
-    /// A container using volume `volume`, both labelled `labels`.
-    async fn create_with_volume(
-        engine: &FakeEngine,
-        volume: &str,
-        labels: &[(&str, &str)],
-    ) -> String {
-        use bollard::models::{HostConfig, Mount, MountType, MountVolumeOptions};
-        let labels: HashMap<String, String> = labels
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let mount = Mount {
-            source: Some(volume.into()),
-            target: Some("/work".into()),
-            typ: Some(MountType::VOLUME),
-            volume_options: Some(MountVolumeOptions {
-                labels: Some(labels.clone()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
-        let id = engine
-            .create(
-                "x",
-                ContainerCreateBody {
-                    labels: Some(labels),
-                    host_config: Some(HostConfig {
-                        mounts: Some(vec![mount]),
+        async fn create(engine: &FakeEngine, labels: &[(&str, &str)]) -> String {
+            let labels: HashMap<String, String> = labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let id = engine
+                .create(
+                    "x",
+                    ContainerCreateBody {
+                        labels: Some(labels),
                         ..Default::default()
-                    }),
-                    ..Default::default()
-                },
-            )
-            .await
-            .unwrap();
-        engine.start(&id).await.unwrap();
-        id
-    }
-
-    #[tokio::test]
-    async fn disk_volumes_go_after_their_containers_and_with_dead_owners() {
-        let engine = Arc::new(FakeEngine::default());
-        let me = Owner {
-            pid_ns: pid_namespace(),
-            pid: std::process::id(),
-            start_time: process_start_time(std::process::id()).unwrap(),
-            ..me()
-        };
-        let dead = format!("h/{}/4194304/1", pid_namespace());
-        let live = me.label();
-        let orphan = create_with_volume(
-            &engine,
-            "v-dead",
-            &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &dead)],
-        )
-        .await;
-        create_with_volume(
-            &engine,
-            "v-live",
-            &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &live)],
-        )
-        .await;
-        let foreign = create_with_volume(
-            &engine,
-            "v-foreign",
-            &[
-                (LABEL_MANAGED, "true"),
-                (LABEL_OWNER, "elsewhere/pid:[9]/1/1"),
-            ],
-        )
-        .await;
-        let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me, BackendKind::Docker);
-        // The dead owner's container and then its volume; a running foreign container keeps its
-        // volume in use, and the live owner's stays.
-        assert_eq!(j.sweep_orphans().await.unwrap(), 2);
-        assert!(!engine.existing().contains(&orphan));
-        assert_eq!(engine.existing_volumes(), ["v-foreign", "v-live"]);
-        // Disposal: the container, then its volume.
-        j.dispose(foreign.clone(), Some("v-foreign".into()));
-        for _ in 0..200 {
-            if !engine.existing_volumes().contains(&"v-foreign".to_string()) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+                    },
+                )
+                .await
+                .unwrap();
+            engine.start(&id).await.unwrap();
+            id
         }
-        assert_eq!(engine.existing_volumes(), ["v-live"]);
-        assert!(!engine.existing().contains(&foreign));
+
+        #[tokio::test]
+        async fn removals_survive_an_engine_outage_and_reconnect_cleans_up() {
+            let engine = Arc::new(FakeEngine::default());
+            let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me(), BackendKind::Docker);
+            let owner = me().label();
+            let ours = [
+                (LABEL_MANAGED, "true"),
+                (LABEL_INSTANCE, "h-10"),
+                (LABEL_OWNER, owner.as_str()),
+                (LABEL_BACKEND, "docker"),
+            ];
+            // Another daemon with the same instance id (pid 1 of another pid namespace, same
+            // hostname): never ours to remove.
+            let namesake = create(
+                &engine,
+                &[
+                    (LABEL_MANAGED, "true"),
+                    (LABEL_INSTANCE, "h-10"),
+                    (LABEL_OWNER, "h/pid:[2]/10/100"),
+                    (LABEL_BACKEND, "docker"),
+                ],
+            )
+            .await;
+            let sibling = create(
+                &engine,
+                &[
+                    (LABEL_MANAGED, "true"),
+                    (LABEL_INSTANCE, "h-10"),
+                    (LABEL_BACKEND, "gvisor"),
+                ],
+            )
+            .await;
+            let leased = create(&engine, &ours).await;
+            let stale = create(&engine, &ours).await;
+            let disposed = create(&engine, &ours).await;
+            j.lease(&leased);
+            assert!(
+                !j.tick().await,
+                "startup sweep, engine up: nothing came back"
+            );
+
+            engine.down.store(true, Ordering::SeqCst);
+            j.dispose(disposed.clone(), None);
+            for _ in 0..100 {
+                if j.pending_count() == 1 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(j.pending_count(), 1, "failed removal kept for retry");
+            assert!(j.engine_down());
+            assert!(!j.tick().await, "still down");
+
+            engine.down.store(false, Ordering::SeqCst);
+            assert!(j.tick().await, "came back");
+            let mut kept = vec![leased.clone(), sibling.clone(), namesake.clone()];
+            kept.sort();
+            assert_eq!(
+                engine.existing(),
+                kept,
+                "stale {stale} and pending removed; the leased one, the gvisor backend's and the \
+                 namesake daemon's kept"
+            );
+            // The removal at exit spares the namesake too.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            let swept = remove_labelled(&*engine, &j.own_labels(), deadline).await;
+            assert_eq!(
+                swept,
+                Swept {
+                    removed: 1,
+                    left: vec![]
+                },
+                "only the leased one of ours"
+            );
+            let mut kept = vec![sibling.clone(), namesake.clone()];
+            kept.sort();
+            assert_eq!(engine.existing(), kept);
+            assert_eq!(j.pending_count(), 0);
+        }
+
+        /// The exit sweep lists again after a round: a container whose removal failed, or that
+        /// appeared after the first listing, is removed by a later round; what is still there at
+        /// the deadline is named.
+        #[tokio::test]
+        async fn the_exit_sweep_lists_again_until_nothing_is_left() {
+            let engine = Arc::new(FakeEngine::default());
+            let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me(), BackendKind::Docker);
+            let owner = me().label();
+            let ours = [
+                (LABEL_MANAGED, "true"),
+                (LABEL_INSTANCE, "h-10"),
+                (LABEL_OWNER, owner.as_str()),
+                (LABEL_BACKEND, "docker"),
+            ];
+            create_with_volume(&engine, "v-1", &ours).await;
+            create(&engine, &ours).await;
+            engine.failing_removals.store(1, Ordering::SeqCst);
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            let swept = remove_labelled(&*engine, &j.own_labels(), deadline).await;
+            assert_eq!((swept.removed, swept.left), (2, vec![]));
+            assert!(engine.existing().is_empty(), "{:?}", engine.existing());
+            assert!(engine.existing_volumes().is_empty());
+
+            // One that never goes: named when the deadline passes.
+            let stuck = create(&engine, &ours).await;
+            engine.failing_removals.store(usize::MAX, Ordering::SeqCst);
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
+            let swept = remove_labelled(&*engine, &j.own_labels(), deadline).await;
+            assert_eq!((swept.removed, swept.left), (0, vec![stuck]));
+        }
+
+        #[tokio::test]
+        async fn startup_sweep_removes_only_what_crashed_daemons_left() {
+            let engine = Arc::new(FakeEngine::default());
+            let dead_owner = format!("h/{}/4194304/1", pid_namespace());
+            let me = Owner {
+                pid_ns: pid_namespace(),
+                pid: std::process::id(),
+                start_time: process_start_time(std::process::id()).unwrap(),
+                ..me()
+            };
+            let live_owner = me.label();
+            let other_host = "elsewhere/pid:[9]/1/1".to_string();
+            let orphan = create(
+                &engine,
+                &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &dead_owner)],
+            )
+            .await;
+            let mine = create(
+                &engine,
+                &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &live_owner)],
+            )
+            .await;
+            let foreign = create(
+                &engine,
+                &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &other_host)],
+            )
+            .await;
+            let unmanaged = create(&engine, &[(LABEL_OWNER, &dead_owner)]).await;
+            let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me, BackendKind::Docker);
+            assert_eq!(j.sweep_orphans().await.unwrap(), 1);
+            let left = engine.existing();
+            assert!(!left.contains(&orphan));
+            assert!(left.contains(&mine) && left.contains(&foreign) && left.contains(&unmanaged));
+        }
+
+        /// A container using volume `volume`, both labelled `labels`.
+        async fn create_with_volume(
+            engine: &FakeEngine,
+            volume: &str,
+            labels: &[(&str, &str)],
+        ) -> String {
+            use bollard::models::{HostConfig, Mount, MountType, MountVolumeOptions};
+            let labels: HashMap<String, String> = labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let mount = Mount {
+                source: Some(volume.into()),
+                target: Some("/work".into()),
+                typ: Some(MountType::VOLUME),
+                volume_options: Some(MountVolumeOptions {
+                    labels: Some(labels.clone()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let id = engine
+                .create(
+                    "x",
+                    ContainerCreateBody {
+                        labels: Some(labels),
+                        host_config: Some(HostConfig {
+                            mounts: Some(vec![mount]),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
+            engine.start(&id).await.unwrap();
+            id
+        }
+
+        #[tokio::test]
+        async fn disk_volumes_go_after_their_containers_and_with_dead_owners() {
+            let engine = Arc::new(FakeEngine::default());
+            let me = Owner {
+                pid_ns: pid_namespace(),
+                pid: std::process::id(),
+                start_time: process_start_time(std::process::id()).unwrap(),
+                ..me()
+            };
+            let dead = format!("h/{}/4194304/1", pid_namespace());
+            let live = me.label();
+            let orphan = create_with_volume(
+                &engine,
+                "v-dead",
+                &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &dead)],
+            )
+            .await;
+            create_with_volume(
+                &engine,
+                "v-live",
+                &[(LABEL_MANAGED, "true"), (LABEL_OWNER, &live)],
+            )
+            .await;
+            let foreign = create_with_volume(
+                &engine,
+                "v-foreign",
+                &[
+                    (LABEL_MANAGED, "true"),
+                    (LABEL_OWNER, "elsewhere/pid:[9]/1/1"),
+                ],
+            )
+            .await;
+            let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me, BackendKind::Docker);
+            // The dead owner's container and then its volume; a running foreign container keeps its
+            // volume in use, and the live owner's stays.
+            assert_eq!(j.sweep_orphans().await.unwrap(), 2);
+            assert!(!engine.existing().contains(&orphan));
+            assert_eq!(engine.existing_volumes(), ["v-foreign", "v-live"]);
+            // Disposal: the container, then its volume.
+            j.dispose(foreign.clone(), Some("v-foreign".into()));
+            for _ in 0..200 {
+                if !engine.existing_volumes().contains(&"v-foreign".to_string()) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(engine.existing_volumes(), ["v-live"]);
+            assert!(!engine.existing().contains(&foreign));
+        }
     }
 }
