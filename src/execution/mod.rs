@@ -65,7 +65,9 @@ pub struct ExecutionRequest {
     pub owner: String,
     /// The verified capability token: what this execution may do.
     pub capability: Verified,
-    pub action: ActionType,
+    /// What is asked: an allowlisted command, an external executor or a session's exec.
+    pub action: Action,
+    /// The command's name, the executor's, or the session language's interpreter.
     pub command: String,
     pub args: Vec<String>,
     /// Already within the wire's bounds; the policy clamps it further.
@@ -77,8 +79,6 @@ pub struct ExecutionRequest {
     pub stdin: Option<String>,
     /// Echoed into provenance and the end line, never interpreted.
     pub metadata: Option<Map<String, Value>>,
-    /// The envelope's parts, for `external`.
-    pub external: ExternalParts,
     /// The Idempotency-Key the execution holds, as the state store scopes it (its audit lines
     /// carry it, so a daemon that stops mid-run can release it at its next start).
     pub idempotency_key: Option<String>,
@@ -86,9 +86,39 @@ pub struct ExecutionRequest {
     /// queued for a run slot then gives its place back and runs nothing; a run that started is
     /// not touched by it.
     pub abandoned: Option<watch::Receiver<bool>>,
-    /// Set for an exec in a session: the language's interpreter runs its code in the session's
-    /// workspace (`command` and `args` are then the interpreter and the code file's path).
-    pub session: Option<SessionExec>,
+}
+
+/// The kinds of run an execution may ask for. Each is decided its own way, in one place
+/// ([`ExecutionService::plan`] and admission go through the same match).
+#[derive(Debug, Clone)]
+pub enum Action {
+    /// A command of the allowlist, run as `action_type` (`external` has its own kind).
+    Command { action_type: ActionType },
+    /// A registered external executor (the request's `command`), with its envelope's parts.
+    Executor(ExternalParts),
+    /// An exec in a session: the language's interpreter runs its code in the session's
+    /// workspace (the request's `command` and `args` are the interpreter and the code file's
+    /// path).
+    SessionExec(SessionExec),
+}
+
+impl Action {
+    /// The action type the policy, the audit log and provenance know the run by.
+    pub fn action_type(&self) -> ActionType {
+        match self {
+            Action::Command { action_type } => *action_type,
+            Action::Executor(_) => ActionType::External,
+            Action::SessionExec(s) => s.language.action_type,
+        }
+    }
+
+    /// The session an exec runs in, for the other kinds None.
+    pub fn session(&self) -> Option<&SessionExec> {
+        match self {
+            Action::SessionExec(s) => Some(s),
+            Action::Command { .. } | Action::Executor(_) => None,
+        }
+    }
 }
 
 /// What an exec in a session adds to its request.
@@ -178,8 +208,7 @@ pub struct ExternalParts {
 
 impl ExecutionRequest {
     /// The parts an external executor's invocation is built from.
-    fn external_call(&self) -> ExternalCall<'_> {
-        let x = &self.external;
+    fn external_call<'a>(&'a self, x: &'a ExternalParts) -> ExternalCall<'a> {
         ExternalCall {
             args: &self.args,
             stdin: self.stdin.as_deref(),
@@ -200,7 +229,7 @@ impl ExecutionRequest {
             request_id: self.request_id.clone(),
             subject: self.subject.clone(),
             token_id: self.capability.token_id.clone(),
-            action_type: Some(self.action.as_str().to_string()),
+            action_type: Some(self.action.action_type().as_str().to_string()),
             command: Some(self.command.clone()),
             args: self.args.clone(),
         }
@@ -489,8 +518,8 @@ impl ExecutionService {
         // Only sessions with their profile's own limits have their containers kept warm: limits
         // a caller picks must not make the daemon hold a pool for each choice.
         let warm = req
-            .session
-            .as_ref()
+            .action
+            .session()
             .is_none_or(|s| s.limits == SessionLimits::default());
         backend
             .keep(&spec, session_id, warm)
@@ -594,7 +623,7 @@ impl ExecutionService {
             subject: req.subject.clone(),
             owner: Some(req.owner.clone()),
             token_id: req.capability.token_id.clone(),
-            action_type: req.action.as_str().into(),
+            action_type: req.action.action_type().as_str().into(),
             command_hash: command_hash(&req.command, &req.args),
             command: req.command,
             args: req.args,
@@ -630,8 +659,8 @@ impl ExecutionService {
             slot,
             executor_def_sha256: external.map(|x| x.def_sha256),
             session: req
-                .session
-                .as_ref()
+                .action
+                .session()
                 .map(|s| (s.session_id.clone(), s.code_sha256.clone())),
             timestamp,
             metadata: req.metadata,
@@ -868,7 +897,7 @@ impl ExecutionService {
         skip_all,
         fields(
             request_id = %req.request_id,
-            action_type = req.action.as_str(),
+            action_type = req.action.action_type().as_str(),
             command = %crate::auth::clip(&req.command, SPAN_COMMAND_CHARS),
         )
     )]
@@ -877,7 +906,7 @@ impl ExecutionService {
         req: &ExecutionRequest,
     ) -> Result<(Plan, Option<ExternalInvocation>), ExecutionError> {
         let ask = Ask {
-            action_type: Some(req.action),
+            action_type: Some(req.action.action_type()),
             command: &req.command,
             args: &req.args,
             timeout_seconds: req.timeout_seconds,
@@ -886,8 +915,17 @@ impl ExecutionService {
             env: &req.env,
         };
         let grant = &req.capability.grant;
-        let decided = if let Some(session) = &req.session {
-            self.policy
+        let decided = match &req.action {
+            Action::Command { .. } => self.policy.decide(&ask, grant).map(|p| (p, None)),
+            Action::Executor(parts) => invoke::decide(
+                &self.executors,
+                &self.policy,
+                &ask,
+                grant,
+                &req.external_call(parts),
+            ),
+            Action::SessionExec(session) => self
+                .policy
                 .decide_language(&session.language, &ask, grant)
                 .map(|mut plan| {
                     session.limits.apply(&mut plan.limits);
@@ -896,17 +934,7 @@ impl ExecutionService {
                             plan.limits.timeout.min(t.max(Duration::from_millis(1)));
                     }
                     (plan, None)
-                })
-        } else if req.action == ActionType::External {
-            invoke::decide(
-                &self.executors,
-                &self.policy,
-                &ask,
-                grant,
-                &req.external_call(),
-            )
-        } else {
-            self.policy.decide(&ask, grant).map(|p| (p, None))
+                }),
         };
         decided.map_err(|e| match e {
             PolicyError::Refused(r) => {
@@ -941,7 +969,7 @@ impl ExecutionService {
             spec.fs.extra_files = x.extra_files.clone();
             spec.env.extend(x.env.clone());
         }
-        if let Some(s) = &req.session {
+        if let Some(s) = req.action.session() {
             spec.fs.workdir = PathBuf::from(WORKSPACE);
             spec.fs.cwd = Some(s.cwd.clone());
             spec.env.insert("HOME".into(), WORKSPACE.into());
@@ -969,7 +997,7 @@ impl ExecutionService {
             }
         }
         let mut decides = json!({
-            "action_type": req.action.as_str(),
+            "action_type": req.action.action_type().as_str(),
             "command": plan.command,
             "path": plan.path,
             "args": argv_tail,
@@ -982,7 +1010,7 @@ impl ExecutionService {
             "limits": spec.limits,
         });
         // Only a session's exec has the key: every other request's hash stays as it was.
-        if let Some(s) = &req.session {
+        if let Some(s) = req.action.session() {
             decides["session"] = json!({
                 "id": s.session_id,
                 "code_sha256": s.code_sha256,

@@ -154,7 +154,9 @@ fn request(command: &str, single_use: Option<&str>) -> ExecutionRequest {
                 ..Default::default()
             },
         },
-        action: ActionType::Shell,
+        action: Action::Command {
+            action_type: ActionType::Shell,
+        },
         command: command.into(),
         args: vec!["hi".into()],
         timeout_seconds: Some(5),
@@ -163,10 +165,8 @@ fn request(command: &str, single_use: Option<&str>) -> ExecutionRequest {
         env: BTreeMap::new(),
         stdin: None,
         metadata: Some(Map::from_iter([("job".to_string(), json!("j-7"))])),
-        external: ExternalParts::default(),
         idempotency_key: None,
         abandoned: None,
-        session: None,
     }
 }
 
