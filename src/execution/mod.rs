@@ -34,7 +34,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tracing::Instrument as _;
 
 use self::record::{AdmittedRun, KnownRequest, RefusalKind};
-use self::result::{ExecutionResult, Provenance, b64_unless_utf8, outcome_name};
+use self::result::{
+    ExecutionResult, Provenance, Render, Unanswered, b64_unless_utf8, outcome_name,
+};
 use self::runs::{CancelOutcome, LiveRun, NewRun, Runs};
 use crate::auth::Verified;
 use crate::config::{Config, TokenKind};
@@ -240,26 +242,26 @@ impl ExecutionRequest {
 /// audited by the time they are returned.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecutionError {
-    /// The request is malformed in a way only deciding it shows (400).
+    /// The request is malformed in a way only deciding it shows.
     #[error("{0}")]
     Invalid(String),
-    /// A single-use capability token was replayed or cannot be vouched for (401).
+    /// A single-use capability token was replayed or cannot be vouched for.
     #[error("single-use capability token refused")]
     Unauthorized,
-    /// The policy refused the request (403); `allowed_commands` when the allowlist did.
+    /// The policy refused the request; `allowed_commands` when the allowlist did.
     #[error("{reason}")]
     Refused {
         reason: String,
         allowed_commands: Option<Vec<String>>,
     },
     /// Every run slot of the backend is taken and its queue is full, or the request waited in
-    /// it for `server.queue.max_wait_ms` (429); the detail says which.
+    /// it for `server.queue.max_wait_ms`; the detail says which.
     #[error("too many executions in progress: {0}")]
     Overloaded(String),
-    /// A backend, the audit log or the state store cannot serve the request (503).
+    /// A backend, the audit log or the state store cannot serve the request.
     #[error("{0}")]
     Unavailable(String),
-    /// The run failed inside the daemon; the detail is for the log only (500).
+    /// The run failed inside the daemon; the detail is for the log only.
     #[error("{0}")]
     Internal(String),
 }
@@ -289,7 +291,7 @@ pub struct Finished {
 /// Why a single-use token could not be claimed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimError {
-    /// Replayed, or issued before the store's record begins: a 401, with the reason.
+    /// Replayed, or issued before the store's record begins, with the reason.
     Refused(String),
     /// The state store did not answer.
     Unavailable(String),
@@ -396,11 +398,14 @@ pub struct ExecutionService {
     address: std::sync::OnceLock<String>,
     /// How long a finished run's record is kept.
     retention: Duration,
+    /// What a run's record keeps when it has no answer of its caller's (the api layer's).
+    render: Render,
 }
 
 impl ExecutionService {
     /// The service over these parts; run slots per backend come from `server.concurrency`, the
-    /// queue in front of them from `server.queue`.
+    /// queue in front of them from `server.queue`. `render` answers the runs whose record it
+    /// finishes without their caller's answer ([`Unanswered`]).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: &Config,
@@ -411,6 +416,7 @@ impl ExecutionService {
         store: Arc<dyn StateStore>,
         audit: Arc<AuditLog>,
         metrics: Arc<Metrics>,
+        render: Render,
     ) -> Self {
         let slots = BackendKind::ALL
             .iter()
@@ -447,6 +453,7 @@ impl ExecutionService {
             instance: instance.to_string(),
             address: std::sync::OnceLock::new(),
             retention: Duration::from_secs(config.executions.retention_seconds),
+            render,
         }
     }
 
@@ -530,7 +537,7 @@ impl ExecutionService {
             })
     }
 
-    /// Refuses (503) the requests waiting for a run slot and every request that comes for one
+    /// Refuses (as unavailable) the requests waiting for a run slot and every request that comes for one
     /// from now on: a daemon that is shutting down starts nothing new, a queued request included
     /// (it would only be killed at the end of the grace, half done).
     pub fn close_queue(&self) {
@@ -768,7 +775,7 @@ impl ExecutionService {
         }));
         self.metrics.live_runs.set(self.runs.len() as f64);
         let (store, runs, metrics) = (self.store.clone(), self.runs.clone(), self.metrics.clone());
-        let (instance, retention) = (self.instance.clone(), self.retention);
+        let (instance, retention, render) = (self.instance.clone(), self.retention, self.render);
         let address = self.address.get().cloned();
         let ran_on = (
             execution.plan.backend.as_str().to_string(),
@@ -809,7 +816,7 @@ impl ExecutionService {
             let response = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| answer(ran)))
                 .unwrap_or_else(|_| {
                     tracing::error!(%exec_id, "the run's answer could not be made");
-                    internal_error_response()
+                    render(&Unanswered::AnswerFailed)
                 });
             let finished = record(
                 Some(response.clone()),
@@ -848,7 +855,7 @@ impl ExecutionService {
             // "running" would keep a caller polling until the record expires.
             Some(r) if r.response.is_none() && r.instance == self.instance => {
                 Lookup::Stored(StoredExecution {
-                    response: Some(lost_answer()),
+                    response: Some((self.render)(&Unanswered::Lost)),
                     ..r
                 })
             }
@@ -1234,35 +1241,6 @@ pub enum Lookup {
 /// scope of its Idempotency-Keys).
 pub fn owner_of(subject: Option<&str>) -> String {
     subject.unwrap_or("-").to_string()
-}
-
-/// The answer of a run whose result could not be made into one (500).
-fn internal_error_response() -> StoredResponse {
-    StoredResponse {
-        status: 500,
-        body: json!({
-            "success": false,
-            "error": "Internal error; see the daemon log",
-            "error_type": "InternalError",
-            "retryable": true,
-        })
-        .to_string(),
-    }
-}
-
-/// What a finished run whose answer the store never took reads as, once this daemon no longer
-/// keeps it (500).
-fn lost_answer() -> StoredResponse {
-    StoredResponse {
-        status: 500,
-        body: json!({
-            "success": false,
-            "error": "the run finished but its result could not be stored and is no longer kept",
-            "error_type": "InternalError",
-            "retryable": true,
-        })
-        .to_string(),
-    }
 }
 
 /// Stores a finished run's record, trying again over a few seconds when the store fails: a

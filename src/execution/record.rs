@@ -8,12 +8,13 @@
 
 use std::sync::Arc;
 
+use super::result::{Render, Unanswered};
 use crate::metrics::Metrics;
 use crate::policy::Plan;
 use crate::provenance::audit::{self, AuditError, AuditEvent, AuditLog, RunEnd};
 use crate::provenance::command_hash;
 use crate::sandbox::RunOutcome;
-use crate::state::{IdemKey, StateStore, StoredExecution, StoredResponse};
+use crate::state::{IdemKey, StateStore, StoredExecution};
 
 /// Longest refusal reason an audit line carries, in characters.
 const MAX_REASON_CHARS: usize = 512;
@@ -185,12 +186,14 @@ impl Drop for AdmittedRun {
 /// Ends the runs an earlier daemon process started on this audit log and never ended (it
 /// stopped mid-run: a crash, a kill): one `execution_error` line each, the run's record finished
 /// with that error (kept `retention`; it said "running" until then), and the Idempotency-Key
-/// such a run held is released so that a retry runs. Called once at start, before serving.
+/// such a run held is released so that a retry runs. Called once at start, before serving;
+/// `render` says what such a run is answered with.
 pub async fn record_interrupted(
     audit: &AuditLog,
     store: &dyn StateStore,
     metrics: &Metrics,
     retention: std::time::Duration,
+    render: Render,
 ) {
     for i in audit.interrupted() {
         tracing::warn!(
@@ -209,7 +212,7 @@ pub async fn record_interrupted(
         };
         record(audit, metrics, &event);
         metrics.interrupted_runs.increment(1);
-        finish_record(store, i, retention).await;
+        finish_record(store, i, retention, render).await;
         let Some(scoped) = &i.run.idempotency_key else {
             continue;
         };
@@ -223,12 +226,13 @@ pub async fn record_interrupted(
     }
 }
 
-/// Marks the record of interrupted run `i` finished, with a retryable 503 `DaemonStopped` as its
-/// answer, unless the store has its answer already.
+/// Marks the record of interrupted run `i` finished, answered as [`Unanswered::DaemonStopped`],
+/// unless the store has its answer already.
 async fn finish_record(
     store: &dyn StateStore,
     i: &audit::Interrupted,
     retention: std::time::Duration,
+    render: Render,
 ) {
     let key = IdemKey {
         subject: i
@@ -249,16 +253,9 @@ async fn finish_record(
     let finished = StoredExecution {
         instance: i.instance.clone(),
         address: None,
-        response: Some(StoredResponse {
-            status: 503,
-            body: serde_json::json!({
-                "success": false,
-                "error": format!("the daemon (instance {}) stopped during the run", i.instance),
-                "error_type": "DaemonStopped",
-                "retryable": true,
-            })
-            .to_string(),
-        }),
+        response: Some(render(&Unanswered::DaemonStopped {
+            instance: i.instance.clone(),
+        })),
         cancelled_by: None,
         backend: Some(i.run.backend.to_string()),
         profile: Some(i.run.profile.clone()),

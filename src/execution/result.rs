@@ -9,6 +9,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::sandbox::{KilledReason, RunOutcome};
+use crate::state::StoredResponse;
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct Provenance {
@@ -90,6 +91,22 @@ pub struct ExecutionResult {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retryable: Option<bool>,
 }
+
+/// A run whose record the execution layer finishes without the answer its caller made of its
+/// result. The api layer says what each is answered with (see [`Render`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unanswered {
+    /// Making the run's answer out of its result failed.
+    AnswerFailed,
+    /// The run finished, but its answer could not be stored and this daemon no longer keeps it.
+    Lost,
+    /// The daemon instance that ran it stopped during the run.
+    DaemonStopped { instance: String },
+}
+
+/// Turns an [`Unanswered`] into the answer a run's record keeps: given by the api layer, which
+/// alone knows what an answer looks like.
+pub type Render = fn(&Unanswered) -> StoredResponse;
 
 /// The wire outcome of a run.
 pub fn outcome_name(o: &RunOutcome) -> &'static str {

@@ -157,7 +157,11 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
 
     let log = AuditLog::open(&path, "new-2").unwrap();
     let metrics = Metrics::new();
-    record_interrupted(&log, &store, &metrics, Duration::from_secs(60)).await;
+    let render = |u: &Unanswered| crate::state::StoredResponse {
+        status: 0,
+        body: format!("{u:?}"),
+    };
+    record_interrupted(&log, &store, &metrics, Duration::from_secs(60), render).await;
     let lines: Vec<Value> = std::fs::read_to_string(&path)
         .unwrap()
         .lines()
@@ -206,10 +210,7 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
         .unwrap()
         .expect("the interrupted run's record");
     let answer = record.response.expect("finished");
-    assert_eq!(answer.status, 503);
-    let body: Value = serde_json::from_str(&answer.body).unwrap();
-    assert_eq!(body["error_type"], "DaemonStopped");
-    assert_eq!(body["retryable"], true);
+    assert!(answer.body.starts_with("DaemonStopped"), "{}", answer.body);
     // A run's record is found under its owner, the calling service, not the capability token's
     // subject.
     let owned = IdemKey {
@@ -217,7 +218,11 @@ async fn interrupted_runs_are_ended_once_and_their_keys_released() {
         key: "exec-c".into(),
     };
     let record = store.execution_get(&owned).await.unwrap();
-    assert_eq!(record.and_then(|r| r.response).map(|a| a.status), Some(503));
+    assert!(
+        record
+            .and_then(|r| r.response)
+            .is_some_and(|a| a.body.starts_with("DaemonStopped"))
+    );
     // The crashed daemon's key is free; another owner's claim is not touched.
     assert_eq!(
         store
