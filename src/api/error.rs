@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::execution::ExecutionError;
-use crate::execution::result::Unanswered;
+use crate::execution::Unanswered;
 use crate::state::StoredResponse;
 
 #[derive(Debug)]
