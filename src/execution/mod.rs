@@ -4,19 +4,19 @@
 //! The path of one execution, top to bottom — [`ExecutionService::admit`], then
 //! [`Execution::run`]:
 //! 1. **decide** ([`plan`]): one match over the kind of run asked for ([`Action`]) sends it to the
-//!    allowlist ([`Policy::decide`]), a registered external executor ([`invoke::decide`](crate::executors::invoke::decide)) or a
+//!    allowlist ([`Policy::decide`]), a registered external executor ([`invoke::decide`]) or a
 //!    session's language, which turns it into a [`Plan`]; a refusal gets its audit line.
 //! 2. **admit** ([`admission`]): the plan's backend and one of its run slots, then the claim of a
 //!    single-use capability token, then the `execution_start` line. Everything that can refuse
 //!    the request comes before the claim, so a refused request does not use the token up; the
 //!    claim comes before the start line, so nothing runs on a replayed token.
-//! 3. **run** ([`run`]): the plan's [`RunSpec`](crate::sandbox::RunSpec) on the backend, in a task of its own.
+//! 3. **run** ([`run`]): the plan's [`RunSpec`] on the backend, in a task of its own.
 //! 4. **record** ([`run`], [`record`], [`runs`]): the result and its provenance, the one end
 //!    line, the metrics; for a started run, its record in the state store.
 //!
 //! The files, one step each:
 //! - [`request`]: the request and the kinds of run ([`ExecutionRequest`], [`Action`]).
-//! - [`plan`]: deciding a request, and the [`RunSpec`](crate::sandbox::RunSpec) and invocation hash of its plan.
+//! - [`plan`]: deciding a request, and the [`RunSpec`] and invocation hash of its plan.
 //! - [`admission`]: run slots, the queue in front of them, single-use claims.
 //! - [`run`]: an admitted [`Execution`], run to its result.
 //! - [`result`]: what an execution answers: its result and its typed errors
@@ -33,6 +33,9 @@
 //!
 //! Owns: that order, the backends and their run slots, the kill switch of running executions.
 //! Must not: know HTTP, or any backend's mechanism (it sees only the `Sandbox` trait).
+//!
+//! [`RunSpec`]: crate::sandbox::RunSpec
+//! [`invoke::decide`]: crate::executors::invoke::decide
 
 pub mod admission;
 pub mod plan;

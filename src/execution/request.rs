@@ -26,8 +26,9 @@ pub struct ExecutionRequest {
     /// The calling service's subject, else the capability token's (for the audit log).
     pub subject: Option<String>,
     /// Whose run this is: the calling service's subject, `-` for a service token without one
-    /// (see [`owner_of`]). Only the same service reads, streams or cancels the run; a capability
-    /// token's subject never decides it, as the lookups know only the service token.
+    /// (see [`owner_of`](super::owner_of)). Only the same service reads, streams or cancels the
+    /// run; a capability token's subject never decides it, as the lookups know only the service
+    /// token.
     pub owner: String,
     /// The verified capability token: what this execution may do.
     pub capability: Verified,
@@ -55,7 +56,8 @@ pub struct ExecutionRequest {
 }
 
 /// The kinds of run an execution may ask for. Each is decided its own way, in one place
-/// ([`ExecutionService::plan`] and admission go through the same match).
+/// ([`ExecutionService::plan`](super::ExecutionService::plan) and admission go through the same
+/// match, in [`super::plan`]).
 #[derive(Debug, Clone)]
 pub enum Action {
     /// A command of the allowlist, run as `action_type` (`external` has its own kind).

@@ -287,7 +287,8 @@ pub enum Unanswered {
 /// alone knows what an answer looks like.
 pub type Render = fn(&Unanswered) -> StoredResponse;
 
-/// Where a run stands, as [`ExecutionService::lookup`] finds it.
+/// Where a run stands, as [`ExecutionService::lookup`](super::ExecutionService::lookup) finds
+/// it.
 pub enum Lookup {
     /// Running on this daemon.
     Live(Arc<LiveRun>),
