@@ -89,6 +89,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         &*store,
         &metrics,
         std::time::Duration::from_secs(config.executions.retention_seconds),
+        crate::api::error::unanswered,
     )
     .await;
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
@@ -149,6 +150,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         store.clone(),
         audit.clone(),
         metrics.clone(),
+        crate::api::error::unanswered,
     ));
     let sessions = crate::sessions::SessionService::new(&config.sessions, executions.clone(), uids);
     Ok(Arc::new(AppState {

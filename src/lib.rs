@@ -8,7 +8,12 @@
 //!   request into an `ExecutionRequest`, `api::caller` reads who calls, `api::run` holds what
 //!   every run route shares (modes, idempotency, disconnects, answers); see `api`'s own layout.
 //! - `execution`: the execution service, no HTTP: decide → admit → run → record (provenance, one
-//!   typed audit event per line, metrics), the one path every execution takes.
+//!   typed audit event per line, metrics), the one path every execution takes. One file a step:
+//!   `request` (the request and its kind of run, an `Action`), `plan` (deciding it: one match
+//!   over the kinds), `admission` (run slots, their queue, single-use claims), `run` (an admitted
+//!   execution run to its result), `result` (the result and the typed `ExecutionError`),
+//!   `record` (audit lines, metrics), `runs` (live runs and their stored records); `mod.rs`
+//!   holds the service. The api renders every answer's status and body.
 //! - `sessions`: sandboxes kept across execs (owner, tenant, workspace, lifetimes); each exec
 //!   is an execution of the execution service.
 //! - `auth`: service and capability tokens (JWT, static), verified into a grant.

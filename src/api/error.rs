@@ -7,6 +7,8 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::execution::ExecutionError;
+use crate::execution::Unanswered;
+use crate::state::StoredResponse;
 
 #[derive(Debug)]
 pub enum ApiError {
@@ -229,6 +231,38 @@ impl From<ExecutionError> for ApiError {
     }
 }
 
+/// What a run's record keeps when the execution service finishes it without the answer its
+/// caller made (see [`Unanswered`]): a retryable error, in the body every error has.
+pub fn unanswered(u: &Unanswered) -> StoredResponse {
+    let (status, error, error_type) = match u {
+        Unanswered::AnswerFailed => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "Internal error; see the daemon log".to_string(),
+            "InternalError",
+        ),
+        Unanswered::Lost => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the run finished but its result could not be stored and is no longer kept".into(),
+            "InternalError",
+        ),
+        Unanswered::DaemonStopped { instance } => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the daemon (instance {instance}) stopped during the run"),
+            "DaemonStopped",
+        ),
+    };
+    StoredResponse {
+        status: status.as_u16(),
+        body: serde_json::json!({
+            "success": false,
+            "error": error,
+            "error_type": error_type,
+            "retryable": true,
+        })
+        .to_string(),
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if let ApiError::Internal(detail) = &self {
@@ -271,5 +305,39 @@ mod tests {
             let error_type = e.error_type();
             assert_eq!(ApiError::from(e).error_type(), error_type);
         }
+    }
+
+    /// A run the execution service ends without its caller's answer reads as a retryable error:
+    /// 500 when its answer failed or was lost, 503 `DaemonStopped` when its daemon stopped.
+    #[test]
+    fn unanswered_runs_are_retryable_errors() {
+        let cases = [
+            (Unanswered::AnswerFailed, 500, "InternalError"),
+            (Unanswered::Lost, 500, "InternalError"),
+            (
+                Unanswered::DaemonStopped {
+                    instance: "i-1".into(),
+                },
+                503,
+                "DaemonStopped",
+            ),
+        ];
+        for (u, status, error_type) in cases {
+            let answer = unanswered(&u);
+            assert_eq!(answer.status, status, "{u:?}");
+            let body: Value = serde_json::from_str(&answer.body).unwrap();
+            assert_eq!(body["success"], false);
+            assert_eq!(body["error_type"], error_type);
+            assert_eq!(body["retryable"], true);
+            assert!(body["error"].is_string());
+        }
+        let stopped = unanswered(&Unanswered::DaemonStopped {
+            instance: "i-1".into(),
+        });
+        assert!(
+            stopped
+                .body
+                .contains("the daemon (instance i-1) stopped during the run")
+        );
     }
 }

@@ -29,7 +29,7 @@ use crate::auth::Verified;
 use crate::execution::record::KnownRequest;
 use crate::execution::result::ExecutionResult;
 use crate::execution::runs::LiveRun;
-use crate::execution::{ClaimError, ExecutionRequest, ExternalParts, claim_single_use};
+use crate::execution::{Action, ClaimError, ExecutionRequest, ExternalParts, claim_single_use};
 use crate::policy::ActionType;
 use crate::state::IdemKey;
 
@@ -119,7 +119,21 @@ impl ExecuteRequest {
             subject: known.subject.clone(),
             owner,
             capability,
-            action,
+            action: if action == ActionType::External {
+                Action::Executor(ExternalParts {
+                    activity: self.activity,
+                    input: self.input,
+                    skills: self.skills,
+                    memory: self.memory,
+                    job: self.job,
+                    task: self.task,
+                    model: self.model,
+                })
+            } else {
+                Action::Command {
+                    action_type: action,
+                }
+            },
             command: self.command,
             args: self.args,
             timeout_seconds,
@@ -128,18 +142,8 @@ impl ExecuteRequest {
             env: self.env,
             stdin: self.stdin,
             metadata: self.metadata,
-            external: ExternalParts {
-                activity: self.activity,
-                input: self.input,
-                skills: self.skills,
-                memory: self.memory,
-                job: self.job,
-                task: self.task,
-                model: self.model,
-            },
             idempotency_key: None,
             abandoned: None,
-            session: None,
         }
     }
 }

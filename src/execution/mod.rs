@@ -3,347 +3,77 @@
 //!
 //! The path of one execution, top to bottom — [`ExecutionService::admit`], then
 //! [`Execution::run`]:
-//! 1. **decide**: the allowlist ([`Policy::decide`]) or a registered external executor
-//!    ([`invoke::decide`]) turns the request into a [`Plan`]; a refusal gets its audit line.
-//! 2. **admit**: the plan's backend and one of its run slots, then the claim of a single-use
-//!    capability token, then the `execution_start` line. Everything that can refuse the request
-//!    comes before the claim, so a refused request does not use the token up; the claim comes
-//!    before the start line, so nothing runs on a replayed token.
-//! 3. **run**: the plan's [`RunSpec`] on the backend, in a task of its own.
-//! 4. **record**: the result and its provenance, the one end line, the metrics.
+//! 1. **decide** ([`plan`]): one match over the kind of run asked for ([`Action`]) sends it to the
+//!    allowlist ([`Policy::decide`]), a registered external executor ([`invoke::decide`]) or a
+//!    session's language, which turns it into a [`Plan`]; a refusal gets its audit line.
+//! 2. **admit** ([`admission`]): the plan's backend and one of its run slots, then the claim of a
+//!    single-use capability token, then the `execution_start` line. Everything that can refuse
+//!    the request comes before the claim, so a refused request does not use the token up; the
+//!    claim comes before the start line, so nothing runs on a replayed token.
+//! 3. **run** ([`run`]): the plan's [`RunSpec`] on the backend, in a task of its own.
+//! 4. **record** ([`run`], [`record`], [`runs`]): the result and its provenance, the one end
+//!    line, the metrics; for a started run, its record in the state store.
+//!
+//! The files, one step each:
+//! - [`request`]: the request and the kinds of run ([`ExecutionRequest`], [`Action`]).
+//! - [`plan`]: deciding a request, and the [`RunSpec`] and invocation hash of its plan.
+//! - [`admission`]: run slots, the queue in front of them, single-use claims.
+//! - [`run`]: an admitted [`Execution`], run to its result.
+//! - [`result`]: what an execution answers: its result and its typed errors
+//!   ([`ExecutionError`]).
+//! - [`record`]: the audit lines and metrics an execution leaves.
+//! - [`runs`]: the live runs, their owners, and their records in the state store (with the
+//!   runs finished without their caller's answer, [`Unanswered`]).
+//! - this file: the service, which holds the parts and goes through the steps in order.
 //!
 //! The api layer parses and authenticates a request into an [`ExecutionRequest`] and maps
-//! [`ExecutionError`] and [`Finished`] to HTTP. Between the two calls the caller holds an
-//! [`Execution`]: its `exec_id` is known and its start line written before anything runs.
+//! [`ExecutionError`], [`Finished`] and [`Unanswered`] to HTTP. Between the two calls the
+//! caller holds an [`Execution`]: its `exec_id` is known and its start line written before
+//! anything runs.
 //!
 //! Owns: that order, the backends and their run slots, the kill switch of running executions.
 //! Must not: know HTTP, or any backend's mechanism (it sees only the `Sandbox` trait).
+//!
+//! [`RunSpec`]: crate::sandbox::RunSpec
+//! [`invoke::decide`]: crate::executors::invoke::decide
 
+pub mod admission;
+pub mod plan;
 pub mod record;
+pub mod request;
 pub mod result;
+pub mod run;
 pub mod runs;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
-use serde_json::{Map, Value, json};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{Semaphore, watch};
 use tracing::Instrument as _;
 
-use self::record::{AdmittedRun, KnownRequest, RefusalKind};
-use self::result::{ExecutionResult, Provenance, b64_unless_utf8, outcome_name};
-use self::runs::{CancelOutcome, LiveRun, NewRun, Runs};
-use crate::auth::Verified;
-use crate::config::{Config, TokenKind};
+pub use self::admission::{ClaimError, claim_single_use};
+use self::admission::{QueueLimits, RunSlots};
+use self::record::{AdmittedRun, RefusalKind};
+pub use self::request::{
+    Action, ExecutionRequest, ExternalParts, SessionExec, SessionLimits, SessionPlace, WORKSPACE,
+};
+pub use self::result::{ExecutionError, Finished};
+pub use self::run::Execution;
+use self::runs::{CancelOutcome, LiveRun, NewRun, Runs, log_store_error, put_final};
+pub use self::runs::{Lookup, Render, Unanswered, owner_of};
+use crate::config::Config;
 use crate::executors::Registry;
-use crate::executors::invoke::{self, ExternalCall, ExternalInvocation};
 use crate::metrics::Metrics;
-use crate::policy::language::Language;
-use crate::policy::profile::NetworkMode;
-use crate::policy::{ActionType, Ask, Plan, Policy, PolicyError};
-use crate::provenance::audit::{self, AuditLog, RunEnd};
-use crate::provenance::{command_hash, invocation_hash, sha256_prefixed};
+use crate::policy::{Plan, Policy};
+use crate::provenance::audit::{self, AuditLog};
+use crate::provenance::command_hash;
 use crate::sandbox::files::Kept;
 use crate::sandbox::{
-    BackendKind, BackendStatus, ExecCode, KilledReason, OutputTap, RunOutcome, RunSpec, Sandbox,
-    SandboxError, Stop,
+    BackendKind, BackendStatus, KilledReason, OutputTap, Sandbox, SandboxError, Stop,
 };
-use crate::state::{IdemKey, JtiClaim, StateError, StateStore, StoredExecution, StoredResponse};
-
-/// One execution as asked for: parsed and its caller authenticated, not yet decided.
-#[derive(Debug, Clone)]
-pub struct ExecutionRequest {
-    pub request_id: String,
-    /// The calling service's subject, else the capability token's (for the audit log).
-    pub subject: Option<String>,
-    /// Whose run this is: the calling service's subject, `-` for a service token without one
-    /// (see [`owner_of`]). Only the same service reads, streams or cancels the run; a capability
-    /// token's subject never decides it, as the lookups know only the service token.
-    pub owner: String,
-    /// The verified capability token: what this execution may do.
-    pub capability: Verified,
-    pub action: ActionType,
-    pub command: String,
-    pub args: Vec<String>,
-    /// Already within the wire's bounds; the policy clamps it further.
-    pub timeout_seconds: Option<u64>,
-    /// An async or streamed run: it may last up to the profile's `max_async_timeout_seconds`.
-    pub long_run: bool,
-    pub profile: Option<String>,
-    pub env: BTreeMap<String, String>,
-    pub stdin: Option<String>,
-    /// Echoed into provenance and the end line, never interpreted.
-    pub metadata: Option<Map<String, Value>>,
-    /// The envelope's parts, for `external`.
-    pub external: ExternalParts,
-    /// The Idempotency-Key the execution holds, as the state store scopes it (its audit lines
-    /// carry it, so a daemon that stops mid-run can release it at its next start).
-    pub idempotency_key: Option<String>,
-    /// Raised when whoever asked for the execution stops waiting for it. A request still
-    /// queued for a run slot then gives its place back and runs nothing; a run that started is
-    /// not touched by it.
-    pub abandoned: Option<watch::Receiver<bool>>,
-    /// Set for an exec in a session: the language's interpreter runs its code in the session's
-    /// workspace (`command` and `args` are then the interpreter and the code file's path).
-    pub session: Option<SessionExec>,
-}
-
-/// What an exec in a session adds to its request.
-#[derive(Debug, Clone)]
-pub struct SessionExec {
-    pub session_id: String,
-    pub language: Arc<Language>,
-    /// Where the session's workspace is and how the exec's code gets there.
-    pub place: SessionPlace,
-    /// `sha256:<hex>` of the code.
-    pub code_sha256: String,
-    /// Where the code starts, inside [`WORKSPACE`].
-    pub cwd: PathBuf,
-    /// The session's limits, each no looser than its profile's (the tighter one applies).
-    pub limits: SessionLimits,
-    /// The exec's deadline to the millisecond (`timeout_ms`), within what the policy allows.
-    pub timeout: Option<Duration>,
-}
-
-/// Where a session's exec runs.
-#[derive(Debug, Clone)]
-pub enum SessionPlace {
-    /// Local: a fresh sandbox with the session's host `workspace` bound at [`WORKSPACE`] and the
-    /// host `code_file` bound read-only at the language's code path.
-    Host {
-        workspace: PathBuf,
-        code_file: PathBuf,
-        /// The session's own host uid (see [`crate::sandbox::uids`]); None only while a
-        /// session is being decided, before it has one.
-        uid: Option<u32>,
-    },
-    /// Docker/gVisor: the session's kept sandbox, which writes `code` at the language's path.
-    Kept {
-        sandbox: Arc<dyn Kept>,
-        code: Arc<[u8]>,
-    },
-}
-
-/// Where a session's workspace appears inside its sandbox.
-pub const WORKSPACE: &str = "/workspace";
-
-/// Limits a session asked for at creation; None keeps the profile's.
-#[derive(
-    Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize, PartialEq, utoipa::ToSchema,
-)]
-#[serde(deny_unknown_fields)]
-pub struct SessionLimits {
-    pub cpus: Option<f64>,
-    pub memory_mb: Option<u64>,
-    pub disk_mb: Option<u64>,
-    pub pids: Option<u64>,
-    pub output_bytes: Option<usize>,
-}
-
-impl SessionLimits {
-    /// Tightens `limits` to these (never loosens them).
-    pub fn apply(&self, limits: &mut crate::sandbox::Limits) {
-        if let Some(c) = self.cpus {
-            limits.cpus = limits.cpus.min(c);
-        }
-        if let Some(m) = self.memory_mb {
-            limits.memory_bytes = limits.memory_bytes.min(m << 20);
-        }
-        if let Some(d) = self.disk_mb {
-            limits.disk_bytes = limits.disk_bytes.min(d << 20);
-        }
-        if let Some(p) = self.pids {
-            limits.pids = limits.pids.min(p);
-        }
-        if let Some(o) = self.output_bytes {
-            limits.output_bytes = limits.output_bytes.min(o);
-        }
-    }
-}
-
-/// What an `external` request carries for the executor's envelope and runtime model.
-#[derive(Debug, Clone, Default)]
-pub struct ExternalParts {
-    pub activity: Option<Value>,
-    pub input: Option<Value>,
-    pub skills: Option<Value>,
-    pub memory: Option<Value>,
-    pub job: Option<Value>,
-    pub task: Option<Value>,
-    pub model: Option<String>,
-}
-
-impl ExecutionRequest {
-    /// The parts an external executor's invocation is built from.
-    fn external_call(&self) -> ExternalCall<'_> {
-        let x = &self.external;
-        ExternalCall {
-            args: &self.args,
-            stdin: self.stdin.as_deref(),
-            orbit: self.metadata.as_ref().and_then(|m| m.get("orbit")),
-            activity: x.activity.as_ref(),
-            input: x.input.as_ref(),
-            skills: x.skills.as_ref(),
-            memory: x.memory.as_ref(),
-            job: x.job.as_ref(),
-            task: x.task.as_ref(),
-            model: x.model.as_deref(),
-        }
-    }
-
-    /// The request as a refusal's audit line tells it.
-    pub fn known(&self) -> KnownRequest {
-        KnownRequest {
-            request_id: self.request_id.clone(),
-            subject: self.subject.clone(),
-            token_id: self.capability.token_id.clone(),
-            action_type: Some(self.action.as_str().to_string()),
-            command: Some(self.command.clone()),
-            args: self.args.clone(),
-        }
-    }
-}
-
-/// Why an execution did not reach an outcome. Refusals (`Unauthorized`, `Refused`) have been
-/// audited by the time they are returned.
-#[derive(Debug, thiserror::Error)]
-pub enum ExecutionError {
-    /// The request is malformed in a way only deciding it shows (400).
-    #[error("{0}")]
-    Invalid(String),
-    /// A single-use capability token was replayed or cannot be vouched for (401).
-    #[error("single-use capability token refused")]
-    Unauthorized,
-    /// The policy refused the request (403); `allowed_commands` when the allowlist did.
-    #[error("{reason}")]
-    Refused {
-        reason: String,
-        allowed_commands: Option<Vec<String>>,
-    },
-    /// Every run slot of the backend is taken and its queue is full, or the request waited in
-    /// it for `server.queue.max_wait_ms` (429); the detail says which.
-    #[error("too many executions in progress: {0}")]
-    Overloaded(String),
-    /// A backend, the audit log or the state store cannot serve the request (503).
-    #[error("{0}")]
-    Unavailable(String),
-    /// The run failed inside the daemon; the detail is for the log only (500).
-    #[error("{0}")]
-    Internal(String),
-}
-
-impl ExecutionError {
-    /// The error vocabulary of the wire and of `execution_error` lines.
-    pub fn error_type(&self) -> &'static str {
-        match self {
-            ExecutionError::Invalid(_) => "InvalidRequest",
-            ExecutionError::Unauthorized => RefusalKind::Unauthorized.error_type(),
-            ExecutionError::Refused { .. } => RefusalKind::CapabilityViolation.error_type(),
-            ExecutionError::Overloaded(_) => "Overloaded",
-            ExecutionError::Unavailable(_) => "SandboxUnavailable",
-            ExecutionError::Internal(_) => "InternalError",
-        }
-    }
-}
-
-/// An execution that ran to an outcome.
-#[derive(Debug)]
-pub struct Finished {
-    pub result: ExecutionResult,
-    /// The wall clock ended it: the result is also an error (`ExecutionTimeout`).
-    pub timed_out: bool,
-}
-
-/// Why a single-use token could not be claimed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ClaimError {
-    /// Replayed, or issued before the store's record begins: a 401, with the reason.
-    Refused(String),
-    /// The state store did not answer.
-    Unavailable(String),
-}
-
-/// Uses up a single-use token's jti (a token that is not single-use passes). A replay, or a token
-/// the store cannot vouch for (issued before its record began), is refused.
-pub async fn claim_single_use(store: &dyn StateStore, token: &Verified) -> Result<(), ClaimError> {
-    let Some(su) = &token.single_use else {
-        return Ok(());
-    };
-    let kind = match su.kind {
-        TokenKind::Service => "service token",
-        TokenKind::Capability => "capability token",
-    };
-    match store.claim_jti(su).await {
-        Ok(JtiClaim::Claimed) => Ok(()),
-        Ok(JtiClaim::Replayed) => Err(ClaimError::Refused(format!(
-            "{kind}: replayed single-use token"
-        ))),
-        Ok(JtiClaim::PredatesRecord { since }) => Err(ClaimError::Refused(format!(
-            "{kind}: single-use token issued before {since} (unix), when this daemon's replay \
-             record begins (its state store was created empty then)"
-        ))),
-        Err(e) => Err(ClaimError::Unavailable(e.to_string())),
-    }
-}
-
-/// Resolves when the flag becomes true; never when its sender is gone with it still false.
-async fn raised(flag: &mut watch::Receiver<bool>) {
-    if flag.wait_for(|v| *v).await.is_err() {
-        std::future::pending::<()>().await;
-    }
-}
-
-/// The run slots of one backend, at most `size` of its executions at once, and the queue in
-/// front of them.
-struct RunSlots {
-    /// Fair: waiters get slots first come, first served.
-    free: Arc<Semaphore>,
-    size: usize,
-    /// Requests waiting for a slot now; never above [`QueueLimits::max_waiting`].
-    waiting: AtomicUsize,
-}
-
-/// How many requests may wait for a run slot of one backend, and for how long.
-#[derive(Debug, Clone, Copy)]
-struct QueueLimits {
-    max_waiting: usize,
-    max_wait: Duration,
-}
-
-/// A request's place in a backend's queue: counted while it waits, given back however the wait
-/// ends (a slot, the time limit, or the caller going away).
-struct QueuePlace<'a> {
-    waiting: &'a AtomicUsize,
-    gauge: metrics::Gauge,
-}
-
-impl<'a> QueuePlace<'a> {
-    /// A place, unless `max_waiting` requests already wait.
-    fn take(waiting: &'a AtomicUsize, max_waiting: usize, gauge: metrics::Gauge) -> Option<Self> {
-        waiting
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-                (n < max_waiting).then_some(n + 1)
-            })
-            .ok()?;
-        gauge.increment(1.0);
-        Some(QueuePlace { waiting, gauge })
-    }
-}
-
-impl Drop for QueuePlace<'_> {
-    fn drop(&mut self) {
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
-        self.gauge.decrement(1.0);
-    }
-}
-
-/// The caller's command as a span attribute is clipped to this many characters: a span waits in
-/// the exporter's queue (up to 2048 of them while a collector is slow), and the caller must not
-/// set its size.
-const SPAN_COMMAND_CHARS: usize = 128;
+use crate::state::{IdemKey, StateError, StateStore, StoredExecution, StoredResponse};
 
 /// Decides, admits, runs and records executions. Shared by every request of the daemon.
 pub struct ExecutionService {
@@ -367,11 +97,14 @@ pub struct ExecutionService {
     address: std::sync::OnceLock<String>,
     /// How long a finished run's record is kept.
     retention: Duration,
+    /// What a run's record keeps when it has no answer of its caller's (the api layer's).
+    render: Render,
 }
 
 impl ExecutionService {
     /// The service over these parts; run slots per backend come from `server.concurrency`, the
-    /// queue in front of them from `server.queue`.
+    /// queue in front of them from `server.queue`. `render` answers the runs whose record it
+    /// finishes without their caller's answer ([`Unanswered`]).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: &Config,
@@ -382,6 +115,7 @@ impl ExecutionService {
         store: Arc<dyn StateStore>,
         audit: Arc<AuditLog>,
         metrics: Arc<Metrics>,
+        render: Render,
     ) -> Self {
         let slots = BackendKind::ALL
             .iter()
@@ -418,6 +152,7 @@ impl ExecutionService {
             instance: instance.to_string(),
             address: std::sync::OnceLock::new(),
             retention: Duration::from_secs(config.executions.retention_seconds),
+            render,
         }
     }
 
@@ -489,8 +224,8 @@ impl ExecutionService {
         // Only sessions with their profile's own limits have their containers kept warm: limits
         // a caller picks must not make the daemon hold a pool for each choice.
         let warm = req
-            .session
-            .as_ref()
+            .action
+            .session()
             .is_none_or(|s| s.limits == SessionLimits::default());
         backend
             .keep(&spec, session_id, warm)
@@ -501,7 +236,7 @@ impl ExecutionService {
             })
     }
 
-    /// Refuses (503) the requests waiting for a run slot and every request that comes for one
+    /// Refuses (as unavailable) the requests waiting for a run slot and every request that comes for one
     /// from now on: a daemon that is shutting down starts nothing new, a queued request included
     /// (it would only be killed at the end of the grace, half done).
     pub fn close_queue(&self) {
@@ -594,7 +329,7 @@ impl ExecutionService {
             subject: req.subject.clone(),
             owner: Some(req.owner.clone()),
             token_id: req.capability.token_id.clone(),
-            action_type: req.action.as_str().into(),
+            action_type: req.action.action_type().as_str().into(),
             command_hash: command_hash(&req.command, &req.args),
             command: req.command,
             args: req.args,
@@ -630,77 +365,14 @@ impl ExecutionService {
             slot,
             executor_def_sha256: external.map(|x| x.def_sha256),
             session: req
-                .session
-                .as_ref()
+                .action
+                .session()
                 .map(|s| (s.session_id.clone(), s.code_sha256.clone())),
             timestamp,
             metadata: req.metadata,
             admitted,
             metrics: self.metrics.clone(),
         })
-    }
-
-    /// A run slot of `backend`: a free one at once, else the first one freed after the requests
-    /// queued before this one, within `server.queue.max_wait_ms`. Overloaded when the queue is
-    /// full, the wait runs out or the caller raises `abandoned` meanwhile (its place is given
-    /// back either way); Unavailable once the daemon is shutting down ([`Self::close_queue`]).
-    async fn take_slot(
-        &self,
-        backend: BackendKind,
-        abandoned: Option<&watch::Receiver<bool>>,
-    ) -> Result<OwnedSemaphorePermit, ExecutionError> {
-        let slots = self
-            .slots
-            .get(&backend)
-            .ok_or_else(|| ExecutionError::Unavailable("no run slots".into()))?;
-        let shutting_down = || ExecutionError::Unavailable("the daemon is shutting down".into());
-        let mut closed = self.queue_closed.subscribe();
-        if *closed.borrow_and_update() {
-            return Err(shutting_down());
-        }
-        let label = [backend.as_str()];
-        let waited = self.metrics.queue_wait.with_label_values(&label);
-        if let Ok(slot) = slots.free.clone().try_acquire_owned() {
-            waited.record(0.0);
-            return Ok(slot);
-        }
-        let gauge = self.metrics.queue_waiting.with_label_values(&label);
-        let Some(_place) = QueuePlace::take(&slots.waiting, self.queue.max_waiting, gauge) else {
-            return Err(ExecutionError::Overloaded(format!(
-                "all {} {} run slots are busy and their queue is full (server.queue.max_waiting = {})",
-                slots.size,
-                backend.as_str(),
-                self.queue.max_waiting
-            )));
-        };
-        let since = std::time::Instant::now();
-        let mut abandoned = abandoned.cloned();
-        let caller_left = async {
-            match abandoned.as_mut() {
-                Some(flag) => raised(flag).await,
-                None => std::future::pending().await,
-            }
-        };
-        let slot = tokio::select! {
-            slot = tokio::time::timeout(self.queue.max_wait, slots.free.clone().acquire_owned()) => slot,
-            _ = raised(&mut closed) => return Err(shutting_down()),
-            _ = caller_left => {
-                return Err(ExecutionError::Overloaded(format!(
-                    "the caller went away while waiting for a {} run slot",
-                    backend.as_str()
-                )));
-            }
-        };
-        waited.record(since.elapsed().as_secs_f64());
-        match slot {
-            Ok(Ok(slot)) => Ok(slot),
-            Ok(Err(_closed)) => Err(ExecutionError::Unavailable("run slots closed".into())),
-            Err(_elapsed) => Err(ExecutionError::Overloaded(format!(
-                "no {} run slot came free within server.queue.max_wait_ms = {}",
-                backend.as_str(),
-                self.queue.max_wait.as_millis()
-            ))),
-        }
     }
 
     /// Admits and runs one execution to its result.
@@ -739,7 +411,7 @@ impl ExecutionService {
         }));
         self.metrics.live_runs.set(self.runs.len() as f64);
         let (store, runs, metrics) = (self.store.clone(), self.runs.clone(), self.metrics.clone());
-        let (instance, retention) = (self.instance.clone(), self.retention);
+        let (instance, retention, render) = (self.instance.clone(), self.retention, self.render);
         let address = self.address.get().cloned();
         let ran_on = (
             execution.plan.backend.as_str().to_string(),
@@ -780,7 +452,7 @@ impl ExecutionService {
             let response = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| answer(ran)))
                 .unwrap_or_else(|_| {
                     tracing::error!(%exec_id, "the run's answer could not be made");
-                    internal_error_response()
+                    render(&Unanswered::AnswerFailed)
                 });
             let finished = record(
                 Some(response.clone()),
@@ -819,7 +491,7 @@ impl ExecutionService {
             // "running" would keep a caller polling until the record expires.
             Some(r) if r.response.is_none() && r.instance == self.instance => {
                 Lookup::Stored(StoredExecution {
-                    response: Some(lost_answer()),
+                    response: Some((self.render)(&Unanswered::Lost)),
                     ..r
                 })
             }
@@ -860,421 +532,685 @@ impl ExecutionService {
         }
         outcome
     }
-
-    /// The plan of an allowlisted command or of a registered external executor (with what its
-    /// invocation adds); a refusal is audited here.
-    #[tracing::instrument(
-        name = "policy.decide",
-        skip_all,
-        fields(
-            request_id = %req.request_id,
-            action_type = req.action.as_str(),
-            command = %crate::auth::clip(&req.command, SPAN_COMMAND_CHARS),
-        )
-    )]
-    fn decide(
-        &self,
-        req: &ExecutionRequest,
-    ) -> Result<(Plan, Option<ExternalInvocation>), ExecutionError> {
-        let ask = Ask {
-            action_type: Some(req.action),
-            command: &req.command,
-            args: &req.args,
-            timeout_seconds: req.timeout_seconds,
-            long_run: req.long_run,
-            profile: req.profile.as_deref(),
-            env: &req.env,
-        };
-        let grant = &req.capability.grant;
-        let decided = if let Some(session) = &req.session {
-            self.policy
-                .decide_language(&session.language, &ask, grant)
-                .map(|mut plan| {
-                    session.limits.apply(&mut plan.limits);
-                    if let Some(t) = session.timeout {
-                        plan.limits.timeout =
-                            plan.limits.timeout.min(t.max(Duration::from_millis(1)));
-                    }
-                    (plan, None)
-                })
-        } else if req.action == ActionType::External {
-            invoke::decide(
-                &self.executors,
-                &self.policy,
-                &ask,
-                grant,
-                &req.external_call(),
-            )
-        } else {
-            self.policy.decide(&ask, grant).map(|p| (p, None))
-        };
-        decided.map_err(|e| match e {
-            PolicyError::Refused(r) => {
-                self.refuse(req, RefusalKind::CapabilityViolation, &r.reason);
-                ExecutionError::Refused {
-                    allowed_commands: (r.rule == "allowlist").then(|| self.policy.allowed_names()),
-                    reason: r.reason,
-                }
-            }
-            PolicyError::Invalid(m) => ExecutionError::Invalid(m),
-            PolicyError::Unavailable(m) => ExecutionError::Unavailable(m),
-        })
-    }
-
-    /// What the backend runs, and the invocation hash over everything that decides it.
-    fn run_spec(
-        &self,
-        exec_id: &str,
-        plan: &Plan,
-        req: &ExecutionRequest,
-        external: Option<&ExternalInvocation>,
-    ) -> (RunSpec, String) {
-        let (argv_tail, stdin) = match external {
-            Some(x) => (x.argv_tail.clone(), Some(x.stdin.clone())),
-            None => (
-                req.args.clone(),
-                req.stdin.as_ref().map(|s| s.clone().into_bytes()),
-            ),
-        };
-        let mut spec = plan.run_spec(exec_id, &argv_tail, stdin, &self.default_image);
-        if let Some(x) = external {
-            spec.fs.extra_files = x.extra_files.clone();
-            spec.env.extend(x.env.clone());
-        }
-        if let Some(s) = &req.session {
-            spec.fs.workdir = PathBuf::from(WORKSPACE);
-            spec.fs.cwd = Some(s.cwd.clone());
-            spec.env.insert("HOME".into(), WORKSPACE.into());
-            match &s.place {
-                // A fresh sandbox bound to the session's host workspace, the code bound in.
-                SessionPlace::Host {
-                    workspace,
-                    code_file,
-                    uid,
-                } => {
-                    if let Some(uid) = uid {
-                        spec.uid = *uid;
-                    }
-                    spec.fs.workspace = Some(workspace.clone());
-                    spec.fs.extra_files = vec![(code_file.clone(), s.language.code_path())];
-                }
-                // The session's own sandbox, which writes the code where the interpreter reads it.
-                SessionPlace::Kept { sandbox, code } => {
-                    spec.kept = Some(sandbox.clone());
-                    spec.code = Some(ExecCode {
-                        path: s.language.code_path(),
-                        bytes: code.clone(),
-                    });
-                }
-            }
-        }
-        let mut decides = json!({
-            "action_type": req.action.as_str(),
-            "command": plan.command,
-            "path": plan.path,
-            "args": argv_tail,
-            "stdin_sha256": spec.stdin.as_deref().map(sha256_prefixed),
-            "env": spec.env,
-            "profile": plan.profile.name,
-            "backend": plan.backend.as_str(),
-            "image": spec.image,
-            "executor_def_sha256": external.map(|x| &x.def_sha256),
-            "limits": spec.limits,
-        });
-        // Only a session's exec has the key: every other request's hash stays as it was.
-        if let Some(s) = &req.session {
-            decides["session"] = json!({
-                "id": s.session_id,
-                "code_sha256": s.code_sha256,
-                "cwd": s.cwd,
-            });
-        }
-        (spec, invocation_hash(&decides))
-    }
-
-    fn refuse(&self, req: &ExecutionRequest, kind: RefusalKind, reason: &str) {
-        record::refusal(&self.audit, &self.metrics, &req.known(), kind, reason);
-    }
-}
-
-/// An admitted execution that has not run yet: its start line is written and it holds a run
-/// slot of its backend. [`Execution::run`] runs it to its result; dropped instead, it ends with
-/// an `execution_error` line and frees its slot. It owns everything it needs, so it may run on
-/// any task.
-pub struct Execution {
-    plan: Plan,
-    spec: RunSpec,
-    /// The run's stop control (its backend watches `spec.stop`).
-    stop: watch::Sender<Option<Stop>>,
-    /// Who may see the run: the calling service's subject.
-    owner: String,
-    backend: Arc<dyn Sandbox>,
-    slot: OwnedSemaphorePermit,
-    /// Set for an external executor.
-    executor_def_sha256: Option<String>,
-    /// An exec in a session: the session's id and the code's digest.
-    session: Option<(String, String)>,
-    /// When it was admitted (provenance's `timestamp`).
-    timestamp: String,
-    metadata: Option<Map<String, Value>>,
-    admitted: AdmittedRun,
-    metrics: Arc<Metrics>,
-}
-
-impl std::fmt::Debug for Execution {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Execution")
-            .field("exec_id", &self.spec.exec_id)
-            .field("command", &self.plan.command)
-            .field("backend", &self.plan.backend)
-            .field("profile", &self.plan.profile.name)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Execution {
-    pub fn exec_id(&self) -> &str {
-        &self.spec.exec_id
-    }
-
-    /// Runs the execution, then records it: the result with its provenance, the end line, the
-    /// metrics. Without an outcome (the backend failed) the end line is an `execution_error`
-    /// with what the caller is told and why.
-    pub async fn run(self) -> Result<Finished, ExecutionError> {
-        let Execution {
-            plan,
-            spec,
-            stop: _,
-            owner: _,
-            backend,
-            slot,
-            executor_def_sha256,
-            session,
-            timestamp,
-            metadata,
-            admitted,
-            metrics,
-        } = self;
-        let exec_id = spec.exec_id.clone();
-        let backend_label = plan.backend.as_str();
-        metrics
-            .inflight
-            .with_label_values(&[backend_label])
-            .increment(1.0);
-        let span = tracing::info_span!(
-            "sandbox.run",
-            backend = backend_label,
-            profile = %plan.profile.name,
-            request_id = %admitted.run().request_id,
-            exec_id = %exec_id,
-        );
-        // The run is its own task: a panic in a backend fails this execution, not the daemon.
-        let task = tokio::spawn(
-            async move {
-                let r = backend.run(spec).await;
-                drop(slot);
-                r
-            }
-            .instrument(span),
-        );
-        let joined = task.await;
-        metrics
-            .inflight
-            .with_label_values(&[backend_label])
-            .decrement(1.0);
-        let failed = match joined {
-            Ok(Ok(o)) => Ok(o),
-            Ok(Err(SandboxError::Unavailable(m))) => {
-                Err((ExecutionError::Unavailable(m.clone()), m))
-            }
-            Ok(Err(e)) => Err((
-                ExecutionError::Internal(format!("{exec_id}: {e}")),
-                e.to_string(),
-            )),
-            Err(e) => Err((
-                ExecutionError::Internal(format!("{exec_id}: run task failed: {e}")),
-                format!("run task failed: {e}"),
-            )),
-        };
-        let outcome = match failed {
-            Ok(o) => o,
-            Err((answer, error)) => {
-                admitted.fail(answer.error_type(), &error);
-                return Err(answer);
-            }
-        };
-
-        let who = admitted.run().clone();
-        let name = outcome_name(&outcome);
-        let (error_code, error) = match executor_def_sha256 {
-            Some(_) => invoke::error_fields(&outcome, name),
-            None => (None, None),
-        };
-        let timed_out = outcome.timed_out();
-        let capabilities_used: Vec<&'static str> =
-            plan.capabilities_used.iter().map(|c| c.as_str()).collect();
-        let stdout_sha256 = sha256_prefixed(&outcome.stdout);
-        let stderr_sha256 = sha256_prefixed(&outcome.stderr);
-        let network =
-            (plan.profile.network.mode == NetworkMode::Egress).then(|| outcome.network.clone());
-        let audit_seq = admitted.finish(RunEnd {
-            capabilities_used: capabilities_used.clone(),
-            outcome: name,
-            exit_code: outcome.exit_code(),
-            duration_ms: duration_ms(&outcome),
-            killed_reason: outcome.killed_reason.map(KilledReason::as_str),
-            oom: outcome.oom,
-            peak_memory_kib: outcome.peak_memory_kib,
-            stdout_sha256: stdout_sha256.clone(),
-            stderr_sha256: stderr_sha256.clone(),
-            stdout_truncated: outcome.stdout_truncated,
-            stderr_truncated: outcome.stderr_truncated,
-            executor_def_sha256: executor_def_sha256.clone(),
-            error_code: executor_def_sha256.is_some().then_some(error_code),
-            network: network.clone(),
-            metadata: metadata.clone(),
-        });
-        record::run_metrics(&metrics, &plan, name, &outcome);
-
-        let result = ExecutionResult {
-            success: name == "success",
-            stdout: String::from_utf8_lossy(&outcome.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&outcome.stderr).into_owned(),
-            stdout_b64: b64_unless_utf8(&outcome.stdout),
-            stderr_b64: b64_unless_utf8(&outcome.stderr),
-            exit_code: outcome.exit_code(),
-            duration_ms: duration_ms(&outcome),
-            provenance: Provenance {
-                arm_id: "executor",
-                timestamp,
-                action_type: plan.action_type.as_str(),
-                command_hash: who.command_hash,
-                capabilities_used,
-                exec_id: exec_id.clone(),
-                request_id: who.request_id,
-                token_id: who.token_id,
-                subject: who.subject,
-                backend: backend_label,
-                profile: plan.profile.name.clone(),
-                invocation_hash: who.invocation_hash,
-                stdout_sha256,
-                stderr_sha256,
-                executor_def_sha256,
-                session_id: session.as_ref().map(|s| s.0.clone()),
-                code_sha256: session.map(|s| s.1),
-                audit_seq,
-                metadata,
-            },
-            exec_id,
-            outcome: name,
-            backend: backend_label,
-            profile: plan.profile.name.clone(),
-            stdout_truncated: outcome.stdout_truncated,
-            stderr_truncated: outcome.stderr_truncated,
-            peak_memory_kib: outcome.peak_memory_kib,
-            oom: outcome.oom,
-            killed_reason: outcome.killed_reason.map(KilledReason::as_str),
-            error_code,
-            network,
-            error: if timed_out {
-                Some(format!(
-                    "Command execution exceeded timeout of {} seconds",
-                    plan.timeout_seconds
-                ))
-            } else {
-                error
-            },
-            error_type: timed_out.then_some("ExecutionTimeout"),
-            retryable: timed_out.then_some(false),
-        };
-        tracing::info!(request_id = %result.provenance.request_id, exec_id = %result.exec_id, outcome = result.outcome, exit_code = result.exit_code, duration_ms = result.duration_ms, "execution end");
-        Ok(Finished { result, timed_out })
-    }
-}
-
-/// Where a run stands, as [`ExecutionService::lookup`] finds it.
-pub enum Lookup {
-    /// Running on this daemon.
-    Live(Arc<LiveRun>),
-    /// As the state store records it: finished (with its answer), or running on another replica.
-    Stored(StoredExecution),
-    /// No run of this caller's has that id (or its record expired).
-    Unknown,
-}
-
-/// The owner of a run started by a caller with this subject (one without is `-`, like the
-/// scope of its Idempotency-Keys).
-pub fn owner_of(subject: Option<&str>) -> String {
-    subject.unwrap_or("-").to_string()
-}
-
-/// The answer of a run whose result could not be made into one (500).
-fn internal_error_response() -> StoredResponse {
-    StoredResponse {
-        status: 500,
-        body: json!({
-            "success": false,
-            "error": "Internal error; see the daemon log",
-            "error_type": "InternalError",
-            "retryable": true,
-        })
-        .to_string(),
-    }
-}
-
-/// What a finished run whose answer the store never took reads as, once this daemon no longer
-/// keeps it (500).
-fn lost_answer() -> StoredResponse {
-    StoredResponse {
-        status: 500,
-        body: json!({
-            "success": false,
-            "error": "the run finished but its result could not be stored and is no longer kept",
-            "error_type": "InternalError",
-            "retryable": true,
-        })
-        .to_string(),
-    }
-}
-
-/// Stores a finished run's record, trying again over a few seconds when the store fails: a
-/// record left "running" would hide the answer from every other replica. Returns whether it
-/// was stored.
-async fn put_final(
-    store: &dyn StateStore,
-    key: &IdemKey,
-    record: &StoredExecution,
-    retention: Duration,
-    exec_id: &str,
-) -> bool {
-    const RETRIES: [Duration; 3] = [
-        Duration::from_millis(200),
-        Duration::from_secs(1),
-        Duration::from_secs(3),
-    ];
-    for pause in std::iter::once(Duration::ZERO).chain(RETRIES) {
-        tokio::time::sleep(pause).await;
-        match store.execution_put(key, record, retention).await {
-            Ok(()) => return true,
-            Err(e) => tracing::warn!(exec_id, error = %e, "run record not stored"),
-        }
-    }
-    tracing::error!(
-        exec_id,
-        "run record not stored; this daemon answers for the run until its retention ends"
-    );
-    false
-}
-
-fn log_store_error(exec_id: &str, r: Result<(), StateError>) {
-    if let Err(e) = r {
-        tracing::error!(exec_id, error = %e, "run record not stored");
-    }
-}
-
-fn duration_ms(o: &RunOutcome) -> u64 {
-    o.duration.as_millis() as u64
 }
 
 #[cfg(test)]
-mod tests;
+mod tests {
+    //! The execution service on its own, with no HTTP around it: a recording fake backend stands in
+    //! for the sandbox (the backends have their own tests against the real mechanisms).
+
+    use std::path::Path;
+    use std::sync::Mutex;
+
+    use serde_json::{Map, Value, json};
+
+    use super::*;
+    use crate::auth::{SingleUse, Verified};
+    use crate::config::{EnvOverrides, TokenKind};
+    use crate::policy::{ActionType, Grant};
+    use crate::provenance::sha256_prefixed;
+    use crate::sandbox::{BackendStatus, ExitKind, RunOutcome, RunSpec};
+    use crate::state::memory::MemoryStore;
+
+    /// Records every spec it is handed and answers with `answer`.
+    struct Recording {
+        kind: BackendKind,
+        specs: Arc<Mutex<Vec<RunSpec>>>,
+        answer: fn() -> Result<RunOutcome, SandboxError>,
+    }
+
+    #[async_trait::async_trait]
+    impl Sandbox for Recording {
+        fn kind(&self) -> BackendKind {
+            self.kind
+        }
+
+        async fn status(&self) -> BackendStatus {
+            BackendStatus {
+                backend: self.kind,
+                ready: true,
+                detail: "recording".into(),
+            }
+        }
+
+        async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError> {
+            self.specs.lock().unwrap().push(spec);
+            (self.answer)()
+        }
+    }
+
+    fn said_hi() -> Result<RunOutcome, SandboxError> {
+        Ok(RunOutcome {
+            exit: ExitKind::Exited(0),
+            stdout: b"hi\n".to_vec(),
+            stderr: Vec::new(),
+            stdout_truncated: false,
+            stderr_truncated: false,
+            duration: Duration::from_millis(3),
+            peak_memory_kib: Some(512),
+            oom: false,
+            killed_reason: None,
+            stdin_broken_pipe: false,
+            network: Vec::new(),
+        })
+    }
+
+    fn engine_gone() -> Result<RunOutcome, SandboxError> {
+        Err(SandboxError::Unavailable(
+            "docker engine unreachable".into(),
+        ))
+    }
+
+    struct Fixture {
+        service: ExecutionService,
+        specs: Arc<Mutex<Vec<RunSpec>>>,
+        audit_path: std::path::PathBuf,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Fixture {
+        fn new(answer: fn() -> Result<RunOutcome, SandboxError>, local_slots: usize) -> Fixture {
+            Fixture::with(answer, |c| c.server.concurrency.local = local_slots)
+        }
+
+        /// A fixture over the default configuration as `tweak` changes it.
+        fn with(
+            answer: fn() -> Result<RunOutcome, SandboxError>,
+            tweak: impl FnOnce(&mut Config),
+        ) -> Fixture {
+            Fixture::with_store(answer, tweak, Arc::new(MemoryStore::new(1 << 20, 0)))
+        }
+
+        fn with_store(
+            answer: fn() -> Result<RunOutcome, SandboxError>,
+            tweak: impl FnOnce(&mut Config),
+            store: Arc<dyn StateStore>,
+        ) -> Fixture {
+            let dir = tempfile::tempdir().unwrap();
+            let mut config = Config::load(None, &EnvOverrides::default()).unwrap();
+            tweak(&mut config);
+            let policy = Policy::load(&config).unwrap();
+            let executors = Registry::load(&dir.path().join("executors"));
+            let specs = Arc::new(Mutex::new(Vec::new()));
+            let backends = BackendKind::ALL
+                .iter()
+                .map(|k| {
+                    let b: Arc<dyn Sandbox> = Arc::new(Recording {
+                        kind: *k,
+                        specs: specs.clone(),
+                        answer,
+                    });
+                    (*k, b)
+                })
+                .collect();
+            let audit_path = dir.path().join("audit.jsonl");
+            let service = ExecutionService::new(
+                &config,
+                "i-1",
+                policy,
+                executors,
+                backends,
+                store,
+                Arc::new(AuditLog::open(&audit_path, "i-1").unwrap()),
+                Arc::new(Metrics::new()),
+                render,
+            );
+            Fixture {
+                service,
+                specs,
+                audit_path,
+                _dir: dir,
+            }
+        }
+
+        fn lines(&self) -> Vec<Value> {
+            audit_lines(&self.audit_path)
+        }
+    }
+
+    /// Renders what the service tells: the kind of run it finished without its caller's answer.
+    fn render(u: &Unanswered) -> StoredResponse {
+        StoredResponse {
+            status: 0,
+            body: format!("{u:?}"),
+        }
+    }
+
+    fn audit_lines(path: &Path) -> Vec<Value> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    fn request(command: &str, single_use: Option<&str>) -> ExecutionRequest {
+        ExecutionRequest {
+            request_id: "req-1".into(),
+            subject: Some("orchestrator".into()),
+            owner: "orchestrator".into(),
+            capability: Verified {
+                subject: Some("orchestrator".into()),
+                token_id: Some("tok-1".into()),
+                single_use: single_use.map(|jti| SingleUse {
+                    kind: TokenKind::Capability,
+                    jti: jti.into(),
+                    // Issued after the embedded store's record began (it starts on a whole second).
+                    iat: Some(crate::auth::now() + 2),
+                    exp: crate::auth::now() + 60,
+                }),
+                grant: Grant {
+                    capabilities: vec!["ShellExecute".into()],
+                    ..Default::default()
+                },
+            },
+            action: Action::Command {
+                action_type: ActionType::Shell,
+            },
+            command: command.into(),
+            args: vec!["hi".into()],
+            timeout_seconds: Some(5),
+            long_run: false,
+            profile: None,
+            env: BTreeMap::new(),
+            stdin: None,
+            metadata: Some(Map::from_iter([("job".to_string(), json!("j-7"))])),
+            idempotency_key: None,
+            abandoned: None,
+        }
+    }
+
+    /// Admitted, an execution has its id and its start line before anything runs; run, it has one
+    /// end line, a result whose provenance points at that line, and its slot back.
+    #[tokio::test]
+    async fn an_execution_is_admitted_then_run_and_recorded_once() {
+        let f = Fixture::new(said_hi, 1);
+        let execution = f.service.admit(request("echo", None)).await.unwrap();
+        let exec_id = execution.exec_id().to_string();
+        assert!(
+            f.specs.lock().unwrap().is_empty(),
+            "nothing runs at admission"
+        );
+        let lines = f.lines();
+        assert_eq!(lines.len(), 1);
+        assert_eq!(lines[0]["event"], "execution_start");
+        assert_eq!(lines[0]["exec_id"], exec_id.as_str());
+
+        let Finished { result, timed_out } = execution.run().await.unwrap();
+        assert!(!timed_out);
+        assert!(result.success);
+        assert_eq!(result.outcome, "success");
+        assert_eq!(result.exec_id, exec_id);
+        assert_eq!(result.stdout, "hi\n");
+        let p = &result.provenance;
+        assert_eq!(p.exec_id, exec_id);
+        assert_eq!(p.request_id, "req-1");
+        assert_eq!(p.token_id.as_deref(), Some("tok-1"));
+        assert_eq!(p.subject.as_deref(), Some("orchestrator"));
+        assert_eq!(p.command_hash, command_hash("echo", &["hi".into()]));
+        assert_eq!(p.capabilities_used, ["ShellExecute"]);
+        assert_eq!(p.stdout_sha256, sha256_prefixed(b"hi\n"));
+        assert_eq!(p.audit_seq, Some(2));
+        assert_eq!(p.metadata.as_ref().unwrap()["job"], "j-7");
+
+        let lines = f.lines();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[1]["event"], "execution");
+        assert_eq!(lines[1]["seq"], 2);
+        assert_eq!(lines[1]["exec_id"], exec_id.as_str());
+        assert_eq!(lines[1]["invocation_hash"], p.invocation_hash.as_str());
+        assert_eq!(lines[1]["stdout_sha256"], p.stdout_sha256.as_str());
+
+        let specs = f.specs.lock().unwrap().clone();
+        assert_eq!(specs.len(), 1);
+        assert_eq!(specs[0].exec_id, exec_id);
+        assert_eq!(specs[0].argv[1..], ["hi"]);
+        assert!(specs[0].stop.is_some(), "the stop control reaches the run");
+        // The only slot is free again.
+        f.service.admit(request("echo", None)).await.unwrap();
+    }
+
+    /// An execution holds its backend's slot from admission until it has run or is dropped; a
+    /// dropped one still ends in an `execution_error` line.
+    #[tokio::test]
+    async fn an_admitted_execution_holds_its_slot_until_it_ends() {
+        let f = Fixture::with(said_hi, |c| {
+            c.server.concurrency.local = 1;
+            c.server.queue.max_waiting = 0;
+        });
+        let first = f.service.admit(request("echo", None)).await.unwrap();
+        let busy = f.service.admit(request("echo", None)).await;
+        assert!(
+            matches!(busy, Err(ExecutionError::Overloaded(_))),
+            "{busy:?}"
+        );
+        drop(first);
+        let lines = f.lines();
+        assert_eq!(lines.last().unwrap()["event"], "execution_error");
+        assert_eq!(lines.last().unwrap()["error_type"], "InternalError");
+        tokio::time::timeout(Duration::from_secs(10), f.service.wait_idle())
+            .await
+            .expect("the slot was freed");
+        f.service.admit(request("echo", None)).await.unwrap();
+    }
+
+    /// A started run is live until its answer is stored; then the store has it, for its owner only.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_started_run_is_found_live_then_in_the_store_by_its_owner_only() {
+        let f = Fixture::new(said_hi, 1);
+        let execution = f.service.admit(request("echo", None)).await.unwrap();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let live = f.service.start(execution, move |r| {
+            let finished = r.expect("ran");
+            // Hold the answer back (blocking this worker) until the test has looked at the live run.
+            let _ = released.recv();
+            StoredResponse {
+                status: 200,
+                body: serde_json::to_string(&finished.result).unwrap(),
+            }
+        });
+        let exec_id = live.exec_id().to_string();
+        assert!(matches!(
+            f.service.lookup("orchestrator", &exec_id).await.unwrap(),
+            Lookup::Live(_)
+        ));
+        release.send(()).unwrap();
+        let answer = live
+            .answer()
+            .wait_for(Option::is_some)
+            .await
+            .unwrap()
+            .clone()
+            .unwrap();
+        assert_eq!(answer.status, 200);
+        tokio::time::timeout(Duration::from_secs(10), f.service.wait_idle())
+            .await
+            .expect("the run's answer was stored");
+        let Lookup::Stored(record) = f.service.lookup("orchestrator", &exec_id).await.unwrap()
+        else {
+            panic!("the finished run is in the store")
+        };
+        assert_eq!(record.response.as_ref(), Some(&*answer));
+        assert_eq!(record.instance, "i-1");
+        assert_eq!(record.cancelled_by, None);
+        assert!(matches!(
+            f.service.lookup("someone-else", &exec_id).await.unwrap(),
+            Lookup::Unknown
+        ));
+    }
+
+    /// A run whose answer cannot be made (the closure panics) still ends: it is answered as
+    /// [`Unanswered::AnswerFailed`], stored, and no longer live.
+    #[tokio::test]
+    async fn a_run_whose_answer_panics_still_ends_with_an_answer() {
+        let f = Fixture::new(said_hi, 1);
+        let execution = f.service.admit(request("echo", None)).await.unwrap();
+        let live = f
+            .service
+            .start(execution, |_| panic!("the answer could not be made"));
+        let answer = tokio::time::timeout(
+            Duration::from_secs(10),
+            live.answer().wait_for(Option::is_some),
+        )
+        .await
+        .expect("answered")
+        .unwrap()
+        .clone()
+        .unwrap();
+        assert_eq!(answer.body, format!("{:?}", Unanswered::AnswerFailed));
+        tokio::time::timeout(Duration::from_secs(10), f.service.wait_idle())
+            .await
+            .expect("no longer live");
+    }
+
+    /// A store that takes a run's "running" record but fails to store a finished one.
+    struct RefusesAnswers(MemoryStore);
+
+    #[async_trait::async_trait]
+    impl StateStore for RefusesAnswers {
+        async fn claim_jti(&self, t: &SingleUse) -> Result<crate::state::JtiClaim, StateError> {
+            self.0.claim_jti(t).await
+        }
+        async fn release_jti(&self, t: &SingleUse) -> Result<(), StateError> {
+            self.0.release_jti(t).await
+        }
+        async fn idempotency_begin(
+            &self,
+            k: &IdemKey,
+            h: &str,
+            o: &str,
+            l: Duration,
+        ) -> Result<crate::state::IdemBegin, StateError> {
+            self.0.idempotency_begin(k, h, o, l).await
+        }
+        async fn idempotency_renew(
+            &self,
+            k: &IdemKey,
+            o: &str,
+            l: Duration,
+        ) -> Result<bool, StateError> {
+            self.0.idempotency_renew(k, o, l).await
+        }
+        async fn idempotency_complete(
+            &self,
+            k: &IdemKey,
+            h: &str,
+            r: &StoredResponse,
+            t: Duration,
+        ) -> Result<(), StateError> {
+            self.0.idempotency_complete(k, h, r, t).await
+        }
+        async fn idempotency_release(&self, k: &IdemKey, o: &str) -> Result<(), StateError> {
+            self.0.idempotency_release(k, o).await
+        }
+        async fn execution_put(
+            &self,
+            k: &IdemKey,
+            r: &StoredExecution,
+            t: Duration,
+        ) -> Result<(), StateError> {
+            match r.response {
+                Some(_) => Err(StateError::Unavailable("connection refused".into())),
+                None => self.0.execution_put(k, r, t).await,
+            }
+        }
+        async fn execution_get(&self, k: &IdemKey) -> Result<Option<StoredExecution>, StateError> {
+            self.0.execution_get(k).await
+        }
+        async fn healthy(&self) -> Result<(), StateError> {
+            self.0.healthy().await
+        }
+        fn kind(&self) -> &'static str {
+            "refuses-answers"
+        }
+    }
+
+    /// When the store will not take a finished run's record, the daemon that ran it keeps
+    /// answering for it through the retention (the run no longer counts as live), and after that
+    /// its own leftover "running" record reads as an answer that was lost, never as running.
+    #[tokio::test]
+    async fn an_answer_the_store_refuses_is_kept_here_then_reads_as_lost() {
+        let f = Fixture::with_store(
+            said_hi,
+            |c| c.executions.retention_seconds = 1,
+            Arc::new(RefusesAnswers(MemoryStore::new(1 << 20, 0))),
+        );
+        // The "running" record lives the run's timeout past the retention: 30 s.
+        let mut asked = request("echo", None);
+        asked.timeout_seconds = Some(29);
+        let execution = f.service.admit(asked).await.unwrap();
+        let live = f.service.start(execution, |r| StoredResponse {
+            status: 200,
+            body: serde_json::to_string(&r.expect("ran").result).unwrap(),
+        });
+        let exec_id = live.exec_id().to_string();
+        tokio::time::timeout(Duration::from_secs(20), f.service.wait_idle())
+            .await
+            .expect("no longer live once its record could not be stored");
+        let Lookup::Live(kept) = f.service.lookup("orchestrator", &exec_id).await.unwrap() else {
+            panic!("the daemon that ran it still answers for it")
+        };
+        assert_eq!(kept.answered().map(|a| a.status), Some(200));
+        assert!(matches!(
+            f.service.lookup("someone-else", &exec_id).await.unwrap(),
+            Lookup::Unknown
+        ));
+        // Kept for the retention (1 s) from its answer; the "running" record outlives that.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let Lookup::Stored(record) = f.service.lookup("orchestrator", &exec_id).await.unwrap()
+        else {
+            panic!("the leftover record is read")
+        };
+        let lost = record.response.expect("reads as finished, not running");
+        assert_eq!(lost.body, format!("{:?}", Unanswered::Lost));
+    }
+
+    /// How long a test lets a queued admission run to show it is still waiting.
+    const STILL_WAITING: Duration = Duration::from_millis(50);
+
+    /// Requests over the slots wait for one, first come first served; one more than the queue
+    /// holds is refused at once; the queue's depth and waits are in the metrics.
+    #[tokio::test]
+    async fn requests_over_the_slots_wait_in_arrival_order_up_to_the_queue_size() {
+        let f = Fixture::with(said_hi, |c| {
+            c.server.concurrency.local = 1;
+            c.server.queue.max_waiting = 2;
+        });
+        let first = f.service.admit(request("echo", None)).await.unwrap();
+        let mut second = std::pin::pin!(f.service.admit(request("echo", None)));
+        let mut third = std::pin::pin!(f.service.admit(request("echo", None)));
+        assert!(
+            tokio::time::timeout(STILL_WAITING, &mut second)
+                .await
+                .is_err()
+        );
+        assert!(
+            tokio::time::timeout(STILL_WAITING, &mut third)
+                .await
+                .is_err()
+        );
+        let depth = || {
+            f.service
+                .metrics
+                .sample("executor_queue_waiting", &[("backend", "local")])
+                .unwrap_or(0.0)
+        };
+        assert_eq!(depth(), 2.0);
+        let full = f.service.admit(request("echo", None)).await;
+        let Err(ExecutionError::Overloaded(detail)) = &full else {
+            panic!("{full:?}")
+        };
+        assert!(
+            detail.contains("queue is full (server.queue.max_waiting = 2)"),
+            "{detail}"
+        );
+        // Nothing but the first has started.
+        assert_eq!(f.lines().len(), 1);
+
+        drop(first);
+        let second = second.await.unwrap();
+        assert!(
+            tokio::time::timeout(STILL_WAITING, &mut third)
+                .await
+                .is_err()
+        );
+        assert_eq!(depth(), 1.0);
+        second.run().await.unwrap();
+        third.await.unwrap().run().await.unwrap();
+        assert_eq!(depth(), 0.0);
+        let waits = |part: &str| {
+            let name = format!("executor_queue_wait_seconds_{part}");
+            f.service.metrics.sample(&name, &[("backend", "local")])
+        };
+        assert_eq!(waits("count"), Some(3.0), "every admitted request is timed");
+        assert!(waits("sum").unwrap() >= 2.0 * STILL_WAITING.as_secs_f64());
+    }
+
+    /// A wait that runs out is refused (429) and gives its place back, as does a caller that goes
+    /// away; neither uses up a single-use token.
+    #[tokio::test]
+    async fn a_wait_that_runs_out_or_is_abandoned_gives_its_place_back() {
+        let f = Fixture::with(said_hi, |c| {
+            c.server.concurrency.local = 1;
+            c.server.queue.max_waiting = 1;
+            c.server.queue.max_wait_ms = 200;
+        });
+        let first = f.service.admit(request("echo", None)).await.unwrap();
+        let waited = f.service.admit(request("echo", Some("j-late"))).await;
+        let Err(ExecutionError::Overloaded(detail)) = &waited else {
+            panic!("{waited:?}")
+        };
+        assert!(
+            detail.contains("within server.queue.max_wait_ms = 200"),
+            "{detail}"
+        );
+        // A caller that goes away while it waits.
+        let gone =
+            tokio::time::timeout(STILL_WAITING, f.service.admit(request("echo", None))).await;
+        assert!(gone.is_err());
+        assert_eq!(
+            f.service
+                .metrics
+                .sample("executor_queue_waiting", &[("backend", "local")])
+                .unwrap_or(0.0),
+            0.0
+        );
+        // The place is free again: the next request waits, and gets the slot when it comes free.
+        let mut next = std::pin::pin!(f.service.admit(request("echo", Some("j-late"))));
+        assert!(
+            tokio::time::timeout(STILL_WAITING, &mut next)
+                .await
+                .is_err()
+        );
+        drop(first);
+        next.await
+            .expect("the token refused for the wait was not used up");
+    }
+
+    /// When the daemon starts killing its runs, requests still waiting for a slot are refused (503)
+    /// instead of starting only to be killed.
+    #[tokio::test]
+    async fn waiting_requests_are_refused_when_runs_are_killed() {
+        let f = Fixture::with(said_hi, |c| c.server.concurrency.local = 1);
+        let _first = f.service.admit(request("echo", None)).await.unwrap();
+        let mut waiting = std::pin::pin!(f.service.admit(request("echo", None)));
+        assert!(
+            tokio::time::timeout(STILL_WAITING, &mut waiting)
+                .await
+                .is_err()
+        );
+        f.service.kill_running();
+        let refused = waiting.await;
+        assert!(
+            matches!(refused, Err(ExecutionError::Unavailable(_))),
+            "{refused:?}"
+        );
+        assert_eq!(f.lines().len(), 1, "the refused request never started");
+    }
+
+    /// A waiter whose caller raises `abandoned` gives its place back and starts nothing; once the
+    /// queue is closed (shutdown), waiters and newcomers are refused even when a slot is free.
+    #[tokio::test]
+    async fn an_abandoned_waiter_leaves_and_a_closed_queue_admits_nothing() {
+        let f = Fixture::with(said_hi, |c| {
+            c.server.concurrency.local = 1;
+            c.server.queue.max_waiting = 1;
+        });
+        let depth = || {
+            f.service
+                .metrics
+                .sample("executor_queue_waiting", &[("backend", "local")])
+                .unwrap_or(0.0)
+        };
+        let first = f.service.admit(request("echo", None)).await.unwrap();
+        let (gone, abandoned) = watch::channel(false);
+        let mut req = request("echo", Some("j-gone"));
+        req.abandoned = Some(abandoned);
+        let mut waiting = std::pin::pin!(f.service.admit(req));
+        assert!(
+            tokio::time::timeout(STILL_WAITING, &mut waiting)
+                .await
+                .is_err()
+        );
+        assert_eq!(depth(), 1.0);
+        gone.send_replace(true);
+        let left = waiting.await;
+        let Err(ExecutionError::Overloaded(detail)) = &left else {
+            panic!("{left:?}")
+        };
+        assert!(detail.contains("the caller went away"), "{detail}");
+        assert_eq!(depth(), 0.0);
+
+        let mut queued = std::pin::pin!(f.service.admit(request("echo", Some("j-gone"))));
+        assert!(
+            tokio::time::timeout(STILL_WAITING, &mut queued)
+                .await
+                .is_err()
+        );
+        f.service.close_queue();
+        let refused = queued.await;
+        assert!(
+            matches!(refused, Err(ExecutionError::Unavailable(_))),
+            "{refused:?}"
+        );
+        drop(first);
+        let late = f.service.admit(request("echo", Some("j-gone"))).await;
+        assert!(
+            matches!(late, Err(ExecutionError::Unavailable(_))),
+            "{late:?}"
+        );
+        assert_eq!(depth(), 0.0);
+        let starts = f
+            .lines()
+            .iter()
+            .filter(|l| l["event"] == "execution_start")
+            .count();
+        assert_eq!(starts, 1, "only the first request started");
+    }
+
+    /// A request the policy refuses does not use its single-use token up; a replay of a used one is
+    /// refused; both refusals are audited with who asked for what.
+    #[tokio::test]
+    async fn refusals_are_audited_and_leave_a_single_use_token_unused() {
+        let f = Fixture::new(said_hi, 4);
+        let refused = f.service.admit(request("no-such-tool", Some("j-1"))).await;
+        let Err(ExecutionError::Refused {
+            allowed_commands: Some(list),
+            ..
+        }) = &refused
+        else {
+            panic!("{refused:?}");
+        };
+        assert!(list.iter().any(|c| c == "echo"));
+        f.service
+            .execute(request("echo", Some("j-1")))
+            .await
+            .expect("the token was not used up by the refusal");
+        let replayed = f.service.admit(request("echo", Some("j-1"))).await;
+        assert!(
+            matches!(replayed, Err(ExecutionError::Unauthorized)),
+            "{replayed:?}"
+        );
+        let refusals: Vec<(u64, String)> = f
+            .lines()
+            .iter()
+            .filter(|l| l["event"] == "refusal")
+            .map(|l| {
+                assert_eq!(l["token_id"], "tok-1", "{l}");
+                assert_eq!(l["subject"], "orchestrator", "{l}");
+                (
+                    l["status"].as_u64().unwrap(),
+                    l["command"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            refusals,
+            [(403, "no-such-tool".to_string()), (401, "echo".to_string())]
+        );
+        assert_eq!(f.specs.lock().unwrap().len(), 1);
+    }
+
+    /// A backend that cannot serve ends the admitted execution with an `execution_error` line of the
+    /// error the caller gets.
+    #[tokio::test]
+    async fn a_backend_failure_is_the_end_line_and_the_error() {
+        let f = Fixture::new(engine_gone, 1);
+        let failed = f.service.execute(request("echo", None)).await;
+        let Err(e @ ExecutionError::Unavailable(_)) = &failed else {
+            panic!("{failed:?}");
+        };
+        let lines = f.lines();
+        let events: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
+        assert_eq!(events, ["execution_start", "execution_error"]);
+        assert_eq!(lines[1]["error_type"], e.error_type());
+        assert_eq!(lines[1]["error"], "docker engine unreachable");
+        f.service.admit(request("echo", None)).await.unwrap();
+    }
+
+    #[test]
+    fn metrics_backend_labels_are_every_backend() {
+        let names: Vec<&str> = BackendKind::ALL.iter().map(|b| b.as_str()).collect();
+        assert_eq!(names, crate::metrics::BACKENDS);
+    }
+}

@@ -1,13 +1,15 @@
-//! The result of an execution that ran to an outcome: the JSON a caller gets, with its
-//! provenance.
+//! What an execution answers: the result of a run that reached an outcome (the JSON a caller
+//! gets, with its provenance), and the typed errors of one that did not ([`ExecutionError`]).
 //!
-//! Owns: the result's fields and what a [`RunOutcome`] means on the wire (the outcome's name,
-//! an external executor's `error_code`). Must not: know HTTP (the status a result is answered
-//! with is the api layer's choice, from [`super::Finished::timed_out`]).
+//! Owns: the result's fields, the error vocabulary, and what a [`RunOutcome`] means on the wire
+//! (the outcome's name, an external executor's `error_code`). Must not: know HTTP (the status a
+//! result or an error is answered with is the api layer's choice, from [`Finished::timed_out`]
+//! and the error's kind).
 
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use super::record::RefusalKind;
 use crate::sandbox::{KilledReason, RunOutcome};
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -89,6 +91,56 @@ pub struct ExecutionResult {
     /// again may succeed. Never for a timeout: the same command gets the same deadline.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retryable: Option<bool>,
+}
+
+/// Why an execution did not reach an outcome. Refusals (`Unauthorized`, `Refused`) have been
+/// audited by the time they are returned.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecutionError {
+    /// The request is malformed in a way only deciding it shows.
+    #[error("{0}")]
+    Invalid(String),
+    /// A single-use capability token was replayed or cannot be vouched for.
+    #[error("single-use capability token refused")]
+    Unauthorized,
+    /// The policy refused the request; `allowed_commands` when the allowlist did.
+    #[error("{reason}")]
+    Refused {
+        reason: String,
+        allowed_commands: Option<Vec<String>>,
+    },
+    /// Every run slot of the backend is taken and its queue is full, or the request waited in
+    /// it for `server.queue.max_wait_ms`; the detail says which.
+    #[error("too many executions in progress: {0}")]
+    Overloaded(String),
+    /// A backend, the audit log or the state store cannot serve the request.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The run failed inside the daemon; the detail is for the log only.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ExecutionError {
+    /// The error vocabulary of the wire and of `execution_error` lines.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            ExecutionError::Invalid(_) => "InvalidRequest",
+            ExecutionError::Unauthorized => RefusalKind::Unauthorized.error_type(),
+            ExecutionError::Refused { .. } => RefusalKind::CapabilityViolation.error_type(),
+            ExecutionError::Overloaded(_) => "Overloaded",
+            ExecutionError::Unavailable(_) => "SandboxUnavailable",
+            ExecutionError::Internal(_) => "InternalError",
+        }
+    }
+}
+
+/// An execution that ran to an outcome.
+#[derive(Debug)]
+pub struct Finished {
+    pub result: ExecutionResult,
+    /// The wall clock ended it: the result is also an error (`ExecutionTimeout`).
+    pub timed_out: bool,
 }
 
 /// The wire outcome of a run.

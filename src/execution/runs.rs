@@ -1,19 +1,23 @@
 //! The runs of this daemon that have not finished: each one's owner, its stop control and, once
 //! it has one, its answer. A run is found here from the moment it starts until its answer is in
-//! the state store, so between the two a reader never misses it.
+//! the state store, so between the two a reader never misses it. Also a run's record in the
+//! state store: where a run stands ([`Lookup`]), storing its final record, and the runs whose
+//! record is finished without their caller's answer ([`Unanswered`], rendered by the api layer).
 //!
-//! Owns: which runs are live, who may see them, and stopping them (one run at a caller's
-//! request, or all of them at shutdown, through the same control). Must not: know HTTP or how a
-//! backend stops a run.
+//! Owns: which runs are live, who may see them (a run's owner, [`owner_of`]), and stopping them
+//! (one run at a caller's request, or all of them at shutdown, through the same control). Must
+//! not: know HTTP (a record's answer is made by the caller) or how a backend stops a run.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use std::time::Duration;
+
 use tokio::sync::watch;
 
 use crate::sandbox::{Stop, StreamKind};
-use crate::state::StoredResponse;
+use crate::state::{IdemKey, StateError, StateStore, StoredExecution, StoredResponse};
 
 /// One live run.
 pub struct LiveRun {
@@ -264,6 +268,74 @@ impl Runs {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// A run whose record the execution layer finishes without the answer its caller made of its
+/// result. The api layer says what each is answered with (see [`Render`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unanswered {
+    /// Making the run's answer out of its result failed.
+    AnswerFailed,
+    /// The run finished, but its answer could not be stored and this daemon no longer keeps it.
+    Lost,
+    /// The daemon instance that ran it stopped during the run.
+    DaemonStopped { instance: String },
+}
+
+/// Turns an [`Unanswered`] into the answer a run's record keeps: given by the api layer, which
+/// alone knows what an answer looks like.
+pub type Render = fn(&Unanswered) -> StoredResponse;
+
+/// Where a run stands, as [`ExecutionService::lookup`](super::ExecutionService::lookup) finds
+/// it.
+pub enum Lookup {
+    /// Running on this daemon.
+    Live(Arc<LiveRun>),
+    /// As the state store records it: finished (with its answer), or running on another replica.
+    Stored(StoredExecution),
+    /// No run of this caller's has that id (or its record expired).
+    Unknown,
+}
+
+/// The owner of a run started by a caller with this subject (one without is `-`, like the
+/// scope of its Idempotency-Keys).
+pub fn owner_of(subject: Option<&str>) -> String {
+    subject.unwrap_or("-").to_string()
+}
+
+/// Stores a finished run's record, trying again over a few seconds when the store fails: a
+/// record left "running" would hide the answer from every other replica. Returns whether it
+/// was stored.
+pub(super) async fn put_final(
+    store: &dyn StateStore,
+    key: &IdemKey,
+    record: &StoredExecution,
+    retention: Duration,
+    exec_id: &str,
+) -> bool {
+    const RETRIES: [Duration; 3] = [
+        Duration::from_millis(200),
+        Duration::from_secs(1),
+        Duration::from_secs(3),
+    ];
+    for pause in std::iter::once(Duration::ZERO).chain(RETRIES) {
+        tokio::time::sleep(pause).await;
+        match store.execution_put(key, record, retention).await {
+            Ok(()) => return true,
+            Err(e) => tracing::warn!(exec_id, error = %e, "run record not stored"),
+        }
+    }
+    tracing::error!(
+        exec_id,
+        "run record not stored; this daemon answers for the run until its retention ends"
+    );
+    false
+}
+
+pub(super) fn log_store_error(exec_id: &str, r: Result<(), StateError>) {
+    if let Err(e) = r {
+        tracing::error!(exec_id, error = %e, "run record not stored");
     }
 }
 

@@ -25,7 +25,7 @@ use crate::auth::Verified;
 use crate::config::SessionsConfig;
 use crate::execution::runs::LiveRun;
 use crate::execution::{
-    ExecutionError, ExecutionRequest, ExecutionService, ExternalParts, SessionExec, SessionLimits,
+    Action, ExecutionError, ExecutionRequest, ExecutionService, SessionExec, SessionLimits,
     SessionPlace, WORKSPACE,
 };
 use crate::policy::language::Language;
@@ -968,7 +968,6 @@ fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
         subject: parts.subject,
         owner,
         capability: b.grant,
-        action: b.language.action_type,
         command: b.language.interpreter.clone(),
         args: vec![b.language.code_path().to_string_lossy().into_owned()],
         timeout_seconds: parts.timeout_ms.map(|ms| ms.div_ceil(1000).max(1)),
@@ -977,10 +976,9 @@ fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
         env: parts.env,
         stdin: parts.stdin,
         metadata: None,
-        external: ExternalParts::default(),
         idempotency_key: None,
         abandoned: None,
-        session: Some(SessionExec {
+        action: Action::SessionExec(SessionExec {
             session_id: b.session_id,
             language: b.language,
             place: b.place,
