@@ -177,7 +177,7 @@ def test_extra_volumes_and_mounts(mode):
 def test_no_extra_volumes_by_default(docs):
     names = {v["name"] for v in pod_spec(docs)["volumes"]}
     assert names <= {"config", "profiles", "executors", "auth", "state", "tmp", "docker-socket", "docker-data",
-                     "supervisor"}
+                     "supervisor", "uid-locks"}
 
 
 # ------------------------------------------------------------------ helm test pod

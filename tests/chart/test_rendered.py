@@ -96,6 +96,10 @@ def test_common_pod_hardening(docs, mode):
     for key in ("hostNetwork", "hostPID", "hostIPC"):
         assert not spec.get(key, False)
     for v in spec["volumes"]:
+        # The one node directory: local mode's uid locks, which every daemon on the node must
+        # share (that mode's daemon is privileged already; it gains nothing it could not mount).
+        if mode == "local" and v["name"] == "uid-locks":
+            continue
         assert "hostPath" not in v, f"volume {v['name']} is a hostPath"
     c = daemon(docs)
     sc = c["securityContext"]
@@ -568,3 +572,23 @@ def test_default_map_entries_can_be_removed_with_null():
     cfg = config_toml(docs)
     assert set(cfg["commands"]) == {"cat", "echo", "grep", "ls", "python3"}
     assert "profile.http-egress.toml" not in config_map(docs)["data"]
+
+
+def test_local_mode_shares_the_uid_locks_with_every_daemon_on_the_node(mode):
+    # Sandbox uids are host uids: two daemon pods on one node that kept their locks apart could
+    # hand the same uid (and its kernel counters) to two sandboxes. In local mode the lock
+    # directory is a node directory; other modes mount nothing of the node.
+    docs = render(mode_values(mode))
+    cfg = config_toml(docs)
+    vols = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    host = {n: v for n, v in vols.items() if "hostPath" in v}
+    if mode != "local":
+        assert host == {}, host
+        return
+    assert list(host) == ["uid-locks"], host
+    assert host["uid-locks"]["hostPath"] == {"path": "/var/lib/executor-arm/uids", "type": "DirectoryOrCreate"}
+    mounts = mounts_of(daemon(docs))
+    assert mounts[cfg["sandbox"]["local"]["uid_lock_dir"]]["name"] == "uid-locks", mounts
+    # Off: the locks stay on the pod's state volume.
+    docs = render(mode_values(mode), sets=["config.sandbox.local.uidLockHostPath="])
+    assert not any("hostPath" in v for v in pod_spec(docs)["volumes"])
