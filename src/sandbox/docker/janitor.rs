@@ -438,17 +438,26 @@ pub async fn remove_labelled(
     let removed = Mutex::new(HashSet::new());
     // What the last listing showed (containers, then volumes); unknown until one answered.
     let last_seen = Mutex::new(vec!["(the engine did not answer a listing)".to_string()]);
+    // Ok(true): nothing is left. Ok(false): the engine is not there (no socket, connection
+    // refused), so nothing can be removed and nothing new can appear; waiting for it would only
+    // hold the exit for the whole bound.
     let rounds = async {
         loop {
             match sweep_round(engine, labels, &removed).await {
-                Ok(seen) if seen.is_empty() => return,
+                Ok(seen) if seen.is_empty() => return true,
                 Ok(seen) => *last_seen.lock().unwrap_or_else(|e| e.into_inner()) = seen,
+                Err(e) if e.is_unreachable() => {
+                    *last_seen.lock().unwrap_or_else(|e| e.into_inner()) = vec![format!("({e})")];
+                    return false;
+                }
                 Err(e) => tracing::debug!(error = %e, "exit sweep: the engine failed a listing"),
             }
             tokio::time::sleep(SWEEP_ROUND_PAUSE).await;
         }
     };
-    let finished = tokio::time::timeout_at(deadline, rounds).await.is_ok();
+    let finished = tokio::time::timeout_at(deadline, rounds)
+        .await
+        .unwrap_or(false);
     let removed = removed.into_inner().map(|r| r.len()).unwrap_or(0);
     let left = match finished {
         true => Vec::new(),
@@ -797,6 +806,30 @@ mod tests {
             let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
             let swept = remove_labelled(&*engine, &j.own_labels(), deadline).await;
             assert_eq!((swept.removed, swept.left), (0, vec![stuck]));
+        }
+
+        /// An engine that is not there (a daemon configured for containers on a host without
+        /// dockerd) does not hold the exit for the whole bound: the sweep ends at the first
+        /// listing that finds no engine, and says so. (Tokio's clock is paused: a sweep that
+        /// waited would advance it to the deadline.)
+        #[tokio::test(start_paused = true)]
+        async fn the_exit_sweep_does_not_wait_for_an_engine_that_is_not_there() {
+            let engine = Arc::new(FakeEngine::default());
+            let j = Janitor::new(engine.clone() as Arc<dyn Engine>, me(), BackendKind::Docker);
+            engine.down.store(true, Ordering::SeqCst);
+            let started = tokio::time::Instant::now();
+            let deadline = started + Duration::from_secs(30);
+            let swept = remove_labelled(&*engine, &j.own_labels(), deadline).await;
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the sweep waited until its deadline for an absent engine"
+            );
+            assert_eq!(swept.removed, 0);
+            assert!(
+                matches!(swept.left.as_slice(), [why] if why.contains("unreachable")),
+                "{:?}",
+                swept.left
+            );
         }
 
         #[tokio::test]
