@@ -618,7 +618,10 @@ impl SessionService {
             Place::Host(Arc::new(workspace))
         } else {
             // The container every exec of the session runs in, from the warm pool.
-            match self.executions.keep(&probe, &id).await? {
+            // Only sessions with their profile's own limits have their containers kept warm:
+            // limits a caller picks must not make the daemon hold a pool for each choice.
+            let warm = new.limits == SessionLimits::default();
+            match self.executions.keep(&probe, &id, warm).await? {
                 Some(kept) => Place::Kept(kept),
                 None => {
                     return Err(ExecutionError::Internal(format!(
