@@ -33,15 +33,15 @@ use super::run::{
 };
 use crate::config::TokenKind;
 use crate::execution::ExecutionRequest;
-use crate::execution::SessionLimits;
 use crate::execution::record::KnownRequest;
 use crate::execution::result::ExecutionResult;
 use crate::execution::runs::LiveRun;
 use crate::policy::profile::MAX_ASYNC_TIMEOUT_SECONDS;
 use crate::provenance::sha256_prefixed;
-use crate::sessions::SessionInfo;
-use crate::sessions::workspace::FileError;
-use crate::sessions::{CodeFile, ExecClaim, ExecParts, NewSession, Owner, Session, SessionError};
+use crate::sessions::{
+    CodeFile, ExecClaim, ExecParts, FileError, NewSession, Owner, Session, SessionError,
+    SessionInfo, SessionLimits,
+};
 use crate::state::IdemKey;
 
 impl From<SessionError> for ApiError {
@@ -860,7 +860,7 @@ pub struct ListQuery {
 pub struct FileList {
     /// The directory, as asked.
     pub path: String,
-    pub entries: Vec<crate::sessions::workspace::Entry>,
+    pub entries: Vec<crate::sessions::Entry>,
 }
 
 /// `GET /v1/sandbox/sessions/{id}/files?path=dir`: a directory's entries (the workspace's
