@@ -37,10 +37,9 @@ use crate::execution::record::KnownRequest;
 use crate::execution::result::ExecutionResult;
 use crate::execution::runs::LiveRun;
 use crate::policy::profile::MAX_ASYNC_TIMEOUT_SECONDS;
-use crate::provenance::sha256_prefixed;
 use crate::sessions::{
     CodeFile, ExecClaim, ExecParts, FileError, NewSession, Owner, Session, SessionError,
-    SessionInfo, SessionLimits,
+    SessionInfo, SessionLimits, UploadError,
 };
 use crate::state::IdemKey;
 
@@ -738,34 +737,14 @@ async fn put_file_inner(
         let (session, _, known) = session_of(st, &parts.headers, rid, id, Touch::Use).await?;
         let _permit = file_permit(st)?;
         let bytes = read_body(body, &parts.headers, BodyLimit::file(st)).await?;
-        let line = crate::provenance::audit::AuditEvent::SessionFile(
-            crate::provenance::audit::SessionUpload {
-                request_id: known.request_id,
-                session_id: session.id.clone(),
-                owner: session.owner.subject.clone(),
-                tenant: session.owner.tenant.clone(),
-                path: path.to_string(),
-                bytes: bytes.len() as u64,
-                sha256: sha256_prefixed(&bytes),
-            },
-        );
-        // The session may have ended while the body arrived: such an upload is refused as one
-        // to no session. Held from here to the last byte, so the session's end waits for it.
-        let Some(_open) = session.upload_gate().await else {
-            return Err(ApiError::SessionNotFound);
-        };
-        // The line comes first, as a run's start line does: an upload the audit log cannot
-        // record is refused before anything is written (a write that then fails is answered
-        // with its error; its line stays as the record of the attempt).
-        if crate::execution::record::record(&st.audit, &st.metrics, &line).is_none() {
-            return Err(ApiError::SandboxUnavailable(
-                "audit log unavailable: the upload was not written".into(),
-            ));
-        }
-        session
-            .write_file(path, bytes.to_vec())
+        st.sessions
+            .upload(&session, known.request_id, path, bytes.to_vec())
             .await
-            .map_err(|e| file_failure(&session, e))?;
+            .map_err(|e| match e {
+                UploadError::Ended => ApiError::SessionNotFound,
+                UploadError::Unrecorded => ApiError::SandboxUnavailable(e.to_string()),
+                UploadError::File(e) => file_failure(&session, e),
+            })?;
         Ok(StatusCode::NO_CONTENT.into_response())
     }
 }

@@ -3,14 +3,66 @@
 //! ([`super::workspace`]) or the session's kept sandbox (its backend half is
 //! `crate::sandbox::docker::kept`, behind the `crate::sandbox::files::Kept` trait).
 //!
-//! Owns: which of the two serves a call, path checks before a kept sandbox is asked, and the
-//! refusal while an exec runs. Must not: know HTTP, or audit (the caller records an upload).
+//! Owns: which of the two serves a call, path checks before a kept sandbox is asked, the
+//! refusal while an exec runs, and an upload's audit line before its first byte is written.
+//! Must not: know HTTP.
 
 use std::path::PathBuf;
 
+use super::SessionService;
 use super::session::{Place, Session};
 use super::workspace::{Entry, FileError, relative};
 use crate::execution::WORKSPACE;
+use crate::provenance::audit::{AuditEvent, SessionUpload};
+use crate::provenance::sha256_prefixed;
+
+/// Why an upload was not written.
+#[derive(Debug, thiserror::Error)]
+pub enum UploadError {
+    /// The session ended (or is ending) while the upload arrived: an upload to no session.
+    #[error("the session ended")]
+    Ended,
+    /// The audit log could not record the upload: nothing was written.
+    #[error("audit log unavailable: the upload was not written")]
+    Unrecorded,
+    #[error(transparent)]
+    File(#[from] FileError),
+}
+
+impl SessionService {
+    /// Writes an uploaded file into `session`'s workspace, its `session_file` audit line first.
+    pub async fn upload(
+        &self,
+        session: &Session,
+        request_id: String,
+        path: &str,
+        bytes: Vec<u8>,
+    ) -> Result<(), UploadError> {
+        let line = AuditEvent::SessionFile(SessionUpload {
+            request_id,
+            session_id: session.id.clone(),
+            owner: session.owner.subject.clone(),
+            tenant: session.owner.tenant.clone(),
+            path: path.to_string(),
+            bytes: bytes.len() as u64,
+            sha256: sha256_prefixed(&bytes),
+        });
+        // The session may have ended while the body arrived: such an upload is refused as one
+        // to no session. Held from here to the last byte, so the session's end waits for it.
+        let Some(_open) = session.upload_gate().await else {
+            return Err(UploadError::Ended);
+        };
+        // The line comes first, as a run's start line does: an upload the audit log cannot
+        // record is refused before anything is written (a write that then fails is answered
+        // with its error; its line stays as the record of the attempt).
+        let (audit, metrics) = (self.executions.audit(), self.executions.metrics());
+        if crate::execution::record::record(audit, metrics, &line).is_none() {
+            return Err(UploadError::Unrecorded);
+        }
+        session.write_file(path, bytes).await?;
+        Ok(())
+    }
+}
 
 /// Runs a blocking file call off the async threads.
 async fn blocking<T: Send + 'static>(

@@ -15,7 +15,8 @@
 //! - `exec`: the exec plan of a session: an exec's parts (or a creation's probe) turned into an
 //!   `ExecutionRequest` carrying a `SessionExec`, its code file on the host, the check of a
 //!   session's limits against its profile.
-//! - `files`: a session's file calls, sent to its host workspace or its kept sandbox.
+//! - `files`: a session's file calls, sent to its host workspace or its kept sandbox, and an
+//!   upload's audit line.
 //! - [`workspace`]: a local session's directory on the host (tmpfs, `openat2` file calls).
 //!
 //! The backend halves live below, in `sandbox`, and stay there because the backends use them
@@ -34,6 +35,7 @@ mod session;
 pub mod workspace;
 
 pub use self::exec::{CodeFile, ExecParts};
+pub use self::files::UploadError;
 pub use self::session::{ExecClaim, Owner, Session, SessionInfo};
 pub use self::workspace::{Entry, FileError};
 pub use crate::execution::SessionLimits;
