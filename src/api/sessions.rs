@@ -38,8 +38,8 @@ use crate::execution::result::ExecutionResult;
 use crate::execution::runs::LiveRun;
 use crate::policy::profile::MAX_ASYNC_TIMEOUT_SECONDS;
 use crate::sessions::{
-    CodeFile, ExecClaim, ExecParts, FileError, NewSession, Owner, Session, SessionError,
-    SessionInfo, SessionLimits, UploadError,
+    ExecParts, FileError, NewSession, Owner, PreparedExec, Session, SessionError, SessionInfo,
+    SessionLimits, UploadError,
 };
 use crate::state::IdemKey;
 
@@ -528,7 +528,7 @@ struct SessionExec {
 
 impl Work for SessionExec {
     /// The claim, given back unless the exec starts; the code file, kept until it answered.
-    type Held = (ExecClaim, CodeFile);
+    type Held = PreparedExec;
 
     /// The grant is the session's, and the caller was found its owner before.
     async fn may_replay(&self, _: &AppState) -> Result<(), ApiError> {
@@ -536,19 +536,11 @@ impl Work for SessionExec {
     }
 
     async fn prepare(self, st: &AppState) -> Result<(ExecutionRequest, Self::Held), ApiError> {
-        let claim = st.sessions.claim(&self.session)?;
-        let (request, code_file) = st.sessions.exec_request(&self.session, self.parts).await?;
-        Ok((request, (claim, code_file)))
+        Ok(st.sessions.prepare_exec(&self.session, self.parts).await?)
     }
 
-    fn started((claim, code_file): Self::Held, live: &Arc<LiveRun>) {
-        claim.started(live);
-        // The code file goes once the exec answered (its sandbox binds it).
-        let mut answer = live.answer();
-        tokio::spawn(async move {
-            let _ = answer.wait_for(Option::is_some).await;
-            drop(code_file);
-        });
+    fn started(prepared: Self::Held, live: &Arc<LiveRun>) {
+        prepared.started(live);
     }
 }
 

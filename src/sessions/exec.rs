@@ -13,9 +13,10 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
-use super::session::{Place, Session};
+use super::session::{ExecClaim, Place, Session};
 use super::{NewSession, SessionError, SessionService};
 use crate::auth::Verified;
+use crate::execution::runs::LiveRun;
 use crate::execution::{
     Action, ExecutionError, ExecutionRequest, SessionExec, SessionLimits, SessionPlace, WORKSPACE,
 };
@@ -37,10 +38,43 @@ pub struct ExecParts {
     pub long_run: bool,
 }
 
+/// An exec of a session on its way to start: the claim on the session's one exec (given back
+/// unless the exec starts) and the exec's code file (kept until the exec answered).
+pub struct PreparedExec {
+    claim: ExecClaim,
+    code_file: CodeFile,
+}
+
+impl PreparedExec {
+    /// The exec started: the session is busy until it answers, and the code file goes once it
+    /// answered (its sandbox binds it).
+    pub fn started(self, live: &Arc<LiveRun>) {
+        let PreparedExec { claim, code_file } = self;
+        claim.started(live);
+        let mut answer = live.answer();
+        tokio::spawn(async move {
+            let _ = answer.wait_for(Option::is_some).await;
+            drop(code_file);
+        });
+    }
+}
+
 impl SessionService {
+    /// Claims `session`'s one exec (409 while another runs), then makes the exec's execution
+    /// request (see [`Self::exec_request`]); the claim is given back if that fails.
+    pub async fn prepare_exec(
+        &self,
+        session: &Arc<Session>,
+        parts: ExecParts,
+    ) -> Result<(ExecutionRequest, PreparedExec), SessionError> {
+        let claim = self.claim(session)?;
+        let (request, code_file) = self.exec_request(session, parts).await?;
+        Ok((request, PreparedExec { claim, code_file }))
+    }
+
     /// The execution request of an exec in `session`: its code is written to a file of its own
     /// (removed once the exec answers), `cwd` checked inside the workspace.
-    pub async fn exec_request(
+    async fn exec_request(
         &self,
         session: &Arc<Session>,
         parts: ExecParts,
@@ -168,7 +202,7 @@ fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
 
 /// An exec's code file on the host (local sessions); removed when dropped (the exec has its own
 /// bind of it by then, or never started).
-pub struct CodeFile(Option<PathBuf>);
+struct CodeFile(Option<PathBuf>);
 
 impl Drop for CodeFile {
     fn drop(&mut self) {

@@ -13,8 +13,9 @@
 //!   one exec, the end of a session (deleted, expired, idle, its sandbox gone, shutdown).
 //! - `session`: one session's state (owner, place, activity) and how it is described.
 //! - `exec`: the exec plan of a session: an exec's parts (or a creation's probe) turned into an
-//!   `ExecutionRequest` carrying a `SessionExec`, its code file on the host, the check of a
-//!   session's limits against its profile.
+//!   `ExecutionRequest` carrying a `SessionExec`, the claim and code file an exec holds until it
+//!   started and answered ([`PreparedExec`]), the check of a session's limits against its
+//!   profile.
 //! - `files`: a session's file calls, sent to its host workspace or its kept sandbox, and an
 //!   upload's audit line.
 //! - [`workspace`]: a local session's directory on the host (tmpfs, `openat2` file calls).
@@ -34,7 +35,7 @@ mod files;
 mod session;
 pub mod workspace;
 
-pub use self::exec::{CodeFile, ExecParts};
+pub use self::exec::{ExecParts, PreparedExec};
 pub use self::files::UploadError;
 pub use self::session::{ExecClaim, Owner, Session, SessionInfo};
 pub use self::workspace::{Entry, FileError};
