@@ -12,10 +12,15 @@
 //!   `request` (the request and its kind of run, an `Action`), `plan` (deciding it: one match
 //!   over the kinds), `admission` (run slots, their queue, single-use claims), `run` (an admitted
 //!   execution run to its result), `result` (the result and the typed `ExecutionError`),
-//!   `record` (audit lines, metrics), `runs` (live runs and their stored records); `mod.rs`
-//!   holds the service. The api renders every answer's status and body.
-//! - `sessions`: sandboxes kept across execs (owner, tenant, workspace, lifetimes); each exec
-//!   is an execution of the execution service.
+//!   `record` (audit lines, metrics), `runs` (live runs and their stored records), `session`
+//!   (where a session's exec runs and under which limits: the vocabulary `sessions` hands
+//!   down); `mod.rs` holds the service. The api renders every answer's status and body.
+//! - `sessions`: sandboxes kept across execs, between `api` and `execution`: the lifecycle
+//!   (owner, tenant, limits, lifetimes; `mod.rs`), one session's state (`session`), the exec
+//!   plan of a session (`exec`: an exec turned into an `ExecutionRequest`), its file calls
+//!   (`files`) and a local session's host workspace (`workspace`). Each exec is an execution of
+//!   the execution service; the backend halves of kept sandboxes and file calls stay in
+//!   `sandbox` (`sandbox::files`, `sandbox::docker::kept`).
 //! - `auth`: service and capability tokens (JWT, static), verified into a grant.
 //! - `policy`: allowlist, sandbox profiles, argument policies, limits → a resolved `Plan`.
 //! - `executors`: operator-registered external executors (YAML) and their envelope.

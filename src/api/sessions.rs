@@ -33,15 +33,14 @@ use super::run::{
 };
 use crate::config::TokenKind;
 use crate::execution::ExecutionRequest;
-use crate::execution::SessionLimits;
 use crate::execution::record::KnownRequest;
 use crate::execution::result::ExecutionResult;
 use crate::execution::runs::LiveRun;
 use crate::policy::profile::MAX_ASYNC_TIMEOUT_SECONDS;
-use crate::provenance::sha256_prefixed;
-use crate::sessions::SessionInfo;
-use crate::sessions::workspace::FileError;
-use crate::sessions::{CodeFile, ExecClaim, ExecParts, NewSession, Owner, Session, SessionError};
+use crate::sessions::{
+    ExecParts, FileError, NewSession, Owner, PreparedExec, Session, SessionError, SessionInfo,
+    SessionLimits, UploadError,
+};
 use crate::state::IdemKey;
 
 impl From<SessionError> for ApiError {
@@ -529,7 +528,7 @@ struct SessionExec {
 
 impl Work for SessionExec {
     /// The claim, given back unless the exec starts; the code file, kept until it answered.
-    type Held = (ExecClaim, CodeFile);
+    type Held = PreparedExec;
 
     /// The grant is the session's, and the caller was found its owner before.
     async fn may_replay(&self, _: &AppState) -> Result<(), ApiError> {
@@ -537,19 +536,11 @@ impl Work for SessionExec {
     }
 
     async fn prepare(self, st: &AppState) -> Result<(ExecutionRequest, Self::Held), ApiError> {
-        let claim = st.sessions.claim(&self.session)?;
-        let (request, code_file) = st.sessions.exec_request(&self.session, self.parts).await?;
-        Ok((request, (claim, code_file)))
+        Ok(st.sessions.prepare_exec(&self.session, self.parts).await?)
     }
 
-    fn started((claim, code_file): Self::Held, live: &Arc<LiveRun>) {
-        claim.started(live);
-        // The code file goes once the exec answered (its sandbox binds it).
-        let mut answer = live.answer();
-        tokio::spawn(async move {
-            let _ = answer.wait_for(Option::is_some).await;
-            drop(code_file);
-        });
+    fn started(prepared: Self::Held, live: &Arc<LiveRun>) {
+        prepared.started(live);
     }
 }
 
@@ -738,34 +729,14 @@ async fn put_file_inner(
         let (session, _, known) = session_of(st, &parts.headers, rid, id, Touch::Use).await?;
         let _permit = file_permit(st)?;
         let bytes = read_body(body, &parts.headers, BodyLimit::file(st)).await?;
-        let line = crate::provenance::audit::AuditEvent::SessionFile(
-            crate::provenance::audit::SessionUpload {
-                request_id: known.request_id,
-                session_id: session.id.clone(),
-                owner: session.owner.subject.clone(),
-                tenant: session.owner.tenant.clone(),
-                path: path.to_string(),
-                bytes: bytes.len() as u64,
-                sha256: sha256_prefixed(&bytes),
-            },
-        );
-        // The session may have ended while the body arrived: such an upload is refused as one
-        // to no session. Held from here to the last byte, so the session's end waits for it.
-        let Some(_open) = session.upload_gate().await else {
-            return Err(ApiError::SessionNotFound);
-        };
-        // The line comes first, as a run's start line does: an upload the audit log cannot
-        // record is refused before anything is written (a write that then fails is answered
-        // with its error; its line stays as the record of the attempt).
-        if crate::execution::record::record(&st.audit, &st.metrics, &line).is_none() {
-            return Err(ApiError::SandboxUnavailable(
-                "audit log unavailable: the upload was not written".into(),
-            ));
-        }
-        session
-            .write_file(path, bytes.to_vec())
+        st.sessions
+            .upload(&session, known.request_id, path, bytes.to_vec())
             .await
-            .map_err(|e| file_failure(&session, e))?;
+            .map_err(|e| match e {
+                UploadError::Ended => ApiError::SessionNotFound,
+                UploadError::Unrecorded => ApiError::SandboxUnavailable(e.to_string()),
+                UploadError::File(e) => file_failure(&session, e),
+            })?;
         Ok(StatusCode::NO_CONTENT.into_response())
     }
 }
@@ -860,7 +831,7 @@ pub struct ListQuery {
 pub struct FileList {
     /// The directory, as asked.
     pub path: String,
-    pub entries: Vec<crate::sessions::workspace::Entry>,
+    pub entries: Vec<crate::sessions::Entry>,
 }
 
 /// `GET /v1/sandbox/sessions/{id}/files?path=dir`: a directory's entries (the workspace's

@@ -16,6 +16,9 @@
 //!
 //! The files, one step each:
 //! - [`request`]: the request and the kinds of run ([`ExecutionRequest`], [`Action`]).
+//! - [`session`]: what a session's exec carries down to its run: where it runs
+//!   ([`SessionPlace`]), the session's limits, and how they shape its plan and `RunSpec`
+//!   (sessions themselves live above this layer).
 //! - [`plan`]: deciding a request, and the [`RunSpec`] and invocation hash of its plan.
 //! - [`admission`]: run slots, the queue in front of them, single-use claims.
 //! - [`run`]: an admitted [`Execution`], run to its result.
@@ -44,6 +47,7 @@ pub mod request;
 pub mod result;
 pub mod run;
 pub mod runs;
+pub mod session;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -56,13 +60,12 @@ use tracing::Instrument as _;
 pub use self::admission::{ClaimError, claim_single_use};
 use self::admission::{QueueLimits, RunSlots};
 use self::record::{AdmittedRun, RefusalKind};
-pub use self::request::{
-    Action, ExecutionRequest, ExternalParts, SessionExec, SessionLimits, SessionPlace, WORKSPACE,
-};
+pub use self::request::{Action, ExecutionRequest, ExternalParts};
 pub use self::result::{ExecutionError, Finished};
 pub use self::run::Execution;
 use self::runs::{CancelOutcome, LiveRun, NewRun, Runs, log_store_error, put_final};
 pub use self::runs::{Lookup, Render, Unanswered, owner_of};
+pub use self::session::{SessionExec, SessionLimits, SessionPlace, WORKSPACE};
 use crate::config::Config;
 use crate::executors::Registry;
 use crate::metrics::Metrics;
@@ -205,10 +208,12 @@ impl ExecutionService {
     /// gVisor: one container), shaped as the session's execs will run: `req` is an exec of the
     /// session, decided here (as [`Self::plan`]) but neither admitted nor run. `None` on the
     /// local backend, whose execs each get a fresh sandbox bound to the session's workspace.
+    /// `warm`: the sandbox may come from (and its backend keeps) a warm pool of such sandboxes.
     pub async fn keep(
         &self,
         req: &ExecutionRequest,
         session_id: &str,
+        warm: bool,
     ) -> Result<Option<Arc<dyn Kept>>, ExecutionError> {
         let (plan, external) = self.decide(req)?;
         let backend = self.backends.get(&plan.backend).cloned().ok_or_else(|| {
@@ -221,12 +226,6 @@ impl ExecutionService {
         // A kept sandbox has its workspace inside and gets each exec's code with the exec.
         spec.fs.workspace = None;
         spec.fs.extra_files.clear();
-        // Only sessions with their profile's own limits have their containers kept warm: limits
-        // a caller picks must not make the daemon hold a pool for each choice.
-        let warm = req
-            .action
-            .session()
-            .is_none_or(|s| s.limits == SessionLimits::default());
         backend
             .keep(&spec, session_id, warm)
             .await

@@ -5,19 +5,16 @@
 //! Owns: which decider each kind of run goes to, and what each kind adds to its run. Must not:
 //! take a run slot, claim a token or know HTTP.
 
-use std::path::PathBuf;
-use std::time::Duration;
-
 use serde_json::json;
 
 use super::ExecutionService;
 use super::record::{self, RefusalKind};
-use super::request::{Action, ExecutionRequest, SessionPlace, WORKSPACE};
+use super::request::{Action, ExecutionRequest};
 use super::result::ExecutionError;
 use crate::executors::invoke::{self, ExternalInvocation};
 use crate::policy::{Ask, Plan, PolicyError};
 use crate::provenance::{invocation_hash, sha256_prefixed};
-use crate::sandbox::{ExecCode, RunSpec};
+use crate::sandbox::RunSpec;
 
 /// The caller's command as a span attribute is clipped to this many characters: a span waits in
 /// the exporter's queue (up to 2048 of them while a collector is slow), and the caller must not
@@ -63,11 +60,7 @@ impl ExecutionService {
                 .policy
                 .decide_language(&session.language, &ask, grant)
                 .map(|mut plan| {
-                    session.limits.apply(&mut plan.limits);
-                    if let Some(t) = session.timeout {
-                        plan.limits.timeout =
-                            plan.limits.timeout.min(t.max(Duration::from_millis(1)));
-                    }
+                    session.tighten(&mut plan.limits);
                     (plan, None)
                 }),
         };
@@ -105,31 +98,7 @@ impl ExecutionService {
             spec.env.extend(x.env.clone());
         }
         if let Some(s) = req.action.session() {
-            spec.fs.workdir = PathBuf::from(WORKSPACE);
-            spec.fs.cwd = Some(s.cwd.clone());
-            spec.env.insert("HOME".into(), WORKSPACE.into());
-            match &s.place {
-                // A fresh sandbox bound to the session's host workspace, the code bound in.
-                SessionPlace::Host {
-                    workspace,
-                    code_file,
-                    uid,
-                } => {
-                    if let Some(uid) = uid {
-                        spec.uid = *uid;
-                    }
-                    spec.fs.workspace = Some(workspace.clone());
-                    spec.fs.extra_files = vec![(code_file.clone(), s.language.code_path())];
-                }
-                // The session's own sandbox, which writes the code where the interpreter reads it.
-                SessionPlace::Kept { sandbox, code } => {
-                    spec.kept = Some(sandbox.clone());
-                    spec.code = Some(ExecCode {
-                        path: s.language.code_path(),
-                        bytes: code.clone(),
-                    });
-                }
-            }
+            s.shape(&mut spec);
         }
         let mut decides = json!({
             "action_type": req.action.action_type().as_str(),
@@ -146,11 +115,7 @@ impl ExecutionService {
         });
         // Only a session's exec has the key: every other request's hash stays as it was.
         if let Some(s) = req.action.session() {
-            decides["session"] = json!({
-                "id": s.session_id,
-                "code_sha256": s.code_sha256,
-                "cwd": s.cwd,
-            });
+            decides["session"] = s.decides();
         }
         (spec, invocation_hash(&decides))
     }

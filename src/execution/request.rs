@@ -1,23 +1,20 @@
 //! What an execution asks for: the typed request the api layer builds, and the kinds of run it
-//! may ask for ([`Action`]: an allowlisted command, an external executor, a session's exec).
+//! may ask for ([`Action`]: an allowlisted command, an external executor, a session's exec; what
+//! a session's exec carries is in [`super::session`]).
 //!
 //! Owns: the request's fields and what each kind of run carries. Must not: decide anything (the
 //! policy does, see [`super::plan`]) or know HTTP.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
 
 use serde_json::{Map, Value};
 use tokio::sync::watch;
 
 use super::record::KnownRequest;
+use super::session::SessionExec;
 use crate::auth::Verified;
 use crate::executors::invoke::ExternalCall;
 use crate::policy::ActionType;
-use crate::policy::language::Language;
-use crate::sandbox::files::Kept;
 
 /// One execution as asked for: parsed and its caller authenticated, not yet decided.
 #[derive(Debug, Clone)]
@@ -85,79 +82,6 @@ impl Action {
         match self {
             Action::SessionExec(s) => Some(s),
             Action::Command { .. } | Action::Executor(_) => None,
-        }
-    }
-}
-
-/// What an exec in a session adds to its request.
-#[derive(Debug, Clone)]
-pub struct SessionExec {
-    pub session_id: String,
-    pub language: Arc<Language>,
-    /// Where the session's workspace is and how the exec's code gets there.
-    pub place: SessionPlace,
-    /// `sha256:<hex>` of the code.
-    pub code_sha256: String,
-    /// Where the code starts, inside [`WORKSPACE`].
-    pub cwd: PathBuf,
-    /// The session's limits, each no looser than its profile's (the tighter one applies).
-    pub limits: SessionLimits,
-    /// The exec's deadline to the millisecond (`timeout_ms`), within what the policy allows.
-    pub timeout: Option<Duration>,
-}
-
-/// Where a session's exec runs.
-#[derive(Debug, Clone)]
-pub enum SessionPlace {
-    /// Local: a fresh sandbox with the session's host `workspace` bound at [`WORKSPACE`] and the
-    /// host `code_file` bound read-only at the language's code path.
-    Host {
-        workspace: PathBuf,
-        code_file: PathBuf,
-        /// The session's own host uid (see [`crate::sandbox::uids`]); None only while a
-        /// session is being decided, before it has one.
-        uid: Option<u32>,
-    },
-    /// Docker/gVisor: the session's kept sandbox, which writes `code` at the language's path.
-    Kept {
-        sandbox: Arc<dyn Kept>,
-        code: Arc<[u8]>,
-    },
-}
-
-/// Where a session's workspace appears inside its sandbox.
-pub const WORKSPACE: &str = "/workspace";
-
-/// Limits a session asked for at creation; None keeps the profile's.
-#[derive(
-    Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize, PartialEq, utoipa::ToSchema,
-)]
-#[serde(deny_unknown_fields)]
-pub struct SessionLimits {
-    pub cpus: Option<f64>,
-    pub memory_mb: Option<u64>,
-    pub disk_mb: Option<u64>,
-    pub pids: Option<u64>,
-    pub output_bytes: Option<usize>,
-}
-
-impl SessionLimits {
-    /// Tightens `limits` to these (never loosens them).
-    pub fn apply(&self, limits: &mut crate::sandbox::Limits) {
-        if let Some(c) = self.cpus {
-            limits.cpus = limits.cpus.min(c);
-        }
-        if let Some(m) = self.memory_mb {
-            limits.memory_bytes = limits.memory_bytes.min(m << 20);
-        }
-        if let Some(d) = self.disk_mb {
-            limits.disk_bytes = limits.disk_bytes.min(d << 20);
-        }
-        if let Some(p) = self.pids {
-            limits.pids = limits.pids.min(p);
-        }
-        if let Some(o) = self.output_bytes {
-            limits.output_bytes = limits.output_bytes.min(o);
         }
     }
 }

@@ -7,31 +7,53 @@
 //! workdir. One exec runs at a time. Sessions end when deleted, at their TTL, after their idle
 //! time, or when the daemon stops; ending one kills its exec and removes its directory.
 //!
-//! Owns: which sessions exist, whose they are, their limits and lifetimes. Must not: know HTTP,
-//! or run anything itself (the execution service does).
+//! The files:
+//! - this file: the [`SessionService`], the sessions' lifecycle: creation (checks, limits on how
+//!   many are open, the workspace or kept sandbox), lookups by owner, the claim on a session's
+//!   one exec, the end of a session (deleted, expired, idle, its sandbox gone, shutdown).
+//! - `session`: one session's state (owner, place, activity) and how it is described.
+//! - `exec`: the exec plan of a session: an exec's parts (or a creation's probe) turned into an
+//!   `ExecutionRequest` carrying a `SessionExec`, the claim and code file an exec holds until it
+//!   started and answered ([`PreparedExec`]), the check of a session's limits against its
+//!   profile.
+//! - `files`: a session's file calls, sent to its host workspace or its kept sandbox, and an
+//!   upload's audit line.
+//! - [`workspace`]: a local session's directory on the host (tmpfs, `openat2` file calls).
+//!
+//! The backend halves live below, in `sandbox`, and stay there because the backends use them
+//! and must not depend on this module: the `Kept` trait, the file-call errors and path checks
+//! (`sandbox::files`), the docker/gVisor kept container and its supervisor's file protocol
+//! (`sandbox::docker::kept`). What the execution layer needs to run an exec in a given place
+//! (`SessionExec`, `SessionPlace`, `SessionLimits`) is its own vocabulary (`execution::session`).
+//!
+//! Owns: which sessions exist, whose they are, their limits and lifetimes, and what their execs
+//! ask for. Must not: know HTTP, or run anything itself (the execution service does); the api
+//! calls into this module, this module calls the execution service, never the other way round.
 
+mod exec;
+mod files;
+mod session;
 pub mod workspace;
 
+pub use self::exec::{ExecParts, PreparedExec};
+pub use self::files::UploadError;
+pub use self::session::{ExecClaim, Owner, Session, SessionInfo};
+pub use self::workspace::{Entry, FileError};
+pub use crate::execution::SessionLimits;
+
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
-use self::workspace::{Entry, FileError, Workspace, relative};
+use self::session::{Activity, Place};
+use self::workspace::Workspace;
 use crate::auth::Verified;
 use crate::config::SessionsConfig;
-use crate::execution::runs::LiveRun;
-use crate::execution::{
-    Action, ExecutionError, ExecutionRequest, ExecutionService, SessionExec, SessionLimits,
-    SessionPlace, WORKSPACE,
-};
-use crate::policy::language::Language;
+use crate::execution::{ExecutionError, ExecutionService};
 use crate::provenance::audit::{self, AuditEvent};
 use crate::sandbox::BackendKind;
-use crate::sandbox::files::Kept;
 use crate::sandbox::uids::UidRange;
 use crate::state::SessionRecord;
 
@@ -58,31 +80,6 @@ pub enum SessionError {
     Execution(#[from] ExecutionError),
 }
 
-/// Who a session belongs to: the calling service's subject and the tenant.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Owner {
-    pub subject: String,
-    /// "" when the call names none: a tenant of its own, never a wildcard.
-    pub tenant: String,
-}
-
-impl Owner {
-    /// The owner of the session's execs as runs: the calling service and the tenant together,
-    /// so that `/v1/executions/{exec_id}` (which knows no tenant) and another tenant of the same
-    /// service find none of them, and their Idempotency-Keys are the tenant's own. The subject's
-    /// length comes first, so no (subject, tenant) pair spells another's; the leading U+0001
-    /// keeps it apart from every service's own owner name (a subject with a control character
-    /// is refused at authentication).
-    pub fn runs(&self) -> String {
-        format!(
-            "\u{1}{}:{}:{}",
-            self.subject.len(),
-            self.subject,
-            self.tenant
-        )
-    }
-}
-
 /// What a caller asks for when it makes a session.
 #[derive(Debug, Clone)]
 pub struct NewSession {
@@ -95,289 +92,6 @@ pub struct NewSession {
     pub limits: SessionLimits,
     /// The grant the session keeps (a single-use token was claimed already).
     pub grant: Verified,
-}
-
-/// One exec's parts, as the caller sent them.
-#[derive(Debug, Clone, Default)]
-pub struct ExecParts {
-    /// Whose run the exec is ([`Owner::runs`]).
-    pub owner: String,
-    pub request_id: String,
-    pub subject: Option<String>,
-    pub code: String,
-    pub stdin: Option<String>,
-    pub env: std::collections::BTreeMap<String, String>,
-    pub cwd: Option<String>,
-    pub timeout_ms: Option<u64>,
-    /// Async or streamed: it may run up to the profile's async maximum.
-    pub long_run: bool,
-}
-
-/// What a session does now.
-enum Activity {
-    Idle,
-    /// An exec is being admitted.
-    Starting,
-    Running(Arc<LiveRun>),
-}
-
-pub struct Session {
-    pub id: String,
-    pub owner: Owner,
-    pub language: Arc<Language>,
-    pub backend: BackendKind,
-    pub profile: String,
-    pub limits: SessionLimits,
-    pub created_at: chrono::DateTime<chrono::Utc>,
-    pub expires_at: chrono::DateTime<chrono::Utc>,
-    pub idle_timeout: Duration,
-    deadline: Instant,
-    grant: Verified,
-    place: Place,
-    last_used: Mutex<Instant>,
-    activity: Mutex<Activity>,
-    execs: std::sync::atomic::AtomicU64,
-    /// The exec ids this session ran, newest last (at most [`EXECS_KEPT`]): its exec routes
-    /// serve these only.
-    ran: Mutex<std::collections::VecDeque<String>>,
-    /// True once the session ended. An upload holds it shared from its audit line to its last
-    /// byte ([`Session::upload_gate`]); the end takes it whole first, so every upload lands and
-    /// is recorded before the session's end, or is refused as one to no session.
-    ended: tokio::sync::RwLock<bool>,
-}
-
-/// Where a session's workspace lives.
-enum Place {
-    /// Local: a tmpfs on the host, bound into each exec's fresh sandbox.
-    Host(Arc<Workspace>),
-    /// Docker/gVisor: inside the session's kept container.
-    Kept(Arc<dyn Kept>),
-}
-
-/// Runs a blocking file call off the async threads.
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, FileError> + Send + 'static,
-) -> Result<T, FileError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| FileError::Io(e.to_string()))?
-}
-
-/// How many exec ids a session remembers for its exec routes.
-const EXECS_KEPT: usize = 1024;
-
-impl Session {
-    fn touch(&self) {
-        *self.last_used.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
-    }
-
-    /// The exec running now, if one is.
-    pub fn running(&self) -> Option<Arc<LiveRun>> {
-        match &*self.activity.lock().unwrap_or_else(|p| p.into_inner()) {
-            Activity::Running(live) if live.answered().is_none() => Some(live.clone()),
-            _ => None,
-        }
-    }
-
-    /// Whether this session ran exec `exec_id` (one of its last [`EXECS_KEPT`]).
-    pub fn ran(&self, exec_id: &str) -> bool {
-        self.ran
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .any(|e| e == exec_id)
-    }
-
-    /// Why the session's sandbox can no longer run anything (a kept container died).
-    pub fn sandbox_gone(&self) -> Option<String> {
-        match &self.place {
-            Place::Host(_) => None,
-            Place::Kept(k) => k.gone(),
-        }
-    }
-
-    /// Held while an upload is recorded and written; None once the session ended (or is
-    /// ending), whose workspace takes no more files.
-    pub async fn upload_gate(&self) -> Option<tokio::sync::RwLockReadGuard<'_, bool>> {
-        let gate = self.ended.read().await;
-        (!*gate).then_some(gate)
-    }
-
-    /// A kept container's files wait for its exec: refused while one runs. Its supervisor's
-    /// channel is taken by the exec only once the exec's task gets to it, after the exec was
-    /// answered as started (202), so the channel alone would let a file call in first.
-    fn kept_idle(&self) -> Result<(), FileError> {
-        match self.running() {
-            Some(_) => Err(FileError::Busy(
-                "the session is running an exec; its files can be reached when it ends".into(),
-            )),
-            None => Ok(()),
-        }
-    }
-
-    /// Writes an uploaded file into the workspace (see [`Workspace::write_file`]).
-    pub async fn write_file(&self, rel: &str, bytes: Vec<u8>) -> Result<(), FileError> {
-        match &self.place {
-            Place::Host(w) => {
-                let (w, rel) = (w.clone(), rel.to_string());
-                blocking(move || w.write_file(&rel, &bytes)).await
-            }
-            Place::Kept(k) => {
-                relative(rel)?;
-                self.kept_idle()?;
-                k.write_file(rel, bytes).await
-            }
-        }
-    }
-
-    /// The bytes of a workspace file, at most `max` (see [`Workspace::read_file`]).
-    pub async fn read_file(&self, rel: &str, max: u64) -> Result<Vec<u8>, FileError> {
-        match &self.place {
-            Place::Host(w) => {
-                let (w, rel) = (w.clone(), rel.to_string());
-                blocking(move || w.read_file(&rel, max)).await
-            }
-            Place::Kept(k) => {
-                relative(rel)?;
-                self.kept_idle()?;
-                k.read_file(rel, max).await
-            }
-        }
-    }
-
-    /// A workspace directory's entries ("" is the workspace; see [`Workspace::list`]).
-    pub async fn list(&self, rel: &str) -> Result<Vec<Entry>, FileError> {
-        match &self.place {
-            Place::Host(w) => {
-                let (w, rel) = (w.clone(), rel.to_string());
-                blocking(move || w.list(&rel)).await
-            }
-            Place::Kept(k) => {
-                if !rel.is_empty() {
-                    relative(rel)?;
-                }
-                self.kept_idle()?;
-                k.list(rel).await
-            }
-        }
-    }
-
-    /// An exec's `cwd` as its sandbox sees it: relative to the workspace, or absolute inside
-    /// [`WORKSPACE`], naming an existing directory reached through directories only.
-    async fn cwd(&self, cwd: &str) -> Result<PathBuf, FileError> {
-        let inside = std::path::Path::new(WORKSPACE);
-        match &self.place {
-            Place::Host(w) => {
-                let (w, cwd) = (w.clone(), cwd.to_string());
-                blocking(move || w.cwd(&cwd, std::path::Path::new(WORKSPACE))).await
-            }
-            Place::Kept(k) => {
-                let rel = crate::sandbox::files::cwd_relative(cwd, inside)?;
-                let rel_str = rel.to_string_lossy().into_owned();
-                k.is_dir(&rel_str).await.map_err(|e| match e {
-                    FileError::NotFound(p) => {
-                        FileError::InvalidPath(format!("cwd {p} does not exist"))
-                    }
-                    other => other,
-                })?;
-                Ok(inside.join(rel))
-            }
-        }
-    }
-
-    /// The session as its API shows it.
-    pub fn describe(&self) -> SessionInfo {
-        SessionInfo {
-            id: self.id.clone(),
-            language: self.language.name.clone(),
-            backend: self.backend,
-            profile: self.profile.clone(),
-            tenant: self.owner.tenant.clone(),
-            created_at: self
-                .created_at
-                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            expires_at: self
-                .expires_at
-                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            idle_timeout_seconds: self.idle_timeout.as_secs(),
-            limits: self.limits,
-            workspace: WORKSPACE,
-            running_exec_id: self.running().map(|l| l.exec_id().to_string()),
-            execs: self.execs.load(std::sync::atomic::Ordering::Relaxed),
-        }
-    }
-}
-
-/// A session as its calls describe it.
-#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
-pub struct SessionInfo {
-    /// `ses_…`
-    pub id: String,
-    pub language: String,
-    pub backend: BackendKind,
-    pub profile: String,
-    /// The tenant the session belongs to (empty: none was named).
-    pub tenant: String,
-    /// RFC 3339, UTC, milliseconds.
-    pub created_at: String,
-    /// RFC 3339, UTC, milliseconds: the end of the session's TTL.
-    pub expires_at: String,
-    pub idle_timeout_seconds: u64,
-    /// The limits the session asked for at creation (a null one is the profile's).
-    pub limits: SessionLimits,
-    /// Where the workspace appears inside the sandbox: `/workspace`.
-    #[schema(value_type = String)]
-    pub workspace: &'static str,
-    /// The exec running now, if any.
-    pub running_exec_id: Option<String>,
-    /// Execs the session has run.
-    pub execs: u64,
-}
-
-/// A claim on a session's one exec: given back when dropped unless an exec started.
-pub struct ExecClaim {
-    session: Arc<Session>,
-    started: bool,
-}
-
-impl ExecClaim {
-    /// The exec started: the session is busy until it answers.
-    pub fn started(mut self, live: &Arc<LiveRun>) {
-        *self
-            .session
-            .activity
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Activity::Running(live.clone());
-        self.session
-            .execs
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        {
-            let mut ran = self.session.ran.lock().unwrap_or_else(|p| p.into_inner());
-            if ran.len() == EXECS_KEPT {
-                ran.pop_front();
-            }
-            ran.push_back(live.exec_id().to_string());
-        }
-        self.started = true;
-        let session = self.session.clone();
-        let mut answer = live.answer();
-        tokio::spawn(async move {
-            let _ = answer.wait_for(Option::is_some).await;
-            session.touch();
-        });
-    }
-}
-
-impl Drop for ExecClaim {
-    fn drop(&mut self) {
-        if !self.started {
-            *self
-                .session
-                .activity
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()) = Activity::Idle;
-        }
-    }
 }
 
 pub struct SessionService {
@@ -568,30 +282,9 @@ impl SessionService {
         let id = format!("{ID_PREFIX}{}", uuid::Uuid::new_v4().simple());
         // Decided as an exec of it would be: the grant must cover the language's capability and
         // the profile (a refusal is audited).
-        let probe = request(
-            Binding {
-                session_id: id.clone(),
-                language: language.clone(),
-                profile: new.profile.clone(),
-                limits: new.limits,
-                grant: new.grant.clone(),
-                place: SessionPlace::Host {
-                    workspace: PathBuf::new(),
-                    code_file: PathBuf::new(),
-                    uid: None,
-                },
-                code_sha256: String::new(),
-                cwd: WORKSPACE.into(),
-            },
-            ExecParts {
-                owner: new.owner.runs(),
-                request_id: new.request_id.clone(),
-                subject: Some(new.owner.subject.clone()),
-                ..ExecParts::default()
-            },
-        );
+        let probe = exec::probe(&id, &language, &new);
         let plan = self.executions.plan(&probe)?;
-        check_limits(&new.limits, &plan)?;
+        exec::check_limits(&new.limits, &plan)?;
         if plan.backend != BackendKind::Local
             && plan.profile.network.mode == crate::policy::profile::NetworkMode::Egress
         {
@@ -618,7 +311,10 @@ impl SessionService {
             Place::Host(Arc::new(workspace))
         } else {
             // The container every exec of the session runs in, from the warm pool.
-            match self.executions.keep(&probe, &id).await? {
+            // Only sessions with their profile's own limits have their containers kept warm:
+            // limits a caller picks must not make the daemon hold a pool for each choice.
+            let warm = new.limits == SessionLimits::default();
+            match self.executions.keep(&probe, &id, warm).await? {
                 Some(kept) => Place::Kept(kept),
                 None => {
                     return Err(ExecutionError::Internal(format!(
@@ -767,63 +463,6 @@ impl SessionService {
         })
     }
 
-    /// The execution request of an exec in `session`: its code is written to a file of its own
-    /// (removed once the exec answers), `cwd` checked inside the workspace.
-    pub async fn exec_request(
-        &self,
-        session: &Arc<Session>,
-        parts: ExecParts,
-    ) -> Result<(ExecutionRequest, CodeFile), SessionError> {
-        let cwd = match parts.cwd.as_deref() {
-            None | Some("") => PathBuf::from(WORKSPACE),
-            Some(c) => session
-                .cwd(c)
-                .await
-                .map_err(|e| SessionError::Invalid(e.to_string()))?,
-        };
-        let code_sha256 = format!(
-            "sha256:{}",
-            hex::encode(Sha256::digest(parts.code.as_bytes()))
-        );
-        let (place, code_file) = match &session.place {
-            Place::Host(w) => {
-                let key = uuid::Uuid::new_v4().simple().to_string();
-                let code_file = w
-                    .write_code(
-                        &format!("{key}.{}", session.language.file),
-                        parts.code.as_bytes(),
-                    )
-                    .map_err(ExecutionError::Unavailable)?;
-                (
-                    SessionPlace::Host {
-                        workspace: w.host_dir(),
-                        code_file: code_file.clone(),
-                        uid: Some(w.uid()),
-                    },
-                    CodeFile(Some(code_file)),
-                )
-            }
-            Place::Kept(k) => (
-                SessionPlace::Kept {
-                    sandbox: k.clone(),
-                    code: Arc::from(parts.code.as_bytes()),
-                },
-                CodeFile(None),
-            ),
-        };
-        let binding = Binding {
-            session_id: session.id.clone(),
-            language: session.language.clone(),
-            profile: Some(session.profile.clone()),
-            limits: session.limits,
-            grant: session.grant.clone(),
-            place,
-            code_sha256,
-            cwd,
-        };
-        Ok((request(binding, parts), code_file))
-    }
-
     /// Deletes `owner`'s session `id`: its exec is killed, its directory removed. False when
     /// there is no such session of theirs.
     pub async fn delete(self: &Arc<Self>, owner: &Owner, id: &str) -> bool {
@@ -943,120 +582,6 @@ impl Drop for Reservation<'_> {
             if *n == 0 {
                 reserved.remove(&self.owner);
             }
-        }
-    }
-}
-
-/// What a session binds an exec to.
-struct Binding {
-    session_id: String,
-    language: Arc<Language>,
-    profile: Option<String>,
-    limits: SessionLimits,
-    grant: Verified,
-    place: SessionPlace,
-    code_sha256: String,
-    cwd: PathBuf,
-}
-
-/// The execution request of an exec: the language's interpreter with the code file as its only
-/// argument, under the session's grant, in its workspace.
-fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
-    let owner = parts.owner;
-    ExecutionRequest {
-        request_id: parts.request_id,
-        subject: parts.subject,
-        owner,
-        capability: b.grant,
-        command: b.language.interpreter.clone(),
-        args: vec![b.language.code_path().to_string_lossy().into_owned()],
-        timeout_seconds: parts.timeout_ms.map(|ms| ms.div_ceil(1000).max(1)),
-        long_run: parts.long_run,
-        profile: b.profile,
-        env: parts.env,
-        stdin: parts.stdin,
-        metadata: None,
-        idempotency_key: None,
-        abandoned: None,
-        action: Action::SessionExec(SessionExec {
-            session_id: b.session_id,
-            language: b.language,
-            place: b.place,
-            code_sha256: b.code_sha256,
-            cwd: b.cwd,
-            limits: b.limits,
-            timeout: parts.timeout_ms.map(Duration::from_millis),
-        }),
-    }
-}
-
-/// An exec's code file on the host (local sessions); removed when dropped (the exec has its own
-/// bind of it by then, or never started).
-pub struct CodeFile(Option<PathBuf>);
-
-impl Drop for CodeFile {
-    fn drop(&mut self) {
-        if let Some(p) = &self.0 {
-            let _ = std::fs::remove_file(p);
-        }
-    }
-}
-
-/// A session's limits may only tighten its profile's.
-fn check_limits(asked: &SessionLimits, plan: &crate::policy::Plan) -> Result<(), SessionError> {
-    let l = &plan.profile.limits;
-    let looser = [
-        (
-            "cpus",
-            asked.cpus.is_some_and(|c| !(c > 0.0 && c <= l.cpus)),
-        ),
-        (
-            "memory_mb",
-            asked.memory_mb.is_some_and(|m| m < 16 || m > l.memory_mb),
-        ),
-        (
-            "disk_mb",
-            asked.disk_mb.is_some_and(|d| d == 0 || d > l.disk_mb),
-        ),
-        ("pids", asked.pids.is_some_and(|p| p < 4 || p > l.pids)),
-        (
-            "output_bytes",
-            asked
-                .output_bytes
-                .is_some_and(|o| o == 0 || o > l.output_bytes),
-        ),
-    ];
-    match looser.iter().find(|(_, bad)| *bad) {
-        Some((name, _)) => Err(SessionError::Invalid(format!(
-            "limits.{name} must be above its minimum and no looser than profile '{}' allows",
-            plan.profile.name
-        ))),
-        None => Ok(()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Owner;
-
-    /// No (subject, tenant) pair spells another's owner key, and none spells a service's own
-    /// owner name (a subject, which holds no control character).
-    #[test]
-    fn owner_keys_of_sessions_are_unambiguous() {
-        let key = |s: &str, t: &str| {
-            Owner {
-                subject: s.into(),
-                tenant: t.into(),
-            }
-            .runs()
-        };
-        assert_ne!(key("a", "b:c"), key("a:b", "c"));
-        assert_ne!(key("a:1", ""), key("a", "1"));
-        assert_ne!(key("", "x"), key("x", ""));
-        for (s, t) in [("svcA", "t1"), ("", ""), ("a:b", "c")] {
-            let k = key(s, t);
-            assert!(k.starts_with('\u{1}'), "{k:?}");
-            assert_ne!(k, format!("{s}\u{1}{t}"));
         }
     }
 }

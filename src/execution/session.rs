@@ -1,0 +1,140 @@
+//! What a session's exec carries down to its run: where it runs ([`SessionPlace`]: a fresh
+//! sandbox bound to the session's host workspace, or the session's kept sandbox), the limits the
+//! session asked for, and how each of these shapes the plan and the [`RunSpec`].
+//!
+//! Owns: the generic "run in a given place" vocabulary the execution service needs for a
+//! session's exec. Must not: know sessions themselves (their owners, lifetimes, workspaces):
+//! the sessions module, above this layer, builds a [`SessionExec`] from a session and hands it
+//! down.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::policy::language::Language;
+use crate::sandbox::files::Kept;
+use crate::sandbox::{ExecCode, RunSpec};
+
+/// What an exec in a session adds to its request.
+#[derive(Debug, Clone)]
+pub struct SessionExec {
+    pub session_id: String,
+    pub language: Arc<Language>,
+    /// Where the session's workspace is and how the exec's code gets there.
+    pub place: SessionPlace,
+    /// `sha256:<hex>` of the code.
+    pub code_sha256: String,
+    /// Where the code starts, inside [`WORKSPACE`].
+    pub cwd: PathBuf,
+    /// The session's limits, each no looser than its profile's (the tighter one applies).
+    pub limits: SessionLimits,
+    /// The exec's deadline to the millisecond (`timeout_ms`), within what the policy allows.
+    pub timeout: Option<Duration>,
+}
+
+/// Where a session's exec runs.
+#[derive(Debug, Clone)]
+pub enum SessionPlace {
+    /// Local: a fresh sandbox with the session's host `workspace` bound at [`WORKSPACE`] and the
+    /// host `code_file` bound read-only at the language's code path.
+    Host {
+        workspace: PathBuf,
+        code_file: PathBuf,
+        /// The session's own host uid (see [`crate::sandbox::uids`]); None only while a
+        /// session is being decided, before it has one.
+        uid: Option<u32>,
+    },
+    /// Docker/gVisor: the session's kept sandbox, which writes `code` at the language's path.
+    Kept {
+        sandbox: Arc<dyn Kept>,
+        code: Arc<[u8]>,
+    },
+}
+
+/// Where a session's workspace appears inside its sandbox.
+pub const WORKSPACE: &str = "/workspace";
+
+/// Limits a session asked for at creation; None keeps the profile's.
+#[derive(
+    Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize, PartialEq, utoipa::ToSchema,
+)]
+#[serde(deny_unknown_fields)]
+pub struct SessionLimits {
+    pub cpus: Option<f64>,
+    pub memory_mb: Option<u64>,
+    pub disk_mb: Option<u64>,
+    pub pids: Option<u64>,
+    pub output_bytes: Option<usize>,
+}
+
+impl SessionLimits {
+    /// Tightens `limits` to these (never loosens them).
+    pub fn apply(&self, limits: &mut crate::sandbox::Limits) {
+        if let Some(c) = self.cpus {
+            limits.cpus = limits.cpus.min(c);
+        }
+        if let Some(m) = self.memory_mb {
+            limits.memory_bytes = limits.memory_bytes.min(m << 20);
+        }
+        if let Some(d) = self.disk_mb {
+            limits.disk_bytes = limits.disk_bytes.min(d << 20);
+        }
+        if let Some(p) = self.pids {
+            limits.pids = limits.pids.min(p);
+        }
+        if let Some(o) = self.output_bytes {
+            limits.output_bytes = limits.output_bytes.min(o);
+        }
+    }
+}
+
+impl SessionExec {
+    /// Tightens a decided run's limits to the session's, and its deadline to the exec's own.
+    pub(super) fn tighten(&self, limits: &mut crate::sandbox::Limits) {
+        self.limits.apply(limits);
+        if let Some(t) = self.timeout {
+            limits.timeout = limits.timeout.min(t.max(Duration::from_millis(1)));
+        }
+    }
+
+    /// Puts the run in the session's place: its workspace as workdir and home, the exec's cwd,
+    /// and the code where the language's interpreter reads it.
+    pub(super) fn shape(&self, spec: &mut RunSpec) {
+        spec.fs.workdir = PathBuf::from(WORKSPACE);
+        spec.fs.cwd = Some(self.cwd.clone());
+        spec.env.insert("HOME".into(), WORKSPACE.into());
+        match &self.place {
+            // A fresh sandbox bound to the session's host workspace, the code bound in.
+            SessionPlace::Host {
+                workspace,
+                code_file,
+                uid,
+            } => {
+                if let Some(uid) = uid {
+                    spec.uid = *uid;
+                }
+                spec.fs.workspace = Some(workspace.clone());
+                spec.fs.extra_files = vec![(code_file.clone(), self.language.code_path())];
+            }
+            // The session's own sandbox, which writes the code where the interpreter reads it.
+            SessionPlace::Kept { sandbox, code } => {
+                spec.kept = Some(sandbox.clone());
+                spec.code = Some(ExecCode {
+                    path: self.language.code_path(),
+                    bytes: code.clone(),
+                });
+            }
+        }
+    }
+
+    /// What the exec adds to the invocation hash (its `session` key).
+    pub(super) fn decides(&self) -> Value {
+        json!({
+            "id": self.session_id,
+            "code_sha256": self.code_sha256,
+            "cwd": self.cwd,
+        })
+    }
+}
