@@ -22,8 +22,9 @@ use tokio::io::AsyncWrite;
 
 use super::engine::{Attached, OutputStream};
 use super::pool::{ContainerGuard, WarmContainer};
+use super::relay::deliver;
 use super::supervisor::{self, FileOp, Frame, FrameDecoder};
-use super::{DRAIN_GRACE, DockerSandbox, KILL_TIMEOUT, deliver, short};
+use super::{DRAIN_GRACE, DockerSandbox, KILL_TIMEOUT, short};
 use crate::sandbox::files::{Entry, FileError, Kept};
 use crate::sandbox::run::Ending;
 use crate::sandbox::{ExitKind, KilledReason, RunOutcome, RunSpec, SandboxError};

@@ -1,12 +1,13 @@
 //! The `docker` (runc) and `gvisor` (runsc) backends: every execution runs in a container that
 //! never ran anything else, normally taken from a warm pool of started ones.
 //!
-//! Owns: turning a [`RunSpec`] into a hardened container ([`container`]), getting one (warm pool
-//! or a fresh launch), handing the request to its supervisor ([`supervisor`]), relaying its
-//! output, killing the container when the wall clock, an output cap or cancellation says so (the
-//! shared skeleton, [`super::run`], decides when), reading OOM from the engine, and destroying the
-//! container afterwards whatever happens ([`janitor`]). Must not: look at tokens, requests or the
-//! allowlist.
+//! Owns: turning a [`RunSpec`] into a hardened container ([`container`]), getting one (warm pool,
+//! [`pool`], or a fresh launch), handing the request to its supervisor ([`supervisor`]) and
+//! relaying its output ([`relay`], shared with a session's kept container, [`kept`]), killing
+//! the container when the wall clock, an output cap or cancellation says so (the shared
+//! skeleton, [`super::run`], decides when), reading OOM from the engine, destroying the container
+//! afterwards whatever happens ([`janitor`]), and the backend's exit ([`exit`]). Must not: look
+//! at tokens, requests or the allowlist.
 //!
 //! Egress profiles keep `--network none`; their only way out is the daemon's proxy on a unix
 //! socket bind-mounted into the container, relayed by the supervisor ([`egress`]).
@@ -16,30 +17,32 @@
 pub mod container;
 pub mod egress;
 pub mod engine;
+mod exit;
+pub use self::exit::EXIT_LIMIT;
+use self::exit::LAUNCH_WAIT;
 pub mod janitor;
 pub mod kept;
 pub mod labels;
 pub mod pool;
+mod relay;
+use self::relay::PumpEnd;
 pub mod seccomp;
 pub mod supervisor;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
-
-use futures::StreamExt;
-use tokio::io::{AsyncWriteExt, DuplexStream};
 
 use self::container::{ContainerPlan, runtime_of};
 use self::egress::{CONTAINER_DIR, EgressSettings, SOCKET_NAME, SocketDirs};
-use self::engine::{BollardEngine, Engine, EngineError, Output, OutputStream};
+use self::engine::{BollardEngine, Engine, EngineError};
 use self::janitor::Janitor;
 use self::labels::Owner;
 pub use self::pool::PoolMetrics;
 use self::pool::{Pool, WarmContainer};
 use self::supervisor::{ExitReport, Frame, FrameDecoder};
-use super::capture::{DRAIN_GRACE, OutputCapture};
-use super::run::{self, Ending, Waited};
+use super::capture::DRAIN_GRACE;
+use super::run::{self, Ending};
 use super::{
     BackendKind, BackendStatus, ExitKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError,
 };
@@ -58,8 +61,6 @@ const VERDICT_TIMEOUT: Duration = Duration::from_secs(5);
 const LATE_OOM_WAIT: Duration = Duration::from_secs(5);
 /// How often the janitor and the pool check on the engine and on idle containers.
 const MAINTENANCE_EVERY: Duration = Duration::from_secs(2);
-/// Supervisor stderr kept for error messages.
-const SUPERVISOR_STDERR_CAP: usize = 4096;
 /// How long a check of runsc's registered flags is trusted before runs look again.
 const RUNTIME_CHECK_TTL: Duration = Duration::from_secs(10);
 
@@ -446,165 +447,6 @@ fn launch_error(plan: &ContainerPlan, e: EngineError) -> SandboxError {
     }
 }
 
-/// A request handed to a container's supervisor: the relay of its frames into the capped
-/// readers (still pending when the daemon decided to kill the run) and their capture.
-struct Relayed<'a> {
-    relay: std::pin::Pin<Box<dyn std::future::Future<Output = PumpEnd> + Send + 'a>>,
-    output: OutputCapture,
-    start: Instant,
-}
-
-impl Relayed<'_> {
-    /// The captured output, once the relay is dropped (which closes the readers' pipes).
-    async fn finish(self) -> (super::capture::Captured, super::capture::Captured) {
-        let Relayed { relay, output, .. } = self;
-        drop(relay);
-        output.drain().await
-    }
-}
-
-impl DockerSandbox {
-    /// What every container run shares, a one-shot `/execute` or a session's exec: hands
-    /// `request` to the supervisor, relays its frames into the capped readers and waits for the
-    /// run's end, its timeout, an output cap or a stop (whose grace starts with SIGTERM through
-    /// the engine). Returns the run in flight, the daemon's reason to end it early, and the
-    /// supervisor's end when it came; killing is the caller's (a container, or one exec in it).
-    async fn relay_and_wait<'a>(
-        &'a self,
-        id: &'a str,
-        spec: &'a RunSpec,
-        input: &'a mut std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
-        output: &'a mut OutputStream,
-        decoder: &'a mut FrameDecoder,
-        request: &'a [u8],
-    ) -> (Relayed<'a>, Option<KilledReason>, Option<PumpEnd>) {
-        let (out_w, out_r) = tokio::io::duplex(64 * 1024);
-        let (err_w, err_r) = tokio::io::duplex(64 * 1024);
-        let mut capture = OutputCapture::start(
-            out_r,
-            err_r,
-            spec.limits.output_bytes,
-            spec.limits.on_overflow,
-            spec.output_tap.clone(),
-        );
-        let start = Instant::now();
-        let mut relay: std::pin::Pin<Box<dyn std::future::Future<Output = PumpEnd> + Send + 'a>> =
-            Box::pin(async move {
-                match deliver(input, request).await {
-                    Ok(()) => pump(output, decoder, out_w, err_w).await,
-                    Err(e) => PumpEnd {
-                        undelivered: true,
-                        error: Some(e),
-                        ..PumpEnd::default()
-                    },
-                }
-            });
-        let terminate = || async {
-            match tokio::time::timeout(KILL_TIMEOUT, self.engine().terminate(id)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    tracing::warn!(exec_id = %spec.exec_id, container = %id, error = %e, "SIGTERM before the stop's grace failed")
-                }
-                Err(_) => {
-                    tracing::warn!(exec_id = %spec.exec_id, container = %id, "the engine did not confirm the SIGTERM in time")
-                }
-            }
-        };
-        let waited = run::wait(
-            &mut relay,
-            spec.limits.timeout,
-            spec.stop.as_ref(),
-            &mut capture,
-            terminate,
-        )
-        .await;
-        let (killed, end) = match waited {
-            Waited::Ended(end) => (None, Some(end)),
-            Waited::EndedOnStop(end, reason) => (Some(reason), Some(end)),
-            Waited::Kill(reason) => (Some(reason), None),
-        };
-        let relayed = Relayed {
-            relay,
-            output: capture,
-            start,
-        };
-        (relayed, killed, end)
-    }
-}
-
-/// How relaying the supervisor's stream ended.
-#[derive(Default)]
-struct PumpEnd {
-    /// The final frame (`Exit` or `Failed`), if it arrived.
-    report: Option<Frame>,
-    supervisor_stderr: Vec<u8>,
-    /// The stream broke or was corrupt.
-    error: Option<EngineError>,
-    /// The request could not even be written: the command never started.
-    undelivered: bool,
-}
-
-/// Hands a request to the supervisor.
-async fn deliver(
-    input: &mut std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
-    request: &[u8],
-) -> Result<(), EngineError> {
-    let written = async {
-        input.write_all(request).await?;
-        input.flush().await
-    };
-    written.await.map_err(|e| {
-        EngineError::Unreachable(format!("could not hand the request to the sandbox: {e}"))
-    })
-}
-
-/// Relays command output from the supervisor's stream into the capped readers until the final
-/// frame. `decoder` keeps what follows that frame (nothing, from a supervisor that waits for its
-/// next request).
-async fn pump(
-    output: &mut OutputStream,
-    decoder: &mut FrameDecoder,
-    mut out_w: DuplexStream,
-    mut err_w: DuplexStream,
-) -> PumpEnd {
-    let mut end = PumpEnd::default();
-    loop {
-        loop {
-            match decoder.next_frame() {
-                Ok(None) => break,
-                // A closed reader means its task is gone; keep draining so the run can end.
-                Ok(Some(Frame::Stdout(b))) => {
-                    let _ = out_w.write_all(&b).await;
-                }
-                Ok(Some(Frame::Stderr(b))) => {
-                    let _ = err_w.write_all(&b).await;
-                }
-                Ok(Some(f)) => {
-                    end.report = Some(f);
-                    return end;
-                }
-                Err(e) => {
-                    end.error = Some(EngineError::Api(format!("corrupt supervisor stream: {e}")));
-                    return end;
-                }
-            }
-        }
-        match output.next().await {
-            Some(Ok(Output::Stdout(chunk))) => decoder.push(&chunk),
-            Some(Ok(Output::Stderr(chunk))) => {
-                let room = SUPERVISOR_STDERR_CAP.saturating_sub(end.supervisor_stderr.len());
-                end.supervisor_stderr
-                    .extend_from_slice(&chunk[..chunk.len().min(room)]);
-            }
-            Some(Err(e)) => {
-                end.error = Some(e);
-                return end;
-            }
-            None => return end,
-        }
-    }
-}
-
 #[async_trait::async_trait]
 impl Sandbox for DockerSandbox {
     fn kind(&self) -> BackendKind {
@@ -826,90 +668,6 @@ impl Sandbox for DockerSandbox {
 
 fn short(id: &str) -> &str {
     &id[..id.len().min(12)]
-}
-
-/// The whole of a container backend's exit (after the daemon's drain): launches in flight are
-/// waited for (at most [`LAUNCH_WAIT`] of it), then this instance's containers and volumes are
-/// removed, listing again until none is left. A gVisor sandbox saturated by its guest can take
-/// seconds to act on a kill on 2 vCPUs, and a burst leaves hundreds of containers to remove.
-/// docs/deployment.md and the chart's terminationGracePeriodSeconds count on this bound.
-pub const EXIT_LIMIT: Duration = Duration::from_secs(30);
-/// How long the exit waits for container launches in flight before it sweeps anyway (each then
-/// removes its own container when its create returns, see [`Janitor::create`]).
-const LAUNCH_WAIT: Duration = Duration::from_secs(10);
-/// How long the drop's fallback sweep (the exit never ran) may take.
-const DROP_SWEEP_LIMIT: Duration = Duration::from_secs(10);
-
-impl DockerSandbox {
-    /// [`Sandbox::shutdown`] with its bounds: launches get `launch_wait`, everything `deadline`.
-    /// Whatever it could not remove is logged at WARN (the next daemon's startup sweep removes
-    /// it), and the drop's fallback then has nothing more to do.
-    async fn shutdown_by(&self, deadline: tokio::time::Instant, launch_wait: Duration) {
-        self.pool.close();
-        if !self.janitor.close_launches(launch_wait).await {
-            tracing::warn!(
-                backend = self.kind.as_str(),
-                "container launches still in flight at exit; each removes its own container"
-            );
-        }
-        let labels = self.janitor.own_labels();
-        let swept = janitor::remove_labelled(self.engine().as_ref(), &labels, deadline).await;
-        self.shut_down.store(true, Ordering::SeqCst);
-        log_exit_sweep(self.kind, &swept, EXIT_LIMIT);
-    }
-}
-
-/// The exit sweep's outcome in the log: a count at INFO, or at WARN what was left.
-fn log_exit_sweep(kind: BackendKind, swept: &janitor::Swept, limit: Duration) {
-    if !swept.left.is_empty() {
-        tracing::warn!(
-            backend = kind.as_str(),
-            removed = swept.removed,
-            left = ?swept.left,
-            limit_seconds = limit.as_secs(),
-            "sandbox containers or volumes still there when the exit's bound passed; the next \
-             daemon's startup sweep removes them"
-        );
-    } else if swept.removed > 0 {
-        tracing::info!(
-            removed = swept.removed,
-            backend = kind.as_str(),
-            "removed this daemon's sandbox containers"
-        );
-    }
-}
-
-impl Drop for DockerSandbox {
-    /// The fallback when [`Sandbox::shutdown`] did not run to its end: removes every container
-    /// of this instance and backend (idle pool ones included). Runs on its own thread and
-    /// runtime: we may be inside the daemon's runtime while it shuts down, where nothing can be
-    /// awaited.
-    fn drop(&mut self) {
-        if self.shut_down.load(Ordering::SeqCst) {
-            return;
-        }
-        let Some(socket) = self.shutdown_socket.take() else {
-            return;
-        };
-        let labels = self.janitor.own_labels();
-        let kind = self.kind;
-        let worker = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return None;
-            };
-            rt.block_on(async move {
-                let engine = BollardEngine::new(&socket);
-                let deadline = tokio::time::Instant::now() + DROP_SWEEP_LIMIT;
-                Some(janitor::remove_labelled(&engine, &labels, deadline).await)
-            })
-        });
-        if let Ok(Some(swept)) = worker.join() {
-            log_exit_sweep(kind, &swept, DROP_SWEEP_LIMIT);
-        }
-    }
 }
 
 #[cfg(test)]
