@@ -1,5 +1,6 @@
 //! Egress through the daemon's filtering proxy, on every backend: local, docker (runc) and gvisor
-//! (runsc). Each case runs once per backend.
+//! (runsc). Each case runs once per backend, as `local::<case>`, `docker::<case>` and
+//! `gvisor::<case>` (`on_every_backend!`, tests/common/backends.rs).
 //!
 //! Every address these tests touch belongs to test hosts in a network namespace the test creates:
 //! the daemon itself runs in a second namespace whose only route leads into the test-host
@@ -21,6 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use common::backends::Backend;
 use common::{Daemon, Opts};
 use serde_json::{Value, json};
 
@@ -31,43 +33,6 @@ use common::wait::{CLEANUP, wait_for, wait_until};
 /// Warm pool size of the container backends: the first run launches its container, later ones
 /// take a pooled one, so both paths carry egress.
 const POOL: usize = 1;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Backend {
-    Local,
-    Docker,
-    Gvisor,
-}
-
-impl Backend {
-    /// `SANDBOX_RUNTIME` spelling.
-    fn runtime(self) -> &'static str {
-        match self {
-            Backend::Local => "local",
-            Backend::Docker => "runc",
-            Backend::Gvisor => "gvisor",
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Backend::Local => "local",
-            Backend::Docker => "docker",
-            Backend::Gvisor => "gvisor",
-        }
-    }
-
-    fn is_container(self) -> bool {
-        self != Backend::Local
-    }
-
-    /// Fails the test when a container backend's engine is missing (see the module docs).
-    fn require(self, test: &str) {
-        if self.is_container() {
-            common::docker::require_docker(&format!("{test} on {self:?}"));
-        }
-    }
-}
 
 fn sh(args: &[&str]) {
     let out = Command::new(args[0])
@@ -468,25 +433,16 @@ fn records(r: &common::Resp) -> Vec<Value> {
     r.json["network"].as_array().cloned().unwrap_or_default()
 }
 
+on_every_backend!(
+    multi_thread;
+    egress_is_allowlisted_and_ssrf_safe,
+    a_stream_shows_egress_lines_as_they_arrive,
+    bandwidth_is_limited,
+);
+
 const NETWORK: &str = "mode = \"egress\"\nallow_hosts = [\"allowed.test\", \"rebind.test\", \"metadata.test\", \"loopback.test\", \"*.allowed.test\"]\nallow_ports = [80]\nbandwidth_mbps = 10\nbyte_cap_mb = 50";
 
-#[tokio::test(flavor = "multi_thread")]
-async fn egress_is_allowlisted_and_ssrf_safe_on_local() {
-    egress_is_allowlisted_and_ssrf_safe(Backend::Local).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn egress_is_allowlisted_and_ssrf_safe_on_docker() {
-    egress_is_allowlisted_and_ssrf_safe(Backend::Docker).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn egress_is_allowlisted_and_ssrf_safe_on_gvisor() {
-    egress_is_allowlisted_and_ssrf_safe(Backend::Gvisor).await;
-}
-
 async fn egress_is_allowlisted_and_ssrf_safe(backend: Backend) {
-    backend.require("egress_is_allowlisted_and_ssrf_safe");
     let net = Net::new();
     let setup = net.daemon(NETWORK, backend);
     let d = &setup.d;
@@ -726,7 +682,6 @@ async fn egress_is_allowlisted_and_ssrf_safe(backend: Backend) {
 /// A run that receives a slow response through the egress proxy is streamed line by line as the
 /// lines arrive, then its result.
 async fn a_stream_shows_egress_lines_as_they_arrive(backend: Backend) {
-    backend.require("a_stream_shows_egress_lines_as_they_arrive");
     let net = Net::new();
     let setup = net.daemon(NETWORK, backend);
     let d = &setup.d;
@@ -757,38 +712,7 @@ async fn a_stream_shows_egress_lines_as_they_arrive(backend: Backend) {
     setup.finish();
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_stream_shows_egress_lines_as_they_arrive_on_local() {
-    a_stream_shows_egress_lines_as_they_arrive(Backend::Local).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn a_stream_shows_egress_lines_as_they_arrive_on_docker() {
-    a_stream_shows_egress_lines_as_they_arrive(Backend::Docker).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn a_stream_shows_egress_lines_as_they_arrive_on_gvisor() {
-    a_stream_shows_egress_lines_as_they_arrive(Backend::Gvisor).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn bandwidth_is_limited_on_local() {
-    bandwidth_is_limited(Backend::Local).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn bandwidth_is_limited_on_docker() {
-    bandwidth_is_limited(Backend::Docker).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn bandwidth_is_limited_on_gvisor() {
-    bandwidth_is_limited(Backend::Gvisor).await;
-}
-
 async fn bandwidth_is_limited(backend: Backend) {
-    backend.require("bandwidth_is_limited");
     let net = Net::new();
     // 8 Mbps = 1 000 000 B/s; the output cap is raised so the whole body reaches curl's stdout
     // (`-o` is refused) and curl can report its own transfer rate after it.

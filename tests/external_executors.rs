@@ -16,69 +16,12 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use common::backends::{Backend, Finish};
 use common::docker::{container_exists, container_of};
 use common::wait::wait_until;
 use common::{Daemon, Opts, Resp, pids_with_cmdline, write_executor_def};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-
-/// The backend a daemon runs the `python` profile on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Backend {
-    Local,
-    Docker,
-    Gvisor,
-}
-
-impl Backend {
-    /// As the response's `backend` names it.
-    fn name(self) -> &'static str {
-        match self {
-            Backend::Local => "local",
-            Backend::Docker => "docker",
-            Backend::Gvisor => "gvisor",
-        }
-    }
-
-    /// The daemon's `SANDBOX_RUNTIME`, which makes this backend the default one.
-    fn runtime(self) -> &'static str {
-        match self {
-            Backend::Local => "local",
-            Backend::Docker => "runc",
-            Backend::Gvisor => "gvisor",
-        }
-    }
-
-    /// Fails the test when a container backend's engine is missing.
-    fn require(self, test: &str) {
-        if self != Backend::Local {
-            common::docker::require_docker(test);
-        }
-    }
-}
-
-/// Declares each case as a test on every backend: `local::case`, `docker::case`, `gvisor::case`.
-/// A case takes its backend and hands its daemon back, and the wrapper finishes it (on the
-/// container backends: stops it and checks that no container of it is left).
-macro_rules! on_every_backend {
-    ($($case:ident),+ $(,)?) => {
-        on_every_backend!(@on local, Local, $($case),+);
-        on_every_backend!(@on docker, Docker, $($case),+);
-        on_every_backend!(@on gvisor, Gvisor, $($case),+);
-    };
-    (@on $module:ident, $backend:ident, $($case:ident),+) => {
-        mod $module {
-            $(
-                #[tokio::test]
-                async fn $case() {
-                    let backend = super::Backend::$backend;
-                    backend.require(concat!(stringify!($module), "::", stringify!($case)));
-                    super::$case(backend).await.finish();
-                }
-            )+
-        }
-    };
-}
 
 on_every_backend!(
     success_echoes_the_envelope_with_provenance_and_audit,
@@ -459,7 +402,9 @@ impl Sandboxed {
             }
         }
     }
+}
 
+impl Finish for Sandboxed {
     /// Stops the daemon; on the container backends, checks that none of its containers is left.
     fn finish(self) {
         match self.backend {
