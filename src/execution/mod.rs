@@ -166,7 +166,7 @@ impl ExecutionService {
     /// The plan `req` would run with, deciding it as an admission does (a refusal is audited),
     /// without admitting anything: a session checks its grant with it when it is made.
     pub fn plan(&self, req: &ExecutionRequest) -> Result<Plan, ExecutionError> {
-        self.decide(req).map(|(plan, _)| plan)
+        self.decide(req).map(|d| d.plan)
     }
 
     /// The state store runs and sessions are recorded in.
@@ -215,14 +215,15 @@ impl ExecutionService {
         session_id: &str,
         warm: bool,
     ) -> Result<Option<Arc<dyn Kept>>, ExecutionError> {
-        let (plan, external) = self.decide(req)?;
+        let decision = self.decide(req)?;
+        let plan = &decision.plan;
         let backend = self.backends.get(&plan.backend).cloned().ok_or_else(|| {
             ExecutionError::Unavailable(format!(
                 "backend {} is not configured on this daemon",
                 plan.backend.as_str()
             ))
         })?;
-        let (mut spec, _) = self.run_spec(session_id, &plan, req, external.as_ref());
+        let (mut spec, _) = self.run_spec(session_id, &decision, req);
         // A kept sandbox has its workspace inside and gets each exec's code with the exec.
         spec.fs.workspace = None;
         spec.fs.extra_files.clear();
@@ -295,19 +296,27 @@ impl ExecutionService {
     /// token and writes the start line, in that order (see the module's header). The returned
     /// [`Execution`] has not started.
     pub async fn admit(&self, req: ExecutionRequest) -> Result<Execution, ExecutionError> {
-        let (plan, external) = self.decide(&req)?;
-        let backend = self.backends.get(&plan.backend).cloned().ok_or_else(|| {
-            ExecutionError::Unavailable(format!(
-                "backend {} is not configured on this daemon",
-                plan.backend.as_str()
-            ))
-        })?;
-        let slot = self.take_slot(plan.backend, req.abandoned.as_ref()).await?;
+        let decision = self.decide(&req)?;
+        let backend = self
+            .backends
+            .get(&decision.plan.backend)
+            .cloned()
+            .ok_or_else(|| {
+                ExecutionError::Unavailable(format!(
+                    "backend {} is not configured on this daemon",
+                    decision.plan.backend.as_str()
+                ))
+            })?;
+        let slot = self
+            .take_slot(decision.plan.backend, req.abandoned.as_ref())
+            .await?;
 
         let exec_id = format!("exec-{}", uuid::Uuid::new_v4().simple());
         // The request's span (`http.request`) declares the field: from here on it names the run.
         tracing::Span::current().record("exec_id", exec_id.as_str());
-        let (mut spec, invocation_hash) = self.run_spec(&exec_id, &plan, &req, external.as_ref());
+        let (mut spec, invocation_hash) = self.run_spec(&exec_id, &decision, &req);
+        let executor_def_sha256 = decision.executor_def_sha256().map(str::to_string);
+        let plan = decision.plan;
         let (stop, stop_rx) = watch::channel(None);
         spec.stop = Some(stop_rx);
         let owner = req.owner.clone();
@@ -362,7 +371,7 @@ impl ExecutionService {
             owner,
             backend,
             slot,
-            executor_def_sha256: external.map(|x| x.def_sha256),
+            executor_def_sha256,
             session: req
                 .action
                 .session()

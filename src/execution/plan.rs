@@ -11,6 +11,7 @@ use super::ExecutionService;
 use super::record::{self, RefusalKind};
 use super::request::{Action, ExecutionRequest};
 use super::result::ExecutionError;
+use super::session::SessionExec;
 use crate::executors::invoke::{self, ExternalInvocation};
 use crate::policy::{Ask, Plan, PolicyError};
 use crate::provenance::{invocation_hash, sha256_prefixed};
@@ -21,9 +22,33 @@ use crate::sandbox::RunSpec;
 /// set its size.
 const SPAN_COMMAND_CHARS: usize = 128;
 
+/// A decided request: its plan, and what its kind of run adds to it.
+pub(super) struct Decision<'r> {
+    pub(super) plan: Plan,
+    kind: Decided<'r>,
+}
+
+/// What each kind of run ([`Action`]) brings from its decision to its [`RunSpec`].
+enum Decided<'r> {
+    Command,
+    /// The executor's invocation: its argv tail, envelope, files and environment.
+    Executor(ExternalInvocation),
+    SessionExec(&'r SessionExec),
+}
+
+impl Decision<'_> {
+    /// The hash of the executor's def, for an external executor's run.
+    pub(super) fn executor_def_sha256(&self) -> Option<&str> {
+        match &self.kind {
+            Decided::Executor(x) => Some(&x.def_sha256),
+            Decided::Command | Decided::SessionExec(_) => None,
+        }
+    }
+}
+
 impl ExecutionService {
-    /// The plan of an allowlisted command or of a registered external executor (with what its
-    /// invocation adds); a refusal is audited here.
+    /// The plan of an allowlisted command, of a registered external executor (with what its
+    /// invocation adds) or of a session's exec; a refusal is audited here.
     #[tracing::instrument(
         name = "policy.decide",
         skip_all,
@@ -33,10 +58,10 @@ impl ExecutionService {
             command = %crate::auth::clip(&req.command, SPAN_COMMAND_CHARS),
         )
     )]
-    pub(super) fn decide(
+    pub(super) fn decide<'r>(
         &self,
-        req: &ExecutionRequest,
-    ) -> Result<(Plan, Option<ExternalInvocation>), ExecutionError> {
+        req: &'r ExecutionRequest,
+    ) -> Result<Decision<'r>, ExecutionError> {
         let ask = Ask {
             action_type: Some(req.action.action_type()),
             command: &req.command,
@@ -48,20 +73,30 @@ impl ExecutionService {
         };
         let grant = &req.capability.grant;
         let decided = match &req.action {
-            Action::Command { .. } => self.policy.decide(&ask, grant).map(|p| (p, None)),
+            Action::Command { .. } => self.policy.decide(&ask, grant).map(|plan| Decision {
+                plan,
+                kind: Decided::Command,
+            }),
             Action::Executor(parts) => invoke::decide(
                 &self.executors,
                 &self.policy,
                 &ask,
                 grant,
                 &req.external_call(parts),
-            ),
+            )
+            .map(|(plan, invocation)| Decision {
+                plan,
+                kind: Decided::Executor(invocation),
+            }),
             Action::SessionExec(session) => self
                 .policy
                 .decide_language(&session.language, &ask, grant)
                 .map(|mut plan| {
                     session.tighten(&mut plan.limits);
-                    (plan, None)
+                    Decision {
+                        plan,
+                        kind: Decided::SessionExec(session),
+                    }
                 }),
         };
         decided.map_err(|e| match e {
@@ -77,29 +112,34 @@ impl ExecutionService {
         })
     }
 
-    /// What the backend runs, and the invocation hash over everything that decides it.
+    /// What the backend runs for a decided request, and the invocation hash over everything
+    /// that decides it.
     pub(super) fn run_spec(
         &self,
         exec_id: &str,
-        plan: &Plan,
+        decision: &Decision<'_>,
         req: &ExecutionRequest,
-        external: Option<&ExternalInvocation>,
     ) -> (RunSpec, String) {
-        let (argv_tail, stdin) = match external {
-            Some(x) => (x.argv_tail.clone(), Some(x.stdin.clone())),
-            None => (
-                req.args.clone(),
-                req.stdin.as_ref().map(|s| s.clone().into_bytes()),
+        let plan = &decision.plan;
+        let request_stdin = || req.stdin.as_ref().map(|s| s.clone().into_bytes());
+        let image = &self.default_image;
+        let (spec, argv_tail) = match &decision.kind {
+            Decided::Command => (
+                plan.run_spec(exec_id, &req.args, request_stdin(), image),
+                &req.args,
             ),
+            Decided::Executor(x) => {
+                let mut spec = plan.run_spec(exec_id, &x.argv_tail, Some(x.stdin.clone()), image);
+                spec.fs.extra_files = x.extra_files.clone();
+                spec.env.extend(x.env.clone());
+                (spec, &x.argv_tail)
+            }
+            Decided::SessionExec(s) => {
+                let mut spec = plan.run_spec(exec_id, &req.args, request_stdin(), image);
+                s.shape(&mut spec);
+                (spec, &req.args)
+            }
         };
-        let mut spec = plan.run_spec(exec_id, &argv_tail, stdin, &self.default_image);
-        if let Some(x) = external {
-            spec.fs.extra_files = x.extra_files.clone();
-            spec.env.extend(x.env.clone());
-        }
-        if let Some(s) = req.action.session() {
-            s.shape(&mut spec);
-        }
         let mut decides = json!({
             "action_type": req.action.action_type().as_str(),
             "command": plan.command,
@@ -110,11 +150,11 @@ impl ExecutionService {
             "profile": plan.profile.name,
             "backend": plan.backend.as_str(),
             "image": spec.image,
-            "executor_def_sha256": external.map(|x| &x.def_sha256),
+            "executor_def_sha256": decision.executor_def_sha256(),
             "limits": spec.limits,
         });
         // Only a session's exec has the key: every other request's hash stays as it was.
-        if let Some(s) = req.action.session() {
+        if let Decided::SessionExec(s) = &decision.kind {
             decides["session"] = s.decides();
         }
         (spec, invocation_hash(&decides))

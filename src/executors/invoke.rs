@@ -174,7 +174,7 @@ pub fn decide(
     ask: &Ask<'_>,
     grant: &Grant,
     req: &ExternalCall<'_>,
-) -> Result<(Plan, Option<ExternalInvocation>), PolicyError> {
+) -> Result<(Plan, ExternalInvocation), PolicyError> {
     let Some(def) = executors.get(ask.command) else {
         return Err(PolicyError::Refused(Refusal {
             rule: "executors",
@@ -286,13 +286,13 @@ pub fn decide(
     let cmd = PathBuf::from(&def.command);
     Ok((
         plan,
-        Some(ExternalInvocation {
+        ExternalInvocation {
             argv_tail,
             stdin,
             env,
             extra_files: vec![(cmd.clone(), cmd)],
             def_sha256: def.def_sha256.clone(),
-        }),
+        },
     ))
 }
 
