@@ -1477,3 +1477,89 @@ print(json.dumps({"fd": fd, "errno": ctypes.get_errno() if fd < 0 else 0, "uid":
         finish(d);
     }
 }
+
+/// dockerd answers a removal of a container it is already removing with 409 "removal already in
+/// progress" at once, while the first removal may still be killing the container's processes
+/// (seconds for a few hundred busy ones). The engine's `remove` returns only once the container
+/// is gone: the daemon releases a container's uid on that answer, and another sandbox must not
+/// get the uid while a process of this one can still run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_meeting_one_in_progress_returns_once_the_container_is_gone() {
+    use executor_arm::sandbox::docker::engine::{BollardEngine, Engine};
+    require_docker("a_removal_meeting_one_in_progress_returns_once_the_container_is_gone");
+    let out = std::process::Command::new("docker")
+        .args([
+            "run",
+            "-d",
+            "--runtime=runc",
+            "--network=none",
+            "--cpus=0.2",
+            "--pids-limit=4000",
+            "--label",
+            "executor-arm.test=removal-in-progress",
+            "--entrypoint",
+            "sh",
+            common::docker::IMAGE,
+            "-c",
+            "for i in $(seq 1 300); do (while :; do :; done) & done; wait",
+        ])
+        .output()
+        .expect("docker run");
+    assert!(
+        out.status.success(),
+        "docker run: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    /// Removes the container whatever the test's end.
+    struct Remove(String);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("docker")
+                .args(["rm", "-f", &self.0])
+                .output();
+        }
+    }
+    let _remove = Remove(id.clone());
+    let engine = std::sync::Arc::new(BollardEngine::new(SOCKET));
+    wait_until(
+        "the container's 300 busy processes",
+        Duration::from_secs(240),
+        || {
+            let top = std::process::Command::new("docker")
+                .args(["top", &id])
+                .output()
+                .expect("docker top");
+            String::from_utf8_lossy(&top.stdout).lines().count() > 300
+        },
+    );
+
+    // Two removals 50 ms apart: dockerd answers the later one 409 while it kills the processes.
+    // Each records whether the container still existed when its removal answered.
+    let removal = |delay: Duration| {
+        let (engine, id) = (engine.clone(), id.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let r = engine.remove(&id).await;
+            let id2 = id.clone();
+            let left = tokio::task::spawn_blocking(move || container_exists(&id2))
+                .await
+                .expect("docker inspect");
+            (r, left)
+        })
+    };
+    let (first, second) = (removal(Duration::ZERO), removal(Duration::from_millis(50)));
+    let (first, second) = (first.await.expect("first"), second.await.expect("second"));
+    assert!(
+        first.0.is_ok() && second.0.is_ok(),
+        "removals: first {:?}, second {:?}",
+        first.0,
+        second.0
+    );
+    assert!(
+        !first.1 && !second.1,
+        "a removal answered done while container {id} still existed (first: {}, second: {})",
+        first.1,
+        second.1
+    );
+}

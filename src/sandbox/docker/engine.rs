@@ -23,6 +23,10 @@ use tokio::io::AsyncWrite;
 
 /// Seconds bollard allows one engine request.
 const REQUEST_TIMEOUT_SECS: u64 = 30;
+/// How long a removal that found another one in progress waits for the container to go.
+const REMOVAL_WAIT: Duration = Duration::from_secs(30);
+/// How often it looks.
+const REMOVAL_POLL: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum EngineError {
@@ -154,6 +158,23 @@ pub struct BollardEngine {
 }
 
 impl BollardEngine {
+    /// Waits until container `id` is gone (dockerd answers "no such container"), at most
+    /// [`REMOVAL_WAIT`]; a timeout leaves the removal to the caller's retry.
+    async fn wait_removed(&self, id: &str) -> Result<(), EngineError> {
+        let deadline = tokio::time::Instant::now() + REMOVAL_WAIT;
+        loop {
+            match self.inspect(id).await {
+                Err(EngineError::NotFound(_)) => return Ok(()),
+                Err(e @ EngineError::Unreachable(_)) => return Err(e),
+                Ok(_) | Err(_) => {}
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(EngineError::Timeout);
+            }
+            tokio::time::sleep(REMOVAL_POLL).await;
+        }
+    }
+
     /// Sends `signal` to the container's main process; a container that is not running is not
     /// an error (409: the goal is reached).
     async fn signal(&self, id: &str, signal: &str) -> Result<(), EngineError> {
@@ -309,11 +330,14 @@ impl Engine for BollardEngine {
             .await
         {
             Err(EngineError::NotFound(_)) => Ok(()),
-            // 409 "removal already in progress": someone else (the startup sweep, a retry) is on it.
+            // 409 "removal already in progress": someone else (a sweep, an earlier call that
+            // timed out) is on it, and dockerd may still be killing the container's processes.
+            // A removal is done only once the container is gone: callers release the
+            // container's uid on it.
             Err(EngineError::Api(m))
                 if m.starts_with("409") && m.contains("already in progress") =>
             {
-                Ok(())
+                self.wait_removed(id).await
             }
             other => other,
         }
