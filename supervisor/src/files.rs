@@ -219,7 +219,8 @@ pub fn file_request(cfg: &Config) -> Result<(), Abandoned> {
             let result = match become_user(cfg.uid, cfg.gid) {
                 Err(why) => Err(("io", 0, why)),
                 Ok(()) => {
-                    // The switch made us dumpable again: nothing else of this uid may read us.
+                    // Non-dumpable whatever fs.suid_dumpable says (the switch set that value):
+                    // nothing else of this uid may read or trace us.
                     let _ = nix::sys::prctl::set_dumpable(false);
                     helper(cfg, &h, &data, &mut out)
                 }

@@ -401,13 +401,22 @@ fn signal_all(cfg: &Config, sig: Signal) {
         let _ = kill(Pid::from_raw(-1), sig);
         return;
     }
-    // SAFETY: single-threaded process; the helper only calls async-signal-safe code paths and
-    // exits.
+    // SAFETY: fork(2) in a single-threaded process: the child owns a copy of every lock and
+    // allocation state, so what it calls before exiting (no thread was holding anything) is sound.
     if let Ok(ForkResult::Child) = unsafe { fork() } {
         default_signals();
+        // The helper needs no descriptor. It runs as the command's uid, which may stop it, so it
+        // holds none of this process's: not the report channel (fds 0 and 1), not the relay
+        // sockets, not the command's stdin pipe.
+        // SAFETY: close_range(2) on every descriptor of this forked child; nothing in it uses one
+        // afterwards (it only switches identity, signals and exits).
+        unsafe { libc::close_range(0, libc::c_uint::MAX, 0) };
         if become_user(cfg.uid, cfg.gid).is_err() {
             exit_now(1);
         }
+        // Non-dumpable whatever fs.suid_dumpable says: no process of the command's uid may read
+        // or trace the helper.
+        let _ = nix::sys::prctl::set_dumpable(false);
         let _ = kill(Pid::from_raw(-1), sig);
         exit_now(0);
     }
@@ -614,7 +623,10 @@ fn run_request(
     for _try in 0..2 {
         let next = match prepared.take() {
             Some(Ok(p)) => p,
-            _ => spawn(cfg).map_err(|m| fail(&m))?,
+            _ => spawn(cfg).map_err(|m| {
+                remove_code();
+                fail(&m)
+            })?,
         };
         // A child that already ended reads none of the order; the failed write is only EPIPE
         // (SIGPIPE is ignored here).
