@@ -189,8 +189,9 @@ PY
 
 start_daemon() { # runtime binary
   : >"$WORK/daemon.log"
+  # Each daemon gets a fresh embedded store of its own, in the run's work directory.
   SANDBOX_RUNTIME="$1" EXECUTOR_ARM_JWT_SECRET_FILE="$WORK/secret" EXECUTOR_ARM_AUDIT_LOG="$WORK/audit.jsonl" \
-    RUST_LOG=info "$2" serve --listen 127.0.0.1:0 2>"$WORK/daemon.log" &
+    EXECUTOR_ARM_STATE_DIR="$(mktemp -d "$WORK/state.XXXXXX")" RUST_LOG=info "$2" serve --listen 127.0.0.1:0 2>"$WORK/daemon.log" &
   DAEMON_PID=$!
   ADDR=$(daemon_addr "$WORK/daemon.log") || exit 1
 }

@@ -41,6 +41,9 @@ impl Daemon {
             .env("EXECUTOR_ARM_AUDIT_LOG", dir.path().join("audit.jsonl"))
             .env("RUST_LOG", "info")
             .env("EXECUTOR_ARM_SESSIONS_DIR", &sessions)
+            // Its own embedded store: two daemons of one run (a build and its baseline) never
+            // share one, and nothing is written where the benchmark was started.
+            .env("EXECUTOR_ARM_STATE_DIR", dir.path().join("state"))
             .envs(env.iter().copied())
             .stderr(Stdio::piped())
             .spawn()
