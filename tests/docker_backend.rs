@@ -1487,51 +1487,39 @@ print(json.dumps({"fd": fd, "errno": ctypes.get_errno() if fd < 0 else 0, "uid":
 async fn a_removal_meeting_one_in_progress_returns_once_the_container_is_gone() {
     use executor_arm::sandbox::docker::engine::{BollardEngine, Engine};
     require_docker("a_removal_meeting_one_in_progress_returns_once_the_container_is_gone");
-    let out = std::process::Command::new("docker")
-        .args([
-            "run",
-            "-d",
-            "--runtime=runc",
-            "--network=none",
-            "--cpus=0.2",
-            "--pids-limit=4000",
-            "--label",
-            "executor-arm.test=removal-in-progress",
-            "--entrypoint",
-            "sh",
-            common::docker::IMAGE,
-            "-c",
-            "for i in $(seq 1 300); do (while :; do :; done) & done; wait",
-        ])
-        .output()
-        .expect("docker run");
-    assert!(
-        out.status.success(),
-        "docker run: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let _serial = common::docker::one_at_a_time().await;
+    let label = "executor-arm.test=removal-in-progress";
+    let id = docker(&[
+        "run",
+        "-d",
+        "--runtime=runc",
+        "--network=none",
+        "--cpus=0.2",
+        "--pids-limit=4000",
+        "--label",
+        label,
+        "--entrypoint",
+        "sh",
+        common::docker::IMAGE,
+        "-c",
+        "for i in $(seq 1 300); do (while :; do :; done) & done; wait",
+    ])
+    .expect("docker run")
+    .trim()
+    .to_string();
     /// Removes the container whatever the test's end.
-    struct Remove(String);
+    struct Remove(&'static str);
     impl Drop for Remove {
         fn drop(&mut self) {
-            let _ = std::process::Command::new("docker")
-                .args(["rm", "-f", &self.0])
-                .output();
+            remove_all(self.0);
         }
     }
-    let _remove = Remove(id.clone());
+    let _remove = Remove(label);
     let engine = std::sync::Arc::new(BollardEngine::new(SOCKET));
     wait_until(
         "the container's 300 busy processes",
         Duration::from_secs(240),
-        || {
-            let top = std::process::Command::new("docker")
-                .args(["top", &id])
-                .output()
-                .expect("docker top");
-            String::from_utf8_lossy(&top.stdout).lines().count() > 300
-        },
+        || docker(&["top", &id]).is_some_and(|top| top.lines().count() > 300),
     );
 
     // Two removals 50 ms apart: dockerd answers the later one 409 while it kills the processes.
