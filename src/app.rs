@@ -152,7 +152,12 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         metrics.clone(),
         crate::api::error::unanswered,
     ));
-    let sessions = crate::sessions::SessionService::new(&config.sessions, executions.clone(), uids);
+    let sessions = crate::sessions::SessionService::new(
+        &config.sessions,
+        &config.sessions.store_dir(&config.state),
+        executions.clone(),
+        uids,
+    );
     Ok(Arc::new(AppState {
         auth,
         executions,

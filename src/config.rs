@@ -298,7 +298,22 @@ pub struct SessionsConfig {
     pub max_file_bytes: usize,
     /// Without a capability token at creation, the service token's `capabilities` are the grant.
     pub accept_service_capabilities: bool,
+    /// Where paused sessions are kept (their workspace and record); unset: `sessions` under
+    /// `state.dir`. Replicas that share Redis and this directory resume each other's sessions.
+    #[serde(default)]
+    pub store_dir: Option<PathBuf>,
+    /// How long a session stays paused at most (its TTL keeps counting too; the earlier ends it).
+    pub paused_ttl_seconds: u64,
     pub languages: BTreeMap<String, LanguageEntry>,
+}
+
+impl SessionsConfig {
+    /// The directory of paused sessions: `store_dir`, or `sessions` under the state directory.
+    pub fn store_dir(&self, state: &StateConfig) -> PathBuf {
+        self.store_dir
+            .clone()
+            .unwrap_or_else(|| state.dir.join("sessions"))
+    }
 }
 
 /// One session language: an interpreter and what an exec of it needs.
@@ -536,9 +551,10 @@ impl Config {
                 "sessions.max_total, max_per_tenant and max_ttl_seconds must be > 0".into(),
             ));
         }
-        if ses.idle_timeout_seconds == 0 || ses.max_file_bytes == 0 {
+        if ses.idle_timeout_seconds == 0 || ses.max_file_bytes == 0 || ses.paused_ttl_seconds == 0 {
             return Err(ConfigError::Invalid(
-                "sessions.idle_timeout_seconds and max_file_bytes must be > 0".into(),
+                "sessions.idle_timeout_seconds, max_file_bytes and paused_ttl_seconds must be > 0"
+                    .into(),
             ));
         }
         for (name, l) in &ses.languages {

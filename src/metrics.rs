@@ -116,6 +116,7 @@ pub struct Metrics {
     pub open_streams: Gauge,
     pub sessions_open: GaugeVec,
     pub sessions_ended: CounterVec,
+    pub sessions_paused: Gauge,
     pub backend_ready: GaugeVec,
 }
 
@@ -223,6 +224,8 @@ pub const AUDIT_EVENTS: &[&str] = &[
     "session_create",
     "session_end",
     "session_file",
+    "session_pause",
+    "session_resume",
 ];
 /// `reason` of `executor_rejected_total`.
 pub const REJECT_REASONS: &[&str] = &[
@@ -374,8 +377,12 @@ impl Metrics {
             ),
             sessions_ended: r.counters(
                 "executor_sessions_ended_total",
-                "Sessions ended, by why (deleted, expired, idle, shutdown)",
+                "Sessions ended, by why (deleted, expired, idle, shutdown, sandbox_gone)",
                 &["reason"],
+            ),
+            sessions_paused: r.gauge(
+                "executor_sessions_paused",
+                "Paused sessions in the paused store (sessions.store_dir), as last counted",
             ),
             backend_ready: r.gauges(
                 "executor_backend_ready",

@@ -41,6 +41,8 @@ pub enum ApiError {
     FileNotFound(String),
     /// A session's workspace quota is used up.
     WorkspaceFull,
+    /// The paused store (`sessions.store_dir`) has no room for a session's workspace.
+    StoreFull(String),
     /// A file above `sessions.max_file_bytes`.
     FileTooLarge(String),
     /// The backend's run slots are busy and its queue is full, or the wait for one ran out.
@@ -67,7 +69,7 @@ impl ApiError {
             | ApiError::FileNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::SessionBusy(_) => StatusCode::CONFLICT,
             ApiError::SessionLimit(_) => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::WorkspaceFull => StatusCode::INSUFFICIENT_STORAGE,
+            ApiError::WorkspaceFull | ApiError::StoreFull(_) => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::FileTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => {
@@ -95,6 +97,7 @@ impl ApiError {
             ApiError::SessionBusy(_) => "SessionBusy",
             ApiError::SessionLimit(_) => "Overloaded",
             ApiError::WorkspaceFull => "WorkspaceFull",
+            ApiError::StoreFull(_) => "StoreFull",
             ApiError::FileTooLarge(_) => "PayloadTooLarge",
             ApiError::Overloaded(_) => "Overloaded",
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => "SandboxUnavailable",
@@ -131,6 +134,9 @@ impl ApiError {
                 format!("Session {id} is running another exec; wait for it or cancel it")
             }
             ApiError::FileNotFound(p) => format!("No such file or directory: {p}"),
+            ApiError::StoreFull(m) => {
+                format!("The paused-session store has no room for this workspace: {m}")
+            }
             ApiError::WorkspaceFull => {
                 "The session's workspace is full (its disk quota is reached)".into()
             }
@@ -196,7 +202,7 @@ pub struct ErrorBody {
     pub error: String,
     /// `InvalidRequest`, `MethodNotAllowed`, `Unauthorized`, `CapabilityViolation`,
     /// `PayloadTooLarge`, `RequestTimeout`, `IdempotencyConflict`, `IdempotencyInProgress`,
-    /// `NotFound`, `AlreadyFinished`, `SessionBusy`, `Overloaded`, `WorkspaceFull`,
+    /// `NotFound`, `AlreadyFinished`, `SessionBusy`, `Overloaded`, `WorkspaceFull`, `StoreFull`,
     /// `SandboxUnavailable` or `InternalError`.
     pub error_type: String,
     /// Whether the same request may succeed later: true for 429, 503, every 5xx and the 409 of an

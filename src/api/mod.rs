@@ -123,6 +123,8 @@ fn session_routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
             get(sessions::get).delete(sessions::delete),
         )
         .route("/v1/sandbox/sessions/{id}/exec", post(sessions::exec))
+        .route("/v1/sandbox/sessions/{id}/pause", post(sessions::pause))
+        .route("/v1/sandbox/sessions/{id}/resume", post(sessions::resume))
         .route(
             "/v1/sandbox/sessions/{id}/execs/{exec_id}",
             get(sessions::exec_get),

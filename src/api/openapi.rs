@@ -30,6 +30,8 @@ use utoipa::{Modify, OpenApi};
         super::sessions::create,
         super::sessions::get,
         super::sessions::delete,
+        super::sessions::pause,
+        super::sessions::resume,
         super::sessions::exec,
         super::sessions::exec_get,
         super::sessions::exec_stream,

@@ -49,6 +49,8 @@ impl From<SessionError> for ApiError {
             SessionError::Invalid(m) => ApiError::InvalidRequest(m),
             SessionError::Busy(id) => ApiError::SessionBusy(id),
             SessionError::TooMany(m) => ApiError::SessionLimit(m),
+            SessionError::NotFound => ApiError::SessionNotFound,
+            SessionError::StoreFull(m) => ApiError::StoreFull(m),
             SessionError::Execution(e) => e.into(),
         }
     }
@@ -125,15 +127,22 @@ enum Touch {
     Use,
 }
 
-/// The caller's session `id`, or 404.
-async fn session_of(
+/// A session a call names, as the caller's own: running (with a sandbox), or paused.
+enum Looked {
+    Live(Arc<Session>),
+    Paused(SessionInfo),
+}
+
+/// The caller's session `id`, running or paused, or 404. A call that uses the session (an exec,
+/// a file call) resumes a paused one.
+async fn look_up(
     st: &AppState,
     headers: &HeaderMap,
     rid: String,
     id: &str,
     touch: Touch,
-) -> Result<(Arc<Session>, crate::auth::Verified, KnownRequest), ApiError> {
-    let (owner, service, known) = caller(st, headers, rid).await?;
+) -> Result<(Looked, Owner, crate::auth::Verified, KnownRequest), ApiError> {
+    let (owner, service, known) = caller(st, headers, rid.clone()).await?;
     let session = match touch {
         Touch::Read => st.sessions.get(&owner, id),
         Touch::Use => st.sessions.use_session(&owner, id),
@@ -145,12 +154,38 @@ async fn session_of(
             st.sessions.lost(&owner, id).unwrap_or_default(),
         ));
     }
-    match session {
-        Some(s) => Ok((s, service, known)),
-        None => Err(st
-            .sessions
-            .lost(&owner, id)
-            .map_or(ApiError::SessionNotFound, ApiError::SessionGone)),
+    if let Some(s) = session {
+        return Ok((Looked::Live(s), owner, service, known));
+    }
+    if let Some(info) = st.sessions.paused(&owner, id) {
+        let looked = match touch {
+            Touch::Read => Looked::Paused(info),
+            Touch::Use => Looked::Live(st.sessions.resume(&owner, id, rid).await?),
+        };
+        return Ok((looked, owner, service, known));
+    }
+    // Resumed by another call meanwhile: open now.
+    if let Some(s) = st.sessions.get(&owner, id) {
+        return Ok((Looked::Live(s), owner, service, known));
+    }
+    Err(st
+        .sessions
+        .lost(&owner, id)
+        .map_or(ApiError::SessionNotFound, ApiError::SessionGone))
+}
+
+/// The caller's session `id` with its sandbox (a paused one is resumed when `touch` uses it, and
+/// is 404 to a call that only reads), or 404.
+async fn session_of(
+    st: &AppState,
+    headers: &HeaderMap,
+    rid: String,
+    id: &str,
+    touch: Touch,
+) -> Result<(Arc<Session>, crate::auth::Verified, KnownRequest), ApiError> {
+    match look_up(st, headers, rid, id, touch).await? {
+        (Looked::Live(s), _, service, known) => Ok((s, service, known)),
+        (Looked::Paused(_), ..) => Err(ApiError::SessionNotFound),
     }
 }
 
@@ -163,11 +198,16 @@ async fn session_exec(
     id: &str,
     exec_id: &str,
 ) -> Result<(String, KnownRequest), ApiError> {
-    let (session, _, known) = session_of(st, headers, rid, id, Touch::Read).await?;
-    if !session.ran(exec_id) {
+    let (looked, owner, _, known) = look_up(st, headers, rid, id, Touch::Read).await?;
+    let ran = match looked {
+        Looked::Live(s) => s.ran(exec_id),
+        // A paused session's execs are served as a running one's.
+        Looked::Paused(_) => st.sessions.paused_ran(&owner, id, exec_id),
+    };
+    if !ran {
         return Err(ApiError::ExecutionNotFound);
     }
-    Ok((session.owner.runs(), known))
+    Ok((owner.runs(), known))
 }
 
 fn json(status: StatusCode, body: impl Serialize) -> Response {
@@ -302,8 +342,9 @@ pub async fn get(
     rid: Option<axum::Extension<RequestId>>,
 ) -> Response {
     let rid = rid.map(|r| r.0.0).unwrap_or_default();
-    match session_of(&st, &headers, rid, &id, Touch::Read).await {
-        Ok((s, ..)) => json(StatusCode::OK, s.describe()),
+    match look_up(&st, &headers, rid, &id, Touch::Read).await {
+        Ok((Looked::Live(s), ..)) => json(StatusCode::OK, s.describe()),
+        Ok((Looked::Paused(info), ..)) => json(StatusCode::OK, info),
         Err(e) => e.into_response(),
     }
 }
@@ -338,13 +379,103 @@ pub async fn delete(
     detach(async move {
         let result = async {
             let (owner, ..) = caller(&st, &headers, rid).await?;
-            if st.sessions.delete(&owner, &id).await {
+            if st.sessions.delete(&owner, &id).await || st.sessions.delete_paused(&owner, &id) {
                 Ok(StatusCode::NO_CONTENT.into_response())
             } else {
                 Err(ApiError::SessionNotFound)
             }
         };
         result.await.unwrap_or_else(|e| e.into_response())
+    })
+    .await
+}
+
+/// `POST /v1/sandbox/sessions/{id}/pause`: saves the workspace, frees the sandbox; 200 with the
+/// session, `state: "paused"` (a paused session is answered as it is).
+#[utoipa::path(
+    post,
+    path = "/v1/sandbox/sessions/{id}/pause",
+    operation_id = "pause_session",
+    tag = "sessions",
+    params(
+        SessionPath,
+        TenantHeaders,
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The session, paused", body = SessionInfo),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
+        (status = 409, description = "SessionBusy: an exec is running; wait for it or cancel it", body = ErrorBody),
+        (status = 500, description = "InternalError: the workspace could not be read out of the sandbox", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: `sessions.store_dir` cannot be written, or the state store is unreachable; the session runs on", body = ErrorBody),
+        (status = 507, description = "StoreFull: `sessions.store_dir` has no room for the workspace; the session runs on", body = ErrorBody),
+    )
+)]
+pub async fn pause(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    rid: Option<axum::Extension<RequestId>>,
+) -> Response {
+    let rid = rid.map(|r| r.0.0).unwrap_or_default();
+    // On a task of its own: a pause that began is finished even if its client goes away.
+    detach(async move {
+        let result = async {
+            let (owner, ..) = caller(&st, &headers, rid.clone()).await?;
+            if let Some(s) = st.sessions.get(&owner, &id)
+                && st.sessions.end_if_lost(&s).await
+            {
+                return Err(ApiError::SessionGone(
+                    st.sessions.lost(&owner, &id).unwrap_or_default(),
+                ));
+            }
+            let info = st.sessions.pause(&owner, &id, rid).await?;
+            Ok(json(StatusCode::OK, info))
+        };
+        result.await.unwrap_or_else(|e: ApiError| e.into_response())
+    })
+    .await
+}
+
+/// `POST /v1/sandbox/sessions/{id}/resume`: a fresh sandbox with the saved workspace; 200 with
+/// the session, `state: "running"` (a running session is answered as it is).
+#[utoipa::path(
+    post,
+    path = "/v1/sandbox/sessions/{id}/resume",
+    operation_id = "resume_session",
+    tag = "sessions",
+    params(
+        SessionPath,
+        TenantHeaders,
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The session, running", body = SessionInfo),
+        (status = 400, description = "InvalidRequest: a tenant header is malformed, or the session's language is no longer offered", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 403, description = "CapabilityViolation: today's policy no longer allows the session's language or profile under its grant", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session of this service and tenant (an expired one included)", body = ErrorBody),
+        (status = 409, description = "SessionBusy: another call is resuming it right now", body = ErrorBody),
+        (status = 429, description = "Overloaded: `sessions.max_total` or `sessions.max_per_tenant` sessions are open", body = ErrorBody),
+        (status = 500, description = "InternalError: the saved workspace does not match its digest, or could not be restored", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the backend or `sessions.store_dir` is unavailable", body = ErrorBody),
+    )
+)]
+pub async fn resume(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    rid: Option<axum::Extension<RequestId>>,
+) -> Response {
+    let rid = rid.map(|r| r.0.0).unwrap_or_default();
+    detach(async move {
+        match look_up(&st, &headers, rid, &id, Touch::Use).await {
+            Ok((Looked::Live(s), ..)) => json(StatusCode::OK, s.describe()),
+            Ok((Looked::Paused(info), ..)) => json(StatusCode::OK, info),
+            Err(e) => e.into_response(),
+        }
     })
     .await
 }

@@ -22,7 +22,7 @@ use crate::sandbox::{BackendKind, FsRules, Limits, NetworkPolicy, RunSpec, check
 pub use crate::vocabulary::{ActionType, Capability, is_bare_name};
 
 /// What a verified capability token grants.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct Grant {
     pub capabilities: Vec<String>,
     pub commands: Option<Vec<String>>,

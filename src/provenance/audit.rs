@@ -115,6 +115,10 @@ pub enum AuditEvent {
     SessionEnd(SessionClosed),
     /// A file was written into a session's workspace through the files API.
     SessionFile(SessionUpload),
+    /// A session was paused: its workspace saved, its sandbox freed.
+    SessionPause(SessionPaused),
+    /// A paused session got a fresh sandbox with its saved workspace.
+    SessionResume(SessionResumed),
 }
 
 impl AuditEvent {
@@ -131,6 +135,8 @@ impl AuditEvent {
             AuditEvent::SessionCreate(_) => "session_create",
             AuditEvent::SessionEnd(_) => "session_end",
             AuditEvent::SessionFile(_) => "session_file",
+            AuditEvent::SessionPause(_) => "session_pause",
+            AuditEvent::SessionResume(_) => "session_resume",
         }
     }
 }
@@ -187,13 +193,38 @@ pub struct SessionUpload {
     pub sha256: String,
 }
 
+/// A session paused, and the workspace it saved.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionPaused {
+    pub request_id: String,
+    pub session_id: String,
+    pub owner: String,
+    pub tenant: String,
+    /// `sha256:<hex>` of the saved workspace (a tar).
+    pub workspace_sha256: String,
+    pub workspace_bytes: u64,
+}
+
+/// A session resumed, and the workspace it was given (checked against its digest first).
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionResumed {
+    pub request_id: String,
+    pub session_id: String,
+    pub owner: String,
+    pub tenant: String,
+    pub backend: &'static str,
+    pub workspace_sha256: String,
+    pub workspace_bytes: u64,
+}
+
 /// Why a session ended.
 #[derive(Debug, Clone, Serialize)]
 pub struct SessionClosed {
     pub session_id: String,
     pub owner: String,
     pub tenant: String,
-    /// `deleted`, `expired` (its TTL), `idle`, `shutdown`.
+    /// `deleted`, `expired` (its TTL, or its time paused), `idle`, `shutdown`,
+    /// `sandbox_gone`.
     pub reason: &'static str,
     pub execs: u64,
 }

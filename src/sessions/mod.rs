@@ -32,12 +32,14 @@
 
 mod exec;
 mod files;
+mod pause;
+mod paused;
 mod session;
 pub mod workspace;
 
 pub use self::exec::{ExecParts, PreparedExec};
 pub use self::files::UploadError;
-pub use self::session::{ExecClaim, Owner, Session, SessionInfo};
+pub use self::session::{ExecClaim, Owner, Session, SessionInfo, SessionState};
 pub use self::workspace::{Entry, FileError};
 pub use crate::execution::SessionLimits;
 
@@ -75,6 +77,12 @@ pub enum SessionError {
     /// `max_total` or `max_per_tenant` sessions are open (429).
     #[error("{0}")]
     TooMany(String),
+    /// No such session of this owner, running or paused (404).
+    #[error("no such session")]
+    NotFound,
+    /// The paused store has no room for the session's workspace (507).
+    #[error("{0}")]
+    StoreFull(String),
     /// Deciding or admitting an exec failed as an execution does.
     #[error(transparent)]
     Execution(#[from] ExecutionError),
@@ -112,6 +120,9 @@ pub struct SessionService {
     lost: Mutex<std::collections::VecDeque<(String, Owner, String)>>,
     /// Each local session's own host uid comes from here (held by its workspace).
     uids: Arc<UidRange>,
+    /// Where paused sessions are kept, or why it cannot be used (pauses and resumes are then
+    /// refused with 503).
+    paused: Result<paused::PausedStore, String>,
 }
 
 /// How many sandbox deaths are remembered for their owners.
@@ -124,9 +135,14 @@ impl SessionService {
     /// The service; sessions a previous process left under `sessions.dir` are removed first.
     pub fn new(
         config: &SessionsConfig,
+        store_dir: &std::path::Path,
         executions: Arc<ExecutionService>,
         uids: Arc<UidRange>,
     ) -> Arc<Self> {
+        let paused = paused::PausedStore::open(store_dir, executions.instance()).map_err(|e| {
+            tracing::error!(dir = %store_dir.display(), error = %e, "sessions.store_dir unusable: pauses and resumes are refused");
+            format!("{}: {e}", store_dir.display())
+        });
         let dir = workspace::claim_dir(&config.dir);
         match &dir {
             Ok(_) => {
@@ -146,6 +162,7 @@ impl SessionService {
             dir,
             lost: Default::default(),
             uids,
+            paused,
         })
     }
 
@@ -154,7 +171,19 @@ impl SessionService {
         let weak = Arc::downgrade(self);
         let mut closed = self.closed.subscribe();
         tokio::spawn(async move {
+            // The paused store is looked through at once (what a previous process left), then
+            // every [`pause::SCAN_EVERY`].
+            let mut last_scan: Option<Instant> = None;
             loop {
+                let Some(service) = weak.upgrade() else {
+                    return;
+                };
+                if last_scan.is_none_or(|t| t.elapsed() >= pause::SCAN_EVERY) {
+                    last_scan = Some(Instant::now());
+                    let s = service.clone();
+                    let _ = tokio::task::spawn_blocking(move || s.scan_paused()).await;
+                }
+                drop(service);
                 tokio::select! {
                     _ = tokio::time::sleep(REAP_EVERY) => {}
                     _ = closed.wait_for(|c| *c) => return,
@@ -297,34 +326,7 @@ impl SessionService {
         // A place under the limits is taken before the sandbox is launched, and given back if
         // the session is not made.
         let place_taken = self.reserve(&new.owner)?;
-        let place = if plan.backend == BackendKind::Local {
-            let (dir, session_id) = (self.config.dir.clone(), id.clone());
-            let disk = plan.limits.disk_bytes;
-            let (uids, gid) = (self.uids.clone(), plan.profile.user.gid);
-            let workspace = tokio::task::spawn_blocking(move || {
-                let lease = uids.lease().map_err(|e| e.to_string())?;
-                Workspace::create(&dir, &session_id, disk, lease, gid)
-            })
-            .await
-            .map_err(|e| ExecutionError::Internal(e.to_string()))?
-            .map_err(ExecutionError::Unavailable)?;
-            Place::Host(Arc::new(workspace))
-        } else {
-            // The container every exec of the session runs in, from the warm pool.
-            // Only sessions with their profile's own limits have their containers kept warm:
-            // limits a caller picks must not make the daemon hold a pool for each choice.
-            let warm = new.limits == SessionLimits::default();
-            match self.executions.keep(&probe, &id, warm).await? {
-                Some(kept) => Place::Kept(kept),
-                None => {
-                    return Err(ExecutionError::Internal(format!(
-                        "backend {} kept no sandbox for the session",
-                        plan.backend.as_str()
-                    ))
-                    .into());
-                }
-            }
-        };
+        let place = self.launch(&id, &probe, &plan, &new.limits).await?;
         let now = chrono::Utc::now();
         let session = Arc::new(Session {
             id: id.clone(),
@@ -333,6 +335,7 @@ impl SessionService {
             backend: plan.backend,
             profile: plan.profile.name.clone(),
             limits: new.limits,
+            disk_bytes: plan.limits.disk_bytes,
             created_at: now,
             expires_at: now + chrono::Duration::from_std(ttl).unwrap_or_default(),
             idle_timeout,
@@ -390,15 +393,56 @@ impl SessionService {
             expires_at: session.describe().expires_at,
         });
         crate::execution::record::record(self.executions.audit(), metrics, &line);
-        // Other replicas hand this session's calls to this one.
+        self.record_holder(&id, ttl).await;
+        Ok(session)
+    }
+
+    /// Records in the state store that this daemon holds session `id` for `ttl`: other replicas
+    /// hand its calls to this one.
+    async fn record_holder(&self, id: &str, ttl: Duration) {
         let record = SessionRecord {
             instance: self.executions.instance().to_string(),
             address: self.executions.address().map(str::to_string),
         };
-        if let Err(e) = self.executions.store().session_put(&id, &record, ttl).await {
+        if let Err(e) = self.executions.store().session_put(id, &record, ttl).await {
             tracing::warn!(session_id = %id, error = %e, "session not recorded in the state store: other replicas will not find it");
         }
-        Ok(session)
+    }
+
+    /// Gives session `id` the place its workspace lives in: a host workspace (local), or a
+    /// sandbox the backend keeps for it (docker, gVisor).
+    async fn launch(
+        &self,
+        id: &str,
+        probe: &crate::execution::ExecutionRequest,
+        plan: &crate::policy::Plan,
+        limits: &SessionLimits,
+    ) -> Result<Place, SessionError> {
+        if plan.backend == BackendKind::Local {
+            let (dir, session_id) = (self.config.dir.clone(), id.to_string());
+            let disk = plan.limits.disk_bytes;
+            let (uids, gid) = (self.uids.clone(), plan.profile.user.gid);
+            let workspace = tokio::task::spawn_blocking(move || {
+                let lease = uids.lease().map_err(|e| e.to_string())?;
+                Workspace::create(&dir, &session_id, disk, lease, gid)
+            })
+            .await
+            .map_err(|e| ExecutionError::Internal(e.to_string()))?
+            .map_err(ExecutionError::Unavailable)?;
+            return Ok(Place::Host(Arc::new(workspace)));
+        }
+        // The container every exec of the session runs in, from the warm pool.
+        // Only sessions with their profile's own limits have their containers kept warm:
+        // limits a caller picks must not make the daemon hold a pool for each choice.
+        let warm = *limits == SessionLimits::default();
+        match self.executions.keep(probe, id, warm).await? {
+            Some(kept) => Ok(Place::Kept(kept)),
+            None => Err(ExecutionError::Internal(format!(
+                "backend {} kept no sandbox for the session",
+                plan.backend.as_str()
+            ))
+            .into()),
+        }
     }
 
     /// Takes a place for a session of `owner` if `max_total` and `max_per_tenant`, counting the
@@ -507,13 +551,7 @@ impl SessionService {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        match &session.place {
-            Place::Host(w) => {
-                let w = w.clone();
-                let _ = tokio::task::spawn_blocking(move || w.destroy()).await;
-            }
-            Place::Kept(k) => k.close().await,
-        }
+        self.free(&session).await;
         if let Err(e) = self.executions.store().session_remove(id).await {
             tracing::warn!(session_id = id, error = %e, "session record not removed (it expires with the session's TTL)");
         }

@@ -55,6 +55,8 @@ pub struct Session {
     pub backend: BackendKind,
     pub profile: String,
     pub limits: SessionLimits,
+    /// The workspace's disk quota in bytes (the tighter of the session's and its profile's).
+    pub(super) disk_bytes: u64,
     pub created_at: chrono::DateTime<chrono::Utc>,
     pub expires_at: chrono::DateTime<chrono::Utc>,
     pub idle_timeout: Duration,
@@ -125,6 +127,7 @@ impl Session {
     pub fn describe(&self) -> SessionInfo {
         SessionInfo {
             id: self.id.clone(),
+            state: SessionState::Running,
             language: self.language.name.clone(),
             backend: self.backend,
             profile: self.profile.clone(),
@@ -135,6 +138,7 @@ impl Session {
             expires_at: self
                 .expires_at
                 .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            paused_until: None,
             idle_timeout_seconds: self.idle_timeout.as_secs(),
             limits: self.limits,
             workspace: WORKSPACE,
@@ -144,11 +148,21 @@ impl Session {
     }
 }
 
+/// Whether a session has a sandbox now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum SessionState {
+    Running,
+    /// Its workspace is saved and it has no sandbox; an exec or file call resumes it.
+    Paused,
+}
+
 /// A session as its calls describe it.
 #[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
 pub struct SessionInfo {
     /// `ses_…`
     pub id: String,
+    pub state: SessionState,
     pub language: String,
     pub backend: BackendKind,
     pub profile: String,
@@ -158,6 +172,10 @@ pub struct SessionInfo {
     pub created_at: String,
     /// RFC 3339, UTC, milliseconds: the end of the session's TTL.
     pub expires_at: String,
+    /// RFC 3339, UTC, milliseconds: when a paused session ends unless it is resumed (its TTL
+    /// or `sessions.paused_ttl_seconds` after the pause, the earlier); absent while running.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub paused_until: Option<String>,
     pub idle_timeout_seconds: u64,
     /// The limits the session asked for at creation (a null one is the profile's).
     pub limits: SessionLimits,

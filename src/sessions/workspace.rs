@@ -34,7 +34,7 @@ const CODE_DIR: &str = "code";
 /// Code files the code tmpfs may hold at once (one per exec in flight).
 const MAX_CODE_FILES: u64 = 1024;
 /// Files and directories a workspace may hold (the tmpfs's inode limit).
-const MAX_INODES: u64 = 16384;
+pub(super) const MAX_INODES: u64 = 16384;
 
 /// A session's directory: `<dir>/<session id>/{workspace,code}`.
 #[derive(Debug)]

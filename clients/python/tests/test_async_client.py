@@ -86,6 +86,9 @@ def test_async_sessions(daemon: Daemon) -> None:
             assert await arm.sessions.download(info.id, "in.txt") == b"from async"
             names = [e.name for e in (await arm.sessions.list_files(info.id)).entries]
             assert "in.txt" in names
+            assert (await arm.sessions.pause(info.id)).state == "paused"
+            assert (await arm.sessions.resume(info.id)).state == "running"
+            assert await arm.sessions.download(info.id, "in.txt") == b"from async"
             await arm.sessions.delete(info.id)
             with pytest.raises(NotFoundError):
                 await arm.sessions.get(info.id)

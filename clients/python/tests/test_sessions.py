@@ -131,3 +131,21 @@ def test_bad_paths_and_languages(session: tuple[Client, SessionInfo], daemon: Da
     assert err.value.error_type == "InvalidRequest"
     with daemon.client(capability_token=None) as no_cap, pytest.raises(AuthenticationError):
         no_cap.sessions.create("python")
+
+
+def test_pause_and_resume(session: tuple[Client, SessionInfo]) -> None:
+    c, info = session
+    c.sessions.upload(info.id, "notes/today.txt", b"kept while paused")
+    paused = c.sessions.pause(info.id)
+    assert paused.state == "paused" and paused.paused_until
+    assert c.sessions.get(info.id).state == "paused"
+    # Pausing a paused session answers it as it is.
+    assert c.sessions.pause(info.id).state == "paused"
+    resumed = c.sessions.resume(info.id)
+    assert resumed.state == "running" and resumed.paused_until is None
+    assert c.sessions.download(info.id, "notes/today.txt") == b"kept while paused"
+    # An exec resumes a paused session by itself.
+    c.sessions.pause(info.id)
+    result = c.sessions.exec(info.id, "print(open('notes/today.txt').read())")
+    assert result.stdout == "kept while paused\n"
+    assert c.sessions.get(info.id).state == "running"

@@ -292,6 +292,28 @@ def delete_session_call(
     )
 
 
+def pause_session_call(
+    creds: Credentials, session_id: str, *, tenant: str | None, request_id: str | None
+) -> Call[SessionInfo]:
+    return Call(
+        "POST",
+        f"/v1/sandbox/sessions/{_seg(session_id)}/pause",
+        decode_as(SessionInfo),
+        _session_headers(creds, tenant, request_id),
+    )
+
+
+def resume_session_call(
+    creds: Credentials, session_id: str, *, tenant: str | None, request_id: str | None
+) -> Call[SessionInfo]:
+    return Call(
+        "POST",
+        f"/v1/sandbox/sessions/{_seg(session_id)}/resume",
+        decode_as(SessionInfo),
+        _session_headers(creds, tenant, request_id),
+    )
+
+
 def session_exec_call(
     creds: Credentials,
     session_id: str,

@@ -464,6 +464,25 @@ class AsyncSessions:
             _core.get_session_call(self._client._creds, session_id, tenant=tenant, request_id=None)
         )
 
+    async def pause(self, session_id: str, *, tenant: str | None = None) -> SessionInfo:
+        """Saves the workspace and frees the sandbox; ``state`` is then ``"paused"``.
+
+        An exec or file call (or :meth:`resume`) gives it a fresh sandbox with that workspace.
+        """
+        return await self._client._send(
+            _core.pause_session_call(
+                self._client._creds, session_id, tenant=tenant, request_id=None
+            )
+        )
+
+    async def resume(self, session_id: str, *, tenant: str | None = None) -> SessionInfo:
+        """Gives a paused session a fresh sandbox with its saved workspace."""
+        return await self._client._send(
+            _core.resume_session_call(
+                self._client._creds, session_id, tenant=tenant, request_id=None
+            )
+        )
+
     async def delete(self, session_id: str, *, tenant: str | None = None) -> None:
         """Ends the session: kills a running exec and removes the workspace."""
         await self._client._send(

@@ -476,6 +476,25 @@ class Sessions:
             _core.get_session_call(self._client._creds, session_id, tenant=tenant, request_id=None)
         )
 
+    def pause(self, session_id: str, *, tenant: str | None = None) -> SessionInfo:
+        """Saves the workspace and frees the sandbox; ``state`` is then ``"paused"``.
+
+        An exec or file call (or :meth:`resume`) gives it a fresh sandbox with that workspace.
+        """
+        return self._client._send(
+            _core.pause_session_call(
+                self._client._creds, session_id, tenant=tenant, request_id=None
+            )
+        )
+
+    def resume(self, session_id: str, *, tenant: str | None = None) -> SessionInfo:
+        """Gives a paused session a fresh sandbox with its saved workspace."""
+        return self._client._send(
+            _core.resume_session_call(
+                self._client._creds, session_id, tenant=tenant, request_id=None
+            )
+        )
+
     def delete(self, session_id: str, *, tenant: str | None = None) -> None:
         """Ends the session: kills a running exec and removes the workspace."""
         self._client._send(

@@ -280,7 +280,9 @@ class SessionInfo:
     limits: SessionLimits
     workspace: str
     execs: int
+    state: Literal["running", "paused"] = "running"
     running_exec_id: str | None = None
+    paused_until: str | None = None
 
 
 @dataclass
