@@ -10,8 +10,13 @@
 //! again (the "warm" figures: what a caller sees when requests do not outrun the refills); a
 //! session's exec never takes a container (it runs in the session's own).
 //!
+//! 3. Pause and resume: a session whose workspace holds 1 MB, then one holding 100 MB, paused and
+//!    resumed again and again (each timed on its own), against session create in the same run (a
+//!    resume is a create plus the workspace's restore).
+//!
 //! Targets: an exec p50 at most 1.2x the `/execute` p50; a create p50 at most 10 ms on local, at
-//! most the warm `/execute` p50 on docker and gVisor.
+//! most the warm `/execute` p50 on docker and gVisor; on local, a resume of 100 MB within 1 s
+//! (p50).
 //!
 //! Run: `scripts/bench-sessions.sh [local|runc|gvisor]` (builds release and runs this as root).
 //! Prints p50/p95/p99 and the ratios; `BENCH_JSON=<path>` also writes them as JSON, `BENCH_QUICK=1`
@@ -30,6 +35,11 @@ const N: usize = 200;
 const BLOCK: usize = 25;
 const WARMUP: usize = 10;
 const CREATES: usize = 60;
+/// Pause-and-resume cycles per workspace size.
+const CYCLES: usize = 20;
+/// The workspace sizes paused and resumed (bytes of one random file; the python profile's
+/// workspace quota is 100 MiB).
+const SIZES: [(&str, usize); 2] = [("1mb", 1_000_000), ("100mb", 100_000_000)];
 
 /// Idle warm containers of the python profile, from `/metrics` (all keys: the `/execute` one
 /// and the session one).
@@ -158,6 +168,45 @@ async fn main() {
         delete(id).await;
     }
 
+    // Pause and resume, for each workspace size.
+    let cycles = count(CYCLES, 3);
+    let mut paused: Vec<(&str, Vec<f64>, Vec<f64>)> = Vec::new();
+    for (name, bytes) in SIZES {
+        if containers {
+            wait_pool(&client, &base, full).await;
+        }
+        let id = create().await;
+        let fill = post(
+            format!("/v1/sandbox/sessions/{id}/exec"),
+            serde_json::json!({"code": format!("import os\nopen('blob','wb').write(os.urandom({bytes}))"),
+                "timeout_ms": 120000}),
+        )
+        .await
+        .expect("fill");
+        assert_eq!(fill.status().as_u16(), 200, "{}", fill.text().await.unwrap_or_default());
+        let (mut pauses, mut resumes) = (Vec::new(), Vec::new());
+        for _ in 0..cycles {
+            if containers {
+                wait_pool(&client, &base, full).await;
+            }
+            for (what, samples) in [("pause", &mut pauses), ("resume", &mut resumes)] {
+                let t = Instant::now();
+                let r = post(
+                    format!("/v1/sandbox/sessions/{id}/{what}"),
+                    serde_json::json!({}),
+                )
+                .await
+                .expect(what);
+                let status = r.status().as_u16();
+                let text = r.text().await.expect("body");
+                assert_eq!(status, 200, "{what}: {text}");
+                samples.push(t.elapsed().as_secs_f64() * 1000.0);
+            }
+        }
+        delete(id).await;
+        paused.push((name, pauses, resumes));
+    }
+
     println!(
         "backend {backend}, {n} each, interleaved in blocks of {BLOCK}{}",
         if containers {
@@ -172,6 +221,7 @@ async fn main() {
     report.fact("block", BLOCK);
     report.fact("creates", creates_n);
     report.fact("waits_for_full_pool", containers);
+    report.fact("pause_resume_cycles", cycles);
     let id = |what: &str| format!("sessions.{backend}.{what}");
     let (exec_id, execute_id, create_id) = (id("exec"), id("execute"), id("create"));
     let series = |id, label, baseline| Series {
@@ -231,6 +281,40 @@ async fn main() {
             "ms",
             Target::AtMost(10.0),
         );
+    }
+    for (name, pauses, resumes) in &paused {
+        let (pause_id, resume_id) = (id(&format!("pause_{name}")), id(&format!("resume_{name}")));
+        report.series(
+            series(
+                &pause_id,
+                &format!("POST …/pause, {name} workspace"),
+                Some(&create_id),
+            ),
+            pauses,
+        );
+        let r = report.series(
+            series(
+                &resume_id,
+                &format!("POST …/resume, {name} workspace"),
+                Some(&create_id),
+            ),
+            resumes,
+        );
+        report.ratio(
+            &id(&format!("resume_{name}_vs_create")),
+            &format!("p50 resume ({name}) / session create ({backend})"),
+            r.p50 / c.p50,
+            None,
+        );
+        if !containers && *name == "100mb" {
+            report.target(
+                &id("resume_100mb.p50"),
+                "resume of a 100 MB workspace p50 (local)",
+                r.p50,
+                "ms",
+                Target::AtMost(1000.0),
+            );
+        }
     }
     report.write();
 }

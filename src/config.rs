@@ -304,6 +304,8 @@ pub struct SessionsConfig {
     pub store_dir: Option<PathBuf>,
     /// How long a session stays paused at most (its TTL keeps counting too; the earlier ends it).
     pub paused_ttl_seconds: u64,
+    /// A stopping daemon pauses its sessions (they survive the restart) instead of ending them.
+    pub pause_on_shutdown: bool,
     pub languages: BTreeMap<String, LanguageEntry>,
 }
 

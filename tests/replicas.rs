@@ -609,3 +609,86 @@ async fn a_session_made_on_one_replica_is_used_through_another() {
     });
     assert!(!a.dir.path().join("sessions").join(&id).exists());
 }
+
+/// A session paused on one replica is resumed by another that shares Redis and the paused
+/// store, with its workspace; the first then hands its calls to the second.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_paused_on_one_replica_is_resumed_by_another() {
+    let redis = redis();
+    let store = tempfile::tempdir().unwrap();
+    let shared = |url: &str| Opts {
+        env: vec![
+            ("EXECUTOR_ARM_REDIS_URL".into(), url.into()),
+            (
+                "EXECUTOR_ARM__SESSIONS__STORE_DIR".into(),
+                store.path().display().to_string(),
+            ),
+        ],
+        ..Default::default()
+    };
+    let a = Daemon::start_with(shared(&redis.url));
+    let b = Daemon::start_with(shared(&redis.url));
+    let svc = format!("Bearer {}", a.service_token());
+    let call = |d: &Daemon, path: String, body: Option<serde_json::Value>| {
+        let rb = d
+            .client
+            .post(format!("{}{path}", d.base))
+            .header("authorization", &svc)
+            .header("x-tenant-id", "t1");
+        match body {
+            Some(b) => rb.json(&b).send(),
+            None => rb.send(),
+        }
+    };
+    let created = call(
+        &a,
+        "/v1/sandbox/sessions".into(),
+        Some(json!({"language": "python", "capability_token": a.cap_all()})),
+    )
+    .await
+    .unwrap();
+    assert_eq!(created.status().as_u16(), 201);
+    let id = created.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let base = format!("/v1/sandbox/sessions/{id}");
+    let wrote = call(
+        &a,
+        format!("{base}/exec"),
+        Some(json!({"code": "open('kept.txt','w').write('paused on a')"})),
+    )
+    .await
+    .unwrap();
+    assert_eq!(wrote.status().as_u16(), 200);
+    let paused = call(&a, format!("{base}/pause"), None).await.unwrap();
+    assert_eq!(paused.status().as_u16(), 200);
+
+    let back = call(
+        &b,
+        format!("{base}/exec"),
+        Some(json!({"code": "print(open('kept.txt').read())"})),
+    )
+    .await
+    .unwrap();
+    assert_eq!(back.status().as_u16(), 200);
+    let result: serde_json::Value = back.json().await.unwrap();
+    assert_eq!(result["stdout"], "paused on a\n", "{result}");
+    // B holds it now: A hands its calls over.
+    let through_a = call(
+        &a,
+        format!("{base}/exec"),
+        Some(json!({"code": "print(open('kept.txt').read().upper())"})),
+    )
+    .await
+    .unwrap();
+    assert_eq!(through_a.status().as_u16(), 200);
+    let result: serde_json::Value = through_a.json().await.unwrap();
+    assert_eq!(result["stdout"], "PAUSED ON A\n", "{result}");
+    let resumes = b
+        .audit_lines()
+        .into_iter()
+        .filter(|l| l["event"] == "session_resume" && l["session_id"] == id.as_str())
+        .count();
+    assert_eq!(resumes, 1);
+}

@@ -326,3 +326,29 @@ async fn a_daemon_killed_mid_pause_leaves_the_old_state_or_the_new() {
         );
     }
 }
+
+/// A daemon stopped with SIGTERM pauses its sessions, which its successor resumes with their
+/// workspace; with `sessions.pause_on_shutdown = false` they end with it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_graceful_restart_pauses_sessions_unless_told_not_to() {
+    let d = Daemon::start_with(opts(Backend::Local, ""));
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    run(&c, &id, "open('notes.txt','w').write('across the restart')").await;
+    let d = d.restart(opts(Backend::Local, "[sessions]\npause_on_shutdown = false\n"));
+    let c = koder(&d, None);
+    let got = c.call("GET", &path(&id, ""), None).await;
+    assert_eq!(got.status, 200, "{}", got.text);
+    assert_eq!(got.json["state"], "paused", "{}", got.text);
+    let back = run(&c, &id, "print(open('notes.txt').read())").await;
+    assert_eq!(back["stdout"], "across the restart\n");
+
+    let d = d.restart(opts(Backend::Local, ""));
+    let c = koder(&d, None);
+    assert_eq!(c.call("GET", &path(&id, ""), None).await.status, 404);
+    assert!(stored(&d).is_empty());
+    let lines = d.audit_lines();
+    let ends = audit_events(&lines, "session_end", &id);
+    assert_eq!(ends.len(), 1, "{lines:#?}");
+    assert_eq!(ends[0]["reason"], "shutdown");
+}

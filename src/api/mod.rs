@@ -235,7 +235,7 @@ pub async fn run(
             let _ = tokio::time::timeout(Duration::from_secs(5), st.executions.wait_idle()).await;
         }
     }
-    // Sessions end with the daemon: their execs were answered or killed above.
+    // Sessions are paused (or end) with the daemon: their execs were answered or killed above.
     state.sessions.close_all().await;
     state.executions.shutdown_backends().await;
     flusher.abort();

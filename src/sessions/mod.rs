@@ -62,6 +62,9 @@ use crate::state::SessionRecord;
 /// Every session id starts with this (the startup reaper only touches such names).
 pub const ID_PREFIX: &str = "ses_";
 
+/// How long a stopping daemon spends pausing its sessions, all together.
+const SHUTDOWN_PAUSES: Duration = Duration::from_secs(15);
+
 /// How often lifetimes are checked.
 const REAP_EVERY: Duration = Duration::from_secs(1);
 
@@ -576,11 +579,30 @@ impl SessionService {
         true
     }
 
-    /// Ends every session (the daemon is stopping): no session is made from now on.
+    /// The daemon is stopping: no session is made or resumed from now on. With
+    /// `sessions.pause_on_shutdown`, every session is paused (within [`SHUTDOWN_PAUSES`]), so
+    /// it survives the restart; the others, and those whose pause failed, end.
     pub async fn close_all(self: &Arc<Self>) {
         self.closed.send_replace(true);
         let ids: Vec<String> = self.lock().keys().cloned().collect();
+        let until = Instant::now() + SHUTDOWN_PAUSES;
         for id in ids {
+            let session = self.lock().get(&id).cloned();
+            if self.config.pause_on_shutdown
+                && Instant::now() < until
+                && let Some(s) = session
+            {
+                let pause = self.pause(&s.owner, &id, String::new());
+                match tokio::time::timeout_at(until.into(), pause).await {
+                    Ok(Ok(_)) => continue,
+                    Ok(Err(e)) => {
+                        tracing::warn!(session_id = %id, error = %e, "session not paused at shutdown: it ends");
+                    }
+                    Err(_) => {
+                        tracing::warn!(session_id = %id, "no time left to pause the session at shutdown: it ends");
+                    }
+                }
+            }
             self.end(&id, "shutdown").await;
         }
     }
