@@ -543,6 +543,8 @@ async fn egress_is_allowlisted_and_ssrf_safe(backend: Backend) {
 
     // The daemon's own port, and a listener on the daemon's loopback (port 80, which the
     // profile allows) by name, literal and other spellings, through the proxy -> refused.
+    // `NO_PROXY` sends loopback names straight to the sandbox's own loopback; `--noproxy ""`
+    // makes curl take the proxy for them anyway, as any command could.
     let port = d.addr.rsplit(':').next().unwrap().to_string();
     for url in [
         format!("http://{}:{port}/health", net.daemon_ip),
@@ -554,7 +556,7 @@ async fn egress_is_allowlisted_and_ssrf_safe(backend: Backend) {
         "http://[::ffff:127.0.0.1]/".to_string(),
         "http://[::1]/".to_string(),
     ] {
-        let r = curl(d, &["-sS", &url]).await;
+        let r = curl(d, &["-sS", "--noproxy", "", &url]).await;
         assert_eq!(r.json["success"], json!(false), "{url}: {}", r.text);
         let rec = records(&r);
         assert!(
