@@ -29,14 +29,15 @@ ENV LANG=C.UTF-8 \
     PATH=/usr/local/bin:/usr/bin:/bin
 
 # ----------------------------------------------------------------------------------------------
-# sandbox: the allowlisted commands, tini, an unprivileged user, no setuid/setgid files
+# sandbox: the allowlisted commands, pip (package installs in sessions with an egress profile),
+# tini, an unprivileged user, no setuid/setgid files
 # ----------------------------------------------------------------------------------------------
 FROM os-base AS sandbox
 ARG DEBIAN_FRONTEND=noninteractive
 RUN set -eux; \
     apt-get update; \
     apt-get upgrade; \
-    apt-get install coreutils grep curl wget python3 nmap tini ca-certificates; \
+    apt-get install coreutils grep curl wget python3 python3-pip nmap tini ca-certificates; \
     apt-get clean; \
     rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/debconf/*-old /var/log/apt \
         /var/log/dpkg.log /var/log/alternatives.log; \

@@ -23,6 +23,8 @@ for pair in python3:python3 curl:curl wget:wget nmap:nmap tar:tar git:git openss
   bin=${pair%%:*}; pkg=${pair##*:}
   command -v "$bin" >/dev/null 2>&1 || need+=("$pkg")
 done
+# The egress session tests run pip in local sandboxes, from the system's python3.
+/usr/bin/python3 -c 'import pip' >/dev/null 2>&1 || need+=(python3-pip)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"
   DEBIAN_FRONTEND=noninteractive apt-get update -q

@@ -218,6 +218,10 @@ pub struct StateConfig {
 pub struct SandboxConfig {
     pub default_backend: BackendKind,
     pub profiles_dir: PathBuf,
+    /// Per profile name, profile keys merged over that profile's file (e.g. the package index
+    /// that `python-packages` may reach); checked like the file itself.
+    #[serde(default)]
+    pub profile_overrides: BTreeMap<String, toml::Table>,
     pub search_path: String,
     pub local: LocalConfig,
     pub docker: DockerConfig,
@@ -393,11 +397,19 @@ impl EnvOverrides {
     }
 }
 
-fn merge(base: &mut toml::Table, over: toml::Table) {
+fn merge(base: &mut toml::Table, mut over: toml::Table) {
+    // The allowlist is replaced, not merged: an operator's list is the whole list.
+    if let Some(commands) = over.remove("commands") {
+        base.insert("commands".into(), commands);
+    }
+    merge_tables(base, over);
+}
+
+/// `over` merged into `base` table by table: a value or an array of `over` replaces `base`'s.
+pub(crate) fn merge_tables(base: &mut toml::Table, over: toml::Table) {
     for (k, v) in over {
         match (base.get_mut(&k), v) {
-            // The allowlist is replaced, not merged: an operator's list is the whole list.
-            (Some(toml::Value::Table(b)), toml::Value::Table(o)) if k != "commands" => merge(b, o),
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge_tables(b, o),
             (_, v) => {
                 base.insert(k, v);
             }

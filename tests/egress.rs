@@ -9,7 +9,9 @@
 //! listener that nothing may reach. Containers run with `--network none`; their only way out is
 //! the proxy's unix socket. After each run its container, socket directory and proxy listener
 //! must be gone (checked from the host: `docker ps`, the directory, the daemon's
-//! `/proc/<pid>/net/unix`), after success, refusal, timeout and client disconnect alike.
+//! `/proc/<pid>/net/unix`), after success, refusal, timeout and client disconnect alike; a
+//! session's container keeps its directory, with no listener between execs, until the session
+//! ends. The package index a session installs from is served by the same test hosts.
 //!
 //! The container backends need dockerd with runc and runsc and the sandbox image
 //! (`scripts/setup-docker.sh`, `scripts/build-sandbox-image.sh`); without them those tests fail,
@@ -196,6 +198,17 @@ impl Net {
 
     /// As [`Net::daemon`], with `limits` (TOML lines) replacing the profile's keys of the same names.
     fn daemon_with_limits(&self, profile_network: &str, limits: &str, backend: Backend) -> Setup {
+        self.daemon_with_config(profile_network, limits, "", backend)
+    }
+
+    /// As [`Net::daemon_with_limits`], with `extra` (TOML) appended to the daemon's config.
+    fn daemon_with_config(
+        &self,
+        profile_network: &str,
+        limits: &str,
+        extra: &str,
+        backend: Backend,
+    ) -> Setup {
         let profiles = tempfile::tempdir().unwrap().keep();
         let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("sandbox-profiles");
         for e in std::fs::read_dir(&shipped).unwrap() {
@@ -232,7 +245,7 @@ impl Net {
             config: Some(format!(
                 "[egress]\nproxy_port = 3128\ndns_server = \"{}:53\"\n\
                  [sandbox.docker]\nimage = \"{IMAGE}\"\npool_size = {POOL}\negress_dir = \"{}\"\n\
-                 supervisor = \"{}\"\n",
+                 supervisor = \"{}\"\n{extra}",
                 self.dns_ip,
                 egress_dir.path().display(),
                 common::docker::supervisor()
@@ -438,6 +451,7 @@ on_every_backend!(
     egress_is_allowlisted_and_ssrf_safe,
     a_stream_shows_egress_lines_as_they_arrive,
     bandwidth_is_limited,
+    a_session_installs_a_package_from_its_index,
 );
 
 const NETWORK: &str = "mode = \"egress\"\nallow_hosts = [\"allowed.test\", \"rebind.test\", \"metadata.test\", \"loopback.test\", \"*.allowed.test\"]\nallow_ports = [80]\nbandwidth_mbps = 10\nbyte_cap_mb = 50";
@@ -543,6 +557,8 @@ async fn egress_is_allowlisted_and_ssrf_safe(backend: Backend) {
 
     // The daemon's own port, and a listener on the daemon's loopback (port 80, which the
     // profile allows) by name, literal and other spellings, through the proxy -> refused.
+    // `NO_PROXY` sends loopback names straight to the sandbox's own loopback; `--noproxy ""`
+    // makes curl take the proxy for them anyway, as any command could.
     let port = d.addr.rsplit(':').next().unwrap().to_string();
     for url in [
         format!("http://{}:{port}/health", net.daemon_ip),
@@ -554,7 +570,7 @@ async fn egress_is_allowlisted_and_ssrf_safe(backend: Backend) {
         "http://[::ffff:127.0.0.1]/".to_string(),
         "http://[::1]/".to_string(),
     ] {
-        let r = curl(d, &["-sS", &url]).await;
+        let r = curl(d, &["-sS", "--noproxy", "", &url]).await;
         assert_eq!(r.json["success"], json!(false), "{url}: {}", r.text);
         let rec = records(&r);
         assert!(
@@ -754,5 +770,205 @@ async fn bandwidth_is_limited(backend: Backend) {
         (800_000.0..=1_200_000.0).contains(&rate),
         "rate {rate:.0} B/s is not within 20% of the 8 Mbps limit"
     );
+    setup.finish();
+}
+
+/// The daemon's config pointing the shipped `python-packages` profile at the test's index (what an
+/// operator writes for their index or mirror).
+const INDEX_OVERRIDE: &str = "[sandbox.profile_overrides.python-packages.network]\n\
+    allow_hosts = [\"index.test\"]\n\
+    [sandbox.profile_overrides.python-packages.env.set]\n\
+    PIP_INDEX_URL = \"http://index.test/simple/\"\n\
+    PIP_TRUSTED_HOST = \"index.test\"\n";
+
+/// `pip install ARGS` in a session exec: pip's output, and its exit code as the exec's.
+fn pip_install(args: &[&str]) -> String {
+    let args: Vec<String> = args.iter().map(|a| format!("{a:?}")).collect();
+    format!(
+        "import subprocess, sys\n\
+         r = subprocess.run([sys.executable, '-m', 'pip', 'install', '--retries', '0', \
+         '--timeout', '15', {}], capture_output=True, text=True)\n\
+         print(r.stdout[-3000:]); print(r.stderr[-3000:], file=sys.stderr)\n\
+         sys.exit(r.returncode)",
+        args.join(", ")
+    )
+}
+
+/// A session on the shipped `python-packages` profile, pointed at a package index in the test's
+/// own namespace by the daemon's config: `pip install` there works through the proxy and the
+/// next exec imports the package; an index the profile does not name is refused, and the refusal
+/// is in that exec's `network` array and audit line. On docker and gVisor the session's one
+/// container carries every exec's proxy through its socket directory, which no listener holds
+/// between execs and which goes with the session.
+async fn a_session_installs_a_package_from_its_index(backend: Backend) {
+    let net = Net::new();
+    let index = net.logdir.path().join("index");
+    let built = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/egress/package.py"))
+        .arg(&index)
+        .args(["earmprobe", "1.0", "from-the-index"])
+        .output()
+        .expect("python3 package.py");
+    assert!(
+        built.status.success(),
+        "{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let setup = net.daemon_with_config(NETWORK, "", INDEX_OVERRIDE, backend);
+    let d = &setup.d;
+    let c = common::sessions::koder(d, Some("team-a"));
+    let cap = d.mint(executor_arm::auth::MintRequest {
+        kind: Some(executor_arm::config::TokenKind::Capability),
+        ttl_seconds: 600,
+        aud: "executor-arm".into(),
+        sub: Some("orchestrator".into()),
+        capabilities: vec!["PythonExecute".into(), "NetworkAccess".into()],
+        profiles: Some(vec!["python-packages".into()]),
+        ..Default::default()
+    });
+    let r = c
+        .create(
+            json!({"language": "python", "profile": "python-packages", "capability_token": cap}),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    assert_eq!(r.json["backend"], json!(backend.name()), "{}", r.text);
+    assert_eq!(r.json["profile"], json!("python-packages"), "{}", r.text);
+    let id = r.json["id"].as_str().unwrap().to_string();
+    let exec = |code: String| {
+        let c = &c;
+        let id = &id;
+        async move {
+            let r = c
+                .exec(id, json!({"code": code, "timeout_ms": 120000}))
+                .await;
+            assert_eq!(r.status, 200, "{}", r.text);
+            r
+        }
+    };
+
+    // The container's socket directory, seen from the host: bind-mounted from the egress dir.
+    let socket_dir = backend.is_container().then(|| {
+        let out = Command::new("docker")
+            .args([
+                "inspect",
+                "--format",
+                "{{range .Mounts}}{{.Source}}\n{{end}}",
+                &format!("executor-arm-{id}"),
+            ])
+            .output()
+            .expect("docker inspect");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let dir = text
+            .lines()
+            .find(|l| Path::new(l).starts_with(setup.egress_dir.path()))
+            .unwrap_or_else(|| panic!("the session's container mounts no socket directory: {text}"))
+            .to_string();
+        PathBuf::from(dir)
+    });
+
+    // The sandbox's own loopback is reached directly; the proxy is named for everything else.
+    let r = exec(
+        "import os; print(os.environ['HTTP_PROXY'], os.environ['NO_PROXY'], os.environ['PIP_INDEX_URL'])"
+            .into(),
+    )
+    .await;
+    assert_eq!(
+        r.json["stdout"],
+        json!("http://127.0.0.1:3128 localhost,127.0.0.1,::1 http://index.test/simple/\n"),
+        "{}",
+        r.text
+    );
+
+    // pip finds the index the daemon's config names, through the proxy.
+    let r = exec(pip_install(&["earmprobe"])).await;
+    assert_eq!(r.json["exit_code"], json!(0), "{}", r.text);
+    let rec = records(&r);
+    assert!(!rec.is_empty(), "{}", r.text);
+    for c in &rec {
+        assert_eq!(c["allowed"], json!(true), "{}", r.text);
+        assert_eq!(c["host"], json!("index.test"), "{}", r.text);
+    }
+    let exec_id = r.json["exec_id"].as_str().expect("exec_id");
+    let line = d.execution_line(exec_id);
+    assert_eq!(
+        line["network"].as_array().map(Vec::len),
+        Some(rec.len()),
+        "the audit line carries the exec's connections: {line}"
+    );
+    let hits = net.hits(ALLOWED);
+    assert!(hits.contains("GET /simple/earmprobe/ index.test"), "{hits}");
+    assert!(
+        hits.contains("GET /files/earmprobe-1.0-py3-none-any.whl index.test"),
+        "{hits}"
+    );
+    // Between execs no proxy listens for the session.
+    wait_for(
+        "no proxy socket between the session's execs",
+        CLEANUP,
+        || setup.proxy_sockets(),
+        Vec::is_empty,
+    );
+
+    // The next exec imports what the previous one installed (the workspace is HOME).
+    let r = exec("import earmprobe; print(earmprobe.VALUE)".into()).await;
+    assert_eq!(r.json["stdout"], json!("from-the-index\n"), "{}", r.text);
+
+    // An index the profile does not name: refused by the proxy, recorded, never reached.
+    let r = exec(pip_install(&[
+        "--index-url",
+        "http://private.test/simple/",
+        "--trusted-host",
+        "private.test",
+        "otherprobe",
+    ]))
+    .await;
+    assert_ne!(r.json["exit_code"], json!(0), "{}", r.text);
+    let rec = records(&r);
+    let refused = rec.iter().find(|c| c["host"] == json!("private.test"));
+    assert_eq!(
+        refused.map(|c| &c["allowed"]),
+        Some(&json!(false)),
+        "{}",
+        r.text
+    );
+    let exec_id = r.json["exec_id"].as_str().expect("exec_id");
+    let line = d.execution_line(exec_id);
+    assert!(
+        line["network"].as_array().is_some_and(|a| a
+            .iter()
+            .any(|c| c["host"] == "private.test" && c["allowed"] == false)),
+        "the audit line carries the refusal: {line}"
+    );
+    assert_eq!(
+        net.hits(&net.private_ip),
+        "",
+        "the private host must never be reached"
+    );
+
+    // The session ends: its container and its socket directory go, no proxy listener is left.
+    let r = c
+        .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    if let Some(dir) = socket_dir {
+        wait_for(
+            "the session's container removed, its socket directory gone, no proxy socket",
+            CLEANUP,
+            || {
+                let name = format!("name=executor-arm-{id}");
+                let out = Command::new("docker")
+                    .args(["ps", "-aq", "--filter", &name])
+                    .output()
+                    .expect("docker ps");
+                (
+                    String::from_utf8_lossy(&out.stdout).trim().to_string(),
+                    dir.exists(),
+                    setup.proxy_sockets(),
+                )
+            },
+            |(container, exists, socks)| container.is_empty() && !exists && socks.is_empty(),
+        );
+    }
     setup.finish();
 }

@@ -66,11 +66,15 @@ impl Drop for ProxyRun {
     }
 }
 
-/// Proxy environment for a command whose proxy listens on `127.0.0.1:port`: every spelling curl
-/// and wget read.
+/// What a sandbox reaches without the proxy: its own loopback (a server the command or a session
+/// started), which the proxy would refuse.
+const NO_PROXY: &str = "localhost,127.0.0.1,::1";
+
+/// Proxy environment for a command whose proxy listens on `127.0.0.1:port`: every spelling curl,
+/// wget, pip, npm and git read, and `NO_PROXY` for the sandbox's own loopback.
 pub fn proxy_env(port: u16) -> Vec<(String, String)> {
     let url = format!("http://127.0.0.1:{port}");
-    [
+    let proxied = [
         "http_proxy",
         "https_proxy",
         "HTTP_PROXY",
@@ -79,8 +83,11 @@ pub fn proxy_env(port: u16) -> Vec<(String, String)> {
         "all_proxy",
     ]
     .iter()
-    .map(|k| (k.to_string(), url.clone()))
-    .collect()
+    .map(|k| (k.to_string(), url.clone()));
+    let direct = ["NO_PROXY", "no_proxy"]
+        .iter()
+        .map(|k| (k.to_string(), NO_PROXY.to_string()));
+    proxied.chain(direct).collect()
 }
 
 #[cfg(test)]
@@ -130,10 +137,21 @@ mod tests {
     }
 
     #[test]
-    fn proxy_env_names_every_spelling() {
-        let env = proxy_env(3128);
-        assert_eq!(env.len(), 6);
-        assert!(env.iter().all(|(_, v)| v == "http://127.0.0.1:3128"));
-        assert!(env.iter().any(|(k, _)| k == "HTTPS_PROXY"));
+    fn proxy_env_names_every_spelling_and_leaves_loopback_direct() {
+        let env: std::collections::BTreeMap<String, String> = proxy_env(3128).into_iter().collect();
+        assert_eq!(env.len(), 8, "{env:?}");
+        for k in [
+            "http_proxy",
+            "https_proxy",
+            "HTTP_PROXY",
+            "HTTPS_PROXY",
+            "ALL_PROXY",
+            "all_proxy",
+        ] {
+            assert_eq!(env[k], "http://127.0.0.1:3128", "{k}");
+        }
+        for k in ["NO_PROXY", "no_proxy"] {
+            assert_eq!(env[k], "localhost,127.0.0.1,::1", "{k}");
+        }
     }
 }

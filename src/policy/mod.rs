@@ -193,7 +193,7 @@ pub enum PolicyLoadError {
 impl Policy {
     pub fn load(cfg: &Config) -> Result<Policy, PolicyLoadError> {
         let profiles: BTreeMap<String, Arc<Profile>> =
-            profile::load_dir(&cfg.sandbox.profiles_dir)?
+            profile::load_dir(&cfg.sandbox.profiles_dir, &cfg.sandbox.profile_overrides)?
                 .into_iter()
                 .map(|(k, v)| (k, Arc::new(v)))
                 .collect();

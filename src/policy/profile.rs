@@ -29,6 +29,10 @@ pub const EMBEDDED: &[(&str, &str)] = &[
     ),
     ("python", include_str!("../../sandbox-profiles/python.toml")),
     (
+        "python-packages",
+        include_str!("../../sandbox-profiles/python-packages.toml"),
+    ),
+    (
         "http-egress",
         include_str!("../../sandbox-profiles/http-egress.toml"),
     ),
@@ -261,14 +265,37 @@ pub fn valid_env_name(name: &str) -> bool {
         && name.len() <= 128
 }
 
+/// The daemon config's override of one profile (`sandbox.profile_overrides.<name>`): profile
+/// keys merged over the profile's file, table by table (a value or an array replaces the file's).
+pub type ProfileOverride = toml::Table;
+
 impl Profile {
     pub fn parse(name: &str, file: &str, text: &str) -> Result<Profile, ProfileError> {
+        Self::parse_with(name, file, text, None)
+    }
+
+    /// Parses `text` with `over` merged over it, then checks the result as any profile is
+    /// checked: an override can point a profile elsewhere, never make it unsafe.
+    pub fn parse_with(
+        name: &str,
+        file: &str,
+        text: &str,
+        over: Option<&ProfileOverride>,
+    ) -> Result<Profile, ProfileError> {
+        let file = match over {
+            Some(_) => format!("{file} with sandbox.profile_overrides.{name}"),
+            None => file.to_string(),
+        };
         let invalid = |message: String| ProfileError::Invalid {
-            file: file.to_string(),
+            file: file.clone(),
             message,
         };
-        let mut p: Profile =
-            toml::from_str(text).map_err(|e| invalid(e.to_string().trim().replace('\n', " ")))?;
+        let tidy = |e: toml::de::Error| invalid(e.to_string().trim().replace('\n', " "));
+        let mut table: toml::Table = toml::from_str(text).map_err(tidy)?;
+        if let Some(over) = over {
+            crate::config::merge_tables(&mut table, over.clone());
+        }
+        let mut p: Profile = table.try_into().map_err(tidy)?;
         p.name = name.to_string();
         p.validate().map_err(invalid)?;
         Ok(p)
@@ -376,48 +403,65 @@ impl Profile {
     }
 }
 
-/// Loads every `*.toml` of `dir` (or the embedded set when `dir` does not exist).
-pub fn load_dir(dir: &Path) -> Result<BTreeMap<String, Profile>, ProfileError> {
+/// Loads every `*.toml` of `dir` (or the embedded set when `dir` does not exist), each with its
+/// override from `overrides` merged over it; an override of a profile that does not exist is an
+/// error.
+pub fn load_dir(
+    dir: &Path,
+    overrides: &BTreeMap<String, ProfileOverride>,
+) -> Result<BTreeMap<String, Profile>, ProfileError> {
     let mut out = BTreeMap::new();
     if !dir.exists() {
         for (name, text) in EMBEDDED {
             out.insert(
                 name.to_string(),
-                Profile::parse(name, &format!("<embedded>/{name}.toml"), text)?,
+                Profile::parse_with(
+                    name,
+                    &format!("<embedded>/{name}.toml"),
+                    text,
+                    overrides.get(*name),
+                )?,
             );
         }
-        return Ok(out);
-    }
-    let entries = std::fs::read_dir(dir).map_err(|source| ProfileError::Dir {
-        dir: dir.to_path_buf(),
-        source,
-    })?;
-    for e in entries {
-        let e = e.map_err(|source| ProfileError::Dir {
+    } else {
+        let entries = std::fs::read_dir(dir).map_err(|source| ProfileError::Dir {
             dir: dir.to_path_buf(),
             source,
         })?;
-        let path = e.path();
-        if path.extension().and_then(|x| x.to_str()) != Some("toml") {
-            continue;
+        for e in entries {
+            let e = e.map_err(|source| ProfileError::Dir {
+                dir: dir.to_path_buf(),
+                source,
+            })?;
+            let path = e.path();
+            if path.extension().and_then(|x| x.to_str()) != Some("toml") {
+                continue;
+            }
+            let file = path.display().to_string();
+            let name = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or_default()
+                .to_string();
+            if !crate::policy::is_bare_name(&name) {
+                return Err(ProfileError::Invalid {
+                    file,
+                    message: "profile file name must be a plain name".into(),
+                });
+            }
+            let text = std::fs::read_to_string(&path).map_err(|e| ProfileError::Invalid {
+                file: file.clone(),
+                message: e.to_string(),
+            })?;
+            let profile = Profile::parse_with(&name, &file, &text, overrides.get(&name))?;
+            out.insert(name, profile);
         }
-        let file = path.display().to_string();
-        let name = path
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or_default()
-            .to_string();
-        if !crate::policy::is_bare_name(&name) {
-            return Err(ProfileError::Invalid {
-                file,
-                message: "profile file name must be a plain name".into(),
-            });
-        }
-        let text = std::fs::read_to_string(&path).map_err(|e| ProfileError::Invalid {
-            file: file.clone(),
-            message: e.to_string(),
-        })?;
-        out.insert(name.clone(), Profile::parse(&name, &file, &text)?);
+    }
+    if let Some(name) = overrides.keys().find(|n| !out.contains_key(*n)) {
+        return Err(ProfileError::Invalid {
+            file: format!("sandbox.profile_overrides.{name}"),
+            message: format!("there is no profile '{name}' to override"),
+        });
     }
     Ok(out)
 }
@@ -468,6 +512,71 @@ mod tests {
             .1
             .replace("allow = [\"LANG\"", "allow = [\"LD_PRELOAD\"");
         assert!(Profile::parse("x", "x.toml", &text).is_err());
+    }
+
+    fn over(text: &str) -> ProfileOverride {
+        toml::from_str(text).unwrap()
+    }
+
+    /// The operator's index reaches the shipped packages profile through the daemon's config:
+    /// arrays are replaced, tables merged key by key, everything else kept from the file.
+    #[test]
+    fn an_override_points_a_profile_at_an_index() {
+        let text = EMBEDDED
+            .iter()
+            .find(|(n, _)| *n == "python-packages")
+            .unwrap()
+            .1;
+        let shipped = Profile::parse("python-packages", "p.toml", text).unwrap();
+        assert_eq!(shipped.network.mode, NetworkMode::Egress);
+        assert!(
+            shipped.network.allow_hosts.is_empty(),
+            "ships reaching nothing"
+        );
+        assert!(!shipped.env.set.contains_key("PIP_INDEX_URL"));
+        let o = over(
+            "[network]\nallow_hosts = [\"pypi.internal.example\"]\n\
+             [env.set]\nPIP_INDEX_URL = \"https://pypi.internal.example/simple/\"\n",
+        );
+        let p = Profile::parse_with("python-packages", "p.toml", text, Some(&o)).unwrap();
+        assert_eq!(p.network.allow_hosts, ["pypi.internal.example"]);
+        assert_eq!(p.network.allow_ports, shipped.network.allow_ports);
+        assert_eq!(
+            p.env.set["PIP_INDEX_URL"],
+            "https://pypi.internal.example/simple/"
+        );
+        assert_eq!(p.env.set["PATH"], shipped.env.set["PATH"]);
+        assert_eq!(p.env.set.len(), shipped.env.set.len() + 1);
+    }
+
+    /// An override is checked as the file is: it cannot make a profile unsafe, and it names
+    /// itself in the error; one for a profile that does not exist stops startup too.
+    #[test]
+    fn an_override_is_checked_and_must_name_a_profile() {
+        let text = EMBEDDED[0].1;
+        for bad in [
+            "[user]\nuid = 0\n",
+            "[network]\nallow_hosts = [\"a/b\"]\n",
+            "[env]\nallow = [\"LD_PRELOAD\"]\n",
+            "[limits]\nswap_mb = 3\n",
+        ] {
+            let e = Profile::parse_with("x", "x.toml", text, Some(&over(bad)))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("x.toml with sandbox.profile_overrides.x"),
+                "{bad}: {e}"
+            );
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("x.toml"), text).unwrap();
+        let mut overrides = BTreeMap::new();
+        overrides.insert("x".to_string(), over("[limits]\npids = 32\n"));
+        let loaded = load_dir(dir.path(), &overrides).unwrap();
+        assert_eq!(loaded["x"].limits.pids, 32);
+        overrides.insert("nope".to_string(), over("[limits]\npids = 32\n"));
+        let e = load_dir(dir.path(), &overrides).unwrap_err().to_string();
+        assert!(e.contains("sandbox.profile_overrides.nope"), "{e}");
     }
 
     /// Variables through which curl, wget, git, tar and nmap read configuration, options or

@@ -317,15 +317,6 @@ impl SessionService {
         let probe = exec::probe(&id, &language, &new);
         let plan = self.executions.plan(&probe)?;
         exec::check_limits(&new.limits, &plan)?;
-        if plan.backend != BackendKind::Local
-            && plan.profile.network.mode == crate::policy::profile::NetworkMode::Egress
-        {
-            return Err(SessionError::Invalid(format!(
-                "profile '{}' has network egress, which sessions on {} do not offer; use a profile without network",
-                plan.profile.name,
-                plan.backend.as_str()
-            )));
-        }
         // A place under the limits is taken before the sandbox is launched, and given back if
         // the session is not made.
         let place_taken = self.reserve(&new.owner)?;

@@ -30,9 +30,11 @@
 //! connection goes (the container has StdinOnce), and it ends the run itself a little after the
 //! request's timeout, in case the daemon can no longer do it.
 //!
-//! Egress relay (relay_port > 0, once mode): before the command starts, listen on
-//! 127.0.0.1:relay_port and relay every connection to the daemon's proxy on the unix socket
-//! relay_socket ([`relay`]). The relay runs in this process (PID 1), which the command cannot kill.
+//! Egress relay (relay_port > 0): before the command starts, listen on 127.0.0.1:relay_port and
+//! relay every connection to the daemon's proxy on the unix socket relay_socket ([`relay`]). The
+//! relay runs in this process (PID 1), which the command cannot kill. It lives for one request: in
+//! kept mode it closes with the exec (after the sweep), and the next exec's request opens it again
+//! on the socket the daemon bound for that exec.
 //!
 //! Single-threaded on purpose: it forks, and the children use the heap before execve.
 
@@ -565,9 +567,6 @@ fn run_request(
     }
     if h.timeout_ms == 0 {
         return Err(fail("no timeout in the request"));
-    }
-    if cfg.kept && h.relay_port != 0 {
-        return Err(fail("a kept sandbox has no egress relay"));
     }
     let cwd = if h.cwd.is_empty() {
         cfg.workdir.clone()

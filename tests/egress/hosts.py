@@ -8,10 +8,13 @@ address saw nothing.
   hosts.py LOGDIR DNS_IP ALLOWED_IP METADATA_IP PRIVATE_IP
 
 Paths: /redirect-to-metadata (302 to the metadata host), /bytes/N (N bytes), /slow (answers
-after 60 s: holds a connection open while a run times out or its client goes away), anything
-else "hello from <ip>". Names: allowed.test, metadata.test, private.test, loopback.test
-(127.0.0.1) and rebind.test (first the allowed, then the metadata address).
+after 60 s: holds a connection open while a run times out or its client goes away), /simple/...
+and /files/... (the package index a test laid out in <logdir>/index with package.py; a directory
+is its index.html, anything missing 404), anything else "hello from <ip>". Names: allowed.test,
+index.test (the allowed address), metadata.test, private.test, loopback.test (127.0.0.1) and
+rebind.test (first the allowed, then the metadata address).
 """
+import os
 import socket
 import struct
 import sys
@@ -37,6 +40,9 @@ def handler_for(ip):
                 self.send_header("Location", f"http://{metadata_ip}/latest/meta-data/")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+                return
+            if self.path.startswith(("/simple/", "/files/")):
+                self.serve_index()
                 return
             if self.path == "/slow":
                 time.sleep(60)
@@ -67,11 +73,30 @@ def handler_for(ip):
             self.end_headers()
             self.wfile.write(body)
 
+        def serve_index(self):
+            rel = self.path.split("?")[0].lstrip("/")
+            path = os.path.join(logdir, "index", rel)
+            if rel.endswith("/") or os.path.isdir(path):
+                path = os.path.join(path, "index.html")
+            if ".." in rel.split("/") or not os.path.isfile(path):
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            with open(path, "rb") as f:
+                body = f.read()
+            self.send_response(200)
+            kind = "text/html" if path.endswith(".html") else "application/octet-stream"
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
     return H
 
 
 def dns_answer(name):
-    if name == "allowed.test":
+    if name in ("allowed.test", "index.test"):
         return allowed_ip
     if name == "metadata.test":
         return metadata_ip
@@ -103,7 +128,7 @@ def serve_dns():
             question = data[12:i + 5]
             name = ".".join(labels).lower().rstrip(".")
             ip = dns_answer(name) if qtype == 1 else None
-            if qtype == 1 and ip is None and name not in ("allowed.test", "metadata.test", "private.test", "rebind.test", "loopback.test"):
+            if qtype == 1 and ip is None and name not in ("allowed.test", "index.test", "metadata.test", "private.test", "rebind.test", "loopback.test"):
                 rcode, answers = 3, b""
             else:
                 rcode, answers = 0, b""

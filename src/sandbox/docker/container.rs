@@ -122,7 +122,8 @@ impl ContainerPlan {
     /// too: the only way out is the proxy's socket (see [`super::egress`]).
     ///
     /// `kept`: the container of a session, whose supervisor serves one exec after another and
-    /// writes each exec's code to a root-owned tmpfs at [`supervisor::CODE_DIR`].
+    /// writes each exec's code to a root-owned tmpfs at [`supervisor::CODE_DIR`]; with egress it
+    /// has its socket directory for its whole life, and each exec its own proxy listener there.
     pub fn new(
         spec: &RunSpec,
         kind: BackendKind,
@@ -130,11 +131,6 @@ impl ContainerPlan {
         kept: bool,
     ) -> Result<ContainerPlan, SandboxError> {
         let egress = matches!(spec.network, NetworkPolicy::Egress { .. });
-        if kept && egress {
-            return Err(SandboxError::Setup(
-                "a session's container has no egress relay".into(),
-            ));
-        }
         if spec.uid == 0 || spec.gid == 0 {
             return Err(SandboxError::Setup("a sandbox never runs as root".into()));
         }

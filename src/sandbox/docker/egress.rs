@@ -31,10 +31,11 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::egress::{EgressPolicy, Resolver};
-use crate::sandbox::{BackendKind, NetworkPolicy};
+use crate::egress::{EgressPolicy, ProxyRun, Resolver, proxy_env};
+use crate::sandbox::{BackendKind, NetworkPolicy, RunSpec, SandboxError};
 
 use super::labels::Owner;
+use super::supervisor::Relay;
 
 /// Where a container sees its egress directory.
 pub const CONTAINER_DIR: &str = "/run/executor-arm/egress";
@@ -58,6 +59,40 @@ impl EgressSettings {
     /// The proxy policy of one execution (`None` without egress).
     pub fn policy(&self, network: &NetworkPolicy) -> Option<EgressPolicy> {
         network.proxy_policy(&self.deny_addrs)
+    }
+
+    /// The relay the supervisor opens for one execution with egress; `spec`'s command gets the
+    /// proxy environment that names it (ours win over anything of the same name, which a
+    /// request could not set anyway).
+    pub fn relay(&self, spec: &mut RunSpec) -> Relay {
+        spec.env.extend(proxy_env(self.port));
+        Relay {
+            port: self.port,
+            socket: format!("{CONTAINER_DIR}/{SOCKET_NAME}"),
+        }
+    }
+
+    /// The proxy of one execution with `network`, listening on the socket of `dir` (the
+    /// container's own directory) before the supervisor gets the request, so the command finds
+    /// it. Dropping the [`ProxyRun`] stops it.
+    pub fn serve(
+        &self,
+        dir: Option<&SocketDir>,
+        network: &NetworkPolicy,
+    ) -> Result<ProxyRun, SandboxError> {
+        let dir = dir.ok_or_else(|| {
+            SandboxError::Setup("egress container without its socket directory".into())
+        })?;
+        let listener = dir.bind().map_err(|err| {
+            SandboxError::Setup(format!(
+                "egress proxy socket in {}: {err}",
+                dir.path().display()
+            ))
+        })?;
+        let policy = self
+            .policy(network)
+            .ok_or_else(|| SandboxError::Setup("egress policy missing".into()))?;
+        Ok(ProxyRun::start(policy, self.resolver.clone(), listener))
     }
 }
 

@@ -20,13 +20,14 @@ use std::time::Duration;
 
 use tokio::io::AsyncWrite;
 
+use super::egress::{EgressSettings, SocketDir};
 use super::engine::{Attached, OutputStream};
 use super::pool::{ContainerGuard, WarmContainer};
 use super::relay::deliver;
 use super::supervisor::{self, FileOp, Frame, FrameDecoder};
 use super::{DRAIN_GRACE, DockerSandbox, KILL_TIMEOUT, short};
 use crate::sandbox::files::{Entry, FileError, Kept};
-use crate::sandbox::run::Ending;
+use crate::sandbox::run::{self, Ending};
 use crate::sandbox::{ExitKind, KilledReason, RunOutcome, RunSpec, SandboxError};
 
 /// How long one file call may take the supervisor (a 16 MiB file is well under a second).
@@ -53,6 +54,9 @@ pub struct KeptContainer {
     /// Destroys the container (and its disk volume) when dropped: at [`Kept::close`], else
     /// with the last handle.
     guard: Mutex<Option<ContainerGuard>>,
+    /// With egress: the container's socket directory, where each exec's proxy listens; removed
+    /// with the container.
+    socket_dir: Mutex<Option<SocketDir>>,
 }
 
 impl KeptContainer {
@@ -289,6 +293,12 @@ impl Kept for Arc<KeptContainer> {
         }
         let guard = self.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
         drop(guard);
+        let socket_dir = self
+            .socket_dir
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        drop(socket_dir);
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -311,17 +321,24 @@ impl DockerSandbox {
         session_id: &str,
         warm: bool,
     ) -> Result<Arc<dyn Kept>, SandboxError> {
+        let egress = run::egress_for(&spec.network, self.egress.as_ref())?;
         let plan = self.plan(spec, true)?;
         if let Some(why) = self.runtime_refusal().await {
             return Err(SandboxError::Unavailable(why));
         }
+        self.ensure_egress_dirs(egress)?;
         let (container, pooled) = self.container_for(&plan, session_id, warm).await?;
         let WarmContainer {
             attached: Attached { input, output },
             guard,
             pid,
-            socket_dir: _,
+            socket_dir,
         } = container;
+        if egress.is_some() && socket_dir.is_none() {
+            return Err(SandboxError::Setup(
+                "egress container without its socket directory".into(),
+            ));
+        }
         tracing::info!(session_id, container = %short(guard.id()), uid = guard.uid(), pooled, backend = self.kind.as_str(), "session container assigned");
         let kept = Arc::new(KeptContainer {
             id: guard.id().to_string(),
@@ -334,15 +351,18 @@ impl DockerSandbox {
             }),
             gone: Mutex::new(None),
             guard: Mutex::new(Some(guard)),
+            socket_dir: Mutex::new(socket_dir),
         });
         Ok(Arc::new(kept))
     }
 
-    /// Runs one exec of a session in its kept container.
+    /// Runs one exec of a session in its kept container; with `egress` the exec has a proxy of
+    /// its own, as a one-run container's execution has.
     pub(super) async fn run_kept(
         &self,
         kept: &dyn Kept,
-        spec: RunSpec,
+        mut spec: RunSpec,
+        egress: Option<&EgressSettings>,
     ) -> Result<RunOutcome, SandboxError> {
         let kept = kept
             .as_any()
@@ -358,9 +378,10 @@ impl DockerSandbox {
             .code
             .as_ref()
             .map(|c| (c.path.to_string_lossy().into_owned(), c.bytes.clone()));
+        let relay = egress.map(|e| e.relay(&mut spec));
         let request = supervisor::encode_request(
             &spec,
-            None,
+            relay.as_ref(),
             code.as_ref().map(|(p, b)| (p.as_str(), &b[..])),
         )?;
         drop(code);
@@ -374,6 +395,15 @@ impl DockerSandbox {
                 "the session's sandbox is gone".into(),
             ));
         }
+        // The exec's proxy listens before its supervisor gets the request; an early return drops
+        // (stops) it. Bound under the channel's lock: the previous exec's is finished by then.
+        let proxy = match egress {
+            None => None,
+            Some(e) => {
+                let dir = kept.socket_dir.lock().unwrap_or_else(|p| p.into_inner());
+                Some(e.serve(dir.as_ref(), &spec.network)?)
+            }
+        };
         ch.in_step = false;
         let id = kept.id.clone();
         let Channel {
@@ -412,6 +442,9 @@ impl DockerSandbox {
             }
         };
         let captured = run.finish().await;
+        // The exec is over (its processes are killed): what it still had open through the proxy
+        // is closed, and its connections are its own.
+        let network = run::connections(proxy).await;
         let report = match end.report {
             Some(Frame::Exit(r)) => {
                 *in_step = true;
@@ -426,6 +459,15 @@ impl DockerSandbox {
                 *in_step = true;
                 if killed.is_none() {
                     return Err(SandboxError::Setup(m));
+                }
+                None
+            }
+            // The relay could not reach the exec's proxy (runsc without host unix sockets): the
+            // host lacks what egress needs; the supervisor serves the next request.
+            Some(Frame::Unavailable(m)) => {
+                *in_step = true;
+                if killed.is_none() {
+                    return Err(SandboxError::Unavailable(m));
                 }
                 None
             }
@@ -463,7 +505,7 @@ impl DockerSandbox {
             peak_memory_kib: report.as_ref().and_then(|r| r.peak_memory_kib),
             stdin_broken_pipe: report.as_ref().is_some_and(|r| r.stdin_broken_pipe),
         };
-        Ok(RunOutcome::assemble(ending, captured, duration, Vec::new()))
+        Ok(RunOutcome::assemble(ending, captured, duration, network))
     }
 }
 

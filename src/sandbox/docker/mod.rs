@@ -34,7 +34,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use self::container::{ContainerPlan, runtime_of};
-use self::egress::{CONTAINER_DIR, EgressSettings, SOCKET_NAME, SocketDirs};
+use self::egress::{EgressSettings, SocketDirs};
 use self::engine::{BollardEngine, Engine, EngineError};
 use self::janitor::Janitor;
 use self::labels::Owner;
@@ -46,7 +46,6 @@ use super::run::{self, Ending};
 use super::{
     BackendKind, BackendStatus, ExitKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError,
 };
-use crate::egress::{ProxyRun, proxy_env};
 use crate::sandbox::uids::UidRange;
 /// How long a kill may take the engine before the run goes on without its confirmation.
 const KILL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -208,6 +207,20 @@ impl DockerSandbox {
             .as_ref()
             .map_err(|why| SandboxError::Unavailable(why.clone()))?;
         Ok(ContainerPlan::new(spec, self.kind, &self.default_image, kept)?.with_supervisor(binary))
+    }
+
+    /// With egress, the directories of the proxy's sockets exist: a host that cannot hold them
+    /// cannot run egress profiles (503 before a container is touched).
+    fn ensure_egress_dirs(&self, egress: Option<&EgressSettings>) -> Result<(), SandboxError> {
+        if let (Some(e), Some(dirs)) = (egress, self.pool.egress_dirs()) {
+            dirs.ensure().map_err(|err| {
+                SandboxError::Unavailable(format!(
+                    "egress socket directory {}: {err}",
+                    e.dir.display()
+                ))
+            })?;
+        }
+        Ok(())
     }
 
     /// Why this backend's runtime would not enforce the containers' seccomp profile (runsc
@@ -544,30 +557,15 @@ impl Sandbox for DockerSandbox {
         // Everything that can be refused is refused before a container is touched.
         let egress = run::egress_for(&spec.network, self.egress.as_ref())?;
         if let Some(kept) = spec.kept.clone() {
-            return self.run_kept(kept.as_ref(), spec).await;
+            return self.run_kept(kept.as_ref(), spec, egress).await;
         }
         let plan = self.plan(&spec, false)?;
         // Never a container whose runtime would drop its seccomp profile.
         if let Some(why) = self.runtime_refusal().await {
             return Err(SandboxError::Unavailable(why));
         }
-        if let (Some(e), Some(dirs)) = (egress, self.pool.egress_dirs()) {
-            // A host that cannot hold the proxy's sockets cannot run egress profiles.
-            dirs.ensure().map_err(|err| {
-                SandboxError::Unavailable(format!(
-                    "egress socket directory {}: {err}",
-                    e.dir.display()
-                ))
-            })?;
-        }
-        let relay = egress.map(|e| {
-            // Ours win over anything of the same name (the request could not set them anyway).
-            spec.env.extend(proxy_env(e.port));
-            supervisor::Relay {
-                port: e.port,
-                socket: format!("{CONTAINER_DIR}/{SOCKET_NAME}"),
-            }
-        });
+        self.ensure_egress_dirs(egress)?;
+        let relay = egress.map(|e| e.relay(&mut spec));
         let request = supervisor::encode_request(&spec, relay.as_ref(), None)?;
         let (warm, pooled) = self.container_for(&plan, &spec.exec_id, true).await?;
         let WarmContainer {
@@ -584,24 +582,9 @@ impl Sandbox for DockerSandbox {
         tracing::info!(exec_id = %spec.exec_id, container = %id, pooled, backend = self.kind.as_str(), "sandbox container assigned");
         // With egress the proxy listens on this container's socket before the supervisor gets
         // the request, so the command finds it; every early return below drops (stops) it.
-        let proxy = match egress {
-            None => None,
-            Some(e) => {
-                let dir = socket_dir.as_ref().ok_or_else(|| {
-                    SandboxError::Setup("egress container without its socket directory".into())
-                })?;
-                let listener = dir.bind().map_err(|err| {
-                    SandboxError::Setup(format!(
-                        "egress proxy socket in {}: {err}",
-                        dir.path().display()
-                    ))
-                })?;
-                let policy = e
-                    .policy(&spec.network)
-                    .ok_or_else(|| SandboxError::Setup("egress policy missing".into()))?;
-                Some(ProxyRun::start(policy, e.resolver.clone(), listener))
-            }
-        };
+        let proxy = egress
+            .map(|e| e.serve(socket_dir.as_ref(), &spec.network))
+            .transpose()?;
 
         let mut decoder = FrameDecoder::default();
         let (mut run, killed, end) = self
