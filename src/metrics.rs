@@ -223,6 +223,7 @@ pub const AUDIT_EVENTS: &[&str] = &[
     "session_create",
     "session_end",
     "session_file",
+    "session_archive",
 ];
 /// `reason` of `executor_rejected_total`.
 pub const REJECT_REASONS: &[&str] = &[

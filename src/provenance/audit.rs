@@ -115,6 +115,9 @@ pub enum AuditEvent {
     SessionEnd(SessionClosed),
     /// A file was written into a session's workspace through the files API.
     SessionFile(SessionUpload),
+    /// An archive was extracted into a session's workspace (written once it was checked and
+    /// staged, before any of it entered the workspace).
+    SessionArchive(SessionArchiveUpload),
 }
 
 impl AuditEvent {
@@ -131,6 +134,7 @@ impl AuditEvent {
             AuditEvent::SessionCreate(_) => "session_create",
             AuditEvent::SessionEnd(_) => "session_end",
             AuditEvent::SessionFile(_) => "session_file",
+            AuditEvent::SessionArchive(_) => "session_archive",
         }
     }
 }
@@ -185,6 +189,22 @@ pub struct SessionUpload {
     pub path: String,
     pub bytes: u64,
     pub sha256: String,
+}
+
+/// An archive uploaded into a session's workspace.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionArchiveUpload {
+    pub request_id: String,
+    pub session_id: String,
+    pub owner: String,
+    pub tenant: String,
+    /// The workspace directory it went into ("" is the workspace).
+    pub path: String,
+    /// The tar's bytes and their digest.
+    pub bytes: u64,
+    pub sha256: String,
+    /// Its members (files, directories, symlinks).
+    pub members: u64,
 }
 
 /// Why a session ended.

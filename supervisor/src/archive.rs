@@ -540,7 +540,10 @@ pub fn stage(
     if let Some(e) = src.source.take() {
         return Err(refused(format!("the archive did not arrive whole: {e}")));
     }
-    result.map(|()| staged)
+    result?;
+    // Conflicts are found now, before the caller records the archive; the commit checks again.
+    staged.check()?;
+    Ok(staged)
 }
 
 /// Reads every entry of the archive into `staged`'s directory.
@@ -783,19 +786,24 @@ fn make(
 }
 
 impl Staged {
-    /// Step 2 of an import: moves the staged members into the workspace by rename only, after
-    /// checking that none conflicts with what is there (nothing moved otherwise).
-    pub fn commit(mut self) -> Result<(), ArchiveError> {
-        let staging = subdir(self.root.as_fd(), &self.name)
-            .map_err(|e| ArchiveError::Io(e.desc().to_string()))?;
-        let root =
-            subdir(self.root.as_fd(), b".").map_err(|e| ArchiveError::Io(e.desc().to_string()))?;
+    /// Whether every staged member can take its place (see [`check_merge`]); the staging
+    /// directory and the workspace's root.
+    fn check(&self) -> Result<(OwnedFd, OwnedFd), ArchiveError> {
+        let io = |e: Errno| ArchiveError::Io(e.desc().to_string());
+        let staging = subdir(self.root.as_fd(), &self.name).map_err(io)?;
+        let root = subdir(self.root.as_fd(), b".").map_err(io)?;
         if self.import == ImportMode::Restore {
             check_empty(root.as_fd(), &self.target)?;
         }
-        let mut at = Vec::new();
-        check_merge(staging.as_fd(), root.as_fd(), &self.name, &mut at)?;
-        merge(staging.as_fd(), root.as_fd(), &self.name, &mut at)?;
+        check_merge(staging.as_fd(), root.as_fd(), &self.name, &mut Vec::new())?;
+        Ok((staging, root))
+    }
+
+    /// Step 2 of an import: moves the staged members into the workspace by rename only, after
+    /// checking that none conflicts with what is there (nothing moved otherwise).
+    pub fn commit(mut self) -> Result<(), ArchiveError> {
+        let (staging, root) = self.check()?;
+        merge(staging.as_fd(), root.as_fd(), &self.name, &mut Vec::new())?;
         // What is left of the staging directory (directories merged into existing ones) goes.
         let name = std::mem::take(&mut self.name);
         remove_tree(self.root.as_fd(), &name);
