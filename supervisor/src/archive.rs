@@ -272,7 +272,10 @@ pub fn check_member(
 /// PAX keys of a member's header: `path` and `linkpath` apply; `size` and GNU sparse keys are
 /// refused (raw entries do not apply them, so accepting one would misread the archive); the
 /// rest (times, owners, charsets, xattrs) are ignored.
-fn pax_names(data: &[u8]) -> Result<(Option<Vec<u8>>, Option<Vec<u8>>), String> {
+/// A PAX header's `path` and `linkpath`.
+type PaxNames = (Option<Vec<u8>>, Option<Vec<u8>>);
+
+fn pax_names(data: &[u8]) -> Result<PaxNames, String> {
     let (mut path, mut link) = (None, None);
     for ext in tar::PaxExtensions::new(data) {
         let ext = ext.map_err(|_| "a malformed PAX header".to_string())?;
@@ -453,7 +456,7 @@ impl Drop for Staged {
 /// The size of the filesystem `fd` is on, in bytes.
 fn fs_size(fd: BorrowedFd<'_>) -> u64 {
     nix::sys::statvfs::fstatvfs(fd)
-        .map(|s| (s.blocks() as u64).saturating_mul(s.fragment_size() as u64))
+        .map(|s| s.blocks().saturating_mul(s.fragment_size()))
         .unwrap_or(u64::MAX / 2)
 }
 

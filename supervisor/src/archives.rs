@@ -247,12 +247,13 @@ fn tar_in(cfg: &Config, h: &FileHeader) -> Result<(), Abandoned> {
         }
     }
     drop(feed);
-    if !early && let Some(v) = relay_verdict(&mut answers) {
-        if v.starts_with(STAGED.as_bytes()) {
-            let decision = rd(4);
-            let _ = File::from(dec_w).write_all(&decision);
-            relay_verdict(&mut answers);
-        }
+    if !early
+        && let Some(v) = relay_verdict(&mut answers)
+        && v.starts_with(STAGED.as_bytes())
+    {
+        let decision = rd(4);
+        let _ = File::from(dec_w).write_all(&decision);
+        relay_verdict(&mut answers);
     }
     drop(answers);
     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);

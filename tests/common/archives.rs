@@ -92,7 +92,7 @@ pub fn sparse_10_gib() -> Vec<u8> {
     octal(&mut gnu.sparse[0].numbytes, 1);
     h.set_cksum();
     let mut out = h.as_bytes().to_vec();
-    out.extend_from_slice(&[b'x']);
+    out.extend_from_slice(b"x");
     out.resize(out.len() + 511, 0);
     out.extend_from_slice(&[0u8; 1024]);
     out
