@@ -1723,3 +1723,30 @@ async fn a_million_empty_files_are_refused_and_change_nothing() {
     let r = c.exec(&id, json!({"code": "ls -A | tr '\\n' ' '"})).await;
     assert_eq!(r.json["stdout"], "after keep ", "{}", r.text);
 }
+
+/// Archives wait for the session's exec: both calls are 409 while one runs, and nothing of the
+/// refused upload is audited.
+#[tokio::test(flavor = "multi_thread")]
+async fn archives_are_refused_while_an_exec_runs() {
+    use common::archives::{file, get_archive, put_archive, tar_of};
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "bash").await;
+    let r = c
+        .exec(&id, json!({"code": "sleep 30", "async": true}))
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let put = put_archive(&c, &id, "", tar_of(&[file("x", b"x")])).await;
+    assert_eq!(put.status, 409, "{}", put.text);
+    assert_eq!(put.json["error_type"], "SessionBusy");
+    assert_eq!(get_archive(&c, &id, "").await.status, 409);
+    assert!(
+        !d.audit_lines()
+            .iter()
+            .any(|l| l["event"] == "session_archive")
+    );
+    let r = c
+        .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
+        .await;
+    assert!(r.status < 300, "{}", r.text);
+}

@@ -766,6 +766,19 @@ mod tests {
             verdict_of("f", "garbage", FileOp::List),
             Err(FileError::Io(_))
         ));
+        let tarin = FileOp::TarIn(ImportMode::Upload);
+        assert_eq!(
+            verdict_of("", "err badarchive 0 member 'x' is a hard link", tarin),
+            Err(FileError::BadArchive("member 'x' is a hard link".into()))
+        );
+        assert_eq!(
+            verdict_of("", "err archivetoolarge 0 too large", tarin),
+            Err(FileError::ArchiveTooLarge("too large".into()))
+        );
+        assert_eq!(
+            verdict_of("d", "err notfound 0 no such directory: d", FileOp::TarOut),
+            Err(FileError::NotFound("d".into()))
+        );
     }
 
     #[test]
