@@ -961,6 +961,12 @@ async fn file_transfers_at_once_are_bounded() {
         assert_eq!(r.status, 429, "GET {path}: {}", r.text);
         assert_eq!(r.json["error_type"], "Overloaded", "GET {path}");
     }
+    // Archives too, both ways.
+    let r = common::archives::get_archive(&c, &id, "").await;
+    assert_eq!(r.status, 429, "GET archive: {}", r.text);
+    let tar = common::archives::tar_of(&[common::archives::file("a", b"a")]);
+    let r = common::archives::put_archive(&c, &id, "", tar).await;
+    assert_eq!(r.status, 429, "PUT archive: {}", r.text);
     drop(held);
     common::wait::wait_for_async(
         "the places given back (an upload answered 204)",
@@ -1749,4 +1755,27 @@ async fn archives_are_refused_while_an_exec_runs() {
         .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
         .await;
     assert!(r.status < 300, "{}", r.text);
+}
+
+/// An archive larger than the workspace could hold (its size plus 64 MiB; here zeros after the
+/// end of a valid tar, which take no space) is 413 and changes nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_archive_larger_than_the_workspace_is_413() {
+    use common::archives::{file, put_archive, tar_of, workspace};
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let r = c
+        .create(
+            json!({"language": "bash", "limits": {"disk_mb": 1}, "capability_token": d.cap_all()}),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().unwrap().to_string();
+    let before = workspace(&c, &id).await;
+    let mut tar = tar_of(&[file("small", b"s")]);
+    tar.resize(tar.len() + (66 << 20), 0);
+    let r = put_archive(&c, &id, "", tar).await;
+    assert_eq!(r.status, 413, "{}", r.text);
+    assert_eq!(r.json["error_type"], "PayloadTooLarge", "{}", r.text);
+    assert_eq!(workspace(&c, &id).await, before);
 }
