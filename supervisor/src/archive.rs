@@ -34,7 +34,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 
 use nix::errno::Errno;
-use nix::fcntl::{AtFlags, OFlag};
+use nix::fcntl::{AtFlags, OFlag, RenameFlags};
 use nix::sys::stat::{Mode, SFlag};
 use nix::unistd::{Gid, Uid, UnlinkatFlags};
 
@@ -240,6 +240,9 @@ pub fn check_member(
     }
     let mut path = target.to_vec();
     path.extend(rel);
+    if path[0].starts_with(STAGING_PREFIX.as_bytes()) {
+        return Err(what("has a name the daemon keeps for itself"));
+    }
     if path.len() > MAX_DEPTH {
         return Err(what(&format!("is deeper than {MAX_DEPTH} directories")));
     }
@@ -874,9 +877,24 @@ fn merge(
             continue;
         }
         let os = OsStr::from_bytes(&name);
+        let there = kind_at(dst, &name).map_err(io)?;
         let both_dirs = kind_at(src, &name).map_err(io)? == Some(SFlag::S_IFDIR)
-            && kind_at(dst, &name).map_err(io)? == Some(SFlag::S_IFDIR);
-        if both_dirs {
+            && there == Some(SFlag::S_IFDIR);
+        if there.is_none() {
+            // Nothing there when checked: never replace what appeared since.
+            let moved = match nix::fcntl::renameat2(src, os, dst, os, RenameFlags::RENAME_NOREPLACE)
+            {
+                Err(Errno::EINVAL) => nix::fcntl::renameat(src, os, dst, os),
+                other => other,
+            };
+            moved.map_err(|e| {
+                ArchiveError::Io(format!(
+                    "moving '{}' into place: {}",
+                    shown(&name),
+                    e.desc()
+                ))
+            })?;
+        } else if both_dirs {
             let s = subdir(src, &name).map_err(io)?;
             let d = subdir(dst, &name).map_err(io)?;
             at.push(name.clone());

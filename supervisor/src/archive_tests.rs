@@ -89,6 +89,9 @@ fn only_files_directories_and_inside_symlinks_without_special_bits_pass() {
         assert!(e.contains("setuid"), "{e}");
     }
     assert!(check_member(b'0', 0o644, 0, b"./", b"", &t, up).is_err());
+    let staging = format!("{STAGING_PREFIX}x/f");
+    assert!(check_member(b'0', 0o644, 0, staging.as_bytes(), b"", &[], up).is_err());
+    assert!(check_member(b'0', 0o644, 0, staging.as_bytes(), b"", &t, up).is_ok());
     assert!(check_member(b'0', 0o644, 0, b"/abs", b"", &t, up).is_err());
     assert!(check_member(b'0', 0o644, 0, b"../up", b"", &t, up).is_err());
 }
