@@ -226,6 +226,7 @@ pub const AUDIT_EVENTS: &[&str] = &[
     "session_file",
     "session_pause",
     "session_resume",
+    "session_archive",
 ];
 /// `reason` of `executor_rejected_total`.
 pub const REJECT_REASONS: &[&str] = &[

@@ -301,6 +301,8 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
         ("GET", format!("{ses}/files"), None),
         ("GET", format!("{ses}/files/a.txt"), None),
         ("PUT", format!("{ses}/files/a.txt"), Some("x")),
+        ("GET", format!("{ses}/archive"), None),
+        ("PUT", format!("{ses}/archive"), Some("x")),
     ] {
         let mut rb = d
             .client

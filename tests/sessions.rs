@@ -961,6 +961,12 @@ async fn file_transfers_at_once_are_bounded() {
         assert_eq!(r.status, 429, "GET {path}: {}", r.text);
         assert_eq!(r.json["error_type"], "Overloaded", "GET {path}");
     }
+    // Archives too, both ways.
+    let r = common::archives::get_archive(&c, &id, "").await;
+    assert_eq!(r.status, 429, "GET archive: {}", r.text);
+    let tar = common::archives::tar_of(&[common::archives::file("a", b"a")]);
+    let r = common::archives::put_archive(&c, &id, "", tar).await;
+    assert_eq!(r.status, 429, "PUT archive: {}", r.text);
     drop(held);
     common::wait::wait_for_async(
         "the places given back (an upload answered 204)",
@@ -1459,4 +1465,317 @@ async fn a_burst_of_creations_launches_no_sandbox_past_the_limit() {
         2,
         "the refused one and the last one"
     );
+}
+
+/// A tar goes into a directory of the workspace (made for it) with its nested directories, file
+/// and in-tree symlink; an exec sees them; its `session_archive` line has its digest; GET gives
+/// them back, the symlink as a symlink.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_archive_goes_into_the_workspace_and_comes_back_out() {
+    use common::archives::{dir, file, get_archive, link, members, put_archive, tar_of};
+    let d = Daemon::start();
+    let c = koder(&d, Some("t"));
+    let id = new_session(&c, "bash").await;
+    let tar = tar_of(&[
+        dir("a/"),
+        dir("a/b/"),
+        file("a/b/c.txt", b"hello"),
+        link("a/link", "b/c.txt"),
+        link("a/up", "../top"),
+    ]);
+    let r = put_archive(&c, &id, "proj", tar.clone()).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["members"], 5, "{}", r.text);
+    let line = d
+        .audit_lines()
+        .into_iter()
+        .find(|l| l["event"] == "session_archive")
+        .expect("the archive's audit line");
+    assert_eq!(line["path"], "proj");
+    assert_eq!(line["members"], 5);
+    assert_eq!(line["bytes"], tar.len());
+    assert_eq!(line["sha256"], r.json["sha256"]);
+    assert_eq!(line["session_id"], id.as_str());
+    let r = c
+        .exec(
+            &id,
+            json!({"code": "cat proj/a/link; echo; readlink proj/a/link; stat -c %U proj/a/b/c.txt | grep -vq root && echo owned"}),
+        )
+        .await;
+    assert_eq!(r.json["stdout"], "hello\nb/c.txt\nowned\n", "{}", r.text);
+    let out = get_archive(&c, &id, "proj").await;
+    assert_eq!(out.status, 200, "{}", out.text);
+    assert_eq!(
+        out.headers["content-type"], "application/x-tar",
+        "{:?}",
+        out.headers
+    );
+    let got = members(&out.bytes);
+    let want: Vec<(String, String)> = [
+        ("a", "dir"),
+        ("a/b", "dir"),
+        ("a/b/c.txt", "file hello"),
+        ("a/link", "-> b/c.txt"),
+        ("a/up", "-> ../top"),
+    ]
+    .iter()
+    .map(|(a, b)| (a.to_string(), b.to_string()))
+    .collect();
+    assert_eq!(got, want);
+    // Not a directory, or none: refused before any byte.
+    assert_eq!(get_archive(&c, &id, "nope").await.status, 404);
+    assert_eq!(get_archive(&c, &id, "proj/a/link").await.status, 400);
+    assert_eq!(get_archive(&c, &id, "../x").await.status, 400);
+    // Another tenant sees no such session.
+    let other = koder(&d, Some("u"));
+    assert_eq!(get_archive(&other, &id, "").await.status, 404);
+    assert_eq!(put_archive(&other, &id, "", tar).await.status, 404);
+}
+
+/// Hostile archives are refused (400, or 507 past the quota) and the workspace is exactly as it
+/// was, from the API's side and the host's.
+#[tokio::test(flavor = "multi_thread")]
+async fn hostile_archives_are_refused_and_leave_the_workspace_as_it_was() {
+    use common::archives::{M, dir, file, link, put_archive, sparse_10_gib, tar_of, workspace};
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let r = c
+        .create(
+            json!({"language": "bash", "limits": {"disk_mb": 8}, "capability_token": d.cap_all()}),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().unwrap().to_string();
+    let r = put_archive(
+        &c,
+        &id,
+        "",
+        tar_of(&[
+            dir("d/"),
+            file("d/f", b"keep"),
+            link("d/l", "f"),
+            file("top", b"t"),
+        ]),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let before = workspace(&c, &id).await;
+    let outside = std::env::temp_dir().join(format!("archive-escape-{}", std::process::id()));
+    let outside_name = outside.display().to_string();
+    let mut truncated = tar_of(&[file("t", &[b'x'; 4000])]);
+    truncated.truncate(2048);
+    let big = vec![b'z'; 9 << 20];
+    // A header that declares 100 GiB, and a body that ends long before.
+    let declared_big = {
+        let mut h = tar::Header::new_gnu();
+        h.set_path("huge").unwrap();
+        h.set_size(100 << 30);
+        h.set_mode(0o644);
+        h.set_cksum();
+        [h.as_bytes().as_slice(), &[b'y'; 4096]].concat()
+    };
+    let special = |name: &'static str, ty: u8, mode: u32| M {
+        name,
+        ty,
+        mode,
+        data: b"",
+    };
+    let cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        (
+            "a ../ name",
+            tar_of(&[file("ok", b"1"), file("../escape", b"x")]),
+            400,
+        ),
+        (
+            "a ../ inside a name",
+            tar_of(&[file("d/../../escape", b"x")]),
+            400,
+        ),
+        (
+            "an absolute name",
+            tar_of(&[file("ok", b"1"), file(&outside_name, b"x")]),
+            400,
+        ),
+        (
+            "a symlink out, then a file through it",
+            tar_of(&[
+                link("out", "../../../../../../tmp"),
+                file("out/escape", b"x"),
+            ]),
+            400,
+        ),
+        (
+            "an absolute symlink, then a file through it",
+            tar_of(&[link("abs", "/tmp"), file("abs/escape", b"x")]),
+            400,
+        ),
+        (
+            "a file through the workspace's own symlink",
+            tar_of(&[file("d/l/x", b"x")]),
+            400,
+        ),
+        (
+            "a symlink in-tree, then a file through it",
+            tar_of(&[link("in", "d"), file("in/x", b"x")]),
+            400,
+        ),
+        (
+            "a hard link",
+            tar_of(&[M {
+                name: "h",
+                ty: b'1',
+                mode: 0o644,
+                data: b"top",
+            }]),
+            400,
+        ),
+        ("a FIFO", tar_of(&[special("fifo", b'6', 0o644)]), 400),
+        (
+            "a char device",
+            tar_of(&[special("null", b'3', 0o666)]),
+            400,
+        ),
+        (
+            "a block device",
+            tar_of(&[special("sda", b'4', 0o660)]),
+            400,
+        ),
+        (
+            "a setuid file",
+            tar_of(&[M {
+                name: "suid",
+                ty: b'0',
+                mode: 0o4755,
+                data: b"#!",
+            }]),
+            400,
+        ),
+        (
+            "a setgid directory",
+            tar_of(&[M {
+                name: "sg/",
+                ty: b'5',
+                mode: 0o2755,
+                data: b"",
+            }]),
+            400,
+        ),
+        ("a 10 GiB GNU sparse member", sparse_10_gib(), 400),
+        (
+            "a file over a directory",
+            tar_of(&[file("new", b"1"), file("d", b"x")]),
+            400,
+        ),
+        (
+            "a directory over a file",
+            tar_of(&[file("new", b"1"), dir("top/")]),
+            400,
+        ),
+        ("a truncated tar", truncated, 400),
+        ("a header declaring 100 GiB", declared_big, 400),
+        (
+            "not a tar",
+            b"just some bytes, not a tar archive".repeat(20),
+            400,
+        ),
+        (
+            "a member past the quota",
+            tar_of(&[file("ok", b"1"), file("big", &big)]),
+            507,
+        ),
+    ];
+    for (what, tar, status) in cases {
+        let r = put_archive(&c, &id, "", tar).await;
+        assert_eq!(r.status, status, "{what}: {}", r.text);
+        assert_eq!(workspace(&c, &id).await, before, "{what}");
+        assert!(!outside.exists(), "{what}: a file outside the workspace");
+        assert!(!std::path::Path::new("/tmp/escape").exists(), "{what}");
+    }
+    // Into a path through the workspace's symlink: refused too.
+    let r = put_archive(&c, &id, "d/l", tar_of(&[file("x", b"x")])).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert_eq!(workspace(&c, &id).await, before);
+    // No staging directory is left, and nothing of the refused archives is audited.
+    let r = c.exec(&id, json!({"code": "ls -A | tr '\\n' ' '"})).await;
+    assert_eq!(r.json["stdout"], "d top ", "{}", r.text);
+    let archives = d
+        .audit_lines()
+        .into_iter()
+        .filter(|l| l["event"] == "session_archive")
+        .count();
+    assert_eq!(archives, 1, "only the first archive went in");
+}
+
+/// A million empty files, streamed: the inode limit stops it (507) long before the end; the
+/// workspace is unchanged and the daemon takes the next archive.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_million_empty_files_are_refused_and_change_nothing() {
+    use common::archives::{file, put_archive, put_generated, tar_of, workspace};
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "bash").await;
+    let r = put_archive(&c, &id, "", tar_of(&[file("keep", b"k")])).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let before = workspace(&c, &id).await;
+    let (addr, headers, id2) = (d.addr.clone(), c.headers(), id.clone());
+    let status =
+        tokio::task::spawn_blocking(move || put_generated(&addr, &headers, &id2, 1_000_000))
+            .await
+            .unwrap();
+    assert_eq!(status, 507);
+    assert_eq!(workspace(&c, &id).await, before);
+    let r = put_archive(&c, &id, "", tar_of(&[file("after", b"a")])).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let r = c.exec(&id, json!({"code": "ls -A | tr '\\n' ' '"})).await;
+    assert_eq!(r.json["stdout"], "after keep ", "{}", r.text);
+}
+
+/// Archives wait for the session's exec: both calls are 409 while one runs, and nothing of the
+/// refused upload is audited.
+#[tokio::test(flavor = "multi_thread")]
+async fn archives_are_refused_while_an_exec_runs() {
+    use common::archives::{file, get_archive, put_archive, tar_of};
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "bash").await;
+    let r = c
+        .exec(&id, json!({"code": "sleep 30", "async": true}))
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let put = put_archive(&c, &id, "", tar_of(&[file("x", b"x")])).await;
+    assert_eq!(put.status, 409, "{}", put.text);
+    assert_eq!(put.json["error_type"], "SessionBusy");
+    assert_eq!(get_archive(&c, &id, "").await.status, 409);
+    assert!(
+        !d.audit_lines()
+            .iter()
+            .any(|l| l["event"] == "session_archive")
+    );
+    let r = c
+        .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
+        .await;
+    assert!(r.status < 300, "{}", r.text);
+}
+
+/// An archive larger than the workspace could hold (its size plus 64 MiB; here zeros after the
+/// end of a valid tar, which take no space) is 413 and changes nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_archive_larger_than_the_workspace_is_413() {
+    use common::archives::{file, put_archive, tar_of, workspace};
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let r = c
+        .create(
+            json!({"language": "bash", "limits": {"disk_mb": 1}, "capability_token": d.cap_all()}),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().unwrap().to_string();
+    let before = workspace(&c, &id).await;
+    let mut tar = tar_of(&[file("small", b"s")]);
+    tar.resize(tar.len() + (66 << 20), 0);
+    let r = put_archive(&c, &id, "", tar).await;
+    assert_eq!(r.status, 413, "{}", r.text);
+    assert_eq!(r.json["error_type"], "PayloadTooLarge", "{}", r.text);
+    assert_eq!(workspace(&c, &id).await, before);
 }

@@ -623,3 +623,86 @@ async fn a_restart_after_sigkill_removes_the_old_session_containers() {
     });
     finish(next);
 }
+
+/// Archives on a kept container, through its supervisor: a tar with nested directories, a file
+/// and an in-tree symlink goes in (the exec sees it) and comes back out; a `../` name, a symlink
+/// out then a file through it, and a member past the quota are refused (400, 507) with the
+/// workspace exactly as it was; the container serves the next call.
+#[tokio::test(flavor = "multi_thread")]
+async fn archives_go_in_and_out_of_a_kept_container_and_hostile_ones_change_nothing() {
+    use common::archives::{dir, file, get_archive, link, members, put_archive, tar_of, workspace};
+    let _serial = one_at_a_time().await;
+    require_docker("archives_go_in_and_out_of_a_kept_container_and_hostile_ones_change_nothing");
+    for (runtime, backend) in RUNTIMES {
+        let d = start(runtime);
+        let c = koder(&d, None);
+        let r = c
+            .create(json!({"language": "bash", "limits": {"disk_mb": 8}, "capability_token": d.cap_all()}))
+            .await;
+        assert_eq!(r.status, 201, "{runtime}: {}", r.text);
+        assert_eq!(r.json["backend"], backend, "{}", r.text);
+        let id = r.json["id"].as_str().unwrap().to_string();
+        let tar = tar_of(&[
+            dir("a/"),
+            dir("a/b/"),
+            file("a/b/c.txt", b"hello"),
+            link("a/link", "b/c.txt"),
+        ]);
+        let r = put_archive(&c, &id, "proj", tar.clone()).await;
+        assert_eq!(r.status, 200, "{runtime}: {}", r.text);
+        assert_eq!(r.json["members"], 4, "{runtime}: {}", r.text);
+        let line = d
+            .audit_lines()
+            .into_iter()
+            .find(|l| l["event"] == "session_archive")
+            .expect("the archive's audit line");
+        assert_eq!(line["bytes"], tar.len());
+        let out = run(&c, &id, "cat proj/a/link; echo; readlink proj/a/link").await;
+        assert_eq!(out["stdout"], "hello\nb/c.txt\n", "{runtime}: {out}");
+        let got = get_archive(&c, &id, "proj").await;
+        assert_eq!(got.status, 200, "{runtime}: {}", got.text);
+        assert_eq!(
+            members(&got.bytes),
+            [
+                ("a", "dir"),
+                ("a/b", "dir"),
+                ("a/b/c.txt", "file hello"),
+                ("a/link", "-> b/c.txt"),
+            ]
+            .map(|(a, b)| (a.to_string(), b.to_string())),
+            "{runtime}"
+        );
+        assert_eq!(get_archive(&c, &id, "nope").await.status, 404, "{runtime}");
+        let before = workspace(&c, &id).await;
+        let big = vec![b'z'; 9 << 20];
+        for (what, tar, status) in [
+            (
+                "a ../ name",
+                tar_of(&[file("ok", b"1"), file("../escape", b"x")]),
+                400,
+            ),
+            (
+                "a symlink out, then a file through it",
+                tar_of(&[link("out", "../../../tmp"), file("out/escape", b"x")]),
+                400,
+            ),
+            (
+                "a file through the workspace's own symlink",
+                tar_of(&[file("proj/a/link/x", b"x")]),
+                400,
+            ),
+            (
+                "a member past the quota",
+                tar_of(&[file("ok", b"1"), file("big", &big)]),
+                507,
+            ),
+        ] {
+            let r = put_archive(&c, &id, "", tar).await;
+            assert_eq!(r.status, status, "{runtime}: {what}: {}", r.text);
+            assert_eq!(workspace(&c, &id).await, before, "{runtime}: {what}");
+        }
+        let out = run(&c, &id, "ls -A /tmp | grep -c escape; ls -A | tr '\\n' ' '").await;
+        assert_eq!(out["stdout"], "0\nproj ", "{runtime}: {out}");
+        finish(d);
+    }
+}

@@ -139,6 +139,10 @@ fn session_routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
         )
         .route("/v1/sandbox/sessions/{id}/files", get(sessions::list_files))
         .route(
+            "/v1/sandbox/sessions/{id}/archive",
+            get(sessions::get_archive).put(sessions::put_archive),
+        )
+        .route(
             "/v1/sandbox/sessions/{id}/files/{*path}",
             get(sessions::get_file).put(sessions::put_file),
         )

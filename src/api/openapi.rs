@@ -39,6 +39,8 @@ use utoipa::{Modify, OpenApi};
         super::sessions::list_files,
         super::sessions::get_file,
         super::sessions::put_file,
+        super::sessions::get_archive,
+        super::sessions::put_archive,
         super::ops::capabilities,
         super::ops::health,
         super::ops::livez,

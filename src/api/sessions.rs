@@ -64,6 +64,8 @@ impl From<FileError> for ApiError {
             FileError::TooLarge { .. } => ApiError::FileTooLarge(e.to_string()),
             FileError::NoSpace => ApiError::WorkspaceFull,
             FileError::Busy(m) => ApiError::InvalidRequest(m),
+            FileError::BadArchive(m) => ApiError::InvalidRequest(m),
+            FileError::ArchiveTooLarge(m) => ApiError::FileTooLarge(m),
             FileError::Io(m) => ApiError::Internal(m),
         }
     }
@@ -1015,6 +1017,174 @@ pub async fn list_files(
         ))
     };
     result.await.unwrap_or_else(|e| e.into_response())
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ArchiveQuery {
+    /// A directory of the workspace, relative to it (empty: the workspace).
+    #[serde(default)]
+    path: String,
+}
+
+/// An archive extracted into the workspace.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ArchiveUploaded {
+    /// The directory it went into, as asked.
+    pub path: String,
+    /// Its members (files, directories, symlinks).
+    pub members: u64,
+    /// The tar's size and digest, as the `session_archive` audit line has them.
+    pub bytes: u64,
+    /// `sha256:<hex>`
+    pub sha256: String,
+}
+
+/// How long an archive upload may go without a byte arriving.
+const ARCHIVE_IDLE: Duration = Duration::from_secs(30);
+
+/// A request body as the archive it carries, each chunk within [`ARCHIVE_IDLE`].
+fn archive_body(body: Body) -> crate::sessions::ByteStream {
+    use futures::StreamExt;
+    futures::stream::unfold(Some(body.into_data_stream()), |s| async move {
+        let mut s = s?;
+        match tokio::time::timeout(ARCHIVE_IDLE, s.next()).await {
+            Ok(Some(Ok(b))) => Some((Ok(b), Some(s))),
+            Ok(Some(Err(e))) => Some((Err(std::io::Error::other(e.to_string())), None)),
+            Ok(None) => None,
+            Err(_) => Some((
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no byte arrived for {} s", ARCHIVE_IDLE.as_secs()),
+                )),
+                None,
+            )),
+        }
+    })
+    .boxed()
+}
+
+/// `GET /v1/sandbox/sessions/{id}/archive?path=dir`: a tar of a workspace directory.
+#[utoipa::path(
+    get,
+    path = "/v1/sandbox/sessions/{id}/archive",
+    operation_id = "get_session_archive",
+    tag = "sessions",
+    params(
+        SessionPath,
+        ArchiveQuery,
+        TenantHeaders,
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "A tar of the directory, streamed as it is made: its regular files, directories and symlinks (as symlinks, never followed), names relative to it; FIFOs and sockets are left out. A failure once the stream started ends it early (the tar is then incomplete)", body = Vec<u8>, content_type = "application/x-tar"),
+        (status = 400, description = "InvalidRequest: an absolute path, `..`, `.` or empty components, a symlink or non-directory on the way, a malformed tenant", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session, or no such directory", body = ErrorBody),
+        (status = 409, description = "SessionBusy: an exec runs in the session", body = ErrorBody),
+        (status = 429, description = "Overloaded: eight file transfers are in progress", body = ErrorBody),
+        (status = 500, description = "InternalError: the archive could not be made", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+    )
+)]
+pub async fn get_archive(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    Query(q): Query<ArchiveQuery>,
+    headers: HeaderMap,
+    rid: Option<axum::Extension<RequestId>>,
+) -> Response {
+    use futures::StreamExt;
+    let rid = rid.map(|r| r.0.0).unwrap_or_default();
+    let result = async {
+        let (session, ..) = session_of(&st, &headers, rid, &id, Touch::Use).await?;
+        let permit = file_permit(&st)?;
+        let stream = session
+            .export_archive(&q.path)
+            .await
+            .map_err(|e| file_failure(&session, e))?;
+        // The permit goes with the stream: a slow reader holds its place until the end.
+        let stream = stream.map(move |chunk| {
+            let _held = &permit;
+            chunk
+        });
+        Ok::<_, ApiError>(
+            (
+                StatusCode::OK,
+                [(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/x-tar"),
+                )],
+                Body::from_stream(stream),
+            )
+                .into_response(),
+        )
+    };
+    result.await.unwrap_or_else(|e| e.into_response())
+}
+
+/// `PUT /v1/sandbox/sessions/{id}/archive?path=dir`: the raw body is a tar, extracted into the
+/// directory.
+#[utoipa::path(
+    put,
+    path = "/v1/sandbox/sessions/{id}/archive",
+    operation_id = "put_session_archive",
+    tag = "sessions",
+    params(
+        SessionPath,
+        ArchiveQuery,
+        TenantHeaders,
+    ),
+    request_body(content = Vec<u8>, content_type = "application/x-tar", description = "A tar (ustar, GNU or PAX): regular files, directories, and symlinks whose target stays inside the workspace (relative, resolved from the link's own directory). Streamed: at most the workspace's size plus 64 MiB"),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Extracted: its members are in the directory (made if missing; files of the same name replaced, directories merged)", body = ArchiveUploaded),
+        (status = 400, description = "InvalidRequest: a refused archive, nothing of it kept: a hard link, a device, FIFO or socket, a GNU sparse member, a setuid/setgid/sticky mode, an absolute name, a `..` component, a member through a symlink, a symlink pointing outside the workspace, a member whose type conflicts with what the workspace has (a file over a directory, a directory over a file or symlink), a truncated or malformed tar; or a bad path or tenant", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
+        (status = 409, description = "SessionBusy: an exec runs in the session", body = ErrorBody),
+        (status = 413, description = "PayloadTooLarge: the archive is larger than the workspace could hold (its size plus 64 MiB); nothing of it kept", body = ErrorBody),
+        (status = 429, description = "Overloaded: eight file transfers are in progress", body = ErrorBody),
+        (status = 500, description = "InternalError: the extraction failed unexpectedly", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable, or the audit log cannot record the archive (nothing of it kept)", body = ErrorBody),
+        (status = 507, description = "WorkspaceFull: the archive does not fit the session's disk quota or inode limit; nothing of it kept", body = ErrorBody),
+    )
+)]
+pub async fn put_archive(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    Query(q): Query<ArchiveQuery>,
+    req: Request,
+) -> Response {
+    // On a task of its own, the extraction and its audit line together.
+    detach(async move {
+        let rid = RequestId::of(&req);
+        let result = async {
+            let (parts, body): (_, Body) = req.into_parts();
+            let (session, _, known) = session_of(&st, &parts.headers, rid, &id, Touch::Use).await?;
+            let _permit = file_permit(&st)?;
+            let done = st
+                .sessions
+                .upload_archive(&session, known.request_id, &q.path, archive_body(body))
+                .await
+                .map_err(|e| match e {
+                    UploadError::Ended => ApiError::SessionNotFound,
+                    UploadError::Unrecorded => ApiError::SandboxUnavailable(e.to_string()),
+                    UploadError::File(e) => file_failure(&session, e),
+                })?;
+            Ok::<_, ApiError>(json(
+                StatusCode::OK,
+                ArchiveUploaded {
+                    path: q.path,
+                    members: done.members,
+                    bytes: done.bytes,
+                    sha256: done.sha256,
+                },
+            ))
+        };
+        result.await.unwrap_or_else(|e| e.into_response())
+    })
+    .await
 }
 
 /// The longest a forwarded session call may take to begin its answer: a synchronous exec's

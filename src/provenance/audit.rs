@@ -119,6 +119,9 @@ pub enum AuditEvent {
     SessionPause(SessionPaused),
     /// A paused session got a fresh sandbox with its saved workspace.
     SessionResume(SessionResumed),
+    /// An archive was extracted into a session's workspace (written once it was checked and
+    /// staged, before any of it entered the workspace).
+    SessionArchive(SessionArchiveUpload),
 }
 
 impl AuditEvent {
@@ -137,6 +140,7 @@ impl AuditEvent {
             AuditEvent::SessionFile(_) => "session_file",
             AuditEvent::SessionPause(_) => "session_pause",
             AuditEvent::SessionResume(_) => "session_resume",
+            AuditEvent::SessionArchive(_) => "session_archive",
         }
     }
 }
@@ -215,6 +219,22 @@ pub struct SessionResumed {
     pub backend: &'static str,
     pub workspace_sha256: String,
     pub workspace_bytes: u64,
+}
+
+/// An archive uploaded into a session's workspace.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionArchiveUpload {
+    pub request_id: String,
+    pub session_id: String,
+    pub owner: String,
+    pub tenant: String,
+    /// The workspace directory it went into ("" is the workspace).
+    pub path: String,
+    /// The tar's bytes and their digest.
+    pub bytes: u64,
+    pub sha256: String,
+    /// Its members (files, directories, symlinks).
+    pub members: u64,
 }
 
 /// Why a session ended.

@@ -6,6 +6,8 @@
 
 use std::path::{Component, Path, PathBuf};
 
+pub use executor_arm_supervisor::archive::{ArchiveError, ImportMode};
+
 /// Why a file call failed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FileError {
@@ -25,9 +27,43 @@ pub enum FileError {
     /// The sandbox is running an exec and its files cannot be reached meanwhile (409).
     #[error("{0}")]
     Busy(String),
+    /// An uploaded archive is refused (a member, its name or type, its end); nothing of it was
+    /// kept (400).
+    #[error("{0}")]
+    BadArchive(String),
+    /// An uploaded archive is larger than the workspace could hold; nothing of it was kept (413).
+    #[error("{0}")]
+    ArchiveTooLarge(String),
     #[error("{0}")]
     Io(String),
 }
+
+impl From<ArchiveError> for FileError {
+    fn from(e: ArchiveError) -> Self {
+        match e {
+            ArchiveError::Refused(m) => FileError::BadArchive(m),
+            ArchiveError::NoSpace => FileError::NoSpace,
+            ArchiveError::TooLarge(m) => FileError::ArchiveTooLarge(m),
+            ArchiveError::NotFound(p) => FileError::NotFound(p),
+            ArchiveError::Io(m) => FileError::Io(m),
+        }
+    }
+}
+
+/// Bytes as they arrive (an archive being uploaded) or leave (one being downloaded).
+pub type ByteStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Send>>;
+
+/// An uploaded archive once checked and staged, before anything of it enters the workspace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Staging {
+    /// Members of the archive (files, directories, symlinks).
+    pub members: u64,
+}
+
+/// Asked once an archive is staged: true lets it into the workspace, false drops it (nothing of
+/// it is kept).
+pub type Approve = Box<dyn FnOnce(&Staging) -> bool + Send>;
 
 /// One entry of a directory listing.
 #[derive(Debug, Clone, serde::Serialize, PartialEq, Eq, utoipa::ToSchema)]
@@ -115,6 +151,23 @@ pub trait Kept: Send + Sync {
     /// Whether `rel` ("" is the workspace) is a directory of the workspace (reached through
     /// directories only, no symlink followed).
     async fn is_dir(&self, rel: &str) -> Result<(), FileError>;
+
+    /// A tar of the workspace directory `rel` ("" is the workspace; see
+    /// `executor_arm_supervisor::archive::export`), as it is read. Errors before the first byte
+    /// (no such directory, a symlink on the way) are this call's; a failure later ends the
+    /// stream with an error.
+    async fn export_archive(&self, rel: &str) -> Result<ByteStream, FileError>;
+
+    /// Extracts the tar `body` into the workspace directory `rel` ("" is the workspace), staged
+    /// first and moved in only if `approve` says so (see `executor_arm_supervisor::archive`).
+    /// Anything refused leaves the workspace as it was.
+    async fn import_archive(
+        &self,
+        rel: &str,
+        mode: ImportMode,
+        body: ByteStream,
+        approve: Approve,
+    ) -> Result<Staging, FileError>;
 
     /// Ends the sandbox now (the session ended): nothing runs in it any more and it is
     /// destroyed, whoever still holds a handle.

@@ -18,6 +18,8 @@
 //!   profile.
 //! - `files`: a session's file calls, sent to its host workspace or its kept sandbox, and an
 //!   upload's audit line.
+//! - `archive`: a session's archives (a tar of a workspace directory out, one into it), sent
+//!   the same way, and an archive upload's audit line.
 //! - [`workspace`]: a local session's directory on the host (tmpfs, `openat2` file calls).
 //!
 //! The backend halves live below, in `sandbox`, and stay there because the backends use them
@@ -30,6 +32,7 @@
 //! ask for. Must not: know HTTP, or run anything itself (the execution service does); the api
 //! calls into this module, this module calls the execution service, never the other way round.
 
+mod archive;
 mod exec;
 mod files;
 mod pause;
@@ -37,11 +40,13 @@ mod paused;
 mod session;
 pub mod workspace;
 
+pub use self::archive::{ArchiveUploaded, ImportMode};
 pub use self::exec::{ExecParts, PreparedExec};
 pub use self::files::UploadError;
 pub use self::session::{ExecClaim, Owner, Session, SessionInfo, SessionState};
 pub use self::workspace::{Entry, FileError};
 pub use crate::execution::SessionLimits;
+pub use crate::sandbox::files::ByteStream;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -22,6 +22,7 @@ use nix::sys::stat::{FileStat, Mode, SFlag};
 use nix::unistd::{Gid, Uid};
 
 use crate::sandbox::uids::UidLease;
+use executor_arm_supervisor::archive::{self, ImportMode, Staged};
 
 pub use crate::sandbox::files::{Entry, FileError, relative};
 
@@ -332,6 +333,34 @@ impl Workspace {
             });
         }
         Ok(out)
+    }
+
+    /// Stages the tar `source` for the workspace directory `rel` ("" is the workspace), its
+    /// members owned by the session's user; see `executor_arm_supervisor::archive`. Nothing is
+    /// in the workspace until the result is committed.
+    pub fn stage_archive(
+        &self,
+        rel: &str,
+        source: impl Read,
+        mode: ImportMode,
+    ) -> Result<Staged, FileError> {
+        let target = archive::workspace_path(rel)?;
+        let root = self.open_root()?;
+        Ok(archive::stage(
+            root.as_fd(),
+            &target,
+            source,
+            mode,
+            Some((self.uid, self.gid)),
+        )?)
+    }
+
+    /// The workspace directory `rel` ("" is the workspace), reached through directories only,
+    /// to export as a tar.
+    pub fn archive_dir(&self, rel: &str) -> Result<OwnedFd, FileError> {
+        let target = archive::workspace_path(rel)?;
+        let root = self.open_root()?;
+        Ok(archive::open_dir(root.as_fd(), &target)?)
     }
 
     /// The entries of the directory `rel` (empty: the workspace), sorted by name; a symlink is

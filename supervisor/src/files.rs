@@ -77,7 +77,7 @@ fn helper(cfg: &Config, h: &FileHeader, data: &[u8], out: &mut impl Write) -> Re
             Some(n) => Some(n),
             None => return Err(("invalid", 0, "the path names no file".into())),
         },
-        FileOp::List | FileOp::Dir => None,
+        FileOp::List | FileOp::Dir | FileOp::TarOut | FileOp::TarIn => None,
     };
     own_workspace(cfg);
     nix::unistd::chdir(cfg.workdir.as_str())
@@ -159,6 +159,7 @@ fn helper(cfg: &Config, h: &FileHeader, data: &[u8], out: &mut impl Write) -> Re
             }
         }
         (FileOp::Put, Some(name)) => put(name, data),
+        (FileOp::TarOut | FileOp::TarIn, _) => Err(("invalid", 0, "not a file call".into())),
         _ => Err(("invalid", 0, "the path names no file".into())),
     }
 }
@@ -203,6 +204,9 @@ pub fn file_request(cfg: &Config) -> Result<(), Abandoned> {
     let len = rd_u32();
     let raw = rd(len);
     let h = FileHeader::decode(&raw).map_err(|e| fail(&e))?;
+    if matches!(h.op, FileOp::TarOut | FileOp::TarIn) {
+        return super::archives::archive_request(cfg, &h);
+    }
     let data = if h.op == FileOp::Put {
         rd(h.n)
     } else {

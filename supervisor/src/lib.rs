@@ -1,4 +1,5 @@
 //! executor-arm's in-container supervisor: its wire protocol ([`protocol`]), shared by the
 //! daemon and the supervisor binary (`src/main.rs`, PID 1 of every docker/gvisor sandbox).
 
+pub mod archive;
 pub mod protocol;

@@ -38,6 +38,7 @@
 //!
 //! Single-threaded on purpose: it forks, and the children use the heap before execve.
 
+mod archives;
 mod files;
 mod relay;
 

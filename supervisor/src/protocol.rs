@@ -8,7 +8,11 @@
 //! run:   "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1, relay_port|0,
 //!        relay_socket, timeout_ms, code_path|"", code_len|-1, cwd|"")  stdin-bytes code-bytes
 //! file:  "EARF" u32be(len) NUL-joined(op, path, n)  [n bytes for put]
-//!        op: put (n = length), get (n = most bytes), list, dir (is it a directory)
+//!        op: put (n = length), get (n = most bytes), list, dir (is it a directory),
+//!            tarout (a tar of the directory, as `o` frames), tarin (n = 0 upload, 1 restore)
+//! tarin's archive follows its header in chunks: (u32be(len) bytes)* u32be(0); then, if the
+//! supervisor answered `r staged MEMBERS`, u32be(COMMIT|DROP) and its final `r`. An `r err` may
+//! come before the archive has all arrived: the daemon then ends it with u32be(0) at once.
 //! ```
 //!
 //! Frames (supervisor stdout -> daemon): `type(1) u32be(len) payload`; see [`kind`].
@@ -292,6 +296,10 @@ pub enum FileOp {
     List,
     /// Is it a directory.
     Dir,
+    /// A tar of the directory, as `o` frames.
+    TarOut,
+    /// Extract the tar that follows in chunks (`n`: [`TARIN_UPLOAD`] or [`TARIN_RESTORE`]).
+    TarIn,
 }
 
 impl FileOp {
@@ -301,8 +309,32 @@ impl FileOp {
             FileOp::Get => "get",
             FileOp::List => "list",
             FileOp::Dir => "dir",
+            FileOp::TarOut => "tarout",
+            FileOp::TarIn => "tarin",
         }
     }
+}
+
+/// `n` of a tarin request: a caller's archive, merged into the directory.
+pub const TARIN_UPLOAD: u64 = 0;
+/// `n` of a tarin request: a workspace the sandbox made, into an empty directory.
+pub const TARIN_RESTORE: u64 = 1;
+/// The daemon's decision on a staged archive: move it into the workspace.
+pub const ARCHIVE_COMMIT: u32 = 1;
+/// The daemon's decision on a staged archive: remove it.
+pub const ARCHIVE_DROP: u32 = 2;
+/// Largest chunk of a tarin archive.
+pub const MAX_ARCHIVE_CHUNK: usize = CHUNK;
+/// The prefix of a tarin's intermediate verdict, followed by the member count.
+pub const STAGED: &str = "staged ";
+
+/// One chunk of a tarin archive: its length, then its bytes (at most [`MAX_ARCHIVE_CHUNK`]);
+/// an empty one ends the archive.
+pub fn archive_chunk(data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + data.len());
+    out.extend_from_slice(&u32::try_from(data.len()).unwrap_or(0).to_be_bytes());
+    out.extend_from_slice(data);
+    out
 }
 
 /// The header of a file request.
@@ -339,6 +371,8 @@ impl FileHeader {
             Some("get") => FileOp::Get,
             Some("list") => FileOp::List,
             Some("dir") => FileOp::Dir,
+            Some("tarout") => FileOp::TarOut,
+            Some("tarin") => FileOp::TarIn,
             _ => return Err(bad()),
         };
         let path = f.next().ok_or_else(bad)?.to_string();
@@ -444,6 +478,19 @@ mod tests {
         ] {
             assert!(FileHeader::decode(bad).is_err(), "{bad:?}");
         }
+        let tarin = FileHeader {
+            op: FileOp::TarIn,
+            path: "sub".into(),
+            n: TARIN_RESTORE,
+        };
+        let bytes = tarin.encode(b"").unwrap();
+        assert_eq!(
+            FileHeader::decode(split_request(&bytes).unwrap().1).unwrap(),
+            tarin
+        );
+        assert!(tarin.encode(b"x").is_err(), "the archive follows in chunks");
+        assert_eq!(archive_chunk(b"ab"), b"\0\0\0\x02ab");
+        assert_eq!(archive_chunk(b""), b"\0\0\0\0");
         let get = FileHeader {
             op: FileOp::Get,
             path: String::new(),

@@ -2,6 +2,7 @@
 //! secret, audit log, state directory and config, and speaks HTTP to it.
 #![allow(dead_code)]
 
+pub mod archives;
 pub mod backends;
 pub mod docker;
 pub mod sessions;

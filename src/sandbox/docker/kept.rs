@@ -26,7 +26,7 @@ use super::pool::{ContainerGuard, WarmContainer};
 use super::relay::deliver;
 use super::supervisor::{self, FileOp, Frame, FrameDecoder};
 use super::{DRAIN_GRACE, DockerSandbox, KILL_TIMEOUT, short};
-use crate::sandbox::files::{Entry, FileError, Kept};
+use crate::sandbox::files::{Approve, ByteStream, Entry, FileError, ImportMode, Kept, Staging};
 use crate::sandbox::run::{self, Ending};
 use crate::sandbox::{ExitKind, KilledReason, RunOutcome, RunSpec, SandboxError};
 
@@ -208,6 +208,8 @@ fn verdict_of(path: &str, verdict: &str, op: FileOp<'_>) -> Result<(), FileError
             },
         },
         "nospace" => FileError::NoSpace,
+        "badarchive" => FileError::BadArchive(msg.to_string()),
+        "archivetoolarge" => FileError::ArchiveTooLarge(msg.to_string()),
         "invalid" => FileError::InvalidPath(format!("path '{}' {msg}", p.escape_debug())),
         _ => FileError::Io(format!("{p}: {msg}")),
     })
@@ -286,6 +288,41 @@ impl Kept for Arc<KeptContainer> {
         self.call(rel, OwnedOp::Dir).await.map(drop)
     }
 
+    async fn export_archive(&self, rel: &str) -> Result<ByteStream, FileError> {
+        let request = supervisor::encode_file_request(rel, FileOp::TarOut)
+            .map_err(|e| FileError::InvalidPath(e.to_string()))?;
+        let (first_tx, first_rx) = tokio::sync::oneshot::channel();
+        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+        // On a task of its own: the answer is read to its verdict whoever still reads it, so
+        // the connection stays in step.
+        tokio::spawn(
+            self.clone()
+                .archive_out(rel.to_string(), request, first_tx, tx),
+        );
+        first_rx
+            .await
+            .map_err(|_| FileError::Io("the archive call ended".into()))??;
+        use futures::StreamExt;
+        Ok(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)).boxed())
+    }
+
+    async fn import_archive(
+        &self,
+        rel: &str,
+        mode: ImportMode,
+        body: ByteStream,
+        approve: Approve,
+    ) -> Result<Staging, FileError> {
+        let request = supervisor::encode_file_request(rel, FileOp::TarIn(mode))
+            .map_err(|e| FileError::InvalidPath(e.to_string()))?;
+        let me = self.clone();
+        let path = rel.to_string();
+        // On a task of its own: a caller that goes away cannot leave the connection half way.
+        tokio::spawn(async move { me.archive_in(path, mode, request, body, approve).await })
+            .await
+            .map_err(|e| FileError::Io(e.to_string()))?
+    }
+
     async fn close(&self) {
         {
             let mut g = self.gone.lock().unwrap_or_else(|p| p.into_inner());
@@ -306,7 +343,238 @@ impl Kept for Arc<KeptContainer> {
     }
 }
 
+/// The next frame of an answer (the engine's stderr skipped), within [`FILE_CALL_TIMEOUT`].
+async fn next_frame(
+    decoder: &mut FrameDecoder,
+    output: &mut super::engine::OutputStream,
+) -> Result<Frame, FileError> {
+    use futures::StreamExt;
+    loop {
+        match decoder.next_frame() {
+            Ok(Some(f)) => return Ok(f),
+            Ok(None) => {}
+            Err(e) => return Err(FileError::Io(format!("corrupt supervisor stream: {e}"))),
+        }
+        match tokio::time::timeout(FILE_CALL_TIMEOUT, output.next()).await {
+            Ok(Some(Ok(super::engine::Output::Stdout(chunk)))) => decoder.push(&chunk),
+            Ok(Some(Ok(super::engine::Output::Stderr(_)))) => {}
+            Ok(Some(Err(e))) => return Err(FileError::Io(e.to_string())),
+            Ok(None) => return Err(FileError::Io("the sandbox ended".into())),
+            Err(_) => {
+                return Err(FileError::Io(
+                    "its supervisor did not answer an archive call in time".into(),
+                ));
+            }
+        }
+    }
+}
+
+/// The next frame, which must be a verdict.
+async fn next_verdict(
+    decoder: &mut FrameDecoder,
+    output: &mut super::engine::OutputStream,
+) -> Result<String, FileError> {
+    match next_frame(decoder, output).await? {
+        Frame::Result(v) => Ok(v),
+        other => Err(FileError::Io(format!(
+            "unexpected supervisor frame {other:?}"
+        ))),
+    }
+}
+
+/// Writes to the supervisor within [`FILE_CALL_TIMEOUT`].
+async fn send(
+    input: &mut std::pin::Pin<Box<dyn AsyncWrite + Send>>,
+    bytes: &[u8],
+) -> Result<(), FileError> {
+    match tokio::time::timeout(FILE_CALL_TIMEOUT, deliver(input, bytes)).await {
+        Ok(r) => r.map_err(|e| FileError::Io(e.to_string())),
+        Err(_) => Err(FileError::Io(
+            "its supervisor did not take an archive in time".into(),
+        )),
+    }
+}
+
 impl KeptContainer {
+    /// A tarout call: its first frame answers `first` (data: the stream starts; a verdict: why
+    /// not), its data goes to `tx` until the verdict. A broken answer makes the container gone.
+    async fn archive_out(
+        self: Arc<Self>,
+        path: String,
+        request: Vec<u8>,
+        first_tx: tokio::sync::oneshot::Sender<Result<(), FileError>>,
+        tx: tokio::sync::mpsc::Sender<Result<bytes::Bytes, std::io::Error>>,
+    ) {
+        let mut first = Some(first_tx);
+        let mut ch = match self.take_channel() {
+            Ok(ch) => ch,
+            Err(e) => {
+                if let Some(f) = first.take() {
+                    let _ = f.send(Err(e));
+                }
+                return;
+            }
+        };
+        ch.in_step = false;
+        let Channel {
+            input,
+            output,
+            decoder,
+            in_step,
+        } = &mut *ch;
+        let answer = async {
+            send(input, &request).await?;
+            loop {
+                match next_frame(decoder, output).await? {
+                    Frame::Stdout(b) => {
+                        if let Some(f) = first.take() {
+                            let _ = f.send(Ok(()));
+                        }
+                        // A reader that went away: the rest is read and dropped.
+                        let _ = tx.send(Ok(b)).await;
+                    }
+                    Frame::Result(v) => return Ok(verdict_of(&path, &v, FileOp::TarOut)),
+                    other => {
+                        return Err(FileError::Io(format!(
+                            "unexpected supervisor frame {other:?}"
+                        )));
+                    }
+                }
+            }
+        };
+        let verdict = match answer.await {
+            Ok(v) => {
+                *in_step = true;
+                drop(ch);
+                v
+            }
+            Err(e) => {
+                drop(ch);
+                self.mark_gone(&e.to_string());
+                Err(e)
+            }
+        };
+        match (first.take(), verdict) {
+            (Some(f), v) => {
+                let _ = f.send(v);
+            }
+            (None, Err(e)) => {
+                let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+            }
+            (None, Ok(())) => {}
+        }
+    }
+
+    /// A tarin call: the request, the archive in chunks (cut short by an early verdict), the
+    /// end chunk, then the staged verdict, `approve`'s decision and the final verdict. A broken
+    /// exchange makes the container gone.
+    async fn archive_in(
+        self: Arc<Self>,
+        path: String,
+        mode: ImportMode,
+        request: Vec<u8>,
+        mut body: ByteStream,
+        approve: Approve,
+    ) -> Result<Staging, FileError> {
+        use executor_arm_supervisor::protocol::{
+            ARCHIVE_COMMIT, ARCHIVE_DROP, MAX_ARCHIVE_CHUNK, STAGED, archive_chunk,
+        };
+        use futures::StreamExt;
+        let op = FileOp::TarIn(mode);
+        let mut ch = self.take_channel()?;
+        ch.in_step = false;
+        let Channel {
+            input,
+            output,
+            decoder,
+            in_step,
+        } = &mut *ch;
+        // Err: the exchange broke; Ok(Err): the archive was refused, in step.
+        let exchange = async {
+            send(input, &request).await?;
+            let (mut early, mut broken) = (None, None);
+            loop {
+                tokio::select! {
+                    next = output.next() => {
+                        match next {
+                            Some(Ok(super::engine::Output::Stdout(c))) => decoder.push(&c),
+                            Some(Ok(super::engine::Output::Stderr(_))) => {}
+                            Some(Err(e)) => return Err(FileError::Io(e.to_string())),
+                            None => return Err(FileError::Io("the sandbox ended".into())),
+                        }
+                        match decoder.next_frame() {
+                            Ok(Some(Frame::Result(v))) => {
+                                early = Some(v);
+                                break;
+                            }
+                            Ok(None) => {}
+                            Ok(Some(other)) => {
+                                return Err(FileError::Io(format!(
+                                    "unexpected supervisor frame {other:?}"
+                                )));
+                            }
+                            Err(e) => {
+                                return Err(FileError::Io(format!("corrupt supervisor stream: {e}")));
+                            }
+                        }
+                    }
+                    next = tokio::time::timeout(FILE_CALL_TIMEOUT, body.next()) => match next {
+                        Ok(Some(Ok(b))) => {
+                            for piece in b.chunks(MAX_ARCHIVE_CHUNK) {
+                                send(input, &archive_chunk(piece)).await?;
+                            }
+                        }
+                        Ok(Some(Err(e))) => {
+                            broken = Some(e.to_string());
+                            break;
+                        }
+                        Ok(None) => break,
+                        Err(_) => {
+                            broken = Some("no archive bytes arrived in time".to_string());
+                            break;
+                        }
+                    },
+                }
+            }
+            send(input, &archive_chunk(&[])).await?;
+            let verdict = match early {
+                Some(v) => v,
+                None => next_verdict(decoder, output).await?,
+            };
+            let Some(members) = verdict.strip_prefix(STAGED) else {
+                return Ok(match verdict_of(&path, &verdict, op) {
+                    Err(e) => Err(e),
+                    Ok(()) => Err(FileError::Io("the archive was not staged".into())),
+                });
+            };
+            let staging = Staging {
+                members: members.parse().unwrap_or(0),
+            };
+            let keep = broken.is_none() && approve(&staging);
+            let decision = if keep { ARCHIVE_COMMIT } else { ARCHIVE_DROP };
+            send(input, &decision.to_be_bytes()).await?;
+            let last = next_verdict(decoder, output).await?;
+            Ok(match (keep, broken) {
+                (_, Some(why)) => Err(FileError::BadArchive(format!(
+                    "the archive did not arrive whole: {why}"
+                ))),
+                (false, None) => Err(FileError::Io("the archive was not let in".into())),
+                (true, None) => verdict_of(&path, &last, op).map(|()| staging),
+            })
+        };
+        match exchange.await {
+            Ok(r) => {
+                *in_step = true;
+                r
+            }
+            Err(e) => {
+                drop(ch);
+                self.mark_gone(&e.to_string());
+                Err(e)
+            }
+        }
+    }
+
     fn gone(&self) -> Option<String> {
         self.gone.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -540,6 +808,19 @@ mod tests {
             verdict_of("f", "garbage", FileOp::List),
             Err(FileError::Io(_))
         ));
+        let tarin = FileOp::TarIn(ImportMode::Upload);
+        assert_eq!(
+            verdict_of("", "err badarchive 0 member 'x' is a hard link", tarin),
+            Err(FileError::BadArchive("member 'x' is a hard link".into()))
+        );
+        assert_eq!(
+            verdict_of("", "err archivetoolarge 0 too large", tarin),
+            Err(FileError::ArchiveTooLarge("too large".into()))
+        );
+        assert_eq!(
+            verdict_of("d", "err notfound 0 no such directory: d", FileOp::TarOut),
+            Err(FileError::NotFound("d".into()))
+        );
     }
 
     #[test]

@@ -42,6 +42,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use executor_arm_supervisor::protocol::{self, FileHeader, RunHeader, kind};
 
 use super::super::{ExitKind, RunSpec, SandboxError};
+use crate::sandbox::files::ImportMode;
 
 /// The binary's file name, next to the daemon's by default (`sandbox.docker.supervisor`).
 pub const BINARY_NAME: &str = "executor-arm-supervisor";
@@ -193,6 +194,10 @@ pub enum FileOp<'a> {
     List,
     /// Is it a directory.
     Dir,
+    /// A tar of the directory, as data frames.
+    TarOut,
+    /// Extract the tar that follows in chunks ([`protocol::archive_chunk`]).
+    TarIn(ImportMode),
 }
 
 /// The request of a file call on `path` (relative to the workdir, already checked: no empty,
@@ -209,6 +214,11 @@ pub fn encode_file_request(path: &str, op: FileOp<'_>) -> Result<Vec<u8>, Sandbo
         FileOp::Get(max) => (protocol::FileOp::Get, max, &[]),
         FileOp::List => (protocol::FileOp::List, 0, &[]),
         FileOp::Dir => (protocol::FileOp::Dir, 0, &[]),
+        FileOp::TarOut => (protocol::FileOp::TarOut, 0, &[]),
+        FileOp::TarIn(ImportMode::Upload) => (protocol::FileOp::TarIn, protocol::TARIN_UPLOAD, &[]),
+        FileOp::TarIn(ImportMode::Restore) => {
+            (protocol::FileOp::TarIn, protocol::TARIN_RESTORE, &[])
+        }
     };
     FileHeader {
         op,
@@ -490,6 +500,13 @@ mod tests {
         let get = encode_file_request("", FileOp::Get(10)).unwrap();
         let h = FileHeader::decode(protocol::split_request(&get).unwrap().1).unwrap();
         assert_eq!((h.op, h.n), (protocol::FileOp::Get, 10));
+        let tarin = encode_file_request("sub", FileOp::TarIn(ImportMode::Restore)).unwrap();
+        let (_, header, rest) = protocol::split_request(&tarin).unwrap();
+        let h = FileHeader::decode(header).unwrap();
+        assert_eq!(
+            (h.op, h.n, rest),
+            (protocol::FileOp::TarIn, protocol::TARIN_RESTORE, &b""[..])
+        );
         assert!(encode_file_request("/abs", FileOp::List).is_err());
         assert!(encode_file_request("a\0b", FileOp::Dir).is_err());
     }

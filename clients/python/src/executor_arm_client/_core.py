@@ -7,13 +7,14 @@ import json
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, BinaryIO, Generic, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
 
 from .errors import ProtocolError
 from .models import (
+    ArchiveUploaded,
     CancelAccepted,
     CancelRequest,
     ExecuteRequest,
@@ -374,6 +375,44 @@ def list_files_call(
         _session_headers(creds, tenant, request_id),
         params={"path": path.lstrip("/")},
     )
+
+
+def download_archive_call(
+    creds: Credentials, session_id: str, path: str, *, tenant: str | None, request_id: str | None
+) -> Call[bytes]:
+    return Call(
+        "GET",
+        f"/v1/sandbox/sessions/{_seg(session_id)}/archive",
+        _raw_bytes,
+        _session_headers(creds, tenant, request_id),
+        params={"path": path.strip("/")},
+    )
+
+
+def upload_archive_call(
+    creds: Credentials,
+    session_id: str,
+    tar: bytes,
+    path: str,
+    *,
+    tenant: str | None,
+    request_id: str | None,
+) -> Call[ArchiveUploaded]:
+    h = _session_headers(creds, tenant, request_id)
+    h["Content-Type"] = "application/x-tar"
+    return Call(
+        "PUT",
+        f"/v1/sandbox/sessions/{_seg(session_id)}/archive",
+        decode_as(ArchiveUploaded),
+        h,
+        content=tar,
+        params={"path": path.strip("/")},
+    )
+
+
+def tar_bytes(tar: bytes | BinaryIO) -> bytes:
+    """An archive to upload, whole (a retried upload sends the same bytes again)."""
+    return tar if isinstance(tar, bytes) else tar.read()
 
 
 # --- unauthenticated ------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, BinaryIO, Literal, TypeVar, overload
 
 import httpx
 
@@ -19,6 +20,7 @@ from .models import (
     ExecuteRequest,
     ExecutionResult,
     FileList,
+    ArchiveUploaded,
     Health,
     ResultEvent,
     RunAccepted,
@@ -670,6 +672,58 @@ class Sessions:
         return self._client._send(
             _core.download_call(
                 self._client._creds, session_id, path, tenant=tenant, request_id=None
+            )
+        )
+
+    def download_archive(
+        self,
+        session_id: str,
+        path: str = "",
+        dest: str | os.PathLike[str] | BinaryIO | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> bytes | int:
+        """A tar of the workspace directory ``path`` (``""`` is the workspace): its files,
+        directories and symlinks (never followed). Without ``dest`` its bytes; with one (a file
+        name or a binary file), streamed into it, and the number of bytes written."""
+        call = _core.download_archive_call(
+            self._client._creds, session_id, path, tenant=tenant, request_id=None
+        )
+        if dest is None:
+            return self._client._send(call)
+        response = self._client._request(call, stream=True)
+        written = 0
+        out: BinaryIO = open(dest, "wb") if isinstance(dest, (str, os.PathLike)) else dest
+        try:
+            for chunk in response.iter_bytes():
+                out.write(chunk)
+                written += len(chunk)
+        finally:
+            response.close()
+            if out is not dest:
+                out.close()
+        return written
+
+    def upload_archive(
+        self,
+        session_id: str,
+        tar: bytes | BinaryIO,
+        path: str = "",
+        *,
+        tenant: str | None = None,
+    ) -> ArchiveUploaded:
+        """Extracts the tar ``tar`` (bytes or a binary file, read whole) into the workspace
+        directory ``path`` (made if missing): regular files, directories and symlinks that stay
+        inside the workspace. A refused archive (400), one past the quota (507) or one larger
+        than the workspace (413) leaves the workspace as it was."""
+        return self._client._send(
+            _core.upload_archive_call(
+                self._client._creds,
+                session_id,
+                _core.tar_bytes(tar),
+                path,
+                tenant=tenant,
+                request_id=None,
             )
         )
 

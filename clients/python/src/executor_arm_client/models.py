@@ -37,6 +37,7 @@ __all__ = [
     "SessionInfo",
     "FileEntry",
     "FileList",
+    "ArchiveUploaded",
     "Health",
     "StartEvent",
     "OutputEvent",
@@ -303,6 +304,17 @@ class FileList:
 
 
 @dataclass
+class ArchiveUploaded:
+    """An archive extracted into a workspace directory (its ``session_archive`` audit line has
+    the same size and digest)."""
+
+    path: str
+    members: int
+    bytes: int
+    sha256: str
+
+
+@dataclass
 class Health:
     """``GET /health``."""
 
@@ -376,6 +388,7 @@ SCHEMAS: dict[type, str] = {
     SessionInfo: "SessionInfo",
     FileEntry: "FileEntry",
     FileList: "FileList",
+    ArchiveUploaded: "ArchiveUploaded",
     Health: "Health",
 }
 
