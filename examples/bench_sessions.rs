@@ -183,7 +183,12 @@ async fn main() {
         )
         .await
         .expect("fill");
-        assert_eq!(fill.status().as_u16(), 200, "{}", fill.text().await.unwrap_or_default());
+        assert_eq!(
+            fill.status().as_u16(),
+            200,
+            "{}",
+            fill.text().await.unwrap_or_default()
+        );
         let (mut pauses, mut resumes) = (Vec::new(), Vec::new());
         for _ in 0..cycles {
             if containers {
@@ -284,20 +289,26 @@ async fn main() {
     }
     for (name, pauses, resumes) in &paused {
         let (pause_id, resume_id) = (id(&format!("pause_{name}")), id(&format!("resume_{name}")));
+        let (pause_label, resume_label) = (
+            format!("POST …/pause, {name} workspace"),
+            format!("POST …/resume, {name} workspace"),
+        );
         report.series(
-            series(
-                &pause_id,
-                &format!("POST …/pause, {name} workspace"),
-                Some(&create_id),
-            ),
+            Series {
+                id: &pause_id,
+                label: &pause_label,
+                backend: &backend,
+                baseline: Some(&create_id),
+            },
             pauses,
         );
         let r = report.series(
-            series(
-                &resume_id,
-                &format!("POST …/resume, {name} workspace"),
-                Some(&create_id),
-            ),
+            Series {
+                id: &resume_id,
+                label: &resume_label,
+                backend: &backend,
+                baseline: Some(&create_id),
+            },
             resumes,
         );
         report.ratio(

@@ -97,6 +97,8 @@ impl Fixture {
             ("PUT", format!("{s}/files/note.txt"), Some(json!("x"))),
             ("GET", format!("{s}/archive"), None),
             ("PUT", format!("{s}/archive?path=x"), Some(json!("x"))),
+            ("POST", format!("{s}/pause"), None),
+            ("POST", format!("{s}/resume"), None),
             ("GET", r.clone(), None),
             ("GET", format!("{r}/stream"), None),
             (

@@ -112,6 +112,8 @@ fn document_is_openapi_3_1_and_complete() {
         ("/v1/sandbox/sessions/{id}/files", &["get"]),
         ("/v1/sandbox/sessions/{id}/files/{path}", &["get", "put"]),
         ("/v1/sandbox/sessions/{id}/archive", &["get", "put"]),
+        ("/v1/sandbox/sessions/{id}/pause", &["post"]),
+        ("/v1/sandbox/sessions/{id}/resume", &["post"]),
         ("/capabilities", &["get"]),
         ("/health", &["get"]),
         ("/livez", &["get"]),

@@ -303,6 +303,8 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
         ("PUT", format!("{ses}/files/a.txt"), Some("x")),
         ("GET", format!("{ses}/archive"), None),
         ("PUT", format!("{ses}/archive"), Some("x")),
+        ("POST", format!("{ses}/pause"), None),
+        ("POST", format!("{ses}/resume"), None),
     ] {
         let mut rb = d
             .client

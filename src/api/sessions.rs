@@ -132,7 +132,7 @@ enum Touch {
 /// A session a call names, as the caller's own: running (with a sandbox), or paused.
 enum Looked {
     Live(Arc<Session>),
-    Paused(SessionInfo),
+    Paused(Box<SessionInfo>),
 }
 
 /// The caller's session `id`, running or paused, or 404. A call that uses the session (an exec,
@@ -161,7 +161,7 @@ async fn look_up(
     }
     if let Some(info) = st.sessions.paused(&owner, id) {
         let looked = match touch {
-            Touch::Read => Looked::Paused(info),
+            Touch::Read => Looked::Paused(Box::new(info)),
             Touch::Use => Looked::Live(st.sessions.resume(&owner, id, rid).await?),
         };
         return Ok((looked, owner, service, known));
@@ -346,7 +346,7 @@ pub async fn get(
     let rid = rid.map(|r| r.0.0).unwrap_or_default();
     match look_up(&st, &headers, rid, &id, Touch::Read).await {
         Ok((Looked::Live(s), ..)) => json(StatusCode::OK, s.describe()),
-        Ok((Looked::Paused(info), ..)) => json(StatusCode::OK, info),
+        Ok((Looked::Paused(info), ..)) => json(StatusCode::OK, *info),
         Err(e) => e.into_response(),
     }
 }
@@ -475,7 +475,7 @@ pub async fn resume(
     detach(async move {
         match look_up(&st, &headers, rid, &id, Touch::Use).await {
             Ok((Looked::Live(s), ..)) => json(StatusCode::OK, s.describe()),
-            Ok((Looked::Paused(info), ..)) => json(StatusCode::OK, info),
+            Ok((Looked::Paused(info), ..)) => json(StatusCode::OK, *info),
             Err(e) => e.into_response(),
         }
     })

@@ -169,12 +169,16 @@ impl SessionService {
         }
         let record = claim.record.clone();
         let policy = self.executions.policy();
-        let language = policy.languages.get(&record.language).cloned().ok_or_else(|| {
-            SessionError::Invalid(format!(
-                "the session's language '{}' is no longer offered by this daemon",
-                record.language
-            ))
-        })?;
+        let language = policy
+            .languages
+            .get(&record.language)
+            .cloned()
+            .ok_or_else(|| {
+                SessionError::Invalid(format!(
+                    "the session's language '{}' is no longer offered by this daemon",
+                    record.language
+                ))
+            })?;
         let remaining = (record.expires_at - chrono::Utc::now())
             .to_std()
             .unwrap_or_default();
@@ -330,7 +334,11 @@ impl SessionService {
 }
 
 /// What a paused session keeps of `session`, paused at `now`.
-fn record_of(session: &Session, now: chrono::DateTime<chrono::Utc>, paused_ttl: u64) -> PausedRecord {
+fn record_of(
+    session: &Session,
+    now: chrono::DateTime<chrono::Utc>,
+    paused_ttl: u64,
+) -> PausedRecord {
     let cap = now + chrono::Duration::seconds(paused_ttl.min(i64::MAX as u64) as i64);
     PausedRecord {
         version: 0,
@@ -365,7 +373,8 @@ fn record_of(session: &Session, now: chrono::DateTime<chrono::Utc>, paused_ttl: 
 
 /// A paused session as its API shows it.
 fn describe(r: &PausedRecord) -> SessionInfo {
-    let time = |t: &chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let time =
+        |t: &chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
     SessionInfo {
         id: r.id.clone(),
         state: SessionState::Paused,
@@ -449,7 +458,12 @@ async fn restore_workspace(session: &Session, claim: &Claim) -> Result<(), Sessi
         .map_err(|e| ExecutionError::Internal(format!("the saved workspace: {e}")))?
         .into_file();
     session
-        .import_archive("", ImportMode::Restore, file_stream(file), Box::new(|_| true))
+        .import_archive(
+            "",
+            ImportMode::Restore,
+            file_stream(file),
+            Box::new(|_| true),
+        )
         .await
         .map_err(|e| ExecutionError::Internal(format!("restoring the workspace: {e}")))?;
     Ok(())

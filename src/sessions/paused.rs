@@ -486,12 +486,15 @@ fn read_record(path: &Path) -> io::Result<PausedRecord> {
         .open(path)?;
     let mut buf = Vec::new();
     Read::by_ref(&mut f).take(1 << 20).read_to_end(&mut buf)?;
-    let record: PausedRecord = serde_json::from_slice(&buf)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let record: PausedRecord =
+        serde_json::from_slice(&buf).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
     if record.version != VERSION {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("record version {} (this daemon reads {VERSION})", record.version),
+            format!(
+                "record version {} (this daemon reads {VERSION})",
+                record.version
+            ),
         ));
     }
     Ok(record)
@@ -579,14 +582,20 @@ mod tests {
 
         let claim = store.claim("ses_a").expect("claimed");
         assert!(other.claim("ses_a").is_none(), "a second claim loses");
-        assert!(store.read("ses_a").is_none(), "a claimed session reads as not paused");
+        assert!(
+            store.read("ses_a").is_none(),
+            "a claimed session reads as not paused"
+        );
         let mut w = claim.workspace().unwrap();
         let mut buf = Vec::new();
         w.read_to_end(&mut buf).unwrap();
         assert_eq!(buf, b"second");
         w.check().unwrap();
         drop(claim);
-        assert!(store.read("ses_a").is_some(), "a dropped claim pauses it again");
+        assert!(
+            store.read("ses_a").is_some(),
+            "a dropped claim pauses it again"
+        );
         store.claim("ses_a").unwrap().finish();
         assert!(!dir.path().join("ses_a").exists());
     }
@@ -623,8 +632,8 @@ mod tests {
     fn leftovers_of_dead_daemons_are_recovered() {
         let dir = tempfile::tempdir().unwrap();
         let host = "thishost";
-        let store = PausedStore::open(dir.path(), &format!("{host}-{}", std::process::id()))
-            .unwrap();
+        let store =
+            PausedStore::open(dir.path(), &format!("{host}-{}", std::process::id())).unwrap();
         // A claim by a dead process of this host, and a pause it never committed.
         let dead = format!("{host}-{}", i32::MAX);
         let gone = PausedStore::open(dir.path(), &dead).unwrap();
@@ -649,7 +658,10 @@ mod tests {
             }
         }
         assert!(store.read("ses_e").is_some(), "the claim was given back");
-        assert!(!dir.path().join("ses_f").exists(), "the uncommitted pause is gone");
+        assert!(
+            !dir.path().join("ses_f").exists(),
+            "the uncommitted pause is gone"
+        );
         assert!(dir.path().join("ses_g").exists());
     }
 }

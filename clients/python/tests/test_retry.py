@@ -303,6 +303,7 @@ SESSION = {
     "limits": {},
     "workspace": "/workspace",
     "execs": 0,
+    "state": "running",
 }
 
 

@@ -28,6 +28,7 @@ from .errors import (
     TimeoutExceededError,
     TransportError,
     UnavailableError,
+    StoreFullError,
     WorkspaceFullError,
 )
 from .models import (
@@ -89,6 +90,7 @@ __all__ = [
     "ExecutionTimeoutError",
     "RequestTimeoutError",
     "RateLimitedError",
+    "StoreFullError",
     "WorkspaceFullError",
     "UnavailableError",
     "InternalServerError",

@@ -32,6 +32,7 @@ __all__ = [
     "RequestTimeoutError",
     "RateLimitedError",
     "WorkspaceFullError",
+    "StoreFullError",
     "UnavailableError",
     "InternalServerError",
     "error_from_response",
@@ -185,6 +186,10 @@ class WorkspaceFullError(ExecutorArmError):
     """507 ``WorkspaceFull``: the session's disk quota is reached."""
 
 
+class StoreFullError(ExecutorArmError):
+    """507 ``StoreFull``: the daemon's paused-session store has no room; the session runs on."""
+
+
 class UnavailableError(ExecutorArmError):
     """503 ``SandboxUnavailable``: a backend, the state store or the audit log is down, or the
     daemon is draining (retryable)."""
@@ -209,6 +214,7 @@ _BY_TYPE: dict[str, type[ExecutorArmError]] = {
     "RequestTimeout": RequestTimeoutError,
     "Overloaded": RateLimitedError,
     "WorkspaceFull": WorkspaceFullError,
+    "StoreFull": StoreFullError,
     "SandboxUnavailable": UnavailableError,
     "InternalError": InternalServerError,
 }

@@ -281,7 +281,7 @@ class SessionInfo:
     limits: SessionLimits
     workspace: str
     execs: int
-    state: Literal["running", "paused"] = "running"
+    state: Literal["running", "paused"]
     running_exec_id: str | None = None
     paused_until: str | None = None
 
