@@ -410,7 +410,7 @@ def test_default_values_render_with_a_secret():
         "app.kubernetes.io/name": "executor-arm-test", "app.kubernetes.io/instance": "ea"}}}]
     assert one(render(sets=[SECRET, "tests.enabled=false"]), "NetworkPolicy")["spec"]["ingress"] == []
     assert len(np["egress"]) == 1 and np["egress"][0]["ports"][0]["port"] == 53
-    assert pod_spec(docs)["terminationGracePeriodSeconds"] == 300 + 30 + 5 + 35
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] == 300 + 30 + 5 + 50
 
 
 def test_development_install_generates_a_secret():
@@ -592,3 +592,18 @@ def test_local_mode_shares_the_uid_locks_with_every_daemon_on_the_node(mode):
     # Off: the locks stay on the pod's state volume.
     docs = render(mode_values(mode), sets=["config.sandbox.local.uidLockHostPath="])
     assert not any("hostPath" in v for v in pod_spec(docs)["volumes"])
+
+
+def test_paused_sessions_stay_in_the_state_dir_unless_a_claim_is_named():
+    plain = render(mode_values("local"))
+    assert "EXECUTOR_ARM__SESSIONS__STORE_DIR" not in env_of(daemon(plain))
+    assert "paused-sessions" not in volumes_of(plain)
+
+    docs = render(mode_values("local"), sets=["state.pausedSessionsClaim=paused-sessions"])
+    env = env_of(daemon(docs))
+    assert env["EXECUTOR_ARM__SESSIONS__STORE_DIR"] == "/var/lib/executor-arm/paused-sessions"
+    mount = mounts_of(daemon(docs))["/var/lib/executor-arm/paused-sessions"]
+    claim = volumes_of(docs)[mount["name"]]["persistentVolumeClaim"]
+    assert claim == {"claimName": "paused-sessions"}
+    err = render_error(mode_values("local"), sets=["state.pausedSessionsClaim=Not_A_Name"])
+    assert "pausedSessionsClaim" in err, err

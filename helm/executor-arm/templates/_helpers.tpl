@@ -177,8 +177,8 @@ it into every sandbox container). */}}
 {{- define "executor-arm.terminationGrace" -}}
 {{- $min := include "executor-arm.minTerminationGrace" . | int }}
 {{- if kindIs "invalid" .Values.terminationGracePeriodSeconds }}
-{{- /* + the daemon's exit after the drain: killed runs end (5 s), the container backends' exit (30 s) */}}
-{{- add $min 35 }}
+{{- /* + the daemon's exit after the drain: killed runs end (5 s), its sessions are paused (15 s), the container backends' exit (30 s) */}}
+{{- add $min 50 }}
 {{- else }}
 {{- $v := .Values.terminationGracePeriodSeconds | int }}
 {{- if le $v $min }}
