@@ -412,7 +412,7 @@ pub async fn delete(
         (status = 409, description = "SessionBusy: an exec is running; wait for it or cancel it", body = ErrorBody),
         (status = 500, description = "InternalError: the workspace could not be read out of the sandbox", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: `sessions.store_dir` cannot be written, or the state store is unreachable; the session runs on", body = ErrorBody),
-        (status = 507, description = "StoreFull: `sessions.store_dir` has no room for the workspace; the session runs on", body = ErrorBody),
+        (status = 507, description = "StoreFull: `sessions.store_dir` has no room for the workspace, or its files (hard links and sparse files saved whole) would not fit its quota once restored; the session runs on", body = ErrorBody),
     )
 )]
 pub async fn pause(

@@ -84,7 +84,7 @@ impl SessionService {
         }
         let limit = session.disk_bytes.saturating_add(tar_overhead());
         let saving = store.begin(id, limit).map_err(saved_error)?;
-        let saving = save_workspace(&session, saving).await?;
+        let saving = save_workspace(&session, saving, session.disk_bytes).await?;
         // Out of the open sessions before the commit, so that nothing else (its end at its TTL,
         // a DELETE) can end it once it is paused: if one already took it, the pause is void.
         let Some(taken) = self.take(id, &session) else {
@@ -400,8 +400,63 @@ fn saved_error(e: SaveError) -> SessionError {
     }
 }
 
+/// What the files of a saved workspace take once restored, counted as its tar streams by: each
+/// regular member's size rounded up to a page. A workspace holds less than its tar restores
+/// when files are hard links of one another (each link's data is in the tar again) or sparse.
+#[derive(Default)]
+struct RestoredSize {
+    /// Bytes of the current header block read so far.
+    header: Vec<u8>,
+    /// Bytes of the current member's data still to pass (padded to blocks).
+    skip: u64,
+    pub bytes: u64,
+    ended: bool,
+}
+
+impl RestoredSize {
+    const PAGE: u64 = 4096;
+
+    fn feed(&mut self, mut chunk: &[u8]) {
+        while !chunk.is_empty() && !self.ended {
+            if self.skip > 0 {
+                let n = chunk
+                    .len()
+                    .min(usize::try_from(self.skip).unwrap_or(usize::MAX));
+                self.skip -= n as u64;
+                chunk = &chunk[n..];
+                continue;
+            }
+            let n = chunk.len().min(512 - self.header.len());
+            self.header.extend_from_slice(&chunk[..n]);
+            chunk = &chunk[n..];
+            if self.header.len() < 512 {
+                continue;
+            }
+            let block = std::mem::take(&mut self.header);
+            if block.iter().all(|b| *b == 0) {
+                self.ended = true;
+                continue;
+            }
+            let h = tar::Header::from_byte_slice(&block);
+            let size = h.entry_size().unwrap_or(0);
+            if h.entry_type().is_file() {
+                self.bytes = self
+                    .bytes
+                    .saturating_add(size.div_ceil(Self::PAGE) * Self::PAGE);
+            }
+            self.skip = size.div_ceil(512) * 512;
+        }
+    }
+}
+
 /// Writes `session`'s workspace as a tar into `saving` (on a blocking thread: file writes).
-async fn save_workspace(session: &Session, saving: Saving) -> Result<Saving, SessionError> {
+/// Refused (507) when its files would not fit the workspace's quota of `disk_bytes` once
+/// restored: such a pause could never be resumed.
+async fn save_workspace(
+    session: &Session,
+    saving: Saving,
+    disk_bytes: u64,
+) -> Result<Saving, SessionError> {
     let mut stream = session
         .export_archive("")
         .await
@@ -417,9 +472,14 @@ async fn save_workspace(session: &Session, saving: Saving) -> Result<Saving, Ses
         saving
     });
     let mut read_error = None;
+    let mut restored = RestoredSize::default();
     while let Some(chunk) = stream.next().await {
         match chunk {
             Ok(c) => {
+                restored.feed(&c);
+                if restored.bytes > disk_bytes {
+                    break;
+                }
                 if tx.send(c).await.is_err() {
                     break;
                 }
@@ -436,6 +496,12 @@ async fn save_workspace(session: &Session, saving: Saving) -> Result<Saving, Ses
         .map_err(|e| ExecutionError::Internal(e.to_string()))?;
     if let Some(e) = saving.failure() {
         return Err(saved_error(e));
+    }
+    if restored.bytes > disk_bytes {
+        return Err(SessionError::StoreFull(format!(
+            "the workspace's files would take more than its quota of {disk_bytes} bytes once \
+             restored (hard links and sparse files are saved whole): it is not paused"
+        )));
     }
     if let Some(e) = read_error {
         return Err(ExecutionError::Internal(format!("reading the workspace: {e}")).into());

@@ -14,15 +14,18 @@
 //!   directory, exactly one wins it. A resume that fails renames it back.
 //!
 //! Leftovers of a daemon that died mid-way (parts, claims) are recognised by their instance
-//! name (`<host>-<pid>`): this host's dead processes' at once, another host's once they are older
-//! than [`STALE_AFTER`] (no pause or resume takes that long).
+//! name (`<host>-<pid>`) and their status-change time (ctime: set by the write of a part and by
+//! the rename that makes a claim, whereas a claim's mtime is its pause's): this host's dead
+//! processes' at once, and those of an earlier process of this very name (a daemon restarted in
+//! a container is pid 1 again) once they are older than this process's store; another host's
+//! once they are older than [`STALE_AFTER`] (no pause or resume takes that long).
 //!
 //! Owns: the layout, the atomic writes, the claims, the digest check. Must not: know what a
 //! workspace holds (the tar comes and goes as bytes) or decide anything about sessions.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
@@ -37,6 +40,9 @@ use crate::sandbox::BackendKind;
 const RECORD: &str = "session.json";
 /// Parts and claims of another host's daemon count as abandoned after this.
 pub const STALE_AFTER: Duration = Duration::from_secs(3600);
+/// How far a file's ctime may lag the clock it is compared with (the kernel stamps files with a
+/// coarse clock); a restarted daemon takes longer than this to come back.
+const CLOCK_SLACK: Duration = Duration::from_millis(50);
 /// Version of [`PausedRecord`]'s layout.
 const VERSION: u32 = 1;
 
@@ -110,6 +116,9 @@ pub struct PausedStore {
     dir: PathBuf,
     /// This daemon's instance name (`<host>-<pid>`), which names its parts and claims.
     instance: String,
+    /// When this process opened the store: a part or claim of its own name older than this is
+    /// an earlier process's.
+    opened: SystemTime,
 }
 
 /// One session's directory as found by [`PausedStore::scan`].
@@ -132,6 +141,7 @@ impl PausedStore {
         Ok(PausedStore {
             dir: dir.to_path_buf(),
             instance: instance.to_string(),
+            opened: SystemTime::now(),
         })
     }
 
@@ -271,13 +281,22 @@ impl PausedStore {
                 .and_then(|n| n.split_once('+'))
                 .map(|(_, i)| i);
             if let Some(instance) = instance {
-                let age = entry
+                // The status change, not the modification: a claim is a renamed record, whose
+                // mtime is its pause's, however long ago.
+                let changed = entry
                     .metadata()
-                    .and_then(|m| m.modified())
                     .ok()
-                    .and_then(|m| SystemTime::now().duration_since(m).ok())
+                    .and_then(|m| {
+                        let secs = u64::try_from(m.ctime()).ok()?;
+                        let nanos = u32::try_from(m.ctime_nsec()).ok()?;
+                        Some(SystemTime::UNIX_EPOCH + Duration::new(secs, nanos))
+                    })
+                    .unwrap_or_else(SystemTime::now);
+                let mine_before = instance == self.instance && changed + CLOCK_SLACK < self.opened;
+                let age = SystemTime::now()
+                    .duration_since(changed)
                     .unwrap_or_default();
-                if instance_alive(instance, &self.instance, age) {
+                if !mine_before && instance_alive(instance, &self.instance, age) {
                     abandoned = false;
                 }
             }
@@ -626,6 +645,52 @@ mod tests {
         let s = store.begin("ses_d", 4).unwrap();
         drop(s);
         assert!(!dir.path().join("ses_d").exists());
+    }
+
+    /// Sets `path`'s modification time `ago` in the past.
+    fn age(path: &Path, ago: Duration) {
+        let t = SystemTime::now() - ago;
+        let f = File::options().write(true).open(path).unwrap();
+        f.set_modified(t).unwrap();
+    }
+
+    #[test]
+    fn another_hosts_live_claim_on_a_long_paused_session_is_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = PausedStore::open(dir.path(), "hosta-1").unwrap();
+        let b = PausedStore::open(dir.path(), "hostb-1").unwrap();
+        save(&a, "ses_h", b"x").unwrap();
+        // Paused two hours ago: the record was written then.
+        age(
+            &dir.path().join("ses_h").join(RECORD),
+            Duration::from_secs(7200),
+        );
+        // Host b claims it now to resume it; host a's scan runs meanwhile.
+        let claim = b.claim("ses_h").expect("claimed");
+        let found = a.scan();
+        assert!(
+            matches!(found[0].1, Found::Busy),
+            "a claim taken just now is someone's work in progress: {found:?}"
+        );
+        drop(claim);
+    }
+
+    #[test]
+    fn a_claim_left_by_an_earlier_process_of_the_same_name_is_recovered() {
+        let dir = tempfile::tempdir().unwrap();
+        // A daemon in a container is pid 1 on every start: its instance name does not change.
+        let before = PausedStore::open(dir.path(), "box-1").unwrap();
+        save(&before, "ses_i", b"x").unwrap();
+        std::mem::forget(before.claim("ses_i").unwrap());
+        let part = before.begin("ses_j", 10).unwrap();
+        std::mem::forget(part);
+        std::thread::sleep(CLOCK_SLACK * 4);
+        // It died; the next one starts under the same name.
+        let after = PausedStore::open(dir.path(), "box-1").unwrap();
+        let mut found = after.scan();
+        found.sort_by(|a, b| a.0.cmp(&b.0));
+        assert!(matches!(found[0].1, Found::Abandoned(_)), "{found:?}");
+        assert!(matches!(found[1].1, Found::Abandoned(_)), "{found:?}");
     }
 
     #[test]
