@@ -310,6 +310,8 @@ pub struct SessionsConfig {
     pub paused_ttl_seconds: u64,
     /// A stopping daemon pauses its sessions (they survive the restart) instead of ending them.
     pub pause_on_shutdown: bool,
+    /// Paused sessions one (service, tenant) may keep in the store; a pause past it is 429.
+    pub max_paused_per_tenant: usize,
     pub languages: BTreeMap<String, LanguageEntry>,
 }
 
@@ -571,6 +573,15 @@ impl Config {
                     .into(),
             ));
         }
+        // Everything under sessions.dir is removed when the daemon starts.
+        let store = ses.store_dir(&self.state);
+        if store.starts_with(&ses.dir) {
+            return Err(ConfigError::Invalid(format!(
+                "sessions.store_dir ({}) must not be inside sessions.dir ({}), which is emptied at every start",
+                store.display(),
+                ses.dir.display()
+            )));
+        }
         for (name, l) in &ses.languages {
             let file_ok = crate::vocabulary::is_bare_name(&l.file) && !l.file.starts_with('.');
             if !crate::vocabulary::is_bare_name(name)
@@ -639,6 +650,24 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Paused sessions default to the state directory, and a store inside `sessions.dir`
+    /// (emptied at every start) is refused.
+    #[test]
+    fn the_paused_store_is_never_inside_the_sessions_dir() {
+        let c = Config::load(None, &EnvOverrides::default()).unwrap();
+        assert_eq!(
+            c.sessions.store_dir(&c.state),
+            PathBuf::from("executor-arm-state/sessions")
+        );
+        let env = EnvOverrides {
+            sessions_dir: Some("/run/ea/sessions".into()),
+            state_dir: Some("/run/ea/sessions/state".into()),
+            ..Default::default()
+        };
+        let err = Config::load(None, &env).unwrap_err().to_string();
+        assert!(err.contains("must not be inside sessions.dir"), "{err}");
+    }
 
     #[test]
     fn embedded_default_loads_with_seed_allowlist() {

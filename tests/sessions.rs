@@ -1779,3 +1779,43 @@ async fn an_archive_larger_than_the_workspace_is_413() {
     assert_eq!(r.json["error_type"], "PayloadTooLarge", "{}", r.text);
     assert_eq!(workspace(&c, &id).await, before);
 }
+
+/// An exec waits for an archive call in flight: while a download is still being read, an exec
+/// is 409 `SessionBusy`; once the download is dropped, execs run again.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exec_is_refused_while_an_archive_is_read() {
+    let d = Daemon::start();
+    let c = koder(&d, None);
+    let id = new_session(&c, "python").await;
+    let r = c
+        .exec(
+            &id,
+            json!({"code": "import os\nopen('big.bin','wb').write(os.urandom(48 << 20))", "timeout_ms": 60000}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let mut rb = d
+        .client
+        .get(format!("{}/v1/sandbox/sessions/{id}/archive", d.base));
+    for (k, v) in c.headers() {
+        rb = rb.header(k, v);
+    }
+    // The answer's head only: the tar is not read, so the download stays in flight.
+    let download = rb.send().await.expect("download");
+    assert_eq!(download.status().as_u16(), 200);
+    let busy = c.exec(&id, json!({"code": "print(1)"})).await;
+    assert_eq!(busy.status, 409, "{}", busy.text);
+    assert_eq!(busy.json["error_type"], "SessionBusy", "{}", busy.text);
+    drop(download);
+    let r = common::wait::wait_for_async(
+        "an exec once the download is gone",
+        Duration::from_secs(30),
+        || async {
+            let r = c.exec(&id, json!({"code": "print(1)"})).await;
+            (r.status, r.json)
+        },
+        |(status, _): &(u16, Value)| *status == 200,
+    )
+    .await;
+    assert_eq!(r.1["stdout"], "1\n", "{:?}", r);
+}

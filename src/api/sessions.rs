@@ -409,7 +409,8 @@ pub async fn delete(
         (status = 400, description = "InvalidRequest: a tenant header is malformed or the two disagree", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
-        (status = 409, description = "SessionBusy: an exec is running; wait for it or cancel it", body = ErrorBody),
+        (status = 409, description = "SessionBusy: an exec or an archive call is running; wait for it or cancel it", body = ErrorBody),
+        (status = 429, description = "Overloaded: this service and tenant keep `sessions.max_paused_per_tenant` paused sessions", body = ErrorBody),
         (status = 500, description = "InternalError: the workspace could not be read out of the sandbox", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: `sessions.store_dir` cannot be written, or the state store is unreachable; the session runs on", body = ErrorBody),
         (status = 507, description = "StoreFull: `sessions.store_dir` has no room for the workspace, or its files (hard links and sparse files saved whole) would not fit its quota once restored; the session runs on", body = ErrorBody),
@@ -1099,8 +1100,9 @@ pub async fn get_archive(
     let result = async {
         let (session, ..) = session_of(&st, &headers, rid, &id, Touch::Use).await?;
         let permit = file_permit(&st)?;
-        let stream = session
-            .export_archive(&q.path)
+        let stream = st
+            .sessions
+            .download_archive(&session, &q.path)
             .await
             .map_err(|e| file_failure(&session, e))?;
         // The permit goes with the stream: a slow reader holds its place until the end.

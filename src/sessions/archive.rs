@@ -47,7 +47,7 @@ impl SessionService {
     /// log cannot record is dropped (nothing enters the workspace).
     pub async fn upload_archive(
         &self,
-        session: &Session,
+        session: &Arc<Session>,
         request_id: String,
         path: &str,
         body: ByteStream,
@@ -55,6 +55,9 @@ impl SessionService {
         let Some(_open) = session.upload_gate().await else {
             return Err(UploadError::Ended);
         };
+        // The session's one exec is held for the whole upload: no exec writes the workspace
+        // while the archive is staged and merged (409 for one that tries).
+        let _exec = self.claim_for_archive(session)?;
         let digest = Arc::new(Mutex::new((Sha256::new(), 0u64)));
         let hashed = {
             let digest = digest.clone();
@@ -116,6 +119,36 @@ impl SessionService {
             (Err(e), _) => Err(e.into()),
             (Ok(_), None) => Err(FileError::Io("the archive was not recorded".into()).into()),
         }
+    }
+}
+
+impl SessionService {
+    /// A tar of `session`'s workspace directory `rel`, streamed; the session's one exec is held
+    /// until the stream ends or is dropped, so no exec changes the workspace while it is read.
+    pub async fn download_archive(
+        &self,
+        session: &Arc<Session>,
+        rel: &str,
+    ) -> Result<ByteStream, FileError> {
+        let exec = self.claim_for_archive(session)?;
+        let stream = session.export_archive(rel).await?;
+        Ok(stream
+            .map(move |chunk| {
+                let _held = &exec;
+                chunk
+            })
+            .boxed())
+    }
+
+    /// The session's one exec, for an archive call: 409 while an exec runs or another archive
+    /// call holds it.
+    fn claim_for_archive(&self, session: &Arc<Session>) -> Result<super::ExecClaim, FileError> {
+        self.claim(session).map_err(|_| {
+            FileError::Busy(
+                "the session is running an exec or another archive call; its files can be reached when it ends"
+                    .into(),
+            )
+        })
     }
 }
 

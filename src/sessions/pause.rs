@@ -77,6 +77,17 @@ impl SessionService {
         };
         // No exec starts meanwhile (409 for one that tries), and none is running.
         let claim = self.claim(&session)?;
+        let kept = {
+            let (store, owner) = (store.clone(), owner.clone());
+            tokio::task::spawn_blocking(move || store.paused_of(&owner.subject, &owner.tenant))
+                .await
+                .map_err(|e| ExecutionError::Internal(e.to_string()))?
+        };
+        if kept >= self.config.max_paused_per_tenant {
+            return Err(SessionError::TooMany(format!(
+                "this tenant has {kept} paused sessions (sessions.max_paused_per_tenant); resume or delete one"
+            )));
+        }
         // Uploads in progress land first; later ones wait for the outcome.
         let mut ended = session.ended.write().await;
         if *ended {

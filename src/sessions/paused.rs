@@ -248,6 +248,16 @@ impl PausedStore {
         }
     }
 
+    /// How many sessions of (`subject`, `tenant`) are paused in the store now.
+    pub fn paused_of(&self, subject: &str, tenant: &str) -> usize {
+        self.scan()
+            .iter()
+            .filter(|(_, f)| {
+                matches!(f, Found::Paused(r) if r.subject == subject && r.tenant == tenant)
+            })
+            .count()
+    }
+
     /// Every session directory of the store, as found now.
     pub fn scan(&self) -> Vec<(String, Found)> {
         let Ok(entries) = fs::read_dir(&self.dir) else {
