@@ -120,6 +120,13 @@ impl Plan {
                     allow_cidrs: p.network.allow_cidrs.clone(),
                     bandwidth_bytes_per_sec: (p.network.bandwidth_mbps * 1_000_000.0 / 8.0) as u64,
                     byte_cap: p.network.byte_cap_mb << 20,
+                    // Validated at load: every rule parses.
+                    tcp: p
+                        .network
+                        .tcp
+                        .iter()
+                        .filter_map(|r| r.parse().ok())
+                        .collect(),
                 },
             },
             fs: FsRules {
@@ -414,6 +421,9 @@ impl Policy {
                 "egress not configured: profile '{profile_name}' needs outbound network and the {} backend has no egress filter",
                 backend.as_str()
             )));
+        }
+        if let Some(why) = profile.tcp_refusal(backend) {
+            return Err(PolicyError::Invalid(why));
         }
         let mut env = profile.env.set.clone();
         for (k, v) in ask.env {

@@ -58,6 +58,30 @@ pub struct Relay {
     pub socket: String,
 }
 
+/// The raw TCP fields of a run request: the spec's rules and the daemon's socket for them
+/// beside the proxy's ([`super::egress::TCP_SOCKET_NAME`]). Rules need the egress relay's
+/// directory, so an egress run only.
+fn tcp_fields(
+    spec: &RunSpec,
+    relay: Option<&Relay>,
+) -> Result<(Vec<protocol::TcpRoute>, String), SandboxError> {
+    let rules = spec.network.tcp_rules();
+    if rules.is_empty() {
+        return Ok((Vec::new(), String::new()));
+    }
+    if relay.is_none() {
+        return Err(SandboxError::Setup(
+            "tcp rules without the egress relay".into(),
+        ));
+    }
+    let socket = format!(
+        "{}/{}",
+        super::egress::CONTAINER_DIR,
+        super::egress::TCP_SOCKET_NAME
+    );
+    Ok((rules.iter().map(|r| r.route()).collect(), socket))
+}
+
 /// Where a kept sandbox's supervisor writes each exec's code (a root-owned tmpfs of the
 /// container: the command reads its code but cannot change it).
 pub const CODE_DIR: &str = "/run/session";
@@ -269,6 +293,7 @@ pub fn encode_request(
         }
         None => (String::new(), None),
     };
+    let (tcp_rules, tcp_socket) = tcp_fields(spec, relay)?;
     let header = RunHeader {
         argv: spec.argv.clone(),
         env,
@@ -288,6 +313,8 @@ pub fn encode_request(
             .as_ref()
             .map(|c| c.to_string_lossy().into_owned())
             .unwrap_or_default(),
+        tcp_rules,
+        tcp_socket,
     };
     header
         .encode(
