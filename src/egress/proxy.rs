@@ -53,7 +53,7 @@ pub struct ConnRecord {
     pub allowed: bool,
     pub reason: Option<String>,
     /// The status line the client got: the proxy's own (200 for CONNECT, 4xx/5xx), or the
-    /// origin's for a forwarded request. None for raw TCP (`method` [`TCP_METHOD`]).
+    /// origin's for a forwarded request. None for raw TCP (`method` "TCP").
     pub status: Option<u16>,
 }
 

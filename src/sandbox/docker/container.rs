@@ -157,6 +157,11 @@ impl ContainerPlan {
                 if kept { "sessions" } else { "sandboxes" }
             )));
         }
+        if kept && egress {
+            return Err(SandboxError::Setup(
+                "a session's container has no egress relay".into(),
+            ));
+        }
         if spec.uid == 0 || spec.gid == 0 {
             return Err(SandboxError::Setup("a sandbox never runs as root".into()));
         }
@@ -648,6 +653,32 @@ pub(crate) mod tests {
         same_profile.profile = "http-egress".into();
         let plain = ContainerPlan::new(&same_profile, BackendKind::Gvisor, "i", false).unwrap();
         assert_ne!(plain.key, p.key);
+    }
+
+    /// Only a profile with raw TCP rules gives the supervisor CAP_NET_ADMIN (and CAP_SETPCAP to
+    /// drop it), and such containers pool apart; gVisor and session containers refuse rules.
+    #[test]
+    fn tcp_rules_add_the_routing_capabilities_on_runc_only() {
+        let mut tcp = egress_spec();
+        if let NetworkPolicy::Egress { tcp: rules, .. } = &mut tcp.network {
+            rules.push("10.20.0.0/16:5432".parse().unwrap());
+        }
+        let caps = |s: &RunSpec| {
+            let p = ContainerPlan::new(s, BackendKind::Docker, "i", false).unwrap();
+            let b = p.body(&owner(), "e", "v", UID, Some(Path::new("/run/x/egress/c1")));
+            (p.key, b.host_config.unwrap().cap_add.unwrap())
+        };
+        let (tcp_key, with) = caps(&tcp);
+        assert_eq!(with, ["SETUID", "SETGID", "NET_ADMIN", "SETPCAP"]);
+        let (plain_key, without) = caps(&egress_spec());
+        assert_eq!(without, ["SETUID", "SETGID"]);
+        assert_ne!(tcp_key, plain_key, "never interchangeable in the pool");
+        for (kind, kept) in [(BackendKind::Gvisor, false), (BackendKind::Docker, true)] {
+            let e = ContainerPlan::new(&tcp, kind, "i", kept)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("raw TCP rules are not offered"), "{e}");
+        }
     }
 
     #[test]

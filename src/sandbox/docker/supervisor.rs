@@ -480,6 +480,38 @@ mod tests {
         assert_eq!(rest, b"print(1)");
     }
 
+    /// Raw TCP rules travel with the relay, beside the proxy's socket; without the relay they
+    /// are refused (they need the egress directory).
+    #[test]
+    fn a_run_request_carries_the_tcp_rules_and_their_socket() {
+        let mut s = spec(&["/bin/true"], None);
+        let tcp: Vec<crate::egress::TcpRule> = ["10.20.0.0/16:5432", "[2001:db8::/32]:22"]
+            .iter()
+            .map(|r| r.parse().unwrap())
+            .collect();
+        s.network = crate::sandbox::NetworkPolicy::Egress {
+            allow_hosts: vec![],
+            allow_ports: vec![80],
+            allow_cidrs: vec![],
+            bandwidth_bytes_per_sec: 1,
+            byte_cap: 1,
+            tcp: tcp.clone(),
+        };
+        let relay = Relay {
+            port: 3128,
+            socket: "/run/executor-arm/egress/proxy.sock".into(),
+        };
+        let (h, _) = decoded(&encode_request(&s, Some(&relay), None).unwrap());
+        let routes: Vec<_> = tcp.iter().map(|r| r.route()).collect();
+        assert_eq!(h.tcp_rules, routes);
+        assert_eq!(h.tcp_socket, "/run/executor-arm/egress/tcp.sock");
+        assert!(encode_request(&s, None, None).is_err());
+        // Without rules the request has no tcp fields at all.
+        let (h, _) =
+            decoded(&encode_request(&spec(&["/bin/true"], None), Some(&relay), None).unwrap());
+        assert!(h.tcp_rules.is_empty() && h.tcp_socket.is_empty());
+    }
+
     #[test]
     fn requests_refuse_relative_programs_nul_and_bad_relays_or_code_paths() {
         assert!(encode_request(&spec(&["echo"], None), None, None).is_err());
