@@ -1048,6 +1048,7 @@ const TCP_CLIENT: &str = r#"
 import errno, socket, sys
 for t in sys.argv[1:]:
     ip, port = t.rsplit(":", 1)
+    ip = ip.strip("[]")
     try:
         s = socket.create_connection((ip, int(port)), timeout=5)
         try:
@@ -1102,7 +1103,13 @@ fn tcp_network(rules: &[String]) -> String {
 /// connect scan sees the allowed port open.
 async fn raw_tcp_reaches_only_its_rules(backend: Backend) {
     let net = Net::new();
-    let rules = [format!("{ALLOWED}/32:7001"), format!("{METADATA}/32:7002")];
+    // The IPv6 rule's range is routed nowhere beyond the daemon: its connections are accepted
+    // in the sandbox and fail at the daemon's connect, which shows the IPv6 path end to end.
+    let rules = [
+        format!("{ALLOWED}/32:7001"),
+        format!("{METADATA}/32:7002"),
+        "[2001:db8::/32]:7001".to_string(),
+    ];
     let setup = net.daemon_with(
         &["python", "http-egress"],
         &tcp_network(&rules),
@@ -1115,12 +1122,14 @@ async fn raw_tcp_reaches_only_its_rules(backend: Backend) {
     let outside = format!("{}:7001", net.private_ip);
     let no_rule_port = format!("{ALLOWED}:7003");
     let named = format!("{METADATA}:7002");
+    let v6 = "[2001:db8::5]:7001".to_string();
     let targets = [
         allowed.clone(),
         other_port.clone(),
         outside.clone(),
         no_rule_port.clone(),
         named.clone(),
+        v6.clone(),
     ];
     let (r, got) = tcp_client(d, &targets).await;
     assert_eq!(r.json["backend"], json!(backend.name()), "{}", r.text);
@@ -1163,9 +1172,16 @@ async fn raw_tcp_reaches_only_its_rules(backend: Backend) {
         r.text
     );
 
+    let v6_line = got.get(&v6).cloned().unwrap_or_default();
+    assert!(
+        v6_line == "closed" || v6_line == "err ECONNRESET",
+        "{v6}: {}",
+        r.text
+    );
+
     // One record per connection that reached the daemon, as the proxy's are.
     let rec = records(&r);
-    assert_eq!(rec.len(), 3, "{}", r.text);
+    assert_eq!(rec.len(), 4, "{}", r.text);
     assert!(
         rec.iter().all(|c| c["method"] == json!("TCP")),
         "{}",
@@ -1187,6 +1203,17 @@ async fn raw_tcp_reaches_only_its_rules(backend: Backend) {
         "{ok}"
     );
     assert_eq!(by(&named)["allowed"], json!(true));
+    let failed = rec
+        .iter()
+        .find(|c| c["host"] == json!("2001:db8::5"))
+        .unwrap_or_else(|| panic!("no record of {v6}: {}", r.text));
+    assert_eq!(failed["allowed"], json!(true), "{failed}");
+    assert!(
+        failed["reason"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("connect to [2001:db8::5]:7001 failed")),
+        "{failed}"
+    );
     let no = by(&other_port);
     assert_eq!(no["allowed"], json!(false), "{no}");
     assert!(

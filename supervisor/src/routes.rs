@@ -170,6 +170,17 @@ mod tests {
             assert_eq!(e.raw_os_error(), Some(libc::ENETUNREACH), "{e}");
             let e = std::net::TcpStream::connect("10.20.3.4:5433").unwrap_err();
             assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+            // IPv6 alike.
+            add_local_routes(&[("2001:db8::".parse().unwrap(), 32)]).unwrap();
+            let l6 = std::net::TcpListener::bind("[::]:5433").unwrap();
+            let _c6 = std::net::TcpStream::connect("[2001:db8::7]:5433").unwrap();
+            let (s6, _) = l6.accept().unwrap();
+            assert_eq!(
+                s6.local_addr().unwrap(),
+                "[2001:db8::7]:5433".parse().unwrap()
+            );
+            let e = std::net::TcpStream::connect("[2001:db9::1]:5432").unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::ENETUNREACH), "{e}");
             // The same range again is an error that names it.
             let e = add_local_routes(&[("10.20.0.0".parse().unwrap(), 16)]).unwrap_err();
             assert!(e.contains("10.20.0.0/16") && e.contains("exists"), "{e}");

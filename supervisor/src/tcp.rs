@@ -60,14 +60,14 @@ struct CapData {
 
 const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
 
-/// The capability set `key` (`CapEff:`, `CapPrm:`, `CapBnd:`) of this thread.
+/// The capability set `key` (`CapEff:`, `CapPrm:`, `CapBnd:`) of this (single-threaded) process.
 fn caps(key: &str) -> Result<u64, String> {
-    std::fs::read_to_string("/proc/thread-self/status")
+    std::fs::read_to_string("/proc/self/status")
         .unwrap_or_default()
         .lines()
         .find_map(|l| l.strip_prefix(key))
         .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        .ok_or_else(|| format!("cannot read {key} of /proc/thread-self/status"))
+        .ok_or_else(|| format!("cannot read {key} of /proc/self/status"))
 }
 
 /// Drops CAP_NET_ADMIN and CAP_SETPCAP from the effective, permitted and inheritable sets and,
