@@ -425,6 +425,19 @@ impl Profile {
         self.backend.unwrap_or(default)
     }
 
+    /// A raw TCP rule of this profile on `port`, if any (the egress proxy's port in the sandbox
+    /// cannot also be a rule's).
+    pub fn tcp_rule_on_port(&self, port: u16) -> Option<&str> {
+        self.network
+            .tcp
+            .iter()
+            .find(|r| {
+                r.parse::<crate::egress::TcpRule>()
+                    .is_ok_and(|t| t.port() == port)
+            })
+            .map(String::as_str)
+    }
+
     /// Why this profile's raw TCP rules cannot run on `backend`, if they cannot: gVisor's
     /// netstack is the sandbox's own, so the local routes and listeners the rules need would
     /// not be the host kernel's (a decision-time 400, never a run without them).
@@ -577,6 +590,8 @@ mod tests {
             .to_string();
         assert!(e.contains("gvisor") && e.contains("network.tcp"), "{e}");
         let p = with_tcp(r#""10.0.0.0/8:22""#, "").unwrap();
+        assert_eq!(p.tcp_rule_on_port(22), Some("10.0.0.0/8:22"));
+        assert_eq!(p.tcp_rule_on_port(3128), None);
         assert!(p.tcp_refusal(BackendKind::Gvisor).is_some());
         assert!(p.tcp_refusal(BackendKind::Docker).is_none());
         assert!(p.tcp_refusal(BackendKind::Local).is_none());
