@@ -1381,6 +1381,43 @@ async fn raw_tcp_covering_rules_keep_the_deny_list(backend: Backend) {
         net.hits(ALLOWED)
     );
     setup.wait_for_run_cleanup("the raw TCP run");
+
+    // Sessions: a local one has the rules in each exec; a container's is refused (400).
+    let c = common::sessions::koder(d, Some("team-a"));
+    let r = c
+        .create(json!({"language": "python", "capability_token": d.cap_all()}))
+        .await;
+    if backend.is_container() {
+        assert_eq!(r.status, 400, "{}", r.text);
+        assert!(r.text.contains("raw TCP rules (network.tcp)"), "{}", r.text);
+    } else {
+        assert_eq!(r.status, 201, "{}", r.text);
+        let id = r.json["id"].as_str().unwrap().to_string();
+        let code = format!(
+            "import socket\ns = socket.create_connection(('{ALLOWED}', 80), timeout=5)\ns.sendall(b'GET /session HTTP/1.0\\r\\n\\r\\n')\nprint(s.makefile('rb').read().split(b'\\r\\n\\r\\n', 1)[-1].decode().strip())"
+        );
+        let r = c
+            .exec(&id, json!({"code": code, "timeout_ms": 30000}))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(
+            r.json["stdout"].as_str().map(str::trim),
+            Some(format!("hello from {ALLOWED}").as_str()),
+            "{}",
+            r.text
+        );
+        let rec = records(&r);
+        assert!(
+            rec.iter()
+                .any(|c| c["method"] == json!("TCP") && c["allowed"] == json!(true)),
+            "{}",
+            r.text
+        );
+        let r = c
+            .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
+            .await;
+        assert_eq!(r.status, 204, "{}", r.text);
+    }
     setup.finish();
 }
 

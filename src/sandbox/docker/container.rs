@@ -157,11 +157,6 @@ impl ContainerPlan {
                 if kept { "sessions" } else { "sandboxes" }
             )));
         }
-        if kept && egress {
-            return Err(SandboxError::Setup(
-                "a session's container has no egress relay".into(),
-            ));
-        }
         if spec.uid == 0 || spec.gid == 0 {
             return Err(SandboxError::Setup("a sandbox never runs as root".into()));
         }
