@@ -346,7 +346,7 @@ impl RunHeader {
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join(",");
-        if !self.tcp_rules.is_empty() {
+        if !self.tcp_rules.is_empty() || !self.tcp_socket.is_empty() {
             fields.extend([tcp.as_str(), &self.tcp_socket]);
         }
         with_magic(RUN_MAGIC, &joined(&fields)?, &[stdin, code])
@@ -595,6 +595,15 @@ mod tests {
         let (_, raw, rest) = split_request(&bytes).unwrap();
         assert!(rest.is_empty());
         assert_eq!(RunHeader::decode(raw).unwrap(), none);
+
+        // A socket without rules survives the round trip too.
+        let socket_only = RunHeader {
+            tcp_socket: "/t.sock".into(),
+            ..none
+        };
+        let bytes = socket_only.encode(b"", b"").unwrap();
+        let (_, raw, _) = split_request(&bytes).unwrap();
+        assert_eq!(RunHeader::decode(raw).unwrap(), socket_only);
     }
 
     #[test]
