@@ -57,7 +57,7 @@ pub struct ConnRecord {
     pub status: Option<u16>,
 }
 
-/// The `method` of a raw TCP connection's record (see [`super::tcp`]).
+/// The `method` of a raw TCP connection's record (see [`super::TcpPolicy`]).
 pub const TCP_METHOD: &str = "TCP";
 
 impl ConnRecord {

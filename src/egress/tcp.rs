@@ -163,8 +163,9 @@ impl TcpPolicy {
     }
 
     /// The rules, then the deny list: an address on it passes only a rule of this port that
-    /// names it explicitly (see [`Naming`]). The daemon's own addresses and the host's need a
-    /// rule of exactly that address.
+    /// names it explicitly, i.e. whose whole range lies inside the denied range the address is
+    /// in (a rule that merely covers it, such as `0.0.0.0/0`, does not). The daemon's own
+    /// addresses and the host's need a rule of exactly that address.
     pub fn check(&self, dest: SocketAddr) -> Verdict {
         let ip = canonical_ip(dest.ip());
         let port = dest.port();

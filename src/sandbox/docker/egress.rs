@@ -22,8 +22,13 @@
 //! only to the proxy, which trusts nothing the client says. The mount is read-only, so the command
 //! cannot create files or sockets on the host through it.
 //!
+//! Raw TCP rules (runc, one-run containers): the daemon also binds [`TCP_SOCKET_NAME`] in the
+//! same directory; the supervisor makes the rules' ranges local in the container's namespace,
+//! listens on their ports and relays each connection there after a line naming its destination,
+//! which [`crate::egress::TcpPolicy`] judges like any other.
+//!
 //! Owns: the directories (one per daemon and backend, one per container inside it), binding the
-//! listener, the removal at startup of directories of dead daemons. Must not: decide egress
+//! listeners, the removal at startup of directories of dead daemons. Must not: decide egress
 //! policy.
 
 use std::net::SocketAddr;
