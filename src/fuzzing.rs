@@ -391,6 +391,15 @@ pub fn supervisor_protocol(data: &[u8]) {
             );
         }
     }
+    // The first line of a raw TCP connection, which a command can write itself.
+    if let Ok(dest) = executor_arm_supervisor::protocol::parse_tcp_preamble(data) {
+        let line = executor_arm_supervisor::protocol::tcp_preamble(dest);
+        assert_eq!(
+            executor_arm_supervisor::protocol::parse_tcp_preamble(&line[..line.len() - 1]),
+            Ok(dest),
+            "raw TCP preamble round trip"
+        );
+    }
     if let Some(r) = ExitReport::parse(data) {
         assert_eq!(
             ExitReport::parse(r.to_payload().as_bytes()),

@@ -25,7 +25,8 @@
 //! - `policy`: allowlist, sandbox profiles, argument policies, limits → a resolved `Plan`.
 //! - `executors`: operator-registered external executors (YAML) and their envelope.
 //! - `sandbox`: the `Sandbox` trait and its backends (`local`, `docker` for runc and gVisor).
-//! - `egress`: the outbound proxy and resolver a sandbox with network reaches the world through.
+//! - `egress`: the outbound proxy and resolver a sandbox with network reaches the world through,
+//!   and the judge and relay of its raw TCP rules.
 //! - `provenance`: result hashes and the hash-chained audit log.
 //! - `state`: replay and idempotency records (embedded, or Redis for several replicas).
 //! - `config`, `vocabulary`, `metrics`: typed configuration, the shared words (action types,

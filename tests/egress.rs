@@ -209,30 +209,39 @@ impl Net {
         extra: &str,
         backend: Backend,
     ) -> Setup {
+        self.daemon_in(&["http-egress"], profile_network, limits, extra, backend)
+    }
+
+    /// As [`Net::daemon_with_limits`], for each of `names` (shipped profiles).
+    fn daemon_with(
+        &self,
+        names: &[&str],
+        profile_network: &str,
+        limits: &str,
+        backend: Backend,
+    ) -> Setup {
+        self.daemon_in(names, profile_network, limits, "", backend)
+    }
+
+    /// A daemon whose profiles `names` have `profile_network` and `limits`, with `extra`
+    /// appended to its config.
+    fn daemon_in(
+        &self,
+        names: &[&str],
+        profile_network: &str,
+        limits: &str,
+        extra: &str,
+        backend: Backend,
+    ) -> Setup {
         let profiles = tempfile::tempdir().unwrap().keep();
         let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("sandbox-profiles");
         for e in std::fs::read_dir(&shipped).unwrap() {
             let e = e.unwrap();
             std::fs::copy(e.path(), profiles.join(e.file_name())).unwrap();
         }
-        let text = std::fs::read_to_string(shipped.join("http-egress.toml")).unwrap();
-        let start = text.find("[network]").unwrap();
-        let end = text[start..].find("\n[limits]").unwrap() + start;
-        let mut text = format!(
-            "{}[network]\n{profile_network}\n{}",
-            &text[..start],
-            &text[end..]
-        );
-        for line in limits.lines() {
-            let key = line.split('=').next().unwrap().trim();
-            let from = text
-                .find(&format!("\n{key} ="))
-                .expect("limit key in the profile")
-                + 1;
-            let to = from + text[from..].find('\n').unwrap();
-            text.replace_range(from..to, line);
+        for name in names {
+            write_profile(&profiles, &shipped, name, profile_network, limits);
         }
-        std::fs::write(profiles.join("http-egress.toml"), text).unwrap();
         let egress_dir = tempfile::tempdir().unwrap();
         let d = Daemon::start_with(Opts {
             env: vec![
@@ -263,6 +272,25 @@ impl Net {
             _profiles: profiles,
         }
     }
+}
+
+/// Writes shipped profile `name` into `profiles` with its `[network]` section replaced by
+/// `network` and `limits` (TOML lines) replacing its keys of the same names.
+fn write_profile(profiles: &Path, shipped: &Path, name: &str, network: &str, limits: &str) {
+    let text = std::fs::read_to_string(shipped.join(format!("{name}.toml"))).unwrap();
+    let start = text.find("[network]").unwrap();
+    let end = text[start..].find("\n[limits]").unwrap() + start;
+    let mut text = format!("{}[network]\n{network}\n{}", &text[..start], &text[end..]);
+    for line in limits.lines() {
+        let key = line.split('=').next().unwrap().trim();
+        let from = text
+            .find(&format!("\n{key} ="))
+            .expect("limit key in the profile")
+            + 1;
+        let to = from + text[from..].find('\n').unwrap();
+        text.replace_range(from..to, line);
+    }
+    std::fs::write(profiles.join(format!("{name}.toml")), text).unwrap();
 }
 
 /// A daemon under test and what it must clean up.
@@ -970,5 +998,450 @@ async fn a_session_installs_a_package_from_its_index(backend: Backend) {
             |(container, exists, socks)| container.is_empty() && !exists && socks.is_empty(),
         );
     }
+    setup.finish();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw TCP by rule (`network.tcp`): local and docker (runc); gVisor refuses such profiles.
+
+mod raw_tcp_local {
+    #[tokio::test(flavor = "multi_thread")]
+    async fn raw_tcp_reaches_only_its_rules() {
+        super::raw_tcp_reaches_only_its_rules(super::Backend::Local).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn raw_tcp_covering_rules_keep_the_deny_list() {
+        super::raw_tcp_covering_rules_keep_the_deny_list(super::Backend::Local).await;
+    }
+}
+
+mod raw_tcp_docker {
+    #[tokio::test(flavor = "multi_thread")]
+    async fn raw_tcp_reaches_only_its_rules() {
+        let backend = super::Backend::Docker;
+        backend.require("raw_tcp_docker::raw_tcp_reaches_only_its_rules");
+        super::raw_tcp_reaches_only_its_rules(backend).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn raw_tcp_covering_rules_keep_the_deny_list() {
+        let backend = super::Backend::Docker;
+        backend.require("raw_tcp_docker::raw_tcp_covering_rules_keep_the_deny_list");
+        super::raw_tcp_covering_rules_keep_the_deny_list(backend).await;
+    }
+}
+
+mod raw_tcp_gvisor {
+    #[tokio::test(flavor = "multi_thread")]
+    async fn raw_tcp_profiles_are_refused_with_400() {
+        let backend = super::Backend::Gvisor;
+        backend.require("raw_tcp_gvisor::raw_tcp_profiles_are_refused_with_400");
+        super::raw_tcp_profiles_are_refused_with_400(backend).await;
+    }
+}
+
+/// Connects to each `ip:port` argument and prints one line per target: `<target> ok <what came
+/// back>`, `<target> closed` (accepted, then closed without a byte) or `<target> err <errno>`.
+/// Port 80 gets an HTTP request; the echo hosts send a banner line, then echo.
+const TCP_CLIENT: &str = r#"
+import errno, socket, sys
+for t in sys.argv[1:]:
+    ip, port = t.rsplit(":", 1)
+    ip = ip.strip("[]")
+    try:
+        s = socket.create_connection((ip, int(port)), timeout=5)
+        try:
+            f = s.makefile("rb")
+            if port == "80":
+                s.sendall(b"GET /raw HTTP/1.0\r\nHost: raw\r\n\r\n")
+                body = f.read().split(b"\r\n\r\n", 1)
+                print(t, "ok" if len(body) == 2 else "closed", body[-1].decode().strip())
+                continue
+            banner = f.readline()
+            if not banner:
+                print(t, "closed")
+                continue
+            s.sendall(b"ping\n")
+            print(t, "ok", banner.decode().strip(), f.readline().decode().strip())
+        finally:
+            s.close()
+    except OSError as e:
+        print(t, "err", errno.errorcode.get(e.errno, type(e).__name__) if e.errno else type(e).__name__)
+"#;
+
+/// Runs [`TCP_CLIENT`] against `targets` in the sandbox; returns the response and its lines by
+/// target.
+async fn tcp_client(
+    d: &Daemon,
+    targets: &[String],
+) -> (common::Resp, std::collections::BTreeMap<String, String>) {
+    let mut args = vec!["-c".to_string(), TCP_CLIENT.to_string()];
+    args.extend(targets.iter().cloned());
+    let caps = d.cap(&["PythonExecute"]);
+    let r = d
+        .exec(json!({"action_type": "python", "command": "python3", "args": args, "timeout_seconds": 60, "capability_token": caps}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let out = r.json["stdout"].as_str().unwrap_or_default().to_string();
+    let lines = out
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(t, rest)| (t.to_string(), rest.trim().to_string()))
+        .collect();
+    (r, lines)
+}
+
+fn tcp_network(rules: &[String]) -> String {
+    let quoted: Vec<String> = rules.iter().map(|r| format!("\"{r}\"")).collect();
+    format!("mode = \"egress\"\ntcp = [{}]", quoted.join(", "))
+}
+
+/// A rule of one address and port reaches exactly that: its bytes go both ways and are
+/// recorded; another port of the address, an address outside every rule and a port without a
+/// rule fail; a rule naming a denied address (the test's own metadata host) reaches it. nmap's
+/// connect scan sees the allowed port open.
+async fn raw_tcp_reaches_only_its_rules(backend: Backend) {
+    let net = Net::new();
+    // The IPv6 rule's range is routed nowhere beyond the daemon: its connections are accepted
+    // in the sandbox and fail at the daemon's connect, which shows the IPv6 path end to end.
+    let rules = [
+        format!("{ALLOWED}/32:7001"),
+        format!("{METADATA}/32:7002"),
+        "[2001:db8::/32]:7001".to_string(),
+    ];
+    let setup = net.daemon_with(
+        &["python", "http-egress"],
+        &tcp_network(&rules),
+        "",
+        backend,
+    );
+    let d = &setup.d;
+    let allowed = format!("{ALLOWED}:7001");
+    let other_port = format!("{ALLOWED}:7002");
+    let outside = format!("{}:7001", net.private_ip);
+    let no_rule_port = format!("{ALLOWED}:7003");
+    let named = format!("{METADATA}:7002");
+    let v6 = "[2001:db8::5]:7001".to_string();
+    let targets = [
+        allowed.clone(),
+        other_port.clone(),
+        outside.clone(),
+        no_rule_port.clone(),
+        named.clone(),
+        v6.clone(),
+    ];
+    let (r, got) = tcp_client(d, &targets).await;
+    assert_eq!(r.json["backend"], json!(backend.name()), "{}", r.text);
+    assert_eq!(
+        got.get(&allowed).map(String::as_str),
+        Some(format!("ok echo {allowed} ping").as_str()),
+        "{}",
+        r.text
+    );
+    assert_eq!(
+        got.get(&named).map(String::as_str),
+        Some(format!("ok echo {named} ping").as_str()),
+        "{}",
+        r.text
+    );
+    // Routed to the sandbox's listener of port 7002 (the other rule's), refused by the daemon.
+    let refused = got.get(&other_port).cloned().unwrap_or_default();
+    assert!(
+        refused == "closed" || refused == "err ECONNRESET",
+        "{other_port}: {}",
+        r.text
+    );
+    assert_eq!(
+        got.get(&outside).map(String::as_str),
+        Some("err ENETUNREACH"),
+        "{}",
+        r.text
+    );
+    // A port of no rule: Landlock refuses the connect on the local backend; in a container
+    // nothing listens there.
+    let no_listener = if backend.is_container() {
+        "err ECONNREFUSED"
+    } else {
+        "err EACCES"
+    };
+    assert_eq!(
+        got.get(&no_rule_port).map(String::as_str),
+        Some(no_listener),
+        "{}",
+        r.text
+    );
+
+    let v6_line = got.get(&v6).cloned().unwrap_or_default();
+    assert!(
+        v6_line == "closed" || v6_line == "err ECONNRESET",
+        "{v6}: {}",
+        r.text
+    );
+
+    // One record per connection that reached the daemon, as the proxy's are.
+    let rec = records(&r);
+    assert_eq!(rec.len(), 4, "{}", r.text);
+    assert!(
+        rec.iter().all(|c| c["method"] == json!("TCP")),
+        "{}",
+        r.text
+    );
+    let by = |t: &str| {
+        rec.iter()
+            .find(|c| format!("{}:{}", c["host"].as_str().unwrap_or(""), c["port"]) == t)
+            .unwrap_or_else(|| panic!("no record of {t}: {}", r.text))
+            .clone()
+    };
+    let ok = by(&allowed);
+    assert_eq!(ok["allowed"], json!(true), "{ok}");
+    assert_eq!(ok["addr"], json!(allowed), "{ok}");
+    assert_eq!(ok["bytes_up"], json!(5), "{ok}");
+    assert_eq!(
+        ok["bytes_down"],
+        json!(format!("echo {allowed}\nping\n").len()),
+        "{ok}"
+    );
+    assert_eq!(by(&named)["allowed"], json!(true));
+    let failed = rec
+        .iter()
+        .find(|c| c["host"] == json!("2001:db8::5"))
+        .unwrap_or_else(|| panic!("no record of {v6}: {}", r.text));
+    assert_eq!(failed["allowed"], json!(true), "{failed}");
+    assert!(
+        failed["reason"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("connect to [2001:db8::5]:7001 failed")),
+        "{failed}"
+    );
+    let no = by(&other_port);
+    assert_eq!(no["allowed"], json!(false), "{no}");
+    assert!(
+        no["reason"]
+            .as_str()
+            .is_some_and(|w| w.contains("not allowed by any tcp rule")),
+        "{no}"
+    );
+    let line = d.execution_line(r.json["exec_id"].as_str().expect("exec_id"));
+    assert_eq!(
+        line["network"], r.json["network"],
+        "the audit line carries them"
+    );
+
+    // Host side: the private host saw nothing; the allowed host only its rule's port.
+    assert_eq!(
+        std::fs::read_to_string(
+            net.logdir
+                .path()
+                .join(format!("tcp-{}.log", net.private_ip))
+        )
+        .unwrap_or_default(),
+        ""
+    );
+    assert_eq!(
+        std::fs::read_to_string(net.logdir.path().join(format!("tcp-{ALLOWED}.log")))
+            .unwrap_or_default(),
+        "7001\n"
+    );
+
+    // The routing privilege is gone before the command runs: in a container neither the
+    // command nor pid 1 (the supervisor, which made the routes) holds CAP_NET_ADMIN or
+    // CAP_SETPCAP in any set. (The local backend's routes are the daemon's own doing.)
+    if backend.is_container() {
+        check_no_routing_caps(d).await;
+    }
+
+    // A command that speaks to the daemon's raw TCP socket itself and names another
+    // destination reaches only what the rules allow.
+    if backend.is_container() {
+        let liar = format!(
+            "import socket\nfor dest in ('{}', '{allowed}'):\n    u = socket.socket(socket.AF_UNIX)\n    u.connect('/run/executor-arm/egress/tcp.sock')\n    u.sendall(b'EAT1 ' + dest.encode() + b'\\nping\\n')\n    try:\n        print(dest, u.makefile('rb').readline().decode().strip() or 'closed')\n    except OSError:\n        print(dest, 'closed')\n    u.close()",
+            outside
+        );
+        let caps = d.cap(&["PythonExecute"]);
+        let r = d
+            .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", liar], "capability_token": caps}))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let out = r.json["stdout"].as_str().unwrap_or_default();
+        assert!(out.contains(&format!("{outside} closed")), "{}", r.text);
+        assert!(
+            out.contains(&format!("{allowed} echo {allowed}")),
+            "{}",
+            r.text
+        );
+        let rec = records(&r);
+        assert!(
+            rec.iter()
+                .any(|c| c["host"] == json!(net.private_ip) && c["allowed"] == json!(false)),
+            "{}",
+            r.text
+        );
+        assert_eq!(
+            std::fs::read_to_string(
+                net.logdir
+                    .path()
+                    .join(format!("tcp-{}.log", net.private_ip))
+            )
+            .unwrap_or_default(),
+            "",
+            "the private host must never be reached"
+        );
+    }
+
+    // nmap's connect scan (its default profile, http-egress, has the same rules here).
+    let caps = d.cap(&["ShellExecute", "NetworkAccess"]);
+    let r = d
+        .exec(json!({"action_type": "shell", "command": "nmap", "args": ["-sT", "-Pn", "-n", "-p", "7001", ALLOWED], "timeout_seconds": 60, "capability_token": caps}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let out = r.json["stdout"].as_str().unwrap_or_default();
+    assert!(out.contains("7001/tcp open"), "{}", r.text);
+    // Two profiles ran, so two warm pools: the stop checks that nothing is left.
+    setup.finish();
+}
+
+/// Neither the command nor the container's pid 1 holds CAP_NET_ADMIN or CAP_SETPCAP.
+async fn check_no_routing_caps(d: &Daemon) {
+    let caps_script = "import re\nfor p in ('self', '1'):\n    s = open(f'/proc/{p}/status').read()\n    print(p, *[re.search(k + r':\\s*(\\w+)', s).group(1) for k in ('CapEff', 'CapPrm', 'CapBnd')])";
+    let caps = d.cap(&["PythonExecute"]);
+    let r = d
+        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", caps_script], "capability_token": caps}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let out = r.json["stdout"].as_str().unwrap_or_default();
+    assert_eq!(out.lines().count(), 2, "{}", r.text);
+    for v in out.split_whitespace().filter(|w| w.len() == 16) {
+        let bits = u64::from_str_radix(v, 16).unwrap();
+        assert_eq!(bits & ((1 << 12) | (1 << 8)), 0, "{}", r.text);
+    }
+}
+
+/// A rule covering denied ranges without naming them (`0.0.0.0/0:80`) reaches public addresses
+/// only: not the (test's own) metadata host, not the private host, not the daemon's own
+/// addresses.
+async fn raw_tcp_covering_rules_keep_the_deny_list(backend: Backend) {
+    let net = Net::new();
+    let setup = net.daemon_with(
+        &["python"],
+        &tcp_network(&["0.0.0.0/0:80".to_string()]),
+        "",
+        backend,
+    );
+    let d = &setup.d;
+    let public = format!("{ALLOWED}:80");
+    let denied = [
+        format!("{METADATA}:80"),
+        format!("{}:80", net.private_ip),
+        format!("{}:80", net.daemon_ip),
+    ];
+    let mut targets = vec![public.clone()];
+    targets.extend(denied.iter().cloned());
+    let (r, got) = tcp_client(d, &targets).await;
+    assert_eq!(
+        got.get(&public).map(String::as_str),
+        Some(format!("ok hello from {ALLOWED}").as_str()),
+        "{}",
+        r.text
+    );
+    let rec = records(&r);
+    assert_eq!(rec.len(), 4, "{}", r.text);
+    for t in &denied {
+        let line = got.get(t).cloned().unwrap_or_default();
+        assert!(
+            line == "closed" || line == "err ECONNRESET",
+            "{t}: {}",
+            r.text
+        );
+        let c = rec
+            .iter()
+            .find(|c| format!("{}:{}", c["host"].as_str().unwrap_or(""), c["port"]) == *t)
+            .unwrap_or_else(|| panic!("no record of {t}: {}", r.text));
+        assert_eq!(c["allowed"], json!(false), "{c}");
+        assert!(
+            c["reason"]
+                .as_str()
+                .is_some_and(|w| w.contains("no tcp rule names it explicitly")),
+            "{c}"
+        );
+    }
+    assert_eq!(
+        net.hits(METADATA),
+        "",
+        "the metadata host must never be reached"
+    );
+    assert_eq!(
+        net.hits(&net.private_ip),
+        "",
+        "the private host must never be reached"
+    );
+    assert!(
+        net.hits(ALLOWED).contains("GET /raw "),
+        "{}",
+        net.hits(ALLOWED)
+    );
+    setup.wait_for_run_cleanup("the raw TCP run");
+
+    // Sessions: a local one has the rules in each exec; a container's is refused (400).
+    let c = common::sessions::koder(d, Some("team-a"));
+    let r = c
+        .create(json!({"language": "python", "capability_token": d.cap_all()}))
+        .await;
+    if backend.is_container() {
+        assert_eq!(r.status, 400, "{}", r.text);
+        assert!(r.text.contains("raw TCP rules (network.tcp)"), "{}", r.text);
+    } else {
+        assert_eq!(r.status, 201, "{}", r.text);
+        let id = r.json["id"].as_str().unwrap().to_string();
+        let code = format!(
+            "import socket\ns = socket.create_connection(('{ALLOWED}', 80), timeout=5)\ns.sendall(b'GET /session HTTP/1.0\\r\\n\\r\\n')\nprint(s.makefile('rb').read().split(b'\\r\\n\\r\\n', 1)[-1].decode().strip())"
+        );
+        let r = c
+            .exec(&id, json!({"code": code, "timeout_ms": 30000}))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(
+            r.json["stdout"].as_str().map(str::trim),
+            Some(format!("hello from {ALLOWED}").as_str()),
+            "{}",
+            r.text
+        );
+        let rec = records(&r);
+        assert!(
+            rec.iter()
+                .any(|c| c["method"] == json!("TCP") && c["allowed"] == json!(true)),
+            "{}",
+            r.text
+        );
+        let r = c
+            .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
+            .await;
+        assert_eq!(r.status, 204, "{}", r.text);
+    }
+    setup.finish();
+}
+
+/// gVisor's netstack is the sandbox's own: a profile with tcp rules is a 400 before anything
+/// runs, with the documented message.
+async fn raw_tcp_profiles_are_refused_with_400(backend: Backend) {
+    let net = Net::new();
+    let setup = net.daemon_with(
+        &["python"],
+        &tcp_network(&[format!("{ALLOWED}/32:7001")]),
+        "",
+        backend,
+    );
+    let d = &setup.d;
+    let caps = d.cap(&["PythonExecute"]);
+    let r = d
+        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "print(1)"], "capability_token": caps}))
+        .await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(
+        r.text
+            .contains("raw TCP rules (network.tcp), which the gvisor backend does not offer"),
+        "{}",
+        r.text
+    );
     setup.finish();
 }

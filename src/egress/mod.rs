@@ -5,7 +5,8 @@
 //! ([`EgressPolicy::check_addr`]), one name resolution per connection followed by a connect to
 //! exactly the checked address (so a DNS answer cannot change between check and use), a bandwidth
 //! bucket and byte cap shared by all connections of the execution, and one [`ConnRecord`] per
-//! connection for the result and the audit line.
+//! connection for the result and the audit line. Raw TCP to a profile's `CIDR:port` rules
+//! ([`TcpRule`], module `tcp`) shares that session: same bucket, cap, limits and records.
 //!
 //! It must not create listeners or network namespaces (the backend hands [`ProxySession::serve`]
 //! or [`ProxyRun::start`] a listener only its sandbox can reach: TCP bound inside the sandbox's
@@ -18,6 +19,7 @@ mod policy;
 mod proxy;
 mod request;
 mod run;
+mod tcp;
 
 // The byte parsers a sandboxed command can feed, for the fuzz targets (src/fuzzing.rs).
 #[cfg(any(fuzzing, test))]
@@ -28,8 +30,9 @@ pub use policy::{
     DEFAULT_BANDWIDTH_BYTES_PER_SEC, DEFAULT_BYTE_CAP, EgressPolicy, Host, IpNet, Verdict,
     parse_host, parse_ipv4_literal,
 };
-pub use proxy::{ConnRecord, ProxyLimits, ProxyListener, ProxySession};
+pub use proxy::{ConnRecord, ProxyLimits, ProxyListener, ProxySession, TCP_METHOD};
 pub use run::{ProxyRun, proxy_env};
+pub use tcp::{TcpListeners, TcpPolicy, TcpRule};
 
 /// Errors of this module's configuration surface (request-time problems become verdicts and
 /// records, never errors).
@@ -39,6 +42,9 @@ pub enum EgressError {
     InvalidCidr { input: String, reason: &'static str },
     #[error("invalid egress policy: {0}")]
     InvalidPolicy(String),
+    /// A raw TCP rule that does not parse or is refused; the message names it.
+    #[error("{0}")]
+    InvalidTcpRule(String),
     #[error("egress resolver: {0}")]
     Resolver(String),
 }

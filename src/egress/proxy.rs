@@ -53,15 +53,19 @@ pub struct ConnRecord {
     pub allowed: bool,
     pub reason: Option<String>,
     /// The status line the client got: the proxy's own (200 for CONNECT, 4xx/5xx), or the
-    /// origin's for a forwarded request.
+    /// origin's for a forwarded request. None for raw TCP (`method` "TCP").
     pub status: Option<u16>,
 }
 
+/// The `method` of a raw TCP connection's record (see [`super::TcpPolicy`]).
+pub const TCP_METHOD: &str = "TCP";
+
 impl ConnRecord {
     /// Refused by policy (403) or by a connection limit (503): what metrics count as refusals.
-    /// Malformed requests (400) and upstream failures (502/504) are not refusals.
+    /// Malformed requests (400) and upstream failures (502/504) are not refusals. A raw TCP
+    /// connection that was not allowed was refused by its rules, the deny list or a limit.
     pub fn is_refusal(&self) -> bool {
-        !self.allowed && matches!(self.status, Some(403 | 503))
+        !self.allowed && (matches!(self.status, Some(403 | 503)) || self.method == TCP_METHOD)
     }
 }
 
@@ -128,13 +132,13 @@ impl ProxyListener {
 }
 
 /// One client connection, whichever listener it came from.
-enum Client {
+pub(super) enum Client {
     Tcp(TcpStream),
     Unix(UnixStream),
 }
 
 impl Client {
-    fn set_nodelay(&self) {
+    pub(super) fn set_nodelay(&self) {
         if let Client::Tcp(s) = self {
             let _ = s.set_nodelay(true);
         }
@@ -201,11 +205,12 @@ pub struct ProxySession {
     inner: Arc<Inner>,
 }
 
-struct Inner {
+/// What every connection of one execution shares; raw TCP ([`super::tcp`]) shares it too.
+pub(super) struct Inner {
     policy: Arc<EgressPolicy>,
     resolver: Arc<dyn Resolver>,
-    limits: ProxyLimits,
-    bandwidth: Bandwidth,
+    pub(super) limits: ProxyLimits,
+    pub(super) bandwidth: Bandwidth,
     records: Mutex<Vec<ConnRecord>>,
     records_dropped: AtomicU64,
     served: AtomicUsize,
@@ -319,17 +324,17 @@ impl ProxySession {
         self.inner.bandwidth.is_exhausted()
     }
 
+    /// The state every connection of the execution shares.
+    pub(super) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
     fn admit(&self, stream: Client, tasks: &mut JoinSet<()>) {
         let inner = &self.inner;
-        if inner.served.load(Ordering::Relaxed) >= inner.limits.max_total {
-            inner.turn_away(stream, "connection limit of this execution reached");
-            return;
-        }
-        let Ok(permit) = inner.slots.clone().try_acquire_owned() else {
-            inner.turn_away(stream, "too many concurrent connections");
-            return;
+        let permit = match inner.slot() {
+            Ok(p) => p,
+            Err(why) => return inner.turn_away(stream, why),
         };
-        inner.served.fetch_add(1, Ordering::Relaxed);
         let inner = inner.clone();
         tasks.spawn(async move {
             let _permit = permit;
@@ -344,19 +349,20 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// The record of one connection under construction; it is filed when dropped, so a connection
 /// aborted at the end of the execution is recorded too.
-struct ConnLog<'a> {
+pub(super) struct ConnLog<'a> {
     inner: &'a Inner,
-    rec: ConnRecord,
-    up: AtomicU64,
-    down: AtomicU64,
+    pub(super) rec: ConnRecord,
+    pub(super) up: AtomicU64,
+    pub(super) down: AtomicU64,
     /// The origin's status for a forwarded request (0 = none seen yet).
     origin_status: AtomicU16,
-    skip: bool,
-    finished: bool,
+    /// Not recorded at all (a client that closed without sending a byte: a reachability probe).
+    pub(super) skip: bool,
+    pub(super) finished: bool,
 }
 
 impl<'a> ConnLog<'a> {
-    fn new(inner: &'a Inner) -> Self {
+    pub(super) fn new(inner: &'a Inner) -> Self {
         ConnLog {
             inner,
             rec: ConnRecord::default(),
@@ -402,7 +408,7 @@ impl Refusal {
     }
 }
 
-enum Mode {
+pub(super) enum Mode {
     /// CONNECT: both directions until both are closed.
     Tunnel,
     /// Forwarded request with `Connection: close`: the client's bytes up to the end of the
@@ -410,14 +416,28 @@ enum Mode {
     Forward(BodyScanner),
 }
 
-enum PumpEnd {
+pub(super) enum PumpEnd {
     CapReached,
     BadBody(&'static str),
     Io,
 }
 
 impl Inner {
-    fn file(&self, rec: ConnRecord) {
+    /// A connection slot of the execution (its concurrency and total limits), or why not.
+    pub(super) fn slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, &'static str> {
+        if self.served.load(Ordering::Relaxed) >= self.limits.max_total {
+            return Err("connection limit of this execution reached");
+        }
+        let permit = self
+            .slots
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| "too many concurrent connections")?;
+        self.served.fetch_add(1, Ordering::Relaxed);
+        Ok(permit)
+    }
+
+    pub(super) fn file(&self, rec: ConnRecord) {
         if rec.is_refusal() {
             tracing::info!(
                 host = %rec.host, port = rec.port, method = %rec.method,
@@ -695,7 +715,7 @@ async fn connect_first(
 
 /// Relays both directions until the mode says the exchange is over, an error occurs or the
 /// byte cap is reached (by this connection or another one of the execution).
-async fn relay(
+pub(super) async fn relay(
     client: &mut Client,
     upstream: &mut TcpStream,
     bw: &Bandwidth,

@@ -7,11 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 use super::dns::Resolver;
 use super::policy::EgressPolicy;
 use super::proxy::{ConnRecord, ProxyListener, ProxySession};
+use super::tcp::{TcpListeners, TcpPolicy};
 
 /// How long [`ProxyRun::finish`] lets connections still open wind down.
 const FINISH_GRACE: Duration = Duration::from_secs(2);
@@ -22,6 +23,8 @@ pub struct ProxyRun {
     session: Arc<ProxySession>,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
+    /// Raw TCP by rule, when the run has any ([`ProxyRun::serve_tcp`]).
+    tcp: Option<(watch::Sender<bool>, tokio::task::JoinHandle<()>)>,
 }
 
 impl ProxyRun {
@@ -45,7 +48,31 @@ impl ProxyRun {
             session,
             stop: Some(stop),
             task,
+            tcp: None,
         }
+    }
+
+    /// Also serves the run's raw TCP `listeners` under `policy`, sharing the proxy's bandwidth,
+    /// byte cap, connection limits and records. Must be called inside a tokio runtime.
+    pub fn serve_tcp(&mut self, policy: TcpPolicy, listeners: TcpListeners) {
+        let (stop, stopped) = watch::channel(false);
+        let inner = self.session.inner().clone();
+        let task = tokio::spawn(super::tcp::serve(
+            inner,
+            Arc::new(policy),
+            listeners,
+            stopped,
+        ));
+        if let Some((old, task)) = self.tcp.replace((stop, task)) {
+            let _ = old.send(true);
+            task.abort();
+        }
+    }
+
+    /// The records filed so far (tests wait on them).
+    #[cfg(test)]
+    pub(crate) fn session_records(&self) -> Vec<ConnRecord> {
+        self.session.records()
     }
 
     /// Stops accepting, closes what is still open (the sandbox is gone) and returns every
@@ -54,8 +81,15 @@ impl ProxyRun {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
+        if let Some((stop, _)) = &self.tcp {
+            let _ = stop.send(true);
+        }
         let _ = tokio::time::timeout(FINISH_GRACE, &mut self.task).await;
         self.task.abort();
+        if let Some((_, task)) = self.tcp.as_mut() {
+            let _ = tokio::time::timeout(FINISH_GRACE, &mut *task).await;
+            task.abort();
+        }
         self.session.records()
     }
 }
@@ -63,6 +97,9 @@ impl ProxyRun {
 impl Drop for ProxyRun {
     fn drop(&mut self) {
         self.task.abort();
+        if let Some((_, task)) = &self.tcp {
+            task.abort();
+        }
     }
 }
 

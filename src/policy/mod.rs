@@ -120,6 +120,13 @@ impl Plan {
                     allow_cidrs: p.network.allow_cidrs.clone(),
                     bandwidth_bytes_per_sec: (p.network.bandwidth_mbps * 1_000_000.0 / 8.0) as u64,
                     byte_cap: p.network.byte_cap_mb << 20,
+                    // Validated at load: every rule parses.
+                    tcp: p
+                        .network
+                        .tcp
+                        .iter()
+                        .filter_map(|r| r.parse().ok())
+                        .collect(),
                 },
             },
             fs: FsRules {
@@ -179,6 +186,14 @@ pub enum PolicyLoadError {
     UnknownProfile { command: String, profile: String },
     #[error("commands.{command}: {message}")]
     ArgPolicy { command: String, message: String },
+    #[error(
+        "profile '{profile}': network.tcp rule '{rule}' uses port {port}, the egress proxy's port in every sandbox (egress.proxy_port)"
+    )]
+    TcpRuleOnProxyPort {
+        profile: String,
+        rule: String,
+        port: u16,
+    },
     #[error("sessions.languages.{language}: profile '{profile}' does not exist")]
     UnknownLanguageProfile { language: String, profile: String },
     #[error(
@@ -197,6 +212,15 @@ impl Policy {
                 .into_iter()
                 .map(|(k, v)| (k, Arc::new(v)))
                 .collect();
+        for p in profiles.values() {
+            if let Some(rule) = p.tcp_rule_on_port(cfg.egress.proxy_port) {
+                return Err(PolicyLoadError::TcpRuleOnProxyPort {
+                    profile: p.name.clone(),
+                    rule: rule.to_string(),
+                    port: cfg.egress.proxy_port,
+                });
+            }
+        }
         let mut commands = BTreeMap::new();
         let mut disabled = Vec::new();
         for (name, entry) in &cfg.commands {
@@ -415,6 +439,9 @@ impl Policy {
                 backend.as_str()
             )));
         }
+        if let Some(why) = profile.tcp_refusal(backend) {
+            return Err(PolicyError::Invalid(why));
+        }
         let mut env = profile.env.set.clone();
         for (k, v) in ask.env {
             if !profile::valid_env_name(k)
@@ -485,6 +512,33 @@ mod tests {
     fn policy() -> Policy {
         let cfg = Config::load(None, &EnvOverrides::default()).unwrap();
         Policy::load(&cfg).unwrap()
+    }
+
+    /// A raw TCP rule on the proxy's port could never listen beside the proxy: startup fails
+    /// naming the profile, the rule and the key.
+    #[test]
+    fn a_tcp_rule_on_the_proxy_port_fails_the_load() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in profile::EMBEDDED {
+            let text = if *name == "http-egress" {
+                text.replace("[network]\n", "[network]\ntcp = [\"10.0.0.0/8:3128\"]\n")
+            } else {
+                text.to_string()
+            };
+            std::fs::write(dir.path().join(format!("{name}.toml")), text).unwrap();
+        }
+        let mut cfg = Config::load(None, &EnvOverrides::default()).unwrap();
+        cfg.sandbox.profiles_dir = dir.path().to_path_buf();
+        cfg.egress.proxy_port = 3128;
+        let e = Policy::load(&cfg).err().expect("refused").to_string();
+        assert!(
+            e.contains("http-egress")
+                && e.contains("10.0.0.0/8:3128")
+                && e.contains("egress.proxy_port"),
+            "{e}"
+        );
+        cfg.egress.proxy_port = 3129;
+        assert!(Policy::load(&cfg).is_ok());
     }
 
     fn grant(caps: &[&str]) -> Grant {

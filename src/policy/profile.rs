@@ -13,6 +13,9 @@ use crate::sandbox::{BackendKind, OnOverflow};
 /// The default limits and the hard caps no profile or request may exceed.
 pub const MAX_TIMEOUT_SECONDS: u64 = 300;
 
+/// The most raw TCP rules a profile may have (each is a route and maybe a listener per run).
+pub const MAX_TCP_RULES: usize = 64;
+
 /// The longest an async or streamed run may last under any profile (a day).
 pub const MAX_ASYNC_TIMEOUT_SECONDS: u64 = 86_400;
 
@@ -113,6 +116,10 @@ pub struct NetworkSection {
     /// Per-execution byte cap through the egress proxy.
     #[serde(default = "default_byte_cap")]
     pub byte_cap_mb: u64,
+    /// Raw TCP by rule, beside the proxy: `"10.20.0.0/16:5432"`, `"[2001:db8::/32]:22"`
+    /// (see [`crate::egress::TcpRule`]). Egress mode only; not on gVisor.
+    #[serde(default)]
+    pub tcp: Vec<String>,
 }
 
 fn default_bandwidth() -> f64 {
@@ -378,6 +385,22 @@ impl Profile {
         {
             return Err("network: bandwidth_mbps must be in (0, 10000] and byte_cap_mb > 0".into());
         }
+        if !self.network.tcp.is_empty() && self.network.mode != NetworkMode::Egress {
+            return Err("network.tcp: raw TCP rules need mode = \"egress\"".into());
+        }
+        if self.network.tcp.len() > MAX_TCP_RULES {
+            return Err(format!("network.tcp: at most {MAX_TCP_RULES} rules"));
+        }
+        for r in &self.network.tcp {
+            if let Err(e) = r.parse::<crate::egress::TcpRule>() {
+                return Err(format!("network.tcp: {e}"));
+            }
+        }
+        // A profile pinned to gVisor can never run its rules; one without a backend is judged
+        // per request (the daemon's default backend may change).
+        if let Some(why) = self.backend.and_then(|b| self.tcp_refusal(b)) {
+            return Err(why);
+        }
         for c in &self.network.allow_cidrs {
             if c.parse::<crate::egress::IpNet>().is_err() {
                 return Err(format!("network.allow_cidrs: '{c}' is not a CIDR range"));
@@ -400,6 +423,31 @@ impl Profile {
 
     pub fn backend(&self, default: BackendKind) -> BackendKind {
         self.backend.unwrap_or(default)
+    }
+
+    /// A raw TCP rule of this profile on `port`, if any (the egress proxy's port in the sandbox
+    /// cannot also be a rule's).
+    pub fn tcp_rule_on_port(&self, port: u16) -> Option<&str> {
+        self.network
+            .tcp
+            .iter()
+            .find(|r| {
+                r.parse::<crate::egress::TcpRule>()
+                    .is_ok_and(|t| t.port() == port)
+            })
+            .map(String::as_str)
+    }
+
+    /// Why this profile's raw TCP rules cannot run on `backend`, if they cannot: gVisor's
+    /// netstack is the sandbox's own, so the local routes and listeners the rules need would
+    /// not be the host kernel's (a decision-time 400, never a run without them).
+    pub fn tcp_refusal(&self, backend: BackendKind) -> Option<String> {
+        (backend == BackendKind::Gvisor && !self.network.tcp.is_empty()).then(|| {
+            format!(
+                "profile '{}' has raw TCP rules (network.tcp), which the gvisor backend does not offer: gVisor's network stack is the sandbox's own; use the local or docker backend",
+                self.name
+            )
+        })
     }
 }
 
@@ -491,6 +539,62 @@ mod tests {
         assert_eq!(with("truncate").unwrap(), OnOverflow::Truncate);
         let e = with("ignore").unwrap_err().to_string();
         assert!(e.contains("x.toml") && e.contains("ignore"), "{e}");
+    }
+
+    /// `network.tcp` of the http-egress profile set to `rules` (TOML array items), plus `extra`
+    /// top-level lines.
+    fn with_tcp(rules: &str, extra: &str) -> Result<Profile, ProfileError> {
+        let text = EMBEDDED
+            .iter()
+            .find(|(n, _)| *n == "http-egress")
+            .unwrap()
+            .1
+            .replace("[network]\n", &format!("[network]\ntcp = [{rules}]\n"));
+        Profile::parse("x", "x.toml", &format!("{extra}{text}"))
+    }
+
+    #[test]
+    fn tcp_rules_are_validated_at_load() {
+        let p = with_tcp(
+            r#""10.20.0.0/16:5432", "192.0.2.7/32:22", "[2001:db8::/32]:22""#,
+            "",
+        )
+        .unwrap();
+        assert_eq!(p.network.tcp.len(), 3);
+        for (bad, says) in [
+            (r#""127.0.0.1/32:5432""#, "loopback"),
+            (r#""127.0.0.0/8:80""#, "loopback"),
+            (r#""[::1/128]:22""#, "loopback"),
+            (r#""10.20.0.1/16:5432""#, "below the prefix"),
+            (r#""10.20.0.0/16""#, "ADDRESS/PREFIX:PORT"),
+            (r#""2001:db8::/32:22""#, "brackets"),
+            (r#""10.0.0.0/8:0""#, "port 0"),
+        ] {
+            let e = with_tcp(bad, "").unwrap_err().to_string();
+            assert!(
+                e.contains("x.toml") && e.contains("network.tcp") && e.contains(says),
+                "{bad}: {e}"
+            );
+        }
+        // Raw TCP is egress: a profile without network cannot have rules.
+        let text = EMBEDDED[0]
+            .1
+            .replace("[network]\n", "[network]\ntcp = [\"10.0.0.0/8:22\"]\n");
+        let e = Profile::parse("x", "x.toml", &text)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mode = \"egress\""), "{e}");
+        // A profile pinned to gVisor can never run them.
+        let e = with_tcp(r#""10.0.0.0/8:22""#, "backend = \"gvisor\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("gvisor") && e.contains("network.tcp"), "{e}");
+        let p = with_tcp(r#""10.0.0.0/8:22""#, "").unwrap();
+        assert_eq!(p.tcp_rule_on_port(22), Some("10.0.0.0/8:22"));
+        assert_eq!(p.tcp_rule_on_port(3128), None);
+        assert!(p.tcp_refusal(BackendKind::Gvisor).is_some());
+        assert!(p.tcp_refusal(BackendKind::Docker).is_none());
+        assert!(p.tcp_refusal(BackendKind::Local).is_none());
     }
 
     #[test]

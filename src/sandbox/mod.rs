@@ -103,6 +103,8 @@ pub enum NetworkPolicy {
         allow_cidrs: Vec<String>,
         bandwidth_bytes_per_sec: u64,
         byte_cap: u64,
+        /// Raw TCP by rule (`CIDR:port`), beside the proxy; see [`crate::egress::TcpRule`].
+        tcp: Vec<crate::egress::TcpRule>,
     },
 }
 
@@ -119,6 +121,7 @@ impl NetworkPolicy {
             allow_cidrs,
             bandwidth_bytes_per_sec,
             byte_cap,
+            ..
         } = self
         else {
             return None;
@@ -135,6 +138,25 @@ impl NetworkPolicy {
             bandwidth_bytes_per_sec: *bandwidth_bytes_per_sec,
             byte_cap: *byte_cap,
         })
+    }
+
+    /// The raw TCP rules of this run (none without egress).
+    pub fn tcp_rules(&self) -> &[crate::egress::TcpRule] {
+        match self {
+            NetworkPolicy::Egress { tcp, .. } => tcp,
+            NetworkPolicy::None => &[],
+        }
+    }
+
+    /// The raw TCP policy of this run (`None` without tcp rules); `deny_addrs` as for
+    /// [`NetworkPolicy::proxy_policy`].
+    pub fn tcp_policy(
+        &self,
+        deny_addrs: &[std::net::SocketAddr],
+    ) -> Option<crate::egress::TcpPolicy> {
+        let rules = self.tcp_rules();
+        (!rules.is_empty())
+            .then(|| crate::egress::TcpPolicy::new(rules.to_vec(), deny_addrs.to_vec()))
     }
 }
 

@@ -380,6 +380,7 @@ mod tests {
             allow_cidrs: vec![],
             bandwidth_bytes_per_sec: 0,
             byte_cap: 0,
+            tcp: vec![],
         };
         assert!(matches!(
             egress_for(&NetworkPolicy::None, Some(&1)),

@@ -35,12 +35,16 @@
 //! relay runs in this process (PID 1), which the command cannot kill. It lives for one request: in
 //! kept mode it closes with the exec (after the sweep), and the next exec's request opens it again
 //! on the socket the daemon bound for that exec.
+//! Raw TCP rules (once mode, runc): before the command starts, make the rules' ranges local, give
+//! up CAP_NET_ADMIN, listen on the rule ports and relay each connection to the daemon's
+//! tcp_socket ([`tcp`]).
 //!
 //! Single-threaded on purpose: it forks, and the children use the heap before execve.
 
 mod archives;
 mod files;
 mod relay;
+mod tcp;
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -315,6 +319,12 @@ fn child(cfg: &Config, ir: OwnedFd, ow: OwnedFd, ew: OwnedFd, xw: OwnedFd, cr: O
         die("cannot set up the command's standard streams".into());
     }
     drop((ir, ow, ew));
+    // A container with raw TCP rules gives its supervisor CAP_NET_ADMIN (and CAP_SETPCAP to drop
+    // it); the command's process gives them up first (the uid switch below clears the other
+    // sets, this the bounding set).
+    if let Err(why) = tcp::drop_route_privileges() {
+        die(format!("cannot drop the routing capabilities: {why}"));
+    }
     let (uid, gid) = (cfg.uid, cfg.gid);
     if let Err(why) = become_user(uid, gid) {
         die(format!("cannot run as {uid}:{gid}: {why}"));
@@ -548,6 +558,24 @@ fn raw_status(ws: WaitStatus) -> i32 {
     }
 }
 
+/// The raw TCP relay of a request with tcp rules (none without).
+fn open_tcp(cfg: &Config, h: &RunHeader) -> Result<Option<tcp::TcpRelay>, Abandoned> {
+    if h.tcp_rules.is_empty() {
+        return Ok(None);
+    }
+    if cfg.kept {
+        return Err(fail("a kept sandbox has no raw TCP"));
+    }
+    if h.relay_port == 0 {
+        return Err(fail("raw TCP rules without the egress relay"));
+    }
+    match tcp::TcpRelay::open(&h.tcp_rules, &h.tcp_socket, h.relay_port) {
+        Ok(r) => Ok(Some(r)),
+        Err(tcp::OpenError::Unreachable(m)) => Err(unavailable(&m)),
+        Err(tcp::OpenError::Setup(m)) => Err(fail(&m)),
+    }
+}
+
 /// One run request, after its magic: reads it, runs it, reports.
 fn run_request(
     cfg: &Config,
@@ -587,6 +615,7 @@ fn run_request(
     } else {
         None
     };
+    let mut tcp_relay = open_tcp(cfg, &h)?;
     if let Some(code) = &code {
         if !cfg.kept {
             return Err(fail("code files are for kept sandboxes"));
@@ -749,6 +778,11 @@ fn run_request(
                 watch(fd, ev);
             }
         }
+        if let Some(r) = &tcp_relay {
+            for (fd, ev) in r.watch() {
+                watch(fd, ev);
+            }
+        }
         let timeout = if status.is_some() && !cfg.kept {
             0
         } else {
@@ -827,11 +861,15 @@ fn run_request(
         if let Some(r) = relay.as_mut() {
             r.step(ready);
         }
+        if let Some(r) = tcp_relay.as_mut() {
+            r.step(ready);
+        }
     }
     if input_w.is_some() && !pending.is_empty() {
         broken = true;
     }
     drop(relay);
+    drop(tcp_relay);
     remove_code();
     if late {
         frame(kind::DEADLINE, late_message().as_bytes());

@@ -6,7 +6,9 @@
 //!
 //! ```text
 //! run:   "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1, relay_port|0,
-//!        relay_socket, timeout_ms, code_path|"", code_len|-1, cwd|"")  stdin-bytes code-bytes
+//!        relay_socket, timeout_ms, code_path|"", code_len|-1, cwd|""[, tcp_rules, tcp_socket])
+//!        stdin-bytes code-bytes
+//!        tcp_rules: comma-joined [`TcpRoute`]s, present only when there are any
 //! file:  "EARF" u32be(len) NUL-joined(op, path, n)  [n bytes for put]
 //!        op: put (n = length), get (n = most bytes), list, dir (is it a directory),
 //!            tarout (a tar of the directory, as `o` frames), tarin (n = 0 upload, 1 restore)
@@ -16,6 +18,9 @@
 //! ```
 //!
 //! Frames (supervisor stdout -> daemon): `type(1) u32be(len) payload`; see [`kind`].
+//!
+//! Raw TCP (supervisor -> daemon, on the run's `tcp_socket`): each relayed connection starts with
+//! one line naming the destination the command asked for ([`tcp_preamble`]), then its bytes.
 //!
 //! Pure: no I/O, no allocation beyond what a decoded value holds, never panics on any input
 //! (fuzzed by the daemon's `supervisor_protocol` target).
@@ -166,6 +171,108 @@ pub struct RunHeader {
     pub code_len: Option<u64>,
     /// Where the command starts ("": the workdir).
     pub cwd: String,
+    /// Raw TCP rules (none: no raw TCP): the supervisor makes their ranges local in the
+    /// container's network namespace, listens on their ports and relays each connection to the
+    /// daemon's socket `tcp_socket`.
+    pub tcp_rules: Vec<TcpRoute>,
+    pub tcp_socket: String,
+}
+
+/// One raw TCP rule: every address of `addr/prefix`, port `port`. Written `10.20.0.0/16:5432`,
+/// IPv6 in brackets `[2001:db8::/32]:22`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TcpRoute {
+    pub addr: std::net::IpAddr,
+    pub prefix: u8,
+    pub port: u16,
+}
+
+impl TcpRoute {
+    /// Strict: a CIDR with its prefix length and a port, IPv6 (and only IPv6) in brackets,
+    /// addresses in their standard text form, no spaces, no leading `+`, port 1-65535. Host bits
+    /// below the prefix are the daemon's to judge (its profiles refuse them).
+    pub fn parse(s: &str) -> Result<TcpRoute, String> {
+        let bad = |why: &str| format!("'{}' is not a tcp rule: {why}", s.escape_debug());
+        let digits = |t: &str, max: usize| {
+            !t.is_empty() && t.len() <= max && t.bytes().all(|b| b.is_ascii_digit())
+        };
+        let (cidr, port, bracketed) = match s.strip_prefix('[') {
+            Some(rest) => {
+                let (cidr, port) = rest
+                    .split_once("]:")
+                    .ok_or_else(|| bad("expected [ADDRESS/PREFIX]:PORT"))?;
+                (cidr, port, true)
+            }
+            None => {
+                let (cidr, port) = s
+                    .rsplit_once(':')
+                    .ok_or_else(|| bad("expected ADDRESS/PREFIX:PORT"))?;
+                (cidr, port, false)
+            }
+        };
+        let (addr, prefix) = cidr
+            .split_once('/')
+            .ok_or_else(|| bad("the range needs a prefix length (ADDRESS/PREFIX)"))?;
+        let addr: std::net::IpAddr = addr.parse().map_err(|_| bad("not an IP address"))?;
+        match (addr, bracketed) {
+            (std::net::IpAddr::V4(_), true) => {
+                return Err(bad("an IPv4 range is written without brackets"));
+            }
+            (std::net::IpAddr::V6(_), false) => {
+                return Err(bad(
+                    "an IPv6 range is written in brackets: [ADDRESS/PREFIX]:PORT",
+                ));
+            }
+            _ => {}
+        }
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        if !digits(prefix, 3) {
+            return Err(bad("the prefix length is not a number"));
+        }
+        let prefix: u8 = prefix
+            .parse()
+            .map_err(|_| bad("the prefix length is not a number"))?;
+        if prefix > max {
+            return Err(bad("the prefix length is too long"));
+        }
+        if !digits(port, 5) {
+            return Err(bad("the port is not a number"));
+        }
+        let port: u16 = port.parse().map_err(|_| bad("the port is out of range"))?;
+        if port == 0 {
+            return Err(bad("port 0"));
+        }
+        Ok(TcpRoute { addr, prefix, port })
+    }
+}
+
+impl std::fmt::Display for TcpRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.addr {
+            std::net::IpAddr::V4(a) => write!(f, "{a}/{}:{}", self.prefix, self.port),
+            std::net::IpAddr::V6(a) => write!(f, "[{a}/{}]:{}", self.prefix, self.port),
+        }
+    }
+}
+
+/// Magic of a raw TCP connection's first line.
+const TCP_MAGIC: &str = "EAT1 ";
+/// The longest first line a reader accepts, newline included.
+pub const TCP_PREAMBLE_MAX: usize = 64;
+
+/// The first line of a relayed raw TCP connection: `EAT1 <destination>\n`.
+pub fn tcp_preamble(dest: std::net::SocketAddr) -> Vec<u8> {
+    format!("{TCP_MAGIC}{dest}\n").into_bytes()
+}
+
+/// The destination of [`tcp_preamble`]'s line (without its newline). Nothing in it is trusted:
+/// the reader checks the destination as if it had never seen it.
+pub fn parse_tcp_preamble(line: &[u8]) -> Result<std::net::SocketAddr, String> {
+    std::str::from_utf8(line)
+        .ok()
+        .and_then(|l| l.strip_prefix(TCP_MAGIC))
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| "malformed raw TCP preamble".to_string())
 }
 
 fn length_field(v: Option<u64>) -> String {
@@ -237,6 +344,15 @@ impl RunHeader {
             &code_len,
             &self.cwd,
         ]);
+        let tcp = self
+            .tcp_rules
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
+        if !self.tcp_rules.is_empty() || !self.tcp_socket.is_empty() {
+            fields.extend([tcp.as_str(), &self.tcp_socket]);
+        }
         with_magic(RUN_MAGIC, &joined(&fields)?, &[stdin, code])
     }
 
@@ -268,8 +384,17 @@ impl RunHeader {
         let code_path = f.next().unwrap_or_default().to_string();
         let code_len = parse_length(f.next(), "code length")?;
         let cwd = f.next().unwrap_or_default().to_string();
+        let tcp_rules = match f.next() {
+            None | Some("") => Vec::new(),
+            Some(list) => list
+                .split(',')
+                .map(TcpRoute::parse)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("malformed request: {e}"))?,
+        };
+        let tcp_socket = f.next().unwrap_or_default().to_string();
         if f.next().is_some() {
-            return Err("malformed request: fields after cwd".into());
+            return Err("malformed request: fields after the tcp socket".into());
         }
         Ok(RunHeader {
             argv,
@@ -281,6 +406,8 @@ impl RunHeader {
             code_path,
             code_len,
             cwd,
+            tcp_rules,
+            tcp_socket,
         })
     }
 }
@@ -408,6 +535,79 @@ mod tests {
             code_path: "/run/session/c1".into(),
             code_len: Some(2),
             cwd: "/work/sub".into(),
+            tcp_rules: vec![
+                TcpRoute::parse("10.20.0.0/16:5432").unwrap(),
+                TcpRoute::parse("[2001:db8::/32]:22").unwrap(),
+            ],
+            tcp_socket: "/run/executor-arm/egress/tcp.sock".into(),
+        }
+    }
+
+    #[test]
+    fn tcp_rules_parse_strictly_and_print_as_written() {
+        for (text, addr, prefix, port) in [
+            ("10.20.0.0/16:5432", "10.20.0.0", 16, 5432),
+            ("192.0.2.7/32:22", "192.0.2.7", 32, 22),
+            ("0.0.0.0/0:80", "0.0.0.0", 0, 80),
+            ("[2001:db8::/32]:22", "2001:db8::", 32, 22),
+            ("[::/0]:443", "::", 0, 443),
+        ] {
+            let r = TcpRoute::parse(text).unwrap();
+            assert_eq!(
+                (r.addr, r.prefix, r.port),
+                (addr.parse().unwrap(), prefix, port)
+            );
+            assert_eq!(r.to_string(), text);
+        }
+        for bad in [
+            "",
+            "10.20.0.0/16",
+            "10.20.0.0:5432",
+            "10.20.0.0/16:0",
+            "10.20.0.0/16:65536",
+            "10.20.0.0/16:+80",
+            "10.20.0.0/33:80",
+            "10.20.0.0/+8:80",
+            "10.20.0.0/1234:80",
+            " 10.20.0.0/16:80",
+            "10.20.0.0/16:80 ",
+            "010.20.0.0/16:80",
+            "[10.20.0.0/16]:80",
+            "2001:db8::/32:22",
+            "[2001:db8::/129]:22",
+            "[2001:db8::/32:22",
+            "[2001:db8::/32]22",
+            "[fe80::1%eth0/128]:22",
+            "example.com/32:80",
+            "10.20.0.0/16:5432,1",
+        ] {
+            assert!(TcpRoute::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn tcp_preambles_round_trip_and_refuse_anything_else() {
+        for dest in ["10.20.0.5:5432", "[2001:db8::1]:22"] {
+            let dest: std::net::SocketAddr = dest.parse().unwrap();
+            let line = tcp_preamble(dest);
+            assert!(line.len() <= TCP_PREAMBLE_MAX && line.ends_with(b"\n"));
+            assert_eq!(parse_tcp_preamble(&line[..line.len() - 1]).unwrap(), dest);
+        }
+        let longest = tcp_preamble(
+            "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535"
+                .parse()
+                .unwrap(),
+        );
+        assert!(longest.len() <= TCP_PREAMBLE_MAX);
+        for bad in [
+            &b""[..],
+            b"EAT1 ",
+            b"EAT1 10.0.0.1",
+            b"EAT2 10.0.0.1:1",
+            b"EAT1 host:80",
+            b"\xff",
+        ] {
+            assert!(parse_tcp_preamble(bad).is_err(), "{bad:?}");
         }
     }
 
@@ -429,6 +629,15 @@ mod tests {
         let (_, raw, rest) = split_request(&bytes).unwrap();
         assert!(rest.is_empty());
         assert_eq!(RunHeader::decode(raw).unwrap(), none);
+
+        // A socket without rules survives the round trip too.
+        let socket_only = RunHeader {
+            tcp_socket: "/t.sock".into(),
+            ..none
+        };
+        let bytes = socket_only.encode(b"", b"").unwrap();
+        let (_, raw, _) = split_request(&bytes).unwrap();
+        assert_eq!(RunHeader::decode(raw).unwrap(), socket_only);
     }
 
     #[test]
@@ -449,6 +658,7 @@ mod tests {
             b"1\0/a\x000\0-1\x0070000",
             b"1\0/a\x000\0-1\x000\0\x001\0\0nope",
             b"1\0/a\x000\0-1\x000\0\x001\0\0-1\0/w\0extra",
+            b"1\0/a\x000\0-1\x000\0\x001\0\0-1\0/w\x0010.0.0.0/8:1\0/t.sock\0extra",
             b"\xff",
         ] {
             assert!(RunHeader::decode(bad).is_err(), "{bad:?}");

@@ -7,6 +7,10 @@ address saw nothing.
 
   hosts.py LOGDIR DNS_IP ALLOWED_IP METADATA_IP PRIVATE_IP
 
+Also a TCP echo server on ports 7001 and 7002 of each address (for raw TCP rules): it first
+sends "echo <ip>:<port>\n", then echoes what it reads; each connection is appended to
+<logdir>/tcp-<ip>.log.
+
 Paths: /redirect-to-metadata (302 to the metadata host), /bytes/N (N bytes), /slow (answers
 after 60 s: holds a connection open while a run times out or its client goes away), /simple/...
 and /files/... (the package index a test laid out in <logdir>/index with package.py; a directory
@@ -142,9 +146,33 @@ def serve_dns():
             continue
 
 
+def serve_echo(ip, port):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((ip, port))
+    s.listen(16)
+
+    def one(c):
+        with c:
+            with lock, open(f"{logdir}/tcp-{ip}.log", "a") as f:
+                f.write(f"{port}\n")
+            c.sendall(f"echo {ip}:{port}\n".encode())
+            while True:
+                data = c.recv(65536)
+                if not data:
+                    return
+                c.sendall(data)
+
+    while True:
+        c, _ = s.accept()
+        threading.Thread(target=one, args=(c,), daemon=True).start()
+
+
 for ip in (allowed_ip, metadata_ip, private_ip):
     srv = ThreadingHTTPServer((ip, 80), handler_for(ip))
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    for port in (7001, 7002):
+        threading.Thread(target=serve_echo, args=(ip, port), daemon=True).start()
 threading.Thread(target=serve_dns, daemon=True).start()
 open(f"{logdir}/ready", "w").close()
 threading.Event().wait()

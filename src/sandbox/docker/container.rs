@@ -117,6 +117,22 @@ fn sandbox_path(p: &Path, what: &str) -> Result<String, SandboxError> {
     Ok(s.to_string())
 }
 
+/// The supervisor's capabilities: the switch to the command's uid/gid; a kept container's also
+/// to kill every process of an exec itself (the command, another uid, cannot stop it); with raw
+/// TCP rules also CAP_NET_ADMIN to make the rules' ranges local in the container's own network
+/// namespace, and CAP_SETPCAP to drop both from its bounding set right after, before any
+/// command runs (see the supervisor's `tcp` module).
+fn cap_add(kept: bool, tcp: bool) -> Vec<String> {
+    let mut caps = vec!["SETUID", "SETGID"];
+    if kept {
+        caps.push("KILL");
+    }
+    if tcp {
+        caps.extend(["NET_ADMIN", "SETPCAP"]);
+    }
+    caps.into_iter().map(str::to_string).collect()
+}
+
 impl ContainerPlan {
     /// Refuses what the container backends cannot honour. The network stays `none` with egress
     /// too: the only way out is the proxy's socket (see [`super::egress`]).
@@ -131,6 +147,16 @@ impl ContainerPlan {
         kept: bool,
     ) -> Result<ContainerPlan, SandboxError> {
         let egress = matches!(spec.network, NetworkPolicy::Egress { .. });
+        let tcp = !spec.network.tcp_rules().is_empty();
+        if tcp && (kept || kind == BackendKind::Gvisor) {
+            // The policy refuses these before a backend is chosen; this is the backend's own
+            // guard. gVisor: its netstack is not the kernel's; kept: the rules are set up per run.
+            return Err(SandboxError::Setup(format!(
+                "raw TCP rules are not offered on {} {}",
+                kind.as_str(),
+                if kept { "sessions" } else { "sandboxes" }
+            )));
+        }
         if spec.uid == 0 || spec.gid == 0 {
             return Err(SandboxError::Setup("a sandbox never runs as root".into()));
         }
@@ -203,15 +229,7 @@ impl ContainerPlan {
             cap_drop: Some(vec!["ALL".to_string()]),
             // The supervisor's, for the switch to the command's uid/gid; a kept container's also
             // to kill every process of an exec itself (the command, another uid, cannot stop it).
-            cap_add: Some(if kept {
-                vec![
-                    "SETUID".to_string(),
-                    "SETGID".to_string(),
-                    "KILL".to_string(),
-                ]
-            } else {
-                vec!["SETUID".to_string(), "SETGID".to_string()]
-            }),
+            cap_add: Some(cap_add(kept, tcp)),
             security_opt: Some(vec![
                 "no-new-privileges:true".to_string(),
                 seccomp::security_opt(kind),
@@ -592,6 +610,7 @@ pub(crate) mod tests {
             allow_cidrs: vec![],
             bandwidth_bytes_per_sec: 1 << 20,
             byte_cap: 1 << 20,
+            tcp: vec![],
         };
         s
     }
@@ -629,6 +648,32 @@ pub(crate) mod tests {
         same_profile.profile = "http-egress".into();
         let plain = ContainerPlan::new(&same_profile, BackendKind::Gvisor, "i", false).unwrap();
         assert_ne!(plain.key, p.key);
+    }
+
+    /// Only a profile with raw TCP rules gives the supervisor CAP_NET_ADMIN (and CAP_SETPCAP to
+    /// drop it), and such containers pool apart; gVisor and session containers refuse rules.
+    #[test]
+    fn tcp_rules_add_the_routing_capabilities_on_runc_only() {
+        let mut tcp = egress_spec();
+        if let NetworkPolicy::Egress { tcp: rules, .. } = &mut tcp.network {
+            rules.push("10.20.0.0/16:5432".parse().unwrap());
+        }
+        let caps = |s: &RunSpec| {
+            let p = ContainerPlan::new(s, BackendKind::Docker, "i", false).unwrap();
+            let b = p.body(&owner(), "e", "v", UID, Some(Path::new("/run/x/egress/c1")));
+            (p.key, b.host_config.unwrap().cap_add.unwrap())
+        };
+        let (tcp_key, with) = caps(&tcp);
+        assert_eq!(with, ["SETUID", "SETGID", "NET_ADMIN", "SETPCAP"]);
+        let (plain_key, without) = caps(&egress_spec());
+        assert_eq!(without, ["SETUID", "SETGID"]);
+        assert_ne!(tcp_key, plain_key, "never interchangeable in the pool");
+        for (kind, kept) in [(BackendKind::Gvisor, false), (BackendKind::Docker, true)] {
+            let e = ContainerPlan::new(&tcp, kind, "i", kept)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("raw TCP rules are not offered"), "{e}");
+        }
     }
 
     #[test]

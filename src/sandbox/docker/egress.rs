@@ -22,8 +22,13 @@
 //! only to the proxy, which trusts nothing the client says. The mount is read-only, so the command
 //! cannot create files or sockets on the host through it.
 //!
+//! Raw TCP rules (runc, one-run containers): the daemon also binds [`TCP_SOCKET_NAME`] in the
+//! same directory; the supervisor makes the rules' ranges local in the container's namespace,
+//! listens on their ports and relays each connection there after a line naming its destination,
+//! which [`crate::egress::TcpPolicy`] judges like any other.
+//!
 //! Owns: the directories (one per daemon and backend, one per container inside it), binding the
-//! listener, the removal at startup of directories of dead daemons. Must not: decide egress
+//! listeners, the removal at startup of directories of dead daemons. Must not: decide egress
 //! policy.
 
 use std::net::SocketAddr;
@@ -31,7 +36,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::egress::{EgressPolicy, ProxyRun, Resolver, proxy_env};
+use crate::egress::{EgressPolicy, ProxyRun, Resolver, TcpListeners, proxy_env};
 use crate::sandbox::{BackendKind, NetworkPolicy, RunSpec, SandboxError};
 
 use super::labels::Owner;
@@ -41,6 +46,9 @@ use super::supervisor::Relay;
 pub const CONTAINER_DIR: &str = "/run/executor-arm/egress";
 /// The proxy's socket inside that directory.
 pub const SOCKET_NAME: &str = "proxy.sock";
+/// The raw TCP socket beside it (runs whose profile has tcp rules): the supervisor relays each
+/// connection to a rule port here, after a line naming its destination.
+pub const TCP_SOCKET_NAME: &str = "tcp.sock";
 
 /// Daemon-wide egress settings of the container backends.
 #[derive(Clone)]
@@ -92,8 +100,35 @@ impl EgressSettings {
         let policy = self
             .policy(network)
             .ok_or_else(|| SandboxError::Setup("egress policy missing".into()))?;
-        Ok(ProxyRun::start(policy, self.resolver.clone(), listener))
+        let mut proxy = ProxyRun::start(policy, self.resolver.clone(), listener);
+        serve_tcp(&mut proxy, self, dir, network)?;
+        Ok(proxy)
     }
+}
+
+/// With raw TCP rules: binds the run's [`TCP_SOCKET_NAME`] in the container's directory and
+/// serves it beside the proxy (before the supervisor gets the request, which names the socket).
+/// The daemon judges every destination the supervisor names, as on the local backend.
+pub fn serve_tcp(
+    proxy: &mut ProxyRun,
+    settings: &EgressSettings,
+    dir: &SocketDir,
+    network: &NetworkPolicy,
+) -> Result<(), SandboxError> {
+    let Some(policy) = network.tcp_policy(&settings.deny_addrs) else {
+        return Ok(());
+    };
+    if policy.rules.iter().any(|r| r.port() == settings.port) {
+        return Err(SandboxError::Setup(format!(
+            "a tcp rule uses port {}, the egress proxy's port in the sandbox",
+            settings.port
+        )));
+    }
+    let listener = dir.bind_tcp().map_err(|err| {
+        SandboxError::Setup(format!("raw TCP socket in {}: {err}", dir.path().display()))
+    })?;
+    proxy.serve_tcp(policy, TcpListeners::Unix(listener));
+    Ok(())
 }
 
 /// Whether runsc registered with `args` may connect to host unix sockets, which gVisor egress
@@ -200,7 +235,16 @@ impl SocketDir {
     /// Binds the proxy's listener for one execution. The container's mount is read-only, so
     /// whatever is at the socket's path was left by an earlier bind of ours.
     pub fn bind(&self) -> std::io::Result<tokio::net::UnixListener> {
-        let socket = self.path.join(SOCKET_NAME);
+        self.bind_named(SOCKET_NAME)
+    }
+
+    /// Binds the raw TCP listener for one execution (as [`SocketDir::bind`]).
+    pub fn bind_tcp(&self) -> std::io::Result<tokio::net::UnixListener> {
+        self.bind_named(TCP_SOCKET_NAME)
+    }
+
+    fn bind_named(&self, name: &str) -> std::io::Result<tokio::net::UnixListener> {
+        let socket = self.path.join(name);
         match std::fs::remove_file(&socket) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
             _ => {}

@@ -915,6 +915,7 @@ mod tests {
             allow_cidrs: vec![],
             bandwidth_bytes_per_sec: 0,
             byte_cap: 0,
+            tcp: vec![],
         };
         let (engine, s) = sandbox(Vec::new());
         assert!(

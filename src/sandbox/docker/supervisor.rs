@@ -59,6 +59,30 @@ pub struct Relay {
     pub socket: String,
 }
 
+/// The raw TCP fields of a run request: the spec's rules and the daemon's socket for them
+/// beside the proxy's ([`super::egress::TCP_SOCKET_NAME`]). Rules need the egress relay's
+/// directory, so an egress run only.
+fn tcp_fields(
+    spec: &RunSpec,
+    relay: Option<&Relay>,
+) -> Result<(Vec<protocol::TcpRoute>, String), SandboxError> {
+    let rules = spec.network.tcp_rules();
+    if rules.is_empty() {
+        return Ok((Vec::new(), String::new()));
+    }
+    if relay.is_none() {
+        return Err(SandboxError::Setup(
+            "tcp rules without the egress relay".into(),
+        ));
+    }
+    let socket = format!(
+        "{}/{}",
+        super::egress::CONTAINER_DIR,
+        super::egress::TCP_SOCKET_NAME
+    );
+    Ok((rules.iter().map(|r| r.route()).collect(), socket))
+}
+
 /// Where a kept sandbox's supervisor writes each exec's code (a root-owned tmpfs of the
 /// container: the command reads its code but cannot change it).
 pub const CODE_DIR: &str = "/run/session";
@@ -279,6 +303,7 @@ pub fn encode_request(
         }
         None => (String::new(), None),
     };
+    let (tcp_rules, tcp_socket) = tcp_fields(spec, relay)?;
     let header = RunHeader {
         argv: spec.argv.clone(),
         env,
@@ -298,6 +323,8 @@ pub fn encode_request(
             .as_ref()
             .map(|c| c.to_string_lossy().into_owned())
             .unwrap_or_default(),
+        tcp_rules,
+        tcp_socket,
     };
     header
         .encode(
@@ -461,6 +488,38 @@ mod tests {
             ("/run/session/c1.py", Some(8))
         );
         assert_eq!(rest, b"print(1)");
+    }
+
+    /// Raw TCP rules travel with the relay, beside the proxy's socket; without the relay they
+    /// are refused (they need the egress directory).
+    #[test]
+    fn a_run_request_carries_the_tcp_rules_and_their_socket() {
+        let mut s = spec(&["/bin/true"], None);
+        let tcp: Vec<crate::egress::TcpRule> = ["10.20.0.0/16:5432", "[2001:db8::/32]:22"]
+            .iter()
+            .map(|r| r.parse().unwrap())
+            .collect();
+        s.network = crate::sandbox::NetworkPolicy::Egress {
+            allow_hosts: vec![],
+            allow_ports: vec![80],
+            allow_cidrs: vec![],
+            bandwidth_bytes_per_sec: 1,
+            byte_cap: 1,
+            tcp: tcp.clone(),
+        };
+        let relay = Relay {
+            port: 3128,
+            socket: "/run/executor-arm/egress/proxy.sock".into(),
+        };
+        let (h, _) = decoded(&encode_request(&s, Some(&relay), None).unwrap());
+        let routes: Vec<_> = tcp.iter().map(|r| r.route()).collect();
+        assert_eq!(h.tcp_rules, routes);
+        assert_eq!(h.tcp_socket, "/run/executor-arm/egress/tcp.sock");
+        assert!(encode_request(&s, None, None).is_err());
+        // Without rules the request has no tcp fields at all.
+        let (h, _) =
+            decoded(&encode_request(&spec(&["/bin/true"], None), Some(&relay), None).unwrap());
+        assert!(h.tcp_rules.is_empty() && h.tcp_socket.is_empty());
     }
 
     #[test]

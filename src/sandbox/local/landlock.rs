@@ -73,9 +73,9 @@ pub struct HostRule {
 }
 
 /// The ruleset of one run on a host of `abi` (> 0): every filesystem right and TCP bind/connect
-/// handled, abstract unix sockets and signals scoped to the sandbox, `connect_port` (the egress
-/// proxy) the only TCP port reachable, and `rules` added.
-pub fn ruleset(abi: u32, connect_port: Option<u16>, rules: &[HostRule]) -> io::Result<OwnedFd> {
+/// handled, abstract unix sockets and signals scoped to the sandbox, `connect_ports` (the egress
+/// proxy's, and the raw TCP rules' ports) the only TCP ports reachable, and `rules` added.
+pub fn ruleset(abi: u32, connect_ports: &[u16], rules: &[HostRule]) -> io::Result<OwnedFd> {
     let err =
         |what: &str, e: &dyn std::fmt::Display| io::Error::other(format!("landlock {what}: {e}"));
     let abi_used = used(abi);
@@ -94,12 +94,12 @@ pub fn ruleset(abi: u32, connect_port: Option<u16>, rules: &[HostRule]) -> io::R
             .map_err(|e| err("scopes", &e))?;
     }
     let mut created = ruleset.create().map_err(|e| err("ruleset", &e))?;
-    if let Some(port) = connect_port
-        && abi >= 4
-    {
-        created = created
-            .add_rule(NetPort::new(port, AccessNet::ConnectTcp))
-            .map_err(|e| err("connect rule", &e))?;
+    if abi >= 4 {
+        for &port in connect_ports {
+            created = created
+                .add_rule(NetPort::new(port, AccessNet::ConnectTcp))
+                .map_err(|e| err("connect rule", &e))?;
+        }
     }
     for rule in rules {
         let fd = PathFd::new(&rule.path).map_err(|e| err("path", &e))?;
@@ -175,17 +175,17 @@ mod tests {
             path: "/usr".into(),
             access: read_only(),
         }];
-        assert!(ruleset(abi, Some(3128), &ok).is_ok());
+        assert!(ruleset(abi, &[3128, 5432], &ok).is_ok());
         let missing = [HostRule {
             path: "/nonexistent/executor-arm".into(),
             access: read_only(),
         }];
-        assert!(ruleset(abi, None, &missing).is_err());
+        assert!(ruleset(abi, &[], &missing).is_err());
         // A directory right on a file is refused, not silently dropped.
         let dir_right_on_file = [HostRule {
             path: "/etc/passwd".into(),
             access: AccessFs::ReadDir.into(),
         }];
-        assert!(ruleset(abi, None, &dir_right_on_file).is_err());
+        assert!(ruleset(abi, &[], &dir_right_on_file).is_err());
     }
 }

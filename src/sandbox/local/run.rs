@@ -88,12 +88,15 @@ impl LocalSandbox {
 
         let layout = plan::layout(&self.root_dir, self.probe.landlock_abi, &spec)?;
         let landlock_fd = if self.probe.landlock_abi > 0 {
-            // TCP is always handled: no rule at all without egress, connect to the proxy port only
-            // with it.
-            let port = egress_settings.as_ref().map(|e| e.port);
+            // TCP is always handled: no rule at all without egress, connect to the proxy port and
+            // the raw TCP rules' ports only with it.
+            let ports = egress_settings
+                .as_ref()
+                .map(|e| egress::connect_ports(e, &spec.network))
+                .unwrap_or_default();
             Some(landlock::ruleset(
                 self.probe.landlock_abi,
-                port,
+                &ports,
                 &layout.host_rules,
             )?)
         } else {
