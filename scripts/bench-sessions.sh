@@ -8,4 +8,6 @@ cd "$(dirname "$0")/.."
 cargo build --release --locked --bin executor-arm --example bench_sessions
 TARGET=${CARGO_TARGET_DIR:-target}
 export EXECUTOR_ARM_BIN="${EXECUTOR_ARM_BIN:-$TARGET/release/executor-arm}"
+# The in-container supervisor of this build, beside the daemon (where it looks for it).
+scripts/build-supervisor.sh --release "${EXECUTOR_ARM_BIN}-supervisor" >/dev/null
 BACKEND="${1:-local}" "$TARGET/release/examples/bench_sessions"

@@ -97,6 +97,9 @@ bench_all() {
 
   cargo build --release --locked --bin executor-arm \
     --example bench_local --example bench_sessions --example bench_stream
+  # The in-container supervisor of this build, where the daemon looks for it (beside its
+  # executable): the container benchmarks must not run an older one.
+  scripts/build-supervisor.sh --release "${EXECUTOR_ARM_BIN}-supervisor" >/dev/null
 
   if [[ -n "${BENCH_QUICK:-}" && "${BENCH_QUICK}" != 0 ]]; then
     quick_flag=(--quick)

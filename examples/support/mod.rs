@@ -50,9 +50,13 @@ impl Daemon {
             .expect("start daemon");
         let stderr = child.stderr.take().expect("stderr");
         let (tx, rx) = std::sync::mpsc::channel();
-        // Keep draining the daemon's log so it never blocks on a full pipe.
+        // Keep draining the daemon's log so it never blocks on a full pipe; its warnings and
+        // errors go to the benchmark's own output, which says why a request failed.
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("\"level\":\"WARN\"") || line.contains("\"level\":\"ERROR\"") {
+                    eprintln!("daemon: {line}");
+                }
                 if line.contains("\"listening\"")
                     && let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
                 {
