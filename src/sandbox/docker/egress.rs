@@ -77,6 +77,7 @@ impl EgressSettings {
         Relay {
             port: self.port,
             socket: format!("{CONTAINER_DIR}/{SOCKET_NAME}"),
+            tcp_socket: format!("{CONTAINER_DIR}/{TCP_SOCKET_NAME}"),
         }
     }
 

@@ -57,11 +57,14 @@ pub struct Relay {
     pub port: u16,
     /// The daemon's proxy socket, as the container sees it.
     pub socket: String,
+    /// The daemon's socket for raw TCP connections, beside the proxy's, as the container sees
+    /// it.
+    pub tcp_socket: String,
 }
 
 /// The raw TCP fields of a run request: the spec's rules and the daemon's socket for them
-/// beside the proxy's ([`super::egress::TCP_SOCKET_NAME`]). Rules need the egress relay's
-/// directory, so an egress run only.
+/// beside the proxy's ([`Relay::tcp_socket`]). Rules need the egress relay's directory, so an
+/// egress run only.
 fn tcp_fields(
     spec: &RunSpec,
     relay: Option<&Relay>,
@@ -70,17 +73,15 @@ fn tcp_fields(
     if rules.is_empty() {
         return Ok((Vec::new(), String::new()));
     }
-    if relay.is_none() {
+    let Some(relay) = relay else {
         return Err(SandboxError::Setup(
             "tcp rules without the egress relay".into(),
         ));
-    }
-    let socket = format!(
-        "{}/{}",
-        super::egress::CONTAINER_DIR,
-        super::egress::TCP_SOCKET_NAME
-    );
-    Ok((rules.iter().map(|r| r.route()).collect(), socket))
+    };
+    Ok((
+        rules.iter().map(|r| r.route()).collect(),
+        relay.tcp_socket.clone(),
+    ))
 }
 
 /// Where a kept sandbox's supervisor writes each exec's code (a root-owned tmpfs of the
@@ -457,6 +458,7 @@ mod tests {
         let relay = Relay {
             port: 3128,
             socket: "/run/executor-arm/egress/proxy.sock".into(),
+            tcp_socket: "/run/executor-arm/egress/tcp.sock".into(),
         };
         let (h, rest) = decoded(&encode_request(&s, Some(&relay), None).unwrap());
         assert_eq!(h.argv, ["/bin/echo", "$(id)", "a b", ""]);
@@ -510,6 +512,7 @@ mod tests {
         let relay = Relay {
             port: 3128,
             socket: "/run/executor-arm/egress/proxy.sock".into(),
+            tcp_socket: "/run/executor-arm/egress/tcp.sock".into(),
         };
         let (h, _) = decoded(&encode_request(&s, Some(&relay), None).unwrap());
         let routes: Vec<_> = tcp.iter().map(|r| r.route()).collect();
@@ -532,6 +535,7 @@ mod tests {
             let r = Relay {
                 port: bad.0,
                 socket: bad.1.into(),
+                tcp_socket: "/run/executor-arm/egress/tcp.sock".into(),
             };
             assert!(encode_request(&echo, Some(&r), None).is_err(), "{bad:?}");
         }
