@@ -1301,17 +1301,26 @@ async fn raw_tcp_reaches_only_its_rules(backend: Backend) {
     setup.finish();
 }
 
+/// Prints `CapEff CapPrm CapBnd` of the command (`self`) and of the container's pid 1.
+const CAPS_SCRIPT: &str = "import re\nfor p in ('self', '1'):\n    s = open(f'/proc/{p}/status').read()\n    print(p, *[re.search(k + r':\\s*(\\w+)', s).group(1) for k in ('CapEff', 'CapPrm', 'CapBnd')])";
+
 /// Neither the command nor the container's pid 1 holds CAP_NET_ADMIN or CAP_SETPCAP.
 async fn check_no_routing_caps(d: &Daemon) {
-    let caps_script = "import re\nfor p in ('self', '1'):\n    s = open(f'/proc/{p}/status').read()\n    print(p, *[re.search(k + r':\\s*(\\w+)', s).group(1) for k in ('CapEff', 'CapPrm', 'CapBnd')])";
     let caps = d.cap(&["PythonExecute"]);
     let r = d
-        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", caps_script], "capability_token": caps}))
+        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", CAPS_SCRIPT], "capability_token": caps}))
         .await;
     assert_eq!(r.status, 200, "{}", r.text);
+    assert_no_routing_caps(&r);
+}
+
+/// `r` ran [`CAPS_SCRIPT`]: no set of either process holds CAP_NET_ADMIN or CAP_SETPCAP.
+fn assert_no_routing_caps(r: &common::Resp) {
     let out = r.json["stdout"].as_str().unwrap_or_default();
     assert_eq!(out.lines().count(), 2, "{}", r.text);
-    for v in out.split_whitespace().filter(|w| w.len() == 16) {
+    let sets: Vec<&str> = out.split_whitespace().filter(|w| w.len() == 16).collect();
+    assert_eq!(sets.len(), 6, "{}", r.text);
+    for v in sets {
         let bits = u64::from_str_radix(v, 16).unwrap();
         assert_eq!(bits & ((1 << 12) | (1 << 8)), 0, "{}", r.text);
     }
@@ -1382,43 +1391,100 @@ async fn raw_tcp_covering_rules_keep_the_deny_list(backend: Backend) {
     );
     setup.wait_for_run_cleanup("the raw TCP run");
 
-    // Sessions: a local one has the rules in each exec; a container's is refused (400).
+    raw_tcp_in_a_session(&setup, &net, backend).await;
+    setup.finish();
+}
+
+/// A session has its profile's rules in every exec, on the local backend and in a runc session
+/// container (whose supervisor makes the routes on the first exec and keeps them): an allowed
+/// target is reached and recorded by each exec, a denied one refused and recorded; the routing
+/// privilege is gone once the first exec ran; after a pause the resumed sandbox has them again.
+async fn raw_tcp_in_a_session(setup: &Setup, net: &Net, backend: Backend) {
+    let d = &setup.d;
     let c = common::sessions::koder(d, Some("team-a"));
     let r = c
         .create(json!({"language": "python", "capability_token": d.cap_all()}))
         .await;
-    if backend.is_container() {
-        assert_eq!(r.status, 400, "{}", r.text);
-        assert!(r.text.contains("raw TCP rules (network.tcp)"), "{}", r.text);
-    } else {
-        assert_eq!(r.status, 201, "{}", r.text);
-        let id = r.json["id"].as_str().unwrap().to_string();
-        let code = format!(
-            "import socket\ns = socket.create_connection(('{ALLOWED}', 80), timeout=5)\ns.sendall(b'GET /session HTTP/1.0\\r\\n\\r\\n')\nprint(s.makefile('rb').read().split(b'\\r\\n\\r\\n', 1)[-1].decode().strip())"
-        );
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().unwrap().to_string();
+    let fetch = |path: &str, ip: &str| {
+        format!(
+            "import socket\ns = socket.create_connection(('{ip}', 80), timeout=5)\ns.sendall(b'GET /{path} HTTP/1.0\\r\\n\\r\\n')\nprint(s.makefile('rb').read().split(b'\\r\\n\\r\\n', 1)[-1].decode().strip() or 'closed')"
+        )
+    };
+    for (round, path) in ["session-1", "session-2", "session-after-resume"]
+        .iter()
+        .enumerate()
+    {
+        if round == 2 {
+            let r = c
+                .call("POST", &format!("/v1/sandbox/sessions/{id}/pause"), None)
+                .await;
+            assert_eq!(r.status, 200, "{}", r.text);
+            assert_eq!(r.json["state"], json!("paused"), "{}", r.text);
+        }
         let r = c
-            .exec(&id, json!({"code": code, "timeout_ms": 30000}))
+            .exec(
+                &id,
+                json!({"code": fetch(path, ALLOWED), "timeout_ms": 30000}),
+            )
             .await;
-        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.status, 200, "{path}: {}", r.text);
         assert_eq!(
             r.json["stdout"].as_str().map(str::trim),
             Some(format!("hello from {ALLOWED}").as_str()),
-            "{}",
+            "{path}: {}",
             r.text
         );
         let rec = records(&r);
         assert!(
             rec.iter()
                 .any(|c| c["method"] == json!("TCP") && c["allowed"] == json!(true)),
-            "{}",
+            "{path}: {}",
             r.text
         );
-        let r = c
-            .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
-            .await;
-        assert_eq!(r.status, 204, "{}", r.text);
+        assert!(
+            net.hits(ALLOWED).contains(&format!("GET /{path} ")),
+            "{}",
+            net.hits(ALLOWED)
+        );
     }
-    setup.finish();
+    // A denied address under the covering rule: refused by the daemon and recorded.
+    let r = c
+        .exec(
+            &id,
+            json!({"code": fetch("denied", METADATA), "timeout_ms": 30000}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let rec = records(&r);
+    assert!(
+        rec.iter().any(|c| c["host"] == json!(METADATA)
+            && c["allowed"] == json!(false)
+            && c["reason"]
+                .as_str()
+                .is_some_and(|w| w.contains("no tcp rule names it explicitly"))),
+        "{}",
+        r.text
+    );
+    assert_eq!(
+        net.hits(METADATA),
+        "",
+        "the metadata host must never be reached"
+    );
+    // In a session container neither the command nor pid 1 (the supervisor, which made the
+    // routes on the first exec) holds CAP_NET_ADMIN or CAP_SETPCAP any more.
+    if backend.is_container() {
+        let r = c
+            .exec(&id, json!({"code": CAPS_SCRIPT, "timeout_ms": 30000}))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_no_routing_caps(&r);
+    }
+    let r = c
+        .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
 }
 
 /// gVisor's netstack is the sandbox's own: a profile with tcp rules is a 400 before anything

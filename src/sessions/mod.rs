@@ -322,15 +322,6 @@ impl SessionService {
         let probe = exec::probe(&id, &language, &new);
         let plan = self.executions.plan(&probe)?;
         exec::check_limits(&new.limits, &plan)?;
-        // A session's container keeps its network namespace across execs, while raw TCP rules
-        // are set up per run by a one-run container's supervisor (local sessions have them).
-        if plan.backend != BackendKind::Local && !plan.profile.network.tcp.is_empty() {
-            return Err(SessionError::Invalid(format!(
-                "profile '{}' has raw TCP rules (network.tcp), which sessions on {} do not offer; use the local backend or a profile without them",
-                plan.profile.name,
-                plan.backend.as_str()
-            )));
-        }
         // A place under the limits is taken before the sandbox is launched, and given back if
         // the session is not made.
         let place_taken = self.reserve(&new.owner)?;

@@ -20,7 +20,8 @@
 //! command's uid cannot signal root, so no process of an exec can stop its own kill.
 //!
 //! Trust: the supervisor runs as root with only CAP_SETUID and CAP_SETGID (kept mode: and
-//! CAP_KILL; no-new-privileges, the container's seccomp profile) and makes itself non-dumpable
+//! CAP_KILL; raw TCP rules: CAP_NET_ADMIN and CAP_SETPCAP until the routes are made; no-new-
+//! privileges, the container's seccomp profile) and makes itself non-dumpable
 //! before anything else; the command runs as UID:GID with no supplementary groups and no
 //! capabilities (the switch is checked before execve), so it cannot ptrace this process, read its
 //! memory, open its descriptors through /proc (its stdout is the report channel) or signal it.
@@ -35,9 +36,10 @@
 //! relay runs in this process (PID 1), which the command cannot kill. It lives for one request: in
 //! kept mode it closes with the exec (after the sweep), and the next exec's request opens it again
 //! on the socket the daemon bound for that exec.
-//! Raw TCP rules (once mode, runc): before the command starts, make the rules' ranges local, give
-//! up CAP_NET_ADMIN, listen on the rule ports and relay each connection to the daemon's
-//! tcp_socket ([`tcp`]).
+//! Raw TCP rules (runc): before the command starts, make the rules' ranges local and give up
+//! CAP_NET_ADMIN (kept mode: on the first exec with rules; the routes stay for the container's
+//! life), listen on the rule ports and relay each connection to the daemon's tcp_socket for
+//! that request ([`tcp`]).
 //!
 //! Single-threaded on purpose: it forks, and the children use the heap before execve.
 
@@ -559,17 +561,14 @@ fn raw_status(ws: WaitStatus) -> i32 {
 }
 
 /// The raw TCP relay of a request with tcp rules (none without).
-fn open_tcp(cfg: &Config, h: &RunHeader) -> Result<Option<tcp::TcpRelay>, Abandoned> {
+fn open_tcp(h: &RunHeader, routes: &mut tcp::Routes) -> Result<Option<tcp::TcpRelay>, Abandoned> {
     if h.tcp_rules.is_empty() {
         return Ok(None);
-    }
-    if cfg.kept {
-        return Err(fail("a kept sandbox has no raw TCP"));
     }
     if h.relay_port == 0 {
         return Err(fail("raw TCP rules without the egress relay"));
     }
-    match tcp::TcpRelay::open(&h.tcp_rules, &h.tcp_socket, h.relay_port) {
+    match tcp::TcpRelay::open(&h.tcp_rules, &h.tcp_socket, h.relay_port, routes) {
         Ok(r) => Ok(Some(r)),
         Err(tcp::OpenError::Unreachable(m)) => Err(unavailable(&m)),
         Err(tcp::OpenError::Setup(m)) => Err(fail(&m)),
@@ -581,6 +580,7 @@ fn run_request(
     cfg: &Config,
     prepared: &mut Option<Result<Prepared, String>>,
     wake: &OwnedFd,
+    routes: &mut tcp::Routes,
 ) -> Result<(), Abandoned> {
     let len = rd_u32();
     let raw = rd(len);
@@ -615,7 +615,7 @@ fn run_request(
     } else {
         None
     };
-    let mut tcp_relay = open_tcp(cfg, &h)?;
+    let mut tcp_relay = open_tcp(&h, routes)?;
     if let Some(code) = &code {
         if !cfg.kept {
             return Err(fail("code files are for kept sandboxes"));
@@ -1007,11 +1007,12 @@ fn main() {
     // Once mode: the command's process is made now; if that failed, the request tries again and
     // reports why it could not.
     let mut prepared = (!cfg.kept).then(|| spawn(&cfg));
+    let mut routes = tcp::Routes::default();
     loop {
         let magic = rd(4);
         // An abandoned request has already reported why (its last frame).
         let _ = if magic[..] == RUN_MAGIC[..] {
-            run_request(&cfg, &mut prepared, &wake_r)
+            run_request(&cfg, &mut prepared, &wake_r, &mut routes)
         } else if cfg.kept && magic[..] == FILE_MAGIC[..] {
             files::file_request(&cfg)
         } else {

@@ -1,4 +1,4 @@
-//! Raw TCP by rule inside the container (runc, once mode): the rules' ranges made local on `lo`,
+//! Raw TCP by rule inside a runc container: the rules' ranges made local on `lo`,
 //! a listener on each rule port, and every accepted connection relayed to the daemon's raw TCP
 //! socket after one line naming its destination (the accepted socket's local address).
 //!
@@ -10,7 +10,9 @@
 //! Privilege: adding routes needs CAP_NET_ADMIN, which the container has only for profiles with
 //! rules (with CAP_SETPCAP to give it up). [`TcpRelay::open`] adds the routes, then drops both
 //! capabilities from this process's bounding, effective, permitted and inheritable sets, before
-//! the command gets its order. The command's process, forked earlier, drops them from its own
+//! the command gets its order. A session's (kept) container does this on its first exec with
+//! rules and keeps the routes for its life (its network namespace is its own); every later exec
+//! carries the same rules and only listens ([`Routes`]). The command's process, forked earlier, drops them from its own
 //! bounding set before it switches to the command's uid ([`drop_route_privileges`]), which
 //! clears the rest.
 //!
@@ -19,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
@@ -242,6 +244,32 @@ struct Pending {
     until: Instant,
 }
 
+/// The ranges this container's namespace has made local, once it has (a kept container's first
+/// exec with rules); the privilege to make more is gone from then on.
+#[derive(Default)]
+pub struct Routes(Option<Vec<(IpAddr, u8)>>);
+
+impl Routes {
+    /// Makes `ranges` local and drops the privilege, the first time; later, checks that the
+    /// ranges are the same (a session's profile, and so its rules, never change).
+    fn make(&mut self, ranges: Vec<(IpAddr, u8)>) -> Result<(), String> {
+        match &self.0 {
+            None => {
+                let routed = add_local_routes(&ranges);
+                // Whatever the routes did, the privilege goes before anything else happens.
+                drop_route_privileges()?;
+                routed?;
+                self.0 = Some(ranges);
+                Ok(())
+            }
+            Some(made) if *made == ranges => Ok(()),
+            Some(_) => {
+                Err("raw TCP rules differ from the ones this sandbox's routes were made for".into())
+            }
+        }
+    }
+}
+
 pub struct TcpRelay {
     listeners: Vec<TcpListener>,
     socket: String,
@@ -254,10 +282,16 @@ fn transient(e: &std::io::Error) -> bool {
 }
 
 impl TcpRelay {
-    /// Checks that the daemon's socket answers, adds the local routes, gives up the privilege
-    /// to add more, and listens on the rule ports, all before the command starts. `proxy_port`
-    /// is the HTTP relay's loopback port, which no rule may take.
-    pub fn open(rules: &[TcpRoute], socket: &str, proxy_port: u16) -> Result<TcpRelay, OpenError> {
+    /// Checks that the daemon's socket answers, adds the local routes and gives up the privilege
+    /// to add more (unless `routes` were made already), and listens on the rule ports, all
+    /// before the command starts. `proxy_port` is the HTTP relay's loopback port, which no rule
+    /// may take.
+    pub fn open(
+        rules: &[TcpRoute],
+        socket: &str,
+        proxy_port: u16,
+        routes: &mut Routes,
+    ) -> Result<TcpRelay, OpenError> {
         UnixStream::connect(socket).map_err(|e| {
             OpenError::Unreachable(format!(
                 "raw TCP relay cannot reach the daemon's socket at {socket}: {e}"
@@ -268,11 +302,9 @@ impl TcpRelay {
                 "a tcp rule uses port {proxy_port}, the egress proxy's port"
             )));
         }
-        let ranges: Vec<_> = rules.iter().map(|r| (r.addr, r.prefix)).collect();
-        let routed = add_local_routes(&ranges);
-        // Whatever the routes did, the privilege goes before anything else happens.
-        drop_route_privileges().map_err(OpenError::Setup)?;
-        routed.map_err(OpenError::Setup)?;
+        routes
+            .make(rules.iter().map(|r| (r.addr, r.prefix)).collect())
+            .map_err(OpenError::Setup)?;
         let mut ports: Vec<(u16, bool)> = Vec::new();
         for r in rules {
             let key = (r.port, r.addr.is_ipv6());
@@ -428,5 +460,23 @@ impl TcpRelay {
                 self.close(fd);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Once a kept container's routes are made, an exec with the same ranges only listens, and
+    /// one with other ranges is refused (no route is touched: the privilege is gone by then).
+    #[test]
+    fn routes_are_made_once_and_never_changed() {
+        let made = vec![("10.20.0.0".parse().unwrap(), 16)];
+        let mut routes = Routes(Some(made.clone()));
+        assert!(routes.make(made.clone()).is_ok());
+        let other = vec![("10.30.0.0".parse().unwrap(), 16)];
+        let e = routes.make(other).unwrap_err();
+        assert!(e.contains("differ"), "{e}");
+        assert_eq!(routes.0, Some(made));
     }
 }

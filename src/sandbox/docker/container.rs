@@ -148,14 +148,12 @@ impl ContainerPlan {
     ) -> Result<ContainerPlan, SandboxError> {
         let egress = matches!(spec.network, NetworkPolicy::Egress { .. });
         let tcp = !spec.network.tcp_rules().is_empty();
-        if tcp && (kept || kind == BackendKind::Gvisor) {
+        if tcp && kind == BackendKind::Gvisor {
             // The policy refuses these before a backend is chosen; this is the backend's own
-            // guard. gVisor: its netstack is not the kernel's; kept: the rules are set up per run.
-            return Err(SandboxError::Setup(format!(
-                "raw TCP rules are not offered on {} {}",
-                kind.as_str(),
-                if kept { "sessions" } else { "sandboxes" }
-            )));
+            // guard: gVisor's netstack is not the kernel's.
+            return Err(SandboxError::Setup(
+                "raw TCP rules are not offered on gvisor sandboxes".into(),
+            ));
         }
         if spec.uid == 0 || spec.gid == 0 {
             return Err(SandboxError::Setup("a sandbox never runs as root".into()));
@@ -651,24 +649,28 @@ pub(crate) mod tests {
     }
 
     /// Only a profile with raw TCP rules gives the supervisor CAP_NET_ADMIN (and CAP_SETPCAP to
-    /// drop it), and such containers pool apart; gVisor and session containers refuse rules.
+    /// drop it), on one-run and session containers alike, and such containers pool apart;
+    /// gVisor refuses rules.
     #[test]
     fn tcp_rules_add_the_routing_capabilities_on_runc_only() {
         let mut tcp = egress_spec();
         if let NetworkPolicy::Egress { tcp: rules, .. } = &mut tcp.network {
             rules.push("10.20.0.0/16:5432".parse().unwrap());
         }
-        let caps = |s: &RunSpec| {
-            let p = ContainerPlan::new(s, BackendKind::Docker, "i", false).unwrap();
+        let caps = |s: &RunSpec, kept: bool| {
+            let p = ContainerPlan::new(s, BackendKind::Docker, "i", kept).unwrap();
             let b = p.body(&owner(), "e", "v", UID, Some(Path::new("/run/x/egress/c1")));
             (p.key, b.host_config.unwrap().cap_add.unwrap())
         };
-        let (tcp_key, with) = caps(&tcp);
+        let (tcp_key, with) = caps(&tcp, false);
         assert_eq!(with, ["SETUID", "SETGID", "NET_ADMIN", "SETPCAP"]);
-        let (plain_key, without) = caps(&egress_spec());
+        let (plain_key, without) = caps(&egress_spec(), false);
         assert_eq!(without, ["SETUID", "SETGID"]);
         assert_ne!(tcp_key, plain_key, "never interchangeable in the pool");
-        for (kind, kept) in [(BackendKind::Gvisor, false), (BackendKind::Docker, true)] {
+        let (_, kept) = caps(&tcp, true);
+        assert_eq!(kept, ["SETUID", "SETGID", "KILL", "NET_ADMIN", "SETPCAP"]);
+        for kept in [false, true] {
+            let kind = BackendKind::Gvisor;
             let e = ContainerPlan::new(&tcp, kind, "i", kept)
                 .unwrap_err()
                 .to_string();
