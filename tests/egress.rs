@@ -233,14 +233,15 @@ impl Net {
         extra: &str,
         backend: Backend,
     ) -> Setup {
-        let profiles = tempfile::tempdir().unwrap().keep();
+        let profiles_dir = tempfile::tempdir().unwrap();
+        let profiles = profiles_dir.path();
         let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("sandbox-profiles");
         for e in std::fs::read_dir(&shipped).unwrap() {
             let e = e.unwrap();
             std::fs::copy(e.path(), profiles.join(e.file_name())).unwrap();
         }
         for name in names {
-            write_profile(&profiles, &shipped, name, profile_network, limits);
+            write_profile(profiles, &shipped, name, profile_network, limits);
         }
         let egress_dir = tempfile::tempdir().unwrap();
         let d = Daemon::start_with(Opts {
@@ -269,7 +270,7 @@ impl Net {
             d,
             backend,
             egress_dir,
-            _profiles: profiles,
+            _profiles: profiles_dir,
         }
     }
 }
@@ -299,7 +300,7 @@ struct Setup {
     backend: Backend,
     /// `sandbox.docker.egress_dir` of this daemon.
     egress_dir: tempfile::TempDir,
-    _profiles: PathBuf,
+    _profiles: tempfile::TempDir,
 }
 
 impl Setup {
