@@ -1003,6 +1003,137 @@ async fn a_session_installs_a_package_from_its_index(backend: Backend) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// npm: local only. node and npm are the host's there; the shipped sandbox image has neither, so
+// container sessions of the node language need an image of the operator's own.
+mod npm_local {
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_node_session_installs_a_package_from_its_registry() {
+        super::a_node_session_installs_a_package_from_its_registry(super::Backend::Local).await;
+    }
+}
+
+const REGISTRY_OVERRIDE: &str = "[sandbox.profile_overrides.node-packages.network]\n\
+    allow_hosts = [\"index.test\"]\n\
+    [sandbox.profile_overrides.node-packages.env.set]\n\
+    NPM_CONFIG_REGISTRY = \"http://index.test/npm/\"\n";
+
+/// `npm install ARGS` in a node session exec (no retries): npm's output, and its exit code as
+/// the exec's.
+fn npm_install(args: &[&str]) -> String {
+    format!(
+        "const r = require('child_process').spawnSync('npm', ['install', '--fetch-retries=0', \
+         '--no-package-lock', ...{}], {{encoding: 'utf8'}});\n\
+         console.log(r.stdout.slice(-3000)); console.error(String(r.stderr).slice(-3000), r.error || '');\n\
+         process.exit(r.status === null ? 99 : r.status);",
+        serde_json::to_string(args).unwrap()
+    )
+}
+
+/// A node session on the shipped `node-packages` profile, pointed at a registry in the test's own
+/// namespace by the daemon's config: `npm install` there works through the proxy (npm reads the
+/// proxy variables unchanged) and the next exec requires the package; a registry the profile does
+/// not name is refused, and the refusal is in that exec's `network` array.
+async fn a_node_session_installs_a_package_from_its_registry(backend: Backend) {
+    let net = Net::new();
+    let index = net.logdir.path().join("index");
+    let built = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/egress/package.py"))
+        .arg(&index)
+        .args([
+            "earmprobe",
+            "1.0.0",
+            "from-the-registry",
+            "http://index.test/npm/",
+        ])
+        .output()
+        .expect("python3 package.py");
+    assert!(
+        built.status.success(),
+        "{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let setup = net.daemon_with_config(NETWORK, "", REGISTRY_OVERRIDE, backend);
+    let d = &setup.d;
+    let c = common::sessions::koder(d, Some("team-a"));
+    let cap = d.mint(executor_arm::auth::MintRequest {
+        kind: Some(executor_arm::config::TokenKind::Capability),
+        ttl_seconds: 600,
+        aud: "executor-arm".into(),
+        sub: Some("orchestrator".into()),
+        capabilities: vec!["ShellExecute".into(), "NetworkAccess".into()],
+        profiles: Some(vec!["node-packages".into()]),
+        ..Default::default()
+    });
+    let r = c
+        .create(json!({"language": "node", "profile": "node-packages", "capability_token": cap}))
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().unwrap().to_string();
+    let exec = |code: String| {
+        let c = &c;
+        let id = &id;
+        async move {
+            let r = c
+                .exec(id, json!({"code": code, "timeout_ms": 120000}))
+                .await;
+            assert_eq!(r.status, 200, "{}", r.text);
+            r
+        }
+    };
+
+    let r = exec(npm_install(&["earmprobe"])).await;
+    assert_eq!(r.json["exit_code"], json!(0), "{}", r.text);
+    let rec = records(&r);
+    assert!(!rec.is_empty(), "{}", r.text);
+    for c in &rec {
+        assert_eq!(c["allowed"], json!(true), "{}", r.text);
+        assert_eq!(c["host"], json!("index.test"), "{}", r.text);
+    }
+    let hits = net.hits(ALLOWED);
+    assert!(hits.contains("GET /npm/earmprobe index.test"), "{hits}");
+    assert!(
+        hits.contains("GET /npm/earmprobe/-/earmprobe-1.0.0.tgz index.test"),
+        "{hits}"
+    );
+
+    // The next exec requires what the previous one installed in the workspace.
+    let r = exec(
+        "const r = require('module').createRequire(process.cwd() + '/');\n\
+         console.log(r('earmprobe').VALUE);"
+            .into(),
+    )
+    .await;
+    assert_eq!(r.json["stdout"], json!("from-the-registry\n"), "{}", r.text);
+
+    // A registry the profile does not name: refused by the proxy, recorded, never reached.
+    let r = exec(npm_install(&[
+        "--registry",
+        "http://private.test/npm/",
+        "otherprobe",
+    ]))
+    .await;
+    assert_ne!(r.json["exit_code"], json!(0), "{}", r.text);
+    let refused = records(&r)
+        .into_iter()
+        .find(|c| c["host"] == json!("private.test"));
+    assert_eq!(
+        refused.as_ref().map(|c| &c["allowed"]),
+        Some(&json!(false)),
+        "{}",
+        r.text
+    );
+    assert_eq!(
+        net.hits(&net.private_ip),
+        "",
+        "the private host must never be reached"
+    );
+    let r = c
+        .call("DELETE", &format!("/v1/sandbox/sessions/{id}"), None)
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    setup.finish();
+}
+
 // Raw TCP by rule (`network.tcp`): local and docker (runc); gVisor refuses such profiles.
 
 mod raw_tcp_local {

@@ -36,6 +36,10 @@ pub const EMBEDDED: &[(&str, &str)] = &[
         include_str!("../../sandbox-profiles/python-packages.toml"),
     ),
     (
+        "node-packages",
+        include_str!("../../sandbox-profiles/node-packages.toml"),
+    ),
+    (
         "http-egress",
         include_str!("../../sandbox-profiles/http-egress.toml"),
     ),

@@ -90,7 +90,7 @@ def test_profiles_value_adds_replaces_and_removes(tmp_path):
                                       "commands": {"curl": None, "wget": None, "nmap": None}}))
     docs = render(str(values), sets=[SECRET])
     got = configmap_profiles(docs)
-    assert set(got) == {"shell-readonly", "python", "python-packages", "extra"}
+    assert set(got) == {"shell-readonly", "python", "python-packages", "node-packages", "extra"}
     assert got["extra"] == extra
     assert tomllib.loads(got["python"])["limits"]["memory_mb"] == 256
     assert got["shell-readonly"] == shipped_profiles()["shell-readonly"]

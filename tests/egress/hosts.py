@@ -12,9 +12,9 @@ sends "echo <ip>:<port>\n", then echoes what it reads; each connection is append
 <logdir>/tcp-<ip>.log.
 
 Paths: /redirect-to-metadata (302 to the metadata host), /bytes/N (N bytes), /slow (answers
-after 60 s: holds a connection open while a run times out or its client goes away), /simple/...
-and /files/... (the package index a test laid out in <logdir>/index with package.py; a directory
-is its index.html, anything missing 404), anything else "hello from <ip>". Names: allowed.test,
+after 60 s: holds a connection open while a run times out or its client goes away), /simple/...,
+/files/... and /npm/... (the package index and registry a test laid out in <logdir>/index with
+package.py; a directory is its index.html, anything missing 404), anything else "hello from <ip>". Names: allowed.test,
 index.test (the allowed address), metadata.test, private.test, loopback.test (127.0.0.1) and
 rebind.test (first the allowed, then the metadata address).
 """
@@ -45,7 +45,7 @@ def handler_for(ip):
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
-            if self.path.startswith(("/simple/", "/files/")):
+            if self.path.startswith(("/simple/", "/files/", "/npm/")):
                 self.serve_index()
                 return
             if self.path == "/slow":
@@ -90,7 +90,12 @@ def handler_for(ip):
             with open(path, "rb") as f:
                 body = f.read()
             self.send_response(200)
-            kind = "text/html" if path.endswith(".html") else "application/octet-stream"
+            if rel.startswith("npm/") and path.endswith(".html"):
+                kind = "application/json"
+            elif path.endswith(".html"):
+                kind = "text/html"
+            else:
+                kind = "application/octet-stream"
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
