@@ -1620,7 +1620,8 @@ async fn raw_tcp_in_a_session(setup: &Setup, net: &Net, backend: Backend) {
 }
 
 /// gVisor's netstack is the sandbox's own: a profile with tcp rules is a 400 before anything
-/// runs, with the documented message.
+/// runs, with the documented message, for a run and for a session (whose container would keep
+/// the profile's rules).
 async fn raw_tcp_profiles_are_refused_with_400(backend: Backend) {
     let net = Net::new();
     let setup = net.daemon_with(
@@ -1633,6 +1634,17 @@ async fn raw_tcp_profiles_are_refused_with_400(backend: Backend) {
     let caps = d.cap(&["PythonExecute"]);
     let r = d
         .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "print(1)"], "capability_token": caps}))
+        .await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(
+        r.text
+            .contains("raw TCP rules (network.tcp), which the gvisor backend does not offer"),
+        "{}",
+        r.text
+    );
+    let c = common::sessions::koder(d, Some("team-a"));
+    let r = c
+        .create(json!({"language": "python", "capability_token": d.cap_all()}))
         .await;
     assert_eq!(r.status, 400, "{}", r.text);
     assert!(

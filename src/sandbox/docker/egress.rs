@@ -22,10 +22,11 @@
 //! only to the proxy, which trusts nothing the client says. The mount is read-only, so the command
 //! cannot create files or sockets on the host through it.
 //!
-//! Raw TCP rules (runc, one-run containers): the daemon also binds [`TCP_SOCKET_NAME`] in the
-//! same directory; the supervisor makes the rules' ranges local in the container's namespace,
-//! listens on their ports and relays each connection there after a line naming its destination,
-//! which [`crate::egress::TcpPolicy`] judges like any other.
+//! Raw TCP rules (runc, one-run and session containers): for every execution the daemon also
+//! binds [`TCP_SOCKET_NAME`] in the same directory; the supervisor makes the rules' ranges local
+//! in the container's namespace (a session's container: on its first exec, for its life),
+//! listens on their ports during the execution and relays each connection there after a line
+//! naming its destination, which [`crate::egress::TcpPolicy`] judges like any other.
 //!
 //! Owns: the directories (one per daemon and backend, one per container inside it), binding the
 //! listeners, the removal at startup of directories of dead daemons. Must not: decide egress
