@@ -145,6 +145,8 @@ impl Plan {
             output_tap: None,
             kept: None,
             code: None,
+            controls: None,
+            background: false,
         }
     }
 }

@@ -6,6 +6,7 @@
 //! wait for an end or a reason to kill, the outcome's assembly — is [`run`] and [`capture`].
 
 pub mod capture;
+pub mod control;
 pub mod docker;
 pub mod files;
 pub mod local;
@@ -206,6 +207,12 @@ pub struct RunSpec {
     /// A session exec's code, for a kept sandbox to write at its path before the run (the local
     /// backend binds a host file through `fs.extra_files` instead).
     pub code: Option<ExecCode>,
+    /// Set: the run's stdin stays open after `stdin` for what the caller sends, and the caller
+    /// may signal it ([`control`]).
+    pub controls: Option<control::Controls>,
+    /// A session's background process: in a kept sandbox it runs beside the session's other
+    /// runs (it neither waits for nor ends them, and they do not end it).
+    pub background: bool,
 }
 
 /// The code of a session's exec and where the interpreter finds it.
@@ -480,6 +487,8 @@ pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {
         output_tap: None,
         kept: None,
         code: None,
+        controls: None,
+        background: false,
     }
 }
 

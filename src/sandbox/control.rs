@@ -1,0 +1,120 @@
+//! What a caller sends a run while it runs: bytes for its stdin, the end of its stdin, a signal.
+//!
+//! A run whose [`super::RunSpec::controls`] is set keeps its stdin open after the spec's initial
+//! `stdin` bytes: each [`Control::Stdin`] is written to it in order, [`Control::CloseStdin`] (or
+//! every sender gone) closes it. [`Control::Signal`] goes to the command's process; `KILL` ends
+//! every process of the run. Backends: local writes the run's stdin pipe and signals its pid 1;
+//! docker and gVisor pass them to the container's supervisor as frames of the run's request.
+//!
+//! Owns: the control channel's types. Must not: decide who may send them.
+
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+/// How many controls may wait for the run to take them; a sender past it waits.
+pub const CONTROL_QUEUE: usize = 64;
+
+/// One control of a live run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Control {
+    /// Bytes for the command's stdin.
+    Stdin(Vec<u8>),
+    /// The end of the command's stdin.
+    CloseStdin,
+    /// A signal for the command's process.
+    Signal(ProcessSignal),
+}
+
+/// The signals a caller may send a live process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum ProcessSignal {
+    Term,
+    Kill,
+    Int,
+    Hup,
+}
+
+impl ProcessSignal {
+    /// The signal's number on Linux.
+    pub fn number(self) -> i32 {
+        match self {
+            ProcessSignal::Term => libc::SIGTERM,
+            ProcessSignal::Kill => libc::SIGKILL,
+            ProcessSignal::Int => libc::SIGINT,
+            ProcessSignal::Hup => libc::SIGHUP,
+        }
+    }
+
+    /// The signal a number names, among those a caller may send.
+    pub fn from_number(n: i32) -> Option<ProcessSignal> {
+        [
+            ProcessSignal::Term,
+            ProcessSignal::Kill,
+            ProcessSignal::Int,
+            ProcessSignal::Hup,
+        ]
+        .into_iter()
+        .find(|s| s.number() == n)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProcessSignal::Term => "TERM",
+            ProcessSignal::Kill => "KILL",
+            ProcessSignal::Int => "INT",
+            ProcessSignal::Hup => "HUP",
+        }
+    }
+}
+
+/// The receiving end of a run's controls. A [`super::RunSpec`] is cloned on its way to a
+/// backend, so the receiver sits behind a shared slot; the one run that takes it owns it.
+#[derive(Debug, Clone)]
+pub struct Controls(Arc<Mutex<Option<mpsc::Receiver<Control>>>>);
+
+impl Controls {
+    /// A control channel: the sender for the caller, the receiving end for the run's spec.
+    pub fn channel() -> (mpsc::Sender<Control>, Controls) {
+        let (tx, rx) = mpsc::channel(CONTROL_QUEUE);
+        (tx, Controls(Arc::new(Mutex::new(Some(rx)))))
+    }
+
+    /// The receiver, for the run that takes it (None once taken).
+    pub fn take(&self) -> Option<mpsc::Receiver<Control>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signals_round_trip_and_only_the_offered_ones_exist() {
+        for s in [
+            ProcessSignal::Term,
+            ProcessSignal::Kill,
+            ProcessSignal::Int,
+            ProcessSignal::Hup,
+        ] {
+            assert_eq!(ProcessSignal::from_number(s.number()), Some(s));
+            let json = serde_json::to_string(&s).unwrap();
+            assert_eq!(json, format!("\"{}\"", s.as_str()));
+        }
+        assert_eq!(ProcessSignal::from_number(libc::SIGSTOP), None);
+        assert!(serde_json::from_str::<ProcessSignal>("\"STOP\"").is_err());
+    }
+
+    #[tokio::test]
+    async fn the_receiver_is_taken_once() {
+        let (tx, controls) = Controls::channel();
+        let copy = controls.clone();
+        let mut rx = copy.take().expect("first take");
+        assert!(controls.take().is_none());
+        tx.send(Control::CloseStdin).await.unwrap();
+        assert_eq!(rx.recv().await, Some(Control::CloseStdin));
+    }
+}
