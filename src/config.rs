@@ -312,6 +312,8 @@ pub struct SessionsConfig {
     pub pause_on_shutdown: bool,
     /// Paused sessions one (service, tenant) may keep in the store; a pause past it is 429.
     pub max_paused_per_tenant: usize,
+    /// Background processes one session may have running; another is 429.
+    pub max_processes: usize,
     pub languages: BTreeMap<String, LanguageEntry>,
 }
 

@@ -29,6 +29,10 @@ pub enum ApiError {
     ExecutionNotFound,
     /// The run to cancel has finished.
     AlreadyFinished,
+    /// No background process with this id in the session.
+    ProcessNotFound,
+    /// The background process to write to or signal has ended.
+    ProcessEnded,
     /// No session with this id is the caller's (another service's or tenant's included).
     SessionNotFound,
     /// The session runs another exec.
@@ -62,8 +66,11 @@ impl ApiError {
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::IdempotencyConflict => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::IdempotencyInProgress | ApiError::AlreadyFinished => StatusCode::CONFLICT,
+            ApiError::IdempotencyInProgress
+            | ApiError::AlreadyFinished
+            | ApiError::ProcessEnded => StatusCode::CONFLICT,
             ApiError::ExecutionNotFound
+            | ApiError::ProcessNotFound
             | ApiError::SessionNotFound
             | ApiError::SessionGone(_)
             | ApiError::FileNotFound(_) => StatusCode::NOT_FOUND,
@@ -89,8 +96,8 @@ impl ApiError {
             ApiError::BodyTimeout(_) => "RequestTimeout",
             ApiError::IdempotencyConflict => "IdempotencyConflict",
             ApiError::IdempotencyInProgress => "IdempotencyInProgress",
-            ApiError::ExecutionNotFound => "NotFound",
-            ApiError::AlreadyFinished => "AlreadyFinished",
+            ApiError::ExecutionNotFound | ApiError::ProcessNotFound => "NotFound",
+            ApiError::AlreadyFinished | ApiError::ProcessEnded => "AlreadyFinished",
             ApiError::SessionNotFound | ApiError::SessionGone(_) | ApiError::FileNotFound(_) => {
                 "NotFound"
             }
@@ -126,6 +133,8 @@ impl ApiError {
             }
             ApiError::ExecutionNotFound => "No such execution".into(),
             ApiError::AlreadyFinished => "The execution has already finished".into(),
+            ApiError::ProcessNotFound => "No such process in this session".into(),
+            ApiError::ProcessEnded => "The process has ended".into(),
             ApiError::SessionNotFound => "No such session".into(),
             ApiError::SessionGone(m) => m.clone(),
             ApiError::SessionLimit(m) => format!("Too many sessions: {m}; retry later"),

@@ -317,6 +317,7 @@ async fn handle(
         cancel_on_disconnect,
         timeout_status: StatusCode::REQUEST_TIMEOUT,
         links: "/v1/executions/".into(),
+        process_links: None,
     };
     job.serve(st, client).await
 }

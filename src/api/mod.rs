@@ -11,6 +11,7 @@
 //!   - `execute.rs`: `POST /execute`: the order of its checks, its request made into an
 //!     `ExecutionRequest`.
 //!   - `sessions.rs`: `/v1/sandbox/sessions`: sessions, their execs and their files.
+//!   - `processes.rs`: a session's background processes (list, stream, stdin, signal).
 //!   - `executions.rs`: `/v1/executions/{exec_id}`: read, stream and cancel a run (session
 //!     execs' run routes use it too).
 //!   - `ops.rs`: health, readiness, capabilities, metrics, executors, 404 and 405.
@@ -35,6 +36,7 @@ pub mod extract;
 pub mod forward;
 pub mod openapi;
 pub mod ops;
+pub mod processes;
 pub mod run;
 pub mod sessions;
 pub mod stream;
@@ -136,6 +138,19 @@ fn session_routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
         .route(
             "/v1/sandbox/sessions/{id}/execs/{exec_id}/cancel",
             post(sessions::exec_cancel),
+        )
+        .route("/v1/sandbox/sessions/{id}/processes", get(processes::list))
+        .route(
+            "/v1/sandbox/sessions/{id}/processes/{process_id}/stream",
+            get(processes::stream),
+        )
+        .route(
+            "/v1/sandbox/sessions/{id}/processes/{process_id}/stdin",
+            post(processes::stdin),
+        )
+        .route(
+            "/v1/sandbox/sessions/{id}/processes/{process_id}/signal",
+            post(processes::signal),
         )
         .route("/v1/sandbox/sessions/{id}/files", get(sessions::list_files))
         .route(

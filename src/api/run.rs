@@ -305,6 +305,9 @@ pub(super) struct RunJob<W> {
     /// Where the run is read, streamed and cancelled, less its exec_id: `/v1/executions/` for
     /// `/execute`, the session's `/execs/` for a session's exec (the 202's links).
     pub links: String,
+    /// A session's background process: where it is controlled, less its id (the session's
+    /// `/processes/`); its 202 names it and these links too.
+    pub process_links: Option<String>,
 }
 
 impl<W: Work> RunJob<W> {
@@ -322,6 +325,7 @@ impl<W: Work> RunJob<W> {
             cancel_on_disconnect,
             timeout_status,
             links,
+            process_links,
         } = self;
         // A retry of a finished request gets the stored answer without running again.
         let key = match idempotency {
@@ -363,6 +367,7 @@ impl<W: Work> RunJob<W> {
             cancel_on_disconnect,
             timeout_status,
             links: &links,
+            process_links: process_links.as_deref(),
         };
         let answered = start::<W>(st, request, held, how, client).await;
         if let Some(key) = key {
@@ -374,7 +379,7 @@ impl<W: Work> RunJob<W> {
                 Ok(Answer::Stored(a)) if matches!(a.status, 200 | 202 | 408) => Some(a.clone()),
                 Ok(Answer::Stream(live)) => Some(StoredResponse {
                     status: StatusCode::ACCEPTED.as_u16(),
-                    body: accepted_body(&links, live.exec_id()),
+                    body: accepted_body(&links, process_links.as_deref(), live.exec_id()),
                 }),
                 _ => None,
             };
@@ -408,6 +413,7 @@ struct How<'a> {
     cancel_on_disconnect: bool,
     timeout_status: StatusCode,
     links: &'a str,
+    process_links: Option<&'a str>,
 }
 
 /// What a started run answers now.
@@ -445,7 +451,7 @@ async fn start<W: Work>(
         RunMode::Async => {
             return Ok(Answer::Stored(StoredResponse {
                 status: StatusCode::ACCEPTED.as_u16(),
-                body: accepted_body(how.links, live.exec_id()),
+                body: accepted_body(how.links, how.process_links, live.exec_id()),
             }));
         }
         RunMode::Stream => return Ok(Answer::Stream(live)),
@@ -674,6 +680,9 @@ impl Drop for LeaseRenewal {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RunAccepted {
     pub exec_id: String,
+    /// A session's background process: its id (the same as `exec_id`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub process_id: Option<String>,
     /// Always `running`.
     #[schema(value_type = String, pattern = "^running$")]
     pub status: &'static str,
@@ -690,6 +699,12 @@ pub struct RunLinks {
     pub stream: String,
     /// Where to cancel it.
     pub cancel: String,
+    /// A background process: where to write its stdin.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stdin: Option<String>,
+    /// A background process: where to signal it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
 }
 
 /// A finished run's answer: its result, or the error it ended with.
@@ -743,15 +758,19 @@ fn answer_of(
 
 /// The 202 body of an async run: where to read, stream and cancel it (its routes are under
 /// `links`, see [`RunJob::links`]).
-fn accepted_body(links: &str, exec_id: &str) -> String {
+fn accepted_body(links: &str, process_links: Option<&str>, exec_id: &str) -> String {
     let base = format!("{links}{exec_id}");
+    let process = process_links.map(|p| format!("{p}{exec_id}"));
     let body = RunAccepted {
         exec_id: exec_id.to_string(),
+        process_id: process.as_ref().map(|_| exec_id.to_string()),
         status: "running",
         links: RunLinks {
             stream: format!("{base}/stream"),
             cancel: format!("{base}/cancel"),
             this: base,
+            stdin: process.as_ref().map(|p| format!("{p}/stdin")),
+            signal: process.as_ref().map(|p| format!("{p}/signal")),
         },
     };
     serde_json::to_string(&body).unwrap_or_default()

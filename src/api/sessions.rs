@@ -28,8 +28,8 @@ use super::error::{ApiError, ErrorBody};
 use super::executions::{self, CancelAccepted, CancelRequest, RunStatus};
 use super::extract::{Path, Query};
 use super::run::{
-    AskedTimeout, ClientLink, IdemAsk, RunAccepted, RunAsk, RunJob, RunOptions, Work, detach,
-    fingerprint, idempotency_key, what_runs,
+    AskedTimeout, ClientLink, IdemAsk, RunAccepted, RunAsk, RunJob, RunMode, RunOptions, Work,
+    detach, fingerprint, idempotency_key, what_runs,
 };
 use crate::config::TokenKind;
 use crate::execution::ExecutionRequest;
@@ -38,8 +38,8 @@ use crate::execution::result::ExecutionResult;
 use crate::execution::runs::LiveRun;
 use crate::policy::profile::MAX_ASYNC_TIMEOUT_SECONDS;
 use crate::sessions::{
-    ExecParts, FileError, NewSession, Owner, PreparedExec, Session, SessionError, SessionInfo,
-    SessionLimits, UploadError,
+    ExecParts, FileError, NewSession, Owner, PreparedExec, PreparedProcess, Session, SessionError,
+    SessionInfo, SessionLimits, UploadError,
 };
 use crate::state::IdemKey;
 
@@ -91,7 +91,7 @@ fn file_failure(session: &Session, e: FileError) -> ApiError {
 #[derive(IntoParams)]
 #[into_params(parameter_in = Path)]
 #[allow(dead_code)]
-struct SessionPath {
+pub(super) struct SessionPath {
     /// The session's id (`ses_…`)
     id: String,
 }
@@ -101,7 +101,7 @@ struct SessionPath {
 #[derive(IntoParams)]
 #[into_params(parameter_in = Header)]
 #[allow(dead_code)]
-struct TenantHeaders {
+pub(super) struct TenantHeaders {
     /// The tenant (0-256 visible ASCII; none is the empty tenant)
     #[param(rename = "X-Tenant-ID")]
     x_tenant_id: Option<String>,
@@ -124,20 +124,20 @@ async fn caller(
 /// How a call touches its session: reading it leaves its idle time running; an exec or a file
 /// call starts it again.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Touch {
+pub(super) enum Touch {
     Read,
     Use,
 }
 
 /// A session a call names, as the caller's own: running (with a sandbox), or paused.
-enum Looked {
+pub(super) enum Looked {
     Live(Arc<Session>),
     Paused(Box<SessionInfo>),
 }
 
 /// The caller's session `id`, running or paused, or 404. A call that uses the session (an exec,
 /// a file call) resumes a paused one.
-async fn look_up(
+pub(super) async fn look_up(
     st: &AppState,
     headers: &HeaderMap,
     rid: String,
@@ -178,7 +178,7 @@ async fn look_up(
 
 /// The caller's session `id` with its sandbox (a paused one is resumed when `touch` uses it, and
 /// is 404 to a call that only reads), or 404.
-async fn session_of(
+pub(super) async fn session_of(
     st: &AppState,
     headers: &HeaderMap,
     rid: String,
@@ -519,6 +519,13 @@ pub struct ExecBody {
     #[serde(default, deserialize_with = "super::caller::null_as_default")]
     #[schema(nullable)]
     cancel_on_disconnect: bool,
+    /// A background process: answer 202 with its `process_id` at once; it runs beside the
+    /// session's other execs (up to `sessions.max_processes`) until it ends, is signalled, or
+    /// the session ends. Its stdin stays open for `…/processes/{process_id}/stdin`; its deadline
+    /// is `timeout_ms`, else the profile's async maximum.
+    #[serde(default, deserialize_with = "super::caller::null_as_default")]
+    #[schema(nullable)]
+    background: bool,
 }
 
 /// `POST /v1/sandbox/sessions/{id}/exec`: the session's language runs `code` in its workspace.
@@ -630,6 +637,12 @@ async fn exec_inner(
         }
         None => None,
     };
+    let background = asked.background;
+    if background && mode == RunMode::Stream {
+        return Err(ApiError::InvalidRequest(
+            "a background exec answers 202 with its links: follow its stream link instead of asking for a stream".into(),
+        ));
+    }
     let parts = ExecParts {
         owner: session.owner.runs(),
         request_id: known.request_id.clone(),
@@ -640,7 +653,22 @@ async fn exec_inner(
         cwd: asked.cwd,
         timeout_ms: asked.timeout_ms,
         long_run: true,
+        background: None,
     };
+    let links = format!("/v1/sandbox/sessions/{id}/execs/");
+    if background {
+        let job = RunJob {
+            work: SessionProcess { session, parts },
+            idempotency,
+            mode: RunMode::Async,
+            framing,
+            cancel_on_disconnect: false,
+            timeout_status: StatusCode::OK,
+            links,
+            process_links: Some(format!("/v1/sandbox/sessions/{id}/processes/")),
+        };
+        return job.serve(st, client).await;
+    }
     let job = RunJob {
         work: SessionExec { session, parts },
         idempotency,
@@ -648,9 +676,38 @@ async fn exec_inner(
         framing,
         cancel_on_disconnect: asked.cancel_on_disconnect,
         timeout_status: StatusCode::OK,
-        links: format!("/v1/sandbox/sessions/{id}/execs/"),
+        links,
+        process_links: None,
     };
     job.serve(st, client).await
+}
+
+/// What a session's background process runs: a place among the session's processes is taken,
+/// and its code written to a file of its own.
+struct SessionProcess {
+    session: Arc<Session>,
+    parts: ExecParts,
+}
+
+impl Work for SessionProcess {
+    /// The place, given back unless the process starts; the code file, kept until it ended.
+    type Held = PreparedProcess;
+
+    /// The grant is the session's, and the caller was found its owner before.
+    async fn may_replay(&self, _: &AppState) -> Result<(), ApiError> {
+        Ok(())
+    }
+
+    async fn prepare(self, st: &AppState) -> Result<(ExecutionRequest, Self::Held), ApiError> {
+        Ok(st
+            .sessions
+            .prepare_process(&self.session, self.parts)
+            .await?)
+    }
+
+    fn started(prepared: Self::Held, live: &Arc<LiveRun>) {
+        prepared.started(live);
+    }
 }
 
 /// What a session's exec runs, made once its Idempotency-Key is held: the session's one exec is

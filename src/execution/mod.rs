@@ -65,7 +65,7 @@ pub use self::result::{ExecutionError, Finished};
 pub use self::run::Execution;
 use self::runs::{CancelOutcome, LiveRun, NewRun, Runs, log_store_error, put_final};
 pub use self::runs::{Lookup, Render, Unanswered, owner_of};
-pub use self::session::{SessionExec, SessionLimits, SessionPlace, WORKSPACE};
+pub use self::session::{Background, SessionExec, SessionLimits, SessionPlace, WORKSPACE};
 use crate::config::Config;
 use crate::executors::Registry;
 use crate::metrics::Metrics;

@@ -14,6 +14,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use crate::policy::language::Language;
+use crate::sandbox::control::Controls;
 use crate::sandbox::files::Kept;
 use crate::sandbox::{ExecCode, RunSpec};
 
@@ -32,6 +33,17 @@ pub struct SessionExec {
     pub limits: SessionLimits,
     /// The exec's deadline to the millisecond (`timeout_ms`), within what the policy allows.
     pub timeout: Option<Duration>,
+    /// A background process: it runs beside the session's other execs.
+    pub background: Option<Background>,
+}
+
+/// What makes a session's exec a background process.
+#[derive(Debug, Clone)]
+pub struct Background {
+    /// Its stdin stays open for these, and the caller may signal it.
+    pub controls: Controls,
+    /// Names its code file (ASCII letters and digits), unique among the session's processes.
+    pub key: String,
 }
 
 /// Where a session's exec runs.
@@ -105,6 +117,11 @@ impl SessionExec {
         spec.fs.workdir = PathBuf::from(WORKSPACE);
         spec.fs.cwd = Some(self.cwd.clone());
         spec.env.insert("HOME".into(), WORKSPACE.into());
+        if let Some(b) = &self.background {
+            spec.controls = Some(b.controls.clone());
+            spec.background = true;
+        }
+        let code_path = self.code_path();
         match &self.place {
             // A fresh sandbox bound to the session's host workspace, the code bound in.
             SessionPlace::Host {
@@ -116,16 +133,26 @@ impl SessionExec {
                     spec.uid = *uid;
                 }
                 spec.fs.workspace = Some(workspace.clone());
-                spec.fs.extra_files = vec![(code_file.clone(), self.language.code_path())];
+                spec.fs.extra_files = vec![(code_file.clone(), code_path)];
             }
             // The session's own sandbox, which writes the code where the interpreter reads it.
             SessionPlace::Kept { sandbox, code } => {
                 spec.kept = Some(sandbox.clone());
                 spec.code = Some(ExecCode {
-                    path: self.language.code_path(),
+                    path: code_path,
                     bytes: code.clone(),
                 });
             }
+        }
+    }
+
+    /// Where the interpreter reads the exec's code: the language's file, or for a background
+    /// process a file of its own beside it (a later exec writes the language's file while the
+    /// process may still read its own, as bash does).
+    pub fn code_path(&self) -> PathBuf {
+        match &self.background {
+            None => self.language.code_path(),
+            Some(b) => self.language.code_path_for(&format!("bg-{}", b.key)),
         }
     }
 

@@ -31,4 +31,10 @@ impl Language {
     pub fn code_path(&self) -> PathBuf {
         PathBuf::from(CODE_DIR).join(&self.file)
     }
+
+    /// A code file of its own for one run, `<key>-<file>` beside [`Language::code_path`]
+    /// (`key`: ASCII letters, digits and `-`).
+    pub fn code_path_for(&self, key: &str) -> PathBuf {
+        PathBuf::from(CODE_DIR).join(format!("{key}-{}", self.file))
+    }
 }

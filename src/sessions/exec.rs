@@ -18,7 +18,8 @@ use super::{NewSession, SessionError, SessionService};
 use crate::auth::Verified;
 use crate::execution::runs::LiveRun;
 use crate::execution::{
-    Action, ExecutionError, ExecutionRequest, SessionExec, SessionLimits, SessionPlace, WORKSPACE,
+    Action, Background, ExecutionError, ExecutionRequest, SessionExec, SessionLimits, SessionPlace,
+    WORKSPACE,
 };
 use crate::policy::language::Language;
 
@@ -36,6 +37,8 @@ pub struct ExecParts {
     pub timeout_ms: Option<u64>,
     /// Async or streamed: it may run up to the profile's async maximum.
     pub long_run: bool,
+    /// A background process (see [`super::processes`]).
+    pub background: Option<Background>,
 }
 
 /// An exec of a session on its way to start: the claim on the session's one exec (given back
@@ -74,7 +77,7 @@ impl SessionService {
 
     /// The execution request of an exec in `session`: its code is written to a file of its own
     /// (removed once the exec answers), `cwd` checked inside the workspace.
-    async fn exec_request(
+    pub(super) async fn exec_request(
         &self,
         session: &Arc<Session>,
         parts: ExecParts,
@@ -113,7 +116,7 @@ impl SessionService {
                     sandbox: k.clone(),
                     code: Arc::from(parts.code.as_bytes()),
                 },
-                CodeFile(None),
+                CodeFile::none(),
             ),
         };
         let binding = Binding {
@@ -172,14 +175,23 @@ pub(super) fn probe(id: &str, language: &Arc<Language>, new: &NewSession) -> Exe
 /// The execution request of an exec: the language's interpreter with the code file as its only
 /// argument, under the session's grant, in its workspace.
 fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
-    let owner = parts.owner;
+    let exec = SessionExec {
+        session_id: b.session_id,
+        language: b.language,
+        place: b.place,
+        code_sha256: b.code_sha256,
+        cwd: b.cwd,
+        limits: b.limits,
+        timeout: parts.timeout_ms.map(Duration::from_millis),
+        background: parts.background,
+    };
     ExecutionRequest {
         request_id: parts.request_id,
         subject: parts.subject,
-        owner,
+        owner: parts.owner,
         capability: b.grant,
-        command: b.language.interpreter.clone(),
-        args: vec![b.language.code_path().to_string_lossy().into_owned()],
+        command: exec.language.interpreter.clone(),
+        args: vec![exec.code_path().to_string_lossy().into_owned()],
         timeout_seconds: parts.timeout_ms.map(|ms| ms.div_ceil(1000).max(1)),
         long_run: parts.long_run,
         profile: b.profile,
@@ -188,21 +200,20 @@ fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
         metadata: None,
         idempotency_key: None,
         abandoned: None,
-        action: Action::SessionExec(SessionExec {
-            session_id: b.session_id,
-            language: b.language,
-            place: b.place,
-            code_sha256: b.code_sha256,
-            cwd: b.cwd,
-            limits: b.limits,
-            timeout: parts.timeout_ms.map(Duration::from_millis),
-        }),
+        action: Action::SessionExec(exec),
     }
 }
 
 /// An exec's code file on the host (local sessions); removed when dropped (the exec has its own
 /// bind of it by then, or never started).
-struct CodeFile(Option<PathBuf>);
+pub(super) struct CodeFile(Option<PathBuf>);
+
+impl CodeFile {
+    /// No file (a kept sandbox writes the code itself).
+    pub(super) fn none() -> CodeFile {
+        CodeFile(None)
+    }
+}
 
 impl Drop for CodeFile {
     fn drop(&mut self) {

@@ -33,16 +33,20 @@
 //! calls into this module, this module calls the execution service, never the other way round.
 
 mod archive;
+mod background;
 mod exec;
 mod files;
 mod pause;
 mod paused;
+mod processes;
 mod session;
 pub mod workspace;
 
 pub use self::archive::{ArchiveUploaded, ImportMode};
+pub use self::background::{ControlError, PreparedProcess};
 pub use self::exec::{ExecParts, PreparedExec};
 pub use self::files::UploadError;
+pub use self::processes::{ProcessInfo, ProcessState};
 pub use self::session::{ExecClaim, Owner, Session, SessionInfo, SessionState};
 pub use self::workspace::{Entry, FileError};
 pub use crate::execution::SessionLimits;
@@ -217,7 +221,10 @@ impl SessionService {
                     return Some((s.clone(), SANDBOX_GONE));
                 }
                 let idle_since = *s.last_used.lock().unwrap_or_else(|p| p.into_inner());
+                // A background process still running keeps the session from idling out (its
+                // TTL still ends it).
                 (s.running().is_none()
+                    && !s.has_live_processes()
                     && !matches!(
                         *s.activity.lock().unwrap_or_else(|p| p.into_inner()),
                         Activity::Starting
@@ -349,6 +356,7 @@ impl SessionService {
             execs: Default::default(),
             ran: Default::default(),
             ended: Default::default(),
+            processes: Default::default(),
         });
         // The grant's single-use token is used up only now that the session can be made.
         match crate::execution::claim_single_use(&**self.executions.store(), &new.grant).await {
@@ -530,6 +538,8 @@ impl SessionService {
     async fn finish_end(&self, session: Arc<Session>, id: &str, reason: &'static str) -> bool {
         // Uploads in progress finish (and are recorded) first; later ones are refused.
         *session.ended.write().await = true;
+        // Its background processes end, then its exec.
+        self.stop_processes(&session).await;
         // A claim being admitted now finds the session gone when it starts: wait for it too.
         let until = Instant::now() + Duration::from_secs(10);
         loop {

@@ -88,6 +88,10 @@ impl SessionService {
                 "this tenant has {kept} paused sessions (sessions.max_paused_per_tenant); resume or delete one"
             )));
         }
+        // Its background processes end first: the workspace saved is one nothing writes to. A
+        // pause that fails leaves the session running, without them.
+        self.stop_processes(&session).await;
+        let reopen = super::background::Reopen::new(&session);
         // Uploads in progress land first; later ones wait for the outcome.
         let mut ended = session.ended.write().await;
         if *ended {
@@ -120,6 +124,7 @@ impl SessionService {
             }
         };
         *ended = true;
+        reopen.disarm();
         drop(ended);
         drop(claim);
         self.free(&session).await;
@@ -233,6 +238,7 @@ impl SessionService {
             execs: record.execs.into(),
             ran: Mutex::new(record.ran.iter().cloned().collect()),
             ended: Default::default(),
+            processes: Default::default(),
         });
         if let Err(e) = restore_workspace(&session, &claim).await {
             // Still paused, as it was (the claim is given back when dropped).

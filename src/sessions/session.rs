@@ -73,6 +73,8 @@ pub struct Session {
     /// byte ([`Session::upload_gate`]); the end takes it whole first, so every upload lands and
     /// is recorded before the session's end, or is refused as one to no session.
     pub(super) ended: tokio::sync::RwLock<bool>,
+    /// Its background processes.
+    pub(super) processes: super::processes::Processes,
 }
 
 /// Where a session's workspace lives.
@@ -106,6 +108,30 @@ impl Session {
             .unwrap_or_else(|p| p.into_inner())
             .iter()
             .any(|e| e == exec_id)
+    }
+
+    /// Records that this session ran `exec_id` (its exec routes serve the last [`EXECS_KEPT`]).
+    pub(super) fn remember_exec(&self, exec_id: &str) {
+        let mut ran = self.ran.lock().unwrap_or_else(|p| p.into_inner());
+        if ran.len() == EXECS_KEPT {
+            ran.pop_front();
+        }
+        ran.push_back(exec_id.to_string());
+    }
+
+    /// The session's background processes, oldest first.
+    pub fn processes(&self) -> Vec<super::processes::ProcessInfo> {
+        self.processes.list()
+    }
+
+    /// Whether `id` is one of this session's background processes (running or ended).
+    pub fn has_process(&self, id: &str) -> bool {
+        self.processes.get(id).is_some()
+    }
+
+    /// Whether a background process runs (or is starting).
+    pub(super) fn has_live_processes(&self) -> bool {
+        self.processes.any_live()
     }
 
     /// Why the session's sandbox can no longer run anything (a kept container died).
@@ -205,13 +231,7 @@ impl ExecClaim {
         self.session
             .execs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        {
-            let mut ran = self.session.ran.lock().unwrap_or_else(|p| p.into_inner());
-            if ran.len() == EXECS_KEPT {
-                ran.pop_front();
-            }
-            ran.push_back(live.exec_id().to_string());
-        }
+        self.session.remember_exec(live.exec_id());
         self.started = true;
         let session = self.session.clone();
         let mut answer = live.answer();

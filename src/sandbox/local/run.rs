@@ -17,8 +17,74 @@ use super::slots::{RefillOnDrop, send_go};
 use super::status::{pipe, read_pid, read_status, setup_error, setup_failure, status_pipe};
 use super::{LocalSandbox, cgroup, child, egress, landlock, reaper};
 use crate::sandbox::capture::OutputCapture;
+use crate::sandbox::control::Control;
 use crate::sandbox::run::{self as skeleton, Ending, Waited};
 use crate::sandbox::{ExitKind, RunOutcome, RunSpec, SandboxError};
+
+/// Bytes a run's controls may queue for its stdin while the command does not read; past them no
+/// control is taken until it does (a caller's sender then waits).
+const STDIN_QUEUE_BYTES: usize = 4 << 20;
+
+/// Feeds a run with controls: its initial stdin bytes, then each control as it comes, while
+/// what is queued for stdin is written as the command reads it (a signal never waits behind a
+/// write). Stdin closes at [`Control::CloseStdin`] once what came before is written, or when
+/// every sender is gone; signals go to the command (pid 2 of the sandbox, see
+/// [`cgroup::signal_command`]) through `procs`, the run's `cgroup.procs`. Returns whether a write
+/// found the pipe closed.
+async fn serve_controls(
+    w: OwnedFd,
+    initial: Option<Vec<u8>>,
+    mut controls: tokio::sync::mpsc::Receiver<Control>,
+    procs: Option<std::path::PathBuf>,
+) -> bool {
+    let Ok(mut stdin) = upipe::Sender::from_owned_fd(w).map(Some) else {
+        return false;
+    };
+    let mut queued: Vec<u8> = initial.unwrap_or_default();
+    let (mut close_after, mut open_controls, mut broken) = (false, true, false);
+    loop {
+        if close_after && queued.is_empty() {
+            stdin = None;
+        }
+        if !open_controls && (queued.is_empty() || stdin.is_none()) {
+            return broken;
+        }
+        let writing = stdin.is_some() && !queued.is_empty();
+        let taking = open_controls && queued.len() < STDIN_QUEUE_BYTES;
+        tokio::select! {
+            c = controls.recv(), if taking => match c {
+                None => {
+                    open_controls = false;
+                    close_after = true;
+                }
+                Some(Control::Stdin(data)) if stdin.is_some() && !close_after => {
+                    queued.extend_from_slice(&data);
+                }
+                Some(Control::Stdin(_)) => {}
+                Some(Control::CloseStdin) => close_after = true,
+                Some(Control::Signal(sig)) => {
+                    if let Some(p) = procs.clone() {
+                        let n = sig.number();
+                        let _ = tokio::task::spawn_blocking(move || cgroup::signal_command(&p, n))
+                            .await;
+                    }
+                }
+            },
+            r = async { stdin.as_mut().expect("writing").write(&queued).await }, if writing => {
+                match r {
+                    Ok(n) => {
+                        queued.drain(..n);
+                    }
+                    Err(_) => {
+                        broken = true;
+                        stdin = None;
+                        queued.clear();
+                    }
+                }
+            }
+        }
+    }
+}
 
 impl LocalSandbox {
     /// One run, start to end: refuse what the host cannot confine, lease a uid, take a prepared
@@ -109,12 +175,13 @@ impl LocalSandbox {
             Some(_) => (Some(pipe(libc::O_CLOEXEC)?), Some(pipe(libc::O_CLOEXEC)?)),
             None => (None, None),
         };
-        let (stdin_child, stdin_ours) = match &spec.stdin {
-            Some(_) => {
+        let controls = spec.controls.as_ref().and_then(|c| c.take());
+        let (stdin_child, stdin_ours) = match (&spec.stdin, &controls) {
+            (Some(_), _) | (None, Some(_)) => {
                 let (r, w) = pipe(libc::O_CLOEXEC)?;
                 (r, Some(w))
             }
-            None => (dev_null()?, None),
+            (None, None) => (dev_null()?, None),
         };
         let (stdout_ours, stdout_child) = pipe(libc::O_CLOEXEC)?;
         let (stderr_ours, stderr_child) = pipe(libc::O_CLOEXEC)?;
@@ -213,8 +280,12 @@ impl LocalSandbox {
             limits.on_overflow,
             spec.output_tap.clone(),
         );
-        let stdin_task = match (stdin_ours, spec.stdin.clone()) {
-            (Some(w), Some(data)) => Some(tokio::spawn(async move {
+        let stdin_task = match (stdin_ours, spec.stdin.clone(), controls) {
+            (Some(w), data, Some(controls)) => {
+                let procs = guard.get().procs_files().into_iter().next();
+                Some(tokio::spawn(serve_controls(w, data, controls, procs)))
+            }
+            (Some(w), Some(data), None) => Some(tokio::spawn(async move {
                 let mut w = match upipe::Sender::from_owned_fd(w) {
                     Ok(w) => w,
                     Err(_) => return false,
@@ -283,7 +354,12 @@ impl LocalSandbox {
         }
 
         let captured = output.drain().await;
+        // A control task waits for its caller, not for the run: it ends with the run.
         let stdin_broken_pipe = match stdin_task {
+            Some(t) if spec.controls.is_some() => {
+                t.abort();
+                matches!(t.await, Ok(true))
+            }
             Some(t) => t.await.unwrap_or(false),
             None => false,
         };

@@ -178,6 +178,55 @@ fn terminate_member(cg: &dyn RunCgroup, pid: i32) -> bool {
     }
 }
 
+/// Sends `sig` to the run's command: the first process its init started, pid 2 of the sandbox's
+/// pid namespace (the command's leftovers die with the namespace when it ends). `procs` is one of
+/// the run's `cgroup.procs` files. A pidfd fixes the process before the check, as in
+/// [`terminate_member`]. Returns whether the signal was sent.
+pub fn signal_command(procs: &Path, sig: i32) -> bool {
+    let members = || -> Vec<i32> {
+        fs::read_to_string(procs)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .filter(|&p: &i32| p > 0)
+            .collect()
+    };
+    let is_command = |pid: i32| {
+        fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines().find_map(|l| l.strip_prefix("NSpid:")).map(|ids| {
+                    let ids: Vec<&str> = ids.split_whitespace().collect();
+                    ids.len() >= 2 && ids.last() == Some(&"2")
+                })
+            })
+            .unwrap_or(false)
+    };
+    for pid in members() {
+        // SAFETY: pidfd_open(2) takes a pid and flags and touches no memory of ours.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if raw < 0 {
+            continue;
+        }
+        // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        if !(members().contains(&pid) && is_command(pid)) {
+            continue;
+        }
+        // SAFETY: pidfd_send_signal(2) on our own pidfd, with no siginfo (null) and no flags.
+        return unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                pidfd.as_raw_fd(),
+                sig,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            ) == 0
+        };
+    }
+    false
+}
+
 /// Whether `pid` lives in a pid namespace below ours and is not that namespace's init, from the
 /// `NSpid` line of its status (one pid per namespace level, ours first).
 fn in_child_namespace_not_init(pid: i32) -> bool {
