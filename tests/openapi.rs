@@ -114,6 +114,7 @@ fn document_is_openapi_3_1_and_complete() {
         ("/v1/sandbox/sessions/{id}/archive", &["get", "put"]),
         ("/v1/sandbox/sessions/{id}/pause", &["post"]),
         ("/v1/sandbox/sessions/{id}/resume", &["post"]),
+        ("/v1/sandbox/sessions/{id}/execs/{exec_id}/stdin", &["post"]),
         ("/v1/sandbox/sessions/{id}/processes", &["get"]),
         (
             "/v1/sandbox/sessions/{id}/processes/{process_id}/stream",

@@ -354,8 +354,92 @@ async fn a_background_fork_bomb_is_held(backend: Backend) {
     assert_eq!(r.status, 204, "{}", r.text);
 }
 
+/// A foreground exec started with `stdin_open` (async) reads what its stdin route gets while it
+/// runs; its end closes it (409), an exec without it is 409 `StdinClosed`, a synchronous one
+/// with it is 400.
+async fn a_foreground_exec_takes_stdin_while_it_runs(backend: Backend) {
+    let d = Daemon::start_with(opts(backend, 4));
+    let c = koder(&d, Some("team-a"));
+    let id = new_session(&c, "python").await;
+    let r = c
+        .exec(
+            &id,
+            json!({"code": ECHO, "stdin_open": true, "timeout_ms": 60000}),
+        )
+        .await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(r.text.contains("stdin_open"), "{}", r.text);
+
+    let r = c
+        .exec(
+            &id,
+            json!({"code": ECHO, "stdin": "first\n", "stdin_open": true, "async": true, "timeout_ms": 60000}),
+        )
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let exec_id = r.json["exec_id"].as_str().unwrap().to_string();
+    let stdin = path(&id, &format!("/execs/{exec_id}/stdin"));
+    let r = c.call("POST", &stdin, Some(b"second\n".to_vec())).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    let r = c
+        .call("POST", &format!("{stdin}?eof=true"), Some(Vec::new()))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    let exec_path = path(&id, &format!("/execs/{exec_id}"));
+    let done = wait_for_async(
+        "the exec's answer",
+        CLEANUP,
+        || async { c.call("GET", &exec_path, None).await.json },
+        |v| v["status"] == json!("finished"),
+    )
+    .await;
+    assert_eq!(
+        done["result"]["stdout"],
+        json!("ready\ngot: first\ngot: second\nbye\n"),
+        "{done}"
+    );
+    let r = c.call("POST", &stdin, Some(b"late\n".to_vec())).await;
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert_eq!(r.json["error_type"], json!("AlreadyFinished"), "{}", r.text);
+
+    // An async exec without stdin_open: its stdin is closed.
+    let r = c
+        .exec(
+            &id,
+            json!({"code": SLEEPER, "async": true, "timeout_ms": 60000}),
+        )
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let exec_id = r.json["exec_id"].as_str().unwrap().to_string();
+    let r = c
+        .call(
+            "POST",
+            &path(&id, &format!("/execs/{exec_id}/stdin")),
+            Some(b"x".to_vec()),
+        )
+        .await;
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert_eq!(r.json["error_type"], json!("StdinClosed"), "{}", r.text);
+    // Another session's exec id is 404 here.
+    let r = c
+        .call(
+            "POST",
+            &path(&id, "/execs/exe_unknown/stdin"),
+            Some(b"x".to_vec()),
+        )
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text);
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+}
+
 mod local {
     use super::Backend;
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_foreground_exec_takes_stdin_while_it_runs() {
+        super::a_foreground_exec_takes_stdin_while_it_runs(Backend::Local).await;
+    }
 
     #[tokio::test(flavor = "multi_thread")]
     async fn a_background_process_takes_stdin_beside_foreground_execs() {

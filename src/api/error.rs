@@ -33,6 +33,8 @@ pub enum ApiError {
     ProcessNotFound,
     /// The background process to write to or signal has ended.
     ProcessEnded,
+    /// The exec to write to was not started with `stdin_open`.
+    StdinClosed,
     /// No session with this id is the caller's (another service's or tenant's included).
     SessionNotFound,
     /// The session runs another exec.
@@ -68,7 +70,8 @@ impl ApiError {
             ApiError::IdempotencyConflict => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::IdempotencyInProgress
             | ApiError::AlreadyFinished
-            | ApiError::ProcessEnded => StatusCode::CONFLICT,
+            | ApiError::ProcessEnded
+            | ApiError::StdinClosed => StatusCode::CONFLICT,
             ApiError::ExecutionNotFound
             | ApiError::ProcessNotFound
             | ApiError::SessionNotFound
@@ -98,6 +101,7 @@ impl ApiError {
             ApiError::IdempotencyInProgress => "IdempotencyInProgress",
             ApiError::ExecutionNotFound | ApiError::ProcessNotFound => "NotFound",
             ApiError::AlreadyFinished | ApiError::ProcessEnded => "AlreadyFinished",
+            ApiError::StdinClosed => "StdinClosed",
             ApiError::SessionNotFound | ApiError::SessionGone(_) | ApiError::FileNotFound(_) => {
                 "NotFound"
             }
@@ -135,6 +139,9 @@ impl ApiError {
             ApiError::AlreadyFinished => "The execution has already finished".into(),
             ApiError::ProcessNotFound => "No such process in this session".into(),
             ApiError::ProcessEnded => "The process has ended".into(),
+            ApiError::StdinClosed => {
+                "The exec's stdin is not open: start it with stdin_open (async or streamed)".into()
+            }
             ApiError::SessionNotFound => "No such session".into(),
             ApiError::SessionGone(m) => m.clone(),
             ApiError::SessionLimit(m) => format!("Too many sessions: {m}; retry later"),

@@ -139,6 +139,10 @@ fn session_routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
             "/v1/sandbox/sessions/{id}/execs/{exec_id}/cancel",
             post(sessions::exec_cancel),
         )
+        .route(
+            "/v1/sandbox/sessions/{id}/execs/{exec_id}/stdin",
+            post(processes::exec_stdin),
+        )
         .route("/v1/sandbox/sessions/{id}/processes", get(processes::list))
         .route(
             "/v1/sandbox/sessions/{id}/processes/{process_id}/stream",

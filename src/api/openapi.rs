@@ -36,6 +36,7 @@ use utoipa::{Modify, OpenApi};
         super::sessions::exec_get,
         super::sessions::exec_stream,
         super::sessions::exec_cancel,
+        super::processes::exec_stdin,
         super::processes::list,
         super::processes::stream,
         super::processes::stdin,

@@ -1,7 +1,8 @@
 //! `/v1/sandbox/sessions/{id}/processes`: a session's background processes on the wire: the list,
 //! each one's output as Server-Sent Events, its stdin, its signals. A process is started by an
 //! exec with `"background": true` (see [`super::sessions::exec`]); its id is its exec id, so its
-//! result and cancel are also at the session's `/execs/{exec_id}`.
+//! result and cancel are also at the session's `/execs/{exec_id}`. Also the stdin of a
+//! foreground exec that keeps it open (`stdin_open`), at `…/execs/{exec_id}/stdin`.
 //!
 //! Owns: these routes' bodies and statuses. Must not: run or signal anything itself (the sessions
 //! service does).
@@ -28,6 +29,7 @@ impl From<ControlError> for ApiError {
         match e {
             ControlError::NotFound => ApiError::ProcessNotFound,
             ControlError::Ended => ApiError::ProcessEnded,
+            ControlError::NotOpen => ApiError::StdinClosed,
         }
     }
 }
@@ -74,17 +76,21 @@ fn json(body: impl Serialize) -> Response {
     (StatusCode::OK, axum::Json(body)).into_response()
 }
 
-/// The caller's session `id` for a call to one of its processes: a paused one has none (a pause
-/// ends them), so it is not resumed for this.
+/// The caller's session `id` for a call to one of its processes (or running execs): a paused
+/// one has none (a pause ends them), so it is not resumed for this.
 async fn live_session(
     st: &AppState,
     headers: &axum::http::HeaderMap,
     rid: String,
     id: &str,
+    of: StdinOf,
 ) -> Result<Arc<crate::sessions::Session>, ApiError> {
     match look_up(st, headers, rid, id, Touch::Read).await? {
         (Looked::Live(s), ..) => Ok(s),
-        (Looked::Paused(_), ..) => Err(ApiError::ProcessNotFound),
+        (Looked::Paused(_), ..) => Err(match of {
+            StdinOf::Process => ApiError::ProcessNotFound,
+            StdinOf::Exec => ApiError::ProcessEnded,
+        }),
     }
 }
 
@@ -175,37 +181,87 @@ pub async fn stdin(
     Query(q): Query<StdinQuery>,
     req: Request,
 ) -> Response {
-    match stdin_inner(&st, &id, &process_id, q, req).await {
+    match stdin_inner(&st, &id, &process_id, StdinOf::Process, q, req).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
     }
 }
 
+/// Whose stdin a call writes: a background process, or a foreground exec.
+#[derive(Clone, Copy)]
+enum StdinOf {
+    Process,
+    Exec,
+}
+
 async fn stdin_inner(
     st: &Arc<AppState>,
     id: &str,
-    process_id: &str,
+    target: &str,
+    of: StdinOf,
     q: StdinQuery,
     req: Request,
 ) -> Result<(), ApiError> {
     let rid = RequestId::of(&req);
     let (parts, body) = req.into_parts();
-    let session = live_session(st, &parts.headers, rid, id).await?;
+    let session = live_session(st, &parts.headers, rid, id, of).await?;
     let raw = read_body(body, &parts.headers, BodyLimit::request(st)).await?;
+    let mut controls = Vec::new();
     if !raw.is_empty() {
-        st.sessions
-            .control_process(&session, process_id, Control::Stdin(raw.to_vec()))
-            .await?;
+        controls.push(Control::Stdin(raw.to_vec()));
     }
     if q.eof {
-        st.sessions
-            .control_process(&session, process_id, Control::CloseStdin)
-            .await?;
+        controls.push(Control::CloseStdin);
     }
-    if raw.is_empty() && !q.eof && !session.has_process(process_id) {
-        return Err(ApiError::ProcessNotFound);
+    if controls.is_empty() {
+        // Nothing to send: still a 404 for an unknown target, a 409 for an ended one.
+        controls.push(Control::Stdin(Vec::new()));
+    }
+    for c in controls {
+        match of {
+            StdinOf::Process => st.sessions.control_process(&session, target, c).await?,
+            StdinOf::Exec => st.sessions.control_exec(&session, target, c).await?,
+        }
     }
     Ok(())
+}
+
+/// `POST /v1/sandbox/sessions/{id}/execs/{exec_id}/stdin`: as a process's stdin, for a running
+/// exec started with `stdin_open` (async or streamed).
+#[utoipa::path(
+    post,
+    path = "/v1/sandbox/sessions/{id}/execs/{exec_id}/stdin",
+    operation_id = "write_session_exec_stdin",
+    tag = "sessions",
+    params(
+        SessionPath,
+        ("exec_id" = String, Path, description = "The exec's `exec_id`"),
+        TenantHeaders,
+        StdinQuery,
+    ),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "Bytes for the exec's stdin (may be empty, e.g. with `eof=true`)"),
+    security(("bearer" = [])),
+    responses(
+        (status = 204, description = "Queued for the exec's stdin"),
+        (status = 400, description = "InvalidRequest: a malformed query or tenant, a path parameter that is not UTF-8", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session, or no such exec of it", body = ErrorBody),
+        (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),
+        (status = 409, description = "AlreadyFinished: the exec has ended; or StdinClosed: it was not started with `stdin_open`", body = ErrorBody),
+        (status = 413, description = "PayloadTooLarge: the body is over `server.body_limit_bytes`", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+    )
+)]
+pub async fn exec_stdin(
+    State(st): State<Arc<AppState>>,
+    Path((id, exec_id)): Path<(String, String)>,
+    Query(q): Query<StdinQuery>,
+    req: Request,
+) -> Response {
+    match stdin_inner(&st, &id, &exec_id, StdinOf::Exec, q, req).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// The body of `POST …/processes/{process_id}/signal`.
@@ -256,7 +312,7 @@ async fn signal_inner(
 ) -> Result<(), ApiError> {
     let rid = RequestId::of(&req);
     let (parts, body) = req.into_parts();
-    let session = live_session(st, &parts.headers, rid, id).await?;
+    let session = live_session(st, &parts.headers, rid, id, StdinOf::Process).await?;
     let raw = read_body(body, &parts.headers, BodyLimit::request(st)).await?;
     let asked: SignalBody = serde_json::from_slice(&raw)
         .map_err(|e| ApiError::InvalidRequest(format!("invalid signal request: {e}")))?;

@@ -526,6 +526,11 @@ pub struct ExecBody {
     #[serde(default, deserialize_with = "super::caller::null_as_default")]
     #[schema(nullable)]
     background: bool,
+    /// Keep the exec's stdin open after `stdin` for `…/execs/{exec_id}/stdin` (an async or
+    /// streamed exec; a background one always has it).
+    #[serde(default, deserialize_with = "super::caller::null_as_default")]
+    #[schema(nullable)]
+    stdin_open: bool,
 }
 
 /// `POST /v1/sandbox/sessions/{id}/exec`: the session's language runs `code` in its workspace.
@@ -643,6 +648,11 @@ async fn exec_inner(
             "a background exec answers 202 with its links: follow its stream link instead of asking for a stream".into(),
         ));
     }
+    if asked.stdin_open && !background && mode == RunMode::Sync {
+        return Err(ApiError::InvalidRequest(
+            "stdin_open needs an async or streamed exec: a synchronous one answers only once it ended".into(),
+        ));
+    }
     let parts = ExecParts {
         owner: session.owner.runs(),
         request_id: known.request_id.clone(),
@@ -654,6 +664,7 @@ async fn exec_inner(
         timeout_ms: asked.timeout_ms,
         long_run: true,
         background: None,
+        stdin_open: asked.stdin_open && !background,
     };
     let links = format!("/v1/sandbox/sessions/{id}/execs/");
     if background {

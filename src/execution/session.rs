@@ -35,6 +35,8 @@ pub struct SessionExec {
     pub timeout: Option<Duration>,
     /// A background process: it runs beside the session's other execs.
     pub background: Option<Background>,
+    /// A foreground exec whose stdin stays open for these (`stdin_open`).
+    pub stdin_controls: Option<Controls>,
 }
 
 /// What makes a session's exec a background process.
@@ -120,6 +122,8 @@ impl SessionExec {
         if let Some(b) = &self.background {
             spec.controls = Some(b.controls.clone());
             spec.background = true;
+        } else if let Some(c) = &self.stdin_controls {
+            spec.controls = Some(c.clone());
         }
         let code_path = self.code_path();
         match &self.place {

@@ -70,6 +70,9 @@ pub enum ControlError {
     /// The process has ended (409).
     #[error("the process has ended")]
     Ended,
+    /// The exec runs without an open stdin (409).
+    #[error("the exec was not started with stdin_open")]
+    NotOpen,
 }
 
 impl SessionService {
@@ -137,6 +140,26 @@ impl SessionService {
             .send(control)
             .await
             .map_err(|_| ControlError::Ended)
+    }
+
+    /// Sends `control` (stdin bytes or its end) to `session`'s running exec `exec_id`, which
+    /// keeps its stdin open.
+    pub async fn control_exec(
+        &self,
+        session: &Session,
+        exec_id: &str,
+        control: Control,
+    ) -> Result<(), ControlError> {
+        if !session.ran(exec_id) {
+            return Err(ControlError::NotFound);
+        }
+        let tx = session
+            .stdin_of(exec_id)
+            .map_err(|not_open| match not_open {
+                true => ControlError::NotOpen,
+                false => ControlError::Ended,
+            })?;
+        tx.send(control).await.map_err(|_| ControlError::Ended)
     }
 
     /// Ends `session`'s processes: none starts from now on, each running one is killed, and

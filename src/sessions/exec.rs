@@ -22,6 +22,8 @@ use crate::execution::{
     WORKSPACE,
 };
 use crate::policy::language::Language;
+use crate::sandbox::control::{Control, Controls};
+use tokio::sync::mpsc;
 
 /// One exec's parts, as the caller sent them.
 #[derive(Debug, Clone, Default)]
@@ -39,6 +41,8 @@ pub struct ExecParts {
     pub long_run: bool,
     /// A background process (see [`super::processes`]).
     pub background: Option<Background>,
+    /// Keep the exec's stdin open for its caller (async and streamed execs).
+    pub stdin_open: bool,
 }
 
 /// An exec of a session on its way to start: the claim on the session's one exec (given back
@@ -46,14 +50,20 @@ pub struct ExecParts {
 pub struct PreparedExec {
     claim: ExecClaim,
     code_file: CodeFile,
+    /// The sender of its stdin, when it keeps stdin open.
+    stdin: Option<mpsc::Sender<Control>>,
 }
 
 impl PreparedExec {
     /// The exec started: the session is busy until it answers, and the code file goes once it
     /// answered (its sandbox binds it).
     pub fn started(self, live: &Arc<LiveRun>) {
-        let PreparedExec { claim, code_file } = self;
-        claim.started(live);
+        let PreparedExec {
+            claim,
+            code_file,
+            stdin,
+        } = self;
+        claim.started(live, stdin);
         let mut answer = live.answer();
         tokio::spawn(async move {
             let _ = answer.wait_for(Option::is_some).await;
@@ -70,9 +80,32 @@ impl SessionService {
         session: &Arc<Session>,
         parts: ExecParts,
     ) -> Result<(ExecutionRequest, PreparedExec), SessionError> {
+        if parts.stdin_open && session.backend != crate::sandbox::BackendKind::Local {
+            return Err(SessionError::Invalid(format!(
+                "stdin_open is offered in local sessions only; this session runs on {}",
+                session.backend.as_str()
+            )));
+        }
         let claim = self.claim(session)?;
-        let (request, code_file) = self.exec_request(session, parts).await?;
-        Ok((request, PreparedExec { claim, code_file }))
+        let (tx, controls) = match parts.stdin_open {
+            true => {
+                let (tx, c) = Controls::channel();
+                (Some(tx), Some(c))
+            }
+            false => (None, None),
+        };
+        let (mut request, code_file) = self.exec_request(session, parts).await?;
+        if let Action::SessionExec(e) = &mut request.action {
+            e.stdin_controls = controls;
+        }
+        Ok((
+            request,
+            PreparedExec {
+                claim,
+                code_file,
+                stdin: tx,
+            },
+        ))
     }
 
     /// The execution request of an exec in `session`: its code is written to a file of its own
@@ -184,6 +217,7 @@ fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
         limits: b.limits,
         timeout: parts.timeout_ms.map(Duration::from_millis),
         background: parts.background,
+        stdin_controls: None,
     };
     ExecutionRequest {
         request_id: parts.request_id,

@@ -502,7 +502,7 @@ impl SessionService {
         let busy = match &*activity {
             Activity::Idle => false,
             Activity::Starting => true,
-            Activity::Running(live) => live.answered().is_none(),
+            Activity::Running(live, _) => live.answered().is_none(),
         };
         if busy {
             return Err(SessionError::Busy(session.id.clone()));

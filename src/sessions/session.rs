@@ -7,12 +7,15 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use tokio::sync::mpsc;
+
 use super::workspace::Workspace;
 use crate::auth::Verified;
 use crate::execution::runs::LiveRun;
 use crate::execution::{SessionLimits, WORKSPACE};
 use crate::policy::language::Language;
 use crate::sandbox::BackendKind;
+use crate::sandbox::control::Control;
 use crate::sandbox::files::Kept;
 
 /// Who a session belongs to: the calling service's subject and the tenant.
@@ -45,7 +48,8 @@ pub(super) enum Activity {
     Idle,
     /// An exec is being admitted.
     Starting,
-    Running(Arc<LiveRun>),
+    /// With the sender of its stdin when it keeps stdin open (`stdin_open`).
+    Running(Arc<LiveRun>, Option<mpsc::Sender<Control>>),
 }
 
 pub struct Session {
@@ -96,7 +100,7 @@ impl Session {
     /// The exec running now, if one is.
     pub fn running(&self) -> Option<Arc<LiveRun>> {
         match &*self.activity.lock().unwrap_or_else(|p| p.into_inner()) {
-            Activity::Running(live) if live.answered().is_none() => Some(live.clone()),
+            Activity::Running(live, _) if live.answered().is_none() => Some(live.clone()),
             _ => None,
         }
     }
@@ -132,6 +136,19 @@ impl Session {
     /// Whether a background process runs (or is starting).
     pub(super) fn has_live_processes(&self) -> bool {
         self.processes.any_live()
+    }
+
+    /// The stdin of the running exec `exec_id`: Err(true) when that exec runs without an open
+    /// stdin, Err(false) when it is not running (it ended, or is not this session's).
+    pub fn stdin_of(&self, exec_id: &str) -> Result<mpsc::Sender<Control>, bool> {
+        match &*self.activity.lock().unwrap_or_else(|p| p.into_inner()) {
+            Activity::Running(live, tx)
+                if live.exec_id() == exec_id && live.answered().is_none() =>
+            {
+                tx.clone().ok_or(true)
+            }
+            _ => Err(false),
+        }
     }
 
     /// Why the session's sandbox can no longer run anything (a kept container died).
@@ -221,13 +238,14 @@ pub struct ExecClaim {
 }
 
 impl ExecClaim {
-    /// The exec started: the session is busy until it answers.
-    pub fn started(mut self, live: &Arc<LiveRun>) {
+    /// The exec started: the session is busy until it answers. `stdin`: the sender of its stdin,
+    /// when it keeps stdin open.
+    pub fn started(mut self, live: &Arc<LiveRun>, stdin: Option<mpsc::Sender<Control>>) {
         *self
             .session
             .activity
             .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Activity::Running(live.clone());
+            .unwrap_or_else(|p| p.into_inner()) = Activity::Running(live.clone(), stdin);
         self.session
             .execs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
