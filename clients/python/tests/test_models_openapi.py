@@ -13,7 +13,7 @@ from conftest import OPENAPI
 
 from executor_arm_client import models
 from executor_arm_client.errors import _BY_TYPE
-from executor_arm_client.models import SCHEMAS, wire_name
+from executor_arm_client.models import NARROWED, SCHEMAS, wire_name
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,21 @@ def test_model_fields_match_the_schema(document: dict[str, Any], model: type) ->
         )
 
 
+@pytest.mark.parametrize("model", list(NARROWED), ids=lambda m: m.__name__)
+def test_narrowed_models_have_their_schemas_properties(
+    document: dict[str, Any], model: type
+) -> None:
+    schema = _schema(document, NARROWED[model])
+    properties = set(schema.get("properties", {}))
+    fields = {wire_name(f): f for f in dataclasses.fields(model)}
+    assert set(fields) == properties, f"{model.__name__}: fields differ from {NARROWED[model]}"
+    for name in schema.get("required", []):
+        f = fields[name]
+        assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, (
+            f"{model.__name__}.{f.name}: required in the schema, a default in the model"
+        )
+
+
 def _refs(node: Any) -> set[str]:
     if isinstance(node, dict):
         found = set()
@@ -77,6 +92,10 @@ CLIENT_OPERATIONS = {
     "list_session_files",
     "get_session_file",
     "put_session_file",
+    "list_session_processes",
+    "stream_session_process",
+    "write_session_process_stdin",
+    "signal_session_process",
     "health",
 }
 
@@ -109,6 +128,8 @@ def test_enums_match(document: dict[str, Any]) -> None:
         (models.ActionType, "ActionType"),
         (models.BackendKind, "BackendKind"),
         (models.KilledReason, "KilledReason"),
+        (models.ProcessSignal, "ProcessSignal"),
+        (models.ProcessState, "ProcessState"),
     ]:
         assert set(typing.get_args(alias)) == set(_schema(document, schema)["enum"])
     outcome = _schema(document, "ExecutionResult")["properties"]["outcome"]["pattern"]

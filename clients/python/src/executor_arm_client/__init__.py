@@ -5,8 +5,8 @@
 ...     print(arm.execute("echo", ["hello"]).stdout)
 """
 
-from .aio import AsyncClient, AsyncSessions
-from .client import DEFAULT_TIMEOUT, Client, Sessions, answer_of
+from .aio import AsyncClient, AsyncProcesses, AsyncSessions
+from .client import DEFAULT_TIMEOUT, Client, Processes, Sessions, answer_of
 from .errors import (
     AlreadyFinishedError,
     AuthenticationError,
@@ -44,6 +44,11 @@ from .models import (
     ArchiveUploaded,
     Health,
     OutputEvent,
+    ProcessInfo,
+    ProcessList,
+    ProcessSignal,
+    ProcessStarted,
+    ProcessState,
     Provenance,
     ResultEvent,
     RunAccepted,
@@ -53,6 +58,7 @@ from .models import (
     SessionExecRequest,
     SessionInfo,
     SessionLimits,
+    SignalRequest,
     StartEvent,
 )
 from .retry import RetryPolicy
@@ -63,8 +69,10 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncClient",
     "AsyncSessions",
+    "AsyncProcesses",
     "Client",
     "Sessions",
+    "Processes",
     "DEFAULT_TIMEOUT",
     "answer_of",
     "RetryPolicy",
@@ -107,6 +115,11 @@ __all__ = [
     "ArchiveUploaded",
     "Health",
     "OutputEvent",
+    "ProcessInfo",
+    "ProcessList",
+    "ProcessSignal",
+    "ProcessStarted",
+    "ProcessState",
     "Provenance",
     "ResultEvent",
     "RunAccepted",
@@ -116,5 +129,6 @@ __all__ = [
     "SessionExecRequest",
     "SessionInfo",
     "SessionLimits",
+    "SignalRequest",
     "StartEvent",
 ]

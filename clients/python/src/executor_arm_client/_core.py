@@ -21,11 +21,15 @@ from .models import (
     ExecutionResult,
     FileList,
     Health,
+    ProcessInfo,
+    ProcessList,
+    ProcessStarted,
     RunAccepted,
     RunStatus,
     SessionCreateRequest,
     SessionExecRequest,
     SessionInfo,
+    SignalRequest,
     from_wire,
     to_wire,
 )
@@ -408,6 +412,120 @@ def upload_archive_call(
         content=tar,
         params={"path": path.strip("/")},
     )
+
+
+# --- a session's background processes ------------------------------------------------------
+
+
+def process_path(session_id: str, process_id: str | None = None) -> str:
+    base = f"/v1/sandbox/sessions/{_seg(session_id)}/processes"
+    return base if process_id is None else f"{base}/{_seg(process_id)}"
+
+
+def start_process_call(
+    creds: Credentials,
+    session_id: str,
+    request: SessionExecRequest,
+    *,
+    tenant: str | None,
+    idempotency_key: str | None,
+    request_id: str | None,
+) -> Call[ProcessStarted]:
+    """The session exec of ``request`` as a background process (``background`` is set here)."""
+    h = _session_headers(creds, tenant, request_id)
+    h["Idempotency-Key"] = idempotency_key or new_idempotency_key()
+    body = to_wire(request)
+    body["background"] = True
+    body.pop("async", None)
+    return Call(
+        "POST",
+        f"/v1/sandbox/sessions/{_seg(session_id)}/exec",
+        decode_as(ProcessStarted),
+        h,
+        json=body,
+    )
+
+
+def _processes_of(response: httpx.Response) -> list[ProcessInfo]:
+    return from_wire(ProcessList, _json(response)).processes
+
+
+def list_processes_call(
+    creds: Credentials, session_id: str, *, tenant: str | None, request_id: str | None
+) -> Call[list[ProcessInfo]]:
+    return Call(
+        "GET",
+        process_path(session_id),
+        _processes_of,
+        _session_headers(creds, tenant, request_id),
+    )
+
+
+def stream_process_call(
+    creds: Credentials,
+    session_id: str,
+    process_id: str,
+    *,
+    last_event_id: str | None = None,
+    tenant: str | None = None,
+    request_id: str | None = None,
+    framing: Framing | None = None,
+) -> Call[None]:
+    h = {**_session_headers(creds, tenant, request_id), "Accept": "text/event-stream"}
+    if last_event_id is not None:
+        h["Last-Event-ID"] = last_event_id
+    return Call(
+        "GET",
+        process_path(session_id, process_id) + "/stream",
+        _no_content,
+        h,
+        params=framing_params(framing) or None,
+    )
+
+
+def process_stdin_call(
+    creds: Credentials,
+    session_id: str,
+    process_id: str,
+    data: bytes,
+    *,
+    eof: bool,
+    tenant: str | None,
+    request_id: str | None,
+) -> Call[None]:
+    h = _session_headers(creds, tenant, request_id)
+    h["Content-Type"] = "application/octet-stream"
+    return Call(
+        "POST",
+        process_path(session_id, process_id) + "/stdin",
+        _no_content,
+        h,
+        content=data,
+        params={"eof": "true"} if eof else None,
+    )
+
+
+def signal_process_call(
+    creds: Credentials,
+    session_id: str,
+    process_id: str,
+    signal: str,
+    *,
+    tenant: str | None,
+    request_id: str | None,
+) -> Call[None]:
+    return Call(
+        "POST",
+        process_path(session_id, process_id) + "/signal",
+        _no_content,
+        _session_headers(creds, tenant, request_id),
+        json=to_wire(SignalRequest(signal=signal)),
+    )
+
+
+def stdin_bytes(data: bytes | str) -> bytes:
+    """Bytes for a process's stdin (a str is UTF-8)."""
+    return data.encode() if isinstance(data, str) else data
 
 
 def tar_bytes(tar: bytes | BinaryIO) -> bytes:

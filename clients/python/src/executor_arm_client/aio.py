@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -23,6 +24,8 @@ from .models import (
     FileList,
     ArchiveUploaded,
     Health,
+    ProcessInfo,
+    ProcessStarted,
     ResultEvent,
     RunAccepted,
     RunStatus,
@@ -35,7 +38,7 @@ from .models import (
 from .retry import RetryPolicy
 from .sse import aiter_events
 
-__all__ = ["AsyncClient", "AsyncSessions"]
+__all__ = ["AsyncClient", "AsyncSessions", "AsyncProcesses"]
 
 T = TypeVar("T")
 
@@ -431,6 +434,8 @@ class AsyncSessions:
 
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
+        #: The sessions' background processes.
+        self.processes = AsyncProcesses(client)
 
     async def create(
         self,
@@ -724,5 +729,127 @@ class AsyncSessions:
         return await self._client._send(
             _core.list_files_call(
                 self._client._creds, session_id, path, tenant=tenant, request_id=None
+            )
+        )
+
+
+class AsyncProcesses:
+    """``/v1/sandbox/sessions/{id}/processes``: a session's background processes, as
+    :class:`~executor_arm_client.client.Processes`, awaited."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def start(
+        self,
+        session_id: str,
+        code: str,
+        *,
+        stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_ms: int | None = None,
+        tenant: str | None = None,
+        idempotency_key: str | None = None,
+        request_id: str | None = None,
+    ) -> ProcessStarted:
+        """Starts ``code`` as a background process: its 202 handle (``process_id``, ``links``)
+        at once; :class:`~executor_arm_client.errors.RateLimitedError` (429) past the session's
+        ``sessions.max_processes``."""
+        request = SessionExecRequest(
+            code=code,
+            stdin=stdin,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            timeout_ms=timeout_ms,
+        )
+        return await self._client._send(
+            _core.start_process_call(
+                self._client._creds,
+                session_id,
+                request,
+                tenant=tenant,
+                idempotency_key=idempotency_key,
+                request_id=request_id,
+            )
+        )
+
+    async def list(
+        self, session_id: str, *, tenant: str | None = None
+    ) -> builtins.list[ProcessInfo]:
+        """The session's running processes and its last ended ones, oldest first."""
+        return await self._client._send(
+            _core.list_processes_call(
+                self._client._creds, session_id, tenant=tenant, request_id=None
+            )
+        )
+
+    def stream(
+        self,
+        session_id: str,
+        process_id: str,
+        *,
+        last_event_id: str | None = None,
+        tenant: str | None = None,
+        framing: _core.Framing | None = None,
+    ) -> AsyncIterator[Event]:
+        """The process's events (those of an exec's stream), from ``last_event_id`` when given;
+        a broken connection is resumed from the last event."""
+        call = _core.stream_process_call(
+            self._client._creds,
+            session_id,
+            process_id,
+            last_event_id=last_event_id,
+            tenant=tenant,
+            framing=framing,
+        )
+        return self._client._events(call, self._resume(session_id, tenant, framing), process_id)
+
+    def _resume(
+        self, session_id: str, tenant: str | None, framing: _core.Framing | None
+    ) -> _Resume:
+        def resume(process_id: str, last_id: str | None) -> Call[None]:
+            return _core.stream_process_call(
+                self._client._creds,
+                session_id,
+                process_id,
+                last_event_id=last_id,
+                tenant=tenant,
+                framing=framing,
+            )
+
+        return resume
+
+    async def stdin(
+        self,
+        session_id: str,
+        process_id: str,
+        data: bytes | str,
+        *,
+        eof: bool = False,
+        tenant: str | None = None,
+    ) -> None:
+        """Writes ``data`` to the process's stdin; ``eof=True`` closes it after them.
+        :class:`~executor_arm_client.errors.AlreadyFinishedError` (409) once it ended."""
+        await self._client._send(
+            _core.process_stdin_call(
+                self._client._creds,
+                session_id,
+                process_id,
+                _core.stdin_bytes(data),
+                eof=eof,
+                tenant=tenant,
+                request_id=None,
+            )
+        )
+
+    async def signal(
+        self, session_id: str, process_id: str, signal: str, *, tenant: str | None = None
+    ) -> None:
+        """Sends ``signal`` (``"TERM"``, ``"KILL"``, ``"INT"`` or ``"HUP"``) to the process.
+        :class:`~executor_arm_client.errors.AlreadyFinishedError` (409) once it ended."""
+        await self._client._send(
+            _core.signal_process_call(
+                self._client._creds, session_id, process_id, signal, tenant=tenant, request_id=None
             )
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -22,6 +23,8 @@ from .models import (
     FileList,
     ArchiveUploaded,
     Health,
+    ProcessInfo,
+    ProcessStarted,
     ResultEvent,
     RunAccepted,
     RunStatus,
@@ -35,7 +38,7 @@ from .models import (
 from .retry import RetryPolicy
 from .sse import iter_events
 
-__all__ = ["Client", "Sessions", "DEFAULT_TIMEOUT", "answer_of"]
+__all__ = ["Client", "Sessions", "Processes", "DEFAULT_TIMEOUT", "answer_of"]
 
 T = TypeVar("T")
 
@@ -443,6 +446,8 @@ class Sessions:
 
     def __init__(self, client: Client) -> None:
         self._client = client
+        #: The sessions' background processes.
+        self.processes = Processes(client)
 
     def create(
         self,
@@ -732,5 +737,139 @@ class Sessions:
         return self._client._send(
             _core.list_files_call(
                 self._client._creds, session_id, path, tenant=tenant, request_id=None
+            )
+        )
+
+
+class Processes:
+    """``/v1/sandbox/sessions/{id}/processes``: a session's background processes (local sessions
+    only for now). One runs beside the session's execs until it ends, is signalled, or the
+    session ends (delete, expiry, pause); its id is its exec id, so
+    :meth:`Sessions.get_exec` and :meth:`Sessions.cancel_exec` also take it. ``tenant``
+    defaults to the client's."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def start(
+        self,
+        session_id: str,
+        code: str,
+        *,
+        stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_ms: int | None = None,
+        tenant: str | None = None,
+        idempotency_key: str | None = None,
+        request_id: str | None = None,
+    ) -> ProcessStarted:
+        """Starts ``code`` (in the session's language) as a background process: its 202 handle
+        (``process_id``, ``links``) at once. Its stdin stays open for :meth:`stdin` (``stdin``
+        here is written first); its deadline is ``timeout_ms``, else the profile's async
+        maximum. :class:`~executor_arm_client.errors.RateLimitedError` (429) when the session
+        already runs ``sessions.max_processes`` of them."""
+        request = SessionExecRequest(
+            code=code,
+            stdin=stdin,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            timeout_ms=timeout_ms,
+        )
+        return self._client._send(
+            _core.start_process_call(
+                self._client._creds,
+                session_id,
+                request,
+                tenant=tenant,
+                idempotency_key=idempotency_key,
+                request_id=request_id,
+            )
+        )
+
+    def list(
+        self, session_id: str, *, tenant: str | None = None
+    ) -> builtins.list[ProcessInfo]:
+        """The session's running processes and its last ended ones, oldest first (none while
+        it is paused)."""
+        return self._client._send(
+            _core.list_processes_call(
+                self._client._creds, session_id, tenant=tenant, request_id=None
+            )
+        )
+
+    def stream(
+        self,
+        session_id: str,
+        process_id: str,
+        *,
+        last_event_id: str | None = None,
+        tenant: str | None = None,
+        framing: _core.Framing | None = None,
+    ) -> Iterator[Event]:
+        """The process's events, live or finished, from ``last_event_id`` when given: the same
+        as an exec's stream (``start``, ``stdout``/``stderr`` chunks, and ``result`` once it
+        ended); ``framing="lines"``: one output event per line. A broken connection is resumed
+        from the last event."""
+        call = _core.stream_process_call(
+            self._client._creds,
+            session_id,
+            process_id,
+            last_event_id=last_event_id,
+            tenant=tenant,
+            framing=framing,
+        )
+        return self._client._events(call, self._resume(session_id, tenant, framing), process_id)
+
+    def _resume(
+        self, session_id: str, tenant: str | None, framing: _core.Framing | None
+    ) -> _Resume:
+        def resume(process_id: str, last_id: str | None) -> Call[None]:
+            return _core.stream_process_call(
+                self._client._creds,
+                session_id,
+                process_id,
+                last_event_id=last_id,
+                tenant=tenant,
+                framing=framing,
+            )
+
+        return resume
+
+    def stdin(
+        self,
+        session_id: str,
+        process_id: str,
+        data: bytes | str,
+        *,
+        eof: bool = False,
+        tenant: str | None = None,
+    ) -> None:
+        """Writes ``data`` (a str is UTF-8) to the process's stdin, in order with earlier
+        writes; ``eof=True`` closes its stdin after them (``data`` may be empty).
+        :class:`~executor_arm_client.errors.AlreadyFinishedError` (409) once the process ended,
+        :class:`~executor_arm_client.errors.NotFoundError` for an unknown process."""
+        self._client._send(
+            _core.process_stdin_call(
+                self._client._creds,
+                session_id,
+                process_id,
+                _core.stdin_bytes(data),
+                eof=eof,
+                tenant=tenant,
+                request_id=None,
+            )
+        )
+
+    def signal(
+        self, session_id: str, process_id: str, signal: str, *, tenant: str | None = None
+    ) -> None:
+        """Sends ``signal`` (``"TERM"``, ``"KILL"``, ``"INT"`` or ``"HUP"``; any other is
+        :class:`~executor_arm_client.errors.InvalidRequestError`) to the process; ``KILL`` ends
+        every process it started. :class:`~executor_arm_client.errors.AlreadyFinishedError`
+        (409) once it ended."""
+        self._client._send(
+            _core.signal_process_call(
+                self._client._creds, session_id, process_id, signal, tenant=tenant, request_id=None
             )
         )

@@ -144,7 +144,8 @@ class IdempotencyInProgressError(ConflictError):
 
 
 class AlreadyFinishedError(ConflictError):
-    """409 ``AlreadyFinished``: cancel of a run that has finished."""
+    """409 ``AlreadyFinished``: cancel of a run that has finished, or stdin or a signal to a
+    session's background process that has ended."""
 
 
 class SessionBusyError(ConflictError):

@@ -26,6 +26,9 @@ __all__ = [
     "SessionLimits",
     "SessionCreateRequest",
     "SessionExecRequest",
+    "SignalRequest",
+    "ProcessSignal",
+    "ProcessState",
     "Provenance",
     "ConnRecord",
     "ExecutionResult",
@@ -38,12 +41,16 @@ __all__ = [
     "FileEntry",
     "FileList",
     "ArchiveUploaded",
+    "ProcessStarted",
+    "ProcessInfo",
+    "ProcessList",
     "Health",
     "StartEvent",
     "OutputEvent",
     "ResultEvent",
     "Event",
     "SCHEMAS",
+    "NARROWED",
     "wire_name",
     "to_wire",
     "from_wire",
@@ -53,6 +60,10 @@ ActionType = Literal["shell", "http", "python", "external"]
 BackendKind = Literal["local", "docker", "gvisor"]
 KilledReason = Literal["timeout", "oom", "pids", "output_limit", "signal", "cancelled"]
 Outcome = Literal["success", "failed", "timeout", "cancelled", "oom"]
+#: The signals a session's background process may be sent.
+ProcessSignal = Literal["TERM", "KILL", "INT", "HUP"]
+#: Where a background process stands.
+ProcessState = Literal["running", "exited"]
 
 
 def _wire(name: str) -> dict[str, str]:
@@ -127,6 +138,17 @@ class SessionExecRequest:
     timeout_ms: int | None = None
     async_: bool | None = field(default=None, metadata=_wire("async"))
     cancel_on_disconnect: bool | None = None
+    #: A background process: the daemon answers 202 with its ``process_id`` at once and keeps
+    #: its stdin open (see ``sessions.processes``).
+    background: bool | None = None
+
+
+@dataclass
+class SignalRequest:
+    """The body of ``POST /v1/sandbox/sessions/{id}/processes/{process_id}/signal`` (schema
+    ``SignalBody``): ``TERM``, ``KILL``, ``INT`` or ``HUP``; the daemon refuses any other (400)."""
+
+    signal: str
 
 
 # --- responses ------------------------------------------------------------------------------
@@ -232,6 +254,10 @@ class RunLinks:
     self_: str = field(metadata=_wire("self"))
     stream: str
     cancel: str
+    #: A background process: where to write its stdin.
+    stdin: str | None = None
+    #: A background process: where to signal it.
+    signal: str | None = None
 
 
 @dataclass
@@ -239,6 +265,19 @@ class RunAccepted:
     """The 202 answer of an ``async`` run."""
 
     exec_id: str
+    status: Literal["running"]
+    links: RunLinks
+    #: A session's background process: its id (the same as ``exec_id``).
+    process_id: str | None = None
+
+
+@dataclass
+class ProcessStarted:
+    """The 202 answer of a session's background exec (schema ``RunAccepted``, whose
+    ``process_id`` such an answer always has): its ``links`` include ``stdin`` and ``signal``."""
+
+    exec_id: str
+    process_id: str
     status: Literal["running"]
     links: RunLinks
 
@@ -315,6 +354,34 @@ class ArchiveUploaded:
 
 
 @dataclass
+class ProcessInfo:
+    """One of a session's background processes, as its list shows it."""
+
+    process_id: str
+    exec_id: str
+    #: ``sha256:<hex>`` of its code.
+    code_sha256: str
+    #: RFC 3339, UTC, milliseconds.
+    started_at: str
+    state: ProcessState
+    #: Once it ended: its exit code (128 + the signal's number when a signal ended it; None when
+    #: it ended without a result).
+    exit_code: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+
+@dataclass
+class ProcessList:
+    """``GET /v1/sandbox/sessions/{id}/processes``: running ones and the last ended ones, oldest
+    first (none while the session is paused: a pause ends them)."""
+
+    processes: list[ProcessInfo]
+
+
+@dataclass
 class Health:
     """``GET /health``."""
 
@@ -377,6 +444,7 @@ SCHEMAS: dict[type, str] = {
     SessionLimits: "SessionLimits",
     SessionCreateRequest: "CreateBody",
     SessionExecRequest: "ExecBody",
+    SignalRequest: "SignalBody",
     Provenance: "Provenance",
     ConnRecord: "ConnRecord",
     ExecutionResult: "ExecutionResult",
@@ -389,7 +457,15 @@ SCHEMAS: dict[type, str] = {
     FileEntry: "FileEntry",
     FileList: "FileList",
     ArchiveUploaded: "ArchiveUploaded",
+    ProcessInfo: "ProcessInfo",
+    ProcessList: "ProcessList",
     Health: "Health",
+}
+
+#: Models that narrow a schema (a property it leaves optional is required of them), and that
+#: schema: the same properties.
+NARROWED: dict[type, str] = {
+    ProcessStarted: "RunAccepted",
 }
 
 
