@@ -52,8 +52,15 @@ fn tool_list() {
 /// Each call's twin: its route (ids and paths encoded, never able to name another route) and body.
 #[test]
 fn twins() {
-    let t = tools::twin("execute", args(json!({"action_type": "shell", "command": "echo"}))).unwrap();
-    assert_eq!((t.method, t.uri.as_str(), t.streams), (Method::POST, "/execute", true));
+    let t = tools::twin(
+        "execute",
+        args(json!({"action_type": "shell", "command": "echo"})),
+    )
+    .unwrap();
+    assert_eq!(
+        (t.method, t.uri.as_str(), t.streams),
+        (Method::POST, "/execute", true)
+    );
     assert_eq!(
         t.body,
         Body::Json(json!({"action_type": "shell", "command": "echo"}))
@@ -62,11 +69,22 @@ fn twins() {
     let t = tools::twin("execute", args(json!({"command": "echo", "async": true}))).unwrap();
     assert!(!t.streams);
 
-    let t = tools::twin("run_start", args(json!({"command": "echo", "async": false}))).unwrap();
-    assert_eq!(t.body, Body::Json(json!({"command": "echo", "async": true})));
+    let t = tools::twin(
+        "run_start",
+        args(json!({"command": "echo", "async": false})),
+    )
+    .unwrap();
+    assert_eq!(
+        t.body,
+        Body::Json(json!({"command": "echo", "async": true}))
+    );
     assert!(!t.streams);
 
-    let t = tools::twin("session_exec", args(json!({"session_id": "ses_1", "code": "x"}))).unwrap();
+    let t = tools::twin(
+        "session_exec",
+        args(json!({"session_id": "ses_1", "code": "x"})),
+    )
+    .unwrap();
     assert_eq!(t.uri, "/v1/sandbox/sessions/ses_1/exec");
     assert_eq!(t.body, Body::Json(json!({"code": "x"})));
 
@@ -76,7 +94,10 @@ fn twins() {
     )
     .unwrap();
     assert_eq!(t.method, Method::GET);
-    assert_eq!(t.uri, "/v1/sandbox/sessions/..%2Fx%3Fy/files/dir/a%20b%23%3F.txt");
+    assert_eq!(
+        t.uri,
+        "/v1/sandbox/sessions/..%2Fx%3Fy/files/dir/a%20b%23%3F.txt"
+    );
 
     let t = tools::twin(
         "files_write",
@@ -85,7 +106,11 @@ fn twins() {
     .unwrap();
     assert_eq!((t.method, t.body), (Method::PUT, Body::Bytes(vec![0, 255])));
 
-    let t = tools::twin("files_list", args(json!({"session_id": "ses_1", "path": "a&b"}))).unwrap();
+    let t = tools::twin(
+        "files_list",
+        args(json!({"session_id": "ses_1", "path": "a&b"})),
+    )
+    .unwrap();
     assert_eq!(t.uri, "/v1/sandbox/sessions/ses_1/files?path=a%26b");
 
     let t = tools::twin("run_status", args(json!({"exec_id": "e1"}))).unwrap();
@@ -99,7 +124,10 @@ fn twins() {
     assert_eq!(t.body, Body::Json(json!({"grace_seconds": 0})));
 
     let t = tools::twin("session_delete", args(json!({"session_id": "ses_1"}))).unwrap();
-    assert_eq!((t.method, t.uri.as_str()), (Method::DELETE, "/v1/sandbox/sessions/ses_1"));
+    assert_eq!(
+        (t.method, t.uri.as_str()),
+        (Method::DELETE, "/v1/sandbox/sessions/ses_1")
+    );
 }
 
 /// A call's own malformed arguments are the REST 400; an unknown tool has no twin.
@@ -110,7 +138,9 @@ fn bad_calls() {
         other => panic!("{tool}: {other:?}"),
     };
     assert!(invalid("session_exec", json!({"code": "x"})).contains("session_id"));
-    assert!(invalid("files_write", json!({"session_id": "s", "path": "a"})).contains("exactly one"));
+    assert!(
+        invalid("files_write", json!({"session_id": "s", "path": "a"})).contains("exactly one")
+    );
     assert!(
         invalid(
             "files_write",
@@ -118,7 +148,13 @@ fn bad_calls() {
         )
         .contains("exactly one")
     );
-    assert!(invalid("files_write", json!({"session_id": "s", "path": "a", "content_b64": "!"})).contains("content_b64"));
+    assert!(
+        invalid(
+            "files_write",
+            json!({"session_id": "s", "path": "a", "content_b64": "!"})
+        )
+        .contains("content_b64")
+    );
     assert!(invalid("run_status", json!({"exec_id": "e", "bogus": 1})).contains("bogus"));
     assert_eq!(
         tools::twin("rm", Map::new()),
@@ -151,7 +187,10 @@ fn results() {
     };
     assert_eq!(file(b"hi")["content"], json!("hi"));
     let v = file(&[0xff]);
-    assert_eq!((v["content_b64"].clone(), v["size"].clone()), (json!("/w=="), json!(1)));
+    assert_eq!(
+        (v["content_b64"].clone(), v["size"].clone()),
+        (json!("/w=="), json!(1))
+    );
     assert!(v.get("content").is_none());
 
     let r = render(
@@ -162,7 +201,10 @@ fn results() {
         b"",
     );
     assert_eq!(r.is_error, Some(false));
-    assert_eq!(r.structured_content.unwrap(), json!({"session_id": "s", "deleted": true}));
+    assert_eq!(
+        r.structured_content.unwrap(),
+        json!({"session_id": "s", "deleted": true})
+    );
 }
 
 /// The listen address's host is allowed beside the configured ones, unless it is a wildcard or

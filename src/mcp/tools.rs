@@ -263,7 +263,10 @@ fn file_path(p: &str) -> String {
     p.split('/').map(seg).collect::<Vec<_>>().join("/")
 }
 
-fn args_of<T: serde::de::DeserializeOwned>(tool: &str, args: Map<String, Value>) -> Result<T, NoTwin> {
+fn args_of<T: serde::de::DeserializeOwned>(
+    tool: &str,
+    args: Map<String, Value>,
+) -> Result<T, NoTwin> {
     serde_json::from_value(Value::Object(args))
         .map_err(|e| NoTwin::Invalid(format!("invalid {tool} arguments: {e}")))
 }
@@ -297,12 +300,22 @@ pub(super) fn twin(tool: &str, args: Map<String, Value>) -> Result<Twin, NoTwin>
     Ok(match tool {
         "execute" => {
             let streams = !asks_async(&args);
-            json(Method::POST, "/execute".into(), Body::Json(args.into()), streams)
+            json(
+                Method::POST,
+                "/execute".into(),
+                Body::Json(args.into()),
+                streams,
+            )
         }
         "run_start" => {
             let mut body = args;
             body.insert("async".into(), Value::Bool(true));
-            json(Method::POST, "/execute".into(), Body::Json(body.into()), false)
+            json(
+                Method::POST,
+                "/execute".into(),
+                Body::Json(body.into()),
+                false,
+            )
         }
         "session_create" => json(
             Method::POST,
@@ -344,7 +357,11 @@ pub(super) fn twin(tool: &str, args: Map<String, Value>) -> Result<Twin, NoTwin>
             let a: FileArgs = args_of(tool, args)?;
             Twin {
                 method: Method::GET,
-                uri: format!("{}/files/{}", session_uri(&a.session_id), file_path(&a.path)),
+                uri: format!(
+                    "{}/files/{}",
+                    session_uri(&a.session_id),
+                    file_path(&a.path)
+                ),
                 body: Body::None,
                 render: Render::File {
                     session_id: a.session_id,
@@ -372,7 +389,11 @@ pub(super) fn twin(tool: &str, args: Map<String, Value>) -> Result<Twin, NoTwin>
             };
             Twin {
                 method: Method::PUT,
-                uri: format!("{}/files/{}", session_uri(&a.session_id), file_path(&a.path)),
+                uri: format!(
+                    "{}/files/{}",
+                    session_uri(&a.session_id),
+                    file_path(&a.path)
+                ),
                 render: Render::Written {
                     session_id: a.session_id,
                     path: a.path,
