@@ -153,9 +153,10 @@ pub fn service_token(
     Ok(service)
 }
 
-/// Marks a request a front end made for its caller whose contract makes the service token's
-/// `capabilities` claim the grant of a call that carries no capability token (MCP, see
-/// `crate::mcp`). Only the daemon itself can set it: an extension never comes off the wire.
+/// Marks a request a front end made in-process for its caller, under a contract that makes the
+/// service token's `capabilities` claim the grant of a call that carries no capability token
+/// (the MCP front end's). Only the daemon itself can set it: an extension never comes off the
+/// wire.
 #[derive(Debug, Clone, Copy)]
 pub struct ServiceGrant;
 
