@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole executor-arm test suite, from a fresh machine: installs what the tests need (apt),
 # checks the dependency tree (scripts/supply-chain.sh: cargo deny, cargo audit), sets up Docker +
-# gVisor and the sandbox image, starts Redis, then runs formatting, lints, unit and integration tests
+# gVisor and the sandbox image, starts Redis, makes the MCP tests' Python venv (the official MCP SDK,
+# from PyPI), then runs formatting, lints, unit and integration tests
 # (local, docker, gvisor backends), Schemathesis against the OpenAPI document, the Python client's
 # tests against a live daemon, the benchmark report generator's tests (fixture results), every fuzz
 # target for a bounded time (FUZZ_SECONDS each, default 20), and the Helm chart validation.
@@ -52,6 +53,9 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # No file imports a file that imports it back, at any level of src/.
 scripts/module-cycles.py .
+
+step "MCP client (the official Python SDK tests/mcp.rs drives /mcp with, from PyPI)"
+scripts/mcp-client-venv.sh >/dev/null
 
 step "tests"
 cargo build --release --locked
