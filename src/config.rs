@@ -300,8 +300,9 @@ pub struct McpConfig {
     /// daemon a browser could reach). Another host is 403.
     pub allowed_hosts: Vec<String>,
     /// Browser origins (`scheme://host:port`, `:*` any port) whose `Origin` header `/mcp`
-    /// accepts. A request without `Origin` (a service, not a browser) is always accepted; an
-    /// `Origin` not listed is 403 (empty: every `Origin` is refused).
+    /// accepts (default: the loopback names, any port). A request without `Origin` (a service,
+    /// not a browser) is always accepted; an `Origin` not listed is 403 (empty: every `Origin`
+    /// is refused).
     pub allowed_origins: Vec<String>,
 }
 

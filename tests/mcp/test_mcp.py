@@ -243,11 +243,14 @@ def admission() -> None:
     r = httpx2.post(URL, json=init, headers={**accept, "Authorization": "Bearer not-a-token"})
     assert r.status_code == 401, (r.status_code, r.text)
     auth = {**accept, "Authorization": f"Bearer {SERVICE}"}
-    r = httpx2.post(URL, json=init, headers={**auth, "Origin": "http://localhost:1"})
+    r = httpx2.post(URL, json=init, headers={**auth, "Origin": "http://rebound.invalid"})
     assert r.status_code == 403, (r.status_code, r.text)
     r = httpx2.post(URL, json=init, headers={**auth, "Host": "rebound.invalid"})
     assert r.status_code == 403, (r.status_code, r.text)
     r = httpx2.post(URL, json=init, headers=auth)
+    assert r.status_code == 200, (r.status_code, r.text)
+    # A page of this machine (the default mcp.allowed_origins) is served.
+    r = httpx2.post(URL, json=init, headers={**auth, "Origin": "http://127.0.0.1:6274"})
     assert r.status_code == 200, (r.status_code, r.text)
 
 
