@@ -8,7 +8,7 @@
 
 use axum::Router;
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
+use axum::http::{HeaderValue, Request, Response, StatusCode, header};
 use base64::Engine as _;
 use futures::StreamExt as _;
 use rmcp::model::{
@@ -22,17 +22,17 @@ use serde_json::{Map, Value, json};
 use tower::ServiceExt as _;
 
 use super::tools::{self, NoTwin, Render, Twin};
-use crate::api::VERSION;
 use crate::api::caller::ServiceGrant;
 use crate::api::error::ApiError;
+use crate::api::{RequestId, VERSION};
 
 /// Headers of the `/mcp` request that its tool calls' twins carry: who calls, for which tenant,
-/// under which request id and trace.
-const FORWARDED: [&str; 6] = [
+/// under which trace. The twin's request id is the `/mcp` request's (the caller's
+/// `X-Request-ID`, or the one the daemon gave it).
+const FORWARDED: [&str; 5] = [
     "authorization",
     "x-tenant-id",
     "x-koder-tenant",
-    "x-request-id",
     "traceparent",
     "tracestate",
 ];
@@ -50,15 +50,23 @@ impl McpServer {
     }
 
     /// The call `twin` as the REST request it is twin of, for the caller of `headers`.
-    fn request(twin: &Twin, headers: Option<&HeaderMap>) -> Result<Request<Body>, ApiError> {
+    fn request(
+        twin: &Twin,
+        outer: Option<&axum::http::request::Parts>,
+    ) -> Result<Request<Body>, ApiError> {
         let mut req = Request::builder()
             .method(twin.method.clone())
             .uri(twin.uri.as_str());
-        if let Some(h) = headers {
+        if let Some(outer) = outer {
             for name in FORWARDED {
-                for v in h.get_all(name) {
+                for v in outer.headers.get_all(name) {
                     req = req.header(name, v.clone());
                 }
+            }
+            if let Some(RequestId(id)) = outer.extensions.get::<RequestId>()
+                && let Ok(v) = HeaderValue::from_str(id)
+            {
+                req = req.header("x-request-id", v);
             }
         }
         let body = match &twin.body {
@@ -89,7 +97,7 @@ impl McpServer {
         let parts = ctx.extensions.get::<axum::http::request::Parts>();
         let progress = ctx.meta.get_progress_token().filter(|_| twin.streams);
         twin.streams = progress.is_some();
-        let mut req = Self::request(&twin, parts.map(|p| &p.headers))?;
+        let mut req = Self::request(&twin, parts)?;
         if twin.streams {
             req.headers_mut().insert(
                 header::ACCEPT,

@@ -38,10 +38,11 @@ TOOLS = {
 }
 
 
-def client(mode: str) -> Client:
-    http = create_mcp_http_client(
-        headers={"Authorization": f"Bearer {SERVICE}", "X-Tenant-ID": TENANT}
-    )
+def client(mode: str, request_id: str | None = None) -> Client:
+    headers = {"Authorization": f"Bearer {SERVICE}", "X-Tenant-ID": TENANT}
+    if request_id:
+        headers["X-Request-ID"] = request_id
+    http = create_mcp_http_client(headers=headers)
     return Client(streamable_http_client(URL, http_client=http), mode=mode)
 
 
@@ -80,7 +81,7 @@ async def until(what: str, check, seconds: float = 30.0):
         await asyncio.sleep(0.2)
 
 
-async def tools_and_execute(c: Client, label: str) -> None:
+async def tools_and_execute(c: Client, label: str) -> dict:
     listed = await c.list_tools()
     names = {t.name for t in listed.tools}
     assert names == TOOLS, f"{label}: {names}"
@@ -96,6 +97,7 @@ async def tools_and_execute(c: Client, label: str) -> None:
     s = structured(r)
     assert s["success"] is True and s["stdout"] == f"hello {label}\n", s
     assert s["provenance"]["command_hash"].startswith("sha256:"), s
+    return s
 
 
 async def legacy_session() -> None:
@@ -225,8 +227,10 @@ async def legacy_session() -> None:
 
 async def stateless() -> None:
     """The 2026-07-28 revision: no session, every request stands alone."""
-    async with client("2026-07-28") as c:
-        await tools_and_execute(c, "stateless")
+    async with client("2026-07-28", request_id="mcp-stateless-1") as c:
+        s = await tools_and_execute(c, "stateless")
+        # The run's request id is the /mcp request's.
+        assert s["provenance"]["request_id"] == "mcp-stateless-1", s["provenance"]
 
 
 def admission() -> None:
