@@ -12,9 +12,9 @@ use axum::http::{HeaderValue, Request, Response, StatusCode, header};
 use base64::Engine as _;
 use futures::StreamExt as _;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
-    ListToolsResult, PaginatedRequestParams, ProgressNotificationParam, ProgressToken,
-    ServerCapabilities, ServerConfig,
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ErrorCode,
+    Implementation, ListToolsResult, PaginatedRequestParams, ProgressNotificationParam,
+    ProgressToken, ServerCapabilities, ServerConfig,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler};
@@ -36,6 +36,10 @@ const FORWARDED: [&str; 5] = [
     "traceparent",
     "tracestate",
 ];
+
+/// The JSON-RPC code of a request its client cancelled (no MCP client reads it: a cancelled
+/// request's answer is dropped).
+const REQUEST_CANCELLED: i32 = -32800;
 
 /// The server of one MCP session.
 #[derive(Clone)]
@@ -269,10 +273,23 @@ impl ServerHandler for McpServer {
             Err(NoTwin::Invalid(m)) => return Ok(error_result(ApiError::InvalidRequest(m)).into()),
         };
         let render_as = twin.render.clone();
-        let answered = match self.answer(twin, &ctx).await {
+        let answered = tokio::select! {
+            answered = self.answer(twin, &ctx) => answered,
+            // The client gave the call up (`notifications/cancelled`): the twin's request is
+            // dropped, as a REST client that goes away, so its run is cancelled only when the
+            // call said `cancel_on_disconnect`. The client reads no answer to it.
+            () = ctx.ct.cancelled() => {
+                return Err(ErrorData::new(
+                    ErrorCode(REQUEST_CANCELLED),
+                    "the client cancelled the call",
+                    None,
+                ));
+            }
+        };
+        Ok(match answered {
             Ok((status, body)) => render(&render_as, status, &body),
             Err(e) => error_result(e),
-        };
-        Ok(answered.into())
+        }
+        .into())
     }
 }

@@ -225,6 +225,34 @@ async def legacy_session() -> None:
         assert mcp["provenance"]["subject"] == twin["provenance"]["subject"], (mcp, twin)
 
 
+async def cancelled_call() -> None:
+    """A call the client gives up is a REST client that goes away: its run is cancelled when the
+    call said cancel_on_disconnect."""
+    async with client("legacy", request_id="mcp-cancel-1") as c:
+        try:
+            await c.call_tool(
+                "execute",
+                {"action_type": "python", "command": "python3",
+                 "args": ["-c", "import time; time.sleep(120)"], "cancel_on_disconnect": True},
+                read_timeout_seconds=2,
+            )
+            raise AssertionError("the call was expected to time out")
+        except AssertionError:
+            raise
+        except Exception:
+            pass
+
+        async def ended():
+            with open(AUDIT) as f:
+                lines = [json.loads(line) for line in f if line.strip()]
+            mine = [line for line in lines if line.get("request_id") == "mcp-cancel-1"]
+            done = [line for line in mine if line["event"] == "execution"]
+            return done[0] if done else None
+
+        end = await until("the abandoned run's end line", ended)
+        assert end["outcome"] == "cancelled", end
+
+
 async def stateless() -> None:
     """The 2026-07-28 revision: no session, every request stands alone."""
     async with client("2026-07-28", request_id="mcp-stateless-1") as c:
@@ -263,6 +291,8 @@ async def main() -> None:
     print("admission: ok", flush=True)
     await legacy_session()
     print("legacy session: ok", flush=True)
+    await cancelled_call()
+    print("cancelled call: ok", flush=True)
     await stateless()
     print("stateless: ok", flush=True)
     print("mcp: OK")
