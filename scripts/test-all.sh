@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole executor-arm test suite, from a fresh machine: installs what the tests need (apt),
 # checks the dependency tree (scripts/supply-chain.sh: cargo deny, cargo audit), sets up Docker +
-# gVisor and the sandbox image, starts Redis, then runs formatting, lints, unit and integration tests
+# gVisor and the sandbox image, starts Redis, installs the MCP tests' clients (the official Python SDK
+# from PyPI, the conformance suite from npm), then runs formatting, lints, unit and integration tests
 # (local, docker, gvisor backends), Schemathesis against the OpenAPI document, the Python client's
 # tests against a live daemon, the benchmark report generator's tests (fixture results), every fuzz
 # target for a bounded time (FUZZ_SECONDS each, default 20), and the Helm chart validation.
@@ -19,7 +20,7 @@ step() { printf '\n== %s\n' "$*"; }
 step "packages"
 need=()
 for pair in python3:python3 curl:curl wget:wget nmap:nmap tar:tar git:git openssl:openssl \
-            redis-server:redis-server ip:iproute2 bwrap:bubblewrap debootstrap:debootstrap strace:strace; do
+            redis-server:redis-server npm:npm ip:iproute2 bwrap:bubblewrap debootstrap:debootstrap strace:strace; do
   bin=${pair%%:*}; pkg=${pair##*:}
   command -v "$bin" >/dev/null 2>&1 || need+=("$pkg")
 done
@@ -52,6 +53,10 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # No file imports a file that imports it back, at any level of src/.
 scripts/module-cycles.py .
+
+step "MCP clients (tests/mcp.rs: the official Python SDK from PyPI, the conformance suite from npm)"
+scripts/mcp-client-venv.sh >/dev/null
+scripts/mcp-conformance.sh --install
 
 step "tests"
 cargo build --release --locked

@@ -42,6 +42,7 @@ pub struct Config {
     pub executions: ExecutionsConfig,
     pub sessions: SessionsConfig,
     pub egress: EgressConfig,
+    pub mcp: McpConfig,
     pub commands: BTreeMap<String, CommandEntry>,
     /// Names `ALLOWED_COMMANDS` added that the configured allowlist lacks (entries of
     /// [`env_command_entry`]); each must be found on the search path at startup.
@@ -286,6 +287,23 @@ pub struct ExecutionsConfig {
     /// Server-Sent Event streams this daemon keeps open at once; one more is refused with 429
     /// (a stream holds a copy of its run's output while its reader is slow).
     pub max_open_streams: usize,
+}
+
+/// `/mcp`: the Model Context Protocol front end (Streamable HTTP).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpConfig {
+    /// Serve `/mcp` at all (off: it is a 404 like any unknown path).
+    pub enabled: bool,
+    /// `Host` header values `/mcp` answers (`host` matches any port, `host:port` that port); the
+    /// host of `server.listen` is added when it is not a wildcard. Empty: any host (not for a
+    /// daemon a browser could reach). Another host is 403.
+    pub allowed_hosts: Vec<String>,
+    /// Browser origins (`scheme://host:port`, `:*` any port) whose `Origin` header `/mcp`
+    /// accepts (default: the loopback names, any port). A request without `Origin` (a service,
+    /// not a browser) is always accepted; an `Origin` not listed is 403 (empty: every `Origin`
+    /// is refused).
+    pub allowed_origins: Vec<String>,
 }
 
 /// Sessions: sandboxes kept across several execs (`/v1/sandbox/sessions`).

@@ -7,6 +7,11 @@
 //!   to statuses and bodies; each route file (`api::execute`, `api::sessions`, ...) parses its
 //!   request into an `ExecutionRequest`, `api::caller` reads who calls, `api::run` holds what
 //!   every run route shares (modes, idempotency, disconnects, answers); see `api`'s own layout.
+//! - `mcp`: the Model Context Protocol front end (`/mcp`, the official SDK), beside `api` and
+//!   using it (never the other way): each tool call is handed in-process to the REST handler of
+//!   its twin (`POST /execute`, the session and run routes), which hands it to the execution or
+//!   sessions service, so it is the same run with the same checks, audit lines and metrics;
+//!   `mcp` only translates the wire formats. `main.rs` mounts its route beside the REST API's.
 //! - `execution`: the execution service, no HTTP: decide → admit → run → record (provenance, one
 //!   typed audit event per line, metrics), the one path every execution takes. One file a step:
 //!   `request` (the request and its kind of run, an `Action`), `plan` (deciding it: one match
@@ -52,6 +57,7 @@ pub mod execution;
 pub mod executors;
 #[cfg(any(fuzzing, test))]
 pub mod fuzzing;
+pub mod mcp;
 pub mod metrics;
 pub mod policy;
 pub mod provenance;

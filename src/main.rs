@@ -376,7 +376,19 @@ fn serve_on(
         if dev {
             print_dev_banner(&state, bound)?;
         }
-        executor_arm::api::run(listener, state, shutdown_signal()).await;
+        // MCP sessions end when the daemon starts draining: their open streams must not hold
+        // the drain up.
+        let mcp_shutdown = tokio_util::sync::CancellationToken::new();
+        let mcp = executor_arm::mcp::routes(
+            &state,
+            executor_arm::api::router(state.clone()),
+            mcp_shutdown.clone(),
+        );
+        let shutdown = async move {
+            shutdown_signal().await;
+            mcp_shutdown.cancel();
+        };
+        executor_arm::api::run(listener, state, mcp, shutdown).await;
         drop(dev_dir);
         tracing::info!("stopped");
         Ok(())

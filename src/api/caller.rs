@@ -128,9 +128,10 @@ pub(super) fn bearer(headers: &HeaderMap) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
-/// The calling service, from its bearer token (a single-use one is used up here); a refusal is
-/// a 401, audited with what `known` tells of the request.
-async fn calling_service(
+/// The service token of `headers` verified (signature, claims), without using up a single-use
+/// one: what a front end that admits a connection before its calls checks (each call is then
+/// authenticated whole, as [`Caller::authenticate`] does). A refusal is an audited 401.
+pub fn service_token(
     st: &AppState,
     headers: &HeaderMap,
     known: &mut KnownRequest,
@@ -149,6 +150,30 @@ async fn calling_service(
         }
     };
     known.subject = service.subject.clone();
+    Ok(service)
+}
+
+/// Marks a request a front end made in-process for its caller, under a contract that makes the
+/// service token's `capabilities` claim the grant of a call that carries no capability token
+/// (the MCP front end's). Only the daemon itself can set it: an extension never comes off the
+/// wire.
+#[derive(Debug, Clone, Copy)]
+pub struct ServiceGrant;
+
+/// Whether the request may use its service token's capabilities as its grant (see
+/// [`ServiceGrant`]).
+pub(super) fn service_grant(extensions: &axum::http::Extensions) -> bool {
+    extensions.get::<ServiceGrant>().is_some()
+}
+
+/// The calling service, from its bearer token (a single-use one is used up here); a refusal is
+/// a 401, audited with what `known` tells of the request.
+async fn calling_service(
+    st: &AppState,
+    headers: &HeaderMap,
+    known: &mut KnownRequest,
+) -> Result<Verified, ApiError> {
+    let service = service_token(st, headers, known)?;
     claim_single_use(&*st.store, &service)
         .await
         .map_err(|e| match e {

@@ -36,11 +36,12 @@ use crate::state::IdemKey;
 /// The request body. Unknown fields are refused: a misspelt limit must not be silently ignored.
 /// Every optional field may also be `null`, which is the same as leaving it out. An
 /// Idempotency-Key's fingerprint covers it as parsed (see [`what_runs`]).
-#[derive(Debug, Deserialize, Serialize, ToSchema)]
+#[derive(Debug, Deserialize, Serialize, ToSchema, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecuteRequest {
     /// `shell`, `http`, `python` or `external`.
     #[schema(value_type = ActionType)]
+    #[schemars(extend("enum" = ["shell", "http", "python", "external"]))]
     pub action_type: String,
     /// A bare allowlisted name (`ls`, `python3`) or, for `external`, a registered executor's
     /// name; never a path.
@@ -207,7 +208,18 @@ pub async fn execute(State(st): State<Arc<AppState>>, req: Request) -> Response 
 async fn answer(st: Arc<AppState>, req: Request, client: Arc<ClientLink>) -> Response {
     let rid = RequestId::of(&req);
     let (parts, body) = req.into_parts();
-    match handle(&st, &parts.headers, &parts.uri, body, rid, &client).await {
+    let service_grant = super::caller::service_grant(&parts.extensions);
+    match handle(
+        &st,
+        &parts.headers,
+        &parts.uri,
+        body,
+        rid,
+        &client,
+        service_grant,
+    )
+    .await
+    {
         Ok(resp) => resp,
         Err(e) => {
             let label = match &e {
@@ -240,6 +252,7 @@ async fn handle(
     body: Body,
     request_id: String,
     client: &ClientLink,
+    service_grant: bool,
 ) -> Result<Response, ApiError> {
     if st.is_draining() {
         return Err(ApiError::ShuttingDown);
@@ -277,10 +290,12 @@ async fn handle(
     }
 
     // What this call may do.
-    let Some(token) = capability_token(req.capability_token.as_deref(), headers)? else {
-        return Err(unauthorized(st, &caller.known, "missing capability token"));
+    let cap = match capability_token(req.capability_token.as_deref(), headers)? {
+        Some(token) => caller.capability(st, token)?,
+        // A front end whose contract it is (MCP): the service token's own capabilities.
+        None if service_grant => caller.service.clone(),
+        None => return Err(unauthorized(st, &caller.known, "missing capability token")),
     };
-    let cap = caller.capability(st, token)?;
     if caller.known.subject.is_none() {
         caller.known.subject = cap.subject.clone();
     }

@@ -172,6 +172,12 @@ fn session_routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
+    router_with(state, Router::new())
+}
+
+/// The REST API's routes with `extra` routes of another front end (`/mcp`) beside them, under
+/// the same request ids, 404 and 405.
+pub fn router_with(state: Arc<AppState>, extra: Router<Arc<AppState>>) -> Router {
     Router::new()
         .route("/execute", post(execute::execute))
         .route("/v1/executions/{exec_id}", get(executions::get))
@@ -188,21 +194,24 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/executors", get(ops::executors))
         .route("/openapi.json", get(openapi::serve_document))
         .route("/docs", get(openapi::docs))
+        .merge(extra)
         .fallback(ops::not_found)
         .method_not_allowed_fallback(ops::method_not_allowed)
         .layer(axum::middleware::from_fn(request_id))
         .with_state(state)
 }
 
-/// Serves until `shutdown` resolves, then drains: /readyz turns 503 at once, the listener
+/// Serves the REST API and the `extra` routes of other front ends (see [`router_with`]) until
+/// `shutdown` resolves, then drains: /readyz turns 503 at once, the listener
 /// closes, running executions (async ones included) get `shutdown_grace_seconds`, then are
 /// killed; returns when every connection and every run is done.
 pub async fn run(
     listener: TcpListener,
     state: Arc<AppState>,
+    extra: Router<Arc<AppState>>,
     shutdown: impl Future<Output = ()> + Send,
 ) {
-    let app = router(state.clone());
+    let app = router_with(state.clone(), extra);
     let header_timeout = Duration::from_millis(state.config.server.header_read_timeout_ms);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);

@@ -217,7 +217,7 @@ fn json(status: StatusCode, body: impl Serialize) -> Response {
 }
 
 /// The body of `POST /v1/sandbox/sessions`. Unknown fields are refused.
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Deserialize, ToSchema, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateBody {
     /// A configured session language (`/capabilities` lists them as `session_languages`).
@@ -289,7 +289,11 @@ async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Respon
     let grant = match token {
         // A single-use token is used up by the session service once the session can be made.
         Some(t) => caller.capability(st, t)?,
-        None if st.config.sessions.accept_service_capabilities => caller.service,
+        None if st.config.sessions.accept_service_capabilities
+            || super::caller::service_grant(&parts.extensions) =>
+        {
+            caller.service
+        }
         None => {
             return Err(unauthorized(
                 st,
@@ -486,7 +490,7 @@ pub async fn resume(
 /// The body of `POST /v1/sandbox/sessions/{id}/exec`. Unknown fields are refused; every optional
 /// field may be `null`, the same as leaving it out. An Idempotency-Key's fingerprint covers it
 /// as parsed (see `execute::what_runs`), with the session, the calling service and the tenant.
-#[derive(Debug, Deserialize, Serialize, ToSchema)]
+#[derive(Debug, Deserialize, Serialize, ToSchema, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecBody {
     /// The program, in the session's language; its interpreter runs it as a file.

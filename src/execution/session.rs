@@ -72,7 +72,15 @@ pub const WORKSPACE: &str = "/workspace";
 
 /// Limits a session asked for at creation; None keeps the profile's.
 #[derive(
-    Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize, PartialEq, utoipa::ToSchema,
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    PartialEq,
+    utoipa::ToSchema,
+    schemars::JsonSchema,
 )]
 #[serde(deny_unknown_fields)]
 pub struct SessionLimits {

@@ -1,0 +1,222 @@
+use axum::http::{Method, StatusCode};
+use serde_json::{Map, Value, json};
+
+use super::server::render;
+use super::tools::{self, Body, NoTwin, Render};
+
+fn args(v: Value) -> Map<String, Value> {
+    match v {
+        Value::Object(m) => m,
+        _ => unreachable!("test arguments are objects"),
+    }
+}
+
+/// The ten tools, each with an object schema; the REST bodies' schemas refuse unknown fields.
+#[test]
+fn tool_list() {
+    let tools = tools::list();
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
+    assert_eq!(
+        names,
+        [
+            "execute",
+            "session_create",
+            "session_exec",
+            "session_delete",
+            "files_read",
+            "files_write",
+            "files_list",
+            "run_start",
+            "run_status",
+            "run_cancel"
+        ]
+    );
+    for t in &tools {
+        assert_eq!(t.input_schema["type"], json!("object"), "{}", t.name);
+        assert_eq!(
+            t.input_schema["additionalProperties"],
+            json!(false),
+            "{}",
+            t.name
+        );
+    }
+    let execute = &tools[0].input_schema;
+    assert_eq!(execute["required"], json!(["action_type", "command"]));
+    assert!(execute["properties"]["capability_token"].is_object());
+    let exec = &tools[2].input_schema;
+    assert_eq!(exec["required"][0], json!("session_id"));
+    assert!(exec["properties"]["code"].is_object());
+    assert!(exec["properties"]["session_id"].is_object());
+}
+
+/// Each call's twin: its route (ids and paths encoded, never able to name another route) and body.
+#[test]
+fn twins() {
+    let t = tools::twin(
+        "execute",
+        args(json!({"action_type": "shell", "command": "echo"})),
+    )
+    .unwrap();
+    assert_eq!(
+        (t.method, t.uri.as_str(), t.streams),
+        (Method::POST, "/execute", true)
+    );
+    assert_eq!(
+        t.body,
+        Body::Json(json!({"action_type": "shell", "command": "echo"}))
+    );
+    // An async execute is answered at once: nothing to stream.
+    let t = tools::twin("execute", args(json!({"command": "echo", "async": true}))).unwrap();
+    assert!(!t.streams);
+
+    let t = tools::twin(
+        "run_start",
+        args(json!({"command": "echo", "async": false})),
+    )
+    .unwrap();
+    assert_eq!(
+        t.body,
+        Body::Json(json!({"command": "echo", "async": true}))
+    );
+    assert!(!t.streams);
+
+    let t = tools::twin(
+        "session_exec",
+        args(json!({"session_id": "ses_1", "code": "x"})),
+    )
+    .unwrap();
+    assert_eq!(t.uri, "/v1/sandbox/sessions/ses_1/exec");
+    assert_eq!(t.body, Body::Json(json!({"code": "x"})));
+
+    let t = tools::twin(
+        "files_read",
+        args(json!({"session_id": "../x?y", "path": "dir/a b#?.txt"})),
+    )
+    .unwrap();
+    assert_eq!(t.method, Method::GET);
+    assert_eq!(
+        t.uri,
+        "/v1/sandbox/sessions/..%2Fx%3Fy/files/dir/a%20b%23%3F.txt"
+    );
+
+    let t = tools::twin(
+        "files_write",
+        args(json!({"session_id": "ses_1", "path": "b.bin", "content_b64": "AP8="})),
+    )
+    .unwrap();
+    assert_eq!((t.method, t.body), (Method::PUT, Body::Bytes(vec![0, 255])));
+
+    let t = tools::twin(
+        "files_list",
+        args(json!({"session_id": "ses_1", "path": "a&b"})),
+    )
+    .unwrap();
+    assert_eq!(t.uri, "/v1/sandbox/sessions/ses_1/files?path=a%26b");
+
+    let t = tools::twin("run_status", args(json!({"exec_id": "e1"}))).unwrap();
+    assert_eq!(t.uri, "/v1/executions/e1");
+    let t = tools::twin(
+        "run_cancel",
+        args(json!({"exec_id": "e1", "session_id": "ses_1", "grace_seconds": 0})),
+    )
+    .unwrap();
+    assert_eq!(t.uri, "/v1/sandbox/sessions/ses_1/execs/e1/cancel");
+    assert_eq!(t.body, Body::Json(json!({"grace_seconds": 0})));
+
+    let t = tools::twin("session_delete", args(json!({"session_id": "ses_1"}))).unwrap();
+    assert_eq!(
+        (t.method, t.uri.as_str()),
+        (Method::DELETE, "/v1/sandbox/sessions/ses_1")
+    );
+}
+
+/// A call's own malformed arguments are the REST 400; an unknown tool has no twin.
+#[test]
+fn bad_calls() {
+    let invalid = |tool: &str, v: Value| match tools::twin(tool, args(v)) {
+        Err(NoTwin::Invalid(m)) => m,
+        other => panic!("{tool}: {other:?}"),
+    };
+    assert!(invalid("session_exec", json!({"code": "x"})).contains("session_id"));
+    assert!(
+        invalid("files_write", json!({"session_id": "s", "path": "a"})).contains("exactly one")
+    );
+    assert!(
+        invalid(
+            "files_write",
+            json!({"session_id": "s", "path": "a", "content": "", "content_b64": ""})
+        )
+        .contains("exactly one")
+    );
+    assert!(
+        invalid(
+            "files_write",
+            json!({"session_id": "s", "path": "a", "content_b64": "!"})
+        )
+        .contains("content_b64")
+    );
+    assert!(invalid("run_status", json!({"exec_id": "e", "bogus": 1})).contains("bogus"));
+    assert_eq!(
+        tools::twin("rm", Map::new()),
+        Err(NoTwin::UnknownTool("rm".into()))
+    );
+}
+
+/// An error status is `isError` with the REST body; a file's bytes are text or base64.
+#[test]
+fn results() {
+    let body = br#"{"success":false,"error":"no","error_type":"CapabilityViolation"}"#;
+    let r = render(&Render::Json, StatusCode::FORBIDDEN, body);
+    assert_eq!(r.is_error, Some(true));
+    assert_eq!(
+        r.structured_content.unwrap()["error_type"],
+        json!("CapabilityViolation")
+    );
+
+    let file = |bytes: &[u8]| {
+        render(
+            &Render::File {
+                session_id: "s".into(),
+                path: "p".into(),
+            },
+            StatusCode::OK,
+            bytes,
+        )
+        .structured_content
+        .unwrap()
+    };
+    assert_eq!(file(b"hi")["content"], json!("hi"));
+    let v = file(&[0xff]);
+    assert_eq!(
+        (v["content_b64"].clone(), v["size"].clone()),
+        (json!("/w=="), json!(1))
+    );
+    assert!(v.get("content").is_none());
+
+    let r = render(
+        &Render::Deleted {
+            session_id: "s".into(),
+        },
+        StatusCode::NO_CONTENT,
+        b"",
+    );
+    assert_eq!(r.is_error, Some(false));
+    assert_eq!(
+        r.structured_content.unwrap(),
+        json!({"session_id": "s", "deleted": true})
+    );
+}
+
+/// The listen address's host is allowed beside the configured ones, unless it is a wildcard or
+/// the list is empty (any host).
+#[test]
+fn allowed_hosts() {
+    let mut c = crate::config::Config::load(None, &Default::default()).unwrap();
+    c.server.listen = "10.1.2.3:8003".into();
+    assert!(super::allowed_hosts(&c).contains(&"10.1.2.3".to_string()));
+    c.server.listen = "0.0.0.0:8003".into();
+    assert_eq!(super::allowed_hosts(&c), c.mcp.allowed_hosts);
+    c.mcp.allowed_hosts.clear();
+    c.server.listen = "10.1.2.3:8003".into();
+    assert!(super::allowed_hosts(&c).is_empty());
+}
