@@ -11,8 +11,9 @@
 //! connection out of step; the container then counts as gone and is destroyed, never reused.
 //!
 //! Killing one exec does not kill the container: SIGUSR1 makes the supervisor kill every
-//! process of the command's uid, and it does so after every exec anyway, so nothing of one exec
-//! outlives it. A container whose supervisor vanished (gVisor goes down whole when it runs out
+//! process of the exec (those carrying the exec's marker group), and it does so after every exec
+//! anyway, so nothing of one exec outlives it, and nothing of another run (a background one) is
+//! touched. A container whose supervisor vanished (gVisor goes down whole when it runs out
 //! of memory) is gone: the exec gets its outcome, later calls a clear error.
 
 use std::sync::{Arc, Mutex};

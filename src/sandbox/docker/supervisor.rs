@@ -26,7 +26,8 @@
 //! Trust: the supervisor's stdout is the run's report, so the command must not reach it. The
 //! supervisor runs as root with only CAP_SETUID and CAP_SETGID (see [`super::container`]), makes
 //! itself non-dumpable, and starts the command as the profile's uid/gid with no supplementary
-//! groups, checking the switch took effect before `execve` (a failure is an `f` frame, never a
+//! groups (in a kept sandbox: only its run's marker, by which the run's processes are killed),
+//! checking the switch took effect before `execve` (a failure is an `f` frame, never a
 //! run as root). The command therefore cannot ptrace it, read its memory, open its descriptors
 //! through `/proc/1/fd`, or signal it. Limits, isolation and OOM verdicts never depend on the
 //! supervisor: they come from the engine.
@@ -326,6 +327,8 @@ pub fn encode_request(
             .unwrap_or_default(),
         tcp_rules,
         tcp_socket,
+        // With controls the command's stdin stays open for their frames.
+        stdin_stream: spec.controls.is_some(),
     };
     header
         .encode(
