@@ -17,8 +17,8 @@ use executor_arm::sandbox::docker::{DockerConfig, DockerSandbox};
 use executor_arm::sandbox::files::Kept;
 use executor_arm::sandbox::uids::UidRange;
 use executor_arm::sandbox::{
-    BackendKind, ExitKind, FsRules, Limits, NetworkPolicy, OnOverflow, OutputTap, RunOutcome,
-    RunSpec, Sandbox, SandboxError,
+    BackendKind, ExitKind, FsRules, KilledReason, Limits, NetworkPolicy, OnOverflow, OutputTap,
+    RunOutcome, RunSpec, Sandbox, SandboxError, Stop,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -89,21 +89,33 @@ fn backend(kind: BackendKind, egress_dir: &std::path::Path) -> Arc<DockerSandbox
     ))
 }
 
-/// A background run of `argv` in `kept`, with controls and its output gathered by the tap.
+/// A live run of `argv` in `kept` (a background one unless said otherwise), with controls, a
+/// stop, and its output gathered by the tap.
 struct Background {
     controls: mpsc::Sender<Control>,
+    stop: tokio::sync::watch::Sender<Option<Stop>>,
     output: Arc<Mutex<Vec<u8>>>,
     run: JoinHandle<Result<RunOutcome, SandboxError>>,
 }
 
 impl Background {
     fn start(sb: &Arc<DockerSandbox>, kept: &Arc<dyn Kept>, argv: &[&str]) -> Background {
+        Background::start_with(sb, kept, spec(argv), true)
+    }
+
+    fn start_with(
+        sb: &Arc<DockerSandbox>,
+        kept: &Arc<dyn Kept>,
+        mut s: RunSpec,
+        background: bool,
+    ) -> Background {
         let (tx, controls) = Controls::channel();
+        let (stop, stop_rx) = tokio::sync::watch::channel(None);
         let output = Arc::new(Mutex::new(Vec::new()));
         let seen = output.clone();
-        let mut s = spec(argv);
         s.kept = Some(kept.clone());
-        s.background = true;
+        s.background = background;
+        s.stop = Some(stop_rx);
         s.controls = Some(controls);
         s.output_tap = Some(OutputTap::new(move |_, chunk| {
             seen.lock().unwrap().extend_from_slice(chunk)
@@ -111,6 +123,7 @@ impl Background {
         let sb = sb.clone();
         Background {
             controls: tx,
+            stop,
             output,
             run: tokio::spawn(async move { sb.run(s).await }),
         }
@@ -295,6 +308,68 @@ async fn background_runs_on(kind: BackendKind) {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+
+    // A foreground exec takes controls too.
+    let fg = Background::start_with(
+        &sb,
+        &kept,
+        spec(&["/bin/sh", "-c", "echo ready; read a; echo got $a; exec cat"]),
+        false,
+    );
+    fg.wait_for("ready\n").await;
+    fg.send(Control::Stdin(b"first\n".to_vec())).await;
+    fg.wait_for("got first\n").await;
+    fg.send(Control::Stdin(b"rest".to_vec())).await;
+    fg.send(Control::CloseStdin).await;
+    let o = fg.outcome().await;
+    assert_eq!(
+        (o.exit, stdout(&o).as_str()),
+        (ExitKind::Exited(0), "ready\ngot first\nrest"),
+        "{o:?}"
+    );
+
+    // A stop: TERM to the command, which may end in its grace; then one without a grace.
+    let term = Background::start(
+        &sb,
+        &kept,
+        &[
+            "/bin/sh",
+            "-c",
+            "trap 'echo term; exit 3' TERM; echo up; while :; do sleep 0.1; done",
+        ],
+    );
+    term.wait_for("up\n").await;
+    let grace = Stop {
+        reason: KilledReason::Cancelled,
+        grace: Duration::from_secs(30),
+    };
+    term.stop.send(Some(grace)).unwrap();
+    let o = term.outcome().await;
+    assert_eq!(o.exit, ExitKind::Exited(3), "{o:?}");
+    assert_eq!(o.killed_reason, Some(KilledReason::Cancelled));
+    assert!(stdout(&o).ends_with("term\n"), "{o:?}");
+    let now = Background::start(&sb, &kept, &["/bin/sh", "-c", "echo up; exec sleep 300"]);
+    now.wait_for("up\n").await;
+    let at_once = Stop {
+        reason: KilledReason::Cancelled,
+        grace: Duration::ZERO,
+    };
+    now.stop.send(Some(at_once)).unwrap();
+    let o = now.outcome().await;
+    assert_eq!(o.killed_reason, Some(KilledReason::Cancelled), "{o:?}");
+    assert_ne!(o.exit, ExitKind::Exited(0), "{o:?}");
+
+    // The run's timeout.
+    let mut late = spec(&["/bin/sleep", "300"]);
+    late.limits.timeout = Duration::from_secs(2);
+    let o = Background::start_with(&sb, &kept, late, true)
+        .outcome()
+        .await;
+    assert_eq!(o.killed_reason, Some(KilledReason::Timeout), "{o:?}");
+
+    // The session's execs still run.
+    let fg = foreground(&sb, &kept, "echo still").await;
+    assert_eq!(stdout(&fg), "still\n");
 
     // Closing the session's container ends its background run with it.
     let last = Background::start(&sb, &kept, &["/bin/sh", "-c", "echo up; exec sleep 300"]);

@@ -38,7 +38,9 @@ use super::{DRAIN_GRACE, DockerSandbox, KILL_TIMEOUT, short};
 use crate::sandbox::control::{Control, ProcessSignal};
 use crate::sandbox::files::{Approve, ByteStream, Entry, FileError, ImportMode, Kept, Staging};
 use crate::sandbox::run::{self, Ending};
-use crate::sandbox::{ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec, SandboxError};
+use crate::sandbox::{
+    ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec, SandboxError, Stop,
+};
 
 /// How long one file call may take the supervisor (a 16 MiB file is well under a second).
 const FILE_CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -70,6 +72,9 @@ pub struct KeptContainer {
     /// The command of a background run: the supervisor in spawn mode, as this container's user
     /// (None: the container's uid is unknown, so no background run).
     spawn: Option<Vec<String>>,
+    /// Set once the container is closed or found gone: its background runs end at once (the
+    /// engine does not always end an exec's stream when its container goes).
+    ended: tokio::sync::watch::Sender<bool>,
 }
 
 impl KeptContainer {
@@ -79,6 +84,7 @@ impl KeptContainer {
             tracing::warn!(container = %short(&self.id), why, "a session's container is gone");
             *g = Some(why.to_string());
         }
+        self.ended.send_replace(true);
     }
 
     /// The connection for one request: none while an exec runs, or once the container is gone.
@@ -341,6 +347,7 @@ impl Kept for Arc<KeptContainer> {
             let mut g = self.gone.lock().unwrap_or_else(|p| p.into_inner());
             g.get_or_insert_with(|| "the session was ended".to_string());
         }
+        self.ended.send_replace(true);
         let guard = self.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
         drop(guard);
         let socket_dir = self
@@ -625,6 +632,7 @@ impl DockerSandbox {
         let kept = Arc::new(KeptContainer {
             id: guard.id().to_string(),
             spawn,
+            ended: tokio::sync::watch::channel(false).0,
             pid,
             channel: tokio::sync::Mutex::new(Channel {
                 input,
@@ -808,6 +816,15 @@ impl DockerSandbox {
     }
 }
 
+/// A task that ends with its owner (a run future dropped half way included).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl DockerSandbox {
     /// A session's background run in its kept container: not over the container's attach
     /// connection (the session's foreground execs keep it), but through a `docker exec` of the
@@ -819,7 +836,7 @@ impl DockerSandbox {
     async fn run_background(
         &self,
         kept: &Arc<KeptContainer>,
-        spec: RunSpec,
+        mut spec: RunSpec,
     ) -> Result<RunOutcome, SandboxError> {
         // The egress relay listens on one loopback port per container run, which the
         // session's foreground execs hold.
@@ -868,6 +885,37 @@ impl DockerSandbox {
             mut input,
             mut output,
         } = attached;
+        // The run's stop, or the container's end (a stop without grace).
+        let (stop_tx, stop_rx) =
+            tokio::sync::watch::channel(spec.stop.as_ref().and_then(|s| *s.borrow()));
+        let mut outer = spec.stop.replace(stop_rx);
+        let mut ended = kept.ended.subscribe();
+        let stops = AbortOnDrop(tokio::spawn(async move {
+            loop {
+                let changed = async {
+                    match outer.as_mut() {
+                        Some(o) => o.changed().await.map(|()| *o.borrow()),
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    c = changed => match c {
+                        Ok(Some(stop)) => {
+                            stop_tx.send_replace(Some(stop));
+                        }
+                        Ok(None) => {}
+                        Err(_) => outer = None,
+                    },
+                    _ = ended.wait_for(|e| *e) => {
+                        stop_tx.send_replace(Some(Stop {
+                            reason: KilledReason::Cancelled,
+                            grace: Duration::ZERO,
+                        }));
+                        return;
+                    }
+                }
+            }
+        }));
         let mut decoder = FrameDecoder::default();
         let (own_tx, own_rx) = tokio::sync::mpsc::channel(4);
         let live = Live {
@@ -904,6 +952,7 @@ impl DockerSandbox {
             }
         };
         drop(own_tx);
+        drop(stops);
         // Dropping the relay closes the exec's connection: its supervisor is done or ends now.
         let captured = run.finish().await;
         let killed = killed.or(match &end.report {
