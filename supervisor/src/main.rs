@@ -94,7 +94,9 @@ const CAP_KILL: u32 = 5;
 /// daemon's uid range gives out: no file is owned by one, so the group grants nothing. Without
 /// CAP_SETGID a process cannot drop or change its supplementary groups (and no-new-privileges
 /// keeps setgid binaries from granting it), so the marker follows every descendant,
-/// double-forked and setsid'd ones included, and the run's kill finds them all by it.
+/// double-forked and setsid'd ones included, and the run's kill finds them all by it. A command
+/// may give its own files the marker as their group; that grants nothing, since every run of a
+/// container has the same uid.
 pub const MARKER_BASE: u32 = 2_000_000_000;
 /// How long the kill of a run's processes may take before the supervisor gives up on it.
 const SWEEP_LIMIT: Duration = Duration::from_secs(3);

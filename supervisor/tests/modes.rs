@@ -1022,6 +1022,14 @@ fn a_kept_exec_ends_its_own_processes_only() {
     assert!(alive(sleeper[0]), "another run's process was killed");
     let _ = other.kill();
     let _ = other.wait();
+    // Controls the daemon sent as the exec ended are dropped; the next request is served.
+    {
+        use executor_arm_supervisor::protocol::ControlFrame;
+        s.send(&ControlFrame::Stdin(b"late".to_vec()).encode());
+        s.send(&ControlFrame::Signal(libc::SIGTERM).encode());
+        s.send(&encode(&request(&["/bin/echo", "after"], None), None));
+        assert_eq!(stdout_of(&s.until_last()), b"after\n");
+    }
     // An orphan PID 1 inherits between requests is reaped while it waits for the next one.
     let status = inside(init, &["/bin/sh", "-c", "sleep 0.2 & exit 0"])
         .status()
