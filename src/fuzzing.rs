@@ -358,6 +358,30 @@ pub fn supervisor_protocol(data: &[u8]) {
         assert_eq!(whole.next_frame(), Ok(Some(f)), "split decoding differs");
     }
 
+    // Control frames (daemon -> supervisor during a run): never a panic, and split reads decode
+    // as the whole does.
+    let controls = |pieces: &mut dyn Iterator<Item = &[u8]>| {
+        let mut d = executor_arm_supervisor::protocol::ControlDecoder::default();
+        let mut got = Vec::new();
+        for p in pieces {
+            d.push(p);
+            loop {
+                match d.next_control() {
+                    Ok(Some(c)) => got.push(c),
+                    Ok(None) => break,
+                    Err(_) => return got,
+                }
+            }
+        }
+        got
+    };
+    let whole_controls = controls(&mut std::iter::once(data));
+    let split_controls = controls(&mut data.chunks(3));
+    assert_eq!(
+        whole_controls, split_controls,
+        "split control decoding differs"
+    );
+
     if let Some((_, header, _)) = executor_arm_supervisor::protocol::split_request(data) {
         if let Ok(h) = RunHeader::decode(header) {
             // Without its data: the lengths say "none" or 0.

@@ -89,7 +89,7 @@ fn helper(cfg: &Config) -> Result<Option<Pid>, Abandoned> {
         Ok(ForkResult::Child) => {
             default_signals();
             // On failure no verdict is written: the parent says the helper gave none.
-            if become_user(cfg.uid, cfg.gid).is_err() {
+            if become_user(cfg.uid, cfg.gid, None).is_err() {
                 exit_now(1);
             }
             // Non-dumpable whatever fs.suid_dumpable says: nothing else of this uid may read

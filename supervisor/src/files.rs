@@ -220,7 +220,7 @@ pub fn file_request(cfg: &Config) -> Result<(), Abandoned> {
             default_signals();
             drop(r);
             let mut out = std::io::BufWriter::with_capacity(CHUNK, File::from(w));
-            let result = match become_user(cfg.uid, cfg.gid) {
+            let result = match become_user(cfg.uid, cfg.gid, None) {
                 Err(why) => Err(("io", 0, why)),
                 Ok(()) => {
                     // Non-dumpable whatever fs.suid_dumpable says (the switch set that value):

@@ -1,8 +1,9 @@
 //! executor-arm's container supervisor: PID 1 of every docker/gvisor sandbox.
 //!
-//! Usage: `executor-arm-supervisor UID GID WORKDIR [once|kept [AS]]`: who the command runs as,
-//! where, whether the container serves one request or a session's requests one after another,
-//! and the RLIMIT_AS in bytes each command process starts with (0: none). The wire protocol is
+//! Usage: `executor-arm-supervisor UID GID WORKDIR [once|kept|spawn [AS]]`: who the command runs
+//! as, where, whether the container serves one request, a session's requests one after another,
+//! or (spawn) one background run of a session beside them, and the RLIMIT_AS in bytes each
+//! command process starts with (0: none). The wire protocol is
 //! [`executor_arm_supervisor::protocol`].
 //!
 //! Mode "once" (every /execute container): waits (idle, possibly for a long time in the warm pool)
@@ -10,20 +11,32 @@
 //! whatever the command left behind. The command's process is forked while it waits (see
 //! [`spawn`]), already with the command's identity, and only receives its argv when the request
 //! comes. Mode "kept" (a session's container): serves requests one after another for the
-//! session's life. After each run every process but this one is killed before the report, so
-//! nothing of one exec outlives it; between runs it serves file calls in the workdir (in a helper
-//! with the command's identity, see [`files`]). Never a shell: argv goes to execve as a list.
+//! session's life. Each run's command carries a marker group of its own ([`MARKER_BASE`]) that
+//! every process it starts inherits and cannot shed; after each run every process carrying it is
+//! killed before the report, so nothing of one exec outlives it, and nothing of another run (a
+//! background one) is touched. Between runs it serves file calls in the workdir (in a helper with
+//! the command's identity, see [`files`]) and reaps the orphans it inherits. Mode "spawn" (a
+//! session's background run, started by the daemon as a docker exec as root, not PID 1): reads
+//! one run request as once mode does, runs it with its own marker, reaps its run's orphans (a
+//! child subreaper), and at the run's end (or its stdin's) kills every process of its marker and
+//! reports. Never a shell: argv goes to execve as a list.
+//!
+//! Controls: a request whose stdin is streamed keeps the command's stdin open after its bytes;
+//! while the run lasts the supervisor reads control frames from its own stdin (bytes for the
+//! command's stdin, its end, a signal: TERM, INT and HUP go to the command's process, KILL to
+//! every process of the run). Controls arriving after the run are dropped.
 //!
 //! Signals: SIGTERM is passed on to every process of the command (the daemon's grace before a
 //! kill); SIGUSR1 kills every process of the command (kept mode's kill of one exec, which leaves
-//! the container running). In kept mode the supervisor signals them itself (CAP_KILL): the
-//! command's uid cannot signal root, so no process of an exec can stop its own kill.
+//! the container running). In kept mode the supervisor signals them itself (CAP_KILL), finding
+//! them by their marker in /proc: the command's uid cannot signal root, so no process of an exec
+//! can stop its own kill.
 //!
 //! Trust: the supervisor runs as root with only CAP_SETUID and CAP_SETGID (kept mode: and
 //! CAP_KILL; raw TCP rules: CAP_NET_ADMIN and CAP_SETPCAP until the routes are made; no-new-
 //! privileges, the container's seccomp profile) and makes itself non-dumpable
-//! before anything else; the command runs as UID:GID with no supplementary groups and no
-//! capabilities (the switch is checked before execve), so it cannot ptrace this process, read its
+//! before anything else; the command runs as UID:GID with no supplementary groups (kept and spawn
+//! modes: its run's marker only) and no capabilities (the switch is checked before execve), so it cannot ptrace this process, read its
 //! memory, open its descriptors through /proc (its stdout is the report channel) or signal it.
 //! Every descriptor of ours is close-on-exec: the command gets exactly 0, 1 and 2.
 //!
@@ -55,7 +68,8 @@ use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use executor_arm_supervisor::protocol::{
-    ExitReport, FILE_MAGIC, RUN_MAGIC, RunHeader, Status, encode_frame, kind,
+    ControlDecoder, ControlFrame, ExitReport, FILE_MAGIC, RUN_MAGIC, RunHeader, Status, control,
+    encode_frame, kind,
 };
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
@@ -72,6 +86,23 @@ const CODE_DIR: &str = "/run/session";
 const DEADLINE_GRACE: u64 = 5;
 /// The capability's bit in /proc/self/status's CapEff (linux/capability.h).
 const CAP_KILL: u32 = 5;
+/// Run markers: the command of a run in a kept sandbox gets one extra supplementary group,
+/// `MARKER_BASE` + the pid of the supervisor process serving the run (1: the kept PID 1's
+/// foreground run; a `spawn` process's own pid: its background run), unique among the runs
+/// alive in the container. Pids stay below 2^22 (the kernel's PID_MAX_LIMIT), so markers lie
+/// in `MARKER_BASE + 1 ..= MARKER_BASE + 2^22`, far above any id a sandbox image or the
+/// daemon's uid range gives out: no file is owned by one, so the group grants nothing. Without
+/// CAP_SETGID a process cannot drop or change its supplementary groups (and no-new-privileges
+/// keeps setgid binaries from granting it), so the marker follows every descendant,
+/// double-forked and setsid'd ones included, and the run's kill finds them all by it. A command
+/// may give its own files the marker as their group; that grants nothing, since every run of a
+/// container has the same uid.
+pub const MARKER_BASE: u32 = 2_000_000_000;
+/// How long the kill of a run's processes may take before the supervisor gives up on it.
+const SWEEP_LIMIT: Duration = Duration::from_secs(3);
+/// Most stdin bytes of control frames held for a command that does not read them; past it
+/// they are dropped and the run reports a broken stdin.
+const MAX_PENDING_STDIN: usize = 4 << 20;
 
 /// Who the command runs as, where, and how.
 pub struct Config {
@@ -79,8 +110,14 @@ pub struct Config {
     pub gid: Gid,
     pub workdir: String,
     pub kept: bool,
+    /// Mode "spawn": a kept sandbox's background run, in a process of its own beside PID 1
+    /// (`kept` is set too: it marks, kills and reports as kept mode does).
+    pub spawn: bool,
     /// RLIMIT_AS of each command process (0: none).
     pub address_space: u64,
+    /// The marker group of this process's runs (kept and spawn modes), see [`MARKER_BASE`]:
+    /// fixed at start, from this process's own pid.
+    pub marker: Option<Gid>,
 }
 
 /// The write end of the self-pipe: a signal between waitpid and poll must still wake poll.
@@ -120,6 +157,12 @@ fn set_handler(sig: Signal, handler: SigHandler) {
     // SAFETY: the handler only touches atomics and calls write(2), both async-signal-safe; the
     // process is single-threaded.
     let _ = unsafe { sigaction(sig, &action) };
+}
+
+/// The marker group of the run this process serves (kept and spawn modes; once mode has none:
+/// its end as PID 1 kills everything).
+fn marker(cfg: &Config) -> Option<Gid> {
+    cfg.marker
 }
 
 /// In a child before execve or a helper: default dispositions (ignored signals stay ignored
@@ -206,14 +249,17 @@ fn unavailable(msg: &str) -> Abandoned {
     Abandoned
 }
 
-/// The command's identity: no supplementary groups, then the gid, then the uid (each step needs
-/// the privilege the next one drops), checked before anything of the request runs.
-pub fn become_user(uid: Uid, gid: Gid) -> Result<(), String> {
-    if let Err(e) = nix::unistd::setgroups(&[gid]) {
-        // Unprivileged (tests): acceptable only when the groups already are at most gid.
+/// The command's identity: its supplementary groups (none, or the run's marker), then the gid,
+/// then the uid (each step needs the privilege the next one drops), checked before anything of
+/// the request runs.
+pub fn become_user(uid: Uid, gid: Gid, marker: Option<Gid>) -> Result<(), String> {
+    let wanted: Vec<Gid> = std::iter::once(gid).chain(marker).collect();
+    if let Err(e) = nix::unistd::setgroups(&wanted) {
+        // Unprivileged (tests): acceptable only without a marker and when the groups already
+        // are at most gid.
         let held = nix::unistd::getgroups().unwrap_or_default();
-        if e != Errno::EPERM || held.iter().any(|g| *g != gid) {
-            return Err(format!("setgroups({gid}): {}", e.desc()));
+        if e != Errno::EPERM || marker.is_some() || held.iter().any(|g| *g != gid) {
+            return Err(format!("setgroups({wanted:?}): {}", e.desc()));
         }
     }
     nix::unistd::setgid(gid).map_err(|e| format!("setgid({gid}): {}", e.desc()))?;
@@ -228,7 +274,8 @@ pub fn become_user(uid: Uid, gid: Gid) -> Result<(), String> {
     };
     let uids_ok = ru.real == uid && ru.effective == uid && ru.saved == uid;
     let gids_ok = rg.real == gid && rg.effective == gid && rg.saved == gid;
-    if !uids_ok || !gids_ok || groups.iter().any(|g| *g != gid) {
+    let marked = marker.is_none_or(|m| groups.contains(&m));
+    if !uids_ok || !gids_ok || !marked || groups.iter().any(|g| !wanted.contains(g)) {
         return Err(format!(
             "identity not in effect (uid {} {} {}, gid {} {} {}, groups {groups:?})",
             ru.real, ru.effective, ru.saved, rg.real, rg.effective, rg.saved
@@ -328,7 +375,7 @@ fn child(cfg: &Config, ir: OwnedFd, ow: OwnedFd, ew: OwnedFd, xw: OwnedFd, cr: O
         die(format!("cannot drop the routing capabilities: {why}"));
     }
     let (uid, gid) = (cfg.uid, cfg.gid);
-    if let Err(why) = become_user(uid, gid) {
+    if let Err(why) = become_user(uid, gid, marker(cfg)) {
         die(format!("cannot run as {uid}:{gid}: {why}"));
     }
     // gVisor: the container's memory cgroup holds the sentry too, and a command that fills it
@@ -408,12 +455,12 @@ fn child(cfg: &Config, ir: OwnedFd, ow: OwnedFd, ew: OwnedFd, xw: OwnedFd, cr: O
 /// Sends `sig` to every process of the command. Once mode: from a helper with the command's
 /// identity (this process keeps no CAP_KILL there): kill(-1) reaches every process that uid may
 /// signal except PID 1 and the helper itself, i.e. the command and everything it started,
-/// setsid'd or double-forked ones included. Kept mode: from this process, which holds CAP_KILL
-/// there (and is PID 1 of the container's pid namespace), so nothing the command does (it runs
-/// as another uid) can stop it.
+/// setsid'd or double-forked ones included. Kept and spawn modes: from this process, which holds
+/// CAP_KILL there, to every process carrying the run's marker ([`signal_marked`]), so nothing
+/// the command does (it runs as another uid) can stop it and no other run is touched.
 fn signal_all(cfg: &Config, sig: Signal) {
-    if cfg.kept {
-        let _ = kill(Pid::from_raw(-1), sig);
+    if let Some(m) = marker(cfg) {
+        signal_marked(m, sig);
         return;
     }
     // SAFETY: fork(2) in a single-threaded process: the child owns a copy of every lock and
@@ -426,7 +473,7 @@ fn signal_all(cfg: &Config, sig: Signal) {
         // SAFETY: close_range(2) on every descriptor of this forked child; nothing in it uses one
         // afterwards (it only switches identity, signals and exits).
         unsafe { libc::close_range(0, libc::c_uint::MAX, 0) };
-        if become_user(cfg.uid, cfg.gid).is_err() {
+        if become_user(cfg.uid, cfg.gid, None).is_err() {
             exit_now(1);
         }
         // Non-dumpable whatever fs.suid_dumpable says: no process of the command's uid may read
@@ -454,24 +501,80 @@ fn reap(pid: Option<Pid>) -> Option<WaitStatus> {
     }
 }
 
-/// Kept mode, after each exec: every process but this one is killed, pass after pass, until none
-/// is left (kill(-1) counts a zombie as signalled, so they are reaped between passes). Nothing of
-/// an exec may run during the next one or a file call; if processes are still there after 3 s,
-/// this process exits, which as PID 1 ends the whole container (the daemon finds it gone).
-fn sweep() {
-    let until = Instant::now() + Duration::from_secs(3);
+/// Whether a /proc/PID/status text is of a process carrying `marker` among its supplementary
+/// groups, and whether it is still alive (not a zombie).
+fn marked(status: &str, marker: Gid) -> (bool, bool) {
+    let field = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .unwrap_or_default()
+    };
+    let carries = field("Groups:")
+        .split_whitespace()
+        .any(|g| g.parse::<u32>().ok() == Some(marker.as_raw()));
+    let dead = matches!(field("State:").trim_start().chars().next(), Some('Z' | 'X'));
+    (carries, carries && !dead)
+}
+
+/// Sends `sig` to every process carrying `marker` (found in /proc); how many of them were
+/// alive. Never this process or PID 1 (neither carries a marker).
+fn signal_marked(marker: Gid, sig: Signal) -> usize {
+    let me = std::process::id();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let mut alive = 0;
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == me || pid == 1 {
+            continue;
+        }
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            continue;
+        };
+        let (carries, live) = marked(&status, marker);
+        // A zombie is signalled too: a thread-group leader that exited before its threads
+        // shows as one.
+        if carries && let Ok(pid) = i32::try_from(pid) {
+            let _ = kill(Pid::from_raw(pid), sig);
+            alive += usize::from(live);
+        }
+    }
+    alive
+}
+
+/// Kept and spawn modes, at the end of each run: every process of the run (its marker) is
+/// killed, pass after pass, until a scan finds none alive (zombies are reaped between passes).
+/// Nothing of an exec may outlive it; processes of other runs are never touched. If some are
+/// still there after [`SWEEP_LIMIT`], the kept PID 1 exits, which ends the whole container (the
+/// daemon finds it gone); a spawn process says so and reports.
+fn sweep(cfg: &Config) {
+    let Some(m) = marker(cfg) else {
+        return;
+    };
+    let until = Instant::now() + SWEEP_LIMIT;
     loop {
-        let any = kill(Pid::from_raw(-1), Signal::SIGKILL).is_ok();
+        let alive = signal_marked(m, Signal::SIGKILL);
         reap(None);
-        if !any {
+        if alive == 0 {
             return;
         }
         if Instant::now() > until {
             // The daemon logs this with the container's end (the exec then counts as killed).
             eprintln!(
-                "executor-arm supervisor: processes of the exec were still there after 3 s of kills; ending the container"
+                "executor-arm supervisor: processes of the run were still there after 3 s of kills"
             );
-            exit_now(0);
+            if !cfg.spawn {
+                exit_now(0);
+            }
+            return;
         }
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -641,7 +744,8 @@ fn run_request(
     };
 
     // The order: whether stdin has bytes, the working directory, then argv and the environment.
-    let mut order0: Vec<&str> = vec![if input.is_some() { "1" } else { "0" }, &cwd];
+    let has_input = input.is_some() || h.stdin_stream;
+    let mut order0: Vec<&str> = vec![if has_input { "1" } else { "0" }, &cwd];
     let argc = h.argv.len().to_string();
     order0.push(&argc);
     order0.extend(h.argv.iter().map(String::as_str));
@@ -709,8 +813,12 @@ fn run_request(
         remove_code();
         return Err(fail(&why));
     }
-    let mut input_w = input.as_ref().map(|_| in_w);
-    let mut pending: &[u8] = input.as_deref().unwrap_or_default();
+    let mut input_w = has_input.then_some(in_w);
+    // Stdin bytes not yet taken by the command: the request's, then those of control frames
+    // (streamed stdin); the pipe closes once they are written and no more can come.
+    let mut pending: Vec<u8> = input.unwrap_or_default();
+    let mut stdin_open = h.stdin_stream;
+    let mut controls = ControlDecoder::default();
     if let Some(w) = &input_w {
         let _ = nix::fcntl::fcntl(w, nix::fcntl::FcntlArg::F_SETFL(OFlag::O_NONBLOCK));
     }
@@ -738,7 +846,7 @@ fn run_request(
         }
         if status.is_some() && cfg.kept && !swept {
             // Nothing of an exec outlives it: its leftovers are killed before the report.
-            sweep();
+            sweep(cfg);
             swept = true;
         }
         let drained = |drain: &mut u32, most: u32| {
@@ -770,7 +878,10 @@ fn run_request(
         watch(wake.as_raw_fd(), libc::POLLIN);
         // The daemon's end: EOF means it is gone.
         watch(0, libc::POLLIN);
-        if let (Some(w), None) = (&input_w, &status) {
+        if !stdin_open && pending.is_empty() {
+            input_w = None;
+        }
+        if let (Some(w), None, false) = (&input_w, &status, pending.is_empty()) {
             watch(w.as_raw_fd(), libc::POLLOUT);
         }
         if let Some(r) = &relay {
@@ -816,11 +927,42 @@ fn run_request(
             signal_all(cfg, Signal::SIGKILL);
         }
         if ready(0, libc::POLLIN) {
-            match nix::unistd::read(stdin_fd(), &mut buf[..4096]) {
-                // Exiting as PID 1 kills the command and everything it started.
-                Ok(0) => exit_now(0),
-                Ok(_) | Err(Errno::EINTR) | Err(Errno::EAGAIN) => {}
-                Err(_) => exit_now(0),
+            match nix::unistd::read(stdin_fd(), &mut buf) {
+                // The daemon is gone. Exiting as PID 1 kills the command and everything it
+                // started; a spawn process kills its run's first.
+                Ok(0) | Err(Errno::EBADF | Errno::EIO) => abandon(cfg),
+                Ok(got) => {
+                    controls.push(&buf[..got]);
+                    loop {
+                        let c = match controls.next_control() {
+                            Ok(Some(c)) => c,
+                            Ok(None) => break,
+                            // Out of step with the daemon: nothing more can be trusted.
+                            Err(_) => abandon(cfg),
+                        };
+                        let live = status.is_none();
+                        match c {
+                            ControlFrame::Stdin(b) if stdin_open && input_w.is_some() => {
+                                if pending.len() + b.len() > MAX_PENDING_STDIN {
+                                    broken = true;
+                                } else {
+                                    pending.extend_from_slice(&b);
+                                }
+                            }
+                            ControlFrame::Stdin(_) => {}
+                            ControlFrame::CloseStdin => stdin_open = false,
+                            ControlFrame::Signal(n) if live && control::SIGNALS.contains(&n) => {
+                                if n == libc::SIGKILL {
+                                    signal_all(cfg, Signal::SIGKILL);
+                                } else if let Ok(sig) = Signal::try_from(n) {
+                                    let _ = kill(pid, sig);
+                                }
+                            }
+                            ControlFrame::Signal(_) => {}
+                        }
+                    }
+                }
+                Err(_) => {}
             }
         }
         let readable: Vec<RawFd> = outputs
@@ -846,16 +988,18 @@ fn run_request(
         if let Some(w) = &input_w
             && ready(w.as_raw_fd(), libc::POLLOUT)
         {
-            match nix::unistd::write(w, pending) {
-                Ok(n) => pending = &pending[n..],
+            match nix::unistd::write(w, &pending) {
+                Ok(n) => {
+                    pending.drain(..n);
+                }
                 Err(Errno::EAGAIN) | Err(Errno::EINTR) => {}
                 Err(_) => {
+                    // The command closed its stdin: nothing more reaches it.
                     broken = true;
-                    pending = &[];
+                    pending.clear();
+                    stdin_open = false;
+                    input_w = None;
                 }
-            }
-            if pending.is_empty() {
-                input_w = None;
             }
         }
         if let Some(r) = relay.as_mut() {
@@ -867,6 +1011,12 @@ fn run_request(
     }
     if input_w.is_some() && !pending.is_empty() {
         broken = true;
+    }
+    // A control frame half read when the run ended is read to its end (the daemon writes each
+    // whole), so the next request starts in step; controls after the run are dropped.
+    while controls.missing() > 0 {
+        controls.push(&rd(controls.missing() as u64));
+        while let Ok(Some(_)) = controls.next_control() {}
     }
     drop(relay);
     drop(tcp_relay);
@@ -916,6 +1066,16 @@ fn run_request(
     Ok(())
 }
 
+/// The daemon's end of the stream closed (or went out of step): nothing can report any more.
+/// PID 1 exits, which kills every process of the container; a spawn process kills its run's
+/// processes first.
+fn abandon(cfg: &Config) -> ! {
+    if cfg.spawn {
+        sweep(cfg);
+    }
+    exit_now(0)
+}
+
 fn late_message() -> String {
     format!("the run was still going {DEADLINE_GRACE} s after its timeout")
 }
@@ -931,7 +1091,7 @@ fn parse_args(args: &[String]) -> Option<Config> {
         || !digits(uid)
         || !digits(gid)
         || !digits(address_space)
-        || !matches!(mode, "once" | "kept")
+        || !matches!(mode, "once" | "kept" | "spawn")
     {
         return None;
     }
@@ -939,7 +1099,9 @@ fn parse_args(args: &[String]) -> Option<Config> {
         uid: Uid::from_raw(uid.parse().ok()?),
         gid: Gid::from_raw(gid.parse().ok()?),
         workdir: workdir.clone(),
-        kept: mode == "kept",
+        kept: mode != "once",
+        spawn: mode == "spawn",
+        marker: (mode != "once").then(|| Gid::from_raw(MARKER_BASE + std::process::id())),
         address_space: address_space.parse().ok()?,
     })
 }
@@ -954,6 +1116,37 @@ fn holds_cap_kill() -> bool {
         .is_some_and(|eff| eff & (1 << CAP_KILL) != 0)
 }
 
+/// Kept mode between requests: waits for the next one, reaping the orphans the container's
+/// other processes (a background run's) leave to PID 1 meanwhile, so zombies never pile up
+/// against the pids limit.
+fn idle(wake: &OwnedFd) {
+    let mut buf = [0u8; 64];
+    loop {
+        reap(None);
+        let mut fds = [
+            libc::pollfd {
+                fd: 0,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of 2 pollfd structs for the call's duration.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n > 0 && fds[1].revents != 0 {
+            let _ = nix::unistd::read(wake.as_fd(), &mut buf);
+        }
+        if n > 0 && fds[0].revents != 0 {
+            reap(None);
+            return;
+        }
+    }
+}
+
 fn main() {
     // Bytes in, bytes out: frames go straight to fd 1 with write(2), never through std's
     // buffered stdout.
@@ -964,7 +1157,10 @@ fn main() {
     unsafe { libc::close_range(3, libc::c_uint::MAX, 0) };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cfg) = parse_args(&args) else {
-        frame(kind::FAILED, b"usage: UID GID WORKDIR [once|kept [AS]]");
+        frame(
+            kind::FAILED,
+            b"usage: UID GID WORKDIR [once|kept|spawn [AS]]",
+        );
         exit_now(0);
     };
     // Before anything else: nothing in this container may trace us or read us through /proc.
@@ -985,7 +1181,18 @@ fn main() {
             );
             exit_now(0);
         }
-        if std::process::id() != 1 {
+        // It finds a run's processes in /proc: that must be its own pid namespace's.
+        let own_proc = std::fs::read_link("/proc/self")
+            .ok()
+            .and_then(|p| p.to_str().and_then(|p| p.parse::<u32>().ok()));
+        if own_proc != Some(std::process::id()) {
+            frame(
+                kind::FAILED,
+                b"a kept sandbox's supervisor needs the /proc of its own pid namespace",
+            );
+            exit_now(0);
+        }
+        if !cfg.spawn && std::process::id() != 1 {
             frame(
                 kind::FAILED,
                 b"a kept sandbox's supervisor must be PID 1 of its own pid namespace",
@@ -1008,8 +1215,34 @@ fn main() {
     // reports why it could not.
     let mut prepared = (!cfg.kept).then(|| spawn(&cfg));
     let mut routes = tcp::Routes::default();
-    loop {
+    if cfg.spawn {
+        // Spawn mode: the run's orphans are this process's to reap (and kill), not PID 1's.
+        // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) takes plain integers and touches no memory.
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
         let magic = rd(4);
+        if magic[..] == RUN_MAGIC[..] {
+            let _ = run_request(&cfg, &mut prepared, &wake_r, &mut routes);
+        } else {
+            frame(kind::FAILED, b"a spawn supervisor serves one run request");
+        }
+        exit_now(0);
+    }
+    loop {
+        if cfg.kept {
+            idle(&wake_r);
+        }
+        let first = rd(1);
+        if control::ALL.contains(&first[0]) {
+            // A control the daemon sent as the previous run ended: dropped.
+            let len = rd_u32();
+            if len > executor_arm_supervisor::protocol::CHUNK as u64 {
+                exit_now(2);
+            }
+            rd(len);
+            continue;
+        }
+        let mut magic = first;
+        magic.extend_from_slice(&rd(3));
         // An abandoned request has already reported why (its last frame).
         let _ = if magic[..] == RUN_MAGIC[..] {
             run_request(&cfg, &mut prepared, &wake_r, &mut routes)

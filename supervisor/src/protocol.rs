@@ -6,9 +6,13 @@
 //!
 //! ```text
 //! run:   "EAR1" u32be(len) NUL-joined(argc, argv.., envc, "K=V".., stdin_len|-1, relay_port|0,
-//!        relay_socket, timeout_ms, code_path|"", code_len|-1, cwd|""[, tcp_rules, tcp_socket])
+//!        relay_socket, timeout_ms, code_path|"", code_len|-1, cwd|""[, tcp_rules, tcp_socket
+//!        [, stream]])
 //!        stdin-bytes code-bytes
-//!        tcp_rules: comma-joined [`TcpRoute`]s, present only when there are any
+//!        tcp_rules: comma-joined [`TcpRoute`]s, present only when there are any (or a stream)
+//!        stream: "1" when the command's stdin stays open for control frames after stdin-bytes
+//! control (during a run, after its request): `type(1) u32be(len) payload`, see [`control`]:
+//!        `i` bytes for the command's stdin, `c` its end, `s` a signal's number (decimal)
 //! file:  "EARF" u32be(len) NUL-joined(op, path, n)  [n bytes for put]
 //!        op: put (n = length), get (n = most bytes), list, dir (is it a directory),
 //!            tarout (a tar of the directory, as `o` frames), tarin (n = 0 upload, 1 restore)
@@ -56,6 +60,108 @@ pub mod kind {
 
     /// Every type a decoder accepts.
     pub const ALL: [u8; 7] = [STDOUT, STDERR, EXIT, FAILED, UNAVAILABLE, DEADLINE, RESULT];
+}
+
+/// Control frame types: what the daemon sends a running command, on the supervisor's stdin after
+/// the run's request (any number of them, until the run's last frame). The supervisor acts on
+/// them while the run lasts and drops any that arrive after it.
+pub mod control {
+    /// Bytes for the command's stdin (at most [`super::CHUNK`] each).
+    pub const STDIN: u8 = b'i';
+    /// The end of the command's stdin (no payload).
+    pub const CLOSE_STDIN: u8 = b'c';
+    /// A signal's number, in decimal: to the command's process; SIGKILL ends every process of
+    /// the run.
+    pub const SIGNAL: u8 = b's';
+
+    /// Every type a decoder accepts.
+    pub const ALL: [u8; 3] = [STDIN, CLOSE_STDIN, SIGNAL];
+
+    /// The signals a control may carry (TERM, KILL, INT, HUP); the supervisor ignores others.
+    pub const SIGNALS: [i32; 4] = [15, 9, 2, 1];
+}
+
+/// One control of a running command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ControlFrame {
+    Stdin(Vec<u8>),
+    CloseStdin,
+    Signal(i32),
+}
+
+impl ControlFrame {
+    /// The frames of this control: stdin bytes are cut into [`CHUNK`]-sized frames.
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            ControlFrame::Stdin(b) if b.is_empty() => encode_frame(control::STDIN, &[]),
+            ControlFrame::Stdin(b) => {
+                let mut out = Vec::with_capacity(b.len() + 5 * (b.len() / CHUNK + 1));
+                for piece in b.chunks(CHUNK) {
+                    out.extend_from_slice(&encode_frame(control::STDIN, piece));
+                }
+                out
+            }
+            ControlFrame::CloseStdin => encode_frame(control::CLOSE_STDIN, &[]),
+            ControlFrame::Signal(n) => encode_frame(control::SIGNAL, n.to_string().as_bytes()),
+        }
+    }
+}
+
+/// Incremental decoder of control frames (they may arrive split anywhere).
+#[derive(Debug, Default)]
+pub struct ControlDecoder {
+    buf: Vec<u8>,
+}
+
+impl ControlDecoder {
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// How many more bytes the frame begun in the buffer needs before the decoder knows more:
+    /// 0 when the buffer holds only whole frames (a reader that stops at a run's end reads
+    /// exactly these, so the stream stays in step).
+    pub fn missing(&self) -> usize {
+        match self.buf.len() {
+            0 => 0,
+            n if n < 5 => 5 - n,
+            n => {
+                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]);
+                (5 + len as usize).saturating_sub(n)
+            }
+        }
+    }
+
+    /// The next complete control; `Err` on a corrupted stream (unknown type, a payload over
+    /// [`CHUNK`], a malformed signal or close).
+    pub fn next_control(&mut self) -> Result<Option<ControlFrame>, String> {
+        let Some(h) = self.buf.get(..5) else {
+            return Ok(None);
+        };
+        let kind = h[0];
+        let len = u32::from_be_bytes([h[1], h[2], h[3], h[4]]) as usize;
+        if !control::ALL.contains(&kind) {
+            return Err(format!("unknown control frame type {kind:#x}"));
+        }
+        if len > CHUNK {
+            return Err(format!("control frame of {len} bytes"));
+        }
+        if self.buf.len() < 5 + len {
+            return Ok(None);
+        }
+        let payload: Vec<u8> = self.buf.drain(..5 + len).skip(5).collect();
+        match kind {
+            control::STDIN => Ok(Some(ControlFrame::Stdin(payload))),
+            control::CLOSE_STDIN if payload.is_empty() => Ok(Some(ControlFrame::CloseStdin)),
+            control::SIGNAL => std::str::from_utf8(&payload)
+                .ok()
+                .filter(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) && t.len() <= 3)
+                .and_then(|t| t.parse().ok())
+                .map(|n| Some(ControlFrame::Signal(n)))
+                .ok_or_else(|| "malformed signal control".to_string()),
+            _ => Err("malformed close control".into()),
+        }
+    }
 }
 
 /// The 5-byte header of a frame of `len` payload bytes.
@@ -176,6 +282,9 @@ pub struct RunHeader {
     /// daemon's socket `tcp_socket`.
     pub tcp_rules: Vec<TcpRoute>,
     pub tcp_socket: String,
+    /// The command's stdin stays open after the request's stdin bytes: control frames follow
+    /// the request while the run lasts (see [`control`]).
+    pub stdin_stream: bool,
 }
 
 /// One raw TCP rule: every address of `addr/prefix`, port `port`. Written `10.20.0.0/16:5432`,
@@ -350,8 +459,11 @@ impl RunHeader {
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join(",");
-        if !self.tcp_rules.is_empty() || !self.tcp_socket.is_empty() {
+        if !self.tcp_rules.is_empty() || !self.tcp_socket.is_empty() || self.stdin_stream {
             fields.extend([tcp.as_str(), &self.tcp_socket]);
+        }
+        if self.stdin_stream {
+            fields.push("1");
         }
         with_magic(RUN_MAGIC, &joined(&fields)?, &[stdin, code])
     }
@@ -393,8 +505,13 @@ impl RunHeader {
                 .map_err(|e| format!("malformed request: {e}"))?,
         };
         let tcp_socket = f.next().unwrap_or_default().to_string();
+        let stdin_stream = match f.next() {
+            None | Some("" | "0") => false,
+            Some("1") => true,
+            Some(s) => return Err(format!("malformed request: stdin stream {s:?}")),
+        };
         if f.next().is_some() {
-            return Err("malformed request: fields after the tcp socket".into());
+            return Err("malformed request: fields after the stdin stream".into());
         }
         Ok(RunHeader {
             argv,
@@ -408,6 +525,7 @@ impl RunHeader {
             cwd,
             tcp_rules,
             tcp_socket,
+            stdin_stream,
         })
     }
 }
@@ -540,6 +658,7 @@ mod tests {
                 TcpRoute::parse("[2001:db8::/32]:22").unwrap(),
             ],
             tcp_socket: "/run/executor-arm/egress/tcp.sock".into(),
+            stdin_stream: true,
         }
     }
 
@@ -638,6 +757,87 @@ mod tests {
         let bytes = socket_only.encode(b"", b"").unwrap();
         let (_, raw, _) = split_request(&bytes).unwrap();
         assert_eq!(RunHeader::decode(raw).unwrap(), socket_only);
+
+        // A streamed stdin without tcp rules, and one with nothing else after the cwd.
+        for h in [
+            RunHeader {
+                stdin_stream: true,
+                ..socket_only.clone()
+            },
+            RunHeader {
+                argv: vec!["/bin/cat".into()],
+                timeout_ms: 1,
+                stdin_stream: true,
+                ..Default::default()
+            },
+        ] {
+            let bytes = h.encode(b"", b"").unwrap();
+            let (_, raw, _) = split_request(&bytes).unwrap();
+            assert_eq!(RunHeader::decode(raw).unwrap(), h);
+        }
+    }
+
+    #[test]
+    fn controls_round_trip_whatever_the_reads_split() {
+        let big = vec![7u8; CHUNK + 10];
+        let controls = [
+            ControlFrame::Stdin(b"hello\n".to_vec()),
+            ControlFrame::Stdin(Vec::new()),
+            ControlFrame::Signal(2),
+            ControlFrame::Stdin(big.clone()),
+            ControlFrame::Signal(15),
+            ControlFrame::CloseStdin,
+        ];
+        let bytes: Vec<u8> = controls.iter().flat_map(ControlFrame::encode).collect();
+        // The big one is two frames; joined back they are the same bytes.
+        let want: Vec<ControlFrame> = vec![
+            ControlFrame::Stdin(b"hello\n".to_vec()),
+            ControlFrame::Stdin(Vec::new()),
+            ControlFrame::Signal(2),
+            ControlFrame::Stdin(big[..CHUNK].to_vec()),
+            ControlFrame::Stdin(big[CHUNK..].to_vec()),
+            ControlFrame::Signal(15),
+            ControlFrame::CloseStdin,
+        ];
+        for step in [1, 2, 3, 5, 7, 4096, bytes.len()] {
+            let mut d = ControlDecoder::default();
+            let mut got = Vec::new();
+            for piece in bytes.chunks(step) {
+                d.push(piece);
+                while let Some(c) = d.next_control().unwrap() {
+                    got.push(c);
+                }
+            }
+            assert_eq!(got, want, "reads of {step} bytes");
+            assert_eq!(d.missing(), 0);
+        }
+    }
+
+    #[test]
+    fn a_partial_control_says_how_much_it_misses_and_bad_ones_are_errors() {
+        let f = ControlFrame::Signal(9).encode();
+        let mut d = ControlDecoder::default();
+        assert_eq!(d.missing(), 0);
+        d.push(&f[..2]);
+        assert_eq!(d.missing(), 3);
+        d.push(&f[2..5]);
+        assert_eq!(d.missing(), 1);
+        assert_eq!(d.next_control().unwrap(), None);
+        d.push(&f[5..]);
+        assert_eq!(d.missing(), 0);
+        assert_eq!(d.next_control().unwrap(), Some(ControlFrame::Signal(9)));
+        for bad in [
+            &b"z\0\0\0\0"[..],
+            b"s\0\0\0\x02-1",
+            b"s\0\0\0\0",
+            b"s\0\0\0\x04 15 ",
+            b"c\0\0\0\x01x",
+            b"i\xff\xff\xff\xff",
+        ] {
+            let mut d = ControlDecoder::default();
+            d.push(bad);
+            assert!(d.next_control().is_err(), "{bad:?}");
+        }
     }
 
     #[test]
@@ -659,6 +859,7 @@ mod tests {
             b"1\0/a\x000\0-1\x000\0\x001\0\0nope",
             b"1\0/a\x000\0-1\x000\0\x001\0\0-1\0/w\0extra",
             b"1\0/a\x000\0-1\x000\0\x001\0\0-1\0/w\x0010.0.0.0/8:1\0/t.sock\0extra",
+            b"1\0/a\x000\0-1\x000\0\x001\0\0-1\0/w\0\0\x001\0extra",
             b"\xff",
         ] {
             assert!(RunHeader::decode(bad).is_err(), "{bad:?}");

@@ -73,9 +73,16 @@ impl Sup {
     /// `args` after the binary; `as_nobody`: the supervisor itself runs unprivileged.
     fn start(args: &[&str], pidns: bool, as_nobody: bool) -> Sup {
         let mut cmd = if pidns {
-            // PID 1 of a pid namespace of its own, as in a container: kill(-1) stays inside.
+            // PID 1 of a pid namespace of its own with its /proc, as in a container: kill(-1)
+            // and the scan of a run's processes stay inside.
             let mut c = Command::new("unshare");
-            c.args(["--pid", "--fork", "--kill-child", SUPERVISOR]);
+            c.args([
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount-proc",
+                SUPERVISOR,
+            ]);
             c
         } else {
             Command::new(SUPERVISOR)
@@ -312,7 +319,9 @@ fn bad_requests_are_refused_with_a_setup_failure() {
     let mut s = Sup::start(&["0", "x", "/tmp"], false, false);
     assert_eq!(
         s.until_last(),
-        [F::Failed("usage: UID GID WORKDIR [once|kept [AS]]".into())]
+        [F::Failed(
+            "usage: UID GID WORKDIR [once|kept|spawn [AS]]".into()
+        )]
     );
     // An unknown magic ends the supervisor.
     let mut s = Sup::once("/tmp");
@@ -891,5 +900,238 @@ fn kept_file_calls_work_as_the_user_and_never_follow_a_symlink() {
             "code path /tmp/code is not a file of /run/session".into()
         )]
     );
+    assert!(s.close().success());
+}
+
+/// The host pid of the kept supervisor `s` (PID 1 of its namespace).
+fn pid1(s: &Sup) -> u32 {
+    let mut found = Vec::new();
+    wait_for("the supervisor's process", || {
+        found = children_of(s.child.id());
+        !found.is_empty()
+    });
+    found[0]
+}
+
+/// `argv` run in the pid and mount namespaces of the kept supervisor `pid1` (its /proc), as a
+/// process the container's engine starts there (a docker exec).
+fn inside(pid1: u32, argv: &[&str]) -> Command {
+    let mut c = Command::new("nsenter");
+    c.args(["--target", &pid1.to_string(), "--pid", "--mount", "--"])
+        .args(argv);
+    c
+}
+
+/// Whether the host process `pid` exists and is not a zombie.
+fn alive(pid: u32) -> bool {
+    let state = status_line(pid, "State:");
+    !state.is_empty() && !state.starts_with('Z')
+}
+
+impl Sup {
+    /// A spawn-mode supervisor in the namespaces of the kept supervisor `pid1`.
+    fn spawn_in(pid1: u32, workdir: &Path) -> Sup {
+        let id = NOBODY.to_string();
+        let mut cmd = inside(
+            pid1,
+            &[
+                SUPERVISOR,
+                &id,
+                &id,
+                workdir.to_str().unwrap(),
+                "spawn",
+                "0",
+            ],
+        );
+        cmd.env_clear()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("spawn supervisor");
+        let stdin = child.stdin.take();
+        Sup {
+            child,
+            stdin,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Frames until the stdout seen so far (in `frames` too) contains `want`.
+    fn until_out(&mut self, frames: &mut Vec<F>, want: &str) {
+        let out = self.child.stdout.as_mut().unwrap();
+        let mut chunk = [0u8; 65536];
+        while !String::from_utf8_lossy(&stdout_of(frames)).contains(want) {
+            let n = out.read(&mut chunk).unwrap();
+            assert!(n > 0, "the stream ended before {want:?}: {frames:?}");
+            self.buf.extend_from_slice(&chunk[..n]);
+            frames.extend(decode(&mut self.buf));
+        }
+    }
+}
+
+#[test]
+fn a_kept_exec_ends_its_own_processes_only() {
+    need_root();
+    let ws = workspace();
+    let mut s = kept(ws.path());
+    let init = pid1(&s);
+    // A process of the same uid in the container that no exec of this supervisor started (as a
+    // background run's would be).
+    let mut other = inside(
+        init,
+        &[
+            "setpriv",
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            "/bin/sleep",
+            "60",
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let mut sleeper = Vec::new();
+    wait_for("the other process", || {
+        sleeper = children_of(other.id());
+        sleeper.first().is_some_and(|p| alive(*p))
+    });
+    s.send(&encode(
+        &request(&["/bin/sh", "-c", "setsid sleep 60 & echo $!"], None),
+        None,
+    ));
+    let f = s.until_last();
+    assert_eq!(exit_of(&f).status, Status::Exited(0));
+    let left = String::from_utf8(stdout_of(&f)).unwrap();
+    s.send(&encode(
+        &request(
+            &[
+                "/bin/sh",
+                "-c",
+                &format!(
+                    "kill -0 {} 2>/dev/null && echo alive || echo gone",
+                    left.trim()
+                ),
+            ],
+            None,
+        ),
+        None,
+    ));
+    assert_eq!(stdout_of(&s.until_last()), b"gone\n", "the exec's leftover");
+    assert!(alive(sleeper[0]), "another run's process was killed");
+    let _ = other.kill();
+    let _ = other.wait();
+    // Controls the daemon sent as the exec ended are dropped; the next request is served.
+    {
+        use executor_arm_supervisor::protocol::ControlFrame;
+        s.send(&ControlFrame::Stdin(b"late".to_vec()).encode());
+        s.send(&ControlFrame::Signal(libc::SIGTERM).encode());
+        s.send(&encode(&request(&["/bin/echo", "after"], None), None));
+        assert_eq!(stdout_of(&s.until_last()), b"after\n");
+    }
+    // An orphan PID 1 inherits between requests is reaped while it waits for the next one.
+    let status = inside(init, &["/bin/sh", "-c", "sleep 0.2 & exit 0"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    wait_for("PID 1 to reap the orphan", || children_of(init).is_empty());
+    assert!(s.close().success());
+}
+
+#[test]
+fn a_spawned_run_streams_stdin_takes_signals_and_leaves_nothing_behind() {
+    use executor_arm_supervisor::protocol::ControlFrame;
+    need_root();
+    let ws = workspace();
+    let mut s = kept(ws.path());
+    let init = pid1(&s);
+    let streamed = |argv: &[&str]| RunHeader {
+        stdin_stream: true,
+        ..request(argv, None)
+    };
+    // Stdin streamed while a foreground exec comes and goes; the run's double-forked leftover
+    // dies with it.
+    let mut bg = Sup::spawn_in(init, ws.path());
+    bg.send(&encode(
+        &streamed(&["/bin/sh", "-c", "setsid sleep 60 & echo left $!; exec cat"]),
+        None,
+    ));
+    let mut frames = Vec::new();
+    bg.until_out(&mut frames, "\n");
+    let left = String::from_utf8(stdout_of(&frames)).unwrap();
+    let left = left.trim().strip_prefix("left ").unwrap().to_string();
+    bg.send(&ControlFrame::Stdin(b"hello\n".to_vec()).encode());
+    bg.until_out(&mut frames, "hello\n");
+    s.send(&encode(
+        &request(&["/bin/sh", "-c", "sleep 60 & echo fg"], None),
+        None,
+    ));
+    assert_eq!(stdout_of(&s.until_last()), b"fg\n");
+    bg.send(&ControlFrame::Stdin(b"again\n".to_vec()).encode());
+    bg.until_out(&mut frames, "again\n");
+    bg.send(&ControlFrame::CloseStdin.encode());
+    frames.extend(bg.until_last());
+    assert_eq!(exit_of(&frames).status, Status::Exited(0), "{frames:?}");
+    assert!(bg.close().success());
+    s.send(&encode(
+        &request(
+            &[
+                "/bin/sh",
+                "-c",
+                &format!("kill -0 {left} 2>/dev/null && echo alive || echo gone"),
+            ],
+            None,
+        ),
+        None,
+    ));
+    assert_eq!(stdout_of(&s.until_last()), b"gone\n", "the run's leftover");
+
+    // A signal goes to the command's process; only the offered ones are taken.
+    let mut bg = Sup::spawn_in(init, ws.path());
+    bg.send(&encode(
+        &streamed(&["/bin/sh", "-c", "echo up; exec sleep 60"]),
+        None,
+    ));
+    let mut frames = Vec::new();
+    bg.until_out(&mut frames, "up\n");
+    bg.send(&ControlFrame::Signal(libc::SIGSTOP).encode());
+    bg.send(&ControlFrame::Signal(libc::SIGINT).encode());
+    frames.extend(bg.until_last());
+    assert_eq!(exit_of(&frames).status, Status::Signaled(libc::SIGINT));
+    assert!(bg.close().success());
+
+    // KILL ends every process of the run, and the daemon going away ends the run.
+    for kill in [true, false] {
+        let mut bg = Sup::spawn_in(init, ws.path());
+        bg.send(&encode(
+            &streamed(&["/bin/sh", "-c", "setsid sleep 60 & echo $!; sleep 60"]),
+            None,
+        ));
+        let mut frames = Vec::new();
+        bg.until_out(&mut frames, "\n");
+        let left = String::from_utf8(stdout_of(&frames)).unwrap();
+        if kill {
+            bg.send(&ControlFrame::Signal(libc::SIGKILL).encode());
+            frames.extend(bg.until_last());
+            assert_eq!(exit_of(&frames).status, Status::Signaled(libc::SIGKILL));
+        }
+        assert!(bg.close().success());
+        s.send(&encode(
+            &request(
+                &[
+                    "/bin/sh",
+                    "-c",
+                    &format!(
+                        "kill -0 {} 2>/dev/null && echo alive || echo gone",
+                        left.trim()
+                    ),
+                ],
+                None,
+            ),
+            None,
+        ));
+        assert_eq!(stdout_of(&s.until_last()), b"gone\n", "kill: {kill}");
+    }
     assert!(s.close().success());
 }

@@ -354,6 +354,12 @@ impl ContainerPlan {
         self
     }
 
+    /// The command of a background run in a kept container of this plan running as `uid`
+    /// ([`supervisor::spawn_command`]).
+    pub fn spawn_command(&self, uid: u32) -> Vec<String> {
+        supervisor::spawn_command(uid, self.gid, &self.workdir, self.address_space)
+    }
+
     /// The create body for one container of this plan: `uid` is its own host uid (a lease the
     /// container's life long, never 0), which the command runs as and owns the disk volume;
     /// `disk_volume` is its own disk volume (created by dockerd with the container),

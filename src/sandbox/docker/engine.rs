@@ -147,6 +147,25 @@ pub trait Engine: Send + Sync {
     async fn remove_volume(&self, name: &str) -> Result<(), EngineError>;
     /// Every volume carrying all of `labels` (`Listed::id` is its name, `state` is empty).
     async fn list_volumes(&self, labels: &[String]) -> Result<Vec<Listed>, EngineError>;
+    /// Runs `cmd` in the running container `id` as root (with the container's capabilities),
+    /// attached: its stdin, stdout and stderr (a kept container's background run). Closing the
+    /// returned connection closes the process's stdin; the process dies with the container.
+    async fn exec_attached(&self, id: &str, cmd: Vec<String>) -> Result<Attached, EngineError>;
+}
+
+/// One item of an attached stream as the backend reads it (stdin echoes dropped).
+fn output_item(
+    item: Result<bollard::container::LogOutput, bollard::errors::Error>,
+) -> Option<Result<Output, EngineError>> {
+    match item {
+        Ok(bollard::container::LogOutput::StdOut { message })
+        | Ok(bollard::container::LogOutput::Console { message }) => {
+            Some(Ok(Output::Stdout(message)))
+        }
+        Ok(bollard::container::LogOutput::StdErr { message }) => Some(Ok(Output::Stderr(message))),
+        Ok(bollard::container::LogOutput::StdIn { .. }) => None,
+        Err(e) => Some(Err(EngineError::from(e))),
+    }
 }
 
 /// The real engine, over dockerd's unix socket.
@@ -284,19 +303,7 @@ impl Engine for BollardEngine {
         let r = self
             .call(|d| async move { d.attach_container(id, Some(opts)).await })
             .await?;
-        let output = r.output.filter_map(|item| async move {
-            match item {
-                Ok(bollard::container::LogOutput::StdOut { message })
-                | Ok(bollard::container::LogOutput::Console { message }) => {
-                    Some(Ok(Output::Stdout(message)))
-                }
-                Ok(bollard::container::LogOutput::StdErr { message }) => {
-                    Some(Ok(Output::Stderr(message)))
-                }
-                Ok(bollard::container::LogOutput::StdIn { .. }) => None,
-                Err(e) => Some(Err(EngineError::from(e))),
-            }
-        });
+        let output = r.output.filter_map(|item| async move { output_item(item) });
         Ok(Attached {
             input: r.input,
             output: Box::pin(output),
@@ -306,6 +313,37 @@ impl Engine for BollardEngine {
     async fn start(&self, id: &str) -> Result<(), EngineError> {
         self.call(|d| async move { d.start_container(id, None).await })
             .await
+    }
+
+    async fn exec_attached(&self, id: &str, cmd: Vec<String>) -> Result<Attached, EngineError> {
+        let config = bollard::models::ExecConfig {
+            attach_stdin: Some(true),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            tty: Some(false),
+            user: Some("0".into()),
+            cmd: Some(cmd),
+            ..Default::default()
+        };
+        let exec = self
+            .call(|d| async move { d.create_exec(id, config).await })
+            .await?
+            .id;
+        let opts = bollard::exec::StartExecOptions {
+            detach: false,
+            tty: false,
+            output_capacity: Some(64 * 1024),
+        };
+        let started = self
+            .call(|d| async move { d.start_exec(&exec, Some(opts)).await })
+            .await?;
+        let bollard::exec::StartExecResults::Attached { output, input } = started else {
+            return Err(EngineError::Api("the exec started detached".into()));
+        };
+        Ok(Attached {
+            input,
+            output: Box::pin(output.filter_map(|item| async move { output_item(item) })),
+        })
     }
 
     async fn kill(&self, id: &str) -> Result<(), EngineError> {
@@ -691,6 +729,18 @@ pub(crate) mod fake {
 
         async fn kill_command(&self, id: &str) -> Result<(), EngineError> {
             self.record(format!("kill_command {id}"))
+        }
+
+        /// The fake runs no process of its own: an exec is recorded and refused.
+        async fn exec_attached(
+            &self,
+            id: &str,
+            _cmd: Vec<String>,
+        ) -> Result<Attached, EngineError> {
+            self.record(format!("exec {id}"))?;
+            Err(EngineError::Api(
+                "the fake engine runs no process in a container".into(),
+            ))
         }
 
         async fn remove(&self, id: &str) -> Result<(), EngineError> {

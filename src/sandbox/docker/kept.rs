@@ -2,7 +2,7 @@
 //! life, and running each of its execs through its supervisor in `kept` mode.
 //!
 //! Owns: opening the kept container ([`DockerSandbox::keep`]), running one exec in it
-//! ([`DockerSandbox::run_kept`]), the file calls its supervisor serves between execs, and
+//! ([`DockerSandbox::run_kept`]) or a background run beside the execs, the file calls its supervisor serves between execs, and
 //! noticing that the container is gone. Must not: decide anything about sessions.
 //!
 //! One attach connection serves the container's whole life: a request is written to its stdin
@@ -11,9 +11,18 @@
 //! connection out of step; the container then counts as gone and is destroyed, never reused.
 //!
 //! Killing one exec does not kill the container: SIGUSR1 makes the supervisor kill every
-//! process of the command's uid, and it does so after every exec anyway, so nothing of one exec
-//! outlives it. A container whose supervisor vanished (gVisor goes down whole when it runs out
+//! process of the exec (those carrying the exec's marker group), and it does so after every exec
+//! anyway, so nothing of one exec outlives it, and nothing of another run (a background one) is
+//! touched. A container whose supervisor vanished (gVisor goes down whole when it runs out
 //! of memory) is gone: the exec gets its outcome, later calls a clear error.
+//!
+//! A run's controls (stdin bytes, its end, a signal) go to the supervisor as control frames on
+//! the same connection while the run lasts ([`super::relay`]). A background run
+//! ([`RunSpec::background`]) does not take the connection: it runs through a `docker exec` of
+//! the supervisor in spawn mode beside PID 1, with a marker group of its own, so foreground
+//! execs run (and end, killing only their own processes) while it lives; its stop is a TERM
+//! control then a KILL control, and it dies with the container. It has no network egress yet
+//! (the relay's loopback port is per container), so such runs are refused.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,12 +32,15 @@ use tokio::io::AsyncWrite;
 use super::egress::{EgressSettings, SocketDir};
 use super::engine::{Attached, OutputStream};
 use super::pool::{ContainerGuard, WarmContainer};
-use super::relay::deliver;
+use super::relay::{Live, deliver};
 use super::supervisor::{self, FileOp, Frame, FrameDecoder};
 use super::{DRAIN_GRACE, DockerSandbox, KILL_TIMEOUT, short};
+use crate::sandbox::control::{Control, ProcessSignal};
 use crate::sandbox::files::{Approve, ByteStream, Entry, FileError, ImportMode, Kept, Staging};
 use crate::sandbox::run::{self, Ending};
-use crate::sandbox::{ExitKind, KilledReason, RunOutcome, RunSpec, SandboxError};
+use crate::sandbox::{
+    ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec, SandboxError, Stop,
+};
 
 /// How long one file call may take the supervisor (a 16 MiB file is well under a second).
 const FILE_CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -57,6 +69,12 @@ pub struct KeptContainer {
     /// With egress: the container's socket directory, where each exec's proxy listens; removed
     /// with the container.
     socket_dir: Mutex<Option<SocketDir>>,
+    /// The command of a background run: the supervisor in spawn mode, as this container's user
+    /// (None: the container's uid is unknown, so no background run).
+    spawn: Option<Vec<String>>,
+    /// Set once the container is closed or found gone: its background runs end at once (the
+    /// engine does not always end an exec's stream when its container goes).
+    ended: tokio::sync::watch::Sender<bool>,
 }
 
 impl KeptContainer {
@@ -66,6 +84,7 @@ impl KeptContainer {
             tracing::warn!(container = %short(&self.id), why, "a session's container is gone");
             *g = Some(why.to_string());
         }
+        self.ended.send_replace(true);
     }
 
     /// The connection for one request: none while an exec runs, or once the container is gone.
@@ -328,6 +347,7 @@ impl Kept for Arc<KeptContainer> {
             let mut g = self.gone.lock().unwrap_or_else(|p| p.into_inner());
             g.get_or_insert_with(|| "the session was ended".to_string());
         }
+        self.ended.send_replace(true);
         let guard = self.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
         drop(guard);
         let socket_dir = self
@@ -608,8 +628,11 @@ impl DockerSandbox {
             ));
         }
         tracing::info!(session_id, container = %short(guard.id()), uid = guard.uid(), pooled, backend = self.kind.as_str(), "session container assigned");
+        let spawn = guard.uid().map(|uid| plan.spawn_command(uid));
         let kept = Arc::new(KeptContainer {
             id: guard.id().to_string(),
+            spawn,
+            ended: tokio::sync::watch::channel(false).0,
             pid,
             channel: tokio::sync::Mutex::new(Channel {
                 input,
@@ -642,6 +665,10 @@ impl DockerSandbox {
                 "the session's sandbox is gone: {why}"
             )));
         }
+        if spec.background {
+            return self.run_background(&kept, spec).await;
+        }
+        let controls = spec.controls.as_ref().and_then(|c| c.take());
         let code = spec
             .code
             .as_ref()
@@ -651,6 +678,7 @@ impl DockerSandbox {
             &spec,
             relay.as_ref(),
             code.as_ref().map(|(p, b)| (p.as_str(), &b[..])),
+            controls.is_some(),
         )?;
         drop(code);
         // One exec at a time is the session's rule; a file call in progress is waited for.
@@ -682,7 +710,18 @@ impl DockerSandbox {
         } = &mut *ch;
 
         let (mut run, mut killed, end) = self
-            .relay_and_wait(&id, &spec, input, attached_out, decoder, &request)
+            .relay_and_wait(
+                &id,
+                &spec,
+                input,
+                attached_out,
+                decoder,
+                &request,
+                Live {
+                    controls,
+                    ..Default::default()
+                },
+            )
             .await;
         let relay = &mut run.relay;
         let start = run.start;
@@ -774,6 +813,183 @@ impl DockerSandbox {
             stdin_broken_pipe: report.as_ref().is_some_and(|r| r.stdin_broken_pipe),
         };
         Ok(RunOutcome::assemble(ending, captured, duration, network))
+    }
+}
+
+/// A task that ends with its owner (a run future dropped half way included).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl DockerSandbox {
+    /// A session's background run in its kept container: not over the container's attach
+    /// connection (the session's foreground execs keep it), but through a `docker exec` of the
+    /// supervisor in spawn mode beside PID 1, which runs the request with a marker group of its
+    /// own and kills every process of it when the run ends. The run's stop reaches it as a TERM
+    /// control, then (after the grace, or at the timeout) a KILL control; a supervisor that does
+    /// not report then has its connection closed, which makes it kill its run and exit. Closing
+    /// the container ends it with the container.
+    async fn run_background(
+        &self,
+        kept: &Arc<KeptContainer>,
+        mut spec: RunSpec,
+    ) -> Result<RunOutcome, SandboxError> {
+        // The egress relay listens on one loopback port per container run, which the
+        // session's foreground execs hold.
+        if !matches!(spec.network, NetworkPolicy::None) {
+            return Err(SandboxError::Setup(
+                "background processes in container sessions have no network egress yet".into(),
+            ));
+        }
+        let Some(cmd) = kept.spawn.clone() else {
+            return Err(SandboxError::Setup(
+                "the session's container has no user of its own for a background run".into(),
+            ));
+        };
+        let controls = spec.controls.as_ref().and_then(|c| c.take());
+        let code = spec
+            .code
+            .as_ref()
+            .map(|c| (c.path.to_string_lossy().into_owned(), c.bytes.clone()));
+        let request = supervisor::encode_request(
+            &spec,
+            None,
+            code.as_ref().map(|(p, b)| (p.as_str(), &b[..])),
+            controls.is_some(),
+        )?;
+        drop(code);
+        let id = kept.id.clone();
+        let attached = self.engine().exec_attached(&id, cmd).await.map_err(|e| {
+            if let Some(why) = kept.gone() {
+                return SandboxError::Unavailable(format!("the session's sandbox is gone: {why}"));
+            }
+            match e {
+                super::engine::EngineError::Unreachable(m) => {
+                    SandboxError::Unavailable(format!("docker engine unreachable: {m}"))
+                }
+                super::engine::EngineError::NotFound(_) => {
+                    kept.mark_gone("its container is gone");
+                    SandboxError::Unavailable("the session's sandbox is gone".into())
+                }
+                other => SandboxError::Setup(format!(
+                    "cannot start a background run in container {}: {other}",
+                    short(&id)
+                )),
+            }
+        })?;
+        let Attached {
+            mut input,
+            mut output,
+        } = attached;
+        // The run's stop, or the container's end (a stop without grace).
+        let (stop_tx, stop_rx) =
+            tokio::sync::watch::channel(spec.stop.as_ref().and_then(|s| *s.borrow()));
+        let mut outer = spec.stop.replace(stop_rx);
+        let mut ended = kept.ended.subscribe();
+        let stops = AbortOnDrop(tokio::spawn(async move {
+            loop {
+                let changed = async {
+                    match outer.as_mut() {
+                        Some(o) => o.changed().await.map(|()| *o.borrow()),
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    c = changed => match c {
+                        Ok(Some(stop)) => {
+                            stop_tx.send_replace(Some(stop));
+                        }
+                        Ok(None) => {}
+                        Err(_) => outer = None,
+                    },
+                    _ = ended.wait_for(|e| *e) => {
+                        stop_tx.send_replace(Some(Stop {
+                            reason: KilledReason::Cancelled,
+                            grace: Duration::ZERO,
+                        }));
+                        return;
+                    }
+                }
+            }
+        }));
+        let mut decoder = FrameDecoder::default();
+        let (own_tx, own_rx) = tokio::sync::mpsc::channel(4);
+        let live = Live {
+            controls,
+            own: Some(own_rx),
+            terminate_via: Some(own_tx.clone()),
+        };
+        let (mut run, killed, end) = self
+            .relay_and_wait(
+                &id,
+                &spec,
+                &mut input,
+                &mut output,
+                &mut decoder,
+                &request,
+                live,
+            )
+            .await;
+        let relay = &mut run.relay;
+        let duration = run.start.elapsed();
+        let end = match end {
+            Some(end) => end,
+            None => {
+                // Every process of the run is killed by its supervisor, which then reports. One
+                // that does not report in time loses its connection: it kills its run and exits.
+                let _ = own_tx.send(Control::Signal(ProcessSignal::Kill)).await;
+                match tokio::time::timeout(KILL_TIMEOUT, &mut *relay).await {
+                    Ok(end) => end,
+                    Err(_) => {
+                        tracing::warn!(exec_id = %spec.exec_id, container = %short(&id), "a background run's supervisor did not report after its kill");
+                        Default::default()
+                    }
+                }
+            }
+        };
+        drop(own_tx);
+        drop(stops);
+        // Dropping the relay closes the exec's connection: its supervisor is done or ends now.
+        let captured = run.finish().await;
+        let killed = killed.or(match &end.report {
+            Some(Frame::Deadline(_)) => Some(KilledReason::Timeout),
+            _ => None,
+        });
+        let report = match end.report {
+            Some(Frame::Exit(r)) => Some(r),
+            Some(Frame::Failed(m)) if killed.is_none() => return Err(SandboxError::Setup(m)),
+            Some(Frame::Unavailable(m)) if killed.is_none() => {
+                return Err(SandboxError::Unavailable(m));
+            }
+            None if end.undelivered && killed.is_none() => {
+                return Err(SandboxError::Unavailable(format!(
+                    "the background run could not be handed to the session's sandbox: {}",
+                    end.error.map(|e| e.to_string()).unwrap_or_default()
+                )));
+            }
+            // No report: the container went (the session closed, or it went down whole) or the
+            // supervisor was cut off after its kill; the run counts as killed.
+            _ => None,
+        };
+        let gone_oom = report.is_none() && kept.gone().is_some_and(|w| w.contains("out of memory"));
+        let ending = Ending {
+            exit: report.as_ref().map(|r| r.exit).unwrap_or(ExitKind::Killed),
+            killed,
+            oom: gone_oom || report.as_ref().and_then(|r| r.oom_kills).unwrap_or(0) > 0,
+            pids_max_hits: report.as_ref().and_then(|r| r.pids_max_hits).unwrap_or(0),
+            peak_memory_kib: report.as_ref().and_then(|r| r.peak_memory_kib),
+            stdin_broken_pipe: report.as_ref().is_some_and(|r| r.stdin_broken_pipe),
+        };
+        Ok(RunOutcome::assemble(
+            ending,
+            captured,
+            duration,
+            Default::default(),
+        ))
     }
 }
 

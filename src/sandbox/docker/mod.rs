@@ -44,7 +44,8 @@ use self::supervisor::{ExitReport, Frame, FrameDecoder};
 use super::capture::DRAIN_GRACE;
 use super::run::{self, Ending};
 use super::{
-    BackendKind, BackendStatus, ExitKind, KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError,
+    BackendKind, BackendStatus, ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec,
+    Sandbox, SandboxError,
 };
 use crate::sandbox::uids::UidRange;
 /// How long a kill may take the engine before the run goes on without its confirmation.
@@ -555,6 +556,11 @@ impl Sandbox for DockerSandbox {
 
     async fn run(&self, mut spec: RunSpec) -> Result<RunOutcome, SandboxError> {
         // Everything that can be refused is refused before a container is touched.
+        if spec.background && spec.kept.is_some() && spec.network != NetworkPolicy::None {
+            return Err(SandboxError::Setup(
+                "background processes in container sessions have no network egress yet".into(),
+            ));
+        }
         let egress = run::egress_for(&spec.network, self.egress.as_ref())?;
         if let Some(kept) = spec.kept.clone() {
             return self.run_kept(kept.as_ref(), spec, egress).await;
@@ -566,7 +572,8 @@ impl Sandbox for DockerSandbox {
         }
         self.ensure_egress_dirs(egress)?;
         let relay = egress.map(|e| e.relay(&mut spec));
-        let request = supervisor::encode_request(&spec, relay.as_ref(), None)?;
+        let controls = spec.controls.as_ref().and_then(|c| c.take());
+        let request = supervisor::encode_request(&spec, relay.as_ref(), None, controls.is_some())?;
         let (warm, pooled) = self.container_for(&plan, &spec.exec_id, true).await?;
         let WarmContainer {
             attached:
@@ -595,6 +602,10 @@ impl Sandbox for DockerSandbox {
                 &mut attached_out,
                 &mut decoder,
                 &request,
+                relay::Live {
+                    controls,
+                    ..Default::default()
+                },
             )
             .await;
         let relay = &mut run.relay;
@@ -656,7 +667,7 @@ fn short(id: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sandbox::NetworkPolicy;
+
     use crate::sandbox::docker::engine::fake::FakeEngine;
     use std::sync::atomic::Ordering;
 
@@ -828,7 +839,7 @@ mod tests {
         assert_eq!((o.oom, o.killed_reason), (false, None));
         assert_eq!(
             engine.requests.lock().unwrap()[0],
-            supervisor::encode_request(&spec, None, None).unwrap()
+            supervisor::encode_request(&spec, None, None, false).unwrap()
         );
         gone(&engine).await;
     }
@@ -1085,6 +1096,43 @@ mod tests {
         let st = s.status().await;
         assert!(!st.ready);
         assert_eq!(st.detail, why);
+    }
+
+    #[tokio::test]
+    async fn background_runs_with_egress_are_refused_before_anything_runs() {
+        let (engine, s) = sandbox(frame(b'x', b"exit 0 0 - 0 0"));
+        let kept = s
+            .keep(&container::tests::spec(), "s-1", false)
+            .await
+            .unwrap()
+            .unwrap();
+        let mut spec = container::tests::spec();
+        spec.kept = Some(kept.clone());
+        spec.background = true;
+        spec.network = NetworkPolicy::Egress {
+            allow_hosts: vec!["example.test".into()],
+            allow_ports: vec![443],
+            allow_cidrs: vec![],
+            bandwidth_bytes_per_sec: 0,
+            byte_cap: 0,
+            tcp: vec![],
+        };
+        let Err(SandboxError::Setup(why)) = s.run(spec.clone()).await else {
+            panic!("not refused")
+        };
+        assert_eq!(
+            why,
+            "background processes in container sessions have no network egress yet"
+        );
+        assert_eq!(engine.count("exec"), 0, "nothing was started");
+        // Without egress it goes to the engine as an exec (which the fake refuses).
+        spec.network = NetworkPolicy::None;
+        let Err(SandboxError::Setup(why)) = s.run(spec).await else {
+            panic!("the fake engine runs no exec")
+        };
+        assert!(why.contains("cannot start a background run"), "{why}");
+        assert_eq!(engine.count("exec"), 1);
+        kept.close().await;
     }
 
     #[tokio::test]

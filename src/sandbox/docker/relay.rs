@@ -4,20 +4,110 @@
 //! the run's end, its timeout, an output cap or a stop.
 //!
 //! Owns: delivering the request, decoding the supervisor's stream, keeping its own stderr for
-//! error messages. Must not: decide how a run ends or kill anything (the caller kills a
+//! error messages, and writing a live run's controls to the supervisor as control frames while
+//! the run lasts. Must not: decide how a run ends or kill anything (the caller kills a
 //! container, or one exec in it).
 
 use std::time::Instant;
 
+use executor_arm_supervisor::protocol::ControlFrame;
 use futures::StreamExt;
 use tokio::io::{AsyncWriteExt, DuplexStream};
+use tokio::sync::mpsc;
 
 use super::engine::{EngineError, Output, OutputStream};
 use super::supervisor::{Frame, FrameDecoder};
 use super::{DockerSandbox, KILL_TIMEOUT};
 use crate::sandbox::capture::{Captured, OutputCapture};
+use crate::sandbox::control::{Control, ProcessSignal};
 use crate::sandbox::run::{self, Waited};
 use crate::sandbox::{KilledReason, RunSpec};
+
+/// What reaches a run while it runs, besides its request.
+#[derive(Default)]
+pub(super) struct Live {
+    /// The caller's controls ([`RunSpec::controls`], taken): forwarded as control frames until
+    /// the run's last frame; every sender gone ends the command's stdin.
+    pub(super) controls: Option<mpsc::Receiver<Control>>,
+    /// The daemon's own (a background run's stop), forwarded the same way.
+    pub(super) own: Option<mpsc::Receiver<Control>>,
+    /// Where a stop's SIGTERM goes: through this channel as a TERM control (a background run,
+    /// whose supervisor is no container's main process); None: to the container's main process.
+    pub(super) terminate_via: Option<mpsc::Sender<Control>>,
+}
+
+/// The control frames of `c`.
+pub(super) fn control_frames(c: Control) -> Vec<u8> {
+    match c {
+        Control::Stdin(b) => ControlFrame::Stdin(b),
+        Control::CloseStdin => ControlFrame::CloseStdin,
+        Control::Signal(s) => ControlFrame::Signal(s.number()),
+    }
+    .encode()
+}
+
+/// The next control of `rx`; never, once it is None.
+async fn next_control(rx: &mut Option<mpsc::Receiver<Control>>) -> Option<Control> {
+    match rx {
+        Some(r) => r.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Runs `pumping` (the supervisor's frames, to the run's last) while writing each control of
+/// `controls` and `own` to `input` as control frames. A frame being written when the run ends is
+/// written whole, so the stream stays in step for the next request; controls after the run's end
+/// are dropped with the receivers.
+async fn pump_with_controls(
+    input: &mut std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
+    mut controls: Option<mpsc::Receiver<Control>>,
+    mut own: Option<mpsc::Receiver<Control>>,
+    pumping: impl std::future::Future<Output = PumpEnd>,
+) -> PumpEnd {
+    let mut pumping = std::pin::pin!(pumping);
+    loop {
+        let next = tokio::select! {
+            end = &mut pumping => return end,
+            c = next_control(&mut controls) => c.unwrap_or_else(|| {
+                // Every sender is gone: the command's stdin ends.
+                controls = None;
+                Control::CloseStdin
+            }),
+            c = next_control(&mut own) => match c {
+                Some(c) => c,
+                None => {
+                    own = None;
+                    continue;
+                }
+            },
+        };
+        let bytes = control_frames(next);
+        let mut ended = None;
+        {
+            let mut write = std::pin::pin!(async {
+                input.write_all(&bytes).await?;
+                input.flush().await
+            });
+            loop {
+                tokio::select! {
+                    r = &mut write => {
+                        if r.is_err() {
+                            // The supervisor's end is gone: its last frame (or none) says how
+                            // the run ended.
+                            controls = None;
+                            own = None;
+                        }
+                        break;
+                    }
+                    end = &mut pumping, if ended.is_none() => ended = Some(end),
+                }
+            }
+        }
+        if let Some(end) = ended {
+            return end;
+        }
+    }
+}
 
 /// Supervisor stderr kept for error messages.
 const SUPERVISOR_STDERR_CAP: usize = 4096;
@@ -43,8 +133,9 @@ impl DockerSandbox {
     /// What every container run shares, a one-shot `/execute` or a session's exec: hands
     /// `request` to the supervisor, relays its frames into the capped readers and waits for the
     /// run's end, its timeout, an output cap or a stop (whose grace starts with SIGTERM through
-    /// the engine). Returns the run in flight, the daemon's reason to end it early, and the
+    /// the engine, or through `live`'s channel), forwarding `live`'s controls meanwhile. Returns the run in flight, the daemon's reason to end it early, and the
     /// supervisor's end when it came; killing is the caller's (a container, or one exec in it).
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn relay_and_wait<'a>(
         &'a self,
         id: &'a str,
@@ -53,7 +144,13 @@ impl DockerSandbox {
         output: &'a mut OutputStream,
         decoder: &'a mut FrameDecoder,
         request: &'a [u8],
+        live: Live,
     ) -> (Relayed<'a>, Option<KilledReason>, Option<PumpEnd>) {
+        let Live {
+            controls,
+            own,
+            terminate_via,
+        } = live;
         let (out_w, out_r) = tokio::io::duplex(64 * 1024);
         let (err_w, err_r) = tokio::io::duplex(64 * 1024);
         let mut capture = OutputCapture::start(
@@ -67,7 +164,13 @@ impl DockerSandbox {
         let mut relay: std::pin::Pin<Box<dyn std::future::Future<Output = PumpEnd> + Send + 'a>> =
             Box::pin(async move {
                 match deliver(input, request).await {
-                    Ok(()) => pump(output, decoder, out_w, err_w).await,
+                    Ok(()) if controls.is_none() && own.is_none() => {
+                        pump(output, decoder, out_w, err_w).await
+                    }
+                    Ok(()) => {
+                        let pumping = pump(output, decoder, out_w, err_w);
+                        pump_with_controls(input, controls, own, pumping).await
+                    }
                     Err(e) => PumpEnd {
                         undelivered: true,
                         error: Some(e),
@@ -76,6 +179,10 @@ impl DockerSandbox {
                 }
             });
         let terminate = || async {
+            if let Some(tx) = &terminate_via {
+                let _ = tx.send(Control::Signal(ProcessSignal::Term)).await;
+                return;
+            }
             match tokio::time::timeout(KILL_TIMEOUT, self.engine().terminate(id)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {

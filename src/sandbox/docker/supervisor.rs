@@ -26,7 +26,8 @@
 //! Trust: the supervisor's stdout is the run's report, so the command must not reach it. The
 //! supervisor runs as root with only CAP_SETUID and CAP_SETGID (see [`super::container`]), makes
 //! itself non-dumpable, and starts the command as the profile's uid/gid with no supplementary
-//! groups, checking the switch took effect before `execve` (a failure is an `f` frame, never a
+//! groups (in a kept sandbox: only its run's marker, by which the run's processes are killed),
+//! checking the switch took effect before `execve` (a failure is an `f` frame, never a
 //! run as root). The command therefore cannot ptrace it, read its memory, open its descriptors
 //! through `/proc/1/fd`, or signal it. Limits, isolation and OOM verdicts never depend on the
 //! supervisor: they come from the engine.
@@ -208,6 +209,15 @@ pub fn entrypoint(
     ]
 }
 
+/// The command of a kept container's background run: the supervisor in `spawn` mode, for the
+/// same user, workdir and address-space limit as the container's own ([`entrypoint`]), started
+/// with `docker exec` beside PID 1.
+pub fn spawn_command(uid: u32, gid: u32, workdir: &str, address_space: Option<u64>) -> Vec<String> {
+    let mut cmd = entrypoint(uid, gid, workdir, true, address_space);
+    cmd[4] = "spawn".to_string();
+    cmd
+}
+
 /// A file call to a kept sandbox's supervisor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FileOp<'a> {
@@ -255,11 +265,13 @@ pub fn encode_file_request(path: &str, op: FileOp<'_>) -> Result<Vec<u8>, Sandbo
 }
 
 /// Serialises `spec`'s argv, env, stdin and timeout, the egress relay, and (kept sandboxes) the
-/// exec's code file, into the request the supervisor reads.
+/// exec's code file, into the request the supervisor reads. `stream`: the command's stdin stays
+/// open after `spec.stdin` for control frames (the run has controls, forwarded by the caller).
 pub fn encode_request(
     spec: &RunSpec,
     relay: Option<&Relay>,
     code: Option<(&str, &[u8])>,
+    stream: bool,
 ) -> Result<Vec<u8>, SandboxError> {
     let first = spec
         .argv
@@ -326,6 +338,7 @@ pub fn encode_request(
             .unwrap_or_default(),
         tcp_rules,
         tcp_socket,
+        stdin_stream: stream,
     };
     header
         .encode(
@@ -460,7 +473,8 @@ mod tests {
             socket: "/run/executor-arm/egress/proxy.sock".into(),
             tcp_socket: "/run/executor-arm/egress/tcp.sock".into(),
         };
-        let (h, rest) = decoded(&encode_request(&s, Some(&relay), None).unwrap());
+        let (h, rest) = decoded(&encode_request(&s, Some(&relay), None, false).unwrap());
+        assert!(!h.stdin_stream);
         assert_eq!(h.argv, ["/bin/echo", "$(id)", "a b", ""]);
         assert_eq!(
             h.env,
@@ -481,10 +495,12 @@ mod tests {
             &spec(&["/usr/bin/python3", "/run/session/c1.py"], None),
             None,
             Some(("/run/session/c1.py", b"print(1)")),
+            true,
         )
         .unwrap();
         let (h, rest) = decoded(&code);
         assert_eq!((h.stdin_len, h.relay_port, h.cwd.as_str()), (None, 0, ""));
+        assert!(h.stdin_stream, "a run with controls streams its stdin");
         assert_eq!(
             (h.code_path.as_str(), h.code_len),
             ("/run/session/c1.py", Some(8))
@@ -514,22 +530,23 @@ mod tests {
             socket: "/run/executor-arm/egress/proxy.sock".into(),
             tcp_socket: "/run/executor-arm/egress/tcp.sock".into(),
         };
-        let (h, _) = decoded(&encode_request(&s, Some(&relay), None).unwrap());
+        let (h, _) = decoded(&encode_request(&s, Some(&relay), None, false).unwrap());
         let routes: Vec<_> = tcp.iter().map(|r| r.route()).collect();
         assert_eq!(h.tcp_rules, routes);
         assert_eq!(h.tcp_socket, "/run/executor-arm/egress/tcp.sock");
-        assert!(encode_request(&s, None, None).is_err());
+        assert!(encode_request(&s, None, None, false).is_err());
         // Without rules the request has no tcp fields at all.
-        let (h, _) =
-            decoded(&encode_request(&spec(&["/bin/true"], None), Some(&relay), None).unwrap());
+        let (h, _) = decoded(
+            &encode_request(&spec(&["/bin/true"], None), Some(&relay), None, false).unwrap(),
+        );
         assert!(h.tcp_rules.is_empty() && h.tcp_socket.is_empty());
     }
 
     #[test]
     fn requests_refuse_relative_programs_nul_and_bad_relays_or_code_paths() {
-        assert!(encode_request(&spec(&["echo"], None), None, None).is_err());
-        assert!(encode_request(&spec(&["/bin/echo", "a\0b"], None), None, None).is_err());
-        assert!(encode_request(&spec(&[], None), None, None).is_err());
+        assert!(encode_request(&spec(&["echo"], None), None, None, false).is_err());
+        assert!(encode_request(&spec(&["/bin/echo", "a\0b"], None), None, None, false).is_err());
+        assert!(encode_request(&spec(&[], None), None, None, false).is_err());
         let echo = spec(&["/bin/echo"], None);
         for bad in [(0, "/s"), (3128, "relative"), (3128, "/a\0b")] {
             let r = Relay {
@@ -537,17 +554,20 @@ mod tests {
                 socket: bad.1.into(),
                 tcp_socket: "/run/executor-arm/egress/tcp.sock".into(),
             };
-            assert!(encode_request(&echo, Some(&r), None).is_err(), "{bad:?}");
+            assert!(
+                encode_request(&echo, Some(&r), None, false).is_err(),
+                "{bad:?}"
+            );
         }
         for bad in ["/tmp/c", "/run/session/", "/run/session/a/b"] {
             assert!(
-                encode_request(&echo, None, Some((bad, b"x"))).is_err(),
+                encode_request(&echo, None, Some((bad, b"x")), false).is_err(),
                 "{bad}"
             );
         }
         let mut env = spec(&["/bin/echo"], None);
         env.env.insert("A=B".into(), "x".into());
-        assert!(encode_request(&env, None, None).is_err());
+        assert!(encode_request(&env, None, None, false).is_err());
     }
 
     #[test]
