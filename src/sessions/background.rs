@@ -83,10 +83,13 @@ impl SessionService {
         session: &Arc<Session>,
         mut parts: ExecParts,
     ) -> Result<(ExecutionRequest, PreparedProcess), SessionError> {
-        if session.backend != crate::sandbox::BackendKind::Local {
+        // A container session's exec proxy listens on the container's loopback port for one
+        // exec at a time: a background process there gets no egress (yet).
+        if session.backend != crate::sandbox::BackendKind::Local && session.has_egress {
             return Err(SessionError::Invalid(format!(
-                "background processes are offered in local sessions only; this session runs on {}",
-                session.backend.as_str()
+                "background processes in {} sessions have no network egress yet: this session's profile '{}' has egress; use a local session or a profile without it",
+                session.backend.as_str(),
+                session.profile
             )));
         }
         match session.processes.reserve(self.config.max_processes) {

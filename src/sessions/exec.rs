@@ -80,12 +80,6 @@ impl SessionService {
         session: &Arc<Session>,
         parts: ExecParts,
     ) -> Result<(ExecutionRequest, PreparedExec), SessionError> {
-        if parts.stdin_open && session.backend != crate::sandbox::BackendKind::Local {
-            return Err(SessionError::Invalid(format!(
-                "stdin_open is offered in local sessions only; this session runs on {}",
-                session.backend.as_str()
-            )));
-        }
         let claim = self.claim(session)?;
         let (tx, controls) = match parts.stdin_open {
             true => {

@@ -340,6 +340,7 @@ impl SessionService {
             language,
             backend: plan.backend,
             profile: plan.profile.name.clone(),
+            has_egress: plan.profile.network.mode == crate::policy::profile::NetworkMode::Egress,
             limits: new.limits,
             disk_bytes: plan.limits.disk_bytes,
             created_at: now,

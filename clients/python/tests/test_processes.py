@@ -33,6 +33,7 @@ from executor_arm_client import (
     RetryPolicy,
     SessionInfo,
     StartEvent,
+    StdinClosedError,
 )
 
 ECHO = (
@@ -300,3 +301,29 @@ def test_async_processes(daemon: Daemon, tenant: str) -> None:
                 await arm.sessions.delete(info.id)
 
     asyncio.run(main())
+
+
+def test_an_async_exec_takes_stdin_while_it_runs(
+    session: tuple[Client, SessionInfo],
+) -> None:
+    c, info = session
+    accepted = c.sessions.exec(
+        info.id, ECHO, stdin="first\n", async_=True, stdin_open=True, timeout_ms=DEADLINE_MS
+    )
+    c.sessions.exec_stdin(info.id, accepted.exec_id, "second\n")
+    c.sessions.exec_stdin(info.id, accepted.exec_id, b"", eof=True)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        status = c.sessions.get_exec(info.id, accepted.exec_id)
+        if status.status == "finished" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert status.status == "finished"
+    assert isinstance(status.result, ExecutionResult)
+    assert status.result.stdout == "ready\ngot: first\ngot: second\nbye\n"
+    with pytest.raises(AlreadyFinishedError):
+        c.sessions.exec_stdin(info.id, accepted.exec_id, "late\n")
+    other = c.sessions.exec(info.id, SLEEPER, async_=True, timeout_ms=DEADLINE_MS)
+    with pytest.raises(StdinClosedError):
+        c.sessions.exec_stdin(info.id, other.exec_id, "x")
+    c.sessions.cancel_exec(info.id, other.exec_id, grace_seconds=0)

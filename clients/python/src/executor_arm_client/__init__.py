@@ -9,6 +9,7 @@ from .aio import AsyncClient, AsyncProcesses, AsyncSessions
 from .client import DEFAULT_TIMEOUT, Client, Processes, Sessions, answer_of
 from .errors import (
     AlreadyFinishedError,
+    StdinClosedError,
     AuthenticationError,
     CapabilityViolationError,
     ConflictError,
@@ -91,6 +92,7 @@ __all__ = [
     "ConflictError",
     "IdempotencyInProgressError",
     "AlreadyFinishedError",
+    "StdinClosedError",
     "SessionBusyError",
     "IdempotencyConflictError",
     "PayloadTooLargeError",

@@ -505,6 +505,28 @@ def process_stdin_call(
     )
 
 
+def exec_stdin_call(
+    creds: Credentials,
+    session_id: str,
+    exec_id: str,
+    data: bytes,
+    *,
+    eof: bool,
+    tenant: str | None,
+    request_id: str | None,
+) -> Call[None]:
+    h = _session_headers(creds, tenant, request_id)
+    h["Content-Type"] = "application/octet-stream"
+    return Call(
+        "POST",
+        f"/v1/sandbox/sessions/{quote(session_id, safe='')}/execs/{quote(exec_id, safe='')}/stdin",
+        _no_content,
+        h,
+        content=data,
+        params={"eof": "true"} if eof else None,
+    )
+
+
 def signal_process_call(
     creds: Credentials,
     session_id: str,

@@ -526,6 +526,7 @@ class AsyncSessions:
         cwd: str | None = ...,
         timeout_ms: int | None = ...,
         async_: Literal[True],
+        stdin_open: bool | None = ...,
         cancel_on_disconnect: bool | None = ...,
         tenant: str | None = ...,
         idempotency_key: str | None = ...,
@@ -542,6 +543,7 @@ class AsyncSessions:
         cwd: str | None = None,
         timeout_ms: int | None = None,
         async_: bool = False,
+        stdin_open: bool | None = None,
         cancel_on_disconnect: bool | None = None,
         tenant: str | None = None,
         idempotency_key: str | None = None,
@@ -557,6 +559,7 @@ class AsyncSessions:
             timeout_ms=timeout_ms,
             async_=True if async_ else None,
             cancel_on_disconnect=cancel_on_disconnect,
+            stdin_open=stdin_open,
         )
         result: ExecutionResult | RunAccepted = await self._client._send(
             _core.session_exec_call(
@@ -631,6 +634,32 @@ class AsyncSessions:
         )
         return self._client._events(
             call, self._client._stream_resume(session_id, tenant, framing), exec_id
+        )
+
+    async def exec_stdin(
+        self,
+        session_id: str,
+        exec_id: str,
+        data: bytes | str,
+        *,
+        eof: bool = False,
+        tenant: str | None = None,
+    ) -> None:
+        """Writes ``data`` (a str is UTF-8) to the stdin of a running exec started with
+        ``stdin_open=True``; ``eof=True`` closes it after them.
+        :class:`~executor_arm_client.errors.AlreadyFinishedError` (409) once it ended,
+        :class:`~executor_arm_client.errors.StdinClosedError` (409) for an exec without
+        ``stdin_open``."""
+        await self._client._send(
+            _core.exec_stdin_call(
+                self._client._creds,
+                session_id,
+                exec_id,
+                _core.stdin_bytes(data),
+                eof=eof,
+                tenant=tenant,
+                request_id=None,
+            )
         )
 
     async def cancel_exec(

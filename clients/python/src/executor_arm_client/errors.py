@@ -24,6 +24,7 @@ __all__ = [
     "ConflictError",
     "IdempotencyInProgressError",
     "AlreadyFinishedError",
+    "StdinClosedError",
     "SessionBusyError",
     "IdempotencyConflictError",
     "PayloadTooLargeError",
@@ -143,6 +144,10 @@ class IdempotencyInProgressError(ConflictError):
     """409 ``IdempotencyInProgress``: the first request with this key still runs (retryable)."""
 
 
+class StdinClosedError(ConflictError):
+    """409 ``StdinClosed``: stdin to a session's exec that was not started with ``stdin_open``."""
+
+
 class AlreadyFinishedError(ConflictError):
     """409 ``AlreadyFinished``: cancel of a run that has finished, or stdin or a signal to a
     session's background process that has ended."""
@@ -208,6 +213,7 @@ _BY_TYPE: dict[str, type[ExecutorArmError]] = {
     "NotFound": NotFoundError,
     "IdempotencyInProgress": IdempotencyInProgressError,
     "AlreadyFinished": AlreadyFinishedError,
+    "StdinClosed": StdinClosedError,
     "SessionBusy": SessionBusyError,
     "IdempotencyConflict": IdempotencyConflictError,
     "PayloadTooLarge": PayloadTooLargeError,

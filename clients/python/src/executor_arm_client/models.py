@@ -141,6 +141,9 @@ class SessionExecRequest:
     #: A background process: the daemon answers 202 with its ``process_id`` at once and keeps
     #: its stdin open (see ``sessions.processes``).
     background: bool | None = None
+    #: Keep the exec's stdin open after ``stdin`` (an async or streamed exec): write to it with
+    #: ``sessions.exec_stdin``.
+    stdin_open: bool | None = None
 
 
 @dataclass
