@@ -62,6 +62,8 @@ struct Fixture {
     finished: String,
     running: String,
     run: String,
+    /// A background process of the session.
+    process: String,
 }
 
 impl Fixture {
@@ -99,6 +101,23 @@ impl Fixture {
             ("PUT", format!("{s}/archive?path=x"), Some(json!("x"))),
             ("POST", format!("{s}/pause"), None),
             ("POST", format!("{s}/resume"), None),
+            ("POST", format!("{e}/stdin"), Some(json!("x"))),
+            ("GET", format!("{s}/processes"), None),
+            (
+                "GET",
+                format!("{s}/processes/{}/stream", self.process),
+                None,
+            ),
+            (
+                "POST",
+                format!("{s}/processes/{}/stdin", self.process),
+                Some(json!("x")),
+            ),
+            (
+                "POST",
+                format!("{s}/processes/{}/signal", self.process),
+                Some(json!({"signal": "TERM"})),
+            ),
             ("GET", r.clone(), None),
             ("GET", format!("{r}/stream"), None),
             (
@@ -137,11 +156,23 @@ async fn fixture(d: &Daemon) -> Fixture {
         .await;
     assert_eq!(run.status, 202, "{}", run.text);
     let run = run.json["exec_id"].as_str().expect("exec_id").to_string();
+    let process = c
+        .exec(
+            &session,
+            json!({"code": "import time\ntime.sleep(60)", "background": true}),
+        )
+        .await;
+    assert_eq!(process.status, 202, "{}", process.text);
+    let process = process.json["process_id"]
+        .as_str()
+        .expect("process_id")
+        .to_string();
     Fixture {
         session,
         finished,
         running,
         run,
+        process,
     }
 }
 
@@ -402,6 +433,22 @@ async fn session_streams_are_bounded_with_the_others() {
         .await;
     assert_error(&r, 429, "Overloaded", "stream of a running exec");
     assert!(r.headers.get("retry-after").is_some(), "{:?}", r.headers);
+    let process = c
+        .exec(
+            &first,
+            json!({"code": "import time\ntime.sleep(30)", "background": true}),
+        )
+        .await;
+    assert_eq!(process.status, 202, "{}", process.text);
+    let process = process.json["process_id"].as_str().expect("process_id");
+    let r = c
+        .call(
+            "GET",
+            &format!("/v1/sandbox/sessions/{first}/processes/{process}/stream"),
+            None,
+        )
+        .await;
+    assert_error(&r, 429, "Overloaded", "stream of a background process");
 
     let second = new_session(&c, "python").await;
     let svc = format!("Bearer {}", c.service);

@@ -305,6 +305,15 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
         ("PUT", format!("{ses}/archive"), Some("x")),
         ("POST", format!("{ses}/pause"), None),
         ("POST", format!("{ses}/resume"), None),
+        ("POST", format!("{exec}/stdin"), Some("x")),
+        ("GET", format!("{ses}/processes"), None),
+        ("GET", format!("{ses}/processes/p/stream"), None),
+        ("POST", format!("{ses}/processes/p/stdin"), Some("x")),
+        (
+            "POST",
+            format!("{ses}/processes/p/signal"),
+            Some(r#"{"signal":"TERM"}"#),
+        ),
     ] {
         let mut rb = d
             .client
