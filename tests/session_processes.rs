@@ -354,6 +354,30 @@ async fn a_background_fork_bomb_is_held(backend: Backend) {
     assert_eq!(r.status, 204, "{}", r.text);
 }
 
+/// A signal is not held back by stdin the process does not read: with more bytes queued for its
+/// stdin than the run buffers, TERM still reaches the sleeping process and ends it.
+async fn a_signal_passes_stdin_the_process_does_not_read(backend: Backend) {
+    let d = Daemon::start_with(opts(backend, 4));
+    let c = koder(&d, Some("team-a"));
+    let id = new_session(&c, "python").await;
+    let pid = start(&c, &id, SLEEPER).await;
+    stdout_until(&c, &id, &pid, "sleeping").await;
+    // Past what a run queues for a stdin nobody reads (the body limit is 1 MiB).
+    let stdin = path(&id, &format!("/processes/{pid}/stdin"));
+    for _ in 0..6 {
+        let r = c.call("POST", &stdin, Some(vec![b'x'; 1 << 20])).await;
+        assert_eq!(r.status, 204, "{}", r.text);
+    }
+    let signal = path(&id, &format!("/processes/{pid}/signal"));
+    let body = json!({"signal": "TERM"}).to_string().into_bytes();
+    let r = c.call("POST", &signal, Some(body)).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    let e = ended(&c, &id, &pid).await;
+    assert_eq!(e["exit_code"], json!(128 + 15), "{e}");
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+}
+
 mod local {
     use super::Backend;
 
@@ -365,6 +389,11 @@ mod local {
     #[tokio::test(flavor = "multi_thread")]
     async fn signals_reach_a_background_process() {
         super::signals_reach_a_background_process(Backend::Local).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_signal_passes_stdin_the_process_does_not_read() {
+        super::a_signal_passes_stdin_the_process_does_not_read(Backend::Local).await;
     }
 
     #[tokio::test(flavor = "multi_thread")]

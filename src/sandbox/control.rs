@@ -70,20 +70,67 @@ impl ProcessSignal {
     }
 }
 
+/// How many signals may wait for the run to take them; a sender past it waits. Signals have a
+/// queue of their own: bytes a command does not read never hold one back.
+pub const SIGNAL_QUEUE: usize = 8;
+
+/// The caller's end of a run's controls.
+#[derive(Debug, Clone)]
+pub struct ControlSender {
+    inputs: mpsc::Sender<Control>,
+    signals: mpsc::Sender<ProcessSignal>,
+}
+
+/// The run has taken no more controls since it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the run takes no more controls")]
+pub struct RunEnded;
+
+impl ControlSender {
+    /// Queues `control` for the run: stdin bytes and its end in order with each other, a signal
+    /// on its own queue. Waits while that queue is full.
+    pub async fn send(&self, control: Control) -> Result<(), RunEnded> {
+        match control {
+            Control::Signal(sig) => self.signals.send(sig).await.map_err(|_| RunEnded),
+            other => self.inputs.send(other).await.map_err(|_| RunEnded),
+        }
+    }
+}
+
+/// What a run receives: its stdin's controls ([`Control::Stdin`], [`Control::CloseStdin`]) in
+/// order, and signals apart, so that a command that reads nothing can still be signalled. Both
+/// close when the [`ControlSender`] is gone.
+#[derive(Debug)]
+pub struct ControlReceiver {
+    pub inputs: mpsc::Receiver<Control>,
+    pub signals: mpsc::Receiver<ProcessSignal>,
+}
+
 /// The receiving end of a run's controls. A [`super::RunSpec`] is cloned on its way to a
 /// backend, so the receiver sits behind a shared slot; the one run that takes it owns it.
 #[derive(Debug, Clone)]
-pub struct Controls(Arc<Mutex<Option<mpsc::Receiver<Control>>>>);
+pub struct Controls(Arc<Mutex<Option<ControlReceiver>>>);
 
 impl Controls {
     /// A control channel: the sender for the caller, the receiving end for the run's spec.
-    pub fn channel() -> (mpsc::Sender<Control>, Controls) {
-        let (tx, rx) = mpsc::channel(CONTROL_QUEUE);
-        (tx, Controls(Arc::new(Mutex::new(Some(rx)))))
+    pub fn channel() -> (ControlSender, Controls) {
+        let (inputs_tx, inputs) = mpsc::channel(CONTROL_QUEUE);
+        let (signals_tx, signals) = mpsc::channel(SIGNAL_QUEUE);
+        let tx = ControlSender {
+            inputs: inputs_tx,
+            signals: signals_tx,
+        };
+        (
+            tx,
+            Controls(Arc::new(Mutex::new(Some(ControlReceiver {
+                inputs,
+                signals,
+            })))),
+        )
     }
 
     /// The receiver, for the run that takes it (None once taken).
-    pub fn take(&self) -> Option<mpsc::Receiver<Control>> {
+    pub fn take(&self) -> Option<ControlReceiver> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 }
@@ -115,6 +162,27 @@ mod tests {
         let mut rx = copy.take().expect("first take");
         assert!(controls.take().is_none());
         tx.send(Control::CloseStdin).await.unwrap();
-        assert_eq!(rx.recv().await, Some(Control::CloseStdin));
+        assert_eq!(rx.inputs.recv().await, Some(Control::CloseStdin));
+    }
+
+    /// A full stdin queue does not hold a signal back: it has a queue of its own.
+    #[tokio::test]
+    async fn signals_pass_a_full_stdin_queue() {
+        let (tx, controls) = Controls::channel();
+        let mut rx = controls.take().expect("receiver");
+        for _ in 0..CONTROL_QUEUE {
+            tx.send(Control::Stdin(vec![b'x'])).await.unwrap();
+        }
+        tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            tx.send(Control::Signal(ProcessSignal::Term)),
+        )
+        .await
+        .expect("a signal waits behind no stdin")
+        .unwrap();
+        assert_eq!(rx.signals.recv().await, Some(ProcessSignal::Term));
+        drop(tx);
+        assert_eq!(rx.signals.recv().await, None);
+        assert_eq!(rx.inputs.recv().await, Some(Control::Stdin(vec![b'x'])));
     }
 }

@@ -8,15 +8,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
-
 use super::exec::{CodeFile, ExecParts};
 use super::processes::Process;
 use super::session::Session;
 use super::{SessionError, SessionService};
 use crate::execution::runs::LiveRun;
 use crate::execution::{Background, ExecutionRequest};
-use crate::sandbox::control::{Control, Controls, ProcessSignal};
+use crate::sandbox::control::{Control, ControlSender, Controls, ProcessSignal};
 
 /// How long a session's end waits for its processes to start or to end.
 const END_WAIT: Duration = Duration::from_secs(10);
@@ -25,7 +23,7 @@ const END_WAIT: Duration = Duration::from_secs(10);
 /// it starts), its controls, its code file (kept until it ended).
 pub struct PreparedProcess {
     session: Arc<Session>,
-    controls: Option<mpsc::Sender<Control>>,
+    controls: Option<ControlSender>,
     code_sha256: String,
     code_file: CodeFile,
 }
