@@ -378,6 +378,38 @@ async fn a_signal_passes_stdin_the_process_does_not_read(backend: Backend) {
     assert_eq!(r.status, 204, "{}", r.text);
 }
 
+/// What the daemon holds for a stdin nobody reads is bounded in bytes, not in calls: once a few
+/// MiB wait for a process that never reads, the next call waits for them (it is not answered),
+/// rather than each of dozens of 1 MiB calls being queued in the daemon's memory.
+async fn stdin_nobody_reads_is_bounded_in_bytes(backend: Backend) {
+    let d = Daemon::start_with(opts(backend, 4));
+    let c = koder(&d, Some("team-a"));
+    let id = new_session(&c, "python").await;
+    let pid = start(&c, &id, SLEEPER).await;
+    stdout_until(&c, &id, &pid, "sleeping").await;
+    let stdin = path(&id, &format!("/processes/{pid}/stdin"));
+    let mut queued = 0usize;
+    loop {
+        let call = c.call("POST", &stdin, Some(vec![b'x'; 1 << 20]));
+        match tokio::time::timeout(Duration::from_secs(5), call).await {
+            Ok(r) => {
+                assert_eq!(r.status, 204, "{}", r.text);
+                queued += 1;
+                assert!(queued <= 16, "{queued} MiB queued for a stdin nobody reads");
+            }
+            // Held back: the queue is full.
+            Err(_) => break,
+        }
+    }
+    let signal = path(&id, &format!("/processes/{pid}/signal"));
+    let body = json!({"signal": "KILL"}).to_string().into_bytes();
+    let r = c.call("POST", &signal, Some(body)).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    ended(&c, &id, &pid).await;
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+}
+
 mod local {
     use super::Backend;
 
@@ -389,6 +421,11 @@ mod local {
     #[tokio::test(flavor = "multi_thread")]
     async fn signals_reach_a_background_process() {
         super::signals_reach_a_background_process(Backend::Local).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn stdin_nobody_reads_is_bounded_in_bytes() {
+        super::stdin_nobody_reads_is_bounded_in_bytes(Backend::Local).await;
     }
 
     #[tokio::test(flavor = "multi_thread")]

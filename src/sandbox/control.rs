@@ -11,10 +11,14 @@
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 /// How many controls may wait for the run to take them; a sender past it waits.
 pub const CONTROL_QUEUE: usize = 64;
+
+/// How many stdin bytes may wait for the run to take them; a sender past it waits. The daemon
+/// holds no more than this (and what the run itself buffers) for a command that does not read.
+pub const STDIN_WAITING_BYTES: usize = 4 << 20;
 
 /// One control of a live run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,8 +81,24 @@ pub const SIGNAL_QUEUE: usize = 8;
 /// The caller's end of a run's controls.
 #[derive(Debug, Clone)]
 pub struct ControlSender {
-    inputs: mpsc::Sender<Control>,
+    inputs: mpsc::Sender<Input>,
     signals: mpsc::Sender<ProcessSignal>,
+    /// Room for stdin bytes on their way to the run ([`STDIN_WAITING_BYTES`]).
+    room: Arc<Semaphore>,
+}
+
+/// A stdin control on its way to the run, with the room its bytes take until the run takes them.
+#[derive(Debug)]
+pub struct Input {
+    control: Control,
+    _room: Option<OwnedSemaphorePermit>,
+}
+
+impl Input {
+    /// The control; the room its bytes took is given back.
+    pub fn into_control(self) -> Control {
+        self.control
+    }
 }
 
 /// The run has taken no more controls since it ended.
@@ -88,11 +108,28 @@ pub struct RunEnded;
 
 impl ControlSender {
     /// Queues `control` for the run: stdin bytes and its end in order with each other, a signal
-    /// on its own queue. Waits while that queue is full.
+    /// on its own queue. Waits while that queue is full (for stdin: [`CONTROL_QUEUE`] controls
+    /// or [`STDIN_WAITING_BYTES`] bytes).
     pub async fn send(&self, control: Control) -> Result<(), RunEnded> {
         match control {
             Control::Signal(sig) => self.signals.send(sig).await.map_err(|_| RunEnded),
-            other => self.inputs.send(other).await.map_err(|_| RunEnded),
+            Control::Stdin(data) => {
+                // A run that ended drops what waited for it, which gives its room back.
+                let n = data.len().min(STDIN_WAITING_BYTES) as u32;
+                let room = self.room.clone().acquire_many_owned(n).await.ok();
+                let input = Input {
+                    control: Control::Stdin(data),
+                    _room: room,
+                };
+                self.inputs.send(input).await.map_err(|_| RunEnded)
+            }
+            other => {
+                let input = Input {
+                    control: other,
+                    _room: None,
+                };
+                self.inputs.send(input).await.map_err(|_| RunEnded)
+            }
         }
     }
 }
@@ -102,7 +139,7 @@ impl ControlSender {
 /// close when the [`ControlSender`] is gone.
 #[derive(Debug)]
 pub struct ControlReceiver {
-    pub inputs: mpsc::Receiver<Control>,
+    pub inputs: mpsc::Receiver<Input>,
     pub signals: mpsc::Receiver<ProcessSignal>,
 }
 
@@ -119,6 +156,7 @@ impl Controls {
         let tx = ControlSender {
             inputs: inputs_tx,
             signals: signals_tx,
+            room: Arc::new(Semaphore::new(STDIN_WAITING_BYTES)),
         };
         (
             tx,
@@ -162,7 +200,8 @@ mod tests {
         let mut rx = copy.take().expect("first take");
         assert!(controls.take().is_none());
         tx.send(Control::CloseStdin).await.unwrap();
-        assert_eq!(rx.inputs.recv().await, Some(Control::CloseStdin));
+        let got = rx.inputs.recv().await.map(Input::into_control);
+        assert_eq!(got, Some(Control::CloseStdin));
     }
 
     /// A full stdin queue does not hold a signal back: it has a queue of its own.
@@ -183,6 +222,36 @@ mod tests {
         assert_eq!(rx.signals.recv().await, Some(ProcessSignal::Term));
         drop(tx);
         assert_eq!(rx.signals.recv().await, None);
-        assert_eq!(rx.inputs.recv().await, Some(Control::Stdin(vec![b'x'])));
+        let got = rx.inputs.recv().await.map(Input::into_control);
+        assert_eq!(got, Some(Control::Stdin(vec![b'x'])));
+    }
+
+    /// Stdin bytes the run has not taken are bounded in bytes: a sender past them waits until
+    /// the run takes some, and a run that ended gives their room back.
+    #[tokio::test]
+    async fn waiting_stdin_is_bounded_in_bytes() {
+        let (tx, controls) = Controls::channel();
+        let mut rx = controls.take().expect("receiver");
+        let mib = vec![b'x'; 1 << 20];
+        for _ in 0..STDIN_WAITING_BYTES >> 20 {
+            tx.send(Control::Stdin(mib.clone())).await.unwrap();
+        }
+        let short = std::time::Duration::from_millis(200);
+        let more = tx.send(Control::Stdin(mib.clone()));
+        assert!(tokio::time::timeout(short, more).await.is_err(), "no room");
+        let got = rx.inputs.recv().await.map(Input::into_control);
+        assert_eq!(got, Some(Control::Stdin(mib.clone())));
+        tx.send(Control::Stdin(mib.clone())).await.unwrap();
+        let waiting = {
+            let tx = tx.clone();
+            let mib = mib.clone();
+            tokio::spawn(async move { tx.send(Control::Stdin(mib)).await })
+        };
+        drop(rx);
+        let sent = tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+            .await
+            .expect("a run that ended frees the waiting sender")
+            .unwrap();
+        assert_eq!(sent, Err(RunEnded));
     }
 }

@@ -17,7 +17,7 @@ use super::slots::{RefillOnDrop, send_go};
 use super::status::{pipe, read_pid, read_status, setup_error, setup_failure, status_pipe};
 use super::{LocalSandbox, cgroup, child, egress, landlock, reaper};
 use crate::sandbox::capture::OutputCapture;
-use crate::sandbox::control::{Control, ControlReceiver, ProcessSignal};
+use crate::sandbox::control::{Control, ControlReceiver, Input, ProcessSignal};
 use crate::sandbox::run::{self as skeleton, Ending, Waited};
 use crate::sandbox::{ExitKind, RunOutcome, RunSpec, SandboxError};
 
@@ -70,7 +70,7 @@ async fn serve_controls(
                 Some(sig) => signal(sig).await,
                 None => open_signals = false,
             },
-            c = inputs.recv(), if taking => match c {
+            c = inputs.recv(), if taking => match c.map(Input::into_control) {
                 None => {
                     open_inputs = false;
                     close_after = true;
