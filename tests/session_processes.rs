@@ -410,6 +410,25 @@ async fn stdin_nobody_reads_is_bounded_in_bytes(backend: Backend) {
     assert_eq!(r.status, 204, "{}", r.text);
 }
 
+/// A background process is one of the session's execs: the session's `execs` count and its
+/// `session_end` audit line count it, as they count every `execution` line with its id.
+async fn background_processes_count_among_the_sessions_execs(backend: Backend) {
+    let d = Daemon::start_with(opts(backend, 4));
+    let c = koder(&d, Some("team-a"));
+    let id = new_session(&c, "python").await;
+    let pid = start(&c, &id, "print('done')").await;
+    ended(&c, &id, &pid).await;
+    let r = c.call("GET", &path(&id, ""), None).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["execs"], json!(1), "{}", r.text);
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    let line = d.wait_for_audit_line("the session's end", |l| {
+        l["event"] == "session_end" && l["session_id"] == json!(id)
+    });
+    assert_eq!(line["execs"], json!(1), "{line}");
+}
+
 mod local {
     use super::Backend;
 
@@ -421,6 +440,11 @@ mod local {
     #[tokio::test(flavor = "multi_thread")]
     async fn signals_reach_a_background_process() {
         super::signals_reach_a_background_process(Backend::Local).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn background_processes_count_among_the_sessions_execs() {
+        super::background_processes_count_among_the_sessions_execs(Backend::Local).await;
     }
 
     #[tokio::test(flavor = "multi_thread")]

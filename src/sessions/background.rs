@@ -38,6 +38,10 @@ impl PreparedProcess {
             started_at: chrono::Utc::now(),
             controls: self.controls.take().expect("controls until started"),
         });
+        // One of the session's execs, counted as its foreground ones are.
+        self.session
+            .execs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.session.remember_exec(live.exec_id());
         self.session.processes.add(process);
         let code_file = std::mem::replace(&mut self.code_file, CodeFile::none());
