@@ -429,6 +429,32 @@ async fn background_processes_count_among_the_sessions_execs(backend: Backend) {
     assert_eq!(line["execs"], json!(1), "{line}");
 }
 
+/// Bytes for a stdin already closed (`?eof=true`) are refused with 409, not answered 204 and
+/// dropped: the caller learns they never reach the process.
+async fn stdin_after_its_end_is_refused(backend: Backend) {
+    let d = Daemon::start_with(opts(backend, 4));
+    let c = koder(&d, Some("team-a"));
+    let id = new_session(&c, "python").await;
+    let pid = start(&c, &id, SLEEPER).await;
+    stdout_until(&c, &id, &pid, "sleeping").await;
+    let stdin = path(&id, &format!("/processes/{pid}/stdin"));
+    let r = c
+        .call("POST", &format!("{stdin}?eof=true"), Some(vec![]))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    let r = c.call("POST", &stdin, Some(b"late\n".to_vec())).await;
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert!(r.text.contains("stdin"), "{}", r.text);
+    // Closing it again changes nothing.
+    let r = c
+        .call("POST", &format!("{stdin}?eof=true"), Some(vec![]))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    assert_eq!(entry(&c, &id, &pid).await["state"], json!("running"));
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+}
+
 mod local {
     use super::Backend;
 
@@ -440,6 +466,11 @@ mod local {
     #[tokio::test(flavor = "multi_thread")]
     async fn signals_reach_a_background_process() {
         super::signals_reach_a_background_process(Backend::Local).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn stdin_after_its_end_is_refused() {
+        super::stdin_after_its_end_is_refused(Backend::Local).await;
     }
 
     #[tokio::test(flavor = "multi_thread")]

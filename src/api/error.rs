@@ -33,6 +33,8 @@ pub enum ApiError {
     ProcessNotFound,
     /// The background process to write to or signal has ended.
     ProcessEnded,
+    /// Bytes for a background process's stdin after its end was sent.
+    ProcessStdinClosed,
     /// No session with this id is the caller's (another service's or tenant's included).
     SessionNotFound,
     /// The session runs another exec.
@@ -68,7 +70,8 @@ impl ApiError {
             ApiError::IdempotencyConflict => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::IdempotencyInProgress
             | ApiError::AlreadyFinished
-            | ApiError::ProcessEnded => StatusCode::CONFLICT,
+            | ApiError::ProcessEnded
+            | ApiError::ProcessStdinClosed => StatusCode::CONFLICT,
             ApiError::ExecutionNotFound
             | ApiError::ProcessNotFound
             | ApiError::SessionNotFound
@@ -97,7 +100,9 @@ impl ApiError {
             ApiError::IdempotencyConflict => "IdempotencyConflict",
             ApiError::IdempotencyInProgress => "IdempotencyInProgress",
             ApiError::ExecutionNotFound | ApiError::ProcessNotFound => "NotFound",
-            ApiError::AlreadyFinished | ApiError::ProcessEnded => "AlreadyFinished",
+            ApiError::AlreadyFinished | ApiError::ProcessEnded | ApiError::ProcessStdinClosed => {
+                "AlreadyFinished"
+            }
             ApiError::SessionNotFound | ApiError::SessionGone(_) | ApiError::FileNotFound(_) => {
                 "NotFound"
             }
@@ -135,6 +140,10 @@ impl ApiError {
             ApiError::AlreadyFinished => "The execution has already finished".into(),
             ApiError::ProcessNotFound => "No such process in this session".into(),
             ApiError::ProcessEnded => "The process has ended".into(),
+            ApiError::ProcessStdinClosed => {
+                "The process's stdin is closed (eof was sent): these bytes would reach nothing"
+                    .into()
+            }
             ApiError::SessionNotFound => "No such session".into(),
             ApiError::SessionGone(m) => m.clone(),
             ApiError::SessionLimit(m) => format!("Too many sessions: {m}; retry later"),

@@ -8,6 +8,7 @@
 //!
 //! Owns: the control channel's types. Must not: decide who may send them.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
@@ -85,6 +86,8 @@ pub struct ControlSender {
     signals: mpsc::Sender<ProcessSignal>,
     /// Room for stdin bytes on their way to the run ([`STDIN_WAITING_BYTES`]).
     room: Arc<Semaphore>,
+    /// Set once [`Control::CloseStdin`] was sent: later stdin bytes are refused.
+    stdin_closed: Arc<AtomicBool>,
 }
 
 /// A stdin control on its way to the run, with the room its bytes take until the run takes them.
@@ -101,18 +104,27 @@ impl Input {
     }
 }
 
-/// The run has taken no more controls since it ended.
+/// Why a control was not queued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the run takes no more controls")]
-pub struct RunEnded;
+pub enum Refused {
+    /// The run has taken no more controls since it ended.
+    #[error("the run takes no more controls")]
+    RunEnded,
+    /// Stdin bytes after [`Control::CloseStdin`]: they would reach nothing.
+    #[error("the command's stdin is closed")]
+    StdinClosed,
+}
 
 impl ControlSender {
     /// Queues `control` for the run: stdin bytes and its end in order with each other, a signal
     /// on its own queue. Waits while that queue is full (for stdin: [`CONTROL_QUEUE`] controls
     /// or [`STDIN_WAITING_BYTES`] bytes).
-    pub async fn send(&self, control: Control) -> Result<(), RunEnded> {
+    pub async fn send(&self, control: Control) -> Result<(), Refused> {
         match control {
-            Control::Signal(sig) => self.signals.send(sig).await.map_err(|_| RunEnded),
+            Control::Signal(sig) => self.signals.send(sig).await.map_err(|_| Refused::RunEnded),
+            Control::Stdin(_) if self.stdin_closed.load(Ordering::SeqCst) => {
+                Err(Refused::StdinClosed)
+            }
             Control::Stdin(data) => {
                 // A run that ended drops what waited for it, which gives its room back.
                 let n = data.len().min(STDIN_WAITING_BYTES) as u32;
@@ -121,14 +133,17 @@ impl ControlSender {
                     control: Control::Stdin(data),
                     _room: room,
                 };
-                self.inputs.send(input).await.map_err(|_| RunEnded)
+                self.inputs.send(input).await.map_err(|_| Refused::RunEnded)
             }
             other => {
+                if other == Control::CloseStdin {
+                    self.stdin_closed.store(true, Ordering::SeqCst);
+                }
                 let input = Input {
                     control: other,
                     _room: None,
                 };
-                self.inputs.send(input).await.map_err(|_| RunEnded)
+                self.inputs.send(input).await.map_err(|_| Refused::RunEnded)
             }
         }
     }
@@ -157,6 +172,7 @@ impl Controls {
             inputs: inputs_tx,
             signals: signals_tx,
             room: Arc::new(Semaphore::new(STDIN_WAITING_BYTES)),
+            stdin_closed: Arc::new(AtomicBool::new(false)),
         };
         (
             tx,
@@ -202,6 +218,8 @@ mod tests {
         tx.send(Control::CloseStdin).await.unwrap();
         let got = rx.inputs.recv().await.map(Input::into_control);
         assert_eq!(got, Some(Control::CloseStdin));
+        let late = tx.send(Control::Stdin(b"late".to_vec())).await;
+        assert_eq!(late, Err(Refused::StdinClosed));
     }
 
     /// A full stdin queue does not hold a signal back: it has a queue of its own.
@@ -252,6 +270,6 @@ mod tests {
             .await
             .expect("a run that ended frees the waiting sender")
             .unwrap();
-        assert_eq!(sent, Err(RunEnded));
+        assert_eq!(sent, Err(Refused::RunEnded));
     }
 }

@@ -14,7 +14,7 @@ use super::session::Session;
 use super::{SessionError, SessionService};
 use crate::execution::runs::LiveRun;
 use crate::execution::{Background, ExecutionRequest};
-use crate::sandbox::control::{Control, ControlSender, Controls, ProcessSignal};
+use crate::sandbox::control::{Control, ControlSender, Controls, ProcessSignal, Refused};
 
 /// How long a session's end waits for its processes to start or to end.
 const END_WAIT: Duration = Duration::from_secs(10);
@@ -72,6 +72,9 @@ pub enum ControlError {
     /// The process has ended (409).
     #[error("the process has ended")]
     Ended,
+    /// Stdin bytes after its end was sent (409).
+    #[error("the process's stdin is closed")]
+    StdinClosed,
 }
 
 impl SessionService {
@@ -135,10 +138,10 @@ impl SessionService {
                 .cancel(&p.live, Duration::ZERO, &session.owner.subject, &session.id);
             return Ok(());
         }
-        p.controls
-            .send(control)
-            .await
-            .map_err(|_| ControlError::Ended)
+        p.controls.send(control).await.map_err(|e| match e {
+            Refused::RunEnded => ControlError::Ended,
+            Refused::StdinClosed => ControlError::StdinClosed,
+        })
     }
 
     /// Ends `session`'s processes: none starts from now on, each running one is killed, and
