@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::docker::{IMAGE, SOCKET, one_at_a_time, require_docker, supervisor};
-use executor_arm::sandbox::control::{Control, Controls, ProcessSignal};
+use executor_arm::sandbox::control::{Control, ControlSender, Controls, ProcessSignal};
 use executor_arm::sandbox::docker::{DockerConfig, DockerSandbox};
 use executor_arm::sandbox::files::Kept;
 use executor_arm::sandbox::uids::UidRange;
@@ -20,7 +20,6 @@ use executor_arm::sandbox::{
     BackendKind, ExitKind, FsRules, KilledReason, Limits, NetworkPolicy, OnOverflow, OutputTap,
     RunOutcome, RunSpec, Sandbox, SandboxError, Stop,
 };
-use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 /// The bound of every wait here; nothing is asserted about how long anything takes.
@@ -92,7 +91,7 @@ fn backend(kind: BackendKind, egress_dir: &std::path::Path) -> Arc<DockerSandbox
 /// A live run of `argv` in `kept` (a background one unless said otherwise), with controls, a
 /// stop, and its output gathered by the tap.
 struct Background {
-    controls: mpsc::Sender<Control>,
+    controls: ControlSender,
     stop: tokio::sync::watch::Sender<Option<Stop>>,
     output: Arc<Mutex<Vec<u8>>>,
     run: JoinHandle<Result<RunOutcome, SandboxError>>,

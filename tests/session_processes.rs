@@ -440,6 +440,107 @@ async fn a_foreground_exec_takes_stdin_while_it_runs(backend: Backend) {
     assert_eq!(r.status, 204, "{}", r.text);
 }
 
+/// A signal is not held back by stdin the process does not read: with more bytes queued for its
+/// stdin than the run buffers, TERM still reaches the sleeping process and ends it.
+async fn a_signal_passes_stdin_the_process_does_not_read(backend: Backend) {
+    let d = Daemon::start_with(opts(backend, 4));
+    let c = koder(&d, Some("team-a"));
+    let id = new_session(&c, "python").await;
+    let pid = start(&c, &id, SLEEPER).await;
+    stdout_until(&c, &id, &pid, "sleeping").await;
+    // Past what a run queues for a stdin nobody reads (the body limit is 1 MiB).
+    let stdin = path(&id, &format!("/processes/{pid}/stdin"));
+    for _ in 0..6 {
+        let r = c.call("POST", &stdin, Some(vec![b'x'; 1 << 20])).await;
+        assert_eq!(r.status, 204, "{}", r.text);
+    }
+    let signal = path(&id, &format!("/processes/{pid}/signal"));
+    let body = json!({"signal": "TERM"}).to_string().into_bytes();
+    let r = c.call("POST", &signal, Some(body)).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    let e = ended(&c, &id, &pid).await;
+    assert_eq!(e["exit_code"], json!(128 + 15), "{e}");
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+}
+
+/// What the daemon holds for a stdin nobody reads is bounded in bytes, not in calls: once a few
+/// MiB wait for a process that never reads, the next call waits for them (it is not answered),
+/// rather than each of dozens of 1 MiB calls being queued in the daemon's memory.
+async fn stdin_nobody_reads_is_bounded_in_bytes(backend: Backend) {
+    let d = Daemon::start_with(opts(backend, 4));
+    let c = koder(&d, Some("team-a"));
+    let id = new_session(&c, "python").await;
+    let pid = start(&c, &id, SLEEPER).await;
+    stdout_until(&c, &id, &pid, "sleeping").await;
+    let stdin = path(&id, &format!("/processes/{pid}/stdin"));
+    let mut queued = 0usize;
+    loop {
+        let call = c.call("POST", &stdin, Some(vec![b'x'; 1 << 20]));
+        match tokio::time::timeout(Duration::from_secs(5), call).await {
+            Ok(r) => {
+                assert_eq!(r.status, 204, "{}", r.text);
+                queued += 1;
+                assert!(queued <= 16, "{queued} MiB queued for a stdin nobody reads");
+            }
+            // Held back: the queue is full.
+            Err(_) => break,
+        }
+    }
+    let signal = path(&id, &format!("/processes/{pid}/signal"));
+    let body = json!({"signal": "KILL"}).to_string().into_bytes();
+    let r = c.call("POST", &signal, Some(body)).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    ended(&c, &id, &pid).await;
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+}
+
+/// A background process is one of the session's execs: the session's `execs` count and its
+/// `session_end` audit line count it, as they count every `execution` line with its id.
+async fn background_processes_count_among_the_sessions_execs(backend: Backend) {
+    let d = Daemon::start_with(opts(backend, 4));
+    let c = koder(&d, Some("team-a"));
+    let id = new_session(&c, "python").await;
+    let pid = start(&c, &id, "print('done')").await;
+    ended(&c, &id, &pid).await;
+    let r = c.call("GET", &path(&id, ""), None).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["execs"], json!(1), "{}", r.text);
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    let line = d.wait_for_audit_line("the session's end", |l| {
+        l["event"] == "session_end" && l["session_id"] == json!(id)
+    });
+    assert_eq!(line["execs"], json!(1), "{line}");
+}
+
+/// Bytes for a stdin already closed (`?eof=true`) are refused with 409, not answered 204 and
+/// dropped: the caller learns they never reach the process.
+async fn stdin_after_its_end_is_refused(backend: Backend) {
+    let d = Daemon::start_with(opts(backend, 4));
+    let c = koder(&d, Some("team-a"));
+    let id = new_session(&c, "python").await;
+    let pid = start(&c, &id, SLEEPER).await;
+    stdout_until(&c, &id, &pid, "sleeping").await;
+    let stdin = path(&id, &format!("/processes/{pid}/stdin"));
+    let r = c
+        .call("POST", &format!("{stdin}?eof=true"), Some(vec![]))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    let r = c.call("POST", &stdin, Some(b"late\n".to_vec())).await;
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert!(r.text.contains("stdin"), "{}", r.text);
+    // Closing it again changes nothing.
+    let r = c
+        .call("POST", &format!("{stdin}?eof=true"), Some(vec![]))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    assert_eq!(entry(&c, &id, &pid).await["state"], json!("running"));
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+}
+
 on_every_backend!(
     multi_thread;
     a_foreground_exec_takes_stdin_while_it_runs,
@@ -448,6 +549,9 @@ on_every_backend!(
     processes_are_bounded_and_private,
     processes_end_with_the_session,
     a_background_fork_bomb_is_held,
+    a_signal_passes_stdin_the_process_does_not_read,
+    background_processes_count_among_the_sessions_execs,
+    stdin_after_its_end_is_refused,
 );
 
 /// A container session whose profile has egress refuses background processes with a clear 400:
@@ -483,6 +587,16 @@ async fn container_egress_sessions_refuse_background_processes(backend: Backend)
     assert_eq!(r.json["stdout"], json!("fine\n"), "{}", r.text);
     let r = c.call("DELETE", &path(&id, ""), None).await;
     assert_eq!(r.status, 204, "{}", r.text);
+}
+
+// Local only: in a container the supervisor takes the bytes off the daemon as they come and
+// keeps at most 4 MiB for a command that does not read them (the rest is dropped and the run
+// reports `stdin_broken_pipe`), so no call is held back there.
+mod local_stdin {
+    #[tokio::test(flavor = "multi_thread")]
+    async fn stdin_nobody_reads_is_bounded_in_bytes() {
+        super::stdin_nobody_reads_is_bounded_in_bytes(super::Backend::Local).await;
+    }
 }
 
 mod containers {

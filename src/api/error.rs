@@ -35,6 +35,8 @@ pub enum ApiError {
     ProcessEnded,
     /// The exec to write to was not started with `stdin_open`.
     StdinClosed,
+    /// Bytes for a background process's stdin after its end was sent.
+    ProcessStdinClosed,
     /// No session with this id is the caller's (another service's or tenant's included).
     SessionNotFound,
     /// The session runs another exec.
@@ -71,7 +73,8 @@ impl ApiError {
             ApiError::IdempotencyInProgress
             | ApiError::AlreadyFinished
             | ApiError::ProcessEnded
-            | ApiError::StdinClosed => StatusCode::CONFLICT,
+            | ApiError::StdinClosed
+            | ApiError::ProcessStdinClosed => StatusCode::CONFLICT,
             ApiError::ExecutionNotFound
             | ApiError::ProcessNotFound
             | ApiError::SessionNotFound
@@ -100,7 +103,9 @@ impl ApiError {
             ApiError::IdempotencyConflict => "IdempotencyConflict",
             ApiError::IdempotencyInProgress => "IdempotencyInProgress",
             ApiError::ExecutionNotFound | ApiError::ProcessNotFound => "NotFound",
-            ApiError::AlreadyFinished | ApiError::ProcessEnded => "AlreadyFinished",
+            ApiError::AlreadyFinished | ApiError::ProcessEnded | ApiError::ProcessStdinClosed => {
+                "AlreadyFinished"
+            }
             ApiError::StdinClosed => "StdinClosed",
             ApiError::SessionNotFound | ApiError::SessionGone(_) | ApiError::FileNotFound(_) => {
                 "NotFound"
@@ -141,6 +146,10 @@ impl ApiError {
             ApiError::ProcessEnded => "The process has ended".into(),
             ApiError::StdinClosed => {
                 "The exec's stdin is not open: start it with stdin_open (async or streamed)".into()
+            }
+            ApiError::ProcessStdinClosed => {
+                "The process's stdin is closed (eof was sent): these bytes would reach nothing"
+                    .into()
             }
             ApiError::SessionNotFound => "No such session".into(),
             ApiError::SessionGone(m) => m.clone(),

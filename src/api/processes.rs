@@ -30,6 +30,7 @@ impl From<ControlError> for ApiError {
             ControlError::NotFound => ApiError::ProcessNotFound,
             ControlError::Ended => ApiError::ProcessEnded,
             ControlError::NotOpen => ApiError::StdinClosed,
+            ControlError::StdinClosed => ApiError::ProcessStdinClosed,
         }
     }
 }
@@ -170,7 +171,7 @@ pub struct StdinQuery {
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session, or no such process of it", body = ErrorBody),
         (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),
-        (status = 409, description = "AlreadyFinished: the process has ended", body = ErrorBody),
+        (status = 409, description = "AlreadyFinished: the process has ended, or its stdin was closed (`eof=true`) before these bytes", body = ErrorBody),
         (status = 413, description = "PayloadTooLarge: the body is over `server.body_limit_bytes`", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
     )

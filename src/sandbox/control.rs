@@ -8,13 +8,18 @@
 //!
 //! Owns: the control channel's types. Must not: decide who may send them.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 /// How many controls may wait for the run to take them; a sender past it waits.
 pub const CONTROL_QUEUE: usize = 64;
+
+/// How many stdin bytes may wait for the run to take them; a sender past it waits. The daemon
+/// holds no more than this (and what the run itself buffers) for a command that does not read.
+pub const STDIN_WAITING_BYTES: usize = 4 << 20;
 
 /// One control of a live run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,20 +75,141 @@ impl ProcessSignal {
     }
 }
 
+/// How many signals may wait for the run to take them; a sender past it waits. Signals have a
+/// queue of their own: bytes a command does not read never hold one back.
+pub const SIGNAL_QUEUE: usize = 8;
+
+/// The caller's end of a run's controls.
+#[derive(Debug, Clone)]
+pub struct ControlSender {
+    inputs: mpsc::Sender<Input>,
+    signals: mpsc::Sender<ProcessSignal>,
+    /// Room for stdin bytes on their way to the run ([`STDIN_WAITING_BYTES`]).
+    room: Arc<Semaphore>,
+    /// Set once [`Control::CloseStdin`] was sent: later stdin bytes are refused.
+    stdin_closed: Arc<AtomicBool>,
+}
+
+/// A stdin control on its way to the run, with the room its bytes take until the run takes them.
+#[derive(Debug)]
+pub struct Input {
+    control: Control,
+    _room: Option<OwnedSemaphorePermit>,
+}
+
+impl Input {
+    /// The control; the room its bytes took is given back.
+    pub fn into_control(self) -> Control {
+        self.control
+    }
+}
+
+/// Why a control was not queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// The run has taken no more controls since it ended.
+    #[error("the run takes no more controls")]
+    RunEnded,
+    /// Stdin bytes after [`Control::CloseStdin`]: they would reach nothing.
+    #[error("the command's stdin is closed")]
+    StdinClosed,
+}
+
+impl ControlSender {
+    /// Queues `control` for the run: stdin bytes and its end in order with each other, a signal
+    /// on its own queue. Waits while that queue is full (for stdin: [`CONTROL_QUEUE`] controls
+    /// or [`STDIN_WAITING_BYTES`] bytes).
+    pub async fn send(&self, control: Control) -> Result<(), Refused> {
+        match control {
+            Control::Signal(sig) => self.signals.send(sig).await.map_err(|_| Refused::RunEnded),
+            Control::Stdin(_) if self.stdin_closed.load(Ordering::SeqCst) => {
+                Err(Refused::StdinClosed)
+            }
+            Control::Stdin(data) => {
+                // A run that ended drops what waited for it, which gives its room back.
+                let n = data.len().min(STDIN_WAITING_BYTES) as u32;
+                let room = self.room.clone().acquire_many_owned(n).await.ok();
+                let input = Input {
+                    control: Control::Stdin(data),
+                    _room: room,
+                };
+                self.inputs.send(input).await.map_err(|_| Refused::RunEnded)
+            }
+            other => {
+                if other == Control::CloseStdin {
+                    self.stdin_closed.store(true, Ordering::SeqCst);
+                }
+                let input = Input {
+                    control: other,
+                    _room: None,
+                };
+                self.inputs.send(input).await.map_err(|_| Refused::RunEnded)
+            }
+        }
+    }
+}
+
+/// What a run receives: its stdin's controls ([`Control::Stdin`], [`Control::CloseStdin`]) in
+/// order, and signals apart, so that a command that reads nothing can still be signalled. Both
+/// close when the [`ControlSender`] is gone.
+#[derive(Debug)]
+pub struct ControlReceiver {
+    pub inputs: mpsc::Receiver<Input>,
+    pub signals: mpsc::Receiver<ProcessSignal>,
+}
+
+impl ControlReceiver {
+    /// The next control, signals first: one waiting is never held behind stdin. None once both
+    /// queues are closed (the sender is gone) and empty.
+    pub async fn recv(&mut self) -> Option<Control> {
+        let mut signals_open = true;
+        loop {
+            tokio::select! {
+                biased;
+                s = self.signals.recv(), if signals_open => match s {
+                    Some(s) => return Some(Control::Signal(s)),
+                    None => signals_open = false,
+                },
+                i = self.inputs.recv() => {
+                    return match i {
+                        Some(i) => Some(i.into_control()),
+                        // The inputs closed: what signals are left still come.
+                        None if signals_open => self.signals.recv().await.map(Control::Signal),
+                        None => None,
+                    };
+                }
+            }
+        }
+    }
+}
+
 /// The receiving end of a run's controls. A [`super::RunSpec`] is cloned on its way to a
 /// backend, so the receiver sits behind a shared slot; the one run that takes it owns it.
 #[derive(Debug, Clone)]
-pub struct Controls(Arc<Mutex<Option<mpsc::Receiver<Control>>>>);
+pub struct Controls(Arc<Mutex<Option<ControlReceiver>>>);
 
 impl Controls {
     /// A control channel: the sender for the caller, the receiving end for the run's spec.
-    pub fn channel() -> (mpsc::Sender<Control>, Controls) {
-        let (tx, rx) = mpsc::channel(CONTROL_QUEUE);
-        (tx, Controls(Arc::new(Mutex::new(Some(rx)))))
+    pub fn channel() -> (ControlSender, Controls) {
+        let (inputs_tx, inputs) = mpsc::channel(CONTROL_QUEUE);
+        let (signals_tx, signals) = mpsc::channel(SIGNAL_QUEUE);
+        let tx = ControlSender {
+            inputs: inputs_tx,
+            signals: signals_tx,
+            room: Arc::new(Semaphore::new(STDIN_WAITING_BYTES)),
+            stdin_closed: Arc::new(AtomicBool::new(false)),
+        };
+        (
+            tx,
+            Controls(Arc::new(Mutex::new(Some(ControlReceiver {
+                inputs,
+                signals,
+            })))),
+        )
     }
 
     /// The receiver, for the run that takes it (None once taken).
-    pub fn take(&self) -> Option<mpsc::Receiver<Control>> {
+    pub fn take(&self) -> Option<ControlReceiver> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 }
@@ -115,6 +241,60 @@ mod tests {
         let mut rx = copy.take().expect("first take");
         assert!(controls.take().is_none());
         tx.send(Control::CloseStdin).await.unwrap();
-        assert_eq!(rx.recv().await, Some(Control::CloseStdin));
+        let got = rx.inputs.recv().await.map(Input::into_control);
+        assert_eq!(got, Some(Control::CloseStdin));
+        let late = tx.send(Control::Stdin(b"late".to_vec())).await;
+        assert_eq!(late, Err(Refused::StdinClosed));
+    }
+
+    /// A full stdin queue does not hold a signal back: it has a queue of its own.
+    #[tokio::test]
+    async fn signals_pass_a_full_stdin_queue() {
+        let (tx, controls) = Controls::channel();
+        let mut rx = controls.take().expect("receiver");
+        for _ in 0..CONTROL_QUEUE {
+            tx.send(Control::Stdin(vec![b'x'])).await.unwrap();
+        }
+        tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            tx.send(Control::Signal(ProcessSignal::Term)),
+        )
+        .await
+        .expect("a signal waits behind no stdin")
+        .unwrap();
+        assert_eq!(rx.signals.recv().await, Some(ProcessSignal::Term));
+        drop(tx);
+        assert_eq!(rx.signals.recv().await, None);
+        let got = rx.inputs.recv().await.map(Input::into_control);
+        assert_eq!(got, Some(Control::Stdin(vec![b'x'])));
+    }
+
+    /// Stdin bytes the run has not taken are bounded in bytes: a sender past them waits until
+    /// the run takes some, and a run that ended gives their room back.
+    #[tokio::test]
+    async fn waiting_stdin_is_bounded_in_bytes() {
+        let (tx, controls) = Controls::channel();
+        let mut rx = controls.take().expect("receiver");
+        let mib = vec![b'x'; 1 << 20];
+        for _ in 0..STDIN_WAITING_BYTES >> 20 {
+            tx.send(Control::Stdin(mib.clone())).await.unwrap();
+        }
+        let short = std::time::Duration::from_millis(200);
+        let more = tx.send(Control::Stdin(mib.clone()));
+        assert!(tokio::time::timeout(short, more).await.is_err(), "no room");
+        let got = rx.inputs.recv().await.map(Input::into_control);
+        assert_eq!(got, Some(Control::Stdin(mib.clone())));
+        tx.send(Control::Stdin(mib.clone())).await.unwrap();
+        let waiting = {
+            let tx = tx.clone();
+            let mib = mib.clone();
+            tokio::spawn(async move { tx.send(Control::Stdin(mib)).await })
+        };
+        drop(rx);
+        let sent = tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+            .await
+            .expect("a run that ended frees the waiting sender")
+            .unwrap();
+        assert_eq!(sent, Err(Refused::RunEnded));
     }
 }

@@ -8,15 +8,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
-
 use super::exec::{CodeFile, ExecParts};
 use super::processes::Process;
 use super::session::Session;
 use super::{SessionError, SessionService};
 use crate::execution::runs::LiveRun;
 use crate::execution::{Background, ExecutionRequest};
-use crate::sandbox::control::{Control, Controls, ProcessSignal};
+use crate::sandbox::control::{Control, ControlSender, Controls, ProcessSignal, Refused};
 
 /// How long a session's end waits for its processes to start or to end.
 const END_WAIT: Duration = Duration::from_secs(10);
@@ -25,7 +23,7 @@ const END_WAIT: Duration = Duration::from_secs(10);
 /// it starts), its controls, its code file (kept until it ended).
 pub struct PreparedProcess {
     session: Arc<Session>,
-    controls: Option<mpsc::Sender<Control>>,
+    controls: Option<ControlSender>,
     code_sha256: String,
     code_file: CodeFile,
 }
@@ -40,6 +38,10 @@ impl PreparedProcess {
             started_at: chrono::Utc::now(),
             controls: self.controls.take().expect("controls until started"),
         });
+        // One of the session's execs, counted as its foreground ones are.
+        self.session
+            .execs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.session.remember_exec(live.exec_id());
         self.session.processes.add(process);
         let code_file = std::mem::replace(&mut self.code_file, CodeFile::none());
@@ -73,6 +75,9 @@ pub enum ControlError {
     /// The exec runs without an open stdin (409).
     #[error("the exec was not started with stdin_open")]
     NotOpen,
+    /// Stdin bytes after its end was sent (409).
+    #[error("the process's stdin is closed")]
+    StdinClosed,
 }
 
 impl SessionService {
@@ -139,10 +144,10 @@ impl SessionService {
                 .cancel(&p.live, Duration::ZERO, &session.owner.subject, &session.id);
             return Ok(());
         }
-        p.controls
-            .send(control)
-            .await
-            .map_err(|_| ControlError::Ended)
+        p.controls.send(control).await.map_err(|e| match e {
+            Refused::RunEnded => ControlError::Ended,
+            Refused::StdinClosed => ControlError::StdinClosed,
+        })
     }
 
     /// Sends `control` (stdin bytes or its end) to `session`'s running exec `exec_id`, which
@@ -162,7 +167,10 @@ impl SessionService {
                 true => ControlError::NotOpen,
                 false => ControlError::Ended,
             })?;
-        tx.send(control).await.map_err(|_| ControlError::Ended)
+        tx.send(control).await.map_err(|e| match e {
+            Refused::RunEnded => ControlError::Ended,
+            Refused::StdinClosed => ControlError::StdinClosed,
+        })
     }
 
     /// Ends `session`'s processes: none starts from now on, each running one is killed, and

@@ -22,8 +22,7 @@ use crate::execution::{
     WORKSPACE,
 };
 use crate::policy::language::Language;
-use crate::sandbox::control::{Control, Controls};
-use tokio::sync::mpsc;
+use crate::sandbox::control::{ControlSender, Controls};
 
 /// One exec's parts, as the caller sent them.
 #[derive(Debug, Clone, Default)]
@@ -51,7 +50,7 @@ pub struct PreparedExec {
     claim: ExecClaim,
     code_file: CodeFile,
     /// The sender of its stdin, when it keeps stdin open.
-    stdin: Option<mpsc::Sender<Control>>,
+    stdin: Option<ControlSender>,
 }
 
 impl PreparedExec {

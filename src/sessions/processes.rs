@@ -13,11 +13,9 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use serde::Serialize;
-use tokio::sync::mpsc;
-
 use crate::execution::runs::LiveRun;
-use crate::sandbox::control::Control;
+use crate::sandbox::control::ControlSender;
+use serde::Serialize;
 
 /// Ended processes a session still lists (the newest).
 const ENDED_KEPT: usize = 64;
@@ -27,7 +25,7 @@ pub struct Process {
     pub(super) live: Arc<LiveRun>,
     pub(super) code_sha256: String,
     pub(super) started_at: chrono::DateTime<chrono::Utc>,
-    pub(super) controls: mpsc::Sender<Control>,
+    pub(super) controls: ControlSender,
 }
 
 /// Where a process stands.

@@ -7,15 +7,13 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
-
 use super::workspace::Workspace;
 use crate::auth::Verified;
 use crate::execution::runs::LiveRun;
 use crate::execution::{SessionLimits, WORKSPACE};
 use crate::policy::language::Language;
 use crate::sandbox::BackendKind;
-use crate::sandbox::control::Control;
+use crate::sandbox::control::ControlSender;
 use crate::sandbox::files::Kept;
 
 /// Who a session belongs to: the calling service's subject and the tenant.
@@ -49,7 +47,7 @@ pub(super) enum Activity {
     /// An exec is being admitted.
     Starting,
     /// With the sender of its stdin when it keeps stdin open (`stdin_open`).
-    Running(Arc<LiveRun>, Option<mpsc::Sender<Control>>),
+    Running(Arc<LiveRun>, Option<ControlSender>),
 }
 
 pub struct Session {
@@ -142,7 +140,7 @@ impl Session {
 
     /// The stdin of the running exec `exec_id`: Err(true) when that exec runs without an open
     /// stdin, Err(false) when it is not running (it ended, or is not this session's).
-    pub fn stdin_of(&self, exec_id: &str) -> Result<mpsc::Sender<Control>, bool> {
+    pub fn stdin_of(&self, exec_id: &str) -> Result<ControlSender, bool> {
         match &*self.activity.lock().unwrap_or_else(|p| p.into_inner()) {
             Activity::Running(live, tx)
                 if live.exec_id() == exec_id && live.answered().is_none() =>
@@ -242,7 +240,7 @@ pub struct ExecClaim {
 impl ExecClaim {
     /// The exec started: the session is busy until it answers. `stdin`: the sender of its stdin,
     /// when it keeps stdin open.
-    pub fn started(mut self, live: &Arc<LiveRun>, stdin: Option<mpsc::Sender<Control>>) {
+    pub fn started(mut self, live: &Arc<LiveRun>, stdin: Option<ControlSender>) {
         *self
             .session
             .activity

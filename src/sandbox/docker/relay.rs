@@ -19,7 +19,7 @@ use super::engine::{EngineError, Output, OutputStream};
 use super::supervisor::{Frame, FrameDecoder};
 use super::{DockerSandbox, KILL_TIMEOUT};
 use crate::sandbox::capture::{Captured, OutputCapture};
-use crate::sandbox::control::{Control, ProcessSignal};
+use crate::sandbox::control::{Control, ControlReceiver, ProcessSignal};
 use crate::sandbox::run::{self, Waited};
 use crate::sandbox::{KilledReason, RunSpec};
 
@@ -28,7 +28,7 @@ use crate::sandbox::{KilledReason, RunSpec};
 pub(super) struct Live {
     /// The caller's controls ([`RunSpec::controls`], taken): forwarded as control frames until
     /// the run's last frame; every sender gone ends the command's stdin.
-    pub(super) controls: Option<mpsc::Receiver<Control>>,
+    pub(super) controls: Option<ControlReceiver>,
     /// The daemon's own (a background run's stop), forwarded the same way.
     pub(super) own: Option<mpsc::Receiver<Control>>,
     /// Where a stop's SIGTERM goes: through this channel as a TERM control (a background run,
@@ -54,13 +54,21 @@ async fn next_control(rx: &mut Option<mpsc::Receiver<Control>>) -> Option<Contro
     }
 }
 
+/// The next control of the caller's `rx` (signals first); never, once it is None.
+async fn next_caller_control(rx: &mut Option<ControlReceiver>) -> Option<Control> {
+    match rx {
+        Some(r) => r.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Runs `pumping` (the supervisor's frames, to the run's last) while writing each control of
 /// `controls` and `own` to `input` as control frames. A frame being written when the run ends is
 /// written whole, so the stream stays in step for the next request; controls after the run's end
 /// are dropped with the receivers.
 async fn pump_with_controls(
     input: &mut std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
-    mut controls: Option<mpsc::Receiver<Control>>,
+    mut controls: Option<ControlReceiver>,
     mut own: Option<mpsc::Receiver<Control>>,
     pumping: impl std::future::Future<Output = PumpEnd>,
 ) -> PumpEnd {
@@ -68,7 +76,7 @@ async fn pump_with_controls(
     loop {
         let next = tokio::select! {
             end = &mut pumping => return end,
-            c = next_control(&mut controls) => c.unwrap_or_else(|| {
+            c = next_caller_control(&mut controls) => c.unwrap_or_else(|| {
                 // Every sender is gone: the command's stdin ends.
                 controls = None;
                 Control::CloseStdin

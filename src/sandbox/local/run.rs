@@ -17,7 +17,7 @@ use super::slots::{RefillOnDrop, send_go};
 use super::status::{pipe, read_pid, read_status, setup_error, setup_failure, status_pipe};
 use super::{LocalSandbox, cgroup, child, egress, landlock, reaper};
 use crate::sandbox::capture::OutputCapture;
-use crate::sandbox::control::Control;
+use crate::sandbox::control::{Control, ControlReceiver, Input, ProcessSignal};
 use crate::sandbox::run::{self as skeleton, Ending, Waited};
 use crate::sandbox::{ExitKind, RunOutcome, RunSpec, SandboxError};
 
@@ -26,35 +26,53 @@ use crate::sandbox::{ExitKind, RunOutcome, RunSpec, SandboxError};
 const STDIN_QUEUE_BYTES: usize = 4 << 20;
 
 /// Feeds a run with controls: its initial stdin bytes, then each control as it comes, while
-/// what is queued for stdin is written as the command reads it (a signal never waits behind a
-/// write). Stdin closes at [`Control::CloseStdin`] once what came before is written, or when
-/// every sender is gone; signals go to the command (pid 2 of the sandbox, see
-/// [`cgroup::signal_command`]) through `procs`, the run's `cgroup.procs`. Returns whether a write
-/// found the pipe closed.
+/// what is queued for stdin is written as the command reads it. Signals come on a queue of their
+/// own, taken whatever stdin holds: neither a write nor a full stdin queue holds one back. Stdin
+/// closes at [`Control::CloseStdin`] once what came before is written, or when every sender is
+/// gone; signals go to the command (pid 2 of the sandbox, see [`cgroup::signal_command`]) through
+/// `procs`, the run's `cgroup.procs`. Returns whether a write found the pipe closed.
 async fn serve_controls(
     w: OwnedFd,
     initial: Option<Vec<u8>>,
-    mut controls: tokio::sync::mpsc::Receiver<Control>,
+    controls: ControlReceiver,
     procs: Option<std::path::PathBuf>,
 ) -> bool {
     let Ok(mut stdin) = upipe::Sender::from_owned_fd(w).map(Some) else {
         return false;
     };
+    let ControlReceiver {
+        mut inputs,
+        mut signals,
+    } = controls;
+    let signal = |sig: ProcessSignal| {
+        let procs = procs.clone();
+        async move {
+            if let Some(p) = procs {
+                let n = sig.number();
+                let _ = tokio::task::spawn_blocking(move || cgroup::signal_command(&p, n)).await;
+            }
+        }
+    };
     let mut queued: Vec<u8> = initial.unwrap_or_default();
-    let (mut close_after, mut open_controls, mut broken) = (false, true, false);
+    let (mut close_after, mut open_inputs, mut open_signals, mut broken) =
+        (false, true, true, false);
     loop {
         if close_after && queued.is_empty() {
             stdin = None;
         }
-        if !open_controls && (queued.is_empty() || stdin.is_none()) {
+        if !open_inputs && (queued.is_empty() || stdin.is_none()) {
             return broken;
         }
         let writing = stdin.is_some() && !queued.is_empty();
-        let taking = open_controls && queued.len() < STDIN_QUEUE_BYTES;
+        let taking = open_inputs && queued.len() < STDIN_QUEUE_BYTES;
         tokio::select! {
-            c = controls.recv(), if taking => match c {
+            s = signals.recv(), if open_signals => match s {
+                Some(sig) => signal(sig).await,
+                None => open_signals = false,
+            },
+            c = inputs.recv(), if taking => match c.map(Input::into_control) {
                 None => {
-                    open_controls = false;
+                    open_inputs = false;
                     close_after = true;
                 }
                 Some(Control::Stdin(data)) if stdin.is_some() && !close_after => {
@@ -62,13 +80,7 @@ async fn serve_controls(
                 }
                 Some(Control::Stdin(_)) => {}
                 Some(Control::CloseStdin) => close_after = true,
-                Some(Control::Signal(sig)) => {
-                    if let Some(p) = procs.clone() {
-                        let n = sig.number();
-                        let _ = tokio::task::spawn_blocking(move || cgroup::signal_command(&p, n))
-                            .await;
-                    }
-                }
+                Some(Control::Signal(sig)) => signal(sig).await,
             },
             r = async { stdin.as_mut().expect("writing").write(&queued).await }, if writing => {
                 match r {
