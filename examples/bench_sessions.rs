@@ -14,7 +14,17 @@
 //!    resumed again and again (each timed on its own), against session create in the same run (a
 //!    resume is a create plus the workspace's restore).
 //!
-//! Targets: an exec p50 at most 1.2x the `/execute` p50; a create p50 at most 10 ms on local, at
+//! 4. Terminal round trip: a keystroke typed into a session's terminal WebSocket until its echo
+//!    comes back (bash's readline echoes it), against the same keystroke on a host pty running
+//!    bash with no daemon between (the same-run baseline).
+//!
+//! 5. The ports proxy (local and runc): GETs of a server a background process runs in a session,
+//!    through `…/ports/8000/x`, against GETs of it from inside the sandbox's network namespace
+//!    (a thread of this process `setns(2)` into it: as root) on one kept connection (as the proxy
+//!    keeps its connection into the sandbox between requests), and on a connection of its own per
+//!    GET (for reference), interleaved in blocks of 25.
+//!
+//! Targets: a terminal round trip p50 at most 5 ms on local; a proxied GET p50 at most 1.5x the direct one; an exec p50 at most 1.2x the `/execute` p50; a create p50 at most 10 ms on local, at
 //! most the warm `/execute` p50 on docker and gVisor; on local, a resume of 100 MB within 1 s
 //! (p50).
 //!
@@ -28,6 +38,8 @@ use executor_arm::config::TokenKind;
 use support::report::{Report, Series, Target, count};
 
 mod support;
+#[path = "support/terminal.rs"]
+mod terminal;
 
 /// Samples per series on the local backend; the container backends take half (each of their
 /// `/execute` samples waits for a refill).
@@ -168,6 +180,18 @@ async fn main() {
         delete(id).await;
     }
 
+    // Terminal round trips, then the host pty's (the baseline), one after the other.
+    let keystrokes = count(N, 20);
+    if containers {
+        wait_pool(&client, &base, full).await;
+    }
+    let term_session = create().await;
+    let over_ws = terminal::over_websocket(&d.addr, &svc, &term_session, keystrokes).await;
+    delete(term_session).await;
+    let on_host = tokio::task::spawn_blocking(move || terminal::host_pty(keystrokes))
+        .await
+        .expect("host pty");
+
     // Pause and resume, for each workspace size.
     let cycles = count(CYCLES, 3);
     let mut paused: Vec<(&str, Vec<f64>, Vec<f64>)> = Vec::new();
@@ -211,6 +235,67 @@ async fn main() {
         delete(id).await;
         paused.push((name, pauses, resumes));
     }
+
+    // The ports proxy: GETs through it against GETs from inside the sandbox's network namespace
+    // (none on gVisor: its network stack is the sentry's, out of a host thread's reach).
+    let ports = if backend == "gvisor" {
+        None
+    } else {
+        if containers {
+            wait_pool(&client, &base, full).await;
+        }
+        let id = create().await;
+        let nonce = format!("bench-{}", std::process::id());
+        let started = post(
+            format!("/v1/sandbox/sessions/{id}/exec"),
+            serde_json::json!({"code": support::ports::server(&nonce), "background": true}),
+        )
+        .await
+        .expect("start the server");
+        assert_eq!(started.status().as_u16(), 202);
+        let url = format!(
+            "{base}/v1/sandbox/sessions/{id}/ports/{}/x",
+            support::ports::PORT
+        );
+        let proxied_once = || async {
+            let t = Instant::now();
+            let r = client
+                .get(&url)
+                .header("authorization", &svc)
+                .send()
+                .await
+                .expect("proxied GET");
+            let status = r.status().as_u16();
+            let body = r.text().await.expect("body");
+            (t.elapsed().as_secs_f64() * 1000.0, status, body)
+        };
+        let until = Instant::now() + std::time::Duration::from_secs(30);
+        while proxied_once().await.1 != 200 {
+            assert!(
+                Instant::now() < until,
+                "the in-sandbox server never answered"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let direct = support::ports::Direct::find(&nonce).expect("the sandbox's network namespace");
+        direct.run(warmup, false);
+        direct.run(warmup, true);
+        for _ in 0..warmup {
+            proxied_once().await;
+        }
+        let (mut through, mut straight, mut fresh) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..n / BLOCK {
+            for _ in 0..BLOCK {
+                let (ms, status, body) = proxied_once().await;
+                assert_eq!((status, body.as_str()), (200, nonce.as_str()));
+                through.push(ms);
+            }
+            straight.extend(direct.run(BLOCK, false));
+            fresh.extend(direct.run(BLOCK, true));
+        }
+        delete(id).await;
+        Some((through, straight, fresh))
+    };
 
     println!(
         "backend {backend}, {n} each, interleaved in blocks of {BLOCK}{}",
@@ -287,6 +372,34 @@ async fn main() {
             Target::AtMost(10.0),
         );
     }
+    let (term_id, pty_id) = (id("terminal"), id("host_pty"));
+    let t = report.series(
+        series(
+            &term_id,
+            "terminal keystroke -> echo over the WebSocket",
+            Some(&pty_id),
+        ),
+        &over_ws,
+    );
+    let h = report.series(
+        series(&pty_id, "host pty keystroke -> echo, bash (baseline)", None),
+        &on_host,
+    );
+    report.ratio(
+        &id("terminal_vs_host_pty"),
+        &format!("p50 terminal / host pty ({backend})"),
+        t.p50 / h.p50,
+        None,
+    );
+    if !containers {
+        report.target(
+            &id("terminal.p50"),
+            "terminal round trip p50 (local)",
+            t.p50,
+            "ms",
+            Target::AtMost(5.0),
+        );
+    }
     for (name, pauses, resumes) in &paused {
         let (pause_id, resume_id) = (id(&format!("pause_{name}")), id(&format!("resume_{name}")));
         let (pause_label, resume_label) = (
@@ -326,6 +439,49 @@ async fn main() {
                 Target::AtMost(1000.0),
             );
         }
+    }
+    if let Some((through, straight, fresh)) = &ports {
+        let (port_id, direct_id) = (id("port_get"), id("port_direct"));
+        let fresh_id = id("port_direct_fresh");
+        let p = report.series(
+            series(
+                &port_id,
+                "GET through …/ports/8000/ (kept connection to the daemon)",
+                Some(&direct_id),
+            ),
+            through,
+        );
+        let q = report.series(
+            series(
+                &direct_id,
+                "GET of the same server from its netns (baseline)",
+                None,
+            ),
+            straight,
+        );
+        report.ratio(
+            &id("port_vs_direct"),
+            &format!("p50 proxied GET / direct GET ({backend})"),
+            p.p50 / q.p50,
+            Some(Target::AtMost(1.5)),
+        );
+        report.ratio(
+            &id("port_vs_direct_p99"),
+            &format!("p99 proxied GET / direct GET ({backend})"),
+            p.p99 / q.p99,
+            None,
+        );
+        // For reference: against a direct GET that opens a connection of its own.
+        let f = report.series(
+            series(&fresh_id, "GET from its netns, a connection per GET", None),
+            fresh,
+        );
+        report.ratio(
+            &id("port_vs_direct_fresh"),
+            &format!("p50 proxied GET / direct GET on a new connection ({backend})"),
+            p.p50 / f.p50,
+            None,
+        );
     }
     report.write();
 }

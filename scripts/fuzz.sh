@@ -4,7 +4,8 @@
 #
 # Usage: scripts/fuzz.sh [SECONDS_PER_TARGET=60] [TARGET...]
 #   targets (fuzz/Cargo.toml; docs/security.md says what each checks): execute_request, token,
-#   egress_http, executor_yaml, profile_toml, audit_roundtrip, argpolicy, supervisor_protocol
+#   egress_http, executor_yaml, profile_toml, audit_roundtrip, argpolicy, supervisor_protocol,
+#            checkpoint_note, receipt_envelope
 #   FUZZ_JOBS [1]       targets fuzzed at once
 #   FUZZ_SEED [random]  libFuzzer's -seed: with it, a run repeats the same inputs in the same order
 #                       (the test command sets it, so a CI run explores what was explored before)

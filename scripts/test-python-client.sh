@@ -15,7 +15,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOLS="${EXECUTOR_ARM_TOOLS_DIR:-$ROOT/.tools}"
 VENV="$TOOLS/python-client-venv"
 PY="$VENV/bin/python"
-PY_REQUIREMENTS=("httpx==0.28.1" "pytest==9.2.0" "setuptools==84.2.1" "mypy==2.4.1")
+PY_REQUIREMENTS=("httpx==0.28.1" "pytest==9.2.0" "setuptools==84.2.1" "mypy==2.4.1" "websockets==17.4")
 
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf 'test-python-client: %s\n' "$*" >&2; exit 1; }

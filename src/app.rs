@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use crate::api::AppState;
 use crate::auth::Authenticator;
+use crate::calls::AppState;
 use crate::config::Config;
 use crate::execution::ExecutionService;
 use crate::executors::Registry;
@@ -38,6 +38,41 @@ pub enum BuildError {
     Egress(#[from] crate::egress::EgressError),
     #[error("sandbox.local.uid_first / uid_count: {0}")]
     Uids(String),
+    #[error("receipts: {0}")]
+    Receipts(#[from] crate::provenance::keys::KeyError),
+    #[error("audit checkpoints: {0}")]
+    Checkpoints(std::io::Error),
+}
+
+/// Loads (or, when missing, makes and logs) the signing key, reads the other public keys and
+/// prepares the checkpoint directory. A key file group or others may access stops startup.
+pub fn signing(config: &Config) -> Result<crate::provenance::Signing, BuildError> {
+    use crate::provenance::keys;
+    let path = config.receipts.signing_key_file(&config.state);
+    let (key, source) = keys::load_or_generate(&path)?;
+    let keyid = keys::keyid(&key.verifying_key());
+    match source {
+        keys::KeySource::Generated => tracing::warn!(
+            path = %path.display(), %keyid,
+            "no receipts signing key: made one (publish its public key: executor-arm receipt pubkey)"
+        ),
+        keys::KeySource::Loaded => {
+            tracing::info!(path = %path.display(), %keyid, "receipts signing key")
+        }
+    }
+    let mut keys = keys::KeySet::from_files(&config.receipts.public_key_files)?;
+    keys.insert(key.verifying_key());
+    let checkpoints = crate::provenance::checkpoint::CheckpointWriter::new(
+        &config.audit.checkpoint_dir(),
+        &config.audit.checkpoint_origin(),
+        key.clone(),
+    )
+    .map_err(BuildError::Checkpoints)?;
+    Ok(crate::provenance::Signing {
+        key,
+        keys,
+        checkpoints: Arc::new(checkpoints),
+    })
 }
 
 /// Directory for the daemon's runtime files (the empty mount point of sandbox roots).
@@ -54,6 +89,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
     if !auth.has_keys() {
         return Err(BuildError::NoKeys);
     }
+    let signing = Arc::new(signing(&config)?);
     let instance_id = format!("{}-{}", hostname(), std::process::id());
     let metrics = Arc::new(Metrics::new());
     let audit = Arc::new(
@@ -89,7 +125,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         &*store,
         &metrics,
         std::time::Duration::from_secs(config.executions.retention_seconds),
-        crate::api::error::unanswered,
+        crate::calls::error::unanswered,
     )
     .await;
     let mut backends: BTreeMap<BackendKind, Arc<dyn Sandbox>> = BTreeMap::new();
@@ -150,26 +186,34 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         store.clone(),
         audit.clone(),
         metrics.clone(),
-        crate::api::error::unanswered,
+        crate::calls::error::unanswered,
     ));
     let sessions = crate::sessions::SessionService::new(
         &config.sessions,
         &config.sessions.store_dir(&config.state),
         executions.clone(),
         uids,
+        config
+            .sandbox
+            .docker
+            .supervisor
+            .clone()
+            .unwrap_or_else(crate::sandbox::docker::supervisor::default_path),
     );
     Ok(Arc::new(AppState {
         auth,
         executions,
         sessions,
-        file_calls: crate::api::sessions::file_calls(),
+        file_calls: crate::calls::sessions::file_calls(),
         audit,
         store,
         metrics,
         draining: AtomicBool::new(false),
         open_streams: Default::default(),
         instance_id,
+        port_pool: crate::calls::port_pool::PortPool::start(),
         host_probe,
+        signing,
         config,
     }))
 }
@@ -220,4 +264,56 @@ fn hostname() -> String {
         .ok()
         .and_then(|h| h.into_string().ok())
         .unwrap_or_else(|| "executor-arm".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EnvOverrides;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn signing_makes_a_missing_key_and_refuses_one_others_may_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = EnvOverrides {
+            state_dir: Some(dir.path().join("state").display().to_string()),
+            audit_log: Some(dir.path().join("audit.jsonl").display().to_string()),
+            ..Default::default()
+        };
+        let mut config = Config::load(None, &env).unwrap();
+        let other = crate::provenance::keys::SigningKey::from_bytes(&[5u8; 32]);
+        let other_pub = dir.path().join("old.pub.pem");
+        std::fs::write(
+            &other_pub,
+            crate::provenance::keys::public_key_pem(&other.verifying_key()),
+        )
+        .unwrap();
+        config.receipts.public_key_files = vec![other_pub];
+        let s = signing(&config).unwrap();
+        let key_file = dir.path().join("state/receipts-ed25519.pem");
+        let mode = std::fs::metadata(&key_file).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert_eq!(s.keys.len(), 2, "its own key and the listed one");
+        assert!(
+            s.keys
+                .get(&crate::provenance::keys::keyid(&s.key.verifying_key()))
+                .is_some()
+        );
+        assert_eq!(
+            s.checkpoints.dir(),
+            dir.path().join("audit.jsonl.checkpoints")
+        );
+        // The same key at the next start.
+        assert_eq!(signing(&config).unwrap().key.to_bytes(), s.key.to_bytes());
+
+        std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let e = signing(&config)
+            .err()
+            .expect("a group-readable key is refused")
+            .to_string();
+        assert!(
+            e.contains("receipts-ed25519.pem") && e.contains("0640"),
+            "{e}"
+        );
+    }
 }

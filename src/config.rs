@@ -36,6 +36,7 @@ pub struct Config {
     pub server: ServerConfig,
     pub auth: AuthConfig,
     pub audit: AuditConfig,
+    pub receipts: ReceiptsConfig,
     pub state: StateConfig,
     pub sandbox: SandboxConfig,
     pub executors: ExecutorsConfig,
@@ -175,6 +176,27 @@ pub struct AuditConfig {
     /// Refusal lines each class may write at once.
     #[serde(default = "default_refusal_burst")]
     pub refusal_burst: u32,
+    /// A signed checkpoint of the log after this many new lines…
+    #[serde(default = "default_checkpoint_every_lines")]
+    pub checkpoint_every_lines: u64,
+    /// …or this long after the last one, when a line was added (and at shutdown).
+    #[serde(default = "default_checkpoint_every_seconds")]
+    pub checkpoint_every_seconds: u64,
+    /// Where checkpoints are written; unset: `<path>.checkpoints` beside the log.
+    #[serde(default)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// The checkpoints' origin line and key name; unset: `executor-arm/<hostname>`. Each log
+    /// (each replica) has its own.
+    #[serde(default)]
+    pub checkpoint_origin: Option<String>,
+}
+
+fn default_checkpoint_every_lines() -> u64 {
+    1000
+}
+
+fn default_checkpoint_every_seconds() -> u64 {
+    60
 }
 
 fn default_refusal_lines_per_second() -> f64 {
@@ -186,11 +208,55 @@ fn default_refusal_burst() -> u32 {
 }
 
 impl AuditConfig {
+    /// `checkpoint_dir`, or `<path>.checkpoints` beside the log.
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint_dir
+            .clone()
+            .unwrap_or_else(|| crate::provenance::checkpoint::default_dir(&self.path))
+    }
+
+    /// `checkpoint_origin`, or `executor-arm/<hostname>`.
+    pub fn checkpoint_origin(&self) -> String {
+        self.checkpoint_origin.clone().unwrap_or_else(|| {
+            let host = nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .filter(|h| crate::provenance::checkpoint::check_origin(h).is_ok())
+                .unwrap_or_else(|| "localhost".into());
+            format!("executor-arm/{host}")
+        })
+    }
+
     pub fn refusal_rate(&self) -> crate::provenance::audit::RefusalRate {
         crate::provenance::audit::RefusalRate {
             per_second: self.refusal_lines_per_second,
             burst: self.refusal_burst,
         }
+    }
+}
+
+/// Signed execution receipts and audit checkpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReceiptsConfig {
+    /// The Ed25519 signing key (PKCS#8 PEM, mode 0600; made at start when missing); unset:
+    /// `receipts-ed25519.pem` under `state.dir`.
+    #[serde(default)]
+    pub signing_key_file: Option<PathBuf>,
+    /// More public keys (PEM) that verify receipts and checkpoints: earlier keys after a
+    /// rotation, other replicas' keys. The signing key's own public key is always one.
+    #[serde(default)]
+    pub public_key_files: Vec<PathBuf>,
+}
+
+impl ReceiptsConfig {
+    /// `signing_key_file`, or `receipts-ed25519.pem` under the state directory.
+    pub fn signing_key_file(&self, state: &StateConfig) -> PathBuf {
+        self.signing_key_file.clone().unwrap_or_else(|| {
+            state
+                .dir
+                .join(crate::provenance::keys::DEFAULT_KEY_FILE_NAME)
+        })
     }
 }
 
@@ -332,6 +398,17 @@ pub struct SessionsConfig {
     pub max_paused_per_tenant: usize,
     /// Background processes one session may have running; another is 429.
     pub max_processes: usize,
+    /// A background process's streams follow all of its output while it runs; the last this
+    /// many bytes of each of its stdout and stderr are kept for readers that come late or
+    /// resume (its record keeps its first `output_bytes`, as every run's does).
+    pub process_output_ring_bytes: usize,
+    /// The most bytes one WebSocket frame or message of a session's terminal may carry; a
+    /// bigger one closes the socket with code 1009 (and hangs the terminal up).
+    pub max_frame_bytes: usize,
+    /// The ports of a session's sandbox its `…/ports/{port}/…` route reaches (`"N"` or `"N-M"`,
+    /// inclusive); any other is 400.
+    #[serde(default = "default_allowed_ports")]
+    pub allowed_ports: PortRanges,
     pub languages: BTreeMap<String, LanguageEntry>,
 }
 
@@ -341,6 +418,68 @@ impl SessionsConfig {
         self.store_dir
             .clone()
             .unwrap_or_else(|| state.dir.join("sessions"))
+    }
+}
+
+fn default_allowed_ports() -> PortRanges {
+    PortRanges(vec![(1024, 65535)])
+}
+
+/// Ranges of TCP ports, written `"8000"` or `"1024-65535"` (inclusive).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortRanges(Vec<(u16, u16)>);
+
+impl PortRanges {
+    /// Whether `port` is in one of the ranges.
+    pub fn contains(&self, port: u16) -> bool {
+        self.0.iter().any(|&(lo, hi)| (lo..=hi).contains(&port))
+    }
+
+    /// The ranges as written in the config, for messages.
+    pub fn describe(&self) -> String {
+        let parts: Vec<String> = self
+            .0
+            .iter()
+            .map(|&(lo, hi)| {
+                if lo == hi {
+                    lo.to_string()
+                } else {
+                    format!("{lo}-{hi}")
+                }
+            })
+            .collect();
+        parts.join(", ")
+    }
+
+    /// Parses one range (`"N"` or `"N-M"`, 1 ≤ N ≤ M ≤ 65535).
+    fn parse_range(s: &str) -> Result<(u16, u16), String> {
+        let port = |p: &str| {
+            p.trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or_else(|| format!("'{s}' is not a port or a range N-M of ports (1-65535)"))
+        };
+        let (lo, hi) = match s.split_once('-') {
+            Some((a, b)) => (port(a)?, port(b)?),
+            None => (port(s)?, port(s)?),
+        };
+        if lo > hi {
+            return Err(format!("'{s}': the range's start is above its end"));
+        }
+        Ok((lo, hi))
+    }
+}
+
+impl<'de> Deserialize<'de> for PortRanges {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let items = Vec::<String>::deserialize(d)?;
+        items
+            .iter()
+            .map(|s| PortRanges::parse_range(s))
+            .collect::<Result<Vec<_>, _>>()
+            .map(PortRanges)
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -548,6 +687,16 @@ impl Config {
                 "audit.refusal_lines_per_second must be a number >= 0".into(),
             ));
         }
+        if self.audit.checkpoint_every_lines == 0 || self.audit.checkpoint_every_seconds == 0 {
+            return Err(ConfigError::Invalid(
+                "audit.checkpoint_every_lines and audit.checkpoint_every_seconds must be >= 1"
+                    .into(),
+            ));
+        }
+        if let Some(o) = &self.audit.checkpoint_origin {
+            crate::provenance::checkpoint::check_origin(o)
+                .map_err(|m| ConfigError::Invalid(format!("audit.checkpoint_origin: {m}")))?;
+        }
         if self.audit.refusal_burst == 0 {
             return Err(ConfigError::Invalid(
                 "audit.refusal_burst must be >= 1 (0 would write no refusal line at all)".into(),
@@ -687,6 +836,30 @@ mod tests {
         };
         let err = Config::load(None, &env).unwrap_err().to_string();
         assert!(err.contains("must not be inside sessions.dir"), "{err}");
+    }
+
+    #[test]
+    fn allowed_ports_parse_ranges_and_single_ports() {
+        let c = Config::load(None, &EnvOverrides::default()).unwrap();
+        let ports = &c.sessions.allowed_ports;
+        assert!(ports.contains(1024) && ports.contains(65535) && ports.contains(8000));
+        assert!(!ports.contains(1023) && !ports.contains(22));
+        assert_eq!(ports.describe(), "1024-65535");
+        #[derive(Deserialize)]
+        struct T {
+            p: PortRanges,
+        }
+        let t: T = toml::from_str(r#"p = ["80", "8000-8099"]"#).unwrap();
+        assert!(t.p.contains(80) && t.p.contains(8050) && !t.p.contains(8100));
+        assert_eq!(t.p.describe(), "80, 8000-8099");
+        for bad in [
+            r#"p = ["0"]"#,
+            r#"p = ["9-8"]"#,
+            r#"p = ["x"]"#,
+            r#"p = ["70000"]"#,
+        ] {
+            assert!(toml::from_str::<T>(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -832,5 +1005,68 @@ mod tests {
         .unwrap();
         let c = Config::load(Some(&f), &EnvOverrides::default()).unwrap();
         assert_eq!(c.audit.refusal_burst, 1);
+    }
+
+    #[test]
+    fn receipts_and_checkpoints_default_beside_the_state_and_the_log() {
+        let c = Config::load(None, &EnvOverrides::default()).unwrap();
+        assert_eq!(
+            c.receipts.signing_key_file(&c.state),
+            PathBuf::from("executor-arm-state/receipts-ed25519.pem")
+        );
+        assert!(c.receipts.public_key_files.is_empty());
+        assert_eq!(
+            (
+                c.audit.checkpoint_every_lines,
+                c.audit.checkpoint_every_seconds
+            ),
+            (1000, 60)
+        );
+        assert_eq!(
+            c.audit.checkpoint_dir(),
+            PathBuf::from("executor-arm-audit.jsonl.checkpoints")
+        );
+        let origin = c.audit.checkpoint_origin();
+        assert!(origin.starts_with("executor-arm/"), "{origin}");
+        crate::provenance::checkpoint::check_origin(&origin).unwrap();
+
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(
+            &f,
+            "[audit]\npath = \"/var/log/ea/audit.jsonl\"\ncheckpoint_every_lines = 10\n\
+             checkpoint_origin = \"ea/r0\"\n[receipts]\nsigning_key_file = \"/k.pem\"\n\
+             public_key_files = [\"/old.pem\"]\n",
+        )
+        .unwrap();
+        let c = Config::load(Some(&f), &EnvOverrides::default()).unwrap();
+        assert_eq!(
+            c.receipts.signing_key_file(&c.state),
+            PathBuf::from("/k.pem")
+        );
+        assert_eq!(c.receipts.public_key_files, [PathBuf::from("/old.pem")]);
+        assert_eq!(c.audit.checkpoint_every_lines, 10);
+        assert_eq!(c.audit.checkpoint_origin(), "ea/r0");
+        assert_eq!(
+            c.audit.checkpoint_dir(),
+            PathBuf::from("/var/log/ea/audit.jsonl.checkpoints")
+        );
+        for (toml, key) in [
+            (
+                "[audit]\ncheckpoint_every_lines = 0",
+                "checkpoint_every_lines",
+            ),
+            (
+                "[audit]\ncheckpoint_every_seconds = 0",
+                "checkpoint_every_seconds",
+            ),
+            ("[audit]\ncheckpoint_origin = \"a b\"", "checkpoint_origin"),
+            ("[audit]\ncheckpoint_origin = \"a+b\"", "checkpoint_origin"),
+            ("[receipts]\nsigning_key = \"/k\"", "signing_key"),
+        ] {
+            std::fs::write(&f, format!("{toml}\n")).unwrap();
+            let e = Config::load(Some(&f), &EnvOverrides::default()).unwrap_err();
+            assert!(e.to_string().contains(key), "{toml}: {e}");
+        }
     }
 }

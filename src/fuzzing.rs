@@ -15,7 +15,7 @@ use crate::config::{AuthConfig, TokenKind};
 
 /// `POST /execute` body parsing: never panics, whatever the bytes.
 pub fn execute_request(data: &[u8]) {
-    let _ = crate::api::execute::parse_request(data);
+    let _ = crate::calls::execute::parse_request(data);
 }
 
 const SECRET: &[u8] = b"fuzzing-secret-fuzzing-secret-32";
@@ -199,6 +199,7 @@ pub fn audit_roundtrip(data: &[u8]) {
         profile: "fuzz".into(),
         timeout_seconds: 30,
         idempotency_key: Some(text.clone()),
+        via: None,
     };
     let end = RunEnd {
         capabilities_used: Vec::new(),
@@ -433,6 +434,50 @@ pub fn supervisor_protocol(data: &[u8]) {
     }
 }
 
+/// The key the checkpoint and receipt targets sign with.
+fn signing_key() -> crate::provenance::keys::SigningKey {
+    crate::provenance::keys::SigningKey::from_bytes(&[0x42; 32])
+}
+
+/// Checkpoint notes (`audit verify --checkpoints` reads them from a directory anyone may write
+/// to): never a panic, whatever the bytes; and any text that opens as a checkpoint once signed
+/// signs again to a note that opens to the same checkpoint.
+pub fn checkpoint_note(data: &[u8]) {
+    use crate::provenance::checkpoint::{open, sign_note};
+    let key = signing_key();
+    let keys: crate::provenance::keys::KeySet = std::iter::once(key.verifying_key()).collect();
+    let _ = open(data, &keys);
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let signed = sign_note(text, "fuzz/origin", &key);
+    if let Ok(cp) = open(signed.as_bytes(), &keys) {
+        assert_eq!(
+            open(cp.sign(&key).as_bytes(), &keys).as_ref(),
+            Ok(&cp),
+            "checkpoint round trip"
+        );
+    }
+}
+
+/// DSSE envelopes (`receipt verify` reads them from anyone): never a panic, whatever the bytes;
+/// bytes signed as a payload verify back to exactly those bytes.
+pub fn receipt_envelope(data: &[u8]) {
+    use crate::provenance::{dsse, receipt};
+    let key = signing_key();
+    let keys: crate::provenance::keys::KeySet = std::iter::once(key.verifying_key()).collect();
+    if let Ok(env) = dsse::parse(data) {
+        let _ = receipt::verify_receipt(&env, &keys);
+    }
+    let env = dsse::sign(dsse::IN_TOTO_PAYLOAD_TYPE, data, &key);
+    let v =
+        dsse::verify(&env, dsse::IN_TOTO_PAYLOAD_TYPE, &keys).expect("a signed payload verifies");
+    assert_eq!(v.payload, data, "payload round trip");
+    let json = serde_json::to_vec(&env).expect("an envelope encodes");
+    assert_eq!(dsse::parse(&json).as_ref(), Ok(&env), "envelope round trip");
+    let _ = receipt::verify_receipt(&env, &keys);
+}
+
 #[cfg(test)]
 mod tests {
     /// Every target's entry point over its seed corpus (`fuzz/seeds/<target>`).
@@ -459,7 +504,7 @@ mod tests {
                 .into()
         }
         type Target<'a> = (&'a str, &'a dyn Fn(&[u8]));
-        let targets: [Target; 8] = [
+        let targets: [Target; 10] = [
             ("execute_request", &super::execute_request),
             ("token", &|d| super::token(d, hmac_sha256)),
             ("egress_http", &super::egress_http),
@@ -468,6 +513,8 @@ mod tests {
             ("audit_roundtrip", &super::audit_roundtrip),
             ("argpolicy", &super::argpolicy),
             ("supervisor_protocol", &super::supervisor_protocol),
+            ("checkpoint_note", &super::checkpoint_note),
+            ("receipt_envelope", &super::receipt_envelope),
         ];
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds");
         for (name, run) in targets {

@@ -3,15 +3,19 @@
 //!
 //! # Layout
 //! A request goes down through these modules, never up:
-//! - `api`: HTTP only: routes, authentication of the caller, request parsing, idempotency, errors
-//!   to statuses and bodies; each route file (`api::execute`, `api::sessions`, ...) parses its
-//!   request into an `ExecutionRequest`, `api::caller` reads who calls, `api::run` holds what
-//!   every run route shares (modes, idempotency, disconnects, answers); see `api`'s own layout.
-//! - `mcp`: the Model Context Protocol front end (`/mcp`, the official SDK), beside `api` and
-//!   using it (never the other way): each tool call is handed in-process to the REST handler of
-//!   its twin (`POST /execute`, the session and run routes), which hands it to the execution or
-//!   sessions service, so it is the same run with the same checks, audit lines and metrics;
-//!   `mcp` only translates the wire formats. `main.rs` mounts its route beside the REST API's.
+//! - `api`: HTTP only: routes, reading each request's headers, body and query, rendering every
+//!   answer's status, headers and body; each route file (`api::execute`, `api::sessions`, ...)
+//!   parses its request into an `ExecutionRequest`, `api::run` reads how a run's caller waits
+//!   and renders what `calls::run` serves; see `api`'s own layout.
+//! - `calls`: what every front end does with a call, below `api` and `mcp` and above the
+//!   services: the shared state (`AppState`), who is calling (`calls::caller`), the error
+//!   vocabulary of answers (`ApiError`), and what every run request shares (`calls::run`: run
+//!   modes, idempotency, the client's disconnect, admission and start, the answer as status and
+//!   body). Front ends render its answers on their own wire.
+//! - `mcp`: the Model Context Protocol front end (`/mcp`, the official SDK), a sibling of `api`:
+//!   every tool goes through `calls` to the execution and sessions services as the REST routes
+//!   do, so a call is the same run as its REST twin, with the same checks, audit lines and
+//!   metrics. `main.rs` mounts its route beside the REST API's.
 //! - `execution`: the execution service, no HTTP: decide → admit → run → record (provenance, one
 //!   typed audit event per line, metrics), the one path every execution takes. One file a step:
 //!   `request` (the request and its kind of run, an `Action`), `plan` (deciding it: one match
@@ -51,6 +55,7 @@
 pub mod api;
 pub mod app;
 pub mod auth;
+pub mod calls;
 pub mod config;
 pub mod egress;
 pub mod execution;

@@ -1,16 +1,17 @@
 //! The `executor-arm` command line: parse, load config, install telemetry, call the library.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use executor_arm::auth::{MintRequest, mint_hs256, read_secret, sha256_hex};
 use executor_arm::config::{Config, EnvOverrides, TokenKind};
-use executor_arm::provenance::audit;
+use executor_arm::provenance::keys::{self, KeySet};
+use executor_arm::provenance::{audit, checkpoint, dsse, receipt};
 
 #[derive(Parser)]
 #[command(
@@ -47,6 +48,11 @@ enum Cmd {
     Audit {
         #[command(subcommand)]
         cmd: AuditCmd,
+    },
+    /// Execution receipt utilities.
+    Receipt {
+        #[command(subcommand)]
+        cmd: ReceiptCmd,
     },
     /// Validate config, allowlist, profiles and executor defs; print what was resolved.
     CheckConfig {
@@ -98,8 +104,41 @@ enum TokenCmd {
 
 #[derive(Subcommand)]
 enum AuditCmd {
-    /// Verify the hash chain of an audit log.
-    Verify { file: PathBuf },
+    /// Verify the hash chain of an audit log; with --checkpoints, also that no line was cut or
+    /// rewritten since the signed checkpoints.
+    Verify {
+        /// The log. With --checkpoints, several files may be given, oldest first: each must
+        /// continue the one before it (its first line a segment_start after that one's last).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Directory of the log's signed checkpoints (audit.checkpoint_dir).
+        #[arg(long)]
+        checkpoints: Option<PathBuf>,
+        /// Public key (PEM) the checkpoints must be signed with; may be given several times.
+        #[arg(long = "key", value_name = "PUB", requires = "checkpoints")]
+        keys: Vec<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum ReceiptCmd {
+    /// Verify a receipt (a DSSE envelope) offline: exit 0 and print what it says, or non-zero
+    /// with the reason.
+    Verify {
+        receipt: PathBuf,
+        /// Public key (PEM) it may be signed with; may be given several times.
+        #[arg(long = "key", value_name = "PUB", required = true)]
+        keys: Vec<PathBuf>,
+    },
+    /// Print the public key (PEM) of the signing key; its keyid and checkpoint verifier key go
+    /// to stderr.
+    Pubkey {
+        /// The signing key file (default: receipts.signing_key_file of the configuration).
+        #[arg(long)]
+        key_file: Option<PathBuf>,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
 }
 
 /// Opens /dev/null on any of fds 0-2 that is closed, so no descriptor the daemon opens later (a
@@ -190,31 +229,176 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Audit {
-            cmd: AuditCmd::Verify { file },
-        } => match audit::verify(&file) {
-            Ok(v) => {
-                println!(
-                    "ok: {} entries, chain intact, last seq {}, last entry_hash {}",
-                    v.lines, v.last_seq, v.last_hash
-                );
-                if let Some((seq, hash)) = v.continues {
-                    println!(
-                        "this segment continues a previous one (see its segment_start line) after seq {seq}, entry_hash {hash}"
-                    );
-                }
-                Ok(())
-            }
-            Err(e) => {
-                eprintln!("audit log broken: {e}");
-                std::process::exit(1);
-            }
-        },
+            cmd:
+                AuditCmd::Verify {
+                    files,
+                    checkpoints,
+                    keys,
+                },
+        } => audit_verify(&files, checkpoints.as_deref(), &keys),
+        Cmd::Receipt {
+            cmd: ReceiptCmd::Verify { receipt, keys },
+        } => receipt_verify(&receipt, &keys),
+        Cmd::Receipt {
+            cmd: ReceiptCmd::Pubkey { key_file, config },
+        } => receipt_pubkey(key_file, config),
         Cmd::CheckConfig { config } => check_config(config),
         Cmd::Openapi => {
             print!("{}", executor_arm::api::openapi::document_json());
             Ok(())
         }
     }
+}
+
+/// `audit verify`: the chain of one log, or of several files and checkpoints.
+fn audit_verify(files: &[PathBuf], checkpoints: Option<&Path>, keys: &[PathBuf]) -> Result<()> {
+    let Some(dir) = checkpoints else {
+        let [file] = files else {
+            bail!("several files are checked together only with --checkpoints");
+        };
+        return match audit::verify(file) {
+            Ok(v) => {
+                print_chain(&v);
+                Ok(())
+            }
+            Err(e) => {
+                eprintln!("audit log broken: {e}");
+                std::process::exit(1);
+            }
+        };
+    };
+    if keys.is_empty() {
+        bail!("--checkpoints needs at least one --key PUB to check their signatures with");
+    }
+    let keys = KeySet::from_files(keys)?;
+    let c = match checkpoint::check_logs(files, dir, &keys) {
+        Ok(c) => c,
+        Err(checkpoint::LogCheckError::Audit(e)) => {
+            eprintln!("audit log broken: {e}");
+            std::process::exit(1);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if let Some(v) = &c.chain {
+        print_chain(v);
+    }
+    let latest = c.matched.iter().map(|m| m.checkpoint.size).max();
+    println!(
+        "checkpoints: {} match the log{}",
+        c.matched.len(),
+        latest
+            .map(|n| format!(" (the latest signs {n} lines)"))
+            .unwrap_or_default()
+    );
+    if !c.earlier.is_empty() {
+        println!(
+            "checkpoints: {} sign lines before seq {} (give the earlier files, oldest first, to check them)",
+            c.earlier.len(),
+            c.first_seq
+        );
+    }
+    if let (Some(v), Some(n)) = (&c.chain, latest)
+        && v.last_seq > n
+    {
+        println!(
+            "lines {}-{} are after the latest checkpoint (not signed yet)",
+            n + 1,
+            v.last_seq
+        );
+    }
+    if c.problems.is_empty() {
+        return Ok(());
+    }
+    for p in &c.problems {
+        eprintln!("audit log check failed: {p}");
+    }
+    std::process::exit(1);
+}
+
+fn print_chain(v: &audit::Verified) {
+    println!(
+        "ok: {} entries, chain intact, last seq {}, last entry_hash {}",
+        v.lines, v.last_seq, v.last_hash
+    );
+    if let Some((seq, hash)) = &v.continues {
+        println!(
+            "this segment continues a previous one (see its segment_start line) after seq {seq}, entry_hash {hash}"
+        );
+    }
+}
+
+/// `receipt verify`: the envelope's signature and statement, then a summary.
+fn receipt_verify(path: &Path, keys: &[PathBuf]) -> Result<()> {
+    let keys = KeySet::from_files(keys)?;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| {
+            f.take(dsse::MAX_ENVELOPE_BYTES as u64 + 1)
+                .read_to_end(&mut bytes)
+        })
+        .with_context(|| format!("read {}", path.display()))?;
+    let verified = dsse::parse(&bytes).and_then(|env| receipt::verify_receipt(&env, &keys));
+    let st = match verified {
+        Ok(st) => st,
+        Err(e) => {
+            eprintln!("receipt {} does not verify: {e}", path.display());
+            std::process::exit(1);
+        }
+    };
+    let r = &st.predicate;
+    println!(
+        "ok: receipt signed by a given key ({})",
+        receipt::PREDICATE_TYPE
+    );
+    println!(
+        "exec_id: {}  request_id: {}",
+        r.what.exec_id, r.what.request_id
+    );
+    println!(
+        "who: subject {}  token_id {}  tenant {}",
+        r.who.subject.as_deref().unwrap_or("-"),
+        r.who.token_id.as_deref().unwrap_or("-"),
+        r.who.tenant.as_deref().unwrap_or("-")
+    );
+    println!(
+        "what: {} on {} under profile {}, invocation_hash {}",
+        r.what.action_type, r.what.backend, r.what.profile, r.what.invocation_hash
+    );
+    println!(
+        "result: {} exit_code {} in {} ms{}",
+        r.result.outcome,
+        r.result.exit_code,
+        r.result.duration_ms,
+        r.result
+            .killed_reason
+            .as_deref()
+            .map(|k| format!(", killed: {k}"))
+            .unwrap_or_default()
+    );
+    println!("when: {} .. {}", r.when.started_at, r.when.ended_at);
+    println!(
+        "audit: seq {} entry_hash {}",
+        r.audit.audit_seq, r.audit.entry_hash
+    );
+    for s in &st.subject {
+        let digest = s.digest.get("sha256").map(String::as_str).unwrap_or("-");
+        println!("subject {}: sha256:{digest}", s.name);
+    }
+    Ok(())
+}
+
+/// `receipt pubkey`: the signing key's public half, never the key itself.
+fn receipt_pubkey(key_file: Option<PathBuf>, config: Option<PathBuf>) -> Result<()> {
+    let cfg = Config::load(config.as_deref(), &EnvOverrides::from_process())?;
+    let path = key_file.unwrap_or_else(|| cfg.receipts.signing_key_file(&cfg.state));
+    let key = keys::load_signing_key(&path)?.verifying_key();
+    print!("{}", keys::public_key_pem(&key));
+    eprintln!("keyid: {}", keys::keyid(&key));
+    eprintln!(
+        "checkpoint verifier key: {}",
+        checkpoint::verifier_key(&cfg.audit.checkpoint_origin(), &key)
+    );
+    Ok(())
 }
 
 fn check_config(path: Option<PathBuf>) -> Result<()> {
@@ -379,11 +563,7 @@ fn serve_on(
         // MCP sessions end when the daemon starts draining: their open streams must not hold
         // the drain up.
         let mcp_shutdown = tokio_util::sync::CancellationToken::new();
-        let mcp = executor_arm::mcp::routes(
-            &state,
-            executor_arm::api::router(state.clone()),
-            mcp_shutdown.clone(),
-        );
+        let mcp = executor_arm::mcp::routes(&state, mcp_shutdown.clone());
         let shutdown = async move {
             shutdown_signal().await;
             mcp_shutdown.cancel();

@@ -2695,7 +2695,10 @@ async fn a_malformed_path_or_query_gets_the_json_error_body() {
                     r.text
                 );
                 assert_eq!(r.status, 400, "{method} {url}: {}", r.text);
-                assert_error(&r, 400, "InvalidRequest");
+                // A HEAD answer has the headers of its GET and no body.
+                if method != "head" {
+                    assert_error(&r, 400, "InvalidRequest");
+                }
                 checked += 1;
             }
         }

@@ -118,6 +118,8 @@ impl Fixture {
                 format!("{s}/processes/{}/signal", self.process),
                 Some(json!({"signal": "TERM"})),
             ),
+            ("GET", format!("{s}/terminal"), None),
+            ("GET", format!("{s}/ports/8000/x"), None),
             ("GET", r.clone(), None),
             ("GET", format!("{r}/stream"), None),
             (

@@ -57,6 +57,19 @@ fn waiting_body(d: &Daemon, marker: &str, flag: &Path) -> String {
     json!({"action_type": "python", "command": "python3", "args": ["-c", waiting_script(marker, flag)], "timeout_seconds": 300, "capability_token": d.cap_all()}).to_string()
 }
 
+/// Nothing is left of a killed daemon's (`old_pid`) cgroups once a daemon started after it:
+/// neither its owner directories nor any run or group cgroup in them.
+fn assert_cgroups_swept(owners: &[PathBuf], old_pid: i32) {
+    for o in owners {
+        assert!(!o.exists(), "cgroup directory {} left", o.display());
+    }
+    assert!(
+        common::run_cgroups_of(old_pid).is_empty(),
+        "{:?}",
+        common::run_cgroups_of(old_pid)
+    );
+}
+
 /// The exec_id of the one run the daemon has started (from its `execution_start` line).
 fn started_exec_id(d: &Daemon) -> String {
     let mut id = None;
@@ -269,14 +282,7 @@ async fn kill_9_mid_run_on_local_leaves_nothing_and_the_restart_records_the_run(
     // Its cgroups stay until a daemon starting on this host sweeps them (this restart, or any
     // other daemon's start: dead owners' cgroups are anyone's to sweep).
     let d = d.restart(Opts::default());
-    for o in &owners {
-        assert!(!o.exists(), "cgroup directory {} left", o.display());
-    }
-    assert!(
-        common::run_cgroups_of(old_pid).is_empty(),
-        "{:?}",
-        common::run_cgroups_of(old_pid)
-    );
+    assert_cgroups_swept(&owners, old_pid);
     assert!(pids_with_cmdline(&m).is_empty());
     for needle in [exec_id.as_str(), m.as_str()] {
         assert_eq!(
@@ -306,6 +312,29 @@ async fn kill_9_mid_run_on_local_leaves_nothing_and_the_restart_records_the_run(
 // ---------------------------------------------------------------------------------------------
 // kill -9 on docker and gVisor
 // ---------------------------------------------------------------------------------------------
+
+/// A local session's runs live in a group cgroup of the session's (`group-N/<exec>`): a kill -9
+/// leaves it nested, and the restart's sweep removes the runs and then the group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_with_a_local_session_process_leaves_no_group_cgroup() {
+    let mut d = Daemon::start();
+    let c = common::sessions::koder(&d, Some("team-a"));
+    let id = common::sessions::new_session(&c, "python").await;
+    let r = c
+        .exec(
+            &id,
+            json!({"code": "import time\nprint('up', flush=True)\ntime.sleep(600)", "background": true}),
+        )
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    wait_until("the session's group cgroup", BOUND, || {
+        d.run_cgroups().iter().any(|g| g.starts_with("group-"))
+    });
+    let owners = owner_dirs(d.pid());
+    let old_pid = d.kill9();
+    let _d = d.restart(Opts::default());
+    assert_cgroups_swept(&owners, old_pid);
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_run_on_docker_and_gvisor_leaves_no_container_and_the_restart_records_the_run() {

@@ -1478,11 +1478,36 @@ print(json.dumps({"fd": fd, "errno": ctypes.get_errno() if fd < 0 else 0, "uid":
     }
 }
 
+/// The file holding container `id`'s CPU quota: `cpu.cfs_quota_us` of cgroup v1's cpu controller,
+/// or `cpu.max` on cgroup v2, found from its init's `/proc/PID/cgroup`.
+fn cpu_quota_file(id: &str) -> std::path::PathBuf {
+    let pid = docker(&["inspect", "--format", "{{.State.Pid}}", id]).expect("docker inspect");
+    let cgroups = std::fs::read_to_string(format!("/proc/{}/cgroup", pid.trim())).expect("cgroup");
+    for line in cgroups.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (_, controllers, path) = (fields.next(), fields.next(), fields.next());
+        let (Some(controllers), Some(path)) = (controllers, path) else {
+            continue;
+        };
+        if controllers.split(',').any(|c| c == "cpu") {
+            return format!("/sys/fs/cgroup/{controllers}{path}/cpu.cfs_quota_us").into();
+        }
+        if controllers.is_empty()
+            && std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
+        {
+            return format!("/sys/fs/cgroup{path}/cpu.max").into();
+        }
+    }
+    panic!("no CPU controller for container {id} in {cgroups}");
+}
+
 /// dockerd answers a removal of a container it is already removing with 409 "removal already in
-/// progress" at once, while the first removal may still be killing the container's processes
-/// (seconds for a few hundred busy ones). The engine's `remove` returns only once the container
-/// is gone: the daemon releases a container's uid on that answer, and another sandbox must not
-/// get the uid while a process of this one can still run.
+/// progress" at once, while the first removal may still be killing the container's processes;
+/// and the first removal itself fails with 500 "did not receive an exit event" when the processes
+/// take longer than dockerd's 10 s to die (a few hundred busy ones under a 1% CPU quota do). The
+/// engine's `remove` returns only once the container is gone: the daemon releases a container's
+/// uid on that answer, and another sandbox must not get the uid while a process of this one can
+/// still run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removal_meeting_one_in_progress_returns_once_the_container_is_gone() {
     use executor_arm::sandbox::docker::engine::{BollardEngine, Engine};
@@ -1494,7 +1519,7 @@ async fn a_removal_meeting_one_in_progress_returns_once_the_container_is_gone() 
         "-d",
         "--runtime=runc",
         "--network=none",
-        "--cpus=0.2",
+        "--cpus=1",
         "--pids-limit=4000",
         "--label",
         label,
@@ -1521,6 +1546,21 @@ async fn a_removal_meeting_one_in_progress_returns_once_the_container_is_gone() 
         Duration::from_secs(240),
         || docker(&["top", &id]).is_some_and(|top| top.lines().count() > 300),
     );
+    // Started at one CPU so the processes come up quickly; squeezed to 1% so they die slower
+    // than dockerd waits. 15 s into the removals, past dockerd's 10 s, the quota is lifted in the
+    // container's cgroup (dockerd refuses `update` on a container marked for removal), so the
+    // processes finish dying well inside the engine's own bound.
+    docker(&["update", "--cpus=0.01", &id]).expect("docker update");
+    let quota = cpu_quota_file(&id);
+    let lift = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        let unlimited = if quota.ends_with("cpu.max") {
+            "max"
+        } else {
+            "-1"
+        };
+        std::fs::write(&quota, unlimited).expect("lift the CPU quota");
+    });
 
     // Two removals 50 ms apart: dockerd answers the later one 409 while it kills the processes.
     // Each records whether the container still existed when its removal answered.
@@ -1538,6 +1578,7 @@ async fn a_removal_meeting_one_in_progress_returns_once_the_container_is_gone() 
     };
     let (first, second) = (removal(Duration::ZERO), removal(Duration::from_millis(50)));
     let (first, second) = (first.await.expect("first"), second.await.expect("second"));
+    lift.abort();
     assert!(
         first.0.is_ok() && second.0.is_ok(),
         "removals: first {:?}, second {:?}",

@@ -128,6 +128,11 @@ fn document_is_openapi_3_1_and_complete() {
             "/v1/sandbox/sessions/{id}/processes/{process_id}/signal",
             &["post"],
         ),
+        ("/v1/sandbox/sessions/{id}/terminal", &["get"]),
+        (
+            "/v1/sandbox/sessions/{id}/ports/{port}/{path}",
+            &["get", "post", "put", "patch", "delete", "head", "options"],
+        ),
         ("/capabilities", &["get"]),
         ("/health", &["get"]),
         ("/livez", &["get"]),
@@ -142,6 +147,39 @@ fn document_is_openapi_3_1_and_complete() {
     let documented: BTreeSet<&str> = paths.keys().map(String::as_str).collect();
     let routed: BTreeSet<&str> = routes.iter().map(|(p, _)| *p).collect();
     assert_eq!(documented, routed, "documented paths vs routes");
+    // Two handlers on one path keep their own ids; only one handler for many methods (the ports
+    // proxy) gets an id per method.
+    for (path, method, id) in [
+        ("/v1/sandbox/sessions/{id}", "get", "get_session"),
+        ("/v1/sandbox/sessions/{id}", "delete", "delete_session"),
+        (
+            "/v1/sandbox/sessions/{id}/files/{path}",
+            "get",
+            "get_session_file",
+        ),
+        (
+            "/v1/sandbox/sessions/{id}/files/{path}",
+            "put",
+            "put_session_file",
+        ),
+        (
+            "/v1/sandbox/sessions/{id}/archive",
+            "get",
+            "get_session_archive",
+        ),
+        (
+            "/v1/sandbox/sessions/{id}/archive",
+            "put",
+            "put_session_archive",
+        ),
+        (
+            "/v1/sandbox/sessions/{id}/ports/{port}/{path}",
+            "patch",
+            "session_port_proxy_patch",
+        ),
+    ] {
+        assert_eq!(paths[path][method]["operationId"], id, "{method} {path}");
+    }
     let mut op_ids = BTreeSet::new();
     for (path, methods) in routes {
         let item = paths[*path].as_object().unwrap();

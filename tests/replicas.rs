@@ -314,6 +314,14 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
             format!("{ses}/processes/p/signal"),
             Some(r#"{"signal":"TERM"}"#),
         ),
+        ("GET", format!("{ses}/terminal"), None),
+        ("GET", format!("{ses}/ports/8000/x"), None),
+        ("POST", format!("{ses}/ports/8000/x"), Some("x")),
+        ("PUT", format!("{ses}/ports/8000/x"), Some("x")),
+        ("PATCH", format!("{ses}/ports/8000/x"), Some("x")),
+        ("DELETE", format!("{ses}/ports/8000/x"), None),
+        ("OPTIONS", format!("{ses}/ports/8000/x"), None),
+        ("HEAD", format!("{ses}/ports/8000/x"), None),
     ] {
         let mut rb = d
             .client
@@ -324,6 +332,10 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
         }
         let r = Daemon::read(rb.send().await.unwrap()).await;
         assert_eq!(r.status, 503, "{method} {path}: {}", r.text);
+        if method == "HEAD" {
+            // An answer to HEAD has no body.
+            continue;
+        }
         assert_eq!(
             r.json["error_type"],
             json!("SandboxUnavailable"),
@@ -704,4 +716,221 @@ async fn a_session_paused_on_one_replica_is_resumed_by_another() {
         .filter(|l| l["event"] == "session_resume" && l["session_id"] == id.as_str())
         .count();
     assert_eq!(resumes, 1);
+}
+
+/// Answers `GET /headers` with the request's headers as JSON, echoes a POST's chunks
+/// upper-cased as they come, and to a request with `Upgrade` answers 101 and echoes bytes.
+const PORT_SERVER: &str = r#"
+import http.server, json
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        if self.headers.get("Upgrade"):
+            self.send_response(101)
+            self.send_header("Upgrade", self.headers["Upgrade"])
+            self.send_header("Connection", "Upgrade")
+            self.end_headers()
+            self.wfile.flush()
+            while True:
+                d = self.connection.recv(4096)
+                if not d:
+                    return
+                self.connection.sendall(d)
+        body = json.dumps({k.lower(): v for k, v in self.headers.items()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_POST(self):
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        while True:
+            size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+            if size == 0:
+                self.rfile.readline()
+                break
+            data = self.rfile.read(size).upper()
+            self.rfile.readline()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"#;
+
+/// A session's ports through a replica that does not hold it: the request is forwarded with its
+/// own headers, its body streamed both ways (the first chunk's echo comes back before the
+/// request's body ended), and an upgrade is relayed end to end.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sessions_ports_are_reached_through_another_replica() {
+    use http_body_util::{BodyExt as _, StreamBody};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let redis = redis();
+    let a = replica(&redis.url);
+    let b = replica(&redis.url);
+    let headers = [
+        ("authorization", format!("Bearer {}", a.service_token())),
+        ("x-tenant-id", "t1".to_string()),
+    ];
+    let created = a
+        .client
+        .post(format!("{}/v1/sandbox/sessions", a.base))
+        .header(headers[0].0, &headers[0].1)
+        .header(headers[1].0, &headers[1].1)
+        .json(&json!({"language": "python", "capability_token": a.cap_all()}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status().as_u16(), 201);
+    let id = created.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let base = format!("/v1/sandbox/sessions/{id}");
+    let started = a
+        .client
+        .post(format!("{}{base}/exec", a.base))
+        .header(headers[0].0, &headers[0].1)
+        .header(headers[1].0, &headers[1].1)
+        .json(&json!({"code": PORT_SERVER, "background": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(started.status().as_u16(), 202);
+
+    // A GET through B, with a header of the caller's own.
+    let seen = common::wait::wait_for_async(
+        "the session's server answered through the other replica",
+        common::wait::CLEANUP,
+        || async {
+            let r = b
+                .client
+                .get(format!("{}{base}/ports/8000/headers", b.base))
+                .header(headers[0].0, &headers[0].1)
+                .header(headers[1].0, &headers[1].1)
+                .header("x-app", "kept")
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        },
+        |(s, _)| *s == 200,
+    )
+    .await
+    .1;
+    let seen: serde_json::Value = serde_json::from_str(&seen).unwrap();
+    assert_eq!(seen["x-app"], json!("kept"), "{seen}");
+    for h in ["authorization", "x-tenant-id", "x-executor-arm-forwarded"] {
+        assert!(seen.get(h).is_none(), "{h} reached the sandbox: {seen}");
+    }
+
+    // A POST streamed both ways through B.
+    let mut sender = connect(&b.addr).await;
+    let (mut tx, rx) = futures::channel::mpsc::channel::<
+        Result<hyper::body::Frame<bytes::Bytes>, std::convert::Infallible>,
+    >(4);
+    let mut req = hyper::Request::post(format!("{base}/ports/8000/echo"))
+        .header("host", &b.addr)
+        .body(StreamBody::new(rx))
+        .unwrap();
+    for (k, v) in &headers {
+        req.headers_mut().insert(*k, v.parse().unwrap());
+    }
+    use futures::SinkExt as _;
+    tx.send(Ok(hyper::body::Frame::data(bytes::Bytes::from_static(
+        b"one ",
+    ))))
+    .await
+    .unwrap();
+    let resp = tokio::time::timeout(common::wait::CLEANUP, sender.send_request(req))
+        .await
+        .expect("answer in time")
+        .expect("answer");
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut got = Vec::new();
+    while !got.ends_with(b"ONE ") {
+        let f = tokio::time::timeout(common::wait::CLEANUP, body.frame())
+            .await
+            .expect("the first echo before the request's body ended")
+            .expect("a frame")
+            .expect("a good frame");
+        if let Ok(data) = f.into_data() {
+            got.extend_from_slice(&data);
+        }
+    }
+    tx.send(Ok(hyper::body::Frame::data(bytes::Bytes::from_static(
+        b"two",
+    ))))
+    .await
+    .unwrap();
+    drop(tx);
+    let rest = tokio::time::timeout(common::wait::CLEANUP, body.collect())
+        .await
+        .expect("the rest in time")
+        .expect("the rest")
+        .to_bytes();
+    got.extend_from_slice(&rest);
+    assert_eq!(String::from_utf8_lossy(&got), "ONE TWO");
+
+    // An upgrade through B: 101, then bytes both ways.
+    let mut sender = connect(&b.addr).await;
+    let mut req = hyper::Request::get(format!("{base}/ports/8000/up"))
+        .header("host", &b.addr)
+        .header("connection", "upgrade")
+        .header("upgrade", "x-echo")
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    for (k, v) in &headers {
+        req.headers_mut().insert(*k, v.parse().unwrap());
+    }
+    let resp = tokio::time::timeout(common::wait::CLEANUP, sender.send_request(req))
+        .await
+        .expect("answer in time")
+        .expect("answer");
+    assert_eq!(resp.status(), 101);
+    let up = tokio::time::timeout(common::wait::CLEANUP, hyper::upgrade::on(resp))
+        .await
+        .expect("upgrade in time")
+        .expect("upgrade");
+    let mut io = hyper_util::rt::TokioIo::new(up);
+    for word in [&b"ping"[..], b"pong"] {
+        io.write_all(word).await.unwrap();
+        let mut back = [0u8; 4];
+        tokio::time::timeout(common::wait::CLEANUP, io.read_exact(&mut back))
+            .await
+            .expect("echo in time")
+            .expect("echo");
+        assert_eq!(&back, word);
+    }
+    drop(io);
+    let r = b
+        .client
+        .delete(format!("{}{base}", b.base))
+        .header(headers[0].0, &headers[0].1)
+        .header(headers[1].0, &headers[1].1)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+    a.wait_for_no_run_cgroups();
+}
+
+/// An HTTP/1 connection to `addr` that may be upgraded.
+async fn connect<B>(addr: &str) -> hyper::client::conn::http1::SendRequest<B>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn.with_upgrades());
+    sender
 }

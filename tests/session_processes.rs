@@ -70,6 +70,19 @@ async fn ended(c: &SandboxClient<'_>, id: &str, pid: &str) -> Value {
     .await
 }
 
+/// Sends KILL to process `pid` and waits (bounded) until it has ended.
+async fn kill(c: &SandboxClient<'_>, id: &str, pid: &str) {
+    let r = c
+        .call(
+            "POST",
+            &path(id, &format!("/processes/{pid}/signal")),
+            Some(json!({"signal": "KILL"}).to_string().into_bytes()),
+        )
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    ended(c, id, pid).await;
+}
+
 /// Reads the process's output stream until its stdout holds `needle` (bounded); the stdout
 /// seen.
 async fn stdout_until(c: &SandboxClient<'_>, id: &str, pid: &str, needle: &str) -> String {
@@ -271,15 +284,7 @@ async fn processes_are_bounded_and_private(backend: Backend) {
     assert_eq!(entry(&c, &id, &a).await["state"], json!("running"));
 
     // An ended process frees its place.
-    let r = c
-        .call(
-            "POST",
-            &path(&id, &format!("/processes/{a}/signal")),
-            Some(json!({"signal": "KILL"}).to_string().into_bytes()),
-        )
-        .await;
-    assert_eq!(r.status, 204, "{}", r.text);
-    ended(&c, &id, &a).await;
+    kill(&c, &id, &a).await;
     start(&c, &id, SLEEPER).await;
     for s in [&id, &id2] {
         let r = c.call("DELETE", &path(s, ""), None).await;
@@ -330,29 +335,20 @@ async fn a_background_fork_bomb_is_held(backend: Backend) {
     let bomb = "import os, time\nprint('bombing', flush=True)\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)";
     let pid = start(&c, &id, bomb).await;
     stdout_until(&c, &id, &pid, "bombing").await;
-    // The daemon answers an exec meanwhile. On a container the bomb holds the session's shared
-    // pids, so the exec may find no process to start its command with (a 500 that says so in the
-    // daemon's log); on local each process is a sandbox of its own.
+    // The daemon answers an exec meanwhile. The bomb holds the session's pids, which every run
+    // of the session shares, so the exec may find no process to start its command with (a 500
+    // that says so in the daemon's log).
     let r = c
         .exec(
             &id,
             json!({"code": "print('still here')", "timeout_ms": 120000}),
         )
         .await;
-    if backend.is_container() {
-        assert!(matches!(r.status, 200 | 500), "{}", r.text);
-    } else {
-        assert_eq!(r.json["stdout"], json!("still here\n"), "{}", r.text);
+    assert!(matches!(r.status, 200 | 500), "{}", r.text);
+    if r.status == 200 {
+        assert!(r.json["exit_code"].is_i64(), "{}", r.text);
     }
-    let r = c
-        .call(
-            "POST",
-            &path(&id, &format!("/processes/{pid}/signal")),
-            Some(json!({"signal": "KILL"}).to_string().into_bytes()),
-        )
-        .await;
-    assert_eq!(r.status, 204, "{}", r.text);
-    ended(&c, &id, &pid).await;
+    kill(&c, &id, &pid).await;
     let r = c
         .exec(&id, json!({"code": "print('after')", "timeout_ms": 60000}))
         .await;
@@ -441,23 +437,63 @@ async fn a_foreground_exec_takes_stdin_while_it_runs(backend: Backend) {
 }
 
 /// A signal is not held back by stdin the process does not read: with more bytes queued for its
-/// stdin than the run buffers, TERM still reaches the sleeping process and ends it.
+/// stdin than the run buffers, and more still coming while the signal goes, TERM reaches the
+/// sleeping process and ends it, and its end is reported although stdin bytes were still on
+/// their way (a container run's supervisor reads no more of them once its command is gone, and
+/// calls of 8 MiB keep more on their way than the pipes between the daemon and it hold).
 async fn a_signal_passes_stdin_the_process_does_not_read(backend: Backend) {
-    let d = Daemon::start_with(opts(backend, 4));
+    const CALL: usize = 8 << 20;
+    let mut o = opts(backend, 4);
+    if let Some(config) = o.config.as_mut() {
+        config.push_str(&format!("\n[server]\nbody_limit_bytes = {CALL}\n"));
+    }
+    let d = Daemon::start_with(o);
     let c = koder(&d, Some("team-a"));
     let id = new_session(&c, "python").await;
     let pid = start(&c, &id, SLEEPER).await;
     stdout_until(&c, &id, &pid, "sleeping").await;
-    // Past what a run queues for a stdin nobody reads (the body limit is 1 MiB).
     let stdin = path(&id, &format!("/processes/{pid}/stdin"));
-    for _ in 0..6 {
-        let r = c.call("POST", &stdin, Some(vec![b'x'; 1 << 20])).await;
-        assert_eq!(r.status, 204, "{}", r.text);
-    }
     let signal = path(&id, &format!("/processes/{pid}/signal"));
-    let body = json!({"signal": "TERM"}).to_string().into_bytes();
-    let r = c.call("POST", &signal, Some(body)).await;
-    assert_eq!(r.status, 204, "{}", r.text);
+    // Past what a run queues for a stdin nobody reads, and more on their way while the signal
+    // is sent (two callers, so that one always waits for room), so that the run ends with stdin
+    // bytes in flight.
+    let answered = std::sync::atomic::AtomicUsize::new(0);
+    // Local holds less for a stdin nobody reads (later calls wait, unanswered) than a container
+    // run, whose supervisor takes the bytes and drops what its 4 MiB cannot hold.
+    let before_signal = if backend == Backend::Local { 2 } else { 3 };
+    let feed = || async {
+        for _ in 0..6 {
+            let r = c.call("POST", &stdin, Some(vec![b'x'; CALL])).await;
+            if r.status != 204 {
+                // The process ended while this call waited: refused as every late one is.
+                let n = answered.load(std::sync::atomic::Ordering::SeqCst);
+                assert!(
+                    n >= before_signal,
+                    "after {n} calls: {} {}",
+                    r.status,
+                    r.text
+                );
+                assert_eq!(r.status, 409, "{}", r.text);
+                assert_eq!(r.json["error_type"], json!("AlreadyFinished"), "{}", r.text);
+                return;
+            }
+            answered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    };
+    let term = async {
+        let deadline = Instant::now() + CLEANUP;
+        while answered.load(std::sync::atomic::Ordering::SeqCst) < before_signal {
+            assert!(
+                Instant::now() < deadline,
+                "the stdin calls were not answered"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let body = json!({"signal": "TERM"}).to_string().into_bytes();
+        let r = c.call("POST", &signal, Some(body)).await;
+        assert_eq!(r.status, 204, "{}", r.text);
+    };
+    tokio::join!(feed(), feed(), term);
     let e = ended(&c, &id, &pid).await;
     assert_eq!(e["exit_code"], json!(128 + 15), "{e}");
     let r = c.call("DELETE", &path(&id, ""), None).await;
@@ -515,6 +551,58 @@ async fn background_processes_count_among_the_sessions_execs(backend: Backend) {
     assert_eq!(line["execs"], json!(1), "{line}");
 }
 
+/// A session's runs count together in its pids limit: with a background process holding 25
+/// processes of a session's 40, a foreground exec cannot start 25 more; once the background
+/// process is killed, it can (its pids are given back).
+async fn background_processes_share_the_sessions_limits(backend: Backend) {
+    let d = Daemon::start_with(opts(backend, 4));
+    let c = koder(&d, Some("team-a"));
+    let r = c
+        .create(
+            json!({"language": "python", "limits": {"pids": 40}, "capability_token": d.cap_all()}),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().expect("id").to_string();
+    let hold = "import subprocess, time\nkids = [subprocess.Popen(['sleep', '600']) for _ in range(25)]\nprint('holding', len(kids), flush=True)\ntime.sleep(600)";
+    let pid = start(&c, &id, hold).await;
+    stdout_until(&c, &id, &pid, "holding 25").await;
+    let spawn = "import subprocess\nkids = []\ntry:\n    for _ in range(25):\n        kids.append(subprocess.Popen(['sleep', '600']))\nexcept OSError:\n    pass\nprint('started', len(kids))\nfor k in kids:\n    k.kill()\n    k.wait()";
+    let r = c
+        .exec(&id, json!({"code": spawn, "timeout_ms": 120000}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let started: usize = r.json["stdout"]
+        .as_str()
+        .and_then(|s| s.trim().strip_prefix("started "))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count: {}", r.text));
+    assert!(
+        started < 25,
+        "a foreground exec started {started} processes beside the 25 of a background one, in a session of 40 pids"
+    );
+    kill(&c, &id, &pid).await;
+    // The killed process's pids come back to the session (bounded: the kill ends its processes
+    // asynchronously on containers).
+    wait_for_async(
+        "the session's pids given back",
+        CLEANUP,
+        || async {
+            c.exec(&id, json!({"code": spawn, "timeout_ms": 120000}))
+                .await
+                .json["stdout"]
+                .clone()
+        },
+        |out| out == &json!("started 25\n"),
+    )
+    .await;
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    if backend == Backend::Local {
+        d.wait_for_no_run_cgroups();
+    }
+}
+
 /// Bytes for a stdin already closed (`?eof=true`) are refused with 409, not answered 204 and
 /// dropped: the caller learns they never reach the process.
 async fn stdin_after_its_end_is_refused(backend: Backend) {
@@ -541,8 +629,112 @@ async fn stdin_after_its_end_is_refused(backend: Backend) {
     assert_eq!(r.status, 204, "{}", r.text);
 }
 
+const BATCHES: &str = "import sys\nprint('ready', flush=True)\nfor line in sys.stdin:\n    n = int(line)\n    for i in range(200):\n        print(f'{n}:{i:04d} ' + 'x' * 40, flush=True)\n    print(f'done {n}', flush=True)";
+
+/// The `offset` of the first `stdout` event of an SSE text.
+fn first_stdout_offset(sse: &str) -> Option<u64> {
+    sse.split("\n\n")
+        .filter(|e| e.lines().any(|l| l == "event: stdout"))
+        .find_map(|e| {
+            e.lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .and_then(|d| serde_json::from_str::<Value>(d).ok())
+                .and_then(|v| v["offset"].as_u64())
+        })
+}
+
+/// A background process's stream follows its output past the session's `output_bytes`: the
+/// newest bytes reach its readers while the oldest leave its ring (a reader from the start
+/// begins at the oldest byte kept, its event's offset says which), and its record keeps the
+/// first `output_bytes`, truncated, as every run's does.
+async fn a_background_process_streams_past_its_output_cap_through_its_ring(backend: Backend) {
+    let mut o = opts(backend, 4);
+    if let Some(config) = o.config.as_mut() {
+        config.push_str("process_output_ring_bytes = 4096\n");
+    }
+    let d = Daemon::start_with(o);
+    let c = koder(&d, Some("team-a"));
+    let r = c
+        .create(json!({"language": "python", "limits": {"output_bytes": 1000}, "capability_token": d.cap_all()}))
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().expect("id").to_string();
+    let pid = start(&c, &id, BATCHES).await;
+    stdout_until(&c, &id, &pid, "ready").await;
+    let stdin = path(&id, &format!("/processes/{pid}/stdin"));
+    for n in 0..3 {
+        let r = c
+            .call("POST", &stdin, Some(format!("{n}\n").into_bytes()))
+            .await;
+        assert_eq!(r.status, 204, "{}", r.text);
+        // Each batch is about 10 KB, past the cap of 1000 bytes and past the ring.
+        // A reader follows all of it, past the cap; once a batch has passed, what came before
+        // it has left the ring.
+        let seen = stdout_until(&c, &id, &pid, &format!("done {n}")).await;
+        if n > 0 {
+            assert!(
+                !seen.contains("ready"),
+                "the oldest bytes did not leave the ring ({} bytes seen)",
+                seen.len()
+            );
+        }
+    }
+    // A reader from the start begins at the oldest byte kept, well past the first.
+    let url = format!(
+        "{}{}",
+        d.base,
+        path(&id, &format!("/processes/{pid}/stream"))
+    );
+    let mut rb = d.client.get(url).header("accept", "text/event-stream");
+    for (k, v) in c.headers() {
+        rb = rb.header(k, v);
+    }
+    let mut resp = rb.send().await.expect("stream");
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut text = String::new();
+    let until = Instant::now() + CLEANUP;
+    while first_stdout_offset(&text).is_none() && Instant::now() < until {
+        let left = until.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, resp.chunk()).await {
+            Ok(Ok(Some(chunk))) => text.push_str(&String::from_utf8_lossy(&chunk)),
+            _ => break,
+        }
+    }
+    let offset = first_stdout_offset(&text).expect("a stdout event");
+    assert!(offset > 20_000, "the first kept byte is at {offset}");
+    drop(resp);
+
+    let r = c
+        .call("POST", &format!("{stdin}?eof=true"), Some(Vec::new()))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    ended(&c, &id, &pid).await;
+    let r = c
+        .call("GET", &path(&id, &format!("/execs/{pid}")), None)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let result = &r.json["result"];
+    assert_eq!(result["stdout_truncated"], json!(true), "{}", r.text);
+    assert_eq!(
+        result["stdout"].as_str().map(str::len),
+        Some(1000),
+        "{}",
+        r.text
+    );
+    assert!(
+        result["stdout"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("ready\n0:0000 ")),
+        "{}",
+        r.text
+    );
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+}
+
 on_every_backend!(
     multi_thread;
+    a_background_process_streams_past_its_output_cap_through_its_ring,
     a_foreground_exec_takes_stdin_while_it_runs,
     a_background_process_takes_stdin_beside_foreground_execs,
     signals_reach_a_background_process,
@@ -551,6 +743,7 @@ on_every_backend!(
     a_background_fork_bomb_is_held,
     a_signal_passes_stdin_the_process_does_not_read,
     background_processes_count_among_the_sessions_execs,
+    background_processes_share_the_sessions_limits,
     stdin_after_its_end_is_refused,
 );
 
@@ -613,4 +806,55 @@ mod containers {
         Backend::Gvisor.require("containers::gvisor_egress_sessions_refuse_background_processes");
         super::container_egress_sessions_refuse_background_processes(Backend::Gvisor).await;
     }
+}
+
+/// A local session's runs share its `memory_mb` through the session's group cgroup: a
+/// background process holding 60 MiB and a foreground exec taking 50 MiB more do not both fit
+/// in a session of 96 MiB, though each fits alone. The group's OOM kill takes one of them, and
+/// the run it killed says so (`oom`), whichever it is.
+///
+/// Local only: a container session's processes share its container's memory, a limit the
+/// engine sets (docker's own cgroup), not the daemon's group.
+#[tokio::test(flavor = "multi_thread")]
+async fn local_background_processes_share_the_sessions_memory() {
+    let d = Daemon::start_with(opts(Backend::Local, 4));
+    let c = koder(&d, Some("team-a"));
+    let r = c
+        .create(json!({"language": "python", "limits": {"memory_mb": 96}, "capability_token": d.cap_all()}))
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().expect("id").to_string();
+    let touch = |mib: u32, then: &str| {
+        format!(
+            "b = bytearray({mib} << 20)\nfor i in range(0, len(b), 4096):\n    b[i] = 1\n{then}"
+        )
+    };
+    let hold = touch(
+        60,
+        "import time\nprint('holding', flush=True)\ntime.sleep(600)",
+    );
+    let pid = start(&c, &id, &hold).await;
+    stdout_until(&c, &id, &pid, "holding").await;
+    let r = c
+        .exec(
+            &id,
+            json!({"code": touch(50, "print('ate')"), "timeout_ms": 120000}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    if r.json["killed_reason"] == json!("oom") {
+        assert_eq!(r.json["oom"], json!(true), "{}", r.text);
+    } else {
+        // The foreground exec ran: the group's kill took the background process.
+        assert_eq!(r.json["stdout"], json!("ate\n"), "{}", r.text);
+        let e = ended(&c, &id, &pid).await;
+        assert_eq!(e["exit_code"], json!(137), "{e}");
+        let line = d.wait_for_audit_line("the background process's execution line", |l| {
+            l["exec_id"] == json!(pid) && l["event"] == "execution"
+        });
+        assert_eq!(line["killed_reason"], json!("oom"), "{line}");
+    }
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    d.wait_for_no_run_cgroups();
 }

@@ -10,6 +10,8 @@ use executor_arm::config::TokenKind;
 
 // Each benchmark uses the part of it that it needs.
 #[allow(dead_code)]
+pub mod ports;
+#[allow(dead_code)]
 pub mod report;
 
 const SECRET: &str = "bench-secret-0123456789abcdef0123456789abcdef";

@@ -5,32 +5,25 @@
 //! Must not: find or stop runs itself (the execution service does).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt;
-use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
 
-use super::app_state::AppState;
-use super::caller::{BodyLimit, Caller, RequestId, read_body};
-use super::error::{ApiError, ErrorBody};
 use super::extract::Path;
-use super::forward::{forward, was_forwarded};
-use super::run::RunAnswer;
-use super::stream::{Framing, Position, Source, StreamPermit, StreamQuery, follow};
+use super::stream::{Framing, Position, Source, StreamQuery, follow};
+use crate::calls::AppState;
+use crate::calls::caller::{BodyLimit, Caller, RequestId, read_body};
+use crate::calls::error::{ApiError, ErrorBody};
+use crate::calls::executions::{
+    self as runs, CancelAccepted, CancelRequest, Cancelled, Located, RunStatus, grace_of, locate,
+};
+use crate::calls::forward::{forward, was_forwarded};
+use crate::calls::run::StreamPermit;
 use crate::execution::Lookup;
 use crate::execution::record::KnownRequest;
-use crate::execution::runs::CancelOutcome;
-use crate::state::StoredResponse;
-
-/// The longest grace a cancel may give a run between SIGTERM and SIGKILL.
-pub const MAX_GRACE_SECONDS: u64 = 30;
-/// The grace of a cancel that names none.
-pub const DEFAULT_GRACE_SECONDS: u64 = 5;
 
 /// The caller's subject as the owner of runs, from the request's service token.
 async fn caller(
@@ -100,31 +93,10 @@ pub(super) async fn get_owned(
     exec_id: &str,
     owner: &str,
 ) -> Result<Response, ApiError> {
-    let id = serde_json::to_string(exec_id).map_err(|e| ApiError::Internal(e.to_string()))?;
-    let running = || {
-        json(
-            StatusCode::OK,
-            format!(r#"{{"exec_id":{id},"status":"running"}}"#),
-        )
-    };
-    match st
-        .executions
-        .lookup(owner, exec_id)
-        .await
-        .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
-    {
-        // The stored body is spliced in as it was written: parsing and printing it again could
-        // change a number the caller sent in its metadata.
-        Lookup::Live(live) => Ok(match live.answered() {
-            Some(r) => finished(&id, &r),
-            None => running(),
-        }),
-        Lookup::Stored(record) => Ok(match record.response {
-            Some(r) => finished(&id, &r),
-            None => running(),
-        }),
-        Lookup::Unknown => Err(ApiError::ExecutionNotFound),
-    }
+    Ok(json(
+        StatusCode::OK,
+        crate::calls::executions::status(st, exec_id, owner).await?,
+    ))
 }
 
 /// `GET /v1/executions/{exec_id}/stream`: the run as Server-Sent Events (see [`super::stream`]),
@@ -185,17 +157,17 @@ pub(super) async fn stream_owned(
         Ok(p) => follow(p, source, framing, from, None),
         Err(e) => e.into_response(),
     };
-    match locate(&st, &exec_id, &headers, who).await {
-        Ok((Located::Here(Lookup::Live(live)), _)) => respond(Source::Live(live)),
-        Ok((Located::Here(Lookup::Stored(record)), _)) => match record.response {
+    match locate(&st, &exec_id, &who.0, was_forwarded(&headers)).await {
+        Ok(Located::Here(Lookup::Live(live))) => respond(Source::Live(live)),
+        Ok(Located::Here(Lookup::Stored(record))) => match record.response {
             Some(answer) => {
                 let ran_on = (record.backend, record.profile);
                 respond(Source::finished(&exec_id, answer, ran_on))
             }
             None => ApiError::ExecutionNotFound.into_response(),
         },
-        Ok((Located::Here(Lookup::Unknown), _)) => ApiError::ExecutionNotFound.into_response(),
-        Ok((Located::Elsewhere(address), _)) => {
+        Ok(Located::Here(Lookup::Unknown)) => ApiError::ExecutionNotFound.into_response(),
+        Ok(Located::Elsewhere(address)) => {
             // A relayed stream holds a permit here too: it holds a connection each way.
             let permit = match permit() {
                 Ok(p) => p,
@@ -223,100 +195,6 @@ pub(super) async fn stream_owned(
         }
         Err(e) => e.into_response(),
     }
-}
-
-/// Where a call for a run must be served.
-enum Located {
-    /// By this replica: the run is live here, finished, or unknown to the caller.
-    Here(Lookup),
-    /// By the replica at this address, which runs it.
-    Elsewhere(String),
-}
-
-/// Authenticates the caller and finds its run: here, or live on the replica the state store
-/// names (a call another replica forwarded is never sent on again).
-async fn locate(
-    st: &AppState,
-    exec_id: &str,
-    headers: &HeaderMap,
-    caller: (String, KnownRequest),
-) -> Result<(Located, (String, KnownRequest)), ApiError> {
-    let found = st
-        .executions
-        .lookup(&caller.0, exec_id)
-        .await
-        .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?;
-    let located = match found {
-        Lookup::Stored(record) if record.response.is_none() => {
-            match (&record.address, was_forwarded(headers)) {
-                (Some(address), false)
-                    if record.instance != st.executions.instance()
-                        && Some(address.as_str()) != st.executions.address() =>
-                {
-                    Located::Elsewhere(address.clone())
-                }
-                _ => {
-                    return Err(ApiError::SandboxUnavailable(format!(
-                        "execution {exec_id} runs on daemon instance {}, which this replica \
-                         cannot hand the call to",
-                        record.instance
-                    )));
-                }
-            }
-        }
-        other => Located::Here(other),
-    };
-    Ok((located, caller))
-}
-
-/// The answer of `GET` for a finished run; `id` is the exec_id as a JSON string.
-fn finished(id: &str, r: &StoredResponse) -> Response {
-    json(
-        StatusCode::OK,
-        format!(
-            r#"{{"exec_id":{id},"status":"finished","http_status":{},"result":{}}}"#,
-            r.status, r.body
-        ),
-    )
-}
-
-/// The body of a cancel (optional: an empty body is the default grace).
-#[derive(Debug, Default, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct CancelRequest {
-    /// Seconds between SIGTERM and SIGKILL: 0-30, default 5.
-    #[serde(default)]
-    #[schema(minimum = 0, maximum = 30)]
-    grace_seconds: Option<i64>,
-}
-
-/// The 202 of a cancel: the run is stopping.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct CancelAccepted {
-    pub exec_id: String,
-    /// Always `cancelling`.
-    #[schema(value_type = String, pattern = "^cancelling$")]
-    pub status: &'static str,
-    /// The grace the run was given (a repeated call: the first call's).
-    pub grace_seconds: u64,
-}
-
-/// The body of `GET /v1/executions/{exec_id}`. The handler writes it around the stored result
-/// as that was written (so a number the caller sent in its metadata is never re-printed); this
-/// type describes it.
-#[derive(Debug, ToSchema)]
-#[allow(dead_code)]
-pub struct RunStatus {
-    pub exec_id: String,
-    /// `running` or `finished`.
-    #[schema(value_type = String, pattern = "^(running|finished)$")]
-    pub status: &'static str,
-    /// Once finished: the status the synchronous call answers with (200, 408 for a timeout, or
-    /// an error's).
-    #[schema(minimum = 100, maximum = 599)]
-    pub http_status: Option<u16>,
-    /// Once finished: exactly the body the synchronous call answers with.
-    pub result: Option<RunAnswer>,
 }
 
 /// `POST /v1/executions/{exec_id}/cancel`, body `{"grace_seconds": n}` (optional, 0-30, default
@@ -370,72 +248,18 @@ async fn cancel_inner(
     st: &AppState,
     exec_id: &str,
     req: Request,
-    who: (String, KnownRequest),
+    (owner, known): (String, KnownRequest),
 ) -> Result<Response, ApiError> {
     let (parts, body) = req.into_parts();
     let raw = read_body(body, &parts.headers, BodyLimit::request(st)).await?;
     let grace = grace_of(&raw)?;
-    let (located, (owner, known)) = locate(st, exec_id, &parts.headers, who).await?;
-    let live = match located {
-        Located::Here(Lookup::Live(live)) => live,
-        Located::Here(Lookup::Stored(_)) => return Err(ApiError::AlreadyFinished),
-        Located::Here(Lookup::Unknown) => return Err(ApiError::ExecutionNotFound),
-        Located::Elsewhere(address) => {
+    let forwarded = was_forwarded(&parts.headers);
+    match runs::cancel(st, exec_id, &owner, &known.request_id, grace, forwarded).await? {
+        Cancelled::Accepted(body) => Ok(json(StatusCode::ACCEPTED, body)),
+        Cancelled::Elsewhere(address) => {
             let path = format!("/v1/executions/{exec_id}/cancel");
             let instance = st.executions.instance();
-            return forward(&address, instance, Method::POST, &path, &parts.headers, raw).await;
+            forward(&address, instance, Method::POST, &path, &parts.headers, raw).await
         }
-    };
-    let grace = match st
-        .executions
-        .cancel(&live, grace, &owner, &known.request_id)
-    {
-        CancelOutcome::Stopping => grace,
-        // A repeated call: the answer of the first.
-        CancelOutcome::AlreadyStopping => live.stopping().map(|s| s.grace).unwrap_or(grace),
-        CancelOutcome::Finished => return Err(ApiError::AlreadyFinished),
-    };
-    let body = CancelAccepted {
-        exec_id: exec_id.to_string(),
-        status: "cancelling",
-        grace_seconds: grace.as_secs(),
-    };
-    let body = serde_json::to_string(&body).map_err(|e| ApiError::Internal(e.to_string()))?;
-    Ok(json(StatusCode::ACCEPTED, body))
-}
-
-/// The grace a cancel asks for: none given (an empty body, or `null`) is the default.
-fn grace_of(raw: &[u8]) -> Result<Duration, ApiError> {
-    let asked: CancelRequest = if raw.iter().all(u8::is_ascii_whitespace) {
-        CancelRequest::default()
-    } else {
-        serde_json::from_slice::<Option<CancelRequest>>(raw)
-            .map_err(|e| ApiError::InvalidRequest(format!("invalid cancel request: {e}")))?
-            .unwrap_or_default()
-    };
-    match asked.grace_seconds {
-        None => Ok(Duration::from_secs(DEFAULT_GRACE_SECONDS)),
-        Some(g) if (0..=MAX_GRACE_SECONDS as i64).contains(&g) => Ok(Duration::from_secs(g as u64)),
-        Some(g) => Err(ApiError::InvalidRequest(format!(
-            "grace_seconds must be between 0 and {MAX_GRACE_SECONDS}, got {g}"
-        ))),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The document allows the cancel body to be absent or `null`: both give the default grace.
-    #[test]
-    fn cancel_bodies() {
-        let default = Duration::from_secs(DEFAULT_GRACE_SECONDS);
-        assert_eq!(grace_of(b"").unwrap(), default);
-        assert_eq!(grace_of(b" \n").unwrap(), default);
-        assert_eq!(grace_of(b"null").unwrap(), default);
-        assert_eq!(grace_of(b"{}").unwrap(), default);
-        assert_eq!(grace_of(br#"{"grace_seconds":0}"#).unwrap(), Duration::ZERO);
-        assert!(grace_of(br#"{"grace_seconds":31}"#).is_err());
-        assert!(grace_of(br#"{"grace":1}"#).is_err());
     }
 }

@@ -11,7 +11,7 @@ use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
-use super::error::ApiError;
+use crate::calls::ApiError;
 
 /// A rejection as the error body: a 4xx is the caller's bad request, a 5xx (a route declared
 /// without the parameters its handler reads) the daemon's own fault.

@@ -1,8 +1,10 @@
 //! The HTTP layer: routes, request ids, the accept loop with header-read timeout, graceful drain.
 //!
-//! Owns: parsing and answering HTTP, authenticating callers, idempotency, mapping errors to
-//! statuses and bodies. Must not: decide, admit or run an execution (it hands a typed request to
-//! the execution service), know cgroups, Landlock or Docker, or decide policy.
+//! Owns: parsing and answering HTTP: the routes, reading a request's headers, body and query,
+//! rendering an answer (status, headers, JSON or Server-Sent Events). Must not: decide, admit or
+//! run an execution (it hands a typed request through `calls` to the execution service), know
+//! cgroups, Landlock or Docker, or decide policy. Who calls, idempotency and the error
+//! vocabulary are `calls`'s, shared with the other front ends.
 //!
 //! # Files
 //! Imports go down this list, never up (no file imports one that imports it back):
@@ -12,34 +14,33 @@
 //!     `ExecutionRequest`.
 //!   - `sessions.rs`: `/v1/sandbox/sessions`: sessions, their execs and their files.
 //!   - `processes.rs`: a session's background processes (list, stream, stdin, signal).
+//!   - `terminal.rs`: a session's terminal, a WebSocket attached to its shell on a pty.
+//!   - `ports.rs`: HTTP and WebSocket to a port inside a session's sandbox.
 //!   - `executions.rs`: `/v1/executions/{exec_id}`: read, stream and cancel a run (session
 //!     execs' run routes use it too).
 //!   - `ops.rs`: health, readiness, capabilities, metrics, executors, 404 and 405.
 //!   - `openapi.rs`: the OpenAPI document assembled from the routes' annotations, and `/docs`.
-//! - `run.rs`: what every route that runs something shares, in the order a request goes
-//!   through it: the run mode, timeout and framing check, the task that outlives the client,
-//!   the Idempotency-Key, admission and start, the answer.
+//! - `run.rs`: a run request's HTTP: the run mode, timeout and framing check, the
+//!   Idempotency-Key header, and what `calls::run` serves rendered as HTTP.
 //! - `stream.rs`: a run as Server-Sent Events.
-//! - `caller.rs`: who is calling and what it sent: request id, service and capability tokens,
-//!   tenant, the body within its limits.
-//! - `forward.rs`: handing a call to the replica that holds its run or session.
 //! - `extract.rs`: `Path` and `Query` whose rejections are the documented error body.
-//! - `error.rs`: `ApiError`, its statuses and bodies.
-//! - `app_state.rs`: `AppState`, what every handler may use.
+//! - `error.rs`: an `ApiError` (see `calls`) as an HTTP answer.
+//!
+//! Who is calling, the error vocabulary and the shared state are `calls`'s, shared with the
+//! other front ends.
 
-pub mod app_state;
-pub mod caller;
 pub mod error;
 pub mod execute;
 pub mod executions;
 pub mod extract;
-pub mod forward;
 pub mod openapi;
 pub mod ops;
+pub mod ports;
 pub mod processes;
 pub mod run;
 pub mod sessions;
 pub mod stream;
+pub mod terminal;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -51,14 +52,12 @@ use axum::extract::Request;
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::Response;
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tracing::Instrument as _;
 
-pub use app_state::AppState;
-pub use caller::RequestId;
-pub use ops::VERSION;
+pub use crate::calls::{AppState, RequestId, VERSION};
 
 async fn request_id(mut req: Request, next: Next) -> Response {
     let RequestId(id) = RequestId::assign(req.headers());
@@ -156,6 +155,16 @@ fn session_routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
             "/v1/sandbox/sessions/{id}/processes/{process_id}/signal",
             post(processes::signal),
         )
+        .route(
+            "/v1/sandbox/sessions/{id}/terminal",
+            get(terminal::terminal),
+        )
+        .route("/v1/sandbox/sessions/{id}/ports/{port}", any(ports::proxy))
+        .route("/v1/sandbox/sessions/{id}/ports/{port}/", any(ports::proxy))
+        .route(
+            "/v1/sandbox/sessions/{id}/ports/{port}/{*path}",
+            any(ports::proxy),
+        )
         .route("/v1/sandbox/sessions/{id}/files", get(sessions::list_files))
         .route(
             "/v1/sandbox/sessions/{id}/archive",
@@ -213,9 +222,20 @@ pub async fn run(
 ) {
     let app = router_with(state.clone(), extra);
     let header_timeout = Duration::from_millis(state.config.server.header_read_timeout_ms);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    // Graceful drain by hand (hyper-util's does not take upgradeable connections): each
+    // connection holds a receiver; the drain tells them all, then waits until every one is gone.
+    let (graceful, _) = tokio::sync::watch::channel(());
     let mut shutdown = std::pin::pin!(shutdown);
     let flusher = tokio::spawn(flush_suppressed_refusals(state.clone()));
+    // Signed checkpoints of the audit log, and one more once the daemon has drained.
+    let checkpoints_stop = tokio_util::sync::CancellationToken::new();
+    let checkpointer = crate::provenance::checkpoint::spawn_checkpointer(
+        state.audit.clone(),
+        state.signing.checkpoints.clone(),
+        state.config.audit.checkpoint_every_lines,
+        Duration::from_secs(state.config.audit.checkpoint_every_seconds),
+        checkpoints_stop.clone(),
+    );
     state.sessions.spawn_reaper();
     loop {
         let (stream, _peer) = tokio::select! {
@@ -237,12 +257,25 @@ pub async fn run(
             .timer(TokioTimer::new())
             .header_read_timeout(header_timeout)
             .keep_alive(true);
-        let conn = builder.serve_connection(TokioIo::new(stream), svc);
-        let conn = graceful.watch(conn);
+        // Upgrades: a session's terminal is a WebSocket; the upgraded socket lives on in the
+        // route's own task (its run ends with the daemon's runs).
+        let conn = builder
+            .serve_connection(TokioIo::new(stream), svc)
+            .with_upgrades();
+        let mut drain = graceful.subscribe();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            let mut conn = std::pin::pin!(conn);
+            let ended = tokio::select! {
+                r = conn.as_mut() => r,
+                _ = drain.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
+            drop(drain);
         });
     }
     state.draining.store(true, Ordering::SeqCst);
@@ -255,7 +288,8 @@ pub async fn run(
     // Connections end with their answers; async runs have none to wait for, so they are waited
     // for on their own.
     let drained = async {
-        graceful.shutdown().await;
+        let _ = graceful.send(());
+        graceful.closed().await;
         st.executions.wait_idle().await;
     };
     tokio::select! {
@@ -272,6 +306,10 @@ pub async fn run(
     state.executions.shutdown_backends().await;
     flusher.abort();
     flush_suppressed(&state);
+    checkpoints_stop.cancel();
+    if let Err(e) = checkpointer.await {
+        tracing::error!(target: "audit", error = %e, "the audit checkpointer failed");
+    }
 }
 
 /// How often counts of suppressed refusals are written when no other line comes to carry them.

@@ -20,7 +20,7 @@ use utoipa::{Modify, OpenApi};
 #[openapi(
     info(
         title = "executor-arm",
-        description = "A hardened daemon that runs commands for other services: it authenticates the calling service (Bearer service token), checks a capability token and a command allowlist, runs the command or a registered external executor in a sandbox, enforces limits, and returns the result with SHA-256 provenance. Every error body is `{\"success\": false, \"error\", \"error_type\", \"retryable\"}`; 429 and 503 carry `Retry-After`; every answer carries `X-Request-ID`.",
+        description = "A hardened daemon that runs commands for other services: it authenticates the calling service (Bearer service token), checks a capability token and a command allowlist, runs the command or a registered external executor in a sandbox, enforces limits, and returns the result with SHA-256 provenance. Every error body is `{\"success\": false, \"error\", \"error_type\", \"retryable\"}`; 429 and 503 carry `Retry-After`; every answer carries `X-Request-ID`. `/mcp` (not described by this document) serves the same runs, sessions and files as Model Context Protocol tools over Streamable HTTP (JSON-RPC, the official SDK), with the same service token, capability grants, errors and audit lines; the README's MCP section lists its tools.",
     ),
     paths(
         super::execute::execute,
@@ -41,6 +41,8 @@ use utoipa::{Modify, OpenApi};
         super::processes::stream,
         super::processes::stdin,
         super::processes::signal,
+        super::terminal::terminal,
+        super::ports::proxy,
         super::sessions::list_files,
         super::sessions::get_file,
         super::sessions::put_file,
@@ -96,32 +98,55 @@ impl Modify for Conventions {
             ))),
         );
         for item in doc.paths.paths.values_mut() {
-            for op in [
-                &mut item.get,
-                &mut item.put,
-                &mut item.post,
-                &mut item.delete,
-            ]
-            .into_iter()
-            .flatten()
-            {
-                op.parameters
-                    .get_or_insert_with(Vec::new)
-                    .push(request_id());
-                for (status, response) in op.responses.responses.iter_mut() {
-                    let RefOr::T(response) = response else {
-                        continue;
-                    };
-                    response
-                        .headers
-                        .insert("X-Request-ID".into(), request_id_header());
-                    if status == "429" || status == "503" {
-                        response
-                            .headers
-                            .insert("Retry-After".into(), retry_after_header());
-                    }
+            // One handler for many methods (the ports proxy) is one operation per method, each
+            // with an id of its own; handlers of their own on one path keep theirs.
+            let ops = [
+                ("get", &mut item.get),
+                ("put", &mut item.put),
+                ("post", &mut item.post),
+                ("delete", &mut item.delete),
+                ("head", &mut item.head),
+                ("patch", &mut item.patch),
+                ("options", &mut item.options),
+            ];
+            let ids: Vec<&str> = ops
+                .iter()
+                .filter_map(|(_, op)| op.as_ref()?.operation_id.as_deref())
+                .collect();
+            let shared: Vec<String> = ids
+                .iter()
+                .filter(|id| ids.iter().filter(|other| other == id).count() > 1)
+                .map(|id| id.to_string())
+                .collect();
+            for (method, op) in ops {
+                let Some(op) = op else { continue };
+                if let Some(id) = op.operation_id.as_mut()
+                    && shared.contains(id)
+                {
+                    *id = format!("{id}_{method}");
                 }
+                operation_conventions(op);
             }
+        }
+    }
+}
+
+/// The request id on an operation's request and answers, `Retry-After` on its 429 and 503.
+fn operation_conventions(op: &mut utoipa::openapi::path::Operation) {
+    op.parameters
+        .get_or_insert_with(Vec::new)
+        .push(request_id());
+    for (status, response) in op.responses.responses.iter_mut() {
+        let RefOr::T(response) = response else {
+            continue;
+        };
+        response
+            .headers
+            .insert("X-Request-ID".into(), request_id_header());
+        if status == "429" || status == "503" {
+            response
+                .headers
+                .insert("Retry-After".into(), retry_after_header());
         }
     }
 }
@@ -363,7 +388,7 @@ fn render_html(doc: &Value) -> String {
             prose(tag["description"].as_str().unwrap_or(""))
         );
         for (path, item) in paths {
-            for method in ["get", "put", "post", "delete"] {
+            for method in ["get", "put", "post", "delete", "head", "patch", "options"] {
                 let op = &item[method];
                 if !op.is_object()
                     || !op["tags"]

@@ -9,16 +9,15 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::app_state::AppState;
-use super::error::ApiError;
+use crate::calls::ApiError;
+use crate::calls::AppState;
 use crate::executors::ExecutorDef;
 use crate::policy::profile::{LimitsSection, NetworkMode, OutputSection};
 use crate::sandbox::local::probe::HostProbe;
 use crate::sandbox::{BackendKind, BackendStatus};
 use crate::vocabulary::{ActionType, Capability};
 
-/// The daemon's version, as `/health` reports it.
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+use crate::calls::VERSION;
 
 /// The body of `/health` and `/livez`.
 #[derive(Debug, Serialize, ToSchema)]
@@ -375,7 +374,7 @@ pub async fn executors(State(st): State<Arc<AppState>>) -> Json<ExecutorList> {
 pub async fn not_found() -> Response {
     let e = ApiError::InvalidRequest("no such endpoint".into());
     let mut body = e.body();
-    body["retryable"] = serde_json::json!(super::error::retryable(StatusCode::NOT_FOUND));
+    body["retryable"] = serde_json::json!(crate::calls::error::retryable(StatusCode::NOT_FOUND));
     (StatusCode::NOT_FOUND, Json(body)).into_response()
 }
 

@@ -15,12 +15,13 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use super::app_state::AppState;
-use super::caller::{BodyLimit, RequestId, read_body};
-use super::error::{ApiError, ErrorBody};
 use super::executions;
 use super::extract::{Path, Query};
-use super::sessions::{Looked, SessionPath, TenantHeaders, Touch, look_up, session_of};
+use super::sessions::{SessionPath, TenantHeaders};
+use crate::calls::AppState;
+use crate::calls::caller::{BodyLimit, RequestId, read_body};
+use crate::calls::error::{ApiError, ErrorBody};
+use crate::calls::sessions::{Looked, Touch, look_up, session_of};
 use crate::sandbox::control::{Control, ProcessSignal};
 use crate::sessions::{ControlError, ProcessInfo};
 

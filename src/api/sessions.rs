@@ -8,7 +8,6 @@
 //! Owns: parsing and answering. Must not: manage sessions or touch their files itself (the
 //! session service does).
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,74 +16,24 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use utoipa::{IntoParams, ToSchema};
 
-use super::app_state::AppState;
-use super::caller::{
-    BodyLimit, Caller, RequestId, bearer, capability_token, read_body, unauthorized,
-};
-use super::error::{ApiError, ErrorBody};
-use super::executions::{self, CancelAccepted, CancelRequest, RunStatus};
+use super::executions;
 use super::extract::{Path, Query};
-use super::run::{
-    AskedTimeout, ClientLink, IdemAsk, RunAccepted, RunAsk, RunJob, RunMode, RunOptions, Work,
-    detach, fingerprint, idempotency_key, what_runs,
+use super::run::{RunAsk, RunOptions, detach, idempotency_key, render_served, serve_client};
+use crate::calls::AppState;
+use crate::calls::caller::{BodyLimit, Caller, RequestId, bearer, read_body, unauthorized};
+use crate::calls::error::{ApiError, ErrorBody};
+use crate::calls::executions::{CancelAccepted, CancelRequest, RunStatus};
+use crate::calls::run::{AskedTimeout, ClientLink, RunAccepted};
+use crate::calls::sessions::{
+    self, CreateBody, ExecBody, FORWARDED_ANSWER_TIMEOUT, FileList, Looked, Touch, caller,
+    file_failure, file_permit, look_up, session_exec, session_of,
 };
 use crate::config::TokenKind;
-use crate::execution::ExecutionRequest;
 use crate::execution::record::KnownRequest;
 use crate::execution::result::ExecutionResult;
-use crate::execution::runs::LiveRun;
-use crate::policy::profile::MAX_ASYNC_TIMEOUT_SECONDS;
-use crate::sessions::{
-    ExecParts, FileError, NewSession, Owner, PreparedExec, PreparedProcess, Session, SessionError,
-    SessionInfo, SessionLimits, UploadError,
-};
-use crate::state::IdemKey;
-
-impl From<SessionError> for ApiError {
-    fn from(e: SessionError) -> Self {
-        match e {
-            SessionError::Invalid(m) => ApiError::InvalidRequest(m),
-            SessionError::Busy(id) => ApiError::SessionBusy(id),
-            SessionError::TooMany(m) => ApiError::SessionLimit(m),
-            SessionError::NotFound => ApiError::SessionNotFound,
-            SessionError::StoreFull(m) => ApiError::StoreFull(m),
-            SessionError::Execution(e) => e.into(),
-        }
-    }
-}
-
-impl From<FileError> for ApiError {
-    fn from(e: FileError) -> Self {
-        match e {
-            FileError::InvalidPath(m) | FileError::NotAFile(m) => ApiError::InvalidRequest(m),
-            FileError::NotFound(p) => ApiError::FileNotFound(p),
-            FileError::TooLarge { .. } => ApiError::FileTooLarge(e.to_string()),
-            FileError::NoSpace => ApiError::WorkspaceFull,
-            FileError::Busy(m) => ApiError::InvalidRequest(m),
-            FileError::BadArchive(m) => ApiError::InvalidRequest(m),
-            FileError::ArchiveTooLarge(m) => ApiError::FileTooLarge(m),
-            FileError::Io(m) => ApiError::Internal(m),
-        }
-    }
-}
-
-/// A failed file call of `session` as its answer: busy is the session's 409, and a call that failed
-/// because the session's sandbox went away (it died, or the session ended meanwhile) says so
-/// (404) instead of a retryable 500.
-fn file_failure(session: &Session, e: FileError) -> ApiError {
-    match e {
-        FileError::Busy(_) => ApiError::SessionBusy(session.id.clone()),
-        FileError::Io(_) if session.sandbox_gone().is_some() => ApiError::SessionGone(format!(
-            "session {} is gone: {}",
-            session.id,
-            session.sandbox_gone().unwrap_or_default()
-        )),
-        other => other.into(),
-    }
-}
+use crate::sessions::{SessionInfo, UploadError};
 
 /// The session's id in the path of every route under one session (OpenAPI only: handlers take it
 /// with `Path`).
@@ -96,7 +45,7 @@ pub(super) struct SessionPath {
     id: String,
 }
 
-/// The tenant headers every session route reads (OpenAPI only: [`super::caller::tenant`] reads
+/// The tenant headers every session route reads (OpenAPI only: [`crate::calls::caller::tenant`] reads
 /// them).
 #[derive(IntoParams)]
 #[into_params(parameter_in = Header)]
@@ -110,133 +59,8 @@ pub(super) struct TenantHeaders {
     x_koder_tenant: Option<String>,
 }
 
-/// The calling service and its tenant, as a session's owner.
-async fn caller(
-    st: &AppState,
-    headers: &HeaderMap,
-    rid: String,
-) -> Result<(Owner, crate::auth::Verified, KnownRequest), ApiError> {
-    let caller = Caller::authenticate(st, headers, rid).await?;
-    let owner = caller.session_owner(headers)?;
-    Ok((owner, caller.service, caller.known))
-}
-
-/// How a call touches its session: reading it leaves its idle time running; an exec or a file
-/// call starts it again.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Touch {
-    Read,
-    Use,
-}
-
-/// A session a call names, as the caller's own: running (with a sandbox), or paused.
-pub(super) enum Looked {
-    Live(Arc<Session>),
-    Paused(Box<SessionInfo>),
-}
-
-/// The caller's session `id`, running or paused, or 404. A call that uses the session (an exec,
-/// a file call) resumes a paused one.
-pub(super) async fn look_up(
-    st: &AppState,
-    headers: &HeaderMap,
-    rid: String,
-    id: &str,
-    touch: Touch,
-) -> Result<(Looked, Owner, crate::auth::Verified, KnownRequest), ApiError> {
-    let (owner, service, known) = caller(st, headers, rid.clone()).await?;
-    let session = match touch {
-        Touch::Read => st.sessions.get(&owner, id),
-        Touch::Use => st.sessions.use_session(&owner, id),
-    };
-    if let Some(s) = &session
-        && st.sessions.end_if_lost(s).await
-    {
-        return Err(ApiError::SessionGone(
-            st.sessions.lost(&owner, id).unwrap_or_default(),
-        ));
-    }
-    if let Some(s) = session {
-        return Ok((Looked::Live(s), owner, service, known));
-    }
-    if let Some(info) = st.sessions.paused(&owner, id) {
-        let looked = match touch {
-            Touch::Read => Looked::Paused(Box::new(info)),
-            Touch::Use => Looked::Live(st.sessions.resume(&owner, id, rid).await?),
-        };
-        return Ok((looked, owner, service, known));
-    }
-    // Resumed by another call meanwhile: open now.
-    if let Some(s) = st.sessions.get(&owner, id) {
-        return Ok((Looked::Live(s), owner, service, known));
-    }
-    Err(st
-        .sessions
-        .lost(&owner, id)
-        .map_or(ApiError::SessionNotFound, ApiError::SessionGone))
-}
-
-/// The caller's session `id` with its sandbox (a paused one is resumed when `touch` uses it, and
-/// is 404 to a call that only reads), or 404.
-pub(super) async fn session_of(
-    st: &AppState,
-    headers: &HeaderMap,
-    rid: String,
-    id: &str,
-    touch: Touch,
-) -> Result<(Arc<Session>, crate::auth::Verified, KnownRequest), ApiError> {
-    match look_up(st, headers, rid, id, touch).await? {
-        (Looked::Live(s), _, service, known) => Ok((s, service, known)),
-        (Looked::Paused(_), ..) => Err(ApiError::SessionNotFound),
-    }
-}
-
-/// The caller's exec `exec_id` of its session `id`, as the run routes take it: the owner of the
-/// session's runs and what refusals tell. An exec of another session is 404.
-async fn session_exec(
-    st: &AppState,
-    headers: &HeaderMap,
-    rid: String,
-    id: &str,
-    exec_id: &str,
-) -> Result<(String, KnownRequest), ApiError> {
-    let (looked, owner, _, known) = look_up(st, headers, rid, id, Touch::Read).await?;
-    let ran = match looked {
-        Looked::Live(s) => s.ran(exec_id),
-        // A paused session's execs are served as a running one's.
-        Looked::Paused(_) => st.sessions.paused_ran(&owner, id, exec_id),
-    };
-    if !ran {
-        return Err(ApiError::ExecutionNotFound);
-    }
-    Ok((owner.runs(), known))
-}
-
 fn json(status: StatusCode, body: impl Serialize) -> Response {
     (status, axum::Json(body)).into_response()
-}
-
-/// The body of `POST /v1/sandbox/sessions`. Unknown fields are refused.
-#[derive(Debug, Deserialize, ToSchema, schemars::JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct CreateBody {
-    /// A configured session language (`/capabilities` lists them as `session_languages`).
-    language: String,
-    /// A sandbox profile the grant permits (default: the language's).
-    #[serde(default)]
-    profile: Option<String>,
-    /// The session's life, at most `sessions.max_ttl_seconds`.
-    #[serde(default)]
-    ttl_seconds: Option<u64>,
-    /// How long the session may go without an exec or file call.
-    #[serde(default)]
-    idle_timeout_seconds: Option<u64>,
-    /// Limits that may only tighten the profile's.
-    #[serde(default)]
-    limits: Option<SessionLimits>,
-    /// The capability token (or the `X-Capability-Token` header; not both).
-    #[serde(default)]
-    capability_token: Option<String>,
 }
 
 /// `POST /v1/sandbox/sessions`: 201 with the session.
@@ -280,41 +104,13 @@ async fn create_inner(st: &AppState, req: Request, rid: String) -> Result<Respon
         return Err(ApiError::ShuttingDown);
     }
     let (parts, body) = req.into_parts();
-    let mut caller = Caller::authenticate(st, &parts.headers, rid).await?;
-    let owner = caller.session_owner(&parts.headers)?;
+    let caller = Caller::authenticate(st, &parts.headers, rid).await?;
+    // The tenant is read before the body: a malformed one is refused first.
+    caller.session_owner(&parts.headers)?;
     let raw = read_body(body, &parts.headers, BodyLimit::request(st)).await?;
     let asked: CreateBody = serde_json::from_slice(&raw)
         .map_err(|e| ApiError::InvalidRequest(format!("invalid session request: {e}")))?;
-    let token = capability_token(asked.capability_token.as_deref(), &parts.headers)?;
-    let grant = match token {
-        // A single-use token is used up by the session service once the session can be made.
-        Some(t) => caller.capability(st, t)?,
-        None if st.config.sessions.accept_service_capabilities
-            || super::caller::service_grant(&parts.extensions) =>
-        {
-            caller.service
-        }
-        None => {
-            return Err(unauthorized(
-                st,
-                &caller.known,
-                "missing capability token (sessions.accept_service_capabilities is off)",
-            ));
-        }
-    };
-    let session = st
-        .sessions
-        .create(NewSession {
-            request_id: caller.known.request_id.clone(),
-            owner,
-            language: asked.language,
-            profile: asked.profile,
-            ttl: asked.ttl_seconds.map(Duration::from_secs),
-            idle_timeout: asked.idle_timeout_seconds.map(Duration::from_secs),
-            limits: asked.limits.unwrap_or_default(),
-            grant,
-        })
-        .await?;
+    let session = sessions::create(st, caller, &parts.headers, asked, false).await?;
     let mut resp = json(StatusCode::CREATED, session.describe());
     if let Ok(v) = HeaderValue::from_str(&format!("/v1/sandbox/sessions/{}", session.id)) {
         resp.headers_mut().insert(header::LOCATION, v);
@@ -385,11 +181,8 @@ pub async fn delete(
     detach(async move {
         let result = async {
             let (owner, ..) = caller(&st, &headers, rid).await?;
-            if st.sessions.delete(&owner, &id).await || st.sessions.delete_paused(&owner, &id) {
-                Ok(StatusCode::NO_CONTENT.into_response())
-            } else {
-                Err(ApiError::SessionNotFound)
-            }
+            sessions::delete(&st, &owner, &id).await?;
+            Ok::<_, ApiError>(StatusCode::NO_CONTENT.into_response())
         };
         result.await.unwrap_or_else(|e| e.into_response())
     })
@@ -487,56 +280,6 @@ pub async fn resume(
     .await
 }
 
-/// The body of `POST /v1/sandbox/sessions/{id}/exec`. Unknown fields are refused; every optional
-/// field may be `null`, the same as leaving it out. An Idempotency-Key's fingerprint covers it
-/// as parsed (see `execute::what_runs`), with the session, the calling service and the tenant.
-#[derive(Debug, Deserialize, Serialize, ToSchema, schemars::JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ExecBody {
-    /// The program, in the session's language; its interpreter runs it as a file.
-    code: String,
-    /// Written to the program's stdin, then closed.
-    #[serde(default)]
-    stdin: Option<String>,
-    /// Only names the profile allows.
-    #[serde(default, deserialize_with = "super::caller::null_as_default")]
-    #[schema(nullable)]
-    env: BTreeMap<String, String>,
-    /// A directory of the workspace (relative, or absolute under `/workspace`).
-    #[serde(default)]
-    cwd: Option<String>,
-    /// The deadline in milliseconds, up to the profile's async maximum whether the exec is
-    /// synchronous, async or streamed (a synchronous exec's connection stays open for it); 0 or
-    /// none is the profile's default.
-    #[serde(default)]
-    #[schema(minimum = 0, maximum = 86_400_000)]
-    timeout_ms: Option<u64>,
-    /// Answer 202 with the run's links at once.
-    #[serde(
-        default,
-        rename = "async",
-        deserialize_with = "super::caller::null_as_default"
-    )]
-    #[schema(nullable)]
-    run_async: bool,
-    /// Cancel the exec when the caller goes away before its answer.
-    #[serde(default, deserialize_with = "super::caller::null_as_default")]
-    #[schema(nullable)]
-    cancel_on_disconnect: bool,
-    /// A background process: answer 202 with its `process_id` at once; it runs beside the
-    /// session's other execs (up to `sessions.max_processes`) until it ends, is signalled, or
-    /// the session ends. Its stdin stays open for `…/processes/{process_id}/stdin`; its deadline
-    /// is `timeout_ms`, else the profile's async maximum.
-    #[serde(default, deserialize_with = "super::caller::null_as_default")]
-    #[schema(nullable)]
-    background: bool,
-    /// Keep the exec's stdin open after `stdin` for `…/execs/{exec_id}/stdin` (an async or
-    /// streamed exec; a background one always has it).
-    #[serde(default, deserialize_with = "super::caller::null_as_default")]
-    #[schema(nullable)]
-    stdin_open: bool,
-}
-
 /// `POST /v1/sandbox/sessions/{id}/exec`: the session's language runs `code` in its workspace.
 /// Sync: 200 with the result (a run the deadline ended included: its `killed_reason` says so);
 /// `async`: 202 with the run's links; `Accept: text/event-stream`: the run as SSE.
@@ -579,15 +322,14 @@ pub async fn exec(
 ) -> Response {
     let client = ClientLink::new();
     let served = client.clone();
-    client
-        .serve(&st.clone(), async move {
-            let rid = RequestId::of(&req);
-            match exec_inner(&st, &id, req, rid, &served).await {
-                Ok(r) => r,
-                Err(e) => e.into_response(),
-            }
-        })
-        .await
+    serve_client(&client, &st.clone(), async move {
+        let rid = RequestId::of(&req);
+        match exec_inner(&st, &id, req, rid, &served).await {
+            Ok(r) => r,
+            Err(e) => e.into_response(),
+        }
+    })
+    .await
 }
 
 async fn exec_inner(
@@ -605,7 +347,7 @@ async fn exec_inner(
     super::stream::Framing::of(&parts.uri)?;
     let (session, service, known) = session_of(st, &parts.headers, rid, id, Touch::Use).await?;
     let raw = read_body(body, &parts.headers, BodyLimit::request(st)).await?;
-    let mut asked: ExecBody = serde_json::from_slice(&raw)
+    let asked: ExecBody = serde_json::from_slice(&raw)
         .map_err(|e| ApiError::InvalidRequest(format!("invalid exec request: {e}")))?;
     let idem_key = idempotency_key(&parts.headers)?;
     // The framing is checked again, and passes: one check of how a run goes, for every route.
@@ -619,135 +361,20 @@ async fn exec_inner(
         headers: &parts.headers,
         uri: &parts.uri,
     })?;
-    // As checked (0 is none): the Idempotency-Key's fingerprint covers it so.
-    asked.timeout_ms = timeout.map(|t| t.as_millis() as u64);
-    if asked.code.contains('\0') {
-        return Err(ApiError::InvalidRequest(
-            "code may not contain NUL bytes".into(),
-        ));
-    }
-    // The fingerprint binds a replay to this session, its service and tenant, and what runs;
-    // keys are scoped like the session's runs: by the calling service and the tenant.
-    let idempotency = match idem_key {
-        Some(key) => {
-            let what = json!({
-                "service": session.owner.subject,
-                "tenant": session.owner.tenant,
-                "session": session.id,
-                "request": what_runs(&asked)?,
-            });
-            Some(IdemAsk {
-                key: IdemKey {
-                    subject: session.owner.runs(),
-                    key,
-                },
-                fingerprint: fingerprint(&what)?,
-            })
-        }
-        None => None,
-    };
-    let background = asked.background;
-    if background && mode == RunMode::Stream {
-        return Err(ApiError::InvalidRequest(
-            "a background exec answers 202 with its links: follow its stream link instead of asking for a stream".into(),
-        ));
-    }
-    if asked.stdin_open && !background && mode == RunMode::Sync {
-        return Err(ApiError::InvalidRequest(
-            "stdin_open needs an async or streamed exec: a synchronous one answers only once it ended".into(),
-        ));
-    }
-    let parts = ExecParts {
-        owner: session.owner.runs(),
-        request_id: known.request_id.clone(),
-        subject: service.subject.clone().or_else(|| Some("-".into())),
-        code: asked.code,
-        stdin: asked.stdin,
-        env: asked.env,
-        cwd: asked.cwd,
-        timeout_ms: asked.timeout_ms,
-        long_run: true,
-        background: None,
-        stdin_open: asked.stdin_open && !background,
-    };
-    let links = format!("/v1/sandbox/sessions/{id}/execs/");
-    if background {
-        let job = RunJob {
-            work: SessionProcess { session, parts },
-            idempotency,
-            mode: RunMode::Async,
-            framing,
-            cancel_on_disconnect: false,
-            timeout_status: StatusCode::OK,
-            links,
-            process_links: Some(format!("/v1/sandbox/sessions/{id}/processes/")),
-        };
-        return job.serve(st, client).await;
-    }
-    let job = RunJob {
-        work: SessionExec { session, parts },
-        idempotency,
-        mode,
-        framing,
-        cancel_on_disconnect: asked.cancel_on_disconnect,
-        timeout_status: StatusCode::OK,
-        links,
-        process_links: None,
-    };
-    job.serve(st, client).await
-}
-
-/// What a session's background process runs: a place among the session's processes is taken,
-/// and its code written to a file of its own.
-struct SessionProcess {
-    session: Arc<Session>,
-    parts: ExecParts,
-}
-
-impl Work for SessionProcess {
-    /// The place, given back unless the process starts; the code file, kept until it ended.
-    type Held = PreparedProcess;
-
-    /// The grant is the session's, and the caller was found its owner before.
-    async fn may_replay(&self, _: &AppState) -> Result<(), ApiError> {
-        Ok(())
-    }
-
-    async fn prepare(self, st: &AppState) -> Result<(ExecutionRequest, Self::Held), ApiError> {
-        Ok(st
-            .sessions
-            .prepare_process(&self.session, self.parts)
-            .await?)
-    }
-
-    fn started(prepared: Self::Held, live: &Arc<LiveRun>) {
-        prepared.started(live);
-    }
-}
-
-/// What a session's exec runs, made once its Idempotency-Key is held: the session's one exec is
-/// claimed, and its code written to a file of its own.
-struct SessionExec {
-    session: Arc<Session>,
-    parts: ExecParts,
-}
-
-impl Work for SessionExec {
-    /// The claim, given back unless the exec starts; the code file, kept until it answered.
-    type Held = PreparedExec;
-
-    /// The grant is the session's, and the caller was found its owner before.
-    async fn may_replay(&self, _: &AppState) -> Result<(), ApiError> {
-        Ok(())
-    }
-
-    async fn prepare(self, st: &AppState) -> Result<(ExecutionRequest, Self::Held), ApiError> {
-        Ok(st.sessions.prepare_exec(&self.session, self.parts).await?)
-    }
-
-    fn started(prepared: Self::Held, live: &Arc<LiveRun>) {
-        prepared.started(live);
-    }
+    let job = sessions::exec_job(
+        session,
+        &service,
+        &known,
+        asked,
+        sessions::ExecAsk {
+            mode,
+            timeout,
+            idempotency_key: idem_key,
+            via: None,
+        },
+    )?;
+    let served = job.serve(st, client).await?;
+    Ok(render_served(served, framing))
 }
 
 /// `GET /v1/sandbox/sessions/{id}/execs/{exec_id}` (and `/stream`, `/cancel`): the run routes,
@@ -935,34 +562,9 @@ async fn put_file_inner(
         let (session, _, known) = session_of(st, &parts.headers, rid, id, Touch::Use).await?;
         let _permit = file_permit(st)?;
         let bytes = read_body(body, &parts.headers, BodyLimit::file(st)).await?;
-        st.sessions
-            .upload(&session, known.request_id, path, bytes.to_vec())
-            .await
-            .map_err(|e| match e {
-                UploadError::Ended => ApiError::SessionNotFound,
-                UploadError::Unrecorded => ApiError::SandboxUnavailable(e.to_string()),
-                UploadError::File(e) => file_failure(&session, e),
-            })?;
+        sessions::upload(st, &session, known.request_id, path, bytes.to_vec()).await?;
         Ok(StatusCode::NO_CONTENT.into_response())
     }
-}
-
-/// File calls that may hold a file's bytes in memory at once (each up to
-/// `sessions.max_file_bytes`); one more is 429.
-const MAX_FILE_CALLS: usize = 8;
-
-/// A place among the file calls in progress, or 429.
-fn file_permit(st: &AppState) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
-    st.file_calls.clone().try_acquire_owned().map_err(|_| {
-        ApiError::SessionLimit(format!(
-            "{MAX_FILE_CALLS} file transfers are in progress on this daemon"
-        ))
-    })
-}
-
-/// The semaphore [`file_permit`] takes from.
-pub fn file_calls() -> Arc<tokio::sync::Semaphore> {
-    Arc::new(tokio::sync::Semaphore::new(MAX_FILE_CALLS))
 }
 
 /// `GET /v1/sandbox/sessions/{id}/files/{path}`: the file's bytes.
@@ -999,11 +601,7 @@ pub async fn get_file(
     let result = async {
         let (session, ..) = session_of(&st, &headers, rid, &id, Touch::Use).await?;
         let permit = file_permit(&st)?;
-        let max = st.config.sessions.max_file_bytes as u64;
-        let bytes = session
-            .read_file(&path, max)
-            .await
-            .map_err(|e| file_failure(&session, e))?;
+        let bytes = sessions::read_file(&st, &session, &path).await?;
         // The permit goes with the bytes: a slow reader holds its place until it has them.
         let body = futures::stream::once(async move {
             let _held = permit;
@@ -1030,14 +628,6 @@ pub struct ListQuery {
     /// A directory of the workspace, relative to it (empty: the workspace).
     #[serde(default)]
     path: String,
-}
-
-/// A directory's entries.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct FileList {
-    /// The directory, as asked.
-    pub path: String,
-    pub entries: Vec<crate::sessions::Entry>,
 }
 
 /// `GET /v1/sandbox/sessions/{id}/files?path=dir`: a directory's entries (the workspace's
@@ -1076,17 +666,9 @@ pub async fn list_files(
         let (session, ..) = session_of(&st, &headers, rid, &id, Touch::Use).await?;
         // A listing is held whole in memory like a file: it takes a transfer's place.
         let _permit = file_permit(&st)?;
-        let path = q.path.clone();
-        let entries = session
-            .list(&path)
-            .await
-            .map_err(|e| file_failure(&session, e))?;
         Ok::<_, ApiError>(json(
             StatusCode::OK,
-            FileList {
-                path: q.path,
-                entries,
-            },
+            sessions::list(&session, q.path).await?,
         ))
     };
     result.await.unwrap_or_else(|e| e.into_response())
@@ -1261,11 +843,6 @@ pub async fn put_archive(
     .await
 }
 
-/// The longest a forwarded session call may take to begin its answer: a synchronous exec's
-/// begins when its run ends (at most the async limit, as for any session exec), plus room for
-/// its queue and setup.
-const FORWARDED_ANSWER_TIMEOUT: Duration = Duration::from_secs(MAX_ASYNC_TIMEOUT_SECONDS + 60);
-
 /// In front of every route of one session: a session another replica holds (the state store
 /// says which) is handed to it, the call unchanged, and its answer relayed; the owner checks
 /// the caller itself. A session held nowhere, or here, is served here (404 when it is not the
@@ -1283,7 +860,7 @@ pub async fn to_owner(
     else {
         return next.run(req).await;
     };
-    if st.sessions.holds(&id) || super::forward::was_forwarded(req.headers()) {
+    if st.sessions.holds(&id) || crate::calls::forward::was_forwarded(req.headers()) {
         return next.run(req).await;
     }
     // Only a calling service learns where a session lives (its token is verified here and
@@ -1302,18 +879,35 @@ pub async fn to_owner(
         };
         return unauthorized(&st, &known, &reason).into_response();
     }
-    let record = match st.store.session_get(&id).await {
-        Ok(Some(r)) if r.instance != st.instance_id => r,
-        Ok(_) => return next.run(req).await,
-        Err(e) => return ApiError::SandboxUnavailable(e.to_string()).into_response(),
+    let address = match crate::calls::sessions::held_elsewhere(&st, &id, false).await {
+        Ok(Some(address)) => address,
+        Ok(None) => return next.run(req).await,
+        Err(e) => return e.into_response(),
     };
-    // The replica that holds the session is the only one that can tell whether the caller owns
-    // it: one it cannot be asked is answered exactly like an unknown id, whoever calls (where the
-    // session was goes to the log only).
-    let Some(address) = record.address else {
-        tracing::warn!(session_id = %id, instance = %record.instance, "session's replica did not record how to reach it: answered as unknown");
-        return ApiError::SessionNotFound.into_response();
-    };
+    // A session's ports proxy: the request is the sandbox server's, passed on as it comes (its
+    // headers, its body streamed, an upgrade relayed).
+    let ports = req
+        .uri()
+        .path()
+        .strip_prefix(&format!("/v1/sandbox/sessions/{id}/ports/"))
+        .is_some();
+    if ports {
+        return match crate::calls::forward::forward_streamed(
+            &address,
+            &st.instance_id,
+            req,
+            FORWARDED_ANSWER_TIMEOUT,
+        )
+        .await
+        {
+            Ok(r) => r,
+            Err(ApiError::SandboxUnavailable(why)) => {
+                tracing::warn!(session_id = %id, %address, %why, "session's replica cannot be reached: answered as unknown");
+                ApiError::SessionNotFound.into_response()
+            }
+            Err(e) => e.into_response(),
+        };
+    }
     let (parts, body) = req.into_parts();
     let body = match read_body(body, &parts.headers, BodyLimit::forwarded(&st)).await {
         Ok(b) => b,
@@ -1324,14 +918,19 @@ pub async fn to_owner(
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_default();
-    let call = super::forward::Call {
+    let call = crate::calls::forward::Call {
         method: parts.method.clone(),
         path: &path,
         headers: &parts.headers,
         body,
     };
-    match super::forward::forward_within(&address, &st.instance_id, call, FORWARDED_ANSWER_TIMEOUT)
-        .await
+    match crate::calls::forward::forward_within(
+        &address,
+        &st.instance_id,
+        call,
+        FORWARDED_ANSWER_TIMEOUT,
+    )
+    .await
     {
         Ok(r) => r,
         Err(ApiError::SandboxUnavailable(why)) => {

@@ -19,7 +19,6 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::extract::Query;
@@ -31,9 +30,9 @@ use futures::Stream;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::app_state::AppState;
-use super::error::ApiError;
-use crate::execution::runs::LiveRun;
+use crate::calls::ApiError;
+use crate::calls::run::{Disconnect, OpenStream, StreamPermit};
+use crate::execution::runs::{Kept, LiveRun};
 use crate::sandbox::StreamKind;
 use crate::state::StoredResponse;
 
@@ -43,8 +42,6 @@ const HEARTBEAT: Duration = Duration::from_secs(15);
 const MAX_CHUNK: usize = 64 * 1024;
 /// The longest line one event carries (lines framing); a longer one comes in pieces.
 const MAX_LINE: usize = 1024 * 1024;
-/// The grace a run gets when its caller goes away and asked for that to cancel it.
-pub const DISCONNECT_GRACE: Duration = Duration::from_secs(5);
 
 /// Where a stream's events come from.
 pub enum Source {
@@ -102,17 +99,17 @@ impl Source {
         }
     }
 
-    /// `f` of all of `stream` written so far.
-    fn with_output<R>(&self, stream: StreamKind, f: impl FnOnce(&[u8]) -> R) -> R {
+    /// `f` of what is kept of `stream` so far.
+    fn with_output<R>(&self, stream: StreamKind, f: impl FnOnce(Kept<'_>) -> R) -> R {
         match self {
             Source::Live(live) => live.with_output(stream, f),
-            Source::Finished { output, .. } => f(&output[stream as usize]),
+            Source::Finished { output, .. } => f(Kept::whole(&output[stream as usize])),
         }
     }
 
     /// How far `stream` goes so far.
     fn len(&self, stream: StreamKind) -> usize {
-        self.with_output(stream, <[u8]>::len)
+        self.with_output(stream, |kept| kept.end())
     }
 
     /// The answer, once the run has one: all of its output is in by then.
@@ -307,69 +304,6 @@ struct Follow {
     _open: OpenStream,
 }
 
-/// One of the `executions.max_open_streams` streams this daemon keeps open at once.
-pub struct StreamPermit {
-    st: Arc<AppState>,
-}
-
-impl StreamPermit {
-    /// A permit, unless every one is taken (429).
-    pub fn take(st: &Arc<AppState>) -> Result<StreamPermit, ApiError> {
-        let max = st.config.executions.max_open_streams;
-        st.open_streams
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .map_err(|_| {
-                ApiError::Overloaded(format!(
-                    "{max} streams are open (executions.max_open_streams)"
-                ))
-            })?;
-        st.metrics.open_streams.increment(1.0);
-        Ok(StreamPermit { st: st.clone() })
-    }
-}
-
-impl Drop for StreamPermit {
-    fn drop(&mut self) {
-        self.st.open_streams.fetch_sub(1, Ordering::SeqCst);
-        self.st.metrics.open_streams.decrement(1.0);
-    }
-}
-
-/// Holds a stream's permit, and cancels its run if the client goes away before the result when
-/// the request asked for that.
-struct OpenStream {
-    permit: StreamPermit,
-    cancel_on_disconnect: Option<Disconnect>,
-    delivered: bool,
-}
-
-/// The run a stream's client asked to cancel if it goes away: the run, its owner, the request.
-pub struct Disconnect {
-    pub live: Arc<LiveRun>,
-    pub owner: String,
-    pub request_id: String,
-}
-
-impl Drop for OpenStream {
-    fn drop(&mut self) {
-        if !self.delivered
-            && let Some(d) = &self.cancel_on_disconnect
-            && d.live.answered().is_none()
-        {
-            tracing::info!(
-                exec_id = d.live.exec_id(),
-                "stream client gone: cancelling its run"
-            );
-            self.permit
-                .st
-                .executions
-                .cancel(&d.live, DISCONNECT_GRACE, &d.owner, &d.request_id);
-        }
-    }
-}
-
 /// The events of `source` in `framing` from `from` (None: from the start, `start` event
 /// included; a position past the output so far: its end), holding `permit` while open. With
 /// `cancel_on_disconnect` a client that goes away before the result cancels the run.
@@ -397,11 +331,7 @@ pub fn follow(
         started: from.is_some(),
         changes,
         done: false,
-        _open: OpenStream {
-            permit,
-            cancel_on_disconnect,
-            delivered: false,
-        },
+        _open: OpenStream::new(permit, cancel_on_disconnect),
     };
     Sse::new(events(state))
         .keep_alive(KeepAlive::new().interval(HEARTBEAT))
@@ -433,22 +363,27 @@ fn events(state: Follow) -> impl Stream<Item = Result<Event, Infallible>> {
                 (StreamKind::Stdout, "stdout"),
                 (StreamKind::Stderr, "stderr"),
             ] {
-                let offset = s.at.get(kind);
                 let (framing, scanned) = (s.framing, s.scanned[kind as usize]);
-                let (next, scanned) = s.source.with_output(kind, |all| {
-                    let rest = all.get(offset..).unwrap_or_default();
-                    match framing {
+                let wanted = s.at.get(kind);
+                let (offset, next, scanned) = s.source.with_output(kind, |kept| {
+                    // A background process's ring may have dropped bytes a slow reader had not
+                    // read: it goes on from the oldest kept one (its offset says where).
+                    let (offset, rest) = kept.from(wanted).unwrap_or((wanted, &[]));
+                    let scanned = if offset == wanted { scanned } else { 0 };
+                    let (next, scanned) = match framing {
                         Framing::Bytes => (
                             output_event(&rest[..rest.len().min(MAX_CHUNK)], complete),
                             0,
                         ),
                         Framing::Lines => line_event(rest, scanned, complete),
-                    }
+                    };
+                    (offset, next, scanned)
                 });
                 s.scanned[kind as usize] = scanned;
+                *s.at.get_mut(kind) = offset;
                 if let Some((mut data, n)) = next {
                     data["offset"] = json!(offset);
-                    *s.at.get_mut(kind) += n;
+                    *s.at.get_mut(kind) = offset + n;
                     let ev = Event::default()
                         .event(name)
                         .id(s.at.id())
@@ -458,7 +393,7 @@ fn events(state: Follow) -> impl Stream<Item = Result<Event, Infallible>> {
             }
             if let Some(answer) = answer {
                 s.done = true;
-                s._open.delivered = true;
+                s._open.delivered();
                 let ev = Event::default()
                     .event("result")
                     .id(s.at.id())

@@ -34,8 +34,8 @@ use super::request::{
 };
 
 /// One client connection to the proxy, as the result's `network` field and the audit line
-/// show it.
-#[derive(Serialize, Clone, Debug, Default, PartialEq, Eq, utoipa::ToSchema)]
+/// show it (and a receipt, which is read back).
+#[derive(Serialize, serde::Deserialize, Clone, Debug, Default, PartialEq, Eq, utoipa::ToSchema)]
 pub struct ConnRecord {
     /// The host as the client wrote it; empty when no request could be read.
     pub host: String,

@@ -65,7 +65,10 @@ pub use self::result::{ExecutionError, Finished};
 pub use self::run::Execution;
 use self::runs::{CancelOutcome, LiveRun, NewRun, Runs, log_store_error, put_final};
 pub use self::runs::{Lookup, Render, Unanswered, owner_of};
-pub use self::session::{Background, SessionExec, SessionLimits, SessionPlace, WORKSPACE};
+pub use self::session::{
+    Background, SessionExec, SessionLimits, SessionPlace, TERMINAL_PROGRAM, Terminal, WORKSPACE,
+    terminal_args,
+};
 use crate::config::Config;
 use crate::executors::Registry;
 use crate::metrics::Metrics;
@@ -346,6 +349,7 @@ impl ExecutionService {
             profile: plan.profile.name.clone(),
             timeout_seconds: plan.timeout_seconds,
             idempotency_key: req.idempotency_key,
+            via: req.via.map(Into::into),
         };
         // Nothing runs unaudited. A refused start bought no run: the token stays usable (and the
         // caller releases the idempotency key on any error).
@@ -377,6 +381,11 @@ impl ExecutionService {
                 .session()
                 .map(|s| (s.session_id.clone(), s.code_sha256.clone())),
             timestamp,
+            ring: req
+                .action
+                .session()
+                .and_then(|s| s.background.as_ref())
+                .map(|b| b.ring_bytes),
             metadata: req.metadata,
             admitted,
             metrics: self.metrics.clone(),
@@ -410,13 +419,18 @@ impl ExecutionService {
                 owner: execution.owner.clone(),
                 backend: execution.plan.backend.as_str(),
                 profile: execution.plan.profile.name.clone(),
+                ring: execution.ring,
             },
             execution.stop.clone(),
         );
         let tapped = live.clone();
-        execution.spec.output_tap = Some(OutputTap::new(move |stream, chunk| {
-            tapped.push_output(stream, chunk)
-        }));
+        let tap = OutputTap::new(move |stream, chunk| tapped.push_output(stream, chunk));
+        // A background process's readers follow all of its output through its ring; its record
+        // keeps what its output cap keeps, as every run's does.
+        execution.spec.output_tap = Some(match execution.ring {
+            Some(_) => tap.past_cap(),
+            None => tap,
+        });
         self.metrics.live_runs.set(self.runs.len() as f64);
         let (store, runs, metrics) = (self.store.clone(), self.runs.clone(), self.metrics.clone());
         let (instance, retention, render) = (self.instance.clone(), self.retention, self.render);
@@ -725,6 +739,7 @@ mod tests {
             metadata: Some(Map::from_iter([("job".to_string(), json!("j-7"))])),
             idempotency_key: None,
             abandoned: None,
+            via: None,
         }
     }
 

@@ -348,6 +348,7 @@ mod tests {
             profile: "shell-readonly".into(),
             timeout_seconds: 30,
             idempotency_key: None,
+            via: None,
         }
     }
 

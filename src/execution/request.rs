@@ -50,6 +50,9 @@ pub struct ExecutionRequest {
     /// queued for a run slot then gives its place back and runs nothing; a run that started is
     /// not touched by it.
     pub abandoned: Option<watch::Receiver<bool>>,
+    /// The front end the request came through when it was not the REST API (`mcp`): its
+    /// audit lines say so.
+    pub via: Option<&'static str>,
 }
 
 /// The kinds of run an execution may ask for. Each is decided its own way, in one place

@@ -42,6 +42,8 @@ pub struct Execution {
     /// When it was admitted (provenance's `timestamp`).
     pub(super) timestamp: String,
     pub(super) metadata: Option<Map<String, Value>>,
+    /// A background process's output ring ([`super::Background::ring_bytes`]).
+    pub(super) ring: Option<usize>,
     pub(super) admitted: AdmittedRun,
     pub(super) metrics: Arc<Metrics>,
 }
@@ -77,6 +79,7 @@ impl Execution {
             session,
             timestamp,
             metadata,
+            ring: _,
             admitted,
             metrics,
         } = self;

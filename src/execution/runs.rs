@@ -29,8 +29,9 @@ pub struct LiveRun {
     stop: watch::Sender<Option<Stop>>,
     /// Who cancelled it, and whether it ended: a cancel is taken only before the end.
     control: Mutex<Control>,
-    /// What the run has written so far (within its output caps), for streams that follow it.
-    output: Mutex<[Vec<u8>; 2]>,
+    /// What the run has written so far, for streams that follow it: all of it within its output
+    /// caps, or (a background process) the last bytes of each stream.
+    output: Mutex<[Output; 2]>,
     /// Bumped on every chunk of output and when the answer is set: wakes the streams.
     changed: watch::Sender<u64>,
     answer: watch::Sender<Option<Arc<StoredResponse>>>,
@@ -51,25 +52,25 @@ impl LiveRun {
 
     /// Appends a chunk the run wrote.
     pub fn push_output(&self, stream: StreamKind, chunk: &[u8]) {
-        self.output.lock().unwrap_or_else(|p| p.into_inner())[stream as usize]
-            .extend_from_slice(chunk);
+        self.output.lock().unwrap_or_else(|p| p.into_inner())[stream as usize].push(chunk);
         self.changed.send_modify(|n| *n += 1);
     }
 
-    /// At most `max` bytes of `stream` from `offset` on (empty when there are none yet).
-    pub fn output_from(&self, stream: StreamKind, offset: usize, max: usize) -> Vec<u8> {
-        self.with_output(stream, |all| {
-            all.get(offset..)
-                .map(|rest| rest[..rest.len().min(max)].to_vec())
-                .unwrap_or_default()
+    /// At most `max` bytes of `stream` from `offset` on, or from the oldest byte still kept
+    /// when `offset` is older, with the offset they begin at (empty when there are none yet).
+    pub fn output_from(&self, stream: StreamKind, offset: usize, max: usize) -> (usize, Vec<u8>) {
+        self.with_output(stream, |kept| {
+            kept.from(offset)
+                .map(|(at, rest)| (at, rest[..rest.len().min(max)].to_vec()))
+                .unwrap_or((offset, Vec::new()))
         })
     }
 
-    /// `f` of everything the run has written to `stream` so far (the output stays locked
-    /// meanwhile: `f` only looks).
-    pub fn with_output<R>(&self, stream: StreamKind, f: impl FnOnce(&[u8]) -> R) -> R {
+    /// `f` of what is kept of `stream` so far (the output stays locked meanwhile: `f` only
+    /// looks).
+    pub fn with_output<R>(&self, stream: StreamKind, f: impl FnOnce(Kept<'_>) -> R) -> R {
         let out = self.output.lock().unwrap_or_else(|p| p.into_inner());
-        f(&out[stream as usize])
+        f(out[stream as usize].kept())
     }
 
     /// Wakes when output arrives or the answer is set.
@@ -135,6 +136,82 @@ impl LiveRun {
     }
 }
 
+/// One stream of a live run's output: all of it, or with a ring size only the newest bytes.
+///
+/// A ring keeps between `ring` and twice `ring` bytes: it drops its oldest half at once when
+/// full rather than moving every byte on every chunk.
+struct Output {
+    /// Bytes written before `bytes[0]` and no longer kept.
+    dropped: usize,
+    bytes: Vec<u8>,
+    ring: Option<usize>,
+}
+
+impl Output {
+    fn new(ring: Option<usize>) -> Self {
+        Output {
+            dropped: 0,
+            bytes: Vec::new(),
+            ring,
+        }
+    }
+
+    fn push(&mut self, chunk: &[u8]) {
+        let Some(ring) = self.ring else {
+            self.bytes.extend_from_slice(chunk);
+            return;
+        };
+        let ring = ring.max(1);
+        if chunk.len() >= ring {
+            // The chunk alone fills the ring: its last `ring` bytes are what is kept.
+            self.dropped += self.bytes.len() + chunk.len() - ring;
+            self.bytes.clear();
+            self.bytes.extend_from_slice(&chunk[chunk.len() - ring..]);
+            return;
+        }
+        if self.bytes.len() + chunk.len() > 2 * ring {
+            let cut = self.bytes.len() + chunk.len() - ring;
+            self.bytes.drain(..cut);
+            self.dropped += cut;
+        }
+        self.bytes.extend_from_slice(chunk);
+    }
+
+    fn kept(&self) -> Kept<'_> {
+        Kept {
+            start: self.dropped,
+            bytes: &self.bytes,
+        }
+    }
+}
+
+/// What is kept of one stream of a run: `bytes`, which begin at byte `start` of the stream
+/// (0 unless older bytes were dropped from a background process's ring).
+#[derive(Debug, Clone, Copy)]
+pub struct Kept<'a> {
+    pub start: usize,
+    pub bytes: &'a [u8],
+}
+
+impl<'a> Kept<'a> {
+    /// All of a stream, from its first byte.
+    pub fn whole(bytes: &'a [u8]) -> Self {
+        Kept { start: 0, bytes }
+    }
+
+    /// Where the stream has reached.
+    pub fn end(&self) -> usize {
+        self.start + self.bytes.len()
+    }
+
+    /// The kept bytes from `offset` on, with where they begin: `offset`, or the oldest kept
+    /// byte when `offset` is older. None past the end.
+    pub fn from(&self, offset: usize) -> Option<(usize, &'a [u8])> {
+        let at = offset.max(self.start);
+        self.bytes.get(at - self.start..).map(|rest| (at, rest))
+    }
+}
+
 #[derive(Default)]
 struct Control {
     cancelled_by: Option<String>,
@@ -147,6 +224,9 @@ pub struct NewRun {
     pub owner: String,
     pub backend: &'static str,
     pub profile: String,
+    /// A background process: keep only the last this many bytes of each stream for its readers
+    /// (None: all of it, which its output cap bounds).
+    pub ring: Option<usize>,
 }
 
 /// What a cancel found.
@@ -192,7 +272,7 @@ impl Runs {
             profile: new.profile,
             stop,
             control: Mutex::new(Control::default()),
-            output: Mutex::new([Vec::new(), Vec::new()]),
+            output: Mutex::new([Output::new(new.ring), Output::new(new.ring)]),
             changed: watch::channel(0).0,
             answer: watch::channel(None).0,
         });
@@ -352,6 +432,7 @@ mod tests {
             owner: "orbit".into(),
             backend: "local",
             profile: "python".into(),
+            ring: None,
         }
     }
 
@@ -420,11 +501,12 @@ mod tests {
         run.push_output(StreamKind::Stdout, b"world");
         run.push_output(StreamKind::Stderr, b"!");
         assert!(changes.has_changed().unwrap());
-        assert_eq!(run.output_from(StreamKind::Stdout, 0, 100), b"hello world");
-        assert_eq!(run.output_from(StreamKind::Stdout, 6, 3), b"wor");
-        assert_eq!(run.output_from(StreamKind::Stdout, 11, 100), b"");
-        assert_eq!(run.output_from(StreamKind::Stdout, 99, 100), b"");
-        assert_eq!(run.output_from(StreamKind::Stderr, 0, 100), b"!");
+        let from = |stream, offset, max| run.output_from(stream, offset, max).1;
+        assert_eq!(from(StreamKind::Stdout, 0, 100), b"hello world");
+        assert_eq!(from(StreamKind::Stdout, 6, 3), b"wor");
+        assert_eq!(from(StreamKind::Stdout, 11, 100), b"");
+        assert_eq!(from(StreamKind::Stdout, 99, 100), b"");
+        assert_eq!(from(StreamKind::Stderr, 0, 100), b"!");
         changes.mark_unchanged();
         run.set_answer(Arc::new(StoredResponse {
             status: 200,
@@ -432,6 +514,50 @@ mod tests {
         }));
         assert!(changes.has_changed().unwrap());
         assert_eq!(run.answered().unwrap().status, 200);
+    }
+
+    #[test]
+    fn a_background_process_keeps_the_newest_bytes_of_each_stream_within_twice_its_ring() {
+        let runs = Runs::default();
+        let run = runs.register(
+            NewRun {
+                ring: Some(8),
+                ..new_run("exec-1")
+            },
+            watch::channel(None).0,
+        );
+        let mut written = Vec::new();
+        for i in 0..100u8 {
+            let chunk = [i; 3];
+            run.push_output(StreamKind::Stdout, &chunk);
+            written.extend_from_slice(&chunk);
+            run.with_output(StreamKind::Stdout, |kept| {
+                assert_eq!(
+                    kept.end(),
+                    written.len(),
+                    "offsets stay those of the stream"
+                );
+                assert!(kept.bytes.len() <= 16, "{} bytes kept", kept.bytes.len());
+                assert!(kept.bytes.len() >= 8.min(written.len()));
+                assert_eq!(kept.bytes, &written[kept.start..]);
+            });
+        }
+        // An offset older than what is kept reads from the oldest kept byte.
+        let oldest = run.with_output(StreamKind::Stdout, |k| k.start);
+        assert!(oldest > 0);
+        assert_eq!(
+            run.output_from(StreamKind::Stdout, 0, 4),
+            (oldest, written[oldest..oldest + 4].to_vec())
+        );
+        assert_eq!(
+            run.output_from(StreamKind::Stdout, 300, 4),
+            (300, Vec::new())
+        );
+        // One chunk larger than the ring leaves its tail.
+        run.push_output(StreamKind::Stderr, b"0123456789abcdef0123");
+        run.with_output(StreamKind::Stderr, |kept| {
+            assert_eq!((kept.start, kept.bytes), (12, &b"cdef0123"[..]));
+        });
     }
 
     #[test]

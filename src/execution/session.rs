@@ -37,6 +37,31 @@ pub struct SessionExec {
     pub background: Option<Background>,
     /// A foreground exec whose stdin stays open for these (`stdin_open`).
     pub stdin_controls: Option<Controls>,
+    /// A terminal (a background process): the supervisor's `pty` mode runs the shell instead
+    /// of the language's interpreter.
+    pub terminal: Option<Terminal>,
+}
+
+/// What makes a session's background process its terminal.
+#[derive(Debug, Clone)]
+pub struct Terminal {
+    /// The supervisor binary on the host, bound read-only into a local sandbox at
+    /// [`TERMINAL_PROGRAM`] (containers have it there already).
+    pub supervisor: PathBuf,
+}
+
+/// Where the terminal's program (the supervisor) is inside every sandbox.
+pub const TERMINAL_PROGRAM: &str = crate::sandbox::docker::supervisor::CONTAINER_PATH;
+
+/// The shells a terminal tries, in order: the first the sandbox has runs.
+pub const TERMINAL_SHELLS: [&str; 2] = ["/bin/bash", "/bin/sh"];
+
+/// The terminal's argv after its program: the supervisor's `pty` mode and the shells.
+pub fn terminal_args() -> Vec<String> {
+    std::iter::once("pty")
+        .chain(TERMINAL_SHELLS)
+        .map(String::from)
+        .collect()
 }
 
 /// What makes a session's exec a background process.
@@ -46,6 +71,9 @@ pub struct Background {
     pub controls: Controls,
     /// Names its code file (ASCII letters and digits), unique among the session's processes.
     pub key: String,
+    /// Its readers follow all of its output; the last this many bytes of each stream are kept
+    /// for those that come late or resume (`sessions.process_output_ring_bytes`).
+    pub ring_bytes: usize,
 }
 
 /// Where a session's exec runs.
@@ -122,7 +150,8 @@ impl SessionExec {
     }
 
     /// Puts the run in the session's place: its workspace as workdir and home, the exec's cwd,
-    /// and the code where the language's interpreter reads it.
+    /// and the code where the language's interpreter reads it. On the host, the session's runs
+    /// form one group, held together by the session's limits.
     pub(super) fn shape(&self, spec: &mut RunSpec) {
         spec.fs.workdir = PathBuf::from(WORKSPACE);
         spec.fs.cwd = Some(self.cwd.clone());
@@ -132,6 +161,25 @@ impl SessionExec {
             spec.background = true;
         } else if let Some(c) = &self.stdin_controls {
             spec.controls = Some(c.clone());
+        }
+        if let Some(t) = &self.terminal {
+            spec.argv = std::iter::once(TERMINAL_PROGRAM.to_string())
+                .chain(terminal_args())
+                .collect();
+            spec.fs.pty = true;
+            match &self.place {
+                SessionPlace::Host { workspace, uid, .. } => {
+                    if let Some(uid) = uid {
+                        spec.uid = *uid;
+                    }
+                    spec.group = Some(self.session_id.clone());
+                    spec.fs.workspace = Some(workspace.clone());
+                    spec.fs.extra_files =
+                        vec![(t.supervisor.clone(), PathBuf::from(TERMINAL_PROGRAM))];
+                }
+                SessionPlace::Kept { sandbox, .. } => spec.kept = Some(sandbox.clone()),
+            }
+            return;
         }
         let code_path = self.code_path();
         match &self.place {
@@ -144,6 +192,7 @@ impl SessionExec {
                 if let Some(uid) = uid {
                     spec.uid = *uid;
                 }
+                spec.group = Some(self.session_id.clone());
                 spec.fs.workspace = Some(workspace.clone());
                 spec.fs.extra_files = vec![(code_file.clone(), code_path)];
             }

@@ -53,40 +53,30 @@ fn tool_list() {
 #[test]
 fn twins() {
     let t = tools::twin(
-        "execute",
-        args(json!({"action_type": "shell", "command": "echo"})),
-    )
-    .unwrap();
-    assert_eq!(
-        (t.method, t.uri.as_str(), t.streams),
-        (Method::POST, "/execute", true)
-    );
-    assert_eq!(
-        t.body,
-        Body::Json(json!({"action_type": "shell", "command": "echo"}))
-    );
-    // An async execute is answered at once: nothing to stream.
-    let t = tools::twin("execute", args(json!({"command": "echo", "async": true}))).unwrap();
-    assert!(!t.streams);
-
-    let t = tools::twin(
-        "run_start",
-        args(json!({"command": "echo", "async": false})),
-    )
-    .unwrap();
-    assert_eq!(
-        t.body,
-        Body::Json(json!({"command": "echo", "async": true}))
-    );
-    assert!(!t.streams);
-
-    let t = tools::twin(
         "session_exec",
         args(json!({"session_id": "ses_1", "code": "x"})),
     )
     .unwrap();
     assert_eq!(t.uri, "/v1/sandbox/sessions/ses_1/exec");
-    assert_eq!(t.body, Body::Json(json!({"code": "x"})));
+    // A run waited for is cancelled when the call is given up, unless the call says otherwise.
+    assert_eq!(
+        t.body,
+        Body::Json(json!({"code": "x", "cancel_on_disconnect": true}))
+    );
+    let t = tools::twin(
+        "session_exec",
+        args(json!({"session_id": "ses_1", "code": "x", "cancel_on_disconnect": false, "background": true})),
+    )
+    .unwrap();
+    assert_eq!(
+        t.body,
+        Body::Json(json!({"code": "x", "cancel_on_disconnect": false, "background": true}))
+    );
+    // Runs are not REST twins: they go through `calls` (see `McpServer::execute`).
+    assert_eq!(
+        tools::twin("execute", args(json!({"command": "echo"}))),
+        Err(NoTwin::UnknownTool("execute".into()))
+    );
 
     let t = tools::twin(
         "files_read",
@@ -219,4 +209,27 @@ fn allowed_hosts() {
     c.mcp.allowed_hosts.clear();
     c.server.listen = "10.1.2.3:8003".into();
     assert!(super::allowed_hosts(&c).is_empty());
+}
+
+/// An MCP session's id opens only for the service that opened the session; a changed id or tag
+/// opens for no one.
+#[test]
+fn session_seal() {
+    let seal = super::SessionSeal::new();
+    let sealed = seal.seal("orchestrator", "5f0c-1.2");
+    assert_eq!(seal.open("orchestrator", &sealed), Some("5f0c-1.2"));
+    assert_eq!(seal.open("intruder", &sealed), None);
+    assert_eq!(seal.open("-", &sealed), None);
+    assert_eq!(seal.open("orchestrator", "5f0c-1.2"), None);
+    assert_eq!(seal.open("orchestrator", &format!("{sealed}0")), None);
+    let other = sealed.replacen("5f0c", "5f0d", 1);
+    assert_eq!(seal.open("orchestrator", &other), None);
+    // The owner and the id are not one string run together.
+    let a = seal.seal("ab", "c");
+    assert_eq!(seal.open("a", &a.replacen("c.", "bc.", 1)), None);
+    // Another process's seal opens nothing of this one's.
+    assert_eq!(
+        super::SessionSeal::new().open("orchestrator", &sealed),
+        None
+    );
 }

@@ -1,9 +1,10 @@
-//! The ten tools `/mcp` offers: their input schemas, and each one's REST twin (the route, the
-//! body) with how its answer becomes the tool's result.
+//! The ten tools `/mcp` offers: their input schemas and arguments, and each one's REST twin (the
+//! route and body a replica that holds the call's session or run is handed) with how its answer
+//! becomes the tool's result.
 //!
 //! Owns: the tool names, descriptions and schemas, and reading a call's own arguments (a
-//! session id, a path, file content). Must not: check what the REST twin checks (its fields,
-//! limits, grants): those arguments go to the twin as its body, and its answer is the answer.
+//! session id, a path, file content). Must not: check what `calls` checks (the request's fields,
+//! limits, grants).
 
 use std::sync::Arc;
 
@@ -16,8 +17,8 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use crate::api::execute::ExecuteRequest;
-use crate::api::sessions::{CreateBody, ExecBody};
+use crate::calls::execute::ExecuteRequest;
+use crate::calls::sessions::{CreateBody, ExecBody};
 
 /// A session of the caller's (its `ses_…` id).
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -263,7 +264,7 @@ fn file_path(p: &str) -> String {
     p.split('/').map(seg).collect::<Vec<_>>().join("/")
 }
 
-fn args_of<T: serde::de::DeserializeOwned>(
+pub(super) fn args_of<T: serde::de::DeserializeOwned>(
     tool: &str,
     args: Map<String, Value>,
 ) -> Result<T, NoTwin> {
@@ -288,6 +289,16 @@ fn asks_async(body: &Map<String, Value>) -> bool {
     body.get("async") == Some(&Value::Bool(true))
 }
 
+/// A call the client gives up cancels its run (with the default grace): a run that is waited
+/// for (not async, not a background process) says `cancel_on_disconnect` unless the call
+/// said otherwise.
+pub(super) fn cancel_when_given_up(body: &mut Map<String, Value>) {
+    if !asks_async(body) && body.get("background") != Some(&Value::Bool(true)) {
+        body.entry("cancel_on_disconnect")
+            .or_insert(Value::Bool(true));
+    }
+}
+
 /// The REST twin of the call of `tool` with `args`.
 pub(super) fn twin(tool: &str, args: Map<String, Value>) -> Result<Twin, NoTwin> {
     let json = |method: Method, uri: String, body: Body, streams: bool| Twin {
@@ -298,25 +309,6 @@ pub(super) fn twin(tool: &str, args: Map<String, Value>) -> Result<Twin, NoTwin>
         streams,
     };
     Ok(match tool {
-        "execute" => {
-            let streams = !asks_async(&args);
-            json(
-                Method::POST,
-                "/execute".into(),
-                Body::Json(args.into()),
-                streams,
-            )
-        }
-        "run_start" => {
-            let mut body = args;
-            body.insert("async".into(), Value::Bool(true));
-            json(
-                Method::POST,
-                "/execute".into(),
-                Body::Json(body.into()),
-                false,
-            )
-        }
         "session_create" => json(
             Method::POST,
             "/v1/sandbox/sessions".into(),
@@ -334,6 +326,7 @@ pub(super) fn twin(tool: &str, args: Map<String, Value>) -> Result<Twin, NoTwin>
                 }
             };
             let streams = !asks_async(&body);
+            cancel_when_given_up(&mut body);
             json(
                 Method::POST,
                 format!("{}/exec", session_uri(&id)),

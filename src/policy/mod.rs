@@ -135,6 +135,7 @@ impl Plan {
                 workdir: p.filesystem.workdir.clone(),
                 workspace: None,
                 cwd: None,
+                pty: false,
             },
             uid: p.user.uid,
             gid: p.user.gid,
@@ -147,6 +148,7 @@ impl Plan {
             code: None,
             controls: None,
             background: false,
+            group: None,
         }
     }
 }

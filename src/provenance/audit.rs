@@ -122,6 +122,9 @@ pub enum AuditEvent {
     /// An archive was extracted into a session's workspace (written once it was checked and
     /// staged, before any of it entered the workspace).
     SessionArchive(SessionArchiveUpload),
+    /// A session's terminal ended: when it started and ended, the bytes each way (never the
+    /// bytes themselves). Its process is also an `execution` line (the supervisor's pty mode).
+    SessionTerminal(SessionTerminal),
 }
 
 impl AuditEvent {
@@ -141,6 +144,7 @@ impl AuditEvent {
             AuditEvent::SessionPause(_) => "session_pause",
             AuditEvent::SessionResume(_) => "session_resume",
             AuditEvent::SessionArchive(_) => "session_archive",
+            AuditEvent::SessionTerminal(_) => "session_terminal",
         }
     }
 }
@@ -237,6 +241,26 @@ pub struct SessionArchiveUpload {
     pub members: u64,
 }
 
+/// A session's terminal, written once it ended.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionTerminal {
+    pub request_id: String,
+    pub session_id: String,
+    pub owner: String,
+    pub tenant: String,
+    /// The terminal's process (its exec id: the `execution` line of its run has it too).
+    pub process_id: String,
+    /// RFC 3339, UTC, milliseconds.
+    pub started_at: String,
+    pub ended_at: String,
+    /// `closed` (its caller closed the socket), `exited` (the shell, or the session, ended it),
+    /// `refused` (a frame over `sessions.max_frame_bytes` or a malformed text frame).
+    pub end: &'static str,
+    /// Bytes typed into the terminal and bytes of its output sent to the caller.
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+}
+
 /// Why a session ended.
 #[derive(Debug, Clone, Serialize)]
 pub struct SessionClosed {
@@ -276,6 +300,9 @@ pub struct Run {
     /// (`<subject length>:<subject>:<key>`, `IdemKey::scoped`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
+    /// The front end the request came through when it was not the REST API (`mcp`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub via: Option<Cow<'static, str>>,
 }
 
 /// A run whose `execution_start` line has no end line in the log as opened: the daemon that
@@ -410,7 +437,7 @@ impl AuditLog {
             std::fs::create_dir_all(parent).map_err(io)?;
         }
         let walked = match File::open(path) {
-            Ok(f) => Some(walk(path, f)?),
+            Ok(f) => Some(walk(path, f, &mut |_, _| {})?),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(io(e)),
         };
@@ -478,6 +505,23 @@ impl AuditLog {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The last line written: its seq and entry hash (seq 0 and [`GENESIS`] before any).
+    pub fn head(&self) -> (u64, String) {
+        let tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+        (tail.seq, tail.last_hash.clone())
+    }
+
+    /// [`AuditLog::head`] once every line up to it is on disk (an fsync when one is due): what a
+    /// checkpoint may sign. Fails when that line's fsync failed.
+    pub fn durable_head(&self) -> Result<(u64, String), AuditError> {
+        let (seq, hash, end) = {
+            let tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+            (tail.seq, tail.last_hash.clone(), tail.len)
+        };
+        self.commit(Written { seq, end })?;
+        Ok((seq, hash))
     }
 
     /// The segment this log replaced at open, when the previous one did not verify.
@@ -811,11 +855,20 @@ fn sync_dir(path: &Path) -> std::io::Result<()> {
 
 /// Verifies the chain of `path`.
 pub fn verify(path: &Path) -> Result<Verified, AuditError> {
+    verify_observing(path, &mut |_, _| {})
+}
+
+/// Verifies the chain of `path`, handing each line's seq and entry hash to `observe` as it goes
+/// (a line is handed over only once it verified).
+pub fn verify_observing(
+    path: &Path,
+    observe: &mut dyn FnMut(u64, &str),
+) -> Result<Verified, AuditError> {
     let f = File::open(path).map_err(|source| AuditError::Io {
         path: path.to_path_buf(),
         source,
     })?;
-    match walk(path, f)? {
+    match walk(path, f, observe)? {
         Walk::Intact(v, _) => Ok(v),
         Walk::Broken { error, .. } => Err(error),
     }
@@ -904,7 +957,7 @@ struct Head {
     previous_last_hash: Option<String>,
 }
 
-fn walk(path: &Path, f: File) -> Result<Walk, AuditError> {
+fn walk(path: &Path, f: File, observe: &mut dyn FnMut(u64, &str)) -> Result<Walk, AuditError> {
     let mut reader = BufReader::new(f);
     let mut good = Verified::empty();
     let mut open = OpenRuns::default();
@@ -930,6 +983,7 @@ fn walk(path: &Path, f: File) -> Result<Walk, AuditError> {
         match checked {
             Ok(link) => {
                 open.observe(&link, &buf);
+                observe(link.seq, &link.hash);
                 good.lines = line;
                 good.last_seq = link.seq;
                 good.last_hash = link.hash;
@@ -1076,6 +1130,7 @@ mod tests {
             profile: "shell-readonly".into(),
             timeout_seconds: 30,
             idempotency_key: None,
+            via: None,
         }
     }
 

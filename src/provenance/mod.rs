@@ -1,6 +1,12 @@
-//! Provenance: the hashes that tie a result to what ran, and the hash-chained audit log.
+//! Provenance: the hashes that tie a result to what ran, the hash-chained audit log, and the
+//! signatures that let others check both: receipts (`receipt`, a DSSE envelope from `dsse`) and
+//! audit checkpoints (`checkpoint`), signed with the key `keys` reads.
 
 pub mod audit;
+pub mod checkpoint;
+pub mod dsse;
+pub mod keys;
+pub mod receipt;
 
 use sha2::{Digest, Sha256};
 
@@ -26,6 +32,14 @@ pub fn invocation_hash(v: &serde_json::Value) -> String {
 /// serde_json's default map is a BTreeMap, so serialising a `Value` sorts keys at every level.
 pub fn canonical_json(v: &serde_json::Value) -> String {
     serde_json::to_string(v).unwrap_or_default()
+}
+
+/// What signs receipts and checkpoints: the signing key, the public keys that verify (its own
+/// and `receipts.public_key_files`) and the writer of this log's checkpoints.
+pub struct Signing {
+    pub key: keys::SigningKey,
+    pub keys: keys::KeySet,
+    pub checkpoints: std::sync::Arc<checkpoint::CheckpointWriter>,
 }
 
 #[cfg(test)]

@@ -37,8 +37,8 @@ struct Capturing {
     closed: bool,
 }
 
-/// Reads `reader` to EOF keeping at most `cap` bytes in `into`, each kept chunk also handed to
-/// `tap` as it arrives. On overflow it sends `true` on `overflow` and keeps draining (discarding)
+/// Reads `reader` to EOF keeping at most `cap` bytes in `into`, each kept chunk (every chunk,
+/// for a tap that follows past the cap) also handed to `tap` as it arrives. On overflow it sends `true` on `overflow` and keeps draining (discarding)
 /// so the writer is not blocked until the run ends or the backend kills it.
 async fn read_capped<R: AsyncRead + Unpin>(
     mut reader: R,
@@ -62,10 +62,11 @@ async fn read_capped<R: AsyncRead + Unpin>(
         let out = &mut shared.captured;
         let room = cap.saturating_sub(out.bytes.len());
         let kept = n.min(room);
-        if kept > 0
-            && let Some((tap, stream)) = &tap
-        {
-            tap.send(*stream, &buf[..kept]);
+        if let Some((tap, stream)) = &tap {
+            let tapped = if tap.follows_past_cap() { n } else { kept };
+            if tapped > 0 {
+                tap.send(*stream, &buf[..tapped]);
+            }
         }
         out.bytes.extend_from_slice(&buf[..kept]);
         if n > room && !out.truncated {
@@ -205,6 +206,30 @@ mod tests {
         // The tap sees exactly what is kept.
         assert_eq!(*tapped.lock().unwrap(), got.bytes);
         assert!(*rx.borrow());
+    }
+
+    #[tokio::test]
+    async fn a_tap_past_the_cap_sees_every_byte_and_the_capture_stays_capped() {
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let (tx, rx) = watch::channel(false);
+        let tapped = Arc::new(Mutex::new(Vec::new()));
+        let sink = tapped.clone();
+        let tap =
+            OutputTap::new(move |_, b: &[u8]| sink.lock().unwrap().extend_from_slice(b)).past_cap();
+        let into = Shared::default();
+        read_capped(
+            &data[..],
+            1000,
+            tx,
+            Some((tap, StreamKind::Stdout)),
+            into.clone(),
+        )
+        .await;
+        let got = close(&into);
+        assert_eq!(got.bytes, &data[..1000]);
+        assert!(got.truncated);
+        assert!(*rx.borrow());
+        assert_eq!(*tapped.lock().unwrap(), data);
     }
 
     /// A stream held open past the run gives back what was read, not nothing.

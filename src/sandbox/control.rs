@@ -14,6 +14,8 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
+use super::ports::NetnsSlot;
+
 /// How many controls may wait for the run to take them; a sender past it waits.
 pub const CONTROL_QUEUE: usize = 64;
 
@@ -88,6 +90,8 @@ pub struct ControlSender {
     room: Arc<Semaphore>,
     /// Set once [`Control::CloseStdin`] was sent: later stdin bytes are refused.
     stdin_closed: Arc<AtomicBool>,
+    /// Where the run publishes its network namespace (local runs), for its session's ports.
+    netns: NetnsSlot,
 }
 
 /// A stdin control on its way to the run, with the room its bytes take until the run takes them.
@@ -116,6 +120,11 @@ pub enum Refused {
 }
 
 impl ControlSender {
+    /// The run's network namespace once a local run published it (see [`Controls::netns`]).
+    pub fn netns(&self) -> &NetnsSlot {
+        &self.netns
+    }
+
     /// Queues `control` for the run: stdin bytes and its end in order with each other, a signal
     /// on its own queue. Waits while that queue is full (for stdin: [`CONTROL_QUEUE`] controls
     /// or [`STDIN_WAITING_BYTES`] bytes).
@@ -186,31 +195,37 @@ impl ControlReceiver {
 /// The receiving end of a run's controls. A [`super::RunSpec`] is cloned on its way to a
 /// backend, so the receiver sits behind a shared slot; the one run that takes it owns it.
 #[derive(Debug, Clone)]
-pub struct Controls(Arc<Mutex<Option<ControlReceiver>>>);
+pub struct Controls {
+    rx: Arc<Mutex<Option<ControlReceiver>>>,
+    netns: NetnsSlot,
+}
 
 impl Controls {
     /// A control channel: the sender for the caller, the receiving end for the run's spec.
     pub fn channel() -> (ControlSender, Controls) {
         let (inputs_tx, inputs) = mpsc::channel(CONTROL_QUEUE);
         let (signals_tx, signals) = mpsc::channel(SIGNAL_QUEUE);
+        let netns = NetnsSlot::default();
         let tx = ControlSender {
             inputs: inputs_tx,
             signals: signals_tx,
             room: Arc::new(Semaphore::new(STDIN_WAITING_BYTES)),
             stdin_closed: Arc::new(AtomicBool::new(false)),
+            netns: netns.clone(),
         };
-        (
-            tx,
-            Controls(Arc::new(Mutex::new(Some(ControlReceiver {
-                inputs,
-                signals,
-            })))),
-        )
+        let rx = Arc::new(Mutex::new(Some(ControlReceiver { inputs, signals })));
+        (tx, Controls { rx, netns })
     }
 
     /// The receiver, for the run that takes it (None once taken).
     pub fn take(&self) -> Option<ControlReceiver> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+        self.rx.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// Where a local run publishes its network namespace once it started, so that its session
+    /// reaches the ports its processes listen on (see [`super::ports`]).
+    pub fn netns(&self) -> &NetnsSlot {
+        &self.netns
     }
 }
 

@@ -173,6 +173,12 @@ pub trait Kept: Send + Sync {
     /// destroyed, whoever still holds a handle.
     async fn close(&self);
 
+    /// A connection to `127.0.0.1:port` inside the sandbox (see [`super::ports`]).
+    async fn connect_port(
+        &self,
+        port: u16,
+    ) -> Result<super::ports::PortConn, super::ports::PortError>;
+
     /// For the backend that made it.
     fn as_any(&self) -> &dyn std::any::Any;
 }

@@ -10,6 +10,7 @@ pub mod control;
 pub mod docker;
 pub mod files;
 pub mod local;
+pub mod ports;
 pub mod run;
 pub mod syscalls;
 pub mod uids;
@@ -176,6 +177,10 @@ pub struct FsRules {
     pub workspace: Option<PathBuf>,
     /// Where the command starts, inside `workdir`; `workdir` itself when None.
     pub cwd: Option<PathBuf>,
+    /// The run opens a pseudo-terminal (a session's terminal): the local backend mounts a devpts
+    /// instance of the run's own at /dev/pts, with /dev/ptmx pointing into it (containers have
+    /// theirs already).
+    pub pty: bool,
 }
 
 /// Everything a backend needs to run one command; nothing more.
@@ -213,6 +218,10 @@ pub struct RunSpec {
     /// A session's background process: in a kept sandbox it runs beside the session's other
     /// runs (it neither waits for nor ends them, and they do not end it).
     pub background: bool,
+    /// Runs naming the same group count together in one set of pids, memory and CPU limits,
+    /// those of the group's first live run (a session's runs on the local backend, which all
+    /// carry the session's limits; a kept sandbox's runs share its container's already).
+    pub group: Option<String>,
 }
 
 /// The code of a session's exec and where the interpreter finds it.
@@ -232,17 +241,38 @@ pub enum StreamKind {
 /// What an [`OutputTap`] calls.
 type TapFn = dyn Fn(StreamKind, &[u8]) + Send + Sync;
 
-/// Called with each chunk of a stream's kept output, in order, from the task reading it.
+/// Called with each chunk of a stream's kept output, in order, from the task reading it; or,
+/// [`OutputTap::past_cap`], with every chunk the run writes, those past its output cap included
+/// (a background process's readers follow all of it; what they keep is theirs to bound).
 #[derive(Clone)]
-pub struct OutputTap(std::sync::Arc<TapFn>);
+pub struct OutputTap {
+    f: std::sync::Arc<TapFn>,
+    past_cap: bool,
+}
 
 impl OutputTap {
     pub fn new(f: impl Fn(StreamKind, &[u8]) + Send + Sync + 'static) -> Self {
-        OutputTap(std::sync::Arc::new(f))
+        OutputTap {
+            f: std::sync::Arc::new(f),
+            past_cap: false,
+        }
+    }
+
+    /// This tap, also handed what the run writes past its output cap.
+    pub fn past_cap(self) -> Self {
+        OutputTap {
+            past_cap: true,
+            ..self
+        }
+    }
+
+    /// Whether the tap follows the output past its cap.
+    pub fn follows_past_cap(&self) -> bool {
+        self.past_cap
     }
 
     pub fn send(&self, stream: StreamKind, chunk: &[u8]) {
-        (self.0)(stream, chunk)
+        (self.f)(stream, chunk)
     }
 }
 
@@ -477,6 +507,7 @@ pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {
             workdir: PathBuf::from("/work"),
             workspace: None,
             cwd: None,
+            pty: false,
         },
         uid: 65534,
         gid: 65534,
@@ -489,6 +520,7 @@ pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {
         code: None,
         controls: None,
         background: false,
+        group: None,
     }
 }
 

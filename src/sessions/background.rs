@@ -29,6 +29,11 @@ pub struct PreparedProcess {
 }
 
 impl PreparedProcess {
+    /// The sender of the process's controls (its stdin and signals).
+    pub fn controls(&self) -> ControlSender {
+        self.controls.clone().expect("controls until started")
+    }
+
     /// The process started: it is listed (a session ending meanwhile waits for this, then stops
     /// it with the others), its exec routes serve it, and its code file goes once it ended.
     pub fn started(mut self, live: &Arc<LiveRun>) {
@@ -43,12 +48,15 @@ impl PreparedProcess {
             .execs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.session.remember_exec(live.exec_id());
-        self.session.processes.add(process);
+        self.session.processes.add(process.clone());
         let code_file = std::mem::replace(&mut self.code_file, CodeFile::none());
         let session = self.session.clone();
         let mut answer = live.answer();
+        let netns = process.controls.netns().clone();
         tokio::spawn(async move {
             let _ = answer.wait_for(Option::is_some).await;
+            // Its network namespace is no longer held open for the session's ports.
+            netns.clear();
             drop(code_file);
             session.touch();
         });
@@ -117,6 +125,7 @@ impl SessionService {
         parts.background = Some(Background {
             controls,
             key: uuid::Uuid::new_v4().simple().to_string(),
+            ring_bytes: self.config.process_output_ring_bytes,
         });
         let (request, code_file) = self.exec_request(session, parts).await?;
         if let crate::execution::Action::SessionExec(e) = &request.action {

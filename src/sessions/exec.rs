@@ -19,7 +19,7 @@ use crate::auth::Verified;
 use crate::execution::runs::LiveRun;
 use crate::execution::{
     Action, Background, ExecutionError, ExecutionRequest, SessionExec, SessionLimits, SessionPlace,
-    WORKSPACE,
+    TERMINAL_PROGRAM, Terminal, WORKSPACE, terminal_args,
 };
 use crate::policy::language::Language;
 use crate::sandbox::control::{ControlSender, Controls};
@@ -42,6 +42,11 @@ pub struct ExecParts {
     pub background: Option<Background>,
     /// Keep the exec's stdin open for its caller (async and streamed execs).
     pub stdin_open: bool,
+    /// The session's terminal (a background process): the shell on a pseudo-terminal instead
+    /// of the code (see [`super::terminal`]).
+    pub terminal: bool,
+    /// The front end the exec came through when it was not the REST API (`mcp`).
+    pub via: Option<&'static str>,
 }
 
 /// An exec of a session on its way to start: the claim on the session's one exec (given back
@@ -119,7 +124,19 @@ impl SessionService {
             "sha256:{}",
             hex::encode(Sha256::digest(parts.code.as_bytes()))
         );
+        let terminal = parts.terminal.then(|| Terminal {
+            supervisor: self.supervisor.clone(),
+        });
         let (place, code_file) = match &session.place {
+            // A terminal has no code: its program is the supervisor, bound in on its own.
+            Place::Host(w) if terminal.is_some() => (
+                SessionPlace::Host {
+                    workspace: w.host_dir(),
+                    code_file: std::path::PathBuf::new(),
+                    uid: Some(w.uid()),
+                },
+                CodeFile::none(),
+            ),
             Place::Host(w) => {
                 let key = uuid::Uuid::new_v4().simple().to_string();
                 let code_file = w
@@ -155,7 +172,16 @@ impl SessionService {
             code_sha256,
             cwd,
         };
-        Ok((request(binding, parts), code_file))
+        let mut request = request(binding, parts);
+        if let Action::SessionExec(e) = &mut request.action
+            && terminal.is_some()
+        {
+            e.terminal = terminal;
+            // What the run line records is what runs: the supervisor's pty mode.
+            request.command = TERMINAL_PROGRAM.to_string();
+            request.args = terminal_args();
+        }
+        Ok((request, code_file))
     }
 }
 
@@ -211,6 +237,7 @@ fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
         timeout: parts.timeout_ms.map(Duration::from_millis),
         background: parts.background,
         stdin_controls: None,
+        terminal: None,
     };
     ExecutionRequest {
         request_id: parts.request_id,
@@ -227,6 +254,7 @@ fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
         metadata: None,
         idempotency_key: None,
         abandoned: None,
+        via: parts.via,
         action: Action::SessionExec(exec),
     }
 }

@@ -20,7 +20,10 @@
 //!   upload's audit line.
 //! - `archive`: a session's archives (a tar of a workspace directory out, one into it), sent
 //!   the same way, and an archive upload's audit line.
+//! - `ports`: a connection to a port inside a session's sandbox, for its ports proxy.
 //! - [`workspace`]: a local session's directory on the host (tmpfs, `openat2` file calls).
+//! - `terminal`: a session's terminal, a background process running the supervisor's `pty`
+//!   mode: its controls (bytes, resize, hang-up) and its `session_terminal` audit line.
 //!
 //! The backend halves live below, in `sandbox`, and stay there because the backends use them
 //! and must not depend on this module: the `Kept` trait, the file-call errors and path checks
@@ -38,16 +41,20 @@ mod exec;
 mod files;
 mod pause;
 mod paused;
+mod ports;
 mod processes;
 mod session;
+mod terminal;
 pub mod workspace;
 
 pub use self::archive::{ArchiveUploaded, ImportMode};
 pub use self::background::{ControlError, PreparedProcess};
 pub use self::exec::{ExecParts, PreparedExec};
 pub use self::files::UploadError;
+pub use self::ports::PortRefusal;
 pub use self::processes::{ProcessInfo, ProcessState};
 pub use self::session::{ExecClaim, Owner, Session, SessionInfo, SessionState};
+pub use self::terminal::{PreparedTerminal, Terminal, TerminalEnd, TerminalEnded};
 pub use self::workspace::{Entry, FileError};
 pub use crate::execution::SessionLimits;
 pub use crate::sandbox::files::ByteStream;
@@ -135,7 +142,14 @@ pub struct SessionService {
     /// Where paused sessions are kept, or why it cannot be used (pauses and resumes are then
     /// refused with 503).
     paused: Result<paused::PausedStore, String>,
+    /// The supervisor binary on the host: a local session's terminal binds it in.
+    supervisor: std::path::PathBuf,
+    /// Open terminals: shutdown waits (bounded) for each to write its audit line.
+    terminals: tokio_util::task::TaskTracker,
 }
+
+/// How long shutdown waits for open terminals to record their ends.
+const TERMINALS_AT_SHUTDOWN: Duration = Duration::from_secs(15);
 
 /// How many sandbox deaths are remembered for their owners.
 const LOST_KEPT: usize = 1024;
@@ -150,6 +164,7 @@ impl SessionService {
         store_dir: &std::path::Path,
         executions: Arc<ExecutionService>,
         uids: Arc<UidRange>,
+        supervisor: std::path::PathBuf,
     ) -> Arc<Self> {
         let paused = paused::PausedStore::open(store_dir, executions.instance()).map_err(|e| {
             tracing::error!(dir = %store_dir.display(), error = %e, "sessions.store_dir unusable: pauses and resumes are refused");
@@ -175,6 +190,8 @@ impl SessionService {
             lost: Default::default(),
             uids,
             paused,
+            supervisor,
+            terminals: tokio_util::task::TaskTracker::new(),
         })
     }
 
@@ -611,6 +628,18 @@ impl SessionService {
                 }
             }
             self.end(&id, "shutdown").await;
+        }
+        // The sessions' ends ended their terminals' runs; each terminal's socket task then
+        // writes its audit line.
+        self.terminals.close();
+        if tokio::time::timeout(TERMINALS_AT_SHUTDOWN, self.terminals.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                open = self.terminals.len(),
+                "terminals still open at shutdown: their audit lines may be missing"
+            );
         }
     }
 

@@ -1,6 +1,8 @@
 //! executor-arm's container supervisor: PID 1 of every docker/gvisor sandbox.
 //!
-//! Usage: `executor-arm-supervisor UID GID WORKDIR [once|kept|spawn [AS]]`: who the command runs
+//! Usage: `executor-arm-supervisor UID GID WORKDIR [once|kept|spawn [AS]]` (or `... connect PORT`,
+//! see [`connect`], or `executor-arm-supervisor pty SHELL...`, a session's terminal: see [`pty`]):
+//! who the command runs
 //! as, where, whether the container serves one request, a session's requests one after another,
 //! or (spawn) one background run of a session beside them, and the RLIMIT_AS in bytes each
 //! command process starts with (0: none). The wire protocol is
@@ -57,7 +59,9 @@
 //! Single-threaded on purpose: it forks, and the children use the heap before execve.
 
 mod archives;
+mod connect;
 mod files;
+mod pty;
 mod relay;
 mod tcp;
 
@@ -118,6 +122,8 @@ pub struct Config {
     /// The marker group of this process's runs (kept and spawn modes), see [`MARKER_BASE`]:
     /// fixed at start, from this process's own pid.
     pub marker: Option<Gid>,
+    /// Mode "connect": the port of 127.0.0.1 this process connects its stdio to ([`connect`]).
+    pub connect: Option<u16>,
 }
 
 /// The write end of the self-pipe: a signal between waitpid and poll must still wake poll.
@@ -958,7 +964,7 @@ fn run_request(
                                     let _ = kill(pid, sig);
                                 }
                             }
-                            ControlFrame::Signal(_) => {}
+                            ControlFrame::Signal(_) | ControlFrame::Resize { .. } => {}
                         }
                     }
                 }
@@ -1086,6 +1092,23 @@ fn parse_args(args: &[String]) -> Option<Config> {
         return None;
     };
     let mode = rest.first().map_or("once", String::as_str);
+    if mode == "connect" {
+        let [_, port] = rest else { return None };
+        let port: u16 = port.parse().ok().filter(|p| *p > 0 && digits(port))?;
+        if !digits(uid) || !digits(gid) {
+            return None;
+        }
+        return Some(Config {
+            uid: Uid::from_raw(uid.parse().ok()?),
+            gid: Gid::from_raw(gid.parse().ok()?),
+            workdir: workdir.clone(),
+            kept: false,
+            spawn: false,
+            marker: None,
+            address_space: 0,
+            connect: Some(port),
+        });
+    }
     let address_space = rest.get(1).map_or("0", String::as_str);
     if rest.len() > 2
         || !digits(uid)
@@ -1103,6 +1126,7 @@ fn parse_args(args: &[String]) -> Option<Config> {
         spawn: mode == "spawn",
         marker: (mode != "once").then(|| Gid::from_raw(MARKER_BASE + std::process::id())),
         address_space: address_space.parse().ok()?,
+        connect: None,
     })
 }
 
@@ -1156,10 +1180,14 @@ fn main() {
     // SAFETY: close_range(2) on descriptors this process does not use; no Rust object owns them.
     unsafe { libc::close_range(3, libc::c_uint::MAX, 0) };
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // A session's terminal: an ordinary command of the sandbox, not its PID 1 ([`pty`]).
+    if args.first().map(String::as_str) == Some("pty") {
+        pty::run(&args[1..]);
+    }
     let Some(cfg) = parse_args(&args) else {
         frame(
             kind::FAILED,
-            b"usage: UID GID WORKDIR [once|kept|spawn [AS]]",
+            b"usage: UID GID WORKDIR [once|kept|spawn [AS]] | UID GID WORKDIR connect PORT",
         );
         exit_now(0);
     };
@@ -1170,6 +1198,9 @@ fn main() {
         exit_now(0);
     }
     umask(Mode::from_bits_truncate(0o022));
+    if let Some(port) = cfg.connect {
+        connect::serve(cfg.uid, cfg.gid, port);
+    }
     if cfg.kept {
         // Kept mode kills the command's processes itself, with kill(-1): it must hold CAP_KILL
         // and be PID 1 of its own pid namespace (the container's), or kill(-1) would reach

@@ -12,7 +12,8 @@
 //!        tcp_rules: comma-joined [`TcpRoute`]s, present only when there are any (or a stream)
 //!        stream: "1" when the command's stdin stays open for control frames after stdin-bytes
 //! control (during a run, after its request): `type(1) u32be(len) payload`, see [`control`]:
-//!        `i` bytes for the command's stdin, `c` its end, `s` a signal's number (decimal)
+//!        `i` bytes for the command's stdin, `c` its end, `s` a signal's number (decimal),
+//!        `w` a terminal's size ("COLS ROWS", decimal; only the supervisor's `pty` mode reads it)
 //! file:  "EARF" u32be(len) NUL-joined(op, path, n)  [n bytes for put]
 //!        op: put (n = length), get (n = most bytes), list, dir (is it a directory),
 //!            tarout (a tar of the directory, as `o` frames), tarin (n = 0 upload, 1 restore)
@@ -31,6 +32,8 @@
 
 /// Magic of a run request.
 pub const RUN_MAGIC: &[u8; 4] = b"EAR1";
+/// The byte a supervisor in `connect` mode writes once it is connected to its port.
+pub const PORT_CONNECTED: u8 = 0x06;
 /// Magic of a file request (kept sandboxes only).
 pub const FILE_MAGIC: &[u8; 4] = b"EARF";
 
@@ -73,13 +76,19 @@ pub mod control {
     /// A signal's number, in decimal: to the command's process; SIGKILL ends every process of
     /// the run.
     pub const SIGNAL: u8 = b's';
+    /// A terminal's new size, `COLS ROWS` in decimal (each 1..=[`super::MAX_TERMINAL_SIDE`]):
+    /// read by the supervisor's `pty` mode from its own stdin; a run's supervisor ignores it.
+    pub const RESIZE: u8 = b'w';
 
     /// Every type a decoder accepts.
-    pub const ALL: [u8; 3] = [STDIN, CLOSE_STDIN, SIGNAL];
+    pub const ALL: [u8; 4] = [STDIN, CLOSE_STDIN, SIGNAL, RESIZE];
 
     /// The signals a control may carry (TERM, KILL, INT, HUP); the supervisor ignores others.
     pub const SIGNALS: [i32; 4] = [15, 9, 2, 1];
 }
+
+/// Largest number of columns or rows a terminal may be given.
+pub const MAX_TERMINAL_SIDE: u16 = 4096;
 
 /// One control of a running command.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,6 +96,11 @@ pub enum ControlFrame {
     Stdin(Vec<u8>),
     CloseStdin,
     Signal(i32),
+    /// A terminal's size (`pty` mode).
+    Resize {
+        cols: u16,
+        rows: u16,
+    },
 }
 
 impl ControlFrame {
@@ -103,6 +117,9 @@ impl ControlFrame {
             }
             ControlFrame::CloseStdin => encode_frame(control::CLOSE_STDIN, &[]),
             ControlFrame::Signal(n) => encode_frame(control::SIGNAL, n.to_string().as_bytes()),
+            ControlFrame::Resize { cols, rows } => {
+                encode_frame(control::RESIZE, format!("{cols} {rows}").as_bytes())
+            }
         }
     }
 }
@@ -159,9 +176,25 @@ impl ControlDecoder {
                 .and_then(|t| t.parse().ok())
                 .map(|n| Some(ControlFrame::Signal(n)))
                 .ok_or_else(|| "malformed signal control".to_string()),
+            control::RESIZE => parse_size(&payload)
+                .map(|(cols, rows)| Some(ControlFrame::Resize { cols, rows }))
+                .ok_or_else(|| "malformed resize control".to_string()),
             _ => Err("malformed close control".into()),
         }
     }
+}
+
+/// `COLS ROWS`: two decimal numbers of at most 4 digits, each in 1..=[`MAX_TERMINAL_SIDE`].
+fn parse_size(payload: &[u8]) -> Option<(u16, u16)> {
+    let text = std::str::from_utf8(payload).ok()?;
+    let (c, r) = text.split_once(' ')?;
+    let side = |t: &str| {
+        (!t.is_empty() && t.len() <= 4 && t.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| t.parse::<u16>().ok())
+            .flatten()
+            .filter(|n| (1..=MAX_TERMINAL_SIDE).contains(n))
+    };
+    Some((side(c)?, side(r)?))
 }
 
 /// The 5-byte header of a frame of `len` payload bytes.
@@ -786,6 +819,7 @@ mod tests {
             ControlFrame::Signal(2),
             ControlFrame::Stdin(big.clone()),
             ControlFrame::Signal(15),
+            ControlFrame::Resize { cols: 80, rows: 24 },
             ControlFrame::CloseStdin,
         ];
         let bytes: Vec<u8> = controls.iter().flat_map(ControlFrame::encode).collect();
@@ -797,6 +831,7 @@ mod tests {
             ControlFrame::Stdin(big[..CHUNK].to_vec()),
             ControlFrame::Stdin(big[CHUNK..].to_vec()),
             ControlFrame::Signal(15),
+            ControlFrame::Resize { cols: 80, rows: 24 },
             ControlFrame::CloseStdin,
         ];
         for step in [1, 2, 3, 5, 7, 4096, bytes.len()] {
@@ -833,6 +868,11 @@ mod tests {
             b"s\0\0\0\x04 15 ",
             b"c\0\0\0\x01x",
             b"i\xff\xff\xff\xff",
+            b"w\0\0\0\x040 24",
+            b"w\0\0\0\x0480 0",
+            b"w\0\0\0\x069999 1",
+            b"w\0\0\0\x0280",
+            b"w\0\0\0\x05+8 24",
         ] {
             let mut d = ControlDecoder::default();
             d.push(bad);

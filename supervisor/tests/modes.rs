@@ -320,7 +320,7 @@ fn bad_requests_are_refused_with_a_setup_failure() {
     assert_eq!(
         s.until_last(),
         [F::Failed(
-            "usage: UID GID WORKDIR [once|kept|spawn [AS]]".into()
+            "usage: UID GID WORKDIR [once|kept|spawn [AS]] | UID GID WORKDIR connect PORT".into()
         )]
     );
     // An unknown magic ends the supervisor.
@@ -1134,4 +1134,48 @@ fn a_spawned_run_streams_stdin_takes_signals_and_leaves_nothing_behind() {
         assert_eq!(stdout_of(&s.until_last()), b"gone\n", "kill: {kill}");
     }
     assert!(s.close().success());
+}
+
+/// Connect mode: one byte says it connected, then stdin goes to the port and the port's bytes
+/// come out on stdout until both ended; a closed port is a line on stderr and status 1.
+#[test]
+fn connect_mode_splices_stdio_with_the_port_or_refuses() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port().to_string();
+    let id = NOBODY.to_string();
+    let mut child = Command::new(SUPERVISOR)
+        .args([&id, &id, "/tmp", "connect", &port])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (mut conn, _) = listener.accept().unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let mut first = [0u8; 1];
+    out.read_exact(&mut first).unwrap();
+    assert_eq!(first[0], executor_arm_supervisor::protocol::PORT_CONNECTED);
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"ping").unwrap();
+    drop(stdin);
+    let mut got = Vec::new();
+    conn.read_to_end(&mut got).unwrap();
+    assert_eq!(got, b"ping", "stdin reached the port, and its end too");
+    conn.write_all(b"pong").unwrap();
+    drop(conn);
+    let mut back = Vec::new();
+    out.read_to_end(&mut back).unwrap();
+    assert_eq!(back, b"pong");
+    assert!(child.wait().unwrap().success());
+
+    drop(listener);
+    let out = Command::new(SUPERVISOR)
+        .args([&id, &id, "/tmp", "connect", &port])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty(), "{:?}", out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("connect 127.0.0.1:{port}")), "{err}");
 }

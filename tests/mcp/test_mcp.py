@@ -71,6 +71,12 @@ def audit_events(exec_id: str) -> list:
     return [line["event"] for line in lines if line.get("exec_id") == exec_id]
 
 
+def audit_lines(exec_id: str) -> list:
+    with open(AUDIT) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    return [line for line in lines if line.get("exec_id") == exec_id]
+
+
 async def until(what: str, check, seconds: float = 30.0):
     deadline = time.monotonic() + seconds
     while True:
@@ -170,6 +176,8 @@ async def legacy_session() -> None:
         )
         s = structured(r)
         assert s["exit_code"] == 0 and s["stdout"] == "from mcp\n", s
+        ends = [line for line in audit_lines(s["exec_id"]) if line["event"] == "execution"]
+        assert ends and ends[0].get("via") == "mcp", ends
         r = await c.call_tool("files_read", {"session_id": sid, "path": "data/out.txt"})
         assert structured(r)["content"] == "FROM MCP\n"
         r = await c.call_tool("files_read", {"session_id": sid, "path": "bin.dat"})
@@ -178,6 +186,26 @@ async def legacy_session() -> None:
         r = await c.call_tool("files_list", {"session_id": sid, "path": "data"})
         names = sorted(e["name"] for e in structured(r)["entries"])
         assert names == ["in.txt", "out.txt"], names
+        # A session exec's run: its status and its cancel name the session.
+        r = await c.call_tool(
+            "session_exec", {"session_id": sid, "code": "import time; time.sleep(60)", "async": True}
+        )
+        eid = structured(r)["exec_id"]
+        r = await c.call_tool("run_status", {"exec_id": eid, "session_id": sid})
+        assert structured(r)["status"] == "running", structured(r)
+        r = await c.call_tool("run_status", {"exec_id": eid, "session_id": "ses_nope"})
+        assert structured(r, error=True)["error_type"] == "NotFound"
+        r = await c.call_tool("run_cancel", {"exec_id": eid, "session_id": sid, "grace_seconds": 0})
+        assert structured(r)["status"] == "cancelling", structured(r)
+
+        async def exec_finished():
+            st = structured(await c.call_tool("run_status", {"exec_id": eid, "session_id": sid}))
+            return st if st["status"] == "finished" else None
+
+        done = await until("the cancelled session exec to finish", exec_finished)
+        assert done["result"]["outcome"] == "cancelled", done
+        r = await c.call_tool("run_cancel", {"exec_id": eid, "session_id": sid, "grace_seconds": 31})
+        assert structured(r, error=True)["error_type"] == "InvalidRequest"
         r = await c.call_tool("files_read", {"session_id": sid, "path": "../etc/passwd"})
         assert structured(r, error=True)["error_type"] == "InvalidRequest"
         r = await c.call_tool("session_delete", {"session_id": sid})
@@ -222,18 +250,23 @@ async def legacy_session() -> None:
 
         a, b = await until("both runs' audit lines", audited)
         assert a == b, (a, b)
+        # The MCP run's start and end lines name the front end; the REST twin's name none.
+        for line in audit_lines(mcp["exec_id"]):
+            if line["event"] in ("execution_start", "execution"):
+                assert line.get("via") == "mcp", line
+        assert all("via" not in line for line in audit_lines(twin["exec_id"]))
         assert mcp["provenance"]["subject"] == twin["provenance"]["subject"], (mcp, twin)
 
 
 async def cancelled_call() -> None:
-    """A call the client gives up is a REST client that goes away: its run is cancelled when the
-    call said cancel_on_disconnect."""
+    """A call the client gives up cancels its run (the call says nothing of cancel_on_disconnect):
+    the run ends cancelled, and none of its processes is left on the host."""
     async with client("legacy", request_id="mcp-cancel-1") as c:
         try:
             await c.call_tool(
                 "execute",
                 {"action_type": "python", "command": "python3",
-                 "args": ["-c", "import time; time.sleep(120)"], "cancel_on_disconnect": True},
+                 "args": ["-c", "import time; time.sleep(120)  # mcp-cancel-marker"]},
                 read_timeout_seconds=2,
             )
             raise AssertionError("the call was expected to time out")
@@ -251,6 +284,22 @@ async def cancelled_call() -> None:
 
         end = await until("the abandoned run's end line", ended)
         assert end["outcome"] == "cancelled", end
+
+        def leftovers():
+            found = []
+            for pid in os.listdir("/proc"):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if b"mcp-cancel-marker" in f.read():
+                            found.append(pid)
+                except OSError:
+                    pass
+            return found
+
+        async def none_left():
+            return not leftovers()
+
+        await until("no process of the cancelled run on the host", none_left)
 
 
 async def stateless() -> None:

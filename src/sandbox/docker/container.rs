@@ -360,6 +360,12 @@ impl ContainerPlan {
         supervisor::spawn_command(uid, self.gid, &self.workdir, self.address_space)
     }
 
+    /// The command that connects to a port of a kept container of this plan running as `uid`
+    /// ([`supervisor::connect_command`]).
+    pub fn connect_command(&self, uid: u32) -> Vec<String> {
+        supervisor::connect_command(uid, self.gid, &self.workdir)
+    }
+
     /// The create body for one container of this plan: `uid` is its own host uid (a lease the
     /// container's life long, never 0), which the command runs as and owns the disk volume;
     /// `disk_volume` is its own disk volume (created by dockerd with the container),

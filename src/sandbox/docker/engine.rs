@@ -23,10 +23,17 @@ use tokio::io::AsyncWrite;
 
 /// Seconds bollard allows one engine request.
 const REQUEST_TIMEOUT_SECS: u64 = 30;
-/// How long a removal that found another one in progress waits for the container to go.
+/// How long a removal waits for the container to go when dockerd answers "not yet".
 const REMOVAL_WAIT: Duration = Duration::from_secs(30);
 /// How often it looks.
 const REMOVAL_POLL: Duration = Duration::from_millis(100);
+
+/// Whether dockerd's answer to a forced removal means the container is still on its way out
+/// (another removal in progress, or its processes slower to die than dockerd waits).
+fn removal_not_yet_done(message: &str) -> bool {
+    (message.starts_with("409") && message.contains("already in progress"))
+        || (message.starts_with("500") && message.contains("did not receive an exit event"))
+}
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum EngineError {
@@ -177,23 +184,6 @@ pub struct BollardEngine {
 }
 
 impl BollardEngine {
-    /// Waits until container `id` is gone (dockerd answers "no such container"), at most
-    /// [`REMOVAL_WAIT`]; a timeout leaves the removal to the caller's retry.
-    async fn wait_removed(&self, id: &str) -> Result<(), EngineError> {
-        let deadline = tokio::time::Instant::now() + REMOVAL_WAIT;
-        loop {
-            match self.inspect(id).await {
-                Err(EngineError::NotFound(_)) => return Ok(()),
-                Err(e @ EngineError::Unreachable(_)) => return Err(e),
-                Ok(_) | Err(_) => {}
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(EngineError::Timeout);
-            }
-            tokio::time::sleep(REMOVAL_POLL).await;
-        }
-    }
-
     /// Sends `signal` to the container's main process; a container that is not running is not
     /// an error (409: the goal is reached).
     async fn signal(&self, id: &str, signal: &str) -> Result<(), EngineError> {
@@ -359,25 +349,33 @@ impl Engine for BollardEngine {
     }
 
     async fn remove(&self, id: &str) -> Result<(), EngineError> {
-        let opts = RemoveContainerOptionsBuilder::new()
-            .force(true)
-            .v(true)
-            .build();
-        match self
-            .call(|d| async move { d.remove_container(id, Some(opts)).await })
-            .await
-        {
-            Err(EngineError::NotFound(_)) => Ok(()),
-            // 409 "removal already in progress": someone else (a sweep, an earlier call that
-            // timed out) is on it, and dockerd may still be killing the container's processes.
-            // A removal is done only once the container is gone: callers release the
-            // container's uid on it.
-            Err(EngineError::Api(m))
-                if m.starts_with("409") && m.contains("already in progress") =>
+        // A removal is done only once the container is gone: callers release the container's
+        // uid on it. Two answers mean "not yet" rather than "failed", and are asked again until
+        // the container is gone, at most `REMOVAL_WAIT`:
+        // - 409 "removal already in progress": someone else (a sweep, an earlier call that timed
+        //   out) is on it, and dockerd may still be killing the container's processes; should
+        //   that removal fail, the next ask starts a new one.
+        // - 500 "did not receive an exit event": dockerd sent SIGKILL but gives up waiting after
+        //   its own 10 s (hundreds of processes under a small CPU quota take longer to exit);
+        //   the processes still die, and the next ask removes the container.
+        let deadline = tokio::time::Instant::now() + REMOVAL_WAIT;
+        loop {
+            let opts = RemoveContainerOptionsBuilder::new()
+                .force(true)
+                .v(true)
+                .build();
+            match self
+                .call(|d| async move { d.remove_container(id, Some(opts)).await })
+                .await
             {
-                self.wait_removed(id).await
+                Ok(()) | Err(EngineError::NotFound(_)) => return Ok(()),
+                Err(EngineError::Api(m)) if removal_not_yet_done(&m) => {}
+                Err(e) => return Err(e),
             }
-            other => other,
+            if tokio::time::Instant::now() >= deadline {
+                return Err(EngineError::Timeout);
+            }
+            tokio::time::sleep(REMOVAL_POLL).await;
         }
     }
 

@@ -37,6 +37,7 @@ use super::supervisor::{self, FileOp, Frame, FrameDecoder};
 use super::{DRAIN_GRACE, DockerSandbox, KILL_TIMEOUT, short};
 use crate::sandbox::control::{Control, ProcessSignal};
 use crate::sandbox::files::{Approve, ByteStream, Entry, FileError, ImportMode, Kept, Staging};
+use crate::sandbox::ports::{PortConn, PortError};
 use crate::sandbox::run::{self, Ending};
 use crate::sandbox::{
     ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec, SandboxError, Stop,
@@ -75,6 +76,40 @@ pub struct KeptContainer {
     /// Set once the container is closed or found gone: its background runs end at once (the
     /// engine does not always end an exec's stream when its container goes).
     ended: tokio::sync::watch::Sender<bool>,
+    /// How the session's ports are reached inside it.
+    ports: PortWay,
+}
+
+/// How a kept container's ports are reached (never through a port published on the host).
+enum PortWay {
+    /// runc: from the container's network namespace, opened through its init's pid when the
+    /// session got the container (a pid read again later could be another process's by then);
+    /// None: it could not be opened.
+    Netns(Option<Arc<std::os::fd::OwnedFd>>),
+    /// gVisor: its network stack is the sentry's own, so through the engine, with this command
+    /// (the supervisor in `connect` mode as the container's user, `PORT` appended) whose stdio
+    /// is the connection. None: the container's uid is unknown.
+    Exec(Arc<dyn super::engine::Engine>, Option<Vec<String>>),
+}
+
+/// The network namespace of container `id`'s init `pid`, opened now and held: only if `pid` is
+/// still a process of that container (its cgroup names the container) once the namespace is
+/// open, and the namespace is not the daemon's own.
+fn container_netns(pid: u32, id: &str) -> Option<Arc<std::os::fd::OwnedFd>> {
+    let ns = match crate::sandbox::ports::open_netns(pid) {
+        Ok(Some(ns)) => ns,
+        Ok(None) => return None,
+        Err(e) => {
+            tracing::warn!(container = %short(id), error = %e, "the container's network namespace could not be opened");
+            return None;
+        }
+    };
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    if !cgroup.contains(id) {
+        tracing::warn!(container = %short(id), pid, "the container's init pid is no longer the container's");
+        return None;
+    }
+    Some(Arc::new(ns))
 }
 
 impl KeptContainer {
@@ -340,6 +375,44 @@ impl Kept for Arc<KeptContainer> {
         tokio::spawn(async move { me.archive_in(path, mode, request, body, approve).await })
             .await
             .map_err(|e| FileError::Io(e.to_string()))?
+    }
+
+    async fn connect_port(&self, port: u16) -> Result<PortConn, PortError> {
+        if let Some(why) = self.gone() {
+            return Err(PortError::Unavailable(format!(
+                "the session's sandbox is gone: {why}"
+            )));
+        }
+        let closed = |e: std::io::Error| {
+            PortError::Closed(format!(
+                "nothing listens on port {port} in the session's sandbox ({e})"
+            ))
+        };
+        match &self.ports {
+            PortWay::Netns(ns) => {
+                let ns = ns.clone().ok_or_else(|| {
+                    PortError::Unavailable(
+                        "the session container's network namespace could not be opened".into(),
+                    )
+                })?;
+                let s = crate::sandbox::ports::connect_in_netns(ns, port)
+                    .await
+                    .map_err(closed)?;
+                Ok(Box::new(s))
+            }
+            PortWay::Exec(engine, cmd) => {
+                let mut cmd = cmd.clone().ok_or_else(|| {
+                    PortError::Unavailable(
+                        "the session's container has no user of its own to connect as".into(),
+                    )
+                })?;
+                cmd.push(port.to_string());
+                let attached = engine.exec_attached(&self.id, cmd).await.map_err(|e| {
+                    PortError::Unavailable(format!("cannot enter the session's sandbox: {e}"))
+                })?;
+                super::tunnel::open(attached, port).await
+            }
+        }
     }
 
     async fn close(&self) {
@@ -629,8 +702,16 @@ impl DockerSandbox {
         }
         tracing::info!(session_id, container = %short(guard.id()), uid = guard.uid(), pooled, backend = self.kind.as_str(), "session container assigned");
         let spawn = guard.uid().map(|uid| plan.spawn_command(uid));
+        let ports = match self.kind {
+            crate::sandbox::BackendKind::Gvisor => PortWay::Exec(
+                self.engine().clone(),
+                guard.uid().map(|uid| plan.connect_command(uid)),
+            ),
+            _ => PortWay::Netns(pid.and_then(|pid| container_netns(pid, guard.id()))),
+        };
         let kept = Arc::new(KeptContainer {
             id: guard.id().to_string(),
+            ports,
             spawn,
             ended: tokio::sync::watch::channel(false).0,
             pid,
@@ -719,6 +800,8 @@ impl DockerSandbox {
                 &request,
                 Live {
                     controls,
+                    // PID 1 serves the session's next exec on this stream.
+                    stream_outlives_run: true,
                     ..Default::default()
                 },
             )
@@ -922,6 +1005,8 @@ impl DockerSandbox {
             controls,
             own: Some(own_rx),
             terminate_via: Some(own_tx.clone()),
+            // A spawn supervisor exits after its report.
+            stream_outlives_run: false,
         };
         let (mut run, killed, end) = self
             .relay_and_wait(

@@ -28,6 +28,7 @@ mod relay;
 use self::relay::PumpEnd;
 pub mod seccomp;
 pub mod supervisor;
+mod tunnel;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;

@@ -8,9 +8,10 @@
 //! the run lasts. Must not: decide how a run ends or kill anything (the caller kills a
 //! container, or one exec in it).
 
+use std::collections::VecDeque;
 use std::time::Instant;
 
-use executor_arm_supervisor::protocol::ControlFrame;
+use executor_arm_supervisor::protocol::{CHUNK, ControlFrame};
 use futures::StreamExt;
 use tokio::io::{AsyncWriteExt, DuplexStream};
 use tokio::sync::mpsc;
@@ -34,16 +35,25 @@ pub(super) struct Live {
     /// Where a stop's SIGTERM goes: through this channel as a TERM control (a background run,
     /// whose supervisor is no container's main process); None: to the container's main process.
     pub(super) terminate_via: Option<mpsc::Sender<Control>>,
+    /// The supervisor reads its stream on after the run (a kept sandbox's PID 1): a control
+    /// frame being written when the run ends is written whole. False for one that serves one
+    /// run and reads nothing after its report (once and spawn modes).
+    pub(super) stream_outlives_run: bool,
 }
 
-/// The control frames of `c`.
-pub(super) fn control_frames(c: Control) -> Vec<u8> {
+/// The control frames of `c`, one wire frame each: stdin bytes are cut into
+/// [`executor_arm_supervisor::protocol::CHUNK`]-sized frames, so that a signal can go between
+/// two of them.
+pub(super) fn control_frames(c: Control) -> VecDeque<Vec<u8>> {
     match c {
-        Control::Stdin(b) => ControlFrame::Stdin(b),
-        Control::CloseStdin => ControlFrame::CloseStdin,
-        Control::Signal(s) => ControlFrame::Signal(s.number()),
+        Control::Stdin(b) if !b.is_empty() => b
+            .chunks(CHUNK)
+            .map(|piece| ControlFrame::Stdin(piece.to_vec()).encode())
+            .collect(),
+        Control::Stdin(b) => VecDeque::from([ControlFrame::Stdin(b).encode()]),
+        Control::CloseStdin => VecDeque::from([ControlFrame::CloseStdin.encode()]),
+        Control::Signal(s) => VecDeque::from([ControlFrame::Signal(s.number()).encode()]),
     }
-    .encode()
 }
 
 /// The next control of `rx`; never, once it is None.
@@ -62,38 +72,70 @@ async fn next_caller_control(rx: &mut Option<ControlReceiver>) -> Option<Control
     }
 }
 
+/// A signal waiting now, the daemon's own (a background run's stop or kill) first.
+fn waiting_signal(
+    controls: &mut Option<ControlReceiver>,
+    own: &mut Option<mpsc::Receiver<Control>>,
+) -> Option<Control> {
+    if let Some(c) = own.as_mut().and_then(|r| r.try_recv().ok()) {
+        return Some(c);
+    }
+    controls
+        .as_mut()
+        .and_then(|r| r.signals.try_recv().ok())
+        .map(Control::Signal)
+}
+
 /// Runs `pumping` (the supervisor's frames, to the run's last) while writing each control of
-/// `controls` and `own` to `input` as control frames. A frame being written when the run ends is
-/// written whole, so the stream stays in step for the next request; controls after the run's end
-/// are dropped with the receivers.
+/// `controls` and `own` to `input` as control frames, one wire frame at a time: a signal waiting
+/// goes before the next stdin frame, so stdin bytes already on their way hold it back by one
+/// frame at most. When the run ends the rest of a stdin control is dropped. The frame being
+/// written then is written whole if `finish_frame` (a supervisor that reads its stream on after
+/// the run drops the controls it finds there, and must find them whole to stay in step);
+/// otherwise (a supervisor that serves one run and reads nothing after its report) it is
+/// abandoned at once with the connection: waiting for it would wait for ever once the buffers
+/// between here and the supervisor are full.
 async fn pump_with_controls(
     input: &mut std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
     mut controls: Option<ControlReceiver>,
     mut own: Option<mpsc::Receiver<Control>>,
+    finish_frame: bool,
     pumping: impl std::future::Future<Output = PumpEnd>,
 ) -> PumpEnd {
     let mut pumping = std::pin::pin!(pumping);
+    // The wire frames of the stdin control being written.
+    let mut frames: VecDeque<Vec<u8>> = VecDeque::new();
     loop {
-        let next = tokio::select! {
-            end = &mut pumping => return end,
-            c = next_caller_control(&mut controls) => c.unwrap_or_else(|| {
-                // Every sender is gone: the command's stdin ends.
-                controls = None;
-                Control::CloseStdin
-            }),
-            c = next_control(&mut own) => match c {
-                Some(c) => c,
-                None => {
-                    own = None;
-                    continue;
-                }
-            },
+        let frame = match waiting_signal(&mut controls, &mut own) {
+            Some(signal) => control_frames(signal).pop_front(),
+            None => frames.pop_front(),
         };
-        let bytes = control_frames(next);
+        let frame = match frame {
+            Some(f) => f,
+            None => {
+                let next = tokio::select! {
+                    end = &mut pumping => return end,
+                    c = next_caller_control(&mut controls) => c.unwrap_or_else(|| {
+                        // Every sender is gone: the command's stdin ends.
+                        controls = None;
+                        Control::CloseStdin
+                    }),
+                    c = next_control(&mut own) => match c {
+                        Some(c) => c,
+                        None => {
+                            own = None;
+                            continue;
+                        }
+                    },
+                };
+                frames = control_frames(next);
+                continue;
+            }
+        };
         let mut ended = None;
         {
             let mut write = std::pin::pin!(async {
-                input.write_all(&bytes).await?;
+                input.write_all(&frame).await?;
                 input.flush().await
             });
             loop {
@@ -104,10 +146,16 @@ async fn pump_with_controls(
                             // the run ended.
                             controls = None;
                             own = None;
+                            frames.clear();
                         }
                         break;
                     }
-                    end = &mut pumping, if ended.is_none() => ended = Some(end),
+                    end = &mut pumping, if ended.is_none() => {
+                        if !finish_frame {
+                            return end;
+                        }
+                        ended = Some(end);
+                    }
                 }
             }
         }
@@ -158,6 +206,7 @@ impl DockerSandbox {
             controls,
             own,
             terminate_via,
+            stream_outlives_run,
         } = live;
         let (out_w, out_r) = tokio::io::duplex(64 * 1024);
         let (err_w, err_r) = tokio::io::duplex(64 * 1024);
@@ -177,7 +226,7 @@ impl DockerSandbox {
                     }
                     Ok(()) => {
                         let pumping = pump(output, decoder, out_w, err_w);
-                        pump_with_controls(input, controls, own, pumping).await
+                        pump_with_controls(input, controls, own, stream_outlives_run, pumping).await
                     }
                     Err(e) => PumpEnd {
                         undelivered: true,
@@ -293,5 +342,167 @@ async fn pump(
             }
             None => return end,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use executor_arm_supervisor::protocol::ControlDecoder;
+    use tokio::io::AsyncReadExt;
+    use tokio::sync::oneshot;
+
+    use super::*;
+    use crate::sandbox::control::Controls;
+
+    const BOUND: Duration = Duration::from_secs(10);
+
+    /// The control frames in `bytes`, and whether they end on a frame's end.
+    fn decode(bytes: &[u8]) -> (Vec<ControlFrame>, bool) {
+        let mut d = ControlDecoder::default();
+        d.push(bytes);
+        let mut got = Vec::new();
+        while let Some(c) = d.next_control().expect("well-formed control frames") {
+            got.push(c);
+        }
+        (got, d.missing() == 0)
+    }
+
+    fn boxed(w: tokio::io::DuplexStream) -> std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>> {
+        Box::pin(w)
+    }
+
+    /// A pump whose run ends when `end` fires.
+    async fn run_until(end: oneshot::Receiver<()>) -> PumpEnd {
+        let _ = end.await;
+        PumpEnd::default()
+    }
+
+    /// Stdin bytes already on their way to a supervisor that takes them slowly hold a signal
+    /// back by one frame at most: it is written between two of their frames.
+    #[tokio::test]
+    async fn a_signal_goes_between_the_frames_of_stdin_on_its_way() {
+        let (tx, controls) = Controls::channel();
+        let (w, mut r) = tokio::io::duplex(8 * 1024);
+        let (end_tx, end_rx) = oneshot::channel();
+        let pump = tokio::spawn(async move {
+            let mut input = boxed(w);
+            pump_with_controls(&mut input, controls.take(), None, false, run_until(end_rx)).await
+        });
+        tx.send(Control::Stdin(vec![b'x'; 1 << 20])).await.unwrap();
+        // The pump is writing the stdin bytes (the pipe holds 8 KiB): the signal comes now.
+        let mut seen = vec![0u8; 4096];
+        r.read_exact(&mut seen).await.unwrap();
+        tx.send(Control::Signal(ProcessSignal::Term)).await.unwrap();
+        let mut stdin_before = 0;
+        let signalled = tokio::time::timeout(BOUND, async {
+            let mut d = ControlDecoder::default();
+            d.push(&seen);
+            let mut buf = vec![0u8; 4096];
+            loop {
+                while let Some(c) = d.next_control().unwrap() {
+                    match c {
+                        ControlFrame::Stdin(b) => stdin_before += b.len(),
+                        ControlFrame::Signal(n) => return n,
+                        other => panic!("unexpected {other:?}"),
+                    }
+                }
+                let n = r.read(&mut buf).await.unwrap();
+                assert!(n > 0, "the stream ended before the signal");
+                d.push(&buf[..n]);
+            }
+        })
+        .await
+        .expect("the signal came");
+        assert_eq!(signalled, libc::SIGTERM);
+        assert!(
+            stdin_before <= 2 * CHUNK,
+            "{stdin_before} stdin bytes went before the signal"
+        );
+        let _ = end_tx.send(());
+        tokio::time::timeout(BOUND, pump)
+            .await
+            .expect("the pump ended")
+            .unwrap();
+    }
+
+    /// A supervisor that serves one run reads nothing after its report: the run's end is not
+    /// held up by the stdin bytes still on their way to it.
+    #[tokio::test]
+    async fn the_runs_end_does_not_wait_for_stdin_nobody_reads() {
+        let (tx, controls) = Controls::channel();
+        // Nobody reads: the writes stop once the 8 KiB are full.
+        let (w, _r) = tokio::io::duplex(8 * 1024);
+        let (end_tx, end_rx) = oneshot::channel();
+        let pump = tokio::spawn(async move {
+            let mut input = boxed(w);
+            pump_with_controls(&mut input, controls.take(), None, false, run_until(end_rx)).await
+        });
+        tx.send(Control::Stdin(vec![b'x'; 1 << 20])).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let _ = end_tx.send(());
+        tokio::time::timeout(BOUND, pump)
+            .await
+            .expect("the pump ended with the run")
+            .unwrap();
+    }
+
+    /// A supervisor that reads its stream on after the run (a kept sandbox's PID 1) finds whole
+    /// control frames there: the frame being written at the run's end is finished, the rest of
+    /// that stdin control dropped.
+    #[tokio::test]
+    async fn the_frame_in_flight_is_finished_for_a_stream_that_goes_on() {
+        let (tx, controls) = Controls::channel();
+        let (w, mut r) = tokio::io::duplex(8 * 1024);
+        let (end_tx, end_rx) = oneshot::channel();
+        let pump = tokio::spawn(async move {
+            let mut input = boxed(w);
+            pump_with_controls(&mut input, controls.take(), None, true, run_until(end_rx)).await;
+            // The stream goes on after the run: the reader sees its end only now.
+            drop(input);
+        });
+        tx.send(Control::Stdin(vec![b'x'; 1 << 20])).await.unwrap();
+        // The run ends in the middle of the first frame.
+        let mut got = vec![0u8; 10_000];
+        r.read_exact(&mut got).await.unwrap();
+        let _ = end_tx.send(());
+        tokio::time::timeout(BOUND, r.read_to_end(&mut got))
+            .await
+            .expect("the pump ended")
+            .unwrap();
+        pump.await.unwrap();
+        let (frames, whole) = decode(&got);
+        assert!(whole, "a frame was cut short");
+        let stdin: usize = frames
+            .iter()
+            .map(|f| match f {
+                ControlFrame::Stdin(b) => b.len(),
+                other => panic!("unexpected {other:?}"),
+            })
+            .sum();
+        assert!(
+            (10_000 - 5..1 << 20).contains(&stdin),
+            "{stdin} stdin bytes"
+        );
+    }
+
+    /// Each wire frame of a stdin control carries at most a chunk; together they carry it all.
+    #[test]
+    fn stdin_controls_are_cut_into_frames() {
+        let data: Vec<u8> = (0..(CHUNK * 2 + 7)).map(|i| i as u8).collect();
+        let frames = control_frames(Control::Stdin(data.clone()));
+        assert_eq!(frames.len(), 3);
+        let (decoded, whole) = decode(&frames.iter().flatten().copied().collect::<Vec<u8>>());
+        assert!(whole);
+        let joined: Vec<u8> = decoded
+            .into_iter()
+            .flat_map(|f| match f {
+                ControlFrame::Stdin(b) => b,
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(joined, data);
+        assert_eq!(control_frames(Control::Stdin(Vec::new())).len(), 1);
     }
 }

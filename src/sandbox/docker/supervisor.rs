@@ -218,6 +218,15 @@ pub fn spawn_command(uid: u32, gid: u32, workdir: &str, address_space: Option<u6
     cmd
 }
 
+/// The command that connects to a port of a kept container (gVisor): the supervisor in
+/// `connect` mode as the container's user, the port to append ([`super::tunnel`]).
+pub fn connect_command(uid: u32, gid: u32, workdir: &str) -> Vec<String> {
+    let mut cmd = entrypoint(uid, gid, workdir, true, None);
+    cmd.truncate(4);
+    cmd.push("connect".to_string());
+    cmd
+}
+
 /// A file call to a kept sandbox's supervisor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FileOp<'a> {

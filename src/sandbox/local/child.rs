@@ -129,6 +129,9 @@ pub enum MountOp {
     /// Detach a staging mount and remove its (now empty) mount point.
     Detach(CString),
     Proc(CString),
+    /// A devpts instance of the sandbox's own (a terminal's): nosuid, noexec, never the host's
+    /// ptys.
+    Devpts(CString),
 }
 
 /// A Landlock rule to add after the mounts, by path inside the new root.
@@ -1156,6 +1159,18 @@ impl ChildPlan {
                 // hidepid=2 (invisible): the command sees only processes it may ptrace, its own.
                 // Init (pid 1, root) shares the daemon's memory, so its /proc/1/cmdline would be
                 // the daemon's argv (binary path, listen address) and /proc/1/exe its binary.
+                MountOp::Devpts(dst) => {
+                    // newinstance: the sandbox sees only the ptys opened inside it; ptmxmode
+                    // lets the sandbox user open its ptmx (/dev/ptmx links to it). Not nodev:
+                    // the ptys are its devices.
+                    libc::mount(
+                        c"devpts".as_ptr(),
+                        dst.as_ptr(),
+                        c"devpts".as_ptr(),
+                        libc::MS_NOSUID | libc::MS_NOEXEC,
+                        c"newinstance,ptmxmode=0666,mode=0620".as_ptr().cast(),
+                    ) == 0
+                }
                 MountOp::Proc(dst) => {
                     libc::mount(
                         c"proc".as_ptr(),

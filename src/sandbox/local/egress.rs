@@ -31,13 +31,6 @@ pub struct EgressSettings {
     pub port: u16,
 }
 
-#[repr(C)]
-struct IfReq {
-    name: [u8; libc::IFNAMSIZ],
-    flags: libc::c_short,
-    _pad: [u8; 22],
-}
-
 /// The TCP ports the command may connect to: the proxy's, and every raw TCP rule's.
 pub fn connect_ports(settings: &EgressSettings, network: &NetworkPolicy) -> Vec<u16> {
     let mut ports = vec![settings.port];
@@ -105,24 +98,7 @@ fn bind_in_netns(pid: u32, port: u16, tcp: Option<&TcpPolicy>) -> std::io::Resul
         if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
-        // Any AF_INET socket of this namespace serves for the interface ioctls.
-        let sock = std::net::UdpSocket::bind("0.0.0.0:0")?;
-        let mut req = IfReq {
-            name: [0; libc::IFNAMSIZ],
-            flags: 0,
-            _pad: [0; 22],
-        };
-        req.name[..2].copy_from_slice(b"lo");
-        // SAFETY: SIOCGIFFLAGS / SIOCSIFFLAGS read and write an ifreq of the kernel's size.
-        unsafe {
-            if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            req.flags |= libc::IFF_UP as libc::c_short;
-            if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
+        crate::sandbox::ports::loopback_up()?;
         let listener = std::net::TcpListener::bind(("127.0.0.1", port))?;
         listener.set_nonblocking(true)?;
         // Routes before listeners, both before the command starts (the caller sends the

@@ -75,7 +75,15 @@ pub struct HostRule {
 /// The ruleset of one run on a host of `abi` (> 0): every filesystem right and TCP bind/connect
 /// handled, abstract unix sockets and signals scoped to the sandbox, `connect_ports` (the egress
 /// proxy's, and the raw TCP rules' ports) the only TCP ports reachable, and `rules` added.
-pub fn ruleset(abi: u32, connect_ports: &[u16], rules: &[HostRule]) -> io::Result<OwnedFd> {
+/// `may_listen` (a session's background process, a server its session's ports proxy reaches):
+/// TCP bind is not handled, so it may listen, in its own network namespace, which nothing but
+/// the daemon's proxy enters.
+pub fn ruleset(
+    abi: u32,
+    connect_ports: &[u16],
+    rules: &[HostRule],
+    may_listen: bool,
+) -> io::Result<OwnedFd> {
     let err =
         |what: &str, e: &dyn std::fmt::Display| io::Error::other(format!("landlock {what}: {e}"));
     let abi_used = used(abi);
@@ -85,7 +93,11 @@ pub fn ruleset(abi: u32, connect_ports: &[u16], rules: &[HostRule]) -> io::Resul
         .map_err(|e| err("filesystem rights", &e))?;
     if abi >= 4 {
         ruleset = ruleset
-            .handle_access(AccessNet::from_all(abi_used))
+            .handle_access(if may_listen {
+                BitFlags::from(AccessNet::ConnectTcp)
+            } else {
+                AccessNet::from_all(abi_used)
+            })
             .map_err(|e| err("network rights", &e))?;
     }
     if abi >= 6 {
@@ -175,17 +187,17 @@ mod tests {
             path: "/usr".into(),
             access: read_only(),
         }];
-        assert!(ruleset(abi, &[3128, 5432], &ok).is_ok());
+        assert!(ruleset(abi, &[3128, 5432], &ok, false).is_ok());
         let missing = [HostRule {
             path: "/nonexistent/executor-arm".into(),
             access: read_only(),
         }];
-        assert!(ruleset(abi, &[], &missing).is_err());
+        assert!(ruleset(abi, &[], &missing, false).is_err());
         // A directory right on a file is refused, not silently dropped.
         let dir_right_on_file = [HostRule {
             path: "/etc/passwd".into(),
             access: AccessFs::ReadDir.into(),
         }];
-        assert!(ruleset(abi, &[], &dir_right_on_file).is_err());
+        assert!(ruleset(abi, &[], &dir_right_on_file, true).is_err());
     }
 }

@@ -47,6 +47,8 @@ use super::{BackendKind, BackendStatus, RunOutcome, RunSpec, Sandbox, SandboxErr
 
 pub struct LocalSandbox {
     cgroups: Option<Arc<dyn CgroupDriver>>,
+    /// The live groups of runs that count together (a session's), on the same driver.
+    groups: Option<Arc<cgroup::Groups>>,
     /// Run slots prepared ahead (absent without cgroups or when configured to 0).
     warm: Option<Arc<WarmSlots>>,
     probe: HostProbe,
@@ -140,6 +142,7 @@ impl LocalSandbox {
             _ => None,
         };
         LocalSandbox {
+            groups: cgroups.clone().map(|d| Arc::new(cgroup::Groups::new(d))),
             cgroups,
             warm,
             probe,

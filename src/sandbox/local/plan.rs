@@ -39,7 +39,7 @@ pub(super) fn layout(
         b.extra_file(src, dst)?;
     }
     b.proc()?;
-    b.dev()?;
+    b.dev(spec.fs.pty)?;
     b.rules.push(LandlockRule {
         path: c"/".into(),
         access: (landlock::Fs::from(AccessFs::ReadDir) & handled).bits(),
@@ -365,7 +365,10 @@ impl PlanBuilder {
         self.rule(p, AccessFs::ReadFile | AccessFs::ReadDir)
     }
 
-    fn dev(&mut self) -> Result<(), SandboxError> {
+    /// /dev: the harmless host devices bound in, the descriptor links, and for a terminal
+    /// (`pty`) a devpts instance of the run's own with /dev/ptmx pointing into it, which
+    /// Landlock lets the run read, write and ioctl (nothing else of /dev is writable).
+    fn dev(&mut self, pty: bool) -> Result<(), SandboxError> {
         self.mkdirs(Path::new("/dev"))?;
         for name in ["null", "zero", "random", "urandom"] {
             let p = PathBuf::from("/dev").join(name);
@@ -390,6 +393,20 @@ impl PlanBuilder {
                 target: cstr(target)?,
                 link,
             });
+        }
+        if pty {
+            let pts = Path::new("/dev/pts");
+            self.mkdirs(pts)?;
+            self.ops
+                .push(MountOp::Devpts(path_cstr(&self.inside(pts)?)?));
+            self.ops.push(MountOp::Symlink {
+                target: c"pts/ptmx".into(),
+                link: path_cstr(&self.inside(Path::new("/dev/ptmx"))?)?,
+            });
+            self.rule(
+                pts,
+                AccessFs::ReadFile | AccessFs::WriteFile | AccessFs::IoctlDev | AccessFs::ReadDir,
+            )?;
         }
         Ok(())
     }

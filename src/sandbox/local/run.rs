@@ -25,6 +25,58 @@ use crate::sandbox::{ExitKind, RunOutcome, RunSpec, SandboxError};
 /// control is taken until it does (a caller's sender then waits).
 const STDIN_QUEUE_BYTES: usize = 4 << 20;
 
+/// How long a background run's network namespace is looked for after its start.
+const NETNS_WAIT: Duration = Duration::from_secs(10);
+
+/// Aborts its task when dropped (the run ended before its namespace was found).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Publishes in `slot` the network namespace of a process of the run whose `cgroup.procs` is
+/// `procs`, and brings up its loopback: a pid read there is re-read after its namespace is
+/// opened, so the namespace is the sandbox's even if the pid was recycled meanwhile.
+async fn publish_netns(procs: std::path::PathBuf, slot: crate::sandbox::ports::NetnsSlot) {
+    let until = Instant::now() + NETNS_WAIT;
+    while Instant::now() < until {
+        let p = procs.clone();
+        let found = tokio::task::spawn_blocking(move || {
+            let pids = |p: &std::path::Path| -> Vec<u32> {
+                std::fs::read_to_string(p)
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|l| l.trim().parse().ok())
+                    .collect()
+            };
+            for pid in pids(&p) {
+                if let Ok(Some(ns)) = crate::sandbox::ports::open_netns(pid)
+                    && pids(&p).contains(&pid)
+                {
+                    return Some(ns);
+                }
+            }
+            None
+        })
+        .await
+        .ok()
+        .flatten();
+        if let Some(ns) = found {
+            let ns = Arc::new(ns);
+            if let Err(e) = crate::sandbox::ports::loopback_up_in(ns.clone()).await {
+                tracing::warn!(error = %e, "the sandbox's loopback could not be brought up");
+            }
+            slot.set(ns);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tracing::warn!("no process of a background run was found to publish its network namespace");
+}
+
 /// Feeds a run with controls: its initial stdin bytes, then each control as it comes, while
 /// what is queued for stdin is written as the command reads it. Signals come on a queue of their
 /// own, taken whatever stdin holds: neither a write nor a full stdin queue holds one back. Stdin
@@ -132,10 +184,12 @@ impl LocalSandbox {
             .ok_or_else(|| SandboxError::Unavailable("cgroups".into()))?;
         let limits = spec.limits.clone();
         // A slot whose shim is gone (it could not join its cgroup) is dropped, and the run
-        // prepares its cgroup on demand.
+        // prepares its cgroup on demand. A run of a group makes its cgroup under the group's:
+        // a prepared one cannot move there (v1 renames within a parent only, v2 not at all).
         let slot = self
             .warm
             .as_ref()
+            .filter(|_| spec.group.is_none())
             .and_then(|w| w.take())
             .filter(|s| !s.exited.is_finished());
         // Replace the slot once this run's cgroup is gone, not now: a new slot's shim joins its
@@ -157,9 +211,13 @@ impl LocalSandbox {
             None => {
                 let driver = driver.clone();
                 let (id, l) = (spec.exec_id.clone(), limits.clone());
-                let cg = tokio::task::spawn_blocking(move || driver.create(&id, &l))
-                    .await
-                    .map_err(|e| SandboxError::Setup(format!("cgroup task: {e}")))??;
+                let grouped = spec.group.clone().zip(self.groups.clone());
+                let cg = tokio::task::spawn_blocking(move || match grouped {
+                    Some((key, groups)) => groups.create_run(&key, &id, &l),
+                    None => driver.create(&id, &l),
+                })
+                .await
+                .map_err(|e| SandboxError::Setup(format!("cgroup task: {e}")))??;
                 (CgroupGuard::new(cg), None)
             }
         };
@@ -176,6 +234,7 @@ impl LocalSandbox {
                 self.probe.landlock_abi,
                 &ports,
                 &layout.host_rules,
+                spec.background,
             )?)
         } else {
             None
@@ -292,6 +351,15 @@ impl LocalSandbox {
             limits.on_overflow,
             spec.output_tap.clone(),
         );
+        // A session's background process: its network namespace is published for the
+        // session's ports proxy, from a process of its cgroup (so of its sandbox).
+        let _netns_task =
+            match (spec.background, &spec.controls) {
+                (true, Some(c)) => guard.get().procs_files().into_iter().next().map(|procs| {
+                    AbortOnDrop(tokio::spawn(publish_netns(procs, c.netns().clone())))
+                }),
+                _ => None,
+            };
         let stdin_task = match (stdin_ours, spec.stdin.clone(), controls) {
             (Some(w), data, Some(controls)) => {
                 let procs = guard.get().procs_files().into_iter().next();

@@ -26,6 +26,8 @@ from .errors import (
     RateLimitedError,
     RequestTimeoutError,
     SessionBusyError,
+    SessionPausedError,
+    PortClosedError,
     TimeoutExceededError,
     TransportError,
     UnavailableError,
@@ -63,6 +65,7 @@ from .models import (
     StartEvent,
 )
 from .retry import RetryPolicy
+from .terminal import Terminal, TerminalClosed
 from .tokens import mint_hs256, read_secret_file, unverified_claims
 
 __version__ = "0.1.0"
@@ -74,6 +77,8 @@ __all__ = [
     "Client",
     "Sessions",
     "Processes",
+    "Terminal",
+    "TerminalClosed",
     "DEFAULT_TIMEOUT",
     "answer_of",
     "RetryPolicy",
@@ -94,6 +99,8 @@ __all__ = [
     "AlreadyFinishedError",
     "StdinClosedError",
     "SessionBusyError",
+    "SessionPausedError",
+    "PortClosedError",
     "IdempotencyConflictError",
     "PayloadTooLargeError",
     "TimeoutExceededError",

@@ -116,6 +116,16 @@ def _file_path(path: str) -> str:
     )
 
 
+def port_url(base_url: str, session_id: str, port: int, path: str = "") -> str:
+    """The URL of ``path`` on ``127.0.0.1:port`` inside session ``session_id``'s sandbox, through
+    the daemon's ports proxy at ``base_url``. ``path`` may carry a query (``"api/items?x=1"``);
+    characters a URL cannot hold are percent-encoded, reserved ones are kept."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"port must be an int in 1..65535, got {port!r}")
+    rest = quote(path.lstrip("/"), safe="/?#&=+,;:@!$'()*~%-._")
+    return f"{base_url.rstrip('/')}/v1/sandbox/sessions/{_seg(session_id)}/ports/{port}/{rest}"
+
+
 @dataclass(frozen=True)
 class Credentials:
     service_token: str | None

@@ -751,6 +751,14 @@ class AsyncSessions:
             )
         )
 
+    def port_url(self, session_id: str, port: int, path: str = "") -> str:
+        """The URL of ``path`` (a query may follow) on ``127.0.0.1:port`` inside the session's
+        sandbox, through the daemon's ports proxy: any method, bodies streamed, a WebSocket at the
+        same URL with ``ws://`` (``wss://``). A server a background process runs answers it. The
+        request needs the client's credentials (``Authorization: Bearer`` and, for a tenant,
+        ``X-Tenant-ID``); they are not passed to the server. Makes no request itself."""
+        return _core.port_url(str(self._client._http.base_url), session_id, port, path)
+
     async def list_files(
         self, session_id: str, path: str = "", *, tenant: str | None = None
     ) -> FileList:

@@ -37,6 +37,7 @@ from .models import (
 )
 from .retry import RetryPolicy
 from .sse import iter_events
+from .terminal import Terminal, open_terminal
 
 __all__ = ["Client", "Sessions", "Processes", "DEFAULT_TIMEOUT", "answer_of"]
 
@@ -760,6 +761,36 @@ class Sessions:
                 request_id=None,
             )
         )
+
+    def terminal(
+        self,
+        session_id: str,
+        *,
+        tenant: str | None = None,
+        request_id: str | None = None,
+    ) -> Terminal:
+        """Opens the session's terminal (a WebSocket to its shell on a pseudo-terminal; needs
+        the ``terminal`` extra): ``send`` keystrokes, ``recv`` output, ``resize``, ``close``
+        (which hangs the shell up). Refusals are the usual errors: 404 for another tenant's or
+        no session, :class:`~executor_arm_client.errors.RateLimitedError` (429) when the session
+        already runs ``sessions.max_processes`` processes (a terminal is one)."""
+        creds = self._client._creds
+        headers = {**creds.bearer(), **creds.tenant_header(tenant)}
+        if request_id is not None:
+            headers["X-Request-ID"] = request_id
+        return open_terminal(
+            str(self._client._http.base_url),
+            f"/v1/sandbox/sessions/{session_id}/terminal",
+            headers,
+        )
+
+    def port_url(self, session_id: str, port: int, path: str = "") -> str:
+        """The URL of ``path`` (a query may follow) on ``127.0.0.1:port`` inside the session's
+        sandbox, through the daemon's ports proxy: any method, bodies streamed, a WebSocket at the
+        same URL with ``ws://`` (``wss://``). A server a background process runs answers it. The
+        request needs the client's credentials (``Authorization: Bearer`` and, for a tenant,
+        ``X-Tenant-ID``); they are not passed to the server. Makes no request itself."""
+        return _core.port_url(str(self._client._http.base_url), session_id, port, path)
 
     def list_files(self, session_id: str, path: str = "", *, tenant: str | None = None) -> FileList:
         """A workspace directory's entries (``""`` is the workspace itself)."""

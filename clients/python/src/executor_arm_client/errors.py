@@ -157,6 +157,11 @@ class SessionBusyError(ConflictError):
     """409 ``SessionBusy``: the session runs another exec."""
 
 
+class SessionPausedError(ConflictError):
+    """409 ``SessionPaused``: a session's port was asked for while the session is paused (a pause
+    ends its processes: resume it and start the server again)."""
+
+
 class IdempotencyConflictError(ExecutorArmError):
     """422 ``IdempotencyConflict``: the key was used with another body or capability token."""
 
@@ -201,6 +206,11 @@ class UnavailableError(ExecutorArmError):
     daemon is draining (retryable)."""
 
 
+class PortClosedError(ExecutorArmError):
+    """502 ``PortClosed``: nothing listens on a session's port (see ``sessions.port_url``), or its
+    server closed the connection without an answer (retryable)."""
+
+
 class InternalServerError(ExecutorArmError):
     """500 ``InternalError``."""
 
@@ -215,6 +225,7 @@ _BY_TYPE: dict[str, type[ExecutorArmError]] = {
     "AlreadyFinished": AlreadyFinishedError,
     "StdinClosed": StdinClosedError,
     "SessionBusy": SessionBusyError,
+    "SessionPaused": SessionPausedError,
     "IdempotencyConflict": IdempotencyConflictError,
     "PayloadTooLarge": PayloadTooLargeError,
     "ExecutionTimeout": ExecutionTimeoutError,
@@ -223,6 +234,7 @@ _BY_TYPE: dict[str, type[ExecutorArmError]] = {
     "WorkspaceFull": WorkspaceFullError,
     "StoreFull": StoreFullError,
     "SandboxUnavailable": UnavailableError,
+    "PortClosed": PortClosedError,
     "InternalError": InternalServerError,
 }
 

@@ -15,10 +15,13 @@
 //! helpers, the kill loop, the crate's hierarchy over chosen directories, directory creation and
 //! removal, owner directories and the orphan sweep); each version's driver is in its own file:
 //! [`v1`] (one directory per hierarchy) and [`v2`] (the unified tree and its delegation).
+//! [`group`] holds runs that count together (a session's) under a parent cgroup of their own.
 
+mod group;
 mod v1;
 mod v2;
 
+pub use self::group::Groups;
 pub use self::v1::V1Driver;
 pub use self::v2::V2Driver;
 
@@ -76,7 +79,14 @@ pub trait CgroupDriver: Send + Sync {
         Ok(run)
     }
     /// Creates the cgroup without setting limits (a prepared slot; limits come with its run).
+    /// `name` is a run's name, or `group/run` for a run inside a group (see
+    /// [`CgroupDriver::create_group`]).
     fn create_empty(&self, name: &str) -> io::Result<Box<dyn RunCgroup>>;
+    /// Creates a group's cgroup with `limits`: a parent that holds no process of its own, whose
+    /// limits bound the runs made under it (`group/run`) together.
+    fn create_group(&self, name: &str, limits: &Limits) -> io::Result<Box<dyn RunCgroup>> {
+        self.create(name, limits)
+    }
     /// Removes run cgroups left behind by a crashed daemon.
     fn sweep_orphans(&self) -> usize;
     /// Removes this daemon's (empty) owner directories at exit; a run still present keeps them.
@@ -283,6 +293,14 @@ fn valid_run_name(name: &str) -> bool {
     !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
+/// A run's name, or `group/run` (one level of groups, each part a plain name).
+fn valid_run_path(name: &str) -> bool {
+    match name.split_once('/') {
+        Some((group, run)) => valid_run_name(group) && valid_run_name(run),
+        None => valid_run_name(name),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // cgroups-rs plumbing
 
@@ -476,16 +494,21 @@ fn sweep_owners(shared: &Path, mut sweep: impl FnMut(&Path) -> usize) -> usize {
         .sum()
 }
 
-fn sweep_dir(root: &Path, mut remove: impl FnMut(&Path) -> bool) -> usize {
+/// Applies `remove` to every run directory under `root`, a group's runs before the group (a
+/// cgroup with children cannot be removed); the number removed.
+fn sweep_dir(root: &Path, remove: &mut impl FnMut(&Path) -> bool) -> usize {
     let Ok(entries) = fs::read_dir(root) else {
         return 0;
     };
-    entries
+    let dirs: Vec<PathBuf> = entries
         .filter_map(Result::ok)
         .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
         .filter(|e| valid_run_name(&e.file_name().to_string_lossy()))
-        .filter(|e| remove(&e.path()))
-        .count()
+        .map(|e| e.path())
+        .collect();
+    dirs.iter()
+        .map(|d| sweep_dir(d, remove) + usize::from(remove(d)))
+        .sum()
 }
 
 /// Detects the cgroup layout and prepares the matching driver.
@@ -570,5 +593,10 @@ mod tests {
         assert!(valid_run_name("exec-0a1b"));
         assert!(!valid_run_name("../x"));
         assert!(!valid_run_name(""));
+        assert!(valid_run_path("session-3/exec-0a1b"));
+        assert!(valid_run_path("exec-0a1b"));
+        for bad in ["a/b/c", "/a", "a/", "../a", "a/..", "a//b", ""] {
+            assert!(!valid_run_path(bad), "{bad}");
+        }
     }
 }

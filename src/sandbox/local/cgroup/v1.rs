@@ -14,7 +14,7 @@ use cgroups_rs::{Cgroup, MaxValue};
 use super::{
     CgroupDriver, CgroupStats, CgroupVersion, Dirs, RunCgroup, cg_err, cpu_quota, create_dirs, ctl,
     delete_retry, keyed_value, kill_pids, kill_until_empty, owner_name, pids_in, procs_of,
-    read_u64, rmdir_retry, sweep_dir, sweep_owners, valid_run_name, write_file,
+    read_u64, rmdir_retry, sweep_dir, sweep_owners, valid_run_name, valid_run_path, write_file,
 };
 use crate::sandbox::Limits;
 
@@ -116,7 +116,7 @@ impl CgroupDriver for V1Driver {
     }
 
     fn create_empty(&self, name: &str) -> io::Result<Box<dyn RunCgroup>> {
-        if !valid_run_name(name) {
+        if !valid_run_path(name) {
             return Err(io::Error::other("invalid cgroup name"));
         }
         let run = V1Run::load(self.dirs(name));
@@ -139,7 +139,7 @@ impl CgroupDriver for V1Driver {
         // Every hierarchy holds every run task, so killing what each run dir lists is complete.
         for shared in &self.owners {
             n += sweep_owners(shared, |owner| {
-                let n = sweep_dir(owner, |dir| {
+                let n = sweep_dir(owner, &mut |dir| {
                     kill_pids(&procs_of(dir));
                     rmdir_retry(dir).is_ok()
                 });
@@ -274,6 +274,43 @@ mod tests {
         let self_cg = "4:memory:/\n1:cpu:/\n8:pids:/\n6:freezer:/\n";
         let d = V1Driver::prepare(t.path(), self_cg, "executor-arm").unwrap();
         (t, d)
+    }
+
+    /// The sweep kills what a dead owner's runs list, a group's runs included, and removes them
+    /// and then the group; it never follows a symlink out of the owner, nor enters or removes a
+    /// directory whose name no run or group has.
+    #[test]
+    fn v1_sweep_kills_a_groups_runs_and_nothing_past_a_symlink_or_an_odd_name() {
+        let (t, driver) = fake_v1();
+        let mut inside = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let dead = t.path().join("pids/executor-arm/d0");
+        let outside = t.path().join("outside");
+        fs::create_dir_all(outside.join("exec-x")).unwrap();
+        fs::create_dir_all(dead.join("group-1/exec-in")).unwrap();
+        fs::write(
+            dead.join("group-1/exec-in/cgroup.procs"),
+            format!("{}\n", inside.id()),
+        )
+        .unwrap();
+        fs::create_dir_all(dead.join("group-3/exec-gone")).unwrap();
+        std::os::unix::fs::symlink(&outside, dead.join("group-2")).unwrap();
+        fs::create_dir_all(dead.join("odd.name/exec-y")).unwrap();
+        // group-3 and its run; group-1's run is killed but keeps its (fake) procs file.
+        assert_eq!(driver.sweep_orphans(), 2);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while inside.try_wait().unwrap().is_none() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a group's run was not killed"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(!dead.join("group-3").exists());
+        assert!(outside.join("exec-x").is_dir(), "swept through a symlink");
+        assert!(dead.join("odd.name/exec-y").is_dir());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use cgroups_rs::{Cgroup, MaxValue};
 use super::{
     CgroupDriver, CgroupStats, CgroupVersion, Dirs, RunCgroup, cg_err, cpu_quota, create_dirs, ctl,
     delete_retry, keyed_value, kill_pids, kill_until_empty, owner_name, pids_in, procs_of,
-    read_trimmed, read_u64, sweep_dir, sweep_owners, valid_run_name, write_file,
+    read_trimmed, read_u64, sweep_dir, sweep_owners, valid_run_path, write_file,
 };
 use crate::sandbox::Limits;
 
@@ -82,7 +82,7 @@ impl CgroupDriver for V2Driver {
     }
 
     fn create_empty(&self, name: &str) -> io::Result<Box<dyn RunCgroup>> {
-        if !valid_run_name(name) {
+        if !valid_run_path(name) {
             return Err(io::Error::other("invalid cgroup name"));
         }
         let run = V2Run::load(&self.runs, name);
@@ -90,6 +90,19 @@ impl CgroupDriver for V2Driver {
         // (prepare), so creating is one mkdir.
         create_dirs(&run.cg)?;
         Ok(Box::new(run))
+    }
+
+    /// A group's directory enables the three controllers for the runs made under it.
+    fn create_group(&self, name: &str, limits: &Limits) -> io::Result<Box<dyn RunCgroup>> {
+        let group = self.create(name, limits)?;
+        if let Err(e) = write_file(
+            &self.runs.join(name).join("cgroup.subtree_control"),
+            "+memory +cpu +pids",
+        ) {
+            let _ = group.remove();
+            return Err(e);
+        }
+        Ok(group)
     }
 
     fn release(&self) {
@@ -100,9 +113,10 @@ impl CgroupDriver for V2Driver {
     /// crate knows about; each run found is removed through the crate.
     fn sweep_orphans(&self) -> usize {
         sweep_owners(&self.owners, |owner| {
-            let n = sweep_dir(owner, |dir| {
+            let n = sweep_dir(owner, &mut |dir| {
                 let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
-                V2Run::load(owner, name).remove().is_ok()
+                let parent = dir.parent().unwrap_or(owner);
+                V2Run::load(parent, name).remove().is_ok()
             });
             let _ = fs::remove_dir(owner);
             n
@@ -256,14 +270,36 @@ mod tests {
         let driver = V2Driver::prepare(t.path(), false).unwrap();
         // pid 0 is never a live daemon; our own directory is never swept.
         fs::create_dir_all(t.path().join("runs/d0/exec-old")).unwrap();
+        // A group's runs go before the group: a cgroup with children cannot be removed.
+        fs::create_dir_all(t.path().join("runs/d0/group-3/exec-in")).unwrap();
         driver.create_empty("exec-live").unwrap();
-        assert_eq!(driver.sweep_orphans(), 1);
+        assert_eq!(driver.sweep_orphans(), 3);
         assert!(!t.path().join("runs/d0").exists());
         assert!(
             t.path()
                 .join(format!("runs/{}/exec-live", owner_name()))
                 .exists()
         );
+    }
+
+    /// The sweep's walk through a dead owner's groups stays inside it: a symlink is never
+    /// followed (whatever it points at is left as it is), and a directory whose name no run or
+    /// group has is neither entered nor removed.
+    #[test]
+    fn v2_sweep_follows_no_symlink_and_enters_no_odd_name() {
+        let t = fake_v2();
+        let driver = V2Driver::prepare(t.path(), false).unwrap();
+        let outside = t.path().join("outside");
+        fs::create_dir_all(outside.join("exec-x")).unwrap();
+        fs::create_dir_all(t.path().join("runs/d0/group-1/exec-in")).unwrap();
+        std::os::unix::fs::symlink(&outside, t.path().join("runs/d0/group-2")).unwrap();
+        std::os::unix::fs::symlink(&outside, t.path().join("runs/d0/group-1/exec-link")).unwrap();
+        fs::create_dir_all(t.path().join("runs/d0/odd.name/exec-y")).unwrap();
+        // exec-in only: group-1 keeps the link, so it stays, and so does the owner.
+        assert_eq!(driver.sweep_orphans(), 1);
+        assert!(outside.join("exec-x").is_dir());
+        assert!(t.path().join("runs/d0/odd.name/exec-y").is_dir());
+        assert!(!t.path().join("runs/d0/group-1/exec-in").exists());
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! holds; the state store names that replica and its address. Another replica that gets such a
 //! call passes it on unchanged (the caller's own credentials, so the owner checks them itself) and
 //! relays the answer, a stream included, as it comes. A forwarded call is never forwarded again.
+//! A session's ports proxy call is passed on as it came ([`forward_streamed`]): its end-to-end
+//! headers, its body streamed, and an upgrade relayed both ways after the owner's 101.
 //!
 //! Owns: the peer HTTP call. Must not: decide who may see a run (the owner does, again).
 
@@ -14,7 +16,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, header};
 use axum::response::Response;
 use hyper_util::rt::TokioIo;
 
-use super::error::ApiError;
+use crate::calls::ApiError;
 use crate::config::peer_authority;
 
 /// Marks a call one replica passed to another (its value: the sender's instance id).
@@ -85,27 +87,7 @@ pub async fn forward_within(
         headers,
         body,
     } = call;
-    let unreachable = |why: String| {
-        ApiError::SandboxUnavailable(format!(
-            "the replica running this execution ({address}) cannot be reached: {why}"
-        ))
-    };
-    let authority = peer_authority(address)
-        .ok_or_else(|| unreachable("not an http://host:port address".into()))?;
-    let stream = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(authority))
-        .await
-        .map_err(|_| unreachable("connect timed out".into()))?
-        .map_err(|e| unreachable(e.to_string()))?;
-    let _ = stream.set_nodelay(true);
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| unreachable(e.to_string()))?;
-    // The connection lives as long as the answer's body is read (a stream included).
-    let connection = tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "forwarded call's connection ended with an error");
-        }
-    });
+    let (mut sender, connection, authority) = open(address).await?;
     let mut req = Request::builder()
         .method(method)
         .uri(path)
@@ -127,16 +109,128 @@ pub async fn forward_within(
         .body(http_body_util::Full::new(body))
         .map_err(|e| ApiError::Internal(format!("forwarded request: {e}")))?;
     let resp = match tokio::time::timeout(answer_timeout, sender.send_request(req)).await {
-        Ok(r) => r.map_err(|e| unreachable(e.to_string()))?,
+        Ok(r) => r.map_err(|e| unreachable(address, e.to_string()))?,
         Err(_) => {
             connection.abort();
-            return Err(unreachable(format!(
-                "no answer within {} ms",
-                answer_timeout.as_millis()
-            )));
+            return Err(unreachable(
+                address,
+                format!("no answer within {} ms", answer_timeout.as_millis()),
+            ));
         }
     };
     Ok(resp.map(Body::new))
+}
+
+/// The replica at `address` cannot be reached (503).
+fn unreachable(address: &str, why: String) -> ApiError {
+    ApiError::SandboxUnavailable(format!(
+        "the replica running this execution ({address}) cannot be reached: {why}"
+    ))
+}
+
+/// An HTTP/1 connection to the replica at `address` (`http://host:port`), one that may be
+/// upgraded: its sender, the task that drives it, and the address's authority.
+async fn open<B>(
+    address: &str,
+) -> Result<
+    (
+        hyper::client::conn::http1::SendRequest<B>,
+        tokio::task::JoinHandle<()>,
+        &str,
+    ),
+    ApiError,
+>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let authority = peer_authority(address)
+        .ok_or_else(|| unreachable(address, "not an http://host:port address".into()))?;
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(authority))
+        .await
+        .map_err(|_| unreachable(address, "connect timed out".into()))?
+        .map_err(|e| unreachable(address, e.to_string()))?;
+    let _ = stream.set_nodelay(true);
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| unreachable(address, e.to_string()))?;
+    // The connection lives as long as the answer's body is read (a stream included), or the
+    // upgraded connection is relayed.
+    let connection = tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(error = %e, "forwarded call's connection ended with an error");
+        }
+    });
+    Ok((sender, connection, authority))
+}
+
+/// Passes `req` on to the replica at `address` as it came, for a route whose request is not
+/// this daemon's to read (a session's ports proxy): every end-to-end header (the caller's
+/// credentials too: the owner checks them), the body streamed as it comes, the answer's body
+/// streamed back, and an upgrade (`Connection: upgrade` answered 101) relayed both ways.
+pub async fn forward_streamed(
+    address: &str,
+    from_instance: &str,
+    mut req: Request<Body>,
+    answer_timeout: Duration,
+) -> Result<Response, ApiError> {
+    let (mut sender, connection, authority) = open::<Body>(address).await?;
+    let upgrade = super::hop::wants_upgrade(req.headers());
+    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    let (parts, body) = req.into_parts();
+    let mut headers = super::hop::end_to_end(&parts.headers, upgrade, &[]);
+    headers.insert(
+        header::HOST,
+        HeaderValue::from_str(authority).map_err(|e| ApiError::Internal(e.to_string()))?,
+    );
+    headers.insert(
+        FORWARDED_HEADER,
+        HeaderValue::from_str(from_instance).unwrap_or(HeaderValue::from_static("-")),
+    );
+    crate::telemetry::inject_current(&mut headers);
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    let mut out = Request::builder()
+        .method(parts.method)
+        .uri(path)
+        .body(body)
+        .map_err(|e| ApiError::Internal(format!("forwarded request: {e}")))?;
+    *out.headers_mut() = headers;
+    let mut resp = match tokio::time::timeout(answer_timeout, sender.send_request(out)).await {
+        Ok(r) => r.map_err(|e| unreachable(address, e.to_string()))?,
+        Err(_) => {
+            connection.abort();
+            return Err(unreachable(
+                address,
+                format!("no answer within {} ms", answer_timeout.as_millis()),
+            ));
+        }
+    };
+    let switching = resp.status() == axum::http::StatusCode::SWITCHING_PROTOCOLS;
+    if switching && let Some(client_upgrade) = client_upgrade {
+        let peer_upgrade = hyper::upgrade::on(&mut resp);
+        tokio::spawn(async move {
+            let (client, peer) = match tokio::join!(client_upgrade, peer_upgrade) {
+                (Ok(c), Ok(p)) => (c, p),
+                _ => return,
+            };
+            let (mut client, mut peer) = (TokioIo::new(client), TokioIo::new(peer));
+            let _ = tokio::io::copy_bidirectional(&mut client, &mut peer).await;
+        });
+    }
+    let (parts, incoming) = resp.into_parts();
+    let mut answer = Response::new(if switching {
+        Body::empty()
+    } else {
+        Body::new(incoming)
+    });
+    *answer.status_mut() = parts.status;
+    *answer.headers_mut() = super::hop::end_to_end(&parts.headers, switching, &[]);
+    Ok(answer)
 }
 
 #[cfg(test)]

@@ -32,6 +32,11 @@ pub struct AppState {
     /// Server-Sent Event streams open now (at most `executions.max_open_streams`).
     pub open_streams: std::sync::atomic::AtomicUsize,
     pub instance_id: String,
+    /// Connections into sessions' sandboxes kept for the ports proxy.
+    pub(crate) port_pool: Arc<super::port_pool::PortPool>,
+    /// The key that signs receipts and audit checkpoints, the public keys that verify them, and
+    /// the writer of this log's checkpoints.
+    pub signing: Arc<crate::provenance::Signing>,
     /// What the kernel offers the local backend (None when it is not configured).
     pub host_probe: Option<crate::sandbox::local::probe::HostProbe>,
 }

@@ -11,8 +11,8 @@ use axum::body::{Body, to_bytes};
 use axum::extract::Request;
 use axum::http::{HeaderMap, header};
 
-use super::app_state::AppState;
 use super::error::ApiError;
+use super::state::AppState;
 use crate::auth::Verified;
 use crate::config::TokenKind;
 use crate::execution::record::{self, KnownRequest, RefusalKind};
@@ -61,7 +61,7 @@ fn valid_request_id(s: &str) -> bool {
 
 /// An authenticated calling service, and what a refusal of its request tells the audit log
 /// (filled in as the route learns more of the request).
-pub(super) struct Caller {
+pub struct Caller {
     pub service: Verified,
     pub known: KnownRequest,
 }
@@ -95,6 +95,16 @@ impl Caller {
         })
     }
 
+    /// The service token's own capabilities as the call's grant (a front end whose contract
+    /// that is). A single-use service token was used up by this call's authentication: the same
+    /// use grants the call, it is not claimed a second time (which would refuse it as replayed).
+    pub fn service_grant(&self) -> Verified {
+        Verified {
+            single_use: None,
+            ..self.service.clone()
+        }
+    }
+
     /// The capability token `token`, verified; a refusal is an audited 401.
     pub fn capability(&mut self, st: &AppState, token: &str) -> Result<Verified, ApiError> {
         let cap = st
@@ -107,7 +117,7 @@ impl Caller {
 }
 
 /// Counts and audits a 401 (see [`record::refusal`]); the answer is always the same body.
-pub(super) fn unauthorized(st: &AppState, known: &KnownRequest, reason: &str) -> ApiError {
+pub(crate) fn unauthorized(st: &AppState, known: &KnownRequest, reason: &str) -> ApiError {
     record::refusal(
         &st.audit,
         &st.metrics,
@@ -119,7 +129,7 @@ pub(super) fn unauthorized(st: &AppState, known: &KnownRequest, reason: &str) ->
 }
 
 /// The token of an `Authorization: Bearer` header.
-pub(super) fn bearer(headers: &HeaderMap) -> Option<&str> {
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
     let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = v.split_once(' ')?;
     scheme
@@ -153,19 +163,6 @@ pub fn service_token(
     Ok(service)
 }
 
-/// Marks a request a front end made in-process for its caller, under a contract that makes the
-/// service token's `capabilities` claim the grant of a call that carries no capability token
-/// (the MCP front end's). Only the daemon itself can set it: an extension never comes off the
-/// wire.
-#[derive(Debug, Clone, Copy)]
-pub struct ServiceGrant;
-
-/// Whether the request may use its service token's capabilities as its grant (see
-/// [`ServiceGrant`]).
-pub(super) fn service_grant(extensions: &axum::http::Extensions) -> bool {
-    extensions.get::<ServiceGrant>().is_some()
-}
-
 /// The calling service, from its bearer token (a single-use one is used up here); a refusal is
 /// a 401, audited with what `known` tells of the request.
 async fn calling_service(
@@ -192,7 +189,7 @@ pub const CAPABILITY_TOKEN_HEADER: &str = "x-capability-token";
 /// The capability token a request carries, in its body or in [`CAPABILITY_TOKEN_HEADER`]: at
 /// most one of the two, and the header at most once (a proxy in front may have checked the
 /// other copy).
-pub(super) fn capability_token<'a>(
+pub(crate) fn capability_token<'a>(
     in_body: Option<&'a str>,
     headers: &'a HeaderMap,
 ) -> Result<Option<&'a str>, ApiError> {
@@ -216,7 +213,7 @@ const TENANT_HEADERS: [&str; 2] = ["x-tenant-id", "x-koder-tenant"];
 
 /// The tenant a call names (`X-Tenant-ID`, alias `X-Koder-Tenant`): "" without one; both
 /// headers must agree.
-pub(super) fn tenant(headers: &HeaderMap) -> Result<String, ApiError> {
+pub(crate) fn tenant(headers: &HeaderMap) -> Result<String, ApiError> {
     let mut found: Option<String> = None;
     for name in TENANT_HEADERS {
         for v in headers.get_all(name) {
@@ -247,7 +244,7 @@ pub(super) fn tenant(headers: &HeaderMap) -> Result<String, ApiError> {
 
 /// How much of a body is read, and how long it may take to arrive.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct BodyLimit {
+pub(crate) struct BodyLimit {
     pub bytes: usize,
     pub deadline: Duration,
 }
@@ -288,7 +285,7 @@ fn file_deadline(st: &AppState) -> Duration {
 
 /// The whole body, refused (413) past `limit.bytes` and (408) when it does not arrive within
 /// `limit.deadline`.
-pub(super) async fn read_body(
+pub(crate) async fn read_body(
     body: Body,
     headers: &HeaderMap,
     limit: BodyLimit,
@@ -325,7 +322,7 @@ pub(super) async fn read_body(
 
 /// For an optional body field whose absence is a value (an empty list, `false`): `null` is the
 /// same as leaving the field out, as for every `Option` field.
-pub(super) fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+pub(crate) fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
 where
     D: serde::Deserializer<'de>,
     T: serde::Deserialize<'de> + Default,
