@@ -109,6 +109,11 @@ impl Fixture {
                 None,
             ),
             (
+                "GET",
+                format!("{s}/processes/{}/output", self.process),
+                None,
+            ),
+            (
                 "POST",
                 format!("{s}/processes/{}/stdin", self.process),
                 Some(json!("x")),

@@ -121,6 +121,10 @@ fn document_is_openapi_3_1_and_complete() {
             &["get"],
         ),
         (
+            "/v1/sandbox/sessions/{id}/processes/{process_id}/output",
+            &["get"],
+        ),
+        (
             "/v1/sandbox/sessions/{id}/processes/{process_id}/stdin",
             &["post"],
         ),

@@ -148,6 +148,10 @@ fn session_routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
             get(processes::stream),
         )
         .route(
+            "/v1/sandbox/sessions/{id}/processes/{process_id}/output",
+            get(processes::output),
+        )
+        .route(
             "/v1/sandbox/sessions/{id}/processes/{process_id}/stdin",
             post(processes::stdin),
         )

@@ -39,6 +39,7 @@ use utoipa::{Modify, OpenApi};
         super::processes::exec_stdin,
         super::processes::list,
         super::processes::stream,
+        super::processes::output,
         super::processes::stdin,
         super::processes::signal,
         super::terminal::terminal,

@@ -13,7 +13,7 @@ use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use utoipa::{IntoParams, ToSchema};
+use utoipa::IntoParams;
 
 use super::executions;
 use super::extract::{Path, Query};
@@ -21,27 +21,11 @@ use super::sessions::{SessionPath, TenantHeaders};
 use crate::calls::AppState;
 use crate::calls::caller::{BodyLimit, RequestId, read_body};
 use crate::calls::error::{ApiError, ErrorBody};
-use crate::calls::sessions::{Looked, Touch, look_up, session_of};
-use crate::sandbox::control::{Control, ProcessSignal};
-use crate::sessions::{ControlError, ProcessInfo};
-
-impl From<ControlError> for ApiError {
-    fn from(e: ControlError) -> Self {
-        match e {
-            ControlError::NotFound => ApiError::ProcessNotFound,
-            ControlError::Ended => ApiError::ProcessEnded,
-            ControlError::NotOpen => ApiError::StdinClosed,
-            ControlError::StdinClosed => ApiError::ProcessStdinClosed,
-        }
-    }
-}
-
-/// A session's background processes.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ProcessList {
-    /// Running ones and the last ended ones, oldest first.
-    pub processes: Vec<ProcessInfo>,
-}
+use crate::calls::processes::{
+    self, ControlOf, OutputQuery, ProcessList, SignalBody, live_session,
+};
+use crate::calls::sessions::{Touch, session_of};
+use crate::sessions::ProcessOutput;
 
 /// `GET /v1/sandbox/sessions/{id}/processes`.
 #[utoipa::path(
@@ -64,36 +48,14 @@ pub async fn list(
     Path(id): Path<String>,
     req: Request,
 ) -> Response {
-    let looked = look_up(&st, req.headers(), RequestId::of(&req), &id, Touch::Read).await;
-    match looked {
-        Ok((Looked::Live(s), ..)) => json(ProcessList {
-            processes: s.processes(),
-        }),
-        Ok((Looked::Paused(_), ..)) => json(ProcessList { processes: vec![] }),
+    match processes::list(&st, req.headers(), RequestId::of(&req), &id).await {
+        Ok(list) => json(list),
         Err(e) => e.into_response(),
     }
 }
 
 fn json(body: impl Serialize) -> Response {
     (StatusCode::OK, axum::Json(body)).into_response()
-}
-
-/// The caller's session `id` for a call to one of its processes (or running execs): a paused
-/// one has none (a pause ends them), so it is not resumed for this.
-async fn live_session(
-    st: &AppState,
-    headers: &axum::http::HeaderMap,
-    rid: String,
-    id: &str,
-    of: StdinOf,
-) -> Result<Arc<crate::sessions::Session>, ApiError> {
-    match look_up(st, headers, rid, id, Touch::Read).await? {
-        (Looked::Live(s), ..) => Ok(s),
-        (Looked::Paused(_), ..) => Err(match of {
-            StdinOf::Process => ApiError::ProcessNotFound,
-            StdinOf::Exec => ApiError::ProcessEnded,
-        }),
-    }
 }
 
 /// A process's id in its routes' paths (OpenAPI only).
@@ -147,6 +109,42 @@ pub async fn stream(
     executions::stream_owned(st, process_id, req, (session.owner.runs(), known)).await
 }
 
+/// `GET …/processes/{process_id}/output`: what the process has written from the offsets asked
+/// for (at most 256 KiB of each stream), with its state: for a caller that reads output by
+/// polling instead of following the stream.
+#[utoipa::path(
+    get,
+    path = "/v1/sandbox/sessions/{id}/processes/{process_id}/output",
+    operation_id = "read_session_process_output",
+    tag = "sessions",
+    params(SessionPath, ProcessPath, TenantHeaders, OutputQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The process's state and its output from the offsets asked for (a ring keeps the last bytes of each stream: `from` says where the text begins)", body = ProcessOutput),
+        (status = 400, description = "InvalidRequest: a malformed query or tenant, a path parameter that is not UTF-8", body = ErrorBody),
+        (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
+        (status = 404, description = "NotFound: no such session, or no such process of it", body = ErrorBody),
+        (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
+    )
+)]
+pub async fn output(
+    State(st): State<Arc<AppState>>,
+    Path((id, process_id)): Path<(String, String)>,
+    Query(at): Query<OutputQuery>,
+    req: Request,
+) -> Response {
+    let rid = RequestId::of(&req);
+    let headers = req.headers().clone();
+    let read = async {
+        let session = live_session(&st, &headers, rid, &id, ControlOf::Process).await?;
+        processes::output(&session, &process_id, at)
+    };
+    match read.await {
+        Ok(out) => json(out),
+        Err(e) => e.into_response(),
+    }
+}
+
 /// `?eof=true`: close the process's stdin after the body's bytes.
 #[derive(Debug, Default, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -183,24 +181,17 @@ pub async fn stdin(
     Query(q): Query<StdinQuery>,
     req: Request,
 ) -> Response {
-    match stdin_inner(&st, &id, &process_id, StdinOf::Process, q, req).await {
+    match stdin_inner(&st, &id, &process_id, ControlOf::Process, q, req).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
     }
-}
-
-/// Whose stdin a call writes: a background process, or a foreground exec.
-#[derive(Clone, Copy)]
-enum StdinOf {
-    Process,
-    Exec,
 }
 
 async fn stdin_inner(
     st: &Arc<AppState>,
     id: &str,
     target: &str,
-    of: StdinOf,
+    of: ControlOf,
     q: StdinQuery,
     req: Request,
 ) -> Result<(), ApiError> {
@@ -208,24 +199,7 @@ async fn stdin_inner(
     let (parts, body) = req.into_parts();
     let session = live_session(st, &parts.headers, rid, id, of).await?;
     let raw = read_body(body, &parts.headers, BodyLimit::request(st)).await?;
-    let mut controls = Vec::new();
-    if !raw.is_empty() {
-        controls.push(Control::Stdin(raw.to_vec()));
-    }
-    if q.eof {
-        controls.push(Control::CloseStdin);
-    }
-    if controls.is_empty() {
-        // Nothing to send: still a 404 for an unknown target, a 409 for an ended one.
-        controls.push(Control::Stdin(Vec::new()));
-    }
-    for c in controls {
-        match of {
-            StdinOf::Process => st.sessions.control_process(&session, target, c).await?,
-            StdinOf::Exec => st.sessions.control_exec(&session, target, c).await?,
-        }
-    }
-    Ok(())
+    processes::send_stdin(st, &session, target, of, raw.to_vec(), q.eof).await
 }
 
 /// `POST /v1/sandbox/sessions/{id}/execs/{exec_id}/stdin`: as a process's stdin, for a running
@@ -260,19 +234,10 @@ pub async fn exec_stdin(
     Query(q): Query<StdinQuery>,
     req: Request,
 ) -> Response {
-    match stdin_inner(&st, &id, &exec_id, StdinOf::Exec, q, req).await {
+    match stdin_inner(&st, &id, &exec_id, ControlOf::Exec, q, req).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
     }
-}
-
-/// The body of `POST …/processes/{process_id}/signal`.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct SignalBody {
-    /// `TERM`, `KILL`, `INT` or `HUP`. `KILL` ends every process the background process
-    /// started; the others go to the process itself.
-    signal: ProcessSignal,
 }
 
 /// `POST …/processes/{process_id}/signal`: 204 once the signal is sent.
@@ -314,12 +279,9 @@ async fn signal_inner(
 ) -> Result<(), ApiError> {
     let rid = RequestId::of(&req);
     let (parts, body) = req.into_parts();
-    let session = live_session(st, &parts.headers, rid, id, StdinOf::Process).await?;
+    let session = live_session(st, &parts.headers, rid, id, ControlOf::Process).await?;
     let raw = read_body(body, &parts.headers, BodyLimit::request(st)).await?;
     let asked: SignalBody = serde_json::from_slice(&raw)
         .map_err(|e| ApiError::InvalidRequest(format!("invalid signal request: {e}")))?;
-    st.sessions
-        .control_process(&session, process_id, Control::Signal(asked.signal))
-        .await?;
-    Ok(())
+    processes::signal(st, &session, process_id, asked.signal).await
 }

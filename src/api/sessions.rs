@@ -222,19 +222,10 @@ pub async fn pause(
     let rid = rid.map(|r| r.0.0).unwrap_or_default();
     // On a task of its own: a pause that began is finished even if its client goes away.
     detach(async move {
-        let result = async {
-            let (owner, ..) = caller(&st, &headers, rid.clone()).await?;
-            if let Some(s) = st.sessions.get(&owner, &id)
-                && st.sessions.end_if_lost(&s).await
-            {
-                return Err(ApiError::SessionGone(
-                    st.sessions.lost(&owner, &id).unwrap_or_default(),
-                ));
-            }
-            let info = st.sessions.pause(&owner, &id, rid).await?;
-            Ok(json(StatusCode::OK, info))
-        };
-        result.await.unwrap_or_else(|e: ApiError| e.into_response())
+        match sessions::pause(&st, &headers, rid, &id).await {
+            Ok(info) => json(StatusCode::OK, info),
+            Err(e) => e.into_response(),
+        }
     })
     .await
 }
@@ -271,9 +262,8 @@ pub async fn resume(
 ) -> Response {
     let rid = rid.map(|r| r.0.0).unwrap_or_default();
     detach(async move {
-        match look_up(&st, &headers, rid, &id, Touch::Use).await {
-            Ok((Looked::Live(s), ..)) => json(StatusCode::OK, s.describe()),
-            Ok((Looked::Paused(info), ..)) => json(StatusCode::OK, *info),
+        match sessions::resume(&st, &headers, rid, &id).await {
+            Ok(info) => json(StatusCode::OK, info),
             Err(e) => e.into_response(),
         }
     })

@@ -20,7 +20,10 @@
 //! - `executions.rs`: a run's status and its cancel.
 //! - `forward.rs`: handing a call to the replica that holds its run or session (a peer call).
 //! - `hop.rs`: the hop-by-hop headers that a message passed on as it came leaves behind.
-//! - `sessions.rs`: a session call's owner and the caller's session or exec.
+//! - `sessions.rs`: a session call's owner and the caller's session or exec; create, pause,
+//!   resume, exec, delete, files.
+//! - `processes.rs`: a session's background processes (list, output, stdin, signals) and a
+//!   running exec's stdin.
 //! - `port_pool.rs`: connections into sessions' sandboxes kept between proxied requests.
 
 pub mod caller;
@@ -30,6 +33,7 @@ pub mod executions;
 pub mod forward;
 pub(crate) mod hop;
 pub(crate) mod port_pool;
+pub mod processes;
 pub mod run;
 pub mod sessions;
 pub mod state;

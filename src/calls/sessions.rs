@@ -277,6 +277,40 @@ pub async fn create(
         .await?)
 }
 
+/// Pauses the caller's session `id`: its workspace saved, its sandbox and processes ended; the
+/// session as it is now. The caller should run this on a task of its own: a pause that began is
+/// finished even if its client goes away.
+pub async fn pause(
+    st: &AppState,
+    headers: &HeaderMap,
+    rid: String,
+    id: &str,
+) -> Result<SessionInfo, ApiError> {
+    let (owner, ..) = caller(st, headers, rid.clone()).await?;
+    if let Some(s) = st.sessions.get(&owner, id)
+        && st.sessions.end_if_lost(&s).await
+    {
+        return Err(ApiError::SessionGone(
+            st.sessions.lost(&owner, id).unwrap_or_default(),
+        ));
+    }
+    Ok(st.sessions.pause(&owner, id, rid).await?)
+}
+
+/// Resumes the caller's session `id` (a fresh sandbox with the saved workspace); a running one
+/// is answered as it is.
+pub async fn resume(
+    st: &AppState,
+    headers: &HeaderMap,
+    rid: String,
+    id: &str,
+) -> Result<SessionInfo, ApiError> {
+    Ok(match look_up(st, headers, rid, id, Touch::Use).await? {
+        (Looked::Live(s), ..) => s.describe(),
+        (Looked::Paused(info), ..) => *info,
+    })
+}
+
 /// Ends `owner`'s session `id` (running or paused), or 404.
 pub async fn delete(st: &AppState, owner: &Owner, id: &str) -> Result<(), ApiError> {
     if st.sessions.delete(owner, id).await || st.sessions.delete_paused(owner, id) {

@@ -13,7 +13,7 @@
 //!
 //! # Files
 //! - `mod.rs` (this file): the `/mcp` route, its admission, the SDK's HTTP configuration.
-//! - `tools.rs`: the ten tools: their input schemas, their arguments, and each one's REST twin
+//! - `tools.rs`: the tools: their input schemas, their arguments, and each one's REST twin
 //!   (the route a replica that holds its session or run is handed, and how its answer renders).
 //! - `server.rs`: the MCP server: lists the tools, sends each call through `calls`, renders the
 //!   answer (and a waited-for run's output as progress notifications).

@@ -26,6 +26,7 @@ use crate::calls::error::ApiError;
 use crate::calls::execute::{ExecuteAsk, ExecuteRequest};
 use crate::calls::executions::{self, Cancelled};
 use crate::calls::forward::{Call, forward_within};
+use crate::calls::processes::{self, ControlOf, OutputQuery, live_session};
 use crate::calls::run::detach;
 use crate::calls::run::{AskedTimeout, ClientLink, OpenStream, RunMode, Served, timeout_of};
 use crate::calls::sessions::{
@@ -266,6 +267,67 @@ impl McpServer {
                 let _permit = file_permit(st)?;
                 let list = sessions::list(&session, a.path.unwrap_or_default()).await?;
                 json_answer(StatusCode::OK, &list)
+            }
+            "session_pause" | "session_resume" => {
+                let a: tools::SessionArgs = tools::args_of(tool, args).map_err(no_twin)?;
+                let (task_st, task_headers) = (st.clone(), headers.clone());
+                let pause = tool == "session_pause";
+                // On a task of its own: a pause or resume that began is finished even if the
+                // client gives the call up.
+                let info = detach(async move {
+                    let id = &a.session_id;
+                    if pause {
+                        sessions::pause(&task_st, &task_headers, request_id, id).await
+                    } else {
+                        sessions::resume(&task_st, &task_headers, request_id, id).await
+                    }
+                })
+                .await??;
+                json_answer(StatusCode::OK, &info)
+            }
+            "process_list" => {
+                let a: tools::SessionArgs = tools::args_of(tool, args).map_err(no_twin)?;
+                let list = processes::list(st, headers, request_id, &a.session_id).await?;
+                json_answer(StatusCode::OK, &list)
+            }
+            "process_output" => {
+                let a: tools::OutputArgs = tools::args_of(tool, args).map_err(no_twin)?;
+                let session =
+                    live_session(st, headers, request_id, &a.session_id, ControlOf::Process)
+                        .await?;
+                let at = OutputQuery {
+                    stdout_from: a.stdout_from.unwrap_or(0),
+                    stderr_from: a.stderr_from.unwrap_or(0),
+                };
+                json_answer(
+                    StatusCode::OK,
+                    &processes::output(&session, &a.process_id, at)?,
+                )
+            }
+            "process_stdin" => {
+                let a: tools::StdinArgs = tools::args_of(tool, args).map_err(no_twin)?;
+                let bytes = a.bytes().map_err(no_twin)?;
+                let session =
+                    live_session(st, headers, request_id, &a.session_id, ControlOf::Process)
+                        .await?;
+                processes::send_stdin(
+                    st,
+                    &session,
+                    &a.process_id,
+                    ControlOf::Process,
+                    bytes,
+                    a.eof,
+                )
+                .await?;
+                Ok((StatusCode::NO_CONTENT, bytes::Bytes::new()))
+            }
+            "process_signal" => {
+                let a: tools::SignalArgs = tools::args_of(tool, args).map_err(no_twin)?;
+                let session =
+                    live_session(st, headers, request_id, &a.session_id, ControlOf::Process)
+                        .await?;
+                processes::signal(st, &session, &a.process_id, a.signal).await?;
+                Ok((StatusCode::NO_CONTENT, bytes::Bytes::new()))
             }
             other => Err(ApiError::Internal(format!("no session tool named {other}"))),
         }
@@ -549,6 +611,10 @@ pub(super) fn render(render: &Render, status: StatusCode, body: &[u8]) -> CallTo
             path,
             size,
         } => json!({"session_id": session_id, "path": path, "size": size}),
+        Render::Sent {
+            session_id,
+            process_id,
+        } => json!({"session_id": session_id, "process_id": process_id, "sent": true}),
         Render::File { session_id, path } => {
             let mut v = json!({"session_id": session_id, "path": path, "size": body.len()});
             match std::str::from_utf8(body) {

@@ -11,7 +11,7 @@ fn args(v: Value) -> Map<String, Value> {
     }
 }
 
-/// The ten tools, each with an object schema; the REST bodies' schemas refuse unknown fields.
+/// The tools, each with an object schema; the REST bodies' schemas refuse unknown fields.
 #[test]
 fn tool_list() {
     let tools = tools::list();
@@ -28,7 +28,13 @@ fn tool_list() {
             "files_list",
             "run_start",
             "run_status",
-            "run_cancel"
+            "run_cancel",
+            "session_pause",
+            "session_resume",
+            "process_list",
+            "process_output",
+            "process_stdin",
+            "process_signal"
         ]
     );
     for t in &tools {
@@ -113,6 +119,49 @@ fn twins() {
     assert_eq!(t.uri, "/v1/sandbox/sessions/ses_1/execs/e1/cancel");
     assert_eq!(t.body, Body::Json(json!({"grace_seconds": 0})));
 
+    // A session's pause and processes: their routes, ids encoded.
+    let t = tools::twin("session_pause", args(json!({"session_id": "ses_1"}))).unwrap();
+    assert_eq!(
+        (t.method, t.uri.as_str()),
+        (Method::POST, "/v1/sandbox/sessions/ses_1/pause")
+    );
+    let t = tools::twin("session_resume", args(json!({"session_id": "ses_1"}))).unwrap();
+    assert_eq!(t.uri, "/v1/sandbox/sessions/ses_1/resume");
+    let t = tools::twin("process_list", args(json!({"session_id": "ses_1"}))).unwrap();
+    assert_eq!(
+        (t.method, t.uri.as_str()),
+        (Method::GET, "/v1/sandbox/sessions/ses_1/processes")
+    );
+    let t = tools::twin(
+        "process_output",
+        args(json!({"session_id": "ses_1", "process_id": "p/../1", "stdout_from": 7})),
+    )
+    .unwrap();
+    assert_eq!(
+        t.uri,
+        "/v1/sandbox/sessions/ses_1/processes/p%2F..%2F1/output?stdout_from=7&stderr_from=0"
+    );
+    let t = tools::twin(
+        "process_stdin",
+        args(json!({"session_id": "ses_1", "process_id": "p1", "data": "hi\n", "eof": true})),
+    )
+    .unwrap();
+    assert_eq!(
+        (t.method, t.uri.as_str(), t.body),
+        (
+            Method::POST,
+            "/v1/sandbox/sessions/ses_1/processes/p1/stdin?eof=true",
+            Body::Bytes(b"hi\n".to_vec())
+        )
+    );
+    let t = tools::twin(
+        "process_signal",
+        args(json!({"session_id": "ses_1", "process_id": "p1", "signal": "INT"})),
+    )
+    .unwrap();
+    assert_eq!(t.uri, "/v1/sandbox/sessions/ses_1/processes/p1/signal");
+    assert_eq!(t.body, Body::Json(json!({"signal": "INT"})));
+
     let t = tools::twin("session_delete", args(json!({"session_id": "ses_1"}))).unwrap();
     assert_eq!(
         (t.method, t.uri.as_str()),
@@ -146,6 +195,20 @@ fn bad_calls() {
         .contains("content_b64")
     );
     assert!(invalid("run_status", json!({"exec_id": "e", "bogus": 1})).contains("bogus"));
+    assert!(
+        invalid(
+            "process_stdin",
+            json!({"session_id": "s", "process_id": "p", "data": "", "data_b64": ""})
+        )
+        .contains("at most one")
+    );
+    assert!(
+        invalid(
+            "process_signal",
+            json!({"session_id": "s", "process_id": "p", "signal": "STOP"})
+        )
+        .contains("signal")
+    );
     assert_eq!(
         tools::twin("rm", Map::new()),
         Err(NoTwin::UnknownTool("rm".into()))

@@ -1,4 +1,4 @@
-//! The ten tools `/mcp` offers: their input schemas and arguments, and each one's REST twin (the
+//! The tools `/mcp` offers: their input schemas and arguments, and each one's REST twin (the
 //! route and body a replica that holds the call's session or run is handed) with how its answer
 //! becomes the tool's result.
 //!
@@ -91,6 +91,73 @@ pub(super) struct CancelArgs {
     pub grace_seconds: Option<u64>,
 }
 
+/// Where a read of a process's output begins.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct OutputArgs {
+    /// The session's id (`ses_…`).
+    pub session_id: String,
+    /// The process's id.
+    pub process_id: String,
+    /// Read stdout from this byte on (the `stdout.next` of the previous read; default 0).
+    #[serde(default)]
+    pub stdout_from: Option<usize>,
+    /// Read stderr from this byte on (the `stderr.next` of the previous read; default 0).
+    #[serde(default)]
+    pub stderr_from: Option<usize>,
+}
+
+/// Bytes for a process's stdin: at most one of `data` (UTF-8 text) and `data_b64` (any bytes,
+/// base64); `eof` closes its stdin after them.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct StdinArgs {
+    /// The session's id (`ses_…`).
+    pub session_id: String,
+    /// The process's id.
+    pub process_id: String,
+    /// Text for its stdin.
+    #[serde(default)]
+    pub data: Option<String>,
+    /// Bytes for its stdin, as base64 (standard alphabet, padded).
+    #[serde(default)]
+    pub data_b64: Option<String>,
+    /// Close its stdin after these bytes.
+    #[serde(default)]
+    pub eof: bool,
+}
+
+/// A signal for a process.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SignalArgs {
+    /// The session's id (`ses_…`).
+    pub session_id: String,
+    /// The process's id.
+    pub process_id: String,
+    /// `TERM`, `KILL`, `INT` or `HUP`. `KILL` ends every process it started; the others go to
+    /// the process itself.
+    pub signal: crate::sandbox::control::ProcessSignal,
+}
+
+impl StdinArgs {
+    /// The bytes the call sends.
+    pub fn bytes(&self) -> Result<Vec<u8>, NoTwin> {
+        match (&self.data, &self.data_b64) {
+            (Some(text), None) => Ok(text.clone().into_bytes()),
+            (None, Some(b64)) => base64::engine::general_purpose::STANDARD
+                .decode(b64.as_bytes())
+                .map_err(|e| {
+                    NoTwin::Invalid(format!("invalid process_stdin arguments: data_b64: {e}"))
+                }),
+            (None, None) => Ok(Vec::new()),
+            (Some(_), Some(_)) => Err(NoTwin::Invalid(
+                "invalid process_stdin arguments: give at most one of data and data_b64".into(),
+            )),
+        }
+    }
+}
+
 /// The tools, as `tools/list` gives them.
 pub(super) fn list() -> Vec<Tool> {
     let tool = |name: &'static str, description: &'static str, schema: Arc<JsonObject>| {
@@ -117,7 +184,10 @@ pub(super) fn list() -> Vec<Tool> {
             "session_exec",
             "Run code in a session's language in its workspace (POST \
              /v1/sandbox/sessions/{id}/exec) and wait for the result. With a progress token, its \
-             output comes as progress and log notifications while it runs.",
+             output comes as progress and log notifications while it runs. With \
+             `\"background\": true` it starts a background process that outlives the call \
+             (a dev server, a watcher) and answers its `process_id` at once: see the process_* \
+             tools.",
             session_exec_schema(),
         ),
         tool(
@@ -161,6 +231,46 @@ pub(super) fn list() -> Vec<Tool> {
              a session exec's with `session_id`).",
             schema_for_type::<CancelArgs>(),
         ),
+        tool(
+            "session_pause",
+            "Pause a session (POST /v1/sandbox/sessions/{id}/pause): its workspace is saved and \
+             its sandbox and background processes end; any later exec or file call, or \
+             session_resume, resumes it.",
+            schema_for_type::<SessionArgs>(),
+        ),
+        tool(
+            "session_resume",
+            "Resume a paused session (POST /v1/sandbox/sessions/{id}/resume): a fresh sandbox \
+             with its saved workspace.",
+            schema_for_type::<SessionArgs>(),
+        ),
+        read_only(tool(
+            "process_list",
+            "A session's background processes, running and recently ended (GET \
+             /v1/sandbox/sessions/{id}/processes).",
+            schema_for_type::<SessionArgs>(),
+        )),
+        read_only(tool(
+            "process_output",
+            "What a background process has written, from the offsets given (GET \
+             /v1/sandbox/sessions/{id}/processes/{process_id}/output): its state, exit code \
+             once it ended, and `stdout` / `stderr` spans whose `next` is where the next read \
+             goes on.",
+            schema_for_type::<OutputArgs>(),
+        )),
+        tool(
+            "process_stdin",
+            "Write to a background process's stdin (POST \
+             /v1/sandbox/sessions/{id}/processes/{process_id}/stdin): `data` (text) or `data_b64` \
+             (bytes); `eof` closes it after them.",
+            schema_for_type::<StdinArgs>(),
+        ),
+        tool(
+            "process_signal",
+            "Send TERM, KILL, INT or HUP to a background process (POST \
+             /v1/sandbox/sessions/{id}/processes/{process_id}/signal).",
+            schema_for_type::<SignalArgs>(),
+        ),
     ]
 }
 
@@ -198,6 +308,11 @@ pub(super) enum Render {
         session_id: String,
         path: String,
         size: usize,
+    },
+    /// A 204 of a process's stdin or signal: `{"session_id", "process_id", "sent": true}`.
+    Sent {
+        session_id: String,
+        process_id: String,
     },
     /// A file's bytes: `{"session_id", "path", "size", "content" | "content_b64"}`.
     File { session_id: String, path: String },
@@ -274,6 +389,15 @@ pub(super) fn args_of<T: serde::de::DeserializeOwned>(
 
 fn session_uri(id: &str) -> String {
     format!("/v1/sandbox/sessions/{}", seg(id))
+}
+
+/// The route `what` of the session's background process `process_id`.
+fn process_uri(session_id: &str, process_id: &str, what: &str) -> String {
+    format!(
+        "{}/processes/{}/{what}",
+        session_uri(session_id),
+        seg(process_id)
+    )
 }
 
 /// The run routes of `exec_id`: `/v1/executions/…`, or the session's `/execs/…`.
@@ -404,6 +528,70 @@ pub(super) fn twin(tool: &str, args: Map<String, Value>) -> Result<Twin, NoTwin>
                 uri.push_str(&seg(&p));
             }
             json(Method::GET, uri, Body::None, false)
+        }
+        "session_pause" | "session_resume" => {
+            let a: SessionArgs = args_of(tool, args)?;
+            let verb = tool.trim_start_matches("session_");
+            json(
+                Method::POST,
+                format!("{}/{verb}", session_uri(&a.session_id)),
+                Body::None,
+                false,
+            )
+        }
+        "process_list" => {
+            let a: SessionArgs = args_of(tool, args)?;
+            json(
+                Method::GET,
+                format!("{}/processes", session_uri(&a.session_id)),
+                Body::None,
+                false,
+            )
+        }
+        "process_output" => {
+            let a: OutputArgs = args_of(tool, args)?;
+            json(
+                Method::GET,
+                format!(
+                    "{}?stdout_from={}&stderr_from={}",
+                    process_uri(&a.session_id, &a.process_id, "output"),
+                    a.stdout_from.unwrap_or(0),
+                    a.stderr_from.unwrap_or(0)
+                ),
+                Body::None,
+                false,
+            )
+        }
+        "process_stdin" => {
+            let a: StdinArgs = args_of(tool, args)?;
+            let bytes = a.bytes()?;
+            let mut uri = process_uri(&a.session_id, &a.process_id, "stdin");
+            if a.eof {
+                uri.push_str("?eof=true");
+            }
+            Twin {
+                method: Method::POST,
+                uri,
+                body: Body::Bytes(bytes),
+                render: Render::Sent {
+                    session_id: a.session_id,
+                    process_id: a.process_id,
+                },
+                streams: false,
+            }
+        }
+        "process_signal" => {
+            let a: SignalArgs = args_of(tool, args)?;
+            Twin {
+                method: Method::POST,
+                uri: process_uri(&a.session_id, &a.process_id, "signal"),
+                body: Body::Json(json!({ "signal": a.signal })),
+                render: Render::Sent {
+                    session_id: a.session_id,
+                    process_id: a.process_id,
+                },
+                streams: false,
+            }
         }
         "run_status" => {
             let a: RunArgs = args_of(tool, args)?;

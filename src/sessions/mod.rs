@@ -52,7 +52,7 @@ pub use self::background::{ControlError, PreparedProcess};
 pub use self::exec::{ExecParts, PreparedExec};
 pub use self::files::UploadError;
 pub use self::ports::PortRefusal;
-pub use self::processes::{ProcessInfo, ProcessState};
+pub use self::processes::{OutputSpan, ProcessInfo, ProcessOutput, ProcessState};
 pub use self::session::{ExecClaim, Owner, Session, SessionInfo, SessionState};
 pub use self::terminal::{PreparedTerminal, Terminal, TerminalEnd, TerminalEnded};
 pub use self::workspace::{Entry, FileError};

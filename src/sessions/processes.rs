@@ -13,7 +13,8 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use crate::execution::runs::LiveRun;
+use crate::execution::runs::{Kept, LiveRun};
+use crate::sandbox::StreamKind;
 use crate::sandbox::control::ControlSender;
 use serde::Serialize;
 
@@ -78,6 +79,80 @@ impl Process {
                 ProcessState::Running
             },
             exit_code,
+        }
+    }
+}
+
+/// What a background process has written, from the offsets a reader asked for.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct ProcessOutput {
+    /// The process as its session's list shows it.
+    #[serde(flatten)]
+    pub process: ProcessInfo,
+    pub stdout: OutputSpan,
+    pub stderr: OutputSpan,
+}
+
+/// Some of one stream's output.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct OutputSpan {
+    /// The byte offset `text` begins at: the one asked for, or the oldest byte still kept when
+    /// the process has written more than its ring keeps since then.
+    pub from: usize,
+    /// The bytes as UTF-8 (invalid sequences replaced; a character cut by the size limit is
+    /// left for the next read).
+    pub text: String,
+    /// Where the next read goes on from (`from` + the bytes of `text`).
+    pub next: usize,
+    /// Whether more is written beyond `next` already.
+    pub more: bool,
+}
+
+impl OutputSpan {
+    fn of(kept: Kept<'_>, offset: usize, max: usize) -> OutputSpan {
+        let Some((from, rest)) = kept.from(offset) else {
+            return OutputSpan {
+                from: offset,
+                text: String::new(),
+                next: offset,
+                more: false,
+            };
+        };
+        let mut bytes = &rest[..rest.len().min(max)];
+        if bytes.len() < rest.len()
+            && let Err(e) = std::str::from_utf8(bytes)
+            && e.error_len().is_none()
+            && e.valid_up_to() > 0
+        {
+            // A character the limit cut in two: the next read begins with it whole.
+            bytes = &bytes[..e.valid_up_to()];
+        }
+        OutputSpan {
+            from,
+            text: String::from_utf8_lossy(bytes).into_owned(),
+            next: from + bytes.len(),
+            more: bytes.len() < rest.len(),
+        }
+    }
+}
+
+impl Process {
+    /// What it has written from `stdout_from` and `stderr_from` on, at most `max` bytes of each.
+    pub(super) fn output(
+        &self,
+        stdout_from: usize,
+        stderr_from: usize,
+        max: usize,
+    ) -> ProcessOutput {
+        ProcessOutput {
+            // Read first: once it has its answer, all of its output is in.
+            process: self.describe(),
+            stdout: self
+                .live
+                .with_output(StreamKind::Stdout, |k| OutputSpan::of(k, stdout_from, max)),
+            stderr: self
+                .live
+                .with_output(StreamKind::Stderr, |k| OutputSpan::of(k, stderr_from, max)),
         }
     }
 }
@@ -168,5 +243,49 @@ impl Processes {
     /// Processes on their way to start.
     pub(super) fn starting(&self) -> usize {
         self.table().starting
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OutputSpan;
+    use crate::execution::runs::Kept;
+
+    /// A span begins where it was asked (or at the oldest kept byte), ends at the size limit
+    /// without cutting a character, and says whether more is kept.
+    #[test]
+    fn output_spans() {
+        let kept = Kept {
+            start: 10,
+            bytes: "ab\u{e9}cd".as_bytes(),
+        };
+        let s = OutputSpan::of(kept, 0, 100);
+        assert_eq!(
+            (s.from, s.text.as_str(), s.next, s.more),
+            (10, "abécd", 16, false)
+        );
+        // 3 bytes would cut "é" (2 bytes) in two: the span stops before it.
+        let s = OutputSpan::of(kept, 10, 3);
+        assert_eq!(
+            (s.from, s.text.as_str(), s.next, s.more),
+            (10, "ab", 12, true)
+        );
+        let s = OutputSpan::of(kept, 12, 3);
+        assert_eq!((s.text.as_str(), s.next, s.more), ("éc", 15, true));
+        // At the end, and past it: nothing, nothing more.
+        let s = OutputSpan::of(kept, 16, 3);
+        assert_eq!(
+            (s.from, s.text.as_str(), s.next, s.more),
+            (16, "", 16, false)
+        );
+        let s = OutputSpan::of(kept, 99, 3);
+        assert_eq!((s.from, s.next, s.more), (99, 99, false));
+        // Bytes that are not UTF-8 are replaced, not held back.
+        let bad = Kept {
+            start: 0,
+            bytes: &[0xff, b'x'],
+        };
+        let s = OutputSpan::of(bad, 0, 1);
+        assert_eq!((s.text.as_str(), s.next, s.more), ("\u{fffd}", 1, true));
     }
 }

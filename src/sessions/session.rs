@@ -133,6 +133,20 @@ impl Session {
         self.processes.get(id).is_some()
     }
 
+    /// What background process `id` (running or ended) has written, from `stdout_from` and
+    /// `stderr_from` on, at most `max` bytes of each; None when it is not one of this session's.
+    pub fn process_output(
+        &self,
+        id: &str,
+        stdout_from: usize,
+        stderr_from: usize,
+        max: usize,
+    ) -> Option<super::processes::ProcessOutput> {
+        self.processes
+            .get(id)
+            .map(|p| p.output(stdout_from, stderr_from, max))
+    }
+
     /// Whether a background process runs (or is starting).
     pub(super) fn has_live_processes(&self) -> bool {
         self.processes.any_live()

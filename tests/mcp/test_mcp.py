@@ -7,6 +7,7 @@ capability), MCP_AUDIT_LOG (the daemon's audit log). Exits non-zero on the first
 """
 
 import asyncio
+import base64
 import json
 import os
 import sys
@@ -35,6 +36,12 @@ TOOLS = {
     "run_start",
     "run_status",
     "run_cancel",
+    "session_pause",
+    "session_resume",
+    "process_list",
+    "process_output",
+    "process_stdin",
+    "process_signal",
 }
 
 
@@ -258,6 +265,91 @@ async def legacy_session() -> None:
         assert mcp["provenance"]["subject"] == twin["provenance"]["subject"], (mcp, twin)
 
 
+async def processes_and_pause() -> None:
+    """A background process through the tools: started by session_exec, listed, fed stdin, its
+    output read by offsets (as its REST twin reads it), signalled. A pause ends the session's
+    processes; a resume brings its workspace back."""
+    async with client("legacy") as c:
+        sid = structured(await c.call_tool("session_create", {"language": "python"}))["id"]
+        code = (
+            "import sys, time\n"
+            "print('ready', flush=True)\n"
+            "for line in sys.stdin:\n"
+            "    print('got ' + line.strip(), flush=True)\n"
+            "print('stdin closed', flush=True)\n"
+            "time.sleep(300)\n"
+        )
+        r = await c.call_tool("session_exec", {"session_id": sid, "code": code, "background": True})
+        pid = structured(r)["process_id"]
+        listed = structured(await c.call_tool("process_list", {"session_id": sid}))["processes"]
+        assert [(p["process_id"], p["state"]) for p in listed] == [(pid, "running")], listed
+
+        async def output(at: int = 0) -> dict:
+            r = await c.call_tool(
+                "process_output", {"session_id": sid, "process_id": pid, "stdout_from": at}
+            )
+            return structured(r)
+
+        async def says(text: str, at: int = 0):
+            o = await output(at)
+            return o if text in o["stdout"]["text"] else None
+
+        o = await until("the process to say it is ready", lambda: says("ready"))
+        assert o["stdout"]["from"] == 0 and o["state"] == "running", o
+        at = o["stdout"]["next"]
+        twin = rest("GET", f"/v1/sandbox/sessions/{sid}/processes/{pid}/output?stdout_from={at}")
+        assert twin.status_code == 200, twin.text
+        assert twin.json() == await output(at), twin.json()
+
+        r = await c.call_tool("process_stdin", {"session_id": sid, "process_id": pid, "data": "one\n"})
+        assert structured(r) == {"session_id": sid, "process_id": pid, "sent": True}
+        b64 = base64.b64encode(b"two\n").decode()
+        r = await c.call_tool(
+            "process_stdin", {"session_id": sid, "process_id": pid, "data_b64": b64, "eof": True}
+        )
+        structured(r)
+        o = await until("the process to read its stdin to the end", lambda: says("stdin closed", at))
+        assert o["stdout"]["text"] == "got one\ngot two\nstdin closed\n", o
+        assert o["stdout"]["from"] == at and o["stdout"]["more"] is False, o
+        r = await c.call_tool("process_stdin", {"session_id": sid, "process_id": pid, "data": "late"})
+        assert structured(r, error=True)["error_type"] == "AlreadyFinished"
+        r = await c.call_tool("process_output", {"session_id": sid, "process_id": "nope"})
+        assert structured(r, error=True)["error_type"] == "NotFound"
+
+        r = await c.call_tool("process_signal", {"session_id": sid, "process_id": pid, "signal": "TERM"})
+        assert structured(r) == {"session_id": sid, "process_id": pid, "sent": True}
+
+        async def exited():
+            o = await output()
+            return o if o["state"] == "exited" else None
+
+        o = await until("the signalled process to end", exited)
+        assert o["exit_code"] != 0, o
+        r = await c.call_tool("process_signal", {"session_id": sid, "process_id": pid, "signal": "KILL"})
+        assert structured(r, error=True)["error_type"] == "AlreadyFinished"
+
+        # A pause ends the processes; a resume brings the workspace back.
+        structured(await c.call_tool("files_write", {"session_id": sid, "path": "kept.txt", "content": "kept\n"}))
+        r = await c.call_tool(
+            "session_exec",
+            {"session_id": sid, "code": "import time; time.sleep(300)", "background": True},
+        )
+        sleeper = structured(r)["process_id"]
+        paused = structured(await c.call_tool("session_pause", {"session_id": sid}))
+        assert paused["state"] == "paused", paused
+        listed = structured(await c.call_tool("process_list", {"session_id": sid}))["processes"]
+        assert listed == [], listed
+        r = await c.call_tool("process_signal", {"session_id": sid, "process_id": sleeper, "signal": "TERM"})
+        assert structured(r, error=True)["error_type"] == "NotFound"
+        resumed = structured(await c.call_tool("session_resume", {"session_id": sid}))
+        assert resumed["state"] == "running", resumed
+        r = await c.call_tool("files_read", {"session_id": sid, "path": "kept.txt"})
+        assert structured(r)["content"] == "kept\n"
+        r = await c.call_tool("session_pause", {"session_id": "ses_nope"})
+        assert structured(r, error=True)["error_type"] == "NotFound"
+        structured(await c.call_tool("session_delete", {"session_id": sid}))
+
+
 async def cancelled_call() -> None:
     """A call the client gives up cancels its run (the call says nothing of cancel_on_disconnect):
     the run ends cancelled, and none of its processes is left on the host."""
@@ -340,6 +432,8 @@ async def main() -> None:
     print("admission: ok", flush=True)
     await legacy_session()
     print("legacy session: ok", flush=True)
+    await processes_and_pause()
+    print("processes and pause: ok", flush=True)
     await cancelled_call()
     print("cancelled call: ok", flush=True)
     await stateless()
