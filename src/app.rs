@@ -187,6 +187,7 @@ pub async fn build(config: Config) -> Result<Arc<AppState>, BuildError> {
         audit.clone(),
         metrics.clone(),
         crate::calls::error::unanswered,
+        Some(Arc::new(signing.key.clone())),
     ));
     let sessions = crate::sessions::SessionService::new(
         &config.sessions,

@@ -89,6 +89,7 @@ impl Fixture {
             ),
             ("GET", e.clone(), None),
             ("GET", format!("{e}/stream"), None),
+            ("GET", format!("{e}/receipt"), None),
             (
                 "POST",
                 format!("{e}/cancel"),
@@ -127,6 +128,8 @@ impl Fixture {
             ("GET", format!("{s}/ports/8000/x"), None),
             ("GET", r.clone(), None),
             ("GET", format!("{r}/stream"), None),
+            ("GET", format!("{r}/receipt"), None),
+            ("GET", "/v1/receipts/keys".into(), None),
             (
                 "POST",
                 format!("{r}/cancel"),

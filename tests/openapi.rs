@@ -100,6 +100,8 @@ fn document_is_openapi_3_1_and_complete() {
         ("/v1/executions/{exec_id}", &["get"]),
         ("/v1/executions/{exec_id}/stream", &["get"]),
         ("/v1/executions/{exec_id}/cancel", &["post"]),
+        ("/v1/executions/{exec_id}/receipt", &["get"]),
+        ("/v1/receipts/keys", &["get"]),
         ("/v1/sandbox/sessions", &["post"]),
         ("/v1/sandbox/sessions/{id}", &["get", "delete"]),
         ("/v1/sandbox/sessions/{id}/exec", &["post"]),
@@ -108,6 +110,10 @@ fn document_is_openapi_3_1_and_complete() {
         (
             "/v1/sandbox/sessions/{id}/execs/{exec_id}/cancel",
             &["post"],
+        ),
+        (
+            "/v1/sandbox/sessions/{id}/execs/{exec_id}/receipt",
+            &["get"],
         ),
         ("/v1/sandbox/sessions/{id}/files", &["get"]),
         ("/v1/sandbox/sessions/{id}/files/{path}", &["get", "put"]),

@@ -13,7 +13,8 @@
 //!   - `execute.rs`: `POST /execute`: the order of its checks, its request made into an
 //!     `ExecutionRequest`.
 //!   - `sessions.rs`: `/v1/sandbox/sessions`: sessions, their execs and their files.
-//!   - `processes.rs`: a session's background processes (list, stream, stdin, signal).
+//!   - `processes.rs`: a session's background processes (list, output, stream, stdin, signal).
+//!   - `receipts.rs`: a run's receipt (and a session exec's), and the keys that verify them.
 //!   - `terminal.rs`: a session's terminal, a WebSocket attached to its shell on a pty.
 //!   - `ports.rs`: HTTP and WebSocket to a port inside a session's sandbox.
 //!   - `executions.rs`: `/v1/executions/{exec_id}`: read, stream and cancel a run (session
@@ -37,6 +38,7 @@ pub mod openapi;
 pub mod ops;
 pub mod ports;
 pub mod processes;
+pub mod receipts;
 pub mod run;
 pub mod sessions;
 pub mod stream;
@@ -131,6 +133,10 @@ fn session_routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
             get(sessions::exec_get),
         )
         .route(
+            "/v1/sandbox/sessions/{id}/execs/{exec_id}/receipt",
+            get(receipts::session_exec_receipt),
+        )
+        .route(
             "/v1/sandbox/sessions/{id}/execs/{exec_id}/stream",
             get(sessions::exec_stream),
         )
@@ -196,6 +202,11 @@ pub fn router_with(state: Arc<AppState>, extra: Router<Arc<AppState>>) -> Router
         .route("/v1/executions/{exec_id}", get(executions::get))
         .route("/v1/executions/{exec_id}/cancel", post(executions::cancel))
         .route("/v1/executions/{exec_id}/stream", get(executions::stream))
+        .route(
+            "/v1/executions/{exec_id}/receipt",
+            get(receipts::execution_receipt),
+        )
+        .route("/v1/receipts/keys", get(receipts::list_keys))
         .route("/v1/sandbox/sessions", post(sessions::create))
         .merge(session_routes(state.clone()))
         .route("/capabilities", get(ops::capabilities))

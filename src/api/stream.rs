@@ -513,6 +513,7 @@ mod tests {
         let a = StoredResponse {
             status: 408,
             body: r#"{"x":1.0715660391465826e-75}"#.into(),
+            receipt: None,
         };
         assert_eq!(
             result_data(&a),
@@ -521,6 +522,7 @@ mod tests {
         let empty = StoredResponse {
             status: 200,
             body: "{}".into(),
+            receipt: None,
         };
         assert_eq!(result_data(&empty), r#"{"http_status":200}"#);
     }

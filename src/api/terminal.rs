@@ -110,7 +110,7 @@ async fn open(st: &Arc<AppState>, id: &str, req: Request) -> Result<Response, Ap
         .on_upgrade(move |socket| async move {
             let metrics = st.metrics.clone();
             let live = st.executions.start(execution, move |r| {
-                crate::calls::run::answer_of(&metrics, r, StatusCode::OK)
+                crate::calls::run::answer_of(&metrics, r, StatusCode::OK, false)
             });
             let terminal = prepared.started(&live, st.executions.clone());
             let why = serve(socket, &terminal, max).await;

@@ -28,6 +28,10 @@ pub enum ApiError {
     ExecutionNotFound,
     /// The run to cancel has finished.
     AlreadyFinished,
+    /// The run whose receipt was asked for has not finished.
+    NotFinished,
+    /// The run ended without an outcome (or its end line could not be written): no receipt.
+    NoReceipt,
     /// No background process with this id in the session.
     ProcessNotFound,
     /// The background process to write to or signal has ended.
@@ -77,8 +81,10 @@ impl ApiError {
             | ApiError::AlreadyFinished
             | ApiError::ProcessEnded
             | ApiError::StdinClosed
-            | ApiError::ProcessStdinClosed => StatusCode::CONFLICT,
+            | ApiError::ProcessStdinClosed
+            | ApiError::NotFinished => StatusCode::CONFLICT,
             ApiError::ExecutionNotFound
+            | ApiError::NoReceipt
             | ApiError::ProcessNotFound
             | ApiError::SessionNotFound
             | ApiError::SessionGone(_)
@@ -106,7 +112,10 @@ impl ApiError {
             ApiError::BodyTimeout(_) => "RequestTimeout",
             ApiError::IdempotencyConflict => "IdempotencyConflict",
             ApiError::IdempotencyInProgress => "IdempotencyInProgress",
-            ApiError::ExecutionNotFound | ApiError::ProcessNotFound => "NotFound",
+            ApiError::ExecutionNotFound | ApiError::ProcessNotFound | ApiError::NoReceipt => {
+                "NotFound"
+            }
+            ApiError::NotFinished => "NotFinished",
             ApiError::AlreadyFinished | ApiError::ProcessEnded | ApiError::ProcessStdinClosed => {
                 "AlreadyFinished"
             }
@@ -148,6 +157,14 @@ impl ApiError {
             }
             ApiError::ExecutionNotFound => "No such execution".into(),
             ApiError::AlreadyFinished => "The execution has already finished".into(),
+            ApiError::NotFinished => {
+                "The execution has not finished: its receipt is made when it ends".into()
+            }
+            ApiError::NoReceipt => {
+                "The execution has no receipt: it ended without an outcome, or its end could not \
+                 be recorded"
+                    .into()
+            }
             ApiError::ProcessNotFound => "No such process in this session".into(),
             ApiError::ProcessEnded => "The process has ended".into(),
             ApiError::StdinClosed => {
@@ -298,6 +315,7 @@ pub fn unanswered(u: &Unanswered) -> StoredResponse {
             "retryable": true,
         })
         .to_string(),
+        receipt: None,
     }
 }
 

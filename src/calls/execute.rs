@@ -95,6 +95,12 @@ pub struct ExecuteRequest {
     #[serde(default, deserialize_with = "crate::calls::caller::null_as_default")]
     #[schema(nullable)]
     pub cancel_on_disconnect: bool,
+    /// Put the run's signed receipt (a DSSE envelope) in its answer as `receipt` (and in a
+    /// stream's `result` event). Every finished run has one at `/v1/executions/{exec_id}/receipt`
+    /// either way.
+    #[serde(default, deserialize_with = "crate::calls::caller::null_as_default")]
+    #[schema(nullable)]
+    pub receipt: bool,
 }
 
 impl ExecuteRequest {
@@ -237,6 +243,7 @@ pub fn job(
         None => None,
     };
     let cancel_on_disconnect = req.cancel_on_disconnect;
+    let inline_receipt = req.receipt;
     let mode = ask.mode;
     let mut request = req.into_execution(
         &caller.known,
@@ -255,6 +262,7 @@ pub fn job(
         timeout_status: StatusCode::REQUEST_TIMEOUT,
         links: "/v1/executions/".into(),
         process_links: None,
+        inline_receipt,
     })
 }
 

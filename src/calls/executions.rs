@@ -90,6 +90,25 @@ pub async fn status(st: &AppState, exec_id: &str, owner: &str) -> Result<String,
     }
 }
 
+/// The receipt of `owner`'s run `exec_id` (a DSSE envelope, as JSON): 409 while it runs, 404
+/// when it ended without one. Read from the run's record, so any replica serves it.
+pub async fn receipt(st: &AppState, exec_id: &str, owner: &str) -> Result<String, ApiError> {
+    let answer = match st
+        .executions
+        .lookup(owner, exec_id)
+        .await
+        .map_err(|e| ApiError::SandboxUnavailable(e.to_string()))?
+    {
+        Lookup::Live(live) => live.answered().map(|a| (*a).clone()),
+        Lookup::Stored(record) => record.response,
+        Lookup::Unknown => return Err(ApiError::ExecutionNotFound),
+    };
+    answer
+        .ok_or(ApiError::NotFinished)?
+        .receipt
+        .ok_or(ApiError::NoReceipt)
+}
+
 /// The answer of `GET` for a finished run; `id` is the exec_id as a JSON string.
 fn finished(id: &str, r: &StoredResponse) -> String {
     format!(

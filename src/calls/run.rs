@@ -253,6 +253,8 @@ pub struct RunJob<W> {
     /// A session's background process: where it is controlled, less its id (the session's
     /// `/processes/`); its 202 names it and these links too.
     pub process_links: Option<String>,
+    /// The answer carries the run's receipt (`"receipt": true`).
+    pub inline_receipt: bool,
 }
 
 impl<W: Work> RunJob<W> {
@@ -266,6 +268,7 @@ impl<W: Work> RunJob<W> {
             timeout_status,
             links,
             process_links,
+            inline_receipt,
         } = self;
         // A retry of a finished request gets the stored answer without running again.
         let key = match idempotency {
@@ -311,6 +314,7 @@ impl<W: Work> RunJob<W> {
             timeout_status,
             links: &links,
             process_links: process_links.as_deref(),
+            inline_receipt,
         };
         let answered = start::<W>(st, request, held, how, client).await;
         if let Some(key) = key {
@@ -323,6 +327,7 @@ impl<W: Work> RunJob<W> {
                 Ok(Answer::Stream(live)) => Some(StoredResponse {
                     status: StatusCode::ACCEPTED.as_u16(),
                     body: accepted_body(&links, process_links.as_deref(), live.exec_id()),
+                    receipt: None,
                 }),
                 _ => None,
             };
@@ -374,6 +379,7 @@ struct How<'a> {
     timeout_status: StatusCode,
     links: &'a str,
     process_links: Option<&'a str>,
+    inline_receipt: bool,
 }
 
 /// What a started run answers now.
@@ -402,16 +408,17 @@ async fn start<W: Work>(
         .with_label_values(&[how.mode.label()])
         .increment(1);
     let metrics = st.metrics.clone();
-    let timeout_status = how.timeout_status;
-    let live = st
-        .executions
-        .start(execution, move |r| answer_of(&metrics, r, timeout_status));
+    let (timeout_status, inline_receipt) = (how.timeout_status, how.inline_receipt);
+    let live = st.executions.start(execution, move |r| {
+        answer_of(&metrics, r, timeout_status, inline_receipt)
+    });
     W::started(held, &live);
     match how.mode {
         RunMode::Async => {
             return Ok(Answer::Stored(StoredResponse {
                 status: StatusCode::ACCEPTED.as_u16(),
                 body: accepted_body(how.links, how.process_links, live.exec_id()),
+                receipt: None,
             }));
         }
         RunMode::Stream => return Ok(Answer::Stream(live)),
@@ -652,24 +659,42 @@ pub enum RunAnswer {
 }
 
 /// What the caller of a run gets once it ended: 200, or `timeout_status` when the wall clock
-/// ended it, with the result as body; the error's status and body when it ended without an
-/// outcome.
+/// ended it, with the result as body (and its receipt as the body's `receipt` when the request
+/// asked, `inline_receipt`); the error's status and body when it ended without an outcome. The
+/// receipt is kept with the answer either way.
 pub fn answer_of(
     metrics: &Metrics,
     r: Result<Finished, ExecutionError>,
     timeout_status: StatusCode,
+    inline_receipt: bool,
 ) -> StoredResponse {
     let error = match r {
-        Ok(Finished { result, timed_out }) => match serde_json::to_string(&result) {
-            Ok(body) => {
+        Ok(Finished {
+            result,
+            timed_out,
+            receipt,
+        }) => match serde_json::to_string(&result) {
+            Ok(mut body) => {
                 let status = if timed_out {
                     timeout_status
                 } else {
                     StatusCode::OK
                 };
+                if inline_receipt
+                    && let Some(envelope) = &receipt
+                    && body.ends_with('}')
+                {
+                    // The result is a JSON object and the envelope a JSON value: one more
+                    // member, without parsing the result (its output) again.
+                    body.pop();
+                    body.push_str(",\"receipt\":");
+                    body.push_str(envelope);
+                    body.push('}');
+                }
                 return StoredResponse {
                     status: status.as_u16(),
                     body,
+                    receipt,
                 };
             }
             Err(e) => ApiError::Internal(format!("result not serialisable: {e}")),
@@ -688,6 +713,7 @@ pub fn answer_of(
     StoredResponse {
         status: error.status().as_u16(),
         body: error.body().to_string(),
+        receipt: None,
     }
 }
 

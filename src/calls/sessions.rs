@@ -368,6 +368,11 @@ pub struct ExecBody {
     #[serde(default, deserialize_with = "crate::calls::caller::null_as_default")]
     #[schema(nullable)]
     pub stdin_open: bool,
+    /// Put the exec's signed receipt in its answer as `receipt` (and in a stream's `result`
+    /// event); every finished exec has one at its `/execs/{exec_id}/receipt` either way.
+    #[serde(default, deserialize_with = "crate::calls::caller::null_as_default")]
+    #[schema(nullable)]
+    pub receipt: bool,
 }
 
 /// How the caller of a session exec waits, and what it holds besides the body.
@@ -416,6 +421,7 @@ pub fn exec_job(
     } = how;
     // As checked (0 is none): the Idempotency-Key's fingerprint covers it so.
     asked.timeout_ms = timeout.map(|t| t.as_millis() as u64);
+    let (inline_receipt, cancel_on_disconnect) = (asked.receipt, asked.cancel_on_disconnect);
     if asked.code.contains('\0') {
         return Err(ApiError::InvalidRequest(
             "code may not contain NUL bytes".into(),
@@ -477,16 +483,18 @@ pub fn exec_job(
             timeout_status: StatusCode::OK,
             links,
             process_links: Some(format!("/v1/sandbox/sessions/{id}/processes/")),
+            inline_receipt,
         }));
     }
     Ok(ExecJob::Exec(RunJob {
         work: SessionExec { session, parts },
         idempotency,
         mode,
-        cancel_on_disconnect: asked.cancel_on_disconnect,
+        cancel_on_disconnect,
         timeout_status: StatusCode::OK,
         links,
         process_links: None,
+        inline_receipt,
     }))
 }
 

@@ -42,6 +42,7 @@
 
 pub mod admission;
 pub mod plan;
+pub mod receipt;
 pub mod record;
 pub mod request;
 pub mod result;
@@ -105,6 +106,8 @@ pub struct ExecutionService {
     retention: Duration,
     /// What a run's record keeps when it has no answer of its caller's (the api layer's).
     render: Render,
+    /// Signs each finished run's receipt.
+    receipts: Option<Arc<crate::provenance::keys::SigningKey>>,
 }
 
 impl ExecutionService {
@@ -122,6 +125,7 @@ impl ExecutionService {
         audit: Arc<AuditLog>,
         metrics: Arc<Metrics>,
         render: Render,
+        receipts: Option<Arc<crate::provenance::keys::SigningKey>>,
     ) -> Self {
         let slots = BackendKind::ALL
             .iter()
@@ -159,6 +163,7 @@ impl ExecutionService {
             address: std::sync::OnceLock::new(),
             retention: Duration::from_secs(config.executions.retention_seconds),
             render,
+            receipts,
         }
     }
 
@@ -376,10 +381,11 @@ impl ExecutionService {
             backend,
             slot,
             executor_def_sha256,
-            session: req
-                .action
-                .session()
-                .map(|s| (s.session_id.clone(), s.code_sha256.clone())),
+            session: req.action.session().map(|s| run::RunSession {
+                id: s.session_id.clone(),
+                code_sha256: s.code_sha256.clone(),
+                tenant: s.tenant.clone(),
+            }),
             timestamp,
             ring: req
                 .action
@@ -389,6 +395,7 @@ impl ExecutionService {
             metadata: req.metadata,
             admitted,
             metrics: self.metrics.clone(),
+            receipts: self.receipts.clone(),
         })
     }
 
@@ -676,6 +683,9 @@ mod tests {
                 Arc::new(AuditLog::open(&audit_path, "i-1").unwrap()),
                 Arc::new(Metrics::new()),
                 render,
+                Some(Arc::new(crate::provenance::keys::SigningKey::from_bytes(
+                    &[7u8; 32],
+                ))),
             );
             Fixture {
                 service,
@@ -695,6 +705,7 @@ mod tests {
         StoredResponse {
             status: 0,
             body: format!("{u:?}"),
+            receipt: None,
         }
     }
 
@@ -759,7 +770,11 @@ mod tests {
         assert_eq!(lines[0]["event"], "execution_start");
         assert_eq!(lines[0]["exec_id"], exec_id.as_str());
 
-        let Finished { result, timed_out } = execution.run().await.unwrap();
+        let Finished {
+            result,
+            timed_out,
+            receipt,
+        } = execution.run().await.unwrap();
         assert!(!timed_out);
         assert!(result.success);
         assert_eq!(result.outcome, "success");
@@ -783,6 +798,24 @@ mod tests {
         assert_eq!(lines[1]["exec_id"], exec_id.as_str());
         assert_eq!(lines[1]["invocation_hash"], p.invocation_hash.as_str());
         assert_eq!(lines[1]["stdout_sha256"], p.stdout_sha256.as_str());
+
+        // Its receipt: signed with the service's key, about what the result and the end line say.
+        let envelope: crate::provenance::dsse::Envelope =
+            serde_json::from_str(&receipt.expect("a receipt")).unwrap();
+        let keys: crate::provenance::keys::KeySet =
+            [crate::provenance::keys::SigningKey::from_bytes(&[7u8; 32]).verifying_key()]
+                .into_iter()
+                .collect();
+        let st = crate::provenance::receipt::verify_receipt(&envelope, &keys).unwrap();
+        assert_eq!(
+            st.subject_sha256("stdout"),
+            p.stdout_sha256.strip_prefix("sha256:")
+        );
+        assert_eq!(st.predicate.audit.audit_seq, 2);
+        assert_eq!(st.predicate.audit.entry_hash, lines[1]["entry_hash"]);
+        assert_eq!(st.predicate.what.exec_id, exec_id);
+        assert_eq!(st.predicate.who.token_id.as_deref(), Some("tok-1"));
+        assert_eq!(st.predicate.when.started_at, p.timestamp);
 
         let specs = f.specs.lock().unwrap().clone();
         assert_eq!(specs.len(), 1);
@@ -830,6 +863,7 @@ mod tests {
             StoredResponse {
                 status: 200,
                 body: serde_json::to_string(&finished.result).unwrap(),
+                receipt: None,
             }
         });
         let exec_id = live.exec_id().to_string();
@@ -965,6 +999,7 @@ mod tests {
         let live = f.service.start(execution, |r| StoredResponse {
             status: 200,
             body: serde_json::to_string(&r.expect("ran").result).unwrap(),
+            receipt: None,
         });
         let exec_id = live.exec_id().to_string();
         tokio::time::timeout(Duration::from_secs(20), f.service.wait_idle())

@@ -138,14 +138,21 @@ impl AdmittedRun {
         &self.run
     }
 
-    /// The run reached an outcome; returns the end line's seq.
-    pub fn finish(mut self, end: RunEnd) -> Option<u64> {
+    /// The run reached an outcome; returns where its end line went (none when it could not be
+    /// written: counted and logged).
+    pub fn finish(mut self, end: RunEnd) -> Option<audit::Entry> {
         self.ended = true;
         let event = AuditEvent::Execution {
             run: self.run.clone(),
             end: Box::new(end),
         };
-        record(&self.audit, &self.metrics, &event)
+        match self.audit.append_entry(&event) {
+            Ok(entry) => Some(entry),
+            Err(e) => {
+                count_failed_append(&self.metrics, &event, &e);
+                None
+            }
+        }
     }
 
     /// The run ended without an outcome.
@@ -393,7 +400,7 @@ mod tests {
         let finished = AdmittedRun::admit(&log, &metrics, run("exec-c"))
             .unwrap()
             .finish(end());
-        assert_eq!(finished, Some(6));
+        assert_eq!(finished.map(|e| e.seq), Some(6));
 
         let lines: Vec<Value> = std::fs::read_to_string(&path)
             .unwrap()
@@ -488,6 +495,7 @@ mod tests {
         let render = |u: &Unanswered| crate::state::StoredResponse {
             status: 0,
             body: format!("{u:?}"),
+            receipt: None,
         };
         record_interrupted(&log, &store, &metrics, Duration::from_secs(60), render).await;
         let lines: Vec<Value> = std::fs::read_to_string(&path)

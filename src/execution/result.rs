@@ -141,6 +141,9 @@ pub struct Finished {
     pub result: ExecutionResult,
     /// The wall clock ended it: the result is also an error (`ExecutionTimeout`).
     pub timed_out: bool,
+    /// Its receipt (a DSSE envelope, as JSON), once its end line is in the audit log; none
+    /// when that line could not be written or no key signs receipts.
+    pub receipt: Option<String>,
 }
 
 /// The wire outcome of a run.

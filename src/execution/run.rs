@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 use tokio::sync::{OwnedSemaphorePermit, watch};
 use tracing::Instrument as _;
 
+use super::receipt;
 use super::record::{self, AdmittedRun};
 use super::result::{
     ExecutionError, ExecutionResult, Finished, Provenance, b64_unless_utf8, outcome_name,
@@ -19,6 +20,7 @@ use crate::metrics::Metrics;
 use crate::policy::Plan;
 use crate::policy::profile::NetworkMode;
 use crate::provenance::audit::RunEnd;
+use crate::provenance::keys::SigningKey;
 use crate::provenance::sha256_prefixed;
 use crate::sandbox::{KilledReason, RunOutcome, RunSpec, Sandbox, SandboxError, Stop};
 
@@ -37,8 +39,8 @@ pub struct Execution {
     pub(super) slot: OwnedSemaphorePermit,
     /// Set for an external executor.
     pub(super) executor_def_sha256: Option<String>,
-    /// An exec in a session: the session's id and the code's digest.
-    pub(super) session: Option<(String, String)>,
+    /// An exec in a session.
+    pub(super) session: Option<RunSession>,
     /// When it was admitted (provenance's `timestamp`).
     pub(super) timestamp: String,
     pub(super) metadata: Option<Map<String, Value>>,
@@ -46,6 +48,18 @@ pub struct Execution {
     pub(super) ring: Option<usize>,
     pub(super) admitted: AdmittedRun,
     pub(super) metrics: Arc<Metrics>,
+    /// Signs the run's receipt (none: it gets no receipt).
+    pub(super) receipts: Option<Arc<SigningKey>>,
+}
+
+/// The session a run is an exec of.
+#[derive(Debug, Clone)]
+pub(super) struct RunSession {
+    pub id: String,
+    /// `sha256:<hex>` of the exec's code.
+    pub code_sha256: String,
+    /// The session's tenant ("" when it has none).
+    pub tenant: String,
 }
 
 impl std::fmt::Debug for Execution {
@@ -82,7 +96,9 @@ impl Execution {
             ring: _,
             admitted,
             metrics,
+            receipts,
         } = self;
+        let limits = spec.limits.clone();
         let exec_id = spec.exec_id.clone();
         let backend_label = plan.backend.as_str();
         metrics
@@ -145,7 +161,7 @@ impl Execution {
         let stderr_sha256 = sha256_prefixed(&outcome.stderr);
         let network =
             (plan.profile.network.mode == NetworkMode::Egress).then(|| outcome.network.clone());
-        let audit_seq = admitted.finish(RunEnd {
+        let entry = admitted.finish(RunEnd {
             capabilities_used: capabilities_used.clone(),
             outcome: name,
             exit_code: outcome.exit_code(),
@@ -188,9 +204,9 @@ impl Execution {
                 stdout_sha256,
                 stderr_sha256,
                 executor_def_sha256,
-                session_id: session.as_ref().map(|s| s.0.clone()),
-                code_sha256: session.map(|s| s.1),
-                audit_seq,
+                session_id: session.as_ref().map(|s| s.id.clone()),
+                code_sha256: session.as_ref().map(|s| s.code_sha256.clone()),
+                audit_seq: entry.as_ref().map(|e| e.seq),
                 metadata,
             },
             exec_id,
@@ -215,8 +231,32 @@ impl Execution {
             error_type: timed_out.then_some("ExecutionTimeout"),
             retryable: timed_out.then_some(false),
         };
+        let receipt = match (&entry, &receipts) {
+            (Some(entry), Some(key)) => {
+                let ran = receipt::Ran {
+                    result: &result,
+                    limits: &limits,
+                    tenant: session.as_ref().map(|s| s.tenant.as_str()),
+                    ended_at: chrono::Utc::now()
+                        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                    entry,
+                };
+                match receipt::sign(&ran, key).and_then(|env| serde_json::to_string(&env)) {
+                    Ok(json) => Some(json),
+                    Err(e) => {
+                        tracing::error!(exec_id = %result.exec_id, error = %e, "the run's receipt could not be made");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         tracing::info!(request_id = %result.provenance.request_id, exec_id = %result.exec_id, outcome = result.outcome, exit_code = result.exit_code, duration_ms = result.duration_ms, "execution end");
-        Ok(Finished { result, timed_out })
+        Ok(Finished {
+            result,
+            timed_out,
+            receipt,
+        })
     }
 }
 

@@ -511,6 +511,7 @@ mod tests {
         run.set_answer(Arc::new(StoredResponse {
             status: 200,
             body: "{}".into(),
+            receipt: None,
         }));
         assert!(changes.has_changed().unwrap());
         assert_eq!(run.answered().unwrap().status, 200);

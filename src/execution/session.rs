@@ -22,6 +22,8 @@ use crate::sandbox::{ExecCode, RunSpec};
 #[derive(Debug, Clone)]
 pub struct SessionExec {
     pub session_id: String,
+    /// The session's tenant ("" when it was made without one).
+    pub tenant: String,
     pub language: Arc<Language>,
     /// Where the session's workspace is and how the exec's code gets there.
     pub place: SessionPlace,

@@ -197,6 +197,14 @@ fn bad_calls() {
     assert!(invalid("run_status", json!({"exec_id": "e", "bogus": 1})).contains("bogus"));
     assert!(
         invalid(
+            "process_output",
+            json!({"session_id": "s", "process_id": ""})
+        )
+        .contains("process_id is empty")
+    );
+    assert!(invalid("files_list", json!({"session_id": ""})).contains("session_id is empty"));
+    assert!(
+        invalid(
             "process_stdin",
             json!({"session_id": "s", "process_id": "p", "data": "", "data_b64": ""})
         )

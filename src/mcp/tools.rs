@@ -383,6 +383,15 @@ pub(super) fn args_of<T: serde::de::DeserializeOwned>(
     tool: &str,
     args: Map<String, Value>,
 ) -> Result<T, NoTwin> {
+    // An empty id names nothing: refused here, so that no twin's path has an empty segment
+    // (which would be another route, or none).
+    for id in ["session_id", "process_id", "exec_id"] {
+        if args.get(id).and_then(Value::as_str) == Some("") {
+            return Err(NoTwin::Invalid(format!(
+                "invalid {tool} arguments: {id} is empty"
+            )));
+        }
+    }
     serde_json::from_value(Value::Object(args))
         .map_err(|e| NoTwin::Invalid(format!("invalid {tool} arguments: {e}")))
 }
@@ -442,10 +451,11 @@ pub(super) fn twin(tool: &str, args: Map<String, Value>) -> Result<Twin, NoTwin>
         "session_exec" => {
             let mut body = args;
             let id = match body.remove("session_id") {
-                Some(Value::String(id)) => id,
+                Some(Value::String(id)) if !id.is_empty() => id,
                 _ => {
                     return Err(NoTwin::Invalid(
-                        "invalid session_exec arguments: session_id must be a string".into(),
+                        "invalid session_exec arguments: session_id must be a non-empty string"
+                            .into(),
                     ));
                 }
             };

@@ -390,6 +390,15 @@ struct Tail {
 struct Written {
     seq: u64,
     end: u64,
+    /// The line's `entry_hash`.
+    hash: String,
+}
+
+/// Where a line went in the log: its `seq` and its `entry_hash` (`sha256:<hex>`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub seq: u64,
+    pub entry_hash: String,
 }
 
 /// Failed `fdatasync` ranges remembered at most (oldest forgotten first); the appends waiting
@@ -520,7 +529,11 @@ impl AuditLog {
             let tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
             (tail.seq, tail.last_hash.clone(), tail.len)
         };
-        self.commit(Written { seq, end })?;
+        self.commit(Written {
+            seq,
+            end,
+            hash: hash.clone(),
+        })?;
         Ok((seq, hash))
     }
 
@@ -590,13 +603,27 @@ impl AuditLog {
     /// of its line behind.
     #[tracing::instrument(name = "audit.append", skip_all, fields(event = event.name()))]
     pub fn append(&self, event: &AuditEvent) -> Result<u64, AuditError> {
+        self.append_entry(event).map(|e| e.seq)
+    }
+
+    /// As [`AuditLog::append`], with the line's `entry_hash` beside its seq.
+    pub fn append_entry(&self, event: &AuditEvent) -> Result<Entry, AuditError> {
         let sync = !matches!(event, AuditEvent::ExecutionStart(_));
         let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
         let r = self.append_locked(&mut tail, event);
         drop(tail);
         let r = match r {
-            Ok(w) if sync => self.commit(w),
-            Ok(w) => Ok(w.seq),
+            Ok(w) if sync => {
+                let hash = w.hash.clone();
+                self.commit(w).map(|seq| Entry {
+                    seq,
+                    entry_hash: hash,
+                })
+            }
+            Ok(w) => Ok(Entry {
+                seq: w.seq,
+                entry_hash: w.hash,
+            }),
             Err(e) => Err(e),
         };
         self.note(&r);
@@ -704,9 +731,13 @@ impl AuditLog {
         }
         tail.len += line.len() as u64;
         tail.seq = seq;
-        tail.last_hash = hash;
+        tail.last_hash = hash.clone();
         tracing::info!(target: "audit", "{}", String::from_utf8_lossy(&line).trim_end());
-        Ok(Written { seq, end: tail.len })
+        Ok(Written {
+            seq,
+            end: tail.len,
+            hash,
+        })
     }
 
     /// Ok while appends succeed. After a failed one, probes for room (a few KiB written and
@@ -1709,12 +1740,20 @@ mod tests {
         assert!(
             log.commit(Written {
                 seq: 3,
-                end: failed_end
+                end: failed_end,
+                hash: String::new(),
             })
             .is_err()
         );
         // A line made durable before the failure stays durable.
-        assert!(log.commit(Written { seq: 1, end: 1 }).is_ok());
+        assert!(
+            log.commit(Written {
+                seq: 1,
+                end: 1,
+                hash: String::new(),
+            })
+            .is_ok()
+        );
         let v = verify(&path).unwrap();
         assert_eq!((v.lines, v.last_seq), (4, 4));
     }

@@ -168,6 +168,7 @@ impl SessionService {
             profile: Some(session.profile.clone()),
             limits: session.limits,
             grant: session.grant.clone(),
+            tenant: session.owner.tenant.clone(),
             place,
             code_sha256,
             cwd,
@@ -192,6 +193,7 @@ struct Binding {
     profile: Option<String>,
     limits: SessionLimits,
     grant: Verified,
+    tenant: String,
     place: SessionPlace,
     code_sha256: String,
     cwd: PathBuf,
@@ -207,6 +209,7 @@ pub(super) fn probe(id: &str, language: &Arc<Language>, new: &NewSession) -> Exe
             profile: new.profile.clone(),
             limits: new.limits,
             grant: new.grant.clone(),
+            tenant: new.owner.tenant.clone(),
             place: SessionPlace::Host {
                 workspace: PathBuf::new(),
                 code_file: PathBuf::new(),
@@ -229,6 +232,7 @@ pub(super) fn probe(id: &str, language: &Arc<Language>, new: &NewSession) -> Exe
 fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
     let exec = SessionExec {
         session_id: b.session_id,
+        tenant: b.tenant,
         language: b.language,
         place: b.place,
         code_sha256: b.code_sha256,

@@ -109,7 +109,10 @@ pub struct OutputSpan {
 }
 
 impl OutputSpan {
-    fn of(kept: Kept<'_>, offset: usize, max: usize) -> OutputSpan {
+    /// What `kept` holds from `offset` on, at most `max` bytes. A character cut at the span's
+    /// end (by the size limit, or because the rest of it is not written yet while the process
+    /// runs, `running`) is left for the next read, which begins with it whole.
+    fn of(kept: Kept<'_>, offset: usize, max: usize, running: bool) -> OutputSpan {
         let Some((from, rest)) = kept.from(offset) else {
             return OutputSpan {
                 from: offset,
@@ -119,13 +122,8 @@ impl OutputSpan {
             };
         };
         let mut bytes = &rest[..rest.len().min(max)];
-        if bytes.len() < rest.len()
-            && let Err(e) = std::str::from_utf8(bytes)
-            && e.error_len().is_none()
-            && e.valid_up_to() > 0
-        {
-            // A character the limit cut in two: the next read begins with it whole.
-            bytes = &bytes[..e.valid_up_to()];
+        if bytes.len() < rest.len() || running {
+            bytes = &bytes[..bytes.len() - cut_char(bytes)];
         }
         OutputSpan {
             from,
@@ -136,6 +134,26 @@ impl OutputSpan {
     }
 }
 
+/// How many bytes at the end of `bytes` begin a UTF-8 character that is not whole there (0
+/// when its last character is whole, or is no UTF-8 at all).
+fn cut_char(bytes: &[u8]) -> usize {
+    // The last lead byte among the last four: a character is at most four bytes long.
+    for back in 1..=bytes.len().min(4) {
+        let b = bytes[bytes.len() - back];
+        if b & 0xC0 == 0x80 {
+            continue; // a continuation byte
+        }
+        let len = match b {
+            0xC2..=0xDF => 2,
+            0xE0..=0xEF => 3,
+            0xF0..=0xF4 => 4,
+            _ => return 0,
+        };
+        return if back < len { back } else { 0 };
+    }
+    0
+}
+
 impl Process {
     /// What it has written from `stdout_from` and `stderr_from` on, at most `max` bytes of each.
     pub(super) fn output(
@@ -144,15 +162,17 @@ impl Process {
         stderr_from: usize,
         max: usize,
     ) -> ProcessOutput {
+        // Read first: once it has its answer, all of its output is in.
+        let process = self.describe();
+        let running = process.state == ProcessState::Running;
         ProcessOutput {
-            // Read first: once it has its answer, all of its output is in.
-            process: self.describe(),
-            stdout: self
-                .live
-                .with_output(StreamKind::Stdout, |k| OutputSpan::of(k, stdout_from, max)),
-            stderr: self
-                .live
-                .with_output(StreamKind::Stderr, |k| OutputSpan::of(k, stderr_from, max)),
+            stdout: self.live.with_output(StreamKind::Stdout, |k| {
+                OutputSpan::of(k, stdout_from, max, running)
+            }),
+            stderr: self.live.with_output(StreamKind::Stderr, |k| {
+                OutputSpan::of(k, stderr_from, max, running)
+            }),
+            process,
         }
     }
 }
@@ -252,40 +272,62 @@ mod tests {
     use crate::execution::runs::Kept;
 
     /// A span begins where it was asked (or at the oldest kept byte), ends at the size limit
-    /// without cutting a character, and says whether more is kept.
+    /// without cutting a character, and says whether more is kept. While the process runs, a
+    /// character whose end is not written yet waits for the next read.
     #[test]
     fn output_spans() {
         let kept = Kept {
             start: 10,
             bytes: "ab\u{e9}cd".as_bytes(),
         };
-        let s = OutputSpan::of(kept, 0, 100);
+        let s = OutputSpan::of(kept, 0, 100, false);
         assert_eq!(
             (s.from, s.text.as_str(), s.next, s.more),
             (10, "abécd", 16, false)
         );
         // 3 bytes would cut "é" (2 bytes) in two: the span stops before it.
-        let s = OutputSpan::of(kept, 10, 3);
+        let s = OutputSpan::of(kept, 10, 3, false);
         assert_eq!(
             (s.from, s.text.as_str(), s.next, s.more),
             (10, "ab", 12, true)
         );
-        let s = OutputSpan::of(kept, 12, 3);
+        let s = OutputSpan::of(kept, 12, 3, false);
         assert_eq!((s.text.as_str(), s.next, s.more), ("éc", 15, true));
         // At the end, and past it: nothing, nothing more.
-        let s = OutputSpan::of(kept, 16, 3);
+        let s = OutputSpan::of(kept, 16, 3, false);
         assert_eq!(
             (s.from, s.text.as_str(), s.next, s.more),
             (16, "", 16, false)
         );
-        let s = OutputSpan::of(kept, 99, 3);
+        let s = OutputSpan::of(kept, 99, 3, false);
         assert_eq!((s.from, s.next, s.more), (99, 99, false));
         // Bytes that are not UTF-8 are replaced, not held back.
         let bad = Kept {
             start: 0,
             bytes: &[0xff, b'x'],
         };
-        let s = OutputSpan::of(bad, 0, 1);
+        let s = OutputSpan::of(bad, 0, 1, false);
         assert_eq!((s.text.as_str(), s.next, s.more), ("\u{fffd}", 1, true));
+        // The live edge: half of "é" written so far (after an invalid byte too).
+        let half = Kept {
+            start: 0,
+            bytes: &[0xff, b'a', 0xC3],
+        };
+        let s = OutputSpan::of(half, 0, 100, true);
+        assert_eq!((s.text.as_str(), s.next, s.more), ("\u{fffd}a", 2, true));
+        // Ended: what is there is all there will be.
+        let s = OutputSpan::of(half, 0, 100, false);
+        assert_eq!((s.text.as_str(), s.next), ("\u{fffd}a\u{fffd}", 3));
+        // A four-byte character cut after each of its first three bytes, and whole.
+        let emoji = "\u{1F600}".as_bytes();
+        for n in 1..4 {
+            let k = Kept {
+                start: 0,
+                bytes: &emoji[..n],
+            };
+            assert_eq!(OutputSpan::of(k, 0, 100, true).next, 0, "{n} bytes");
+        }
+        let k = Kept::whole(emoji);
+        assert_eq!(OutputSpan::of(k, 0, 100, true).text, "\u{1F600}");
     }
 }

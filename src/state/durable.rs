@@ -817,7 +817,11 @@ impl StateStore for DurableStore {
             .map_err(|e| StateError::Unavailable(format!("run record: {e}")))?;
         let key = key.clone();
         let subject = key.subject.clone();
-        let stored = StoredResponse { status: 0, body };
+        let stored = StoredResponse {
+            status: 0,
+            body,
+            receipt: None,
+        };
         let completion = self
             .blocking(move |s| s.write(|w| w.complete(Kind::Exec, &key, "", &stored, ttl)))
             .await?;
@@ -887,6 +891,7 @@ mod tests {
         StoredResponse {
             status: 200,
             body: "x".repeat(len),
+            receipt: None,
         }
     }
 
@@ -918,6 +923,7 @@ mod tests {
             response: done.then(|| StoredResponse {
                 status: 200,
                 body: "{\"ok\":true}".into(),
+                receipt: None,
             }),
             cancelled_by: None,
             backend: Some("local".into()),

@@ -321,7 +321,11 @@ impl StateStore for MemoryStore {
         let body = serde_json::to_string(record)
             .map_err(|e| StateError::Unavailable(format!("run record: {e}")))?;
         let mut t = self.executions.lock().unwrap_or_else(|p| p.into_inner());
-        let stored = StoredResponse { status: 0, body };
+        let stored = StoredResponse {
+            status: 0,
+            body,
+            receipt: None,
+        };
         if let Completion::TooLarge { bytes } = t.complete(key, "", &stored, ttl, Instant::now()) {
             tracing::warn!(
                 subject = %key.subject,
@@ -364,6 +368,7 @@ mod tests {
         StoredResponse {
             status: 200,
             body: "x".repeat(len),
+            receipt: None,
         }
     }
 

@@ -66,6 +66,9 @@ pub enum JtiClaim {
 pub struct StoredResponse {
     pub status: u16,
     pub body: String,
+    /// A finished run's receipt (a DSSE envelope, as JSON), kept with its answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt: Option<String>,
 }
 
 /// A run as the store keeps it, for `retention` after it finished.
