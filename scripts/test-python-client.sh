@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Tests of the Python client (clients/python) against the real daemon:
-#   1. a Python venv in .tools/ (cached) with pinned httpx, pytest, mypy and setuptools, and the
-#      client installed from clients/python (reinstalled on every run: the tests use the tree's
-#      code),
+#   1. a Python venv in .tools/ (cached) with pinned httpx, pytest, mypy, setuptools, websockets
+#      (the terminal extra) and securesystemslib (the receipts extra), and the client installed
+#      from clients/python (reinstalled on every run: the tests use the tree's code),
 #   2. mypy --strict on the package and its tests (the package ships py.typed),
 #   3. pytest on clients/python/tests: its fixture starts `executor-arm serve --dev` on a free
 #      loopback port and takes the banner's minted tokens, as scripts/api-fuzz.sh does.
@@ -15,7 +15,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOLS="${EXECUTOR_ARM_TOOLS_DIR:-$ROOT/.tools}"
 VENV="$TOOLS/python-client-venv"
 PY="$VENV/bin/python"
-PY_REQUIREMENTS=("httpx==0.28.1" "pytest==9.2.0" "setuptools==84.2.1" "mypy==2.4.1" "websockets==17.4")
+PY_REQUIREMENTS=("httpx==0.28.1" "pytest==9.2.0" "setuptools==84.2.1" "mypy==2.4.1" "websockets==17.4"
+  "securesystemslib[crypto]==1.6.0")
 
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf 'test-python-client: %s\n' "$*" >&2; exit 1; }

@@ -127,6 +127,7 @@ fn assert_audit_position(d: &Daemon, st: &Value, exec_id: &str) {
     assert_eq!(line["event"], "execution", "{line}");
     assert_eq!(line["exec_id"], exec_id, "{line}");
     assert_eq!(line["entry_hash"], pos["entry_hash"], "{line}");
+    assert_eq!(line["ts"], st["predicate"]["when"]["ended_at"], "{line}");
 }
 
 async fn receipt_of(d: &Daemon, path: &str) -> Value {
@@ -167,6 +168,7 @@ async fn execute_runs_have_receipts(backend: Backend) {
     assert_eq!(p["what"]["backend"], backend.name());
     assert_eq!(p["result"]["outcome"], "success");
     assert_eq!(p["result"]["exit_code"], 0);
+    assert!(p["who"]["tenant"].is_null(), "an /execute run has no tenant: {p}");
     assert_eq!(
         p["audit"]["audit_seq"], r.json["provenance"]["audit_seq"],
         "the receipt and the provenance name one line"

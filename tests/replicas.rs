@@ -934,3 +934,77 @@ where
     tokio::spawn(conn.with_upgrades());
     sender
 }
+
+/// The keys `/v1/receipts/keys` lists on `d`.
+async fn listed(d: &Daemon) -> Vec<serde_json::Value> {
+    let r = d.get_authorized("/v1/receipts/keys").await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    r.json["keys"].as_array().cloned().unwrap_or_default()
+}
+
+/// Each replica signs with a key of its own, and `/v1/receipts/keys` on any replica lists every
+/// replica's key (published through the store): a receipt one replica signed, read through the
+/// other, verifies with the key the other lists.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_replica_lists_every_replicas_receipts_key() {
+    let redis = redis();
+    let a = replica(&redis.url);
+    let b = replica(&redis.url);
+    let own = |keys: &[serde_json::Value]| {
+        keys.iter()
+            .find(|k| k["signing"] == true)
+            .map(|k| k["keyid"].as_str().unwrap().to_string())
+            .expect("a signing key")
+    };
+    let (ka, kb) = (own(&listed(&a).await), own(&listed(&b).await));
+    assert_ne!(ka, kb, "each replica has its own key");
+    for (d, other) in [(&a, &kb), (&b, &ka)] {
+        let keys = common::wait::wait_for_async(
+            "the other replica's key to be listed",
+            common::wait::CLEANUP,
+            || listed(d),
+            |keys| keys.iter().any(|k| k["keyid"] == other.as_str()),
+        )
+        .await;
+        let k = keys.iter().find(|k| k["keyid"] == other.as_str()).unwrap();
+        assert_eq!(
+            (k["signing"].clone(), k["source"].clone()),
+            (json!(false), json!("another replica"))
+        );
+    }
+
+    // A's receipt, read through B, verifies with the key B lists for A.
+    let r = a
+        .exec(json!({"action_type": "shell", "command": "echo", "args": ["signed by a"]}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let exec_id = r.json["exec_id"].as_str().unwrap();
+    let receipt = b
+        .get_authorized(&format!("/v1/executions/{exec_id}/receipt"))
+        .await;
+    assert_eq!(receipt.status, 200, "{}", receipt.text);
+    assert_eq!(receipt.json["signatures"][0]["keyid"], ka.as_str());
+    let keys = listed(&b).await;
+    let pem = keys.iter().find(|k| k["keyid"] == ka.as_str()).unwrap()["public_key_pem"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (key_file, env_file) = (
+        b.dir.path().join("a.pub.pem"),
+        b.dir.path().join("a.dsse.json"),
+    );
+    std::fs::write(&key_file, pem).unwrap();
+    std::fs::write(&env_file, &receipt.text).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_executor-arm"))
+        .args(["receipt", "verify"])
+        .arg(&env_file)
+        .arg("--key")
+        .arg(&key_file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

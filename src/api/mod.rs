@@ -242,6 +242,8 @@ pub async fn run(
     let (graceful, _) = tokio::sync::watch::channel(());
     let mut shutdown = std::pin::pin!(shutdown);
     let flusher = tokio::spawn(flush_suppressed_refusals(state.clone()));
+    // This replica's receipts key, for every replica to list.
+    let key_publisher = tokio::spawn(crate::calls::receipts::publish_key(state.clone()));
     // Signed checkpoints of the audit log, and one more once the daemon has drained.
     let checkpoints_stop = tokio_util::sync::CancellationToken::new();
     let checkpointer = crate::provenance::checkpoint::spawn_checkpointer(
@@ -320,6 +322,7 @@ pub async fn run(
     state.sessions.close_all().await;
     state.executions.shutdown_backends().await;
     flusher.abort();
+    key_publisher.abort();
     flush_suppressed(&state);
     checkpoints_stop.cancel();
     if let Err(e) = checkpointer.await {

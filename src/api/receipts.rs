@@ -10,7 +10,6 @@ use std::sync::Arc;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::extract::Path;
@@ -18,8 +17,8 @@ use super::sessions::{SessionPath, TenantHeaders};
 use crate::calls::AppState;
 use crate::calls::caller::{Caller, RequestId};
 use crate::calls::error::ErrorBody;
+use crate::calls::receipts::{self, ReceiptKeys};
 use crate::calls::sessions::session_exec;
-use crate::provenance::keys;
 
 /// A DSSE envelope (`payloadType: application/vnd.in-toto+json`) whose payload is an in-toto
 /// Statement v1 about one run (OpenAPI only: the body is the envelope as it was signed).
@@ -128,28 +127,6 @@ pub async fn session_exec_receipt(
     }
 }
 
-/// The public keys that verify this daemon's receipts and checkpoints.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ReceiptKeys {
-    /// This replica's signing key first, then `receipts.public_key_files` (earlier keys kept
-    /// for rotation), each once.
-    pub keys: Vec<ReceiptKey>,
-}
-
-/// One public key.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ReceiptKey {
-    /// SHA-256 (hex) of the raw public key: the `keyid` of the signatures it verifies.
-    pub keyid: String,
-    /// `ed25519`.
-    pub algorithm: &'static str,
-    /// The key as a PEM `PUBLIC KEY` (SubjectPublicKeyInfo), as `executor-arm receipt verify
-    /// --key` reads it.
-    pub public_key_pem: String,
-    /// Whether this replica signs with it now.
-    pub signing: bool,
-}
-
 /// `GET /v1/receipts/keys`.
 #[utoipa::path(
     get,
@@ -158,7 +135,7 @@ pub struct ReceiptKey {
     tag = "runs",
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "The public keys that verify receipts and checkpoints", body = ReceiptKeys),
+        (status = 200, description = "The public keys that verify receipts and checkpoints: this replica's, `receipts.public_key_files`, and those other replicas published through the state store", body = ReceiptKeys),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
     )
 )]
@@ -167,22 +144,5 @@ pub async fn list_keys(State(st): State<Arc<AppState>>, req: Request) -> Respons
     if let Err(e) = Caller::authenticate(&st, req.headers(), rid).await {
         return e.into_response();
     }
-    let own = keys::keyid(&st.signing.key.verifying_key());
-    let mut listed = vec![ReceiptKey {
-        keyid: own.clone(),
-        algorithm: "ed25519",
-        public_key_pem: keys::public_key_pem(&st.signing.key.verifying_key()),
-        signing: true,
-    }];
-    for (keyid, key) in st.signing.keys.iter() {
-        if keyid != own {
-            listed.push(ReceiptKey {
-                keyid: keyid.to_string(),
-                algorithm: "ed25519",
-                public_key_pem: keys::public_key_pem(key),
-                signing: false,
-            });
-        }
-    }
-    (StatusCode::OK, axum::Json(ReceiptKeys { keys: listed })).into_response()
+    (StatusCode::OK, axum::Json(receipts::list(&st).await)).into_response()
 }

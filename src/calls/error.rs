@@ -200,9 +200,13 @@ impl ApiError {
 
     /// Whether the same request may succeed if sent again: 429, 503 and every 5xx are (the
     /// daemon was busy, draining or broken), and so is a 409 for an Idempotency-Key still
-    /// running (a retry after it ends gets the stored answer); every other 4xx is terminal.
+    /// running (a retry after it ends gets the stored answer) or for the receipt of a run still
+    /// running; every other 4xx is terminal.
     pub fn retryable(&self) -> bool {
-        matches!(self, ApiError::IdempotencyInProgress) || retryable(self.status())
+        matches!(
+            self,
+            ApiError::IdempotencyInProgress | ApiError::NotFinished
+        ) || retryable(self.status())
     }
 
     /// Seconds a caller should wait before retrying, sent as `Retry-After` on 429, 503 and the
@@ -212,7 +216,8 @@ impl ApiError {
             ApiError::Overloaded(_)
             | ApiError::SessionLimit(_)
             | ApiError::ShuttingDown
-            | ApiError::IdempotencyInProgress => Some(1),
+            | ApiError::IdempotencyInProgress
+            | ApiError::NotFinished => Some(1),
             // A backend or the audit log is down: give it time to come back.
             ApiError::SandboxUnavailable(_) => Some(5),
             _ => None,
@@ -251,11 +256,13 @@ pub struct ErrorBody {
     pub error: String,
     /// `InvalidRequest`, `MethodNotAllowed`, `Unauthorized`, `CapabilityViolation`,
     /// `PayloadTooLarge`, `RequestTimeout`, `IdempotencyConflict`, `IdempotencyInProgress`,
-    /// `NotFound`, `AlreadyFinished`, `SessionBusy`, `SessionPaused`, `Overloaded`,
-    /// `WorkspaceFull`, `StoreFull`, `PortClosed`, `SandboxUnavailable` or `InternalError`.
+    /// `NotFound`, `AlreadyFinished`, `NotFinished`, `StdinClosed`, `SessionBusy`,
+    /// `SessionPaused`, `Overloaded`, `WorkspaceFull`, `StoreFull`, `PortClosed`,
+    /// `SandboxUnavailable` or `InternalError`.
     pub error_type: String,
-    /// Whether the same request may succeed later: true for 429, 503, every 5xx and the 409 of an
-    /// Idempotency-Key still running; false for every other 4xx.
+    /// Whether the same request may succeed later: true for 429, 503, every 5xx, the 409 of an
+    /// Idempotency-Key still running and of a receipt whose run still runs; false for every other
+    /// 4xx.
     pub retryable: bool,
     /// A command outside the allowlist (403): the commands this daemon allows.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -98,7 +98,11 @@ pub struct ExecuteRequest {
     /// Put the run's signed receipt (a DSSE envelope) in its answer as `receipt` (and in a
     /// stream's `result` event). Every finished run has one at `/v1/executions/{exec_id}/receipt`
     /// either way.
-    #[serde(default, deserialize_with = "crate::calls::caller::null_as_default")]
+    #[serde(
+        default,
+        deserialize_with = "crate::calls::caller::null_as_default",
+        skip_serializing_if = "std::ops::Not::not"
+    )]
     #[schema(nullable)]
     pub receipt: bool,
 }

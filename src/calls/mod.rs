@@ -24,6 +24,8 @@
 //!   resume, exec, delete, files.
 //! - `processes.rs`: a session's background processes (list, output, stdin, signals) and a
 //!   running exec's stdin.
+//! - `receipts.rs`: the public keys that verify receipts (this replica's, configured ones,
+//!   other replicas' through the store).
 //! - `port_pool.rs`: connections into sessions' sandboxes kept between proxied requests.
 
 pub mod caller;
@@ -34,6 +36,7 @@ pub mod forward;
 pub(crate) mod hop;
 pub(crate) mod port_pool;
 pub mod processes;
+pub mod receipts;
 pub mod run;
 pub mod sessions;
 pub mod state;

@@ -545,7 +545,11 @@ impl HeldKey {
     async fn finish(self, st: &AppState, answer: Option<StoredResponse>) {
         let key = self.lease.stop();
         match answer {
-            Some(answer) => {
+            Some(mut answer) => {
+                // A retry gets the answer's body (a receipt asked for is in it); the receipt
+                // itself is the run's record's: not kept twice, nor counted against the budget of
+                // stored answers unseen.
+                answer.receipt = None;
                 let ttl = Duration::from_secs(st.config.state.idempotency_ttl_seconds);
                 if let Err(e) = st
                     .store
@@ -670,35 +674,31 @@ pub fn answer_of(
 ) -> StoredResponse {
     let error = match r {
         Ok(Finished {
-            result,
+            mut result,
             timed_out,
             receipt,
-        }) => match serde_json::to_string(&result) {
-            Ok(mut body) => {
-                let status = if timed_out {
-                    timeout_status
-                } else {
-                    StatusCode::OK
-                };
-                if inline_receipt
-                    && let Some(envelope) = &receipt
-                    && body.ends_with('}')
-                {
-                    // The result is a JSON object and the envelope a JSON value: one more
-                    // member, without parsing the result (its output) again.
-                    body.pop();
-                    body.push_str(",\"receipt\":");
-                    body.push_str(envelope);
-                    body.push('}');
-                }
-                return StoredResponse {
-                    status: status.as_u16(),
-                    body,
-                    receipt,
-                };
+        }) => {
+            if inline_receipt {
+                result.receipt = receipt
+                    .as_deref()
+                    .and_then(|e| serde_json::from_str(e).ok());
             }
-            Err(e) => ApiError::Internal(format!("result not serialisable: {e}")),
-        },
+            match serde_json::to_string(&result) {
+                Ok(body) => {
+                    let status = if timed_out {
+                        timeout_status
+                    } else {
+                        StatusCode::OK
+                    };
+                    return StoredResponse {
+                        status: status.as_u16(),
+                        body,
+                        receipt,
+                    };
+                }
+                Err(e) => ApiError::Internal(format!("result not serialisable: {e}")),
+            }
+        }
         Err(e) => ApiError::from(e),
     };
     if let ApiError::SandboxUnavailable(_) = error {

@@ -370,7 +370,11 @@ pub struct ExecBody {
     pub stdin_open: bool,
     /// Put the exec's signed receipt in its answer as `receipt` (and in a stream's `result`
     /// event); every finished exec has one at its `/execs/{exec_id}/receipt` either way.
-    #[serde(default, deserialize_with = "crate::calls::caller::null_as_default")]
+    #[serde(
+        default,
+        deserialize_with = "crate::calls::caller::null_as_default",
+        skip_serializing_if = "std::ops::Not::not"
+    )]
     #[schema(nullable)]
     pub receipt: bool,
 }

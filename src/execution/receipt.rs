@@ -23,9 +23,7 @@ pub struct Ran<'a> {
     pub limits: &'a Limits,
     /// The session's tenant, for a session's exec.
     pub tenant: Option<&'a str>,
-    /// RFC 3339 UTC, when the run ended (its record was made).
-    pub ended_at: String,
-    /// The run's end line.
+    /// The run's end line (its `ts` is when the run ended).
     pub entry: &'a Entry,
 }
 
@@ -87,7 +85,7 @@ pub fn statement(ran: &Ran<'_>) -> Statement {
             },
             when: When {
                 started_at: p.timestamp.clone(),
-                ended_at: ran.ended_at.clone(),
+                ended_at: ran.entry.ts.clone(),
             },
             audit: AuditPosition {
                 audit_seq: ran.entry.seq,

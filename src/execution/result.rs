@@ -91,6 +91,11 @@ pub struct ExecutionResult {
     /// again may succeed. Never for a timeout: the same command gets the same deadline.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retryable: Option<bool>,
+    /// The run's signed receipt (a DSSE envelope of an in-toto statement), when the request
+    /// asked for it with `"receipt": true`; every finished run's is at its `/receipt` route.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub receipt: Option<Value>,
 }
 
 /// Why an execution did not reach an outcome. Refusals (`Unauthorized`, `Refused`) have been

@@ -230,15 +230,18 @@ impl Execution {
             },
             error_type: timed_out.then_some("ExecutionTimeout"),
             retryable: timed_out.then_some(false),
+            receipt: None,
         };
         let receipt = match (&entry, &receipts) {
             (Some(entry), Some(key)) => {
                 let ran = receipt::Ran {
                     result: &result,
                     limits: &limits,
-                    tenant: session.as_ref().map(|s| s.tenant.as_str()),
-                    ended_at: chrono::Utc::now()
-                        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                    // A session made without a tenant has none, as an `/execute` run has none.
+                    tenant: session
+                        .as_ref()
+                        .map(|s| s.tenant.as_str())
+                        .filter(|t| !t.is_empty()),
                     entry,
                 };
                 match receipt::sign(&ran, key).and_then(|env| serde_json::to_string(&env)) {

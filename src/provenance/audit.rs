@@ -392,6 +392,8 @@ struct Written {
     end: u64,
     /// The line's `entry_hash`.
     hash: String,
+    /// The line's `ts`.
+    ts: String,
 }
 
 /// Where a line went in the log: its `seq` and its `entry_hash` (`sha256:<hex>`).
@@ -399,6 +401,8 @@ struct Written {
 pub struct Entry {
     pub seq: u64,
     pub entry_hash: String,
+    /// The line's `ts` (RFC 3339 UTC, milliseconds).
+    pub ts: String,
 }
 
 /// Failed `fdatasync` ranges remembered at most (oldest forgotten first); the appends waiting
@@ -533,6 +537,7 @@ impl AuditLog {
             seq,
             end,
             hash: hash.clone(),
+            ts: String::new(),
         })?;
         Ok((seq, hash))
     }
@@ -614,15 +619,17 @@ impl AuditLog {
         drop(tail);
         let r = match r {
             Ok(w) if sync => {
-                let hash = w.hash.clone();
+                let (hash, ts) = (w.hash.clone(), w.ts.clone());
                 self.commit(w).map(|seq| Entry {
                     seq,
                     entry_hash: hash,
+                    ts,
                 })
             }
             Ok(w) => Ok(Entry {
                 seq: w.seq,
                 entry_hash: w.hash,
+                ts: w.ts,
             }),
             Err(e) => Err(e),
         };
@@ -737,6 +744,7 @@ impl AuditLog {
             seq,
             end: tail.len,
             hash,
+            ts,
         })
     }
 
@@ -1742,6 +1750,7 @@ mod tests {
                 seq: 3,
                 end: failed_end,
                 hash: String::new(),
+                ts: String::new(),
             })
             .is_err()
         );
@@ -1751,6 +1760,7 @@ mod tests {
                 seq: 1,
                 end: 1,
                 hash: String::new(),
+                ts: String::new(),
             })
             .is_ok()
         );

@@ -194,6 +194,20 @@ pub trait StateStore: Send + Sync {
     async fn session_remove(&self, _id: &str) -> Result<(), StateError> {
         Ok(())
     }
+    /// Publishes a replica's receipts public key (`keyid`, PEM) for `ttl`, so that every replica
+    /// lists it. A store one daemon alone uses keeps nothing: its key is its own.
+    async fn receipt_key_put(
+        &self,
+        _keyid: &str,
+        _pem: &str,
+        _ttl: Duration,
+    ) -> Result<(), StateError> {
+        Ok(())
+    }
+    /// The receipts public keys replicas published: (keyid, PEM).
+    async fn receipt_keys(&self) -> Result<Vec<(String, String)>, StateError> {
+        Ok(Vec::new())
+    }
     /// For /readyz.
     async fn healthy(&self) -> Result<(), StateError>;
     fn kind(&self) -> &'static str;

@@ -301,6 +301,58 @@ impl StateStore for RedisStore {
         Ok(())
     }
 
+    async fn receipt_key_put(
+        &self,
+        keyid: &str,
+        pem: &str,
+        ttl: Duration,
+    ) -> Result<(), StateError> {
+        let mut c = self.conn.clone();
+        let _: () = redis::cmd("SET")
+            .arg(format!("{}receipt-key:{keyid}", self.prefix))
+            .arg(pem)
+            .arg("PX")
+            .arg(millis(ttl))
+            .query_async(&mut c)
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    async fn receipt_keys(&self) -> Result<Vec<(String, String)>, StateError> {
+        let mut c = self.conn.clone();
+        let prefix = format!("{}receipt-key:", self.prefix);
+        // One key per replica and rotation: few enough for a SCAN of their prefix.
+        let mut names: Vec<String> = Vec::new();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{prefix}*"))
+                .arg("COUNT")
+                .arg(100)
+                .query_async(&mut c)
+                .await
+                .map_err(unavailable)?;
+            names.extend(batch);
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        names.sort();
+        names.dedup();
+        let mut keys = Vec::with_capacity(names.len());
+        for name in names {
+            let pem: Option<String> = c.get(&name).await.map_err(unavailable)?;
+            if let (Some(pem), Some(keyid)) = (pem, name.strip_prefix(&prefix)) {
+                keys.push((keyid.to_string(), pem));
+            }
+        }
+        Ok(keys)
+    }
+
     async fn healthy(&self) -> Result<(), StateError> {
         let mut c = self.conn.clone();
         let _: String = redis::cmd("PING")

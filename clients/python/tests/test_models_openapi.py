@@ -96,6 +96,9 @@ CLIENT_OPERATIONS = {
     "stream_session_process",
     "write_session_process_stdin",
     "signal_session_process",
+    "get_execution_receipt",
+    "get_session_exec_receipt",
+    "list_receipt_keys",
     "health",
 }
 

@@ -20,6 +20,7 @@ from .errors import (
     InternalServerError,
     InvalidRequestError,
     MethodNotAllowedError,
+    NotFinishedError,
     NotFoundError,
     PayloadTooLargeError,
     ProtocolError,
@@ -53,6 +54,10 @@ from .models import (
     ProcessStarted,
     ProcessState,
     Provenance,
+    ReceiptEnvelope,
+    ReceiptKey,
+    ReceiptKeys,
+    ReceiptSignature,
     ResultEvent,
     RunAccepted,
     RunLinks,
@@ -64,6 +69,7 @@ from .models import (
     SignalRequest,
     StartEvent,
 )
+from .receipts import ReceiptVerificationError, subject_sha256, verify_receipt
 from .retry import RetryPolicy
 from .terminal import Terminal, TerminalClosed
 from .tokens import mint_hs256, read_secret_file, unverified_claims
@@ -85,6 +91,10 @@ __all__ = [
     "mint_hs256",
     "read_secret_file",
     "unverified_claims",
+    # receipts
+    "verify_receipt",
+    "subject_sha256",
+    "ReceiptVerificationError",
     # errors
     "ExecutorArmError",
     "TransportError",
@@ -97,6 +107,7 @@ __all__ = [
     "ConflictError",
     "IdempotencyInProgressError",
     "AlreadyFinishedError",
+    "NotFinishedError",
     "StdinClosedError",
     "SessionBusyError",
     "SessionPausedError",
@@ -130,6 +141,10 @@ __all__ = [
     "ProcessStarted",
     "ProcessState",
     "Provenance",
+    "ReceiptEnvelope",
+    "ReceiptKey",
+    "ReceiptKeys",
+    "ReceiptSignature",
     "ResultEvent",
     "RunAccepted",
     "RunLinks",

@@ -24,6 +24,9 @@ from .models import (
     ProcessInfo,
     ProcessList,
     ProcessStarted,
+    ReceiptEnvelope,
+    ReceiptKey,
+    ReceiptKeys,
     RunAccepted,
     RunStatus,
     SessionCreateRequest,
@@ -235,6 +238,42 @@ def cancel_run_call(
     body = to_wire(CancelRequest(grace_seconds=grace_seconds))
     return Call(
         "POST", run_path(exec_id, session_id) + "/cancel", decode_as(CancelAccepted), h, json=body
+    )
+
+
+def _envelope_of(response: httpx.Response) -> dict[str, Any]:
+    # The envelope is handed out as the daemon sent it (what was signed); decoding it as the
+    # model only checks its shape.
+    data = _json(response)
+    from_wire(ReceiptEnvelope, data)
+    envelope: dict[str, Any] = data
+    return envelope
+
+
+def receipt_call(
+    creds: Credentials,
+    exec_id: str,
+    *,
+    session_id: str | None = None,
+    tenant: str | None = None,
+    request_id: str | None = None,
+) -> Call[dict[str, Any]]:
+    """The receipt of run ``exec_id`` (of session ``session_id``'s exec when given)."""
+    h = {**creds.bearer(), **_common(request_id, None)}
+    if session_id is not None:
+        h.update(creds.tenant_header(tenant))
+    return Call("GET", run_path(exec_id, session_id) + "/receipt", _envelope_of, h)
+
+
+def _keys_of(response: httpx.Response) -> list[ReceiptKey]:
+    return from_wire(ReceiptKeys, _json(response)).keys
+
+
+def receipt_keys_call(
+    creds: Credentials, *, request_id: str | None = None
+) -> Call[list[ReceiptKey]]:
+    return Call(
+        "GET", "/v1/receipts/keys", _keys_of, {**creds.bearer(), **_common(request_id, None)}
     )
 
 

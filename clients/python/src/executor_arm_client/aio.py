@@ -26,6 +26,7 @@ from .models import (
     Health,
     ProcessInfo,
     ProcessStarted,
+    ReceiptKey,
     ResultEvent,
     RunAccepted,
     RunStatus,
@@ -214,6 +215,7 @@ class AsyncClient:
         profile: str | None = ...,
         metadata: Mapping[str, Any] | None = ...,
         cancel_on_disconnect: bool | None = ...,
+        receipt: bool = ...,
         async_: Literal[False] = ...,
         capability_token: str | None = ...,
         idempotency_key: str | None = ...,
@@ -233,6 +235,7 @@ class AsyncClient:
         profile: str | None = ...,
         metadata: Mapping[str, Any] | None = ...,
         cancel_on_disconnect: bool | None = ...,
+        receipt: bool = ...,
         async_: Literal[True],
         capability_token: str | None = ...,
         idempotency_key: str | None = ...,
@@ -251,6 +254,7 @@ class AsyncClient:
         profile: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         cancel_on_disconnect: bool | None = None,
+        receipt: bool = False,
         async_: bool = False,
         capability_token: str | None = None,
         idempotency_key: str | None = None,
@@ -259,7 +263,8 @@ class AsyncClient:
         """``POST /execute``: runs ``command`` with ``args`` and waits for its result, or, with
         ``async_=True``, returns the 202 run handle at once. A run that hits its time limit
         raises :class:`~executor_arm_client.errors.ExecutionTimeoutError` (its ``result`` holds
-        the partial output)."""
+        the partial output). ``receipt=True`` puts the run's signed receipt in its result as
+        ``receipt`` (for an async run, in the result ``get`` and ``wait`` read)."""
         request = ExecuteRequest(
             action_type=action_type,
             command=command,
@@ -270,6 +275,7 @@ class AsyncClient:
             profile=profile,
             metadata=dict(metadata) if metadata is not None else None,
             cancel_on_disconnect=cancel_on_disconnect,
+            receipt=True if receipt else None,
             async_=True if async_ else None,
         )
         return await self.execute_request(
@@ -314,6 +320,7 @@ class AsyncClient:
         profile: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         cancel_on_disconnect: bool | None = None,
+        receipt: bool = False,
         capability_token: str | None = None,
         idempotency_key: str | None = None,
         request_id: str | None = None,
@@ -330,6 +337,7 @@ class AsyncClient:
             profile=profile,
             metadata=metadata,
             cancel_on_disconnect=cancel_on_disconnect,
+            receipt=receipt,
             async_=True,
             capability_token=capability_token,
             idempotency_key=idempotency_key,
@@ -348,6 +356,7 @@ class AsyncClient:
         profile: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         cancel_on_disconnect: bool | None = None,
+        receipt: bool = False,
         capability_token: str | None = None,
         idempotency_key: str | None = None,
         request_id: str | None = None,
@@ -355,7 +364,8 @@ class AsyncClient:
     ) -> AsyncIterator[Event]:
         """``POST /execute`` with ``Accept: text/event-stream``: the run's events as it goes
         (``start``, ``stdout``/``stderr`` chunks, then ``result``). ``framing="lines"``: one
-        output event per complete line (the daemon's default, ``bytes``, cuts chunks anywhere)."""
+        output event per complete line (the daemon's default, ``bytes``, cuts chunks anywhere).
+        ``receipt=True``: the ``result`` event's result carries the run's receipt."""
         request = ExecuteRequest(
             action_type=action_type,
             command=command,
@@ -366,6 +376,7 @@ class AsyncClient:
             profile=profile,
             metadata=dict(metadata) if metadata is not None else None,
             cancel_on_disconnect=cancel_on_disconnect,
+            receipt=True if receipt else None,
         )
         call = _core.execute_call(
             self._creds,
@@ -417,6 +428,19 @@ class AsyncClient:
                 self._creds, exec_id, grace_seconds=grace_seconds, request_id=request_id
             )
         )
+
+    async def receipt(self, exec_id: str, *, request_id: str | None = None) -> dict[str, Any]:
+        """``GET /v1/executions/{exec_id}/receipt``: the run's signed receipt, a DSSE envelope
+        as the daemon sent it (check it with :func:`~executor_arm_client.verify_receipt`).
+        :class:`~executor_arm_client.errors.NotFinishedError` (409) while the run goes on,
+        :class:`~executor_arm_client.errors.NotFoundError` for an unknown run or one that ended
+        without an outcome (nothing ran to sign)."""
+        return await self._send(_core.receipt_call(self._creds, exec_id, request_id=request_id))
+
+    async def receipt_keys(self, *, request_id: str | None = None) -> list[ReceiptKey]:
+        """``GET /v1/receipts/keys``: the public keys that verify the daemon's receipts, its
+        signing key first."""
+        return await self._send(_core.receipt_keys_call(self._creds, request_id=request_id))
 
     # -- daemon ----------------------------------------------------------------------------
 
@@ -510,6 +534,7 @@ class AsyncSessions:
         timeout_ms: int | None = ...,
         async_: Literal[False] = ...,
         cancel_on_disconnect: bool | None = ...,
+        receipt: bool = ...,
         tenant: str | None = ...,
         idempotency_key: str | None = ...,
         request_id: str | None = ...,
@@ -528,6 +553,7 @@ class AsyncSessions:
         async_: Literal[True],
         stdin_open: bool | None = ...,
         cancel_on_disconnect: bool | None = ...,
+        receipt: bool = ...,
         tenant: str | None = ...,
         idempotency_key: str | None = ...,
         request_id: str | None = ...,
@@ -545,12 +571,14 @@ class AsyncSessions:
         async_: bool = False,
         stdin_open: bool | None = None,
         cancel_on_disconnect: bool | None = None,
+        receipt: bool = False,
         tenant: str | None = None,
         idempotency_key: str | None = None,
         request_id: str | None = None,
     ) -> ExecutionResult | RunAccepted:
         """Runs ``code`` in the session's language and workspace. A deadline that ends the run
-        is a result (``outcome == "timeout"``), not an error."""
+        is a result (``outcome == "timeout"``), not an error. ``receipt=True`` puts the exec's
+        signed receipt in its result as ``receipt``."""
         request = SessionExecRequest(
             code=code,
             stdin=stdin,
@@ -559,6 +587,7 @@ class AsyncSessions:
             timeout_ms=timeout_ms,
             async_=True if async_ else None,
             cancel_on_disconnect=cancel_on_disconnect,
+            receipt=True if receipt else None,
             stdin_open=stdin_open,
         )
         result: ExecutionResult | RunAccepted = await self._client._send(
@@ -583,11 +612,13 @@ class AsyncSessions:
         cwd: str | None = None,
         timeout_ms: int | None = None,
         cancel_on_disconnect: bool | None = None,
+        receipt: bool = False,
         tenant: str | None = None,
         idempotency_key: str | None = None,
         framing: _core.Framing | None = None,
     ) -> AsyncIterator[Event]:
-        """Runs ``code`` and streams its events (``framing="lines"``: one per output line)."""
+        """Runs ``code`` and streams its events (``framing="lines"``: one per output line;
+        ``receipt=True``: the ``result`` event's result carries the exec's receipt)."""
         request = SessionExecRequest(
             code=code,
             stdin=stdin,
@@ -595,6 +626,7 @@ class AsyncSessions:
             cwd=cwd,
             timeout_ms=timeout_ms,
             cancel_on_disconnect=cancel_on_disconnect,
+            receipt=True if receipt else None,
         )
         call = _core.session_exec_call(
             self._client._creds,
@@ -613,6 +645,16 @@ class AsyncSessions:
     ) -> RunStatus:
         return await self._client._send(
             _core.get_run_call(self._client._creds, exec_id, session_id=session_id, tenant=tenant)
+        )
+
+    async def exec_receipt(
+        self, session_id: str, exec_id: str, *, tenant: str | None = None
+    ) -> dict[str, Any]:
+        """The exec's signed receipt (a background process's once it ended), as
+        :meth:`AsyncClient.receipt`: :class:`~executor_arm_client.errors.NotFinishedError`
+        while it runs."""
+        return await self._client._send(
+            _core.receipt_call(self._client._creds, exec_id, session_id=session_id, tenant=tenant)
         )
 
     def stream_exec(

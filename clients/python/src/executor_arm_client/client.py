@@ -25,6 +25,7 @@ from .models import (
     Health,
     ProcessInfo,
     ProcessStarted,
+    ReceiptKey,
     ResultEvent,
     RunAccepted,
     RunStatus,
@@ -227,6 +228,7 @@ class Client:
         profile: str | None = ...,
         metadata: Mapping[str, Any] | None = ...,
         cancel_on_disconnect: bool | None = ...,
+        receipt: bool = ...,
         async_: Literal[False] = ...,
         capability_token: str | None = ...,
         idempotency_key: str | None = ...,
@@ -246,6 +248,7 @@ class Client:
         profile: str | None = ...,
         metadata: Mapping[str, Any] | None = ...,
         cancel_on_disconnect: bool | None = ...,
+        receipt: bool = ...,
         async_: Literal[True],
         capability_token: str | None = ...,
         idempotency_key: str | None = ...,
@@ -264,6 +267,7 @@ class Client:
         profile: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         cancel_on_disconnect: bool | None = None,
+        receipt: bool = False,
         async_: bool = False,
         capability_token: str | None = None,
         idempotency_key: str | None = None,
@@ -272,7 +276,8 @@ class Client:
         """``POST /execute``: runs ``command`` with ``args`` and waits for its result, or, with
         ``async_=True``, returns the 202 run handle at once. A run that hits its time limit
         raises :class:`~executor_arm_client.errors.ExecutionTimeoutError` (its ``result`` holds
-        the partial output)."""
+        the partial output). ``receipt=True`` puts the run's signed receipt in its result as
+        ``receipt`` (for an async run, in the result ``get`` and ``wait`` read)."""
         request = ExecuteRequest(
             action_type=action_type,
             command=command,
@@ -283,6 +288,7 @@ class Client:
             profile=profile,
             metadata=dict(metadata) if metadata is not None else None,
             cancel_on_disconnect=cancel_on_disconnect,
+            receipt=True if receipt else None,
             async_=True if async_ else None,
         )
         return self.execute_request(
@@ -327,6 +333,7 @@ class Client:
         profile: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         cancel_on_disconnect: bool | None = None,
+        receipt: bool = False,
         capability_token: str | None = None,
         idempotency_key: str | None = None,
         request_id: str | None = None,
@@ -343,6 +350,7 @@ class Client:
             profile=profile,
             metadata=metadata,
             cancel_on_disconnect=cancel_on_disconnect,
+            receipt=receipt,
             async_=True,
             capability_token=capability_token,
             idempotency_key=idempotency_key,
@@ -361,6 +369,7 @@ class Client:
         profile: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         cancel_on_disconnect: bool | None = None,
+        receipt: bool = False,
         capability_token: str | None = None,
         idempotency_key: str | None = None,
         request_id: str | None = None,
@@ -368,7 +377,8 @@ class Client:
     ) -> Iterator[Event]:
         """``POST /execute`` with ``Accept: text/event-stream``: the run's events as it goes
         (``start``, ``stdout``/``stderr`` chunks, then ``result``). ``framing="lines"``: one
-        output event per complete line (the daemon's default, ``bytes``, cuts chunks anywhere)."""
+        output event per complete line (the daemon's default, ``bytes``, cuts chunks anywhere).
+        ``receipt=True``: the ``result`` event's result carries the run's receipt."""
         request = ExecuteRequest(
             action_type=action_type,
             command=command,
@@ -379,6 +389,7 @@ class Client:
             profile=profile,
             metadata=dict(metadata) if metadata is not None else None,
             cancel_on_disconnect=cancel_on_disconnect,
+            receipt=True if receipt else None,
         )
         call = _core.execute_call(
             self._creds,
@@ -430,6 +441,19 @@ class Client:
                 self._creds, exec_id, grace_seconds=grace_seconds, request_id=request_id
             )
         )
+
+    def receipt(self, exec_id: str, *, request_id: str | None = None) -> dict[str, Any]:
+        """``GET /v1/executions/{exec_id}/receipt``: the run's signed receipt, a DSSE envelope
+        as the daemon sent it (check it with :func:`~executor_arm_client.verify_receipt`).
+        :class:`~executor_arm_client.errors.NotFinishedError` (409) while the run goes on,
+        :class:`~executor_arm_client.errors.NotFoundError` for an unknown run or one that ended
+        without an outcome (nothing ran to sign)."""
+        return self._send(_core.receipt_call(self._creds, exec_id, request_id=request_id))
+
+    def receipt_keys(self, *, request_id: str | None = None) -> list[ReceiptKey]:
+        """``GET /v1/receipts/keys``: the public keys that verify the daemon's receipts, its
+        signing key first."""
+        return self._send(_core.receipt_keys_call(self._creds, request_id=request_id))
 
     # -- daemon ----------------------------------------------------------------------------
 
@@ -523,6 +547,7 @@ class Sessions:
         timeout_ms: int | None = ...,
         async_: Literal[False] = ...,
         cancel_on_disconnect: bool | None = ...,
+        receipt: bool = ...,
         tenant: str | None = ...,
         idempotency_key: str | None = ...,
         request_id: str | None = ...,
@@ -541,6 +566,7 @@ class Sessions:
         async_: Literal[True],
         stdin_open: bool | None = ...,
         cancel_on_disconnect: bool | None = ...,
+        receipt: bool = ...,
         tenant: str | None = ...,
         idempotency_key: str | None = ...,
         request_id: str | None = ...,
@@ -558,12 +584,14 @@ class Sessions:
         async_: bool = False,
         stdin_open: bool | None = None,
         cancel_on_disconnect: bool | None = None,
+        receipt: bool = False,
         tenant: str | None = None,
         idempotency_key: str | None = None,
         request_id: str | None = None,
     ) -> ExecutionResult | RunAccepted:
         """Runs ``code`` in the session's language and workspace. A deadline that ends the run
-        is a result (``outcome == "timeout"``), not an error."""
+        is a result (``outcome == "timeout"``), not an error. ``receipt=True`` puts the exec's
+        signed receipt in its result as ``receipt``."""
         request = SessionExecRequest(
             code=code,
             stdin=stdin,
@@ -572,6 +600,7 @@ class Sessions:
             timeout_ms=timeout_ms,
             async_=True if async_ else None,
             cancel_on_disconnect=cancel_on_disconnect,
+            receipt=True if receipt else None,
             stdin_open=stdin_open,
         )
         result: ExecutionResult | RunAccepted = self._client._send(
@@ -596,11 +625,13 @@ class Sessions:
         cwd: str | None = None,
         timeout_ms: int | None = None,
         cancel_on_disconnect: bool | None = None,
+        receipt: bool = False,
         tenant: str | None = None,
         idempotency_key: str | None = None,
         framing: _core.Framing | None = None,
     ) -> Iterator[Event]:
-        """Runs ``code`` and streams its events (``framing="lines"``: one per output line)."""
+        """Runs ``code`` and streams its events (``framing="lines"``: one per output line;
+        ``receipt=True``: the ``result`` event's result carries the exec's receipt)."""
         request = SessionExecRequest(
             code=code,
             stdin=stdin,
@@ -608,6 +639,7 @@ class Sessions:
             cwd=cwd,
             timeout_ms=timeout_ms,
             cancel_on_disconnect=cancel_on_disconnect,
+            receipt=True if receipt else None,
         )
         call = _core.session_exec_call(
             self._client._creds,
@@ -624,6 +656,16 @@ class Sessions:
     def get_exec(self, session_id: str, exec_id: str, *, tenant: str | None = None) -> RunStatus:
         return self._client._send(
             _core.get_run_call(self._client._creds, exec_id, session_id=session_id, tenant=tenant)
+        )
+
+    def exec_receipt(
+        self, session_id: str, exec_id: str, *, tenant: str | None = None
+    ) -> dict[str, Any]:
+        """The exec's signed receipt (a background process's once it ended), as
+        :meth:`Client.receipt`: :class:`~executor_arm_client.errors.NotFinishedError` while it
+        runs."""
+        return self._client._send(
+            _core.receipt_call(self._client._creds, exec_id, session_id=session_id, tenant=tenant)
         )
 
     def stream_exec(

@@ -24,6 +24,7 @@ __all__ = [
     "ConflictError",
     "IdempotencyInProgressError",
     "AlreadyFinishedError",
+    "NotFinishedError",
     "StdinClosedError",
     "SessionBusyError",
     "IdempotencyConflictError",
@@ -153,6 +154,11 @@ class AlreadyFinishedError(ConflictError):
     session's background process that has ended."""
 
 
+class NotFinishedError(ConflictError):
+    """409 ``NotFinished``: the receipt of a run (or session exec) that has not ended yet; it is
+    made as the run ends."""
+
+
 class SessionBusyError(ConflictError):
     """409 ``SessionBusy``: the session runs another exec."""
 
@@ -223,6 +229,7 @@ _BY_TYPE: dict[str, type[ExecutorArmError]] = {
     "NotFound": NotFoundError,
     "IdempotencyInProgress": IdempotencyInProgressError,
     "AlreadyFinished": AlreadyFinishedError,
+    "NotFinished": NotFinishedError,
     "StdinClosed": StdinClosedError,
     "SessionBusy": SessionBusyError,
     "SessionPaused": SessionPausedError,

@@ -44,6 +44,10 @@ __all__ = [
     "ProcessStarted",
     "ProcessInfo",
     "ProcessList",
+    "ReceiptSignature",
+    "ReceiptEnvelope",
+    "ReceiptKey",
+    "ReceiptKeys",
     "Health",
     "StartEvent",
     "OutputEvent",
@@ -95,6 +99,9 @@ class ExecuteRequest:
     model: str | None = None
     async_: bool | None = field(default=None, metadata=_wire("async"))
     cancel_on_disconnect: bool | None = None
+    #: Put the run's signed receipt in its answer as ``receipt`` (and in a stream's ``result``
+    #: event); every finished run has one at ``/v1/executions/{exec_id}/receipt`` either way.
+    receipt: bool | None = None
 
 
 @dataclass
@@ -144,6 +151,9 @@ class SessionExecRequest:
     #: Keep the exec's stdin open after ``stdin`` (an async or streamed exec): write to it with
     #: ``sessions.exec_stdin``.
     stdin_open: bool | None = None
+    #: Put the exec's signed receipt in its answer as ``receipt`` (and in a stream's ``result``
+    #: event); every finished exec has one at ``…/execs/{exec_id}/receipt`` either way.
+    receipt: bool | None = None
 
 
 @dataclass
@@ -223,6 +233,9 @@ class ExecutionResult:
     error: str | None = None
     error_type: str | None = None
     retryable: bool | None = None
+    #: The run's receipt (a DSSE envelope, as the daemon signed it) when the request asked for
+    #: it (``receipt=True``); check it with :func:`~executor_arm_client.verify_receipt`.
+    receipt: dict[str, Any] | None = None
 
     @property
     def stdout_bytes(self) -> bytes:
@@ -385,6 +398,55 @@ class ProcessList:
 
 
 @dataclass
+class ReceiptSignature:
+    """One signature of a receipt's envelope."""
+
+    #: SHA-256 (hex) of the signing key's raw Ed25519 public key.
+    keyid: str
+    #: Base64 of the Ed25519 signature over DSSE's pre-authentication encoding.
+    sig: str
+
+
+@dataclass
+class ReceiptEnvelope:
+    """A run's receipt: a DSSE envelope (``payloadType`` ``application/vnd.in-toto+json``)
+    whose payload is an in-toto Statement v1 about the run. The client hands receipts out as
+    the JSON the daemon sent (a dict: what was signed, to keep or pass on as it is); this model
+    is their shape, which the client checks on the way in."""
+
+    #: Base64 of the statement's JSON.
+    payload: str
+    payload_type: str = field(metadata=_wire("payloadType"))
+    signatures: list[ReceiptSignature]
+
+
+@dataclass
+class ReceiptKey:
+    """A public key that verifies the daemon's receipts (and audit checkpoints)."""
+
+    #: SHA-256 (hex) of the raw public key: the ``keyid`` of the signatures it verifies.
+    keyid: str
+    #: ``ed25519``.
+    algorithm: str
+    #: The key as a PEM ``PUBLIC KEY`` (SubjectPublicKeyInfo).
+    public_key_pem: str
+    #: Whether the answering replica signs with it now (the others are keys it kept from
+    #: before a rotation, or other replicas' keys).
+    signing: bool
+    #: Where it is listed from: ``this replica``, ``receipts.public_key_files`` or ``another
+    #: replica``.
+    source: str
+
+
+@dataclass
+class ReceiptKeys:
+    """``GET /v1/receipts/keys``: the replica's signing key first, then the other keys it
+    lists."""
+
+    keys: list[ReceiptKey]
+
+
+@dataclass
 class Health:
     """``GET /health``."""
 
@@ -462,6 +524,10 @@ SCHEMAS: dict[type, str] = {
     ArchiveUploaded: "ArchiveUploaded",
     ProcessInfo: "ProcessInfo",
     ProcessList: "ProcessList",
+    ReceiptSignature: "ReceiptSignature",
+    ReceiptEnvelope: "ReceiptEnvelope",
+    ReceiptKey: "ReceiptKey",
+    ReceiptKeys: "ReceiptKeys",
     Health: "Health",
 }
 
@@ -470,6 +536,7 @@ SCHEMAS: dict[type, str] = {
 NARROWED: dict[type, str] = {
     ProcessStarted: "RunAccepted",
 }
+
 
 
 # --- encoding and decoding ------------------------------------------------------------------
