@@ -12,6 +12,8 @@
 
 mod common;
 
+use base64::Engine as _;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -519,6 +521,37 @@ async fn success_echoes_the_envelope_with_provenance_and_audit(backend: Backend)
     assert_eq!(line["outcome"], "success");
     assert_eq!(line["executor_def_sha256"], sha256(&def_bytes));
     assert!(line.get("error_code").is_some_and(Value::is_null), "{line}");
+
+    // Its receipt names the executor's definition and digests what it wrote.
+    let exec_id = r.json["exec_id"].as_str().expect("exec_id");
+    let receipt = d
+        .get_authorized(&format!("/v1/executions/{exec_id}/receipt"))
+        .await;
+    assert_eq!(receipt.status, 200, "{}", receipt.text);
+    let payload = base64::engine::general_purpose::STANDARD
+        .decode(receipt.json["payload"].as_str().expect("payload"))
+        .expect("base64");
+    let statement: Value = serde_json::from_slice(&payload).expect("statement");
+    let what = &statement["predicate"]["what"];
+    assert_eq!(what["action_type"], "external");
+    assert_eq!(what["executor_def_sha256"], sha256(&def_bytes));
+    let stdout_subject = statement["subject"]
+        .as_array()
+        .expect("subjects")
+        .iter()
+        .find(|s| s["name"] == "stdout")
+        .expect("a stdout subject");
+    assert_eq!(
+        format!(
+            "sha256:{}",
+            stdout_subject["digest"]["sha256"].as_str().unwrap()
+        ),
+        sha256(stdout.as_bytes())
+    );
+    assert_eq!(
+        statement["predicate"]["audit"]["entry_hash"],
+        line["entry_hash"]
+    );
 
     // Optional parts absent: job and task are left out, skills and memory keep their defaults.
     let r = d.run("echo-envelope", json!({ "input": "plain", "skills": [{ "id": "s1", "content_hash": "h", "content": "c" }] })).await;

@@ -2,12 +2,15 @@
 //! `"receipt": true`, async, streamed), a session's exec and a background process. Each receipt
 //! verifies with `executor-arm receipt verify` against the key `/v1/receipts/keys` lists; its
 //! subjects are the digests of what the answer returned; its audit position names the run's end
-//! line. A changed byte of payload, signature or keyid fails verification.
+//! line. Each also verifies with a standard DSSE verifier (securesystemslib's, in the venv of
+//! scripts/dsse-verifier-venv.sh: tests/receipts/verify_dsse.py). A changed byte of payload,
+//! signature or keyid fails both.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use base64::Engine;
@@ -81,7 +84,44 @@ fn verify_cli(dir: &Path, envelope: &Value, key: &Path, name: &str) -> Output {
         .unwrap()
 }
 
-/// Verifies, and fails once any of payload, signature and keyid has one byte changed.
+/// The python of the standard verifier's venv, made once for all the cases of this binary.
+fn dsse_python() -> &'static str {
+    static PYTHON: OnceLock<String> = OnceLock::new();
+    PYTHON.get_or_init(|| {
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let out = std::process::Command::new(repo.join("scripts/dsse-verifier-venv.sh"))
+            .output()
+            .expect("run scripts/dsse-verifier-venv.sh");
+        assert!(
+            out.status.success(),
+            "scripts/dsse-verifier-venv.sh failed (it installs securesystemslib from PyPI): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        stdout
+            .lines()
+            .last()
+            .expect("the venv's python")
+            .trim()
+            .to_string()
+    })
+}
+
+/// `envelope` checked with `key` by the standard DSSE verifier.
+fn verify_standard(dir: &Path, envelope: &Value, key: &Path, name: &str) -> Output {
+    let file = dir.join(format!("{name}.std.dsse.json"));
+    std::fs::write(&file, envelope.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/receipts/verify_dsse.py");
+    std::process::Command::new(dsse_python())
+        .arg(script)
+        .arg(&file)
+        .arg(key)
+        .output()
+        .unwrap()
+}
+
+/// Verifies (with executor-arm's verifier and a standard one), and fails with both once any of
+/// payload, signature and keyid has one byte changed.
 fn assert_verifies(d: &Daemon, envelope: &Value, key: &Path, name: &str) {
     let out = verify_cli(d.dir.path(), envelope, key, name);
     assert!(
@@ -104,14 +144,27 @@ fn assert_verifies(d: &Daemon, envelope: &Value, key: &Path, name: &str) {
         *slot = Value::String(String::from_utf8(bytes).unwrap());
         e
     };
+    let out = verify_standard(d.dir.path(), envelope, key, name);
+    assert!(
+        out.status.success(),
+        "{name}, standard verifier: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "urn:executor-arm:receipt:v1"
+    );
     for (field, sig) in [("payload", false), ("sig", true), ("keyid", true)] {
-        let out = verify_cli(
-            d.dir.path(),
-            &flip(field, sig),
-            key,
-            &format!("{name}-{field}"),
-        );
+        let changed = flip(field, sig);
+        let label = format!("{name}-{field}");
+        let out = verify_cli(d.dir.path(), &changed, key, &label);
         assert!(!out.status.success(), "{name}: a changed {field} verified");
+        let out = verify_standard(d.dir.path(), &changed, key, &label);
+        assert!(
+            !out.status.success(),
+            "{name}: a changed {field} verified with the standard verifier"
+        );
     }
 }
 
@@ -168,7 +221,10 @@ async fn execute_runs_have_receipts(backend: Backend) {
     assert_eq!(p["what"]["backend"], backend.name());
     assert_eq!(p["result"]["outcome"], "success");
     assert_eq!(p["result"]["exit_code"], 0);
-    assert!(p["who"]["tenant"].is_null(), "an /execute run has no tenant: {p}");
+    assert!(
+        p["who"]["tenant"].is_null(),
+        "an /execute run has no tenant: {p}"
+    );
     assert_eq!(
         p["audit"]["audit_seq"], r.json["provenance"]["audit_seq"],
         "the receipt and the provenance name one line"
