@@ -264,6 +264,14 @@ async def legacy_session() -> None:
         assert all("via" not in line for line in audit_lines(twin["exec_id"]))
         assert mcp["provenance"]["subject"] == twin["provenance"]["subject"], (mcp, twin)
 
+        # A receipt asked for comes in the result, as on REST, and is the run's receipt.
+        signed = structured(await c.call_tool(
+            "execute", {"action_type": "shell", "command": "echo", "args": ["signed"], "receipt": True}
+        ))
+        assert signed["receipt"]["payloadType"] == "application/vnd.in-toto+json", signed
+        served = rest("GET", f"/v1/executions/{signed['exec_id']}/receipt")
+        assert served.status_code == 200 and served.json() == signed["receipt"], served.text
+
 
 async def processes_and_pause() -> None:
     """A background process through the tools: started by session_exec, listed, fed stdin, its
