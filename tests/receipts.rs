@@ -244,20 +244,29 @@ async fn execute_runs_have_receipts(backend: Backend) {
     let env = receipt_of(&d, &format!("/v1/executions/{id}/receipt")).await;
     assert_eq!(subject(&statement(&env), "stdout"), sha256_hex(b"quiet\n"));
 
-    // Async: 409 until it ends, then its receipt.
+    // Async: 409 while it runs (it would run 60 s), then, cancelled, its receipt, whose stdout
+    // subject is the digest of the stdout its result returns.
     let r = d
-        .exec(json!({"action_type": "python", "command": "python3", "args": ["-c", "import time; time.sleep(2); print('late')"], "async": true}))
+        .exec(json!({"action_type": "python", "command": "python3", "args": ["-u", "-c", "print('late'); import time; time.sleep(60)"], "async": true}))
         .await;
     assert_eq!(r.status, 202, "{}", r.text);
     let id = r.json["exec_id"].as_str().unwrap().to_string();
-    let early = d
-        .get_authorized(&format!("/v1/executions/{id}/receipt"))
-        .await;
+    let path = format!("/v1/executions/{id}/receipt");
+    let early = d.get_authorized(&path).await;
     assert_eq!(early.status, 409, "{}", early.text);
     assert_eq!(early.json["error_type"], "NotFinished");
-    let path = format!("/v1/executions/{id}/receipt");
+    assert_eq!(early.json["retryable"], true);
+    let svc = format!("Bearer {}", d.service_token());
+    let cancel = d
+        .post(
+            &format!("/v1/executions/{id}/cancel"),
+            &[("authorization", &svc)],
+            json!({"grace_seconds": 0}).to_string(),
+        )
+        .await;
+    assert_eq!(cancel.status, 202, "{}", cancel.text);
     let (_, late) = wait_for_async(
-        "the async run's receipt",
+        "the cancelled run's receipt",
         Duration::from_secs(120),
         || async {
             let r = d.get_authorized(&path).await;
@@ -266,8 +275,12 @@ async fn execute_runs_have_receipts(backend: Backend) {
         |(status, _)| *status == 200,
     )
     .await;
+    let result = d.get_authorized(&format!("/v1/executions/{id}")).await;
+    assert_eq!(result.json["status"], "finished", "{}", result.text);
+    let stdout = result.json["result"]["stdout"].as_str().unwrap();
     let st = statement(&late);
-    assert_eq!(subject(&st, "stdout"), sha256_hex(b"late\n"));
+    assert_eq!(subject(&st, "stdout"), sha256_hex(stdout.as_bytes()));
+    assert_eq!(st["predicate"]["result"]["outcome"], "cancelled");
     assert_audit_position(&d, &st, &id);
     assert_verifies(&d, &late, &key, "async");
 
@@ -327,16 +340,20 @@ async fn session_execs_have_receipts(backend: Backend) {
     let other = koder(&d, Some("team-s"));
     assert_eq!(other.call("GET", &path, None).await.status, 404);
 
-    // A background process: its receipt once it ended.
+    // A background process: 409 while it runs (until its stdin ends), then its receipt.
     let r = c
         .exec(
             &id,
-            json!({"code": "import time; time.sleep(1); print('bg done')", "background": true}),
+            json!({"code": "import sys\nsys.stdin.read()\nprint('bg done')", "background": true}),
         )
         .await;
     assert_eq!(r.status, 202, "{}", r.text);
     let pid = r.json["process_id"].as_str().unwrap().to_string();
     let path = format!("/v1/sandbox/sessions/{id}/execs/{pid}/receipt");
+    let early = c.call("GET", &path, None).await;
+    assert_eq!(early.status, 409, "{}", early.text);
+    let eof = format!("/v1/sandbox/sessions/{id}/processes/{pid}/stdin?eof=true");
+    assert_eq!(c.call("POST", &eof, Some(Vec::new())).await.status, 204);
     let (_, done) = wait_for_async(
         "the background process's receipt",
         Duration::from_secs(120),

@@ -287,6 +287,7 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
     for (method, path, body) in [
         ("GET", run.to_string(), None),
         ("GET", format!("{run}/stream"), None),
+        ("GET", format!("{run}/receipt"), None),
         ("POST", format!("{run}/cancel"), Some(grace)),
         ("GET", ses.to_string(), None),
         ("DELETE", ses.to_string(), None),
@@ -297,6 +298,7 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
         ),
         ("GET", exec.clone(), None),
         ("GET", format!("{exec}/stream"), None),
+        ("GET", format!("{exec}/receipt"), None),
         ("POST", format!("{exec}/cancel"), Some(grace)),
         ("GET", format!("{ses}/files"), None),
         ("GET", format!("{ses}/files/a.txt"), None),
@@ -308,6 +310,7 @@ async fn redis_down_is_a_clear_503_for_requests_that_need_it() {
         ("POST", format!("{exec}/stdin"), Some("x")),
         ("GET", format!("{ses}/processes"), None),
         ("GET", format!("{ses}/processes/p/stream"), None),
+        ("GET", format!("{ses}/processes/p/output"), None),
         ("POST", format!("{ses}/processes/p/stdin"), Some("x")),
         (
             "POST",

@@ -172,6 +172,28 @@ async fn a_background_process_takes_stdin_beside_foreground_execs(backend: Backe
         .await;
     assert_eq!(r.status, 204, "{}", r.text);
     stdout_until(&c, &id, &pid, "got: world").await;
+    // The same output read by offsets, without a stream.
+    let out = c
+        .call("GET", &path(&id, &format!("/processes/{pid}/output")), None)
+        .await;
+    assert_eq!(out.status, 200, "{}", out.text);
+    assert_eq!(out.json["process_id"], json!(pid), "{}", out.text);
+    assert_eq!(out.json["stdout"]["from"], json!(0), "{}", out.text);
+    let text = out.json["stdout"]["text"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("got: hello\n") && text.contains("got: world"),
+        "{}",
+        out.text
+    );
+    let next = out.json["stdout"]["next"].as_u64().unwrap();
+    let rest = c
+        .call(
+            "GET",
+            &path(&id, &format!("/processes/{pid}/output?stdout_from={next}")),
+            None,
+        )
+        .await;
+    assert_eq!(rest.json["stdout"]["from"], json!(next), "{}", rest.text);
     let r = c
         .call("POST", &format!("{stdin}?eof=true"), Some(Vec::new()))
         .await;
@@ -261,6 +283,7 @@ async fn processes_are_bounded_and_private(backend: Backend) {
     for (m, rest, body) in [
         ("GET", "/processes".to_string(), None),
         ("GET", format!("/processes/{a}/stream"), None),
+        ("GET", format!("/processes/{a}/output"), None),
         ("POST", format!("/processes/{a}/stdin"), Some(b"x".to_vec())),
         (
             "POST",
@@ -273,6 +296,10 @@ async fn processes_are_bounded_and_private(backend: Backend) {
     }
     // Another session of the same caller does not have it.
     let id2 = new_session(&c, "python").await;
+    let r = c
+        .call("GET", &path(&id2, &format!("/processes/{a}/output")), None)
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text);
     let r = c
         .call(
             "POST",
