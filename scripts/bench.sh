@@ -7,7 +7,8 @@
 #                           16 in flight against bwrap 16 at a time (examples/bench_local.rs).
 #   scripts/bench.sh all    every benchmark in one run, then docs/benchmarks.md and
 #                           docs/benchmarks.png written from its results (scripts/bench/report.py):
-#                           local; sessions on local; streaming on local; and, when dockerd answers
+#                           local; sessions on local; streaming on local; MCP and receipts on
+#                           local; and, when dockerd answers
 #                           and the sandbox image exists, sessions on runc (and gvisor when runsc is
 #                           registered), streaming on runc and scripts/bench-docker.sh. Each
 #                           benchmark writes JSON into the results directory; one that fails or is
@@ -96,7 +97,8 @@ bench_all() {
   python3 scripts/bench/facts.py >"$RESULTS/facts-start.json"
 
   cargo build --release --locked --bin executor-arm \
-    --example bench_local --example bench_sessions --example bench_stream
+    --example bench_local --example bench_sessions --example bench_stream \
+    --example bench_mcp --example bench_receipts
   # The in-container supervisor of this build, where the daemon looks for it (beside its
   # executable): the container benchmarks must not run an older one.
   scripts/build-supervisor.sh --release "${EXECUTOR_ARM_BIN}-supervisor" >/dev/null
@@ -130,6 +132,8 @@ bench_all() {
     skip_bench sessions-gvisor "$gvisor_reason"
   fi
   run_bench stream-local env SANDBOX_RUNTIME=local "$EXAMPLES/bench_stream"
+  run_bench mcp-local "$EXAMPLES/bench_mcp"
+  run_bench receipts-local "$EXAMPLES/bench_receipts"
   if [[ -z "$docker_reason" ]]; then
     run_bench stream-runc env SANDBOX_RUNTIME=runc "$EXAMPLES/bench_stream"
     runtimes="runc gvisor"

@@ -33,6 +33,8 @@ BENCHMARKS = {
     "sessions-gvisor": "`examples/bench_sessions.rs`, BACKEND=gvisor",
     "stream-local": "`examples/bench_stream.rs`, SANDBOX_RUNTIME=local",
     "stream-runc": "`examples/bench_stream.rs`, SANDBOX_RUNTIME=runc",
+    "mcp-local": "`examples/bench_mcp.rs`",
+    "receipts-local": "`examples/bench_receipts.rs`",
     "docker": "`scripts/bench-docker.sh` (runc and gvisor)",
 }
 
