@@ -1087,10 +1087,17 @@ fn a_spawned_run_streams_stdin_takes_signals_and_leaves_nothing_behind() {
     ));
     assert_eq!(stdout_of(&s.until_last()), b"gone\n", "the run's leftover");
 
-    // A signal goes to the command's process; only the offered ones are taken.
+    // A signal goes to the command's process; only the offered ones are taken. The command is
+    // not a shell that execs: `sh -c` catches SIGINT until its exec, so a SIGINT arriving just
+    // before the exec would be taken by the shell's handler and lost. Python has its own handler
+    // in place before it prints, and dies by SIGINT when its KeyboardInterrupt goes unhandled.
     let mut bg = Sup::spawn_in(init, ws.path());
     bg.send(&encode(
-        &streamed(&["/bin/sh", "-c", "echo up; exec sleep 60"]),
+        &streamed(&[
+            "/usr/bin/python3",
+            "-c",
+            "import time; print('up', flush=True); time.sleep(60)",
+        ]),
         None,
     ));
     let mut frames = Vec::new();
