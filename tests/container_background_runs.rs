@@ -237,14 +237,19 @@ async fn background_runs_on(kind: BackendKind) {
     assert_eq!(o.exit, ExitKind::Exited(0), "{o:?}");
     assert!(stdout(&o).ends_with("got two\neof\n"), "{o:?}");
 
-    // A signal reaches the command; its double-forked leftover dies with the run.
+    // A signal reaches the command; its double-forked leftover dies with the run. The command
+    // is python, not a shell that execs: `sh -c` catches SIGINT until its exec, so a SIGINT
+    // landing just before the exec would be lost to the shell's handler.
     let sig = Background::start(
         &sb,
         &kept,
         &[
-            "/bin/sh",
+            "/usr/bin/python3",
             "-c",
-            "setsid sleep 300 & echo left $!; exec sleep 300",
+            "import subprocess, time\n\
+             p = subprocess.Popen(['setsid', 'sleep', '300'])\n\
+             print('left', p.pid, flush=True)\n\
+             time.sleep(300)",
         ],
     );
     sig.wait_for("\n").await;
