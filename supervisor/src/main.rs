@@ -171,17 +171,18 @@ fn marker(cfg: &Config) -> Option<Gid> {
     cfg.marker
 }
 
-/// In a child before execve or a helper: default dispositions (ignored signals stay ignored
-/// across execve, and our handlers must not run in another identity).
+/// In a child before execve or a helper: every signal's default disposition and none blocked.
+/// Ignored signals and the signal mask stay across execve: the command must get neither our
+/// handlers (they must not run in another identity) nor what our own parent ignored or blocked
+/// (a daemon started as a shell's background job has SIGINT ignored, and the caller's INT would
+/// never reach the command).
 fn default_signals() {
-    for s in [
-        Signal::SIGPIPE,
-        Signal::SIGCHLD,
-        Signal::SIGTERM,
-        Signal::SIGUSR1,
-    ] {
-        set_handler(s, SigHandler::SigDfl);
+    for s in Signal::iterator() {
+        if s != Signal::SIGKILL && s != Signal::SIGSTOP {
+            set_handler(s, SigHandler::SigDfl);
+        }
     }
+    let _ = SigSet::empty().thread_set_mask();
 }
 
 fn exit_now(code: i32) -> ! {

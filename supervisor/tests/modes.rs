@@ -1186,3 +1186,59 @@ fn connect_mode_splices_stdio_with_the_port_or_refuses() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("connect 127.0.0.1:{port}")), "{err}");
 }
+
+/// The command gets every signal's default disposition and an empty signal mask, whatever the
+/// supervisor inherited: a supervisor started with SIGINT and SIGQUIT ignored (as a shell's
+/// background job is) or a signal blocked must not pass that on, or the caller's INT would never
+/// reach the command.
+#[test]
+fn the_command_inherits_no_ignored_or_blocked_signal() {
+    need_root();
+    let id = NOBODY.to_string();
+    let mut cmd = Command::new(SUPERVISOR);
+    cmd.args([id.as_str(), id.as_str(), "/tmp"])
+        .env_clear()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    // SAFETY: the closure runs in the forked child before exec and calls only signal(2),
+    // sigemptyset(3), sigaddset(3) and sigprocmask(2) on a stack value, all async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_IGN);
+            libc::signal(libc::SIGQUIT, libc::SIG_IGN);
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGUSR2);
+            libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("supervisor");
+    let stdin = child.stdin.take();
+    let mut s = Sup {
+        child,
+        stdin,
+        buf: Vec::new(),
+    };
+    s.send(&encode(
+        &request(
+            &["/bin/grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"],
+            None,
+        ),
+        None,
+    ));
+    let f = s.until_last();
+    s.close();
+    let out = String::from_utf8(stdout_of(&f)).unwrap();
+    // The standard signals, 1 to 31: the bits of the masks below 0x80000000.
+    let standard = |field: &str| {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(field))
+            .unwrap_or_else(|| panic!("no {field} in {out}"));
+        u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap() & 0x7fff_ffff
+    };
+    assert_eq!(standard("SigIgn:"), 0, "{out}");
+    assert_eq!(standard("SigBlk:"), 0, "{out}");
+}
