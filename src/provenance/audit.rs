@@ -606,12 +606,13 @@ impl AuditLog {
     /// durable when this returns Ok (an execution's end line covers its start line): appends
     /// that arrive together share one `fdatasync` (group commit). A failed append leaves no part
     /// of its line behind.
-    #[tracing::instrument(name = "audit.append", skip_all, fields(event = event.name()))]
     pub fn append(&self, event: &AuditEvent) -> Result<u64, AuditError> {
         self.append_entry(event).map(|e| e.seq)
     }
 
-    /// As [`AuditLog::append`], with the line's `entry_hash` beside its seq.
+    /// As [`AuditLog::append`], with the line's `entry_hash` and `ts` beside its seq. Every
+    /// append goes through here, under its `audit.append` span.
+    #[tracing::instrument(name = "audit.append", skip_all, fields(event = event.name()))]
     pub fn append_entry(&self, event: &AuditEvent) -> Result<Entry, AuditError> {
         let sync = !matches!(event, AuditEvent::ExecutionStart(_));
         let mut tail = self.tail.lock().unwrap_or_else(|p| p.into_inner());
