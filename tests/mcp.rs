@@ -17,22 +17,7 @@ use executor_arm::config::TokenKind;
 
 /// The venv's python, made (or found cached) by scripts/mcp-client-venv.sh.
 fn python() -> String {
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(repo.join("scripts/mcp-client-venv.sh"))
-        .output()
-        .expect("run scripts/mcp-client-venv.sh");
-    assert!(
-        out.status.success(),
-        "scripts/mcp-client-venv.sh failed (it installs the MCP Python SDK from PyPI): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    stdout
-        .lines()
-        .last()
-        .expect("the venv's python")
-        .trim()
-        .to_string()
+    common::venv_python("mcp-client-venv.sh")
 }
 
 #[test]

@@ -87,24 +87,7 @@ fn verify_cli(dir: &Path, envelope: &Value, key: &Path, name: &str) -> Output {
 /// The python of the standard verifier's venv, made once for all the cases of this binary.
 fn dsse_python() -> &'static str {
     static PYTHON: OnceLock<String> = OnceLock::new();
-    PYTHON.get_or_init(|| {
-        let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let out = std::process::Command::new(repo.join("scripts/dsse-verifier-venv.sh"))
-            .output()
-            .expect("run scripts/dsse-verifier-venv.sh");
-        assert!(
-            out.status.success(),
-            "scripts/dsse-verifier-venv.sh failed (it installs securesystemslib from PyPI): {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        stdout
-            .lines()
-            .last()
-            .expect("the venv's python")
-            .trim()
-            .to_string()
-    })
+    PYTHON.get_or_init(|| common::venv_python("dsse-verifier-venv.sh"))
 }
 
 /// `envelope` checked with `key` by the standard DSSE verifier.

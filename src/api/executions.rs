@@ -35,7 +35,8 @@ async fn caller(
     Ok((caller.owner(), caller.known))
 }
 
-fn json(status: StatusCode, body: String) -> Response {
+/// A JSON body already serialised, as the answer with `status`.
+pub(super) fn json(status: StatusCode, body: String) -> Response {
     (
         status,
         [(

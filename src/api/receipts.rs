@@ -8,10 +8,11 @@
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use utoipa::ToSchema;
 
+use super::executions::json;
 use super::extract::Path;
 use super::sessions::{SessionPath, TenantHeaders};
 use crate::calls::AppState;
@@ -40,18 +41,6 @@ pub struct ReceiptSignature {
     keyid: String,
     /// Base64 of the Ed25519 signature over the DSSE pre-authentication encoding.
     sig: String,
-}
-
-fn envelope(body: String) -> Response {
-    (
-        StatusCode::OK,
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        )],
-        body,
-    )
-        .into_response()
 }
 
 /// `GET /v1/executions/{exec_id}/receipt`.
@@ -83,7 +72,7 @@ pub async fn execution_receipt(
         crate::calls::executions::receipt(&st, &exec_id, &caller.owner()).await
     };
     match found.await {
-        Ok(body) => envelope(body),
+        Ok(body) => json(StatusCode::OK, body),
         Err(e) => e.into_response(),
     }
 }
@@ -122,7 +111,7 @@ pub async fn session_exec_receipt(
         crate::calls::executions::receipt(&st, &exec_id, &owner).await
     };
     match found.await {
-        Ok(body) => envelope(body),
+        Ok(body) => json(StatusCode::OK, body),
         Err(e) => e.into_response(),
     }
 }

@@ -870,3 +870,23 @@ pub fn stream_bytes(events: &[Sse], stream: &str, mut at: usize) -> Vec<u8> {
     }
     out
 }
+
+/// The python of the pinned venv `script` (under scripts/) makes or finds cached; it prints that
+/// python on its last line. PyPI is its only download.
+pub fn venv_python(script: &str) -> String {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(repo.join("scripts").join(script))
+        .output()
+        .unwrap_or_else(|e| panic!("run scripts/{script}: {e}"));
+    assert!(
+        out.status.success(),
+        "scripts/{script} failed (it installs pinned packages from PyPI): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .expect("the venv's python")
+        .trim()
+        .to_string()
+}
