@@ -2,7 +2,8 @@
 # The whole executor-arm test suite, from a fresh machine: installs what the tests need (apt),
 # checks the dependency tree (scripts/supply-chain.sh: cargo deny, cargo audit), sets up Docker +
 # gVisor and the sandbox image, starts Redis, installs the MCP tests' clients (the official Python SDK
-# from PyPI, the conformance suite from npm), then runs formatting, lints, unit and integration tests
+# from PyPI, the conformance suite from npm) and the E2B tests' official SDKs (Python from PyPI at
+# two versions, JS from npm), then runs formatting, lints, unit and integration tests
 # (local, docker, gvisor backends), Schemathesis against the OpenAPI document, the Python client's
 # tests against a live daemon, the benchmark report generator's tests (fixture results), every fuzz
 # target for a bounded time (FUZZ_SECONDS each, default 20), and the Helm chart validation.
@@ -57,6 +58,11 @@ scripts/module-cycles.py .
 step "MCP clients (tests/mcp.rs: the official Python SDK from PyPI, the conformance suite from npm)"
 scripts/mcp-client-venv.sh >/dev/null
 scripts/mcp-conformance.sh --install
+
+step "E2B SDKs (tests/e2b.rs: the official Python SDK from PyPI at the two versions it names, the JS SDK from npm)"
+scripts/e2b-sdk-venv.sh 2.63.0 >/dev/null
+scripts/e2b-sdk-venv.sh 2.7.0 >/dev/null
+scripts/e2b-npm-sdk.sh >/dev/null
 
 step "tests"
 cargo build --release --locked

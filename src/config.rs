@@ -44,6 +44,7 @@ pub struct Config {
     pub sessions: SessionsConfig,
     pub egress: EgressConfig,
     pub mcp: McpConfig,
+    pub e2b: E2bConfig,
     pub commands: BTreeMap<String, CommandEntry>,
     /// Names `ALLOWED_COMMANDS` added that the configured allowlist lacks (entries of
     /// [`env_command_entry`]); each must be found on the search path at startup.
@@ -370,6 +371,30 @@ pub struct McpConfig {
     /// not a browser) is always accepted; an `Origin` not listed is 403 (empty: every `Origin`
     /// is refused).
     pub allowed_origins: Vec<String>,
+}
+
+/// The E2B-compatible API: its control plane under `/e2b` on `server.listen`, its data plane
+/// (envd's) on a listener of its own.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct E2bConfig {
+    /// Where the data plane listens (`host:port`); setting it turns the E2B API on (control plane
+    /// included). Unset: `/e2b` is a 404 like any unknown path.
+    #[serde(default)]
+    pub envd_listen: Option<String>,
+    /// The `templateID`s a sandbox may be created from, each a session language and profile.
+    #[serde(default)]
+    pub templates: BTreeMap<String, E2bTemplate>,
+}
+
+/// What an E2B template is here: a session of `language` under `profile` (default: the
+/// language's).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct E2bTemplate {
+    pub language: String,
+    #[serde(default)]
+    pub profile: Option<String>,
 }
 
 /// Sessions: sandboxes kept across several execs (`/v1/sandbox/sessions`).

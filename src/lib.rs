@@ -16,6 +16,10 @@
 //!   every tool goes through `calls` to the execution and sessions services as the REST routes
 //!   do, so a call is the same run as its REST twin, with the same checks, audit lines and
 //!   metrics. `main.rs` mounts its route beside the REST API's.
+//! - `e2b`: the E2B-compatible API (the official E2B SDKs), a sibling of `api` and `mcp`: its
+//!   control plane under `/e2b`, its data plane (envd's Connect services and `/files`) on a
+//!   listener of its own. A sandbox is a session; each command and file operation goes through
+//!   `calls` as a background process of it.
 //! - `execution`: the execution service, no HTTP: decide → admit → run → record (provenance, one
 //!   typed audit event per line, metrics), the one path every execution takes. One file a step:
 //!   `request` (the request and its kind of run, an `Action`), `plan` (deciding it: one match
@@ -57,6 +61,7 @@ pub mod app;
 pub mod auth;
 pub mod calls;
 pub mod config;
+pub mod e2b;
 pub mod egress;
 pub mod execution;
 pub mod executors;

@@ -563,12 +563,22 @@ fn serve_on(
         // MCP sessions end when the daemon starts draining: their open streams must not hold
         // the drain up.
         let mcp_shutdown = tokio_util::sync::CancellationToken::new();
-        let mcp = executor_arm::mcp::routes(&state, mcp_shutdown.clone());
+        let mut front_ends = executor_arm::mcp::routes(&state, mcp_shutdown.clone());
+        // The E2B API, when e2b.envd_listen turns it on: its control plane beside the REST
+        // API, its data plane on its own listener (its process streams end at the drain).
+        if let Some(e2b) = executor_arm::e2b::E2b::new(&state, mcp_shutdown.clone()) {
+            let envd = executor_arm::e2b::bind_envd(&state)
+                .await?
+                .context("e2b.envd_listen")?;
+            tracing::info!(addr = %envd.local_addr()?, "E2B data plane listening");
+            front_ends = front_ends.merge(e2b.control_routes());
+            tokio::spawn(e2b.serve_envd(envd));
+        }
         let shutdown = async move {
             shutdown_signal().await;
             mcp_shutdown.cancel();
         };
-        executor_arm::api::run(listener, state, mcp, shutdown).await;
+        executor_arm::api::run(listener, state, front_ends, shutdown).await;
         drop(dev_dir);
         tracing::info!("stopped");
         Ok(())

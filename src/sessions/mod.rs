@@ -65,7 +65,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use self::session::{Activity, Place};
+use self::session::{Activity, Lifetime, Place};
 use self::workspace::Workspace;
 use crate::auth::Verified;
 use crate::config::SessionsConfig;
@@ -231,7 +231,7 @@ impl SessionService {
             .lock()
             .values()
             .filter_map(|s| {
-                if now >= s.deadline {
+                if now >= s.lifetime().deadline {
                     return Some((s.clone(), "expired"));
                 }
                 if s.running().is_none() && s.sandbox_gone().is_some() {
@@ -351,6 +351,7 @@ impl SessionService {
         let place_taken = self.reserve(&new.owner)?;
         let place = self.launch(&id, &probe, &plan, &new.limits).await?;
         let now = chrono::Utc::now();
+        let lifetime = Lifetime::from_now(ttl);
         let session = Arc::new(Session {
             id: id.clone(),
             owner: new.owner.clone(),
@@ -360,10 +361,11 @@ impl SessionService {
             has_egress: plan.profile.network.mode == crate::policy::profile::NetworkMode::Egress,
             limits: new.limits,
             disk_bytes: plan.limits.disk_bytes,
+            cpus: plan.limits.cpus,
+            memory_bytes: plan.limits.memory_bytes,
             created_at: now,
-            expires_at: now + chrono::Duration::from_std(ttl).unwrap_or_default(),
             idle_timeout,
-            deadline: Instant::now() + ttl,
+            lifetime: Mutex::new(lifetime),
             grant: Verified {
                 single_use: None,
                 ..new.grant.clone()
@@ -505,6 +507,57 @@ impl SessionService {
     /// Reading it is not using it: its idle time goes on.
     pub fn get(&self, owner: &Owner, id: &str) -> Option<Arc<Session>> {
         self.lock().get(id).filter(|s| &s.owner == owner).cloned()
+    }
+
+    /// The running session `id`, whoever owns it: for a front end that found its owner from
+    /// something the session itself holds (the E2B data plane's per-sandbox access token).
+    pub fn by_id(&self, id: &str) -> Option<Arc<Session>> {
+        self.lock().get(id).cloned()
+    }
+
+    /// `owner`'s sessions, running and paused, oldest first.
+    pub fn of_owner(&self, owner: &Owner) -> Vec<SessionInfo> {
+        let mut all: Vec<SessionInfo> = self
+            .lock()
+            .values()
+            .filter(|s| &s.owner == owner)
+            .map(|s| s.describe())
+            .collect();
+        if let Ok(store) = &self.paused {
+            let running: std::collections::HashSet<String> =
+                all.iter().map(|s| s.id.clone()).collect();
+            for (id, _) in store.scan() {
+                if running.contains(&id) {
+                    continue;
+                }
+                if let Some(info) = self.paused(owner, &id) {
+                    all.push(info);
+                }
+            }
+        }
+        all.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
+        all
+    }
+
+    /// Gives `owner`'s running session `id` a TTL of `ttl` from now (at most
+    /// `sessions.max_ttl_seconds`), or 404.
+    pub async fn set_ttl(
+        &self,
+        owner: &Owner,
+        id: &str,
+        ttl: Duration,
+    ) -> Result<SessionInfo, SessionError> {
+        let max = Duration::from_secs(self.config.max_ttl_seconds);
+        if ttl > max {
+            return Err(SessionError::Invalid(format!(
+                "a session lives at most {} s (sessions.max_ttl_seconds)",
+                max.as_secs()
+            )));
+        }
+        let session = self.get(owner, id).ok_or(SessionError::NotFound)?;
+        *session.lifetime.lock().unwrap_or_else(|p| p.into_inner()) = Lifetime::from_now(ttl);
+        self.record_holder(id, ttl).await;
+        Ok(session.describe())
     }
 
     /// The session `id` of `owner` for an exec or a file call: its idle time starts again.

@@ -21,7 +21,7 @@ use futures::StreamExt as _;
 use tokio::io::AsyncReadExt as _;
 
 use super::paused::{Claim, Found, PausedRecord, PausedStore, SaveError, SavedWorkspace, Saving};
-use super::session::{Activity, Place, Session, SessionInfo, SessionState};
+use super::session::{Activity, Lifetime, Place, Session, SessionInfo, SessionState};
 use super::{NewSession, Owner, SessionError, SessionService, exec};
 use crate::auth::Verified;
 use crate::execution::{ExecutionError, WORKSPACE};
@@ -228,10 +228,14 @@ impl SessionService {
             has_egress: plan.profile.network.mode == crate::policy::profile::NetworkMode::Egress,
             limits: new.limits,
             disk_bytes: plan.limits.disk_bytes,
+            cpus: plan.limits.cpus,
+            memory_bytes: plan.limits.memory_bytes,
             created_at: record.created_at,
-            expires_at: record.expires_at,
             idle_timeout: Duration::from_secs(record.idle_timeout_seconds),
-            deadline: Instant::now() + remaining,
+            lifetime: Mutex::new(Lifetime {
+                expires_at: record.expires_at,
+                deadline: Instant::now() + remaining,
+            }),
             grant: new.grant,
             place,
             last_used: Mutex::new(Instant::now()),
@@ -370,9 +374,9 @@ fn record_of(
         token_id: session.grant.token_id.clone(),
         grant: session.grant.grant.clone(),
         created_at: session.created_at,
-        expires_at: session.expires_at,
+        expires_at: session.expires_at(),
         paused_at: now,
-        paused_until: cap.min(session.expires_at),
+        paused_until: cap.min(session.expires_at()),
         idle_timeout_seconds: session.idle_timeout.as_secs(),
         execs: session.execs.load(std::sync::atomic::Ordering::Relaxed),
         ran: session

@@ -61,10 +61,14 @@ pub struct Session {
     pub limits: SessionLimits,
     /// The workspace's disk quota in bytes (the tighter of the session's and its profile's).
     pub(super) disk_bytes: u64,
+    /// The CPUs and memory (bytes) its execs may use together (as tightened as `disk_bytes`).
+    pub(super) cpus: f64,
+    pub(super) memory_bytes: u64,
     pub created_at: chrono::DateTime<chrono::Utc>,
-    pub expires_at: chrono::DateTime<chrono::Utc>,
     pub idle_timeout: Duration,
-    pub(super) deadline: Instant,
+    /// When its TTL ends: as a wall-clock time and as the instant the reaper compares. Moved by
+    /// [`SessionService::set_ttl`](super::SessionService::set_ttl).
+    pub(super) lifetime: Mutex<Lifetime>,
     pub(super) grant: Verified,
     pub(super) place: Place,
     pub(super) last_used: Mutex<Instant>,
@@ -81,6 +85,23 @@ pub struct Session {
     pub(super) processes: super::processes::Processes,
 }
 
+/// The end of a session's TTL.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Lifetime {
+    pub expires_at: chrono::DateTime<chrono::Utc>,
+    pub deadline: Instant,
+}
+
+impl Lifetime {
+    /// A TTL of `ttl` from now.
+    pub fn from_now(ttl: Duration) -> Lifetime {
+        Lifetime {
+            expires_at: chrono::Utc::now() + chrono::Duration::from_std(ttl).unwrap_or_default(),
+            deadline: Instant::now() + ttl,
+        }
+    }
+}
+
 /// Where a session's workspace lives.
 pub(super) enum Place {
     /// Local: a tmpfs on the host, bound into each exec's fresh sandbox.
@@ -93,6 +114,20 @@ pub(super) enum Place {
 const EXECS_KEPT: usize = 1024;
 
 impl Session {
+    /// The CPUs, memory and disk (bytes) the session may use.
+    pub fn size(&self) -> (f64, u64, u64) {
+        (self.cpus, self.memory_bytes, self.disk_bytes)
+    }
+
+    /// When the session's TTL ends.
+    pub fn expires_at(&self) -> chrono::DateTime<chrono::Utc> {
+        self.lifetime().expires_at
+    }
+
+    pub(super) fn lifetime(&self) -> Lifetime {
+        *self.lifetime.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(super) fn touch(&self) {
         *self.last_used.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
     }
@@ -193,7 +228,7 @@ impl Session {
                 .created_at
                 .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             expires_at: self
-                .expires_at
+                .expires_at()
                 .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             paused_until: None,
             idle_timeout_seconds: self.idle_timeout.as_secs(),

@@ -874,19 +874,27 @@ pub fn stream_bytes(events: &[Sse], stream: &str, mut at: usize) -> Vec<u8> {
 /// The python of the pinned venv `script` (under scripts/) makes or finds cached; it prints that
 /// python on its last line. PyPI is its only download.
 pub fn venv_python(script: &str) -> String {
+    pinned_tool(script, &[])
+}
+
+/// What the pinned-tool `script` (under scripts/) run with `args` prints on its last line, after
+/// it made or found cached what it pins: a venv's python (scripts/e2b-sdk-venv.sh VERSION), an
+/// npm install's directory (scripts/e2b-npm-sdk.sh). A package registry is its only download.
+pub fn pinned_tool(script: &str, args: &[&str]) -> String {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
     let out = Command::new(repo.join("scripts").join(script))
+        .args(args)
         .output()
         .unwrap_or_else(|e| panic!("run scripts/{script}: {e}"));
     assert!(
         out.status.success(),
-        "scripts/{script} failed (it installs pinned packages from PyPI): {}",
+        "scripts/{script} {args:?} failed (it installs pinned packages from a registry): {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .last()
-        .expect("the venv's python")
+        .unwrap_or_else(|| panic!("scripts/{script} printed nothing"))
         .trim()
         .to_string()
 }

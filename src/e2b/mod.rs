@@ -1,0 +1,172 @@
+//! The E2B-compatible API: the official E2B SDKs drive executor-arm unchanged, with
+//! `E2B_API_URL=http://<server.listen>/e2b`, `E2B_SANDBOX_URL=http://<e2b.envd_listen>` and a
+//! service token as the API key. A front end beside the REST API and `/mcp`: an E2B sandbox is
+//! a session, each command a background process of it, each call goes through `calls` to the
+//! sessions and execution services.
+//!
+//! Owns: E2B's wire (its control plane's JSON and error body, the Connect protocol of envd's
+//! data plane, envd's `/files`), the sandbox ↔ session mapping (template, metadata, envVars, the
+//! data plane's access token, process pids). Must not: decide, admit, run, audit or count
+//! anything itself; a command and a file operation are runs of the session, with the same
+//! checks, audit lines and receipts as a REST exec.
+//!
+//! # Files
+//! - `mod.rs` (this file): turning the API on, the two listeners' routes, the data plane's
+//!   admission (a sandbox's id and access token).
+//! - `control.rs`: the control plane under `/e2b` (sandboxes: create, list, info, timeout,
+//!   pause, connect, kill, metrics).
+//! - `connect.rs`: the Connect protocol (JSON codec): unary and server-streaming calls.
+//! - `process.rs`: `process.Process` (Start, Connect, List, SendInput, CloseStdin, SendSignal).
+//! - `filesystem.rs`: `filesystem.Filesystem` (Stat, MakeDir, Move, ListDir, Remove) and
+//!   `/files`.
+//! - `sandboxes.rs`: what a sandbox adds to its session.
+//! - `pb.rs`: the envd messages, generated from `proto/envd`.
+
+mod connect;
+mod control;
+mod filesystem;
+mod pb;
+mod process;
+mod sandboxes;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::{get, post};
+use tokio_util::sync::CancellationToken;
+
+use crate::calls::{AppState, RequestId};
+use crate::sessions::Session;
+
+use self::connect::{Code, RpcError};
+use self::sandboxes::Sandboxes;
+
+/// Where the control plane is mounted on the daemon's listener.
+pub const PATH: &str = "/e2b";
+
+/// The envd version the data plane reports: one the SDKs treat as current (stdin, signals and
+/// the octet-stream upload are behind version checks).
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// The E2B API of one daemon: its state and the sandboxes it made.
+pub struct E2b {
+    st: Arc<AppState>,
+    sandboxes: Sandboxes,
+    /// Raised when the daemon drains: open process streams end.
+    shutdown: CancellationToken,
+}
+
+impl E2b {
+    /// The E2B API, when `e2b.envd_listen` turns it on.
+    pub fn new(st: &Arc<AppState>, shutdown: CancellationToken) -> Option<Arc<E2b>> {
+        st.config.e2b.envd_listen.as_ref()?;
+        Some(Arc::new(E2b {
+            st: st.clone(),
+            sandboxes: Sandboxes::default(),
+            shutdown,
+        }))
+    }
+
+    /// The control plane's routes, to be merged into the daemon's router.
+    pub fn control_routes(self: &Arc<Self>) -> Router<Arc<AppState>> {
+        control::routes(self.clone())
+    }
+
+    /// Serves the data plane on `listener` until `shutdown` (then lets open calls finish, and
+    /// ends process streams, which would otherwise hold the drain up).
+    pub async fn serve_envd(self: Arc<Self>, listener: tokio::net::TcpListener) {
+        let shutdown = self.shutdown.clone();
+        let app = Router::new()
+            .route("/health", get(|| async { StatusCode::NO_CONTENT }))
+            .route("/process.Process/{method}", post(process::call))
+            .route("/filesystem.Filesystem/{method}", post(filesystem::call))
+            .route("/files", get(filesystem::download).post(filesystem::upload))
+            .fallback(|| async {
+                RpcError::new(Code::NotFound, "no such route on the E2B data plane")
+            })
+            .with_state(self);
+        let served = axum::serve(listener, app.into_make_service())
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await;
+        if let Err(e) = served {
+            tracing::warn!(error = %e, "the E2B data plane stopped");
+        }
+    }
+}
+
+/// Binds the data plane's listener (`e2b.envd_listen`).
+pub async fn bind_envd(st: &AppState) -> anyhow::Result<Option<tokio::net::TcpListener>> {
+    let Some(listen) = &st.config.e2b.envd_listen else {
+        return Ok(None);
+    };
+    let addr: SocketAddr = listen
+        .parse()
+        .map_err(|e| anyhow::anyhow!("e2b.envd_listen '{listen}': {e}"))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("bind e2b.envd_listen {addr}: {e}"))?;
+    Ok(Some(listener))
+}
+
+/// Why a data plane call found no sandbox.
+pub(crate) enum NoSandbox {
+    /// No access token, or one that opens no sandbox (or not the one named): 401.
+    Refused,
+    /// The sandbox is not running (paused, ended, unknown): 502, as E2B's proxy answers it
+    /// (the SDKs tell "not running" by it).
+    NotRunning(String),
+}
+
+impl axum::response::IntoResponse for NoSandbox {
+    fn into_response(self) -> axum::response::Response {
+        match self {
+            NoSandbox::Refused => RpcError::new(
+                Code::Unauthenticated,
+                "X-Access-Token must be a running sandbox's access token (and E2b-Sandbox-Id, when sent, its id)",
+            )
+            .into_response(),
+            NoSandbox::NotRunning(id) => {
+                let body = serde_json::json!({
+                    "code": 502,
+                    "message": format!("The sandbox {id} was not found (paused or ended: connect to a paused one to resume it)"),
+                });
+                (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
+            }
+        }
+    }
+}
+
+/// A data plane call's sandbox: the running session whose access token `X-Access-Token` is
+/// (and, when `E2b-Sandbox-Id` is sent, the one it names: older SDKs send only the token). Its
+/// idle time starts again.
+pub(crate) fn sandbox_of(e2b: &E2b, headers: &HeaderMap) -> Result<Arc<Session>, NoSandbox> {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+    };
+    let token = header("x-access-token").ok_or(NoSandbox::Refused)?;
+    let id = match header("e2b-sandbox-id") {
+        Some(id) if e2b.sandboxes.token_opens(id, token) => id.to_string(),
+        Some(_) => return Err(NoSandbox::Refused),
+        None => e2b.sandboxes.opened_by(token).ok_or(NoSandbox::Refused)?,
+    };
+    let session = e2b
+        .st
+        .sessions
+        .by_id(&id)
+        .ok_or_else(|| NoSandbox::NotRunning(id.clone()))?;
+    e2b.st
+        .sessions
+        .use_session(&session.owner, &id)
+        .ok_or(NoSandbox::NotRunning(id))
+}
+
+/// The request id of a data plane call (the daemon's listener assigns its own in a layer).
+fn request_id(headers: &HeaderMap) -> String {
+    RequestId::assign(headers).0
+}

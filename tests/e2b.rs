@@ -1,0 +1,201 @@
+//! The E2B-compatible API (`[e2b]`) driven by the official E2B SDKs, unchanged, on the local
+//! backend and on runc: the Python SDK (`e2b` on PyPI) at two pinned versions, a current 2.x and
+//! one about a year older (scripts/e2b-sdk-venv.sh), runs tests/e2b/test_e2b.py with pytest, and
+//! the JS SDK (`e2b` on npm, pinned by tests/e2b/js/package-lock.json, scripts/e2b-npm-sdk.sh)
+//! runs tests/e2b/sdk.mjs. Each SDK points at the daemon with nothing but its own environment:
+//! `E2B_API_URL=http://<server.listen>/e2b`, `E2B_SANDBOX_URL=http://<e2b.envd_listen>` and
+//! `E2B_API_KEY=<a service token>`, the token's `capabilities` claim being the sandboxes' grant
+//! and its subject their owner; a second service's token must find none of them.
+//!
+//! Both scripts cover the same flow: create; run a command (its stdout, a failing one's
+//! CommandExitException and exit code); a background command re-attached by pid, read, and
+//! killed; stdin; the files API (write, read, list, make_dir, rename, remove, exists); timeout,
+//! info and list; pause and connect (a file written before the pause is there after); kill.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::backends::Backend;
+use common::{Daemon, Opts};
+use executor_arm::auth::MintRequest;
+use executor_arm::config::TokenKind;
+
+/// The E2B Python SDK versions driven: the current 2.x and one about a year older that still
+/// honours `E2B_API_URL` and `E2B_SANDBOX_URL` (it creates with `POST /sandboxes`, resumes with
+/// `POST /sandboxes/{id}/connect`, and its `Sandbox.connect(id)` reaches envd without the
+/// `E2b-Sandbox-Id` header, by its access token alone).
+const PYTHON_SDK_CURRENT: &str = "2.63.0";
+const PYTHON_SDK_OLDER: &str = "2.7.0";
+
+/// The sandbox home, where the SDKs' relative paths resolve.
+const WORKDIR: &str = "/workspace";
+
+/// The bound of one SDK run (every wait inside it is bounded too: pytest-timeout, the SDKs'
+/// request and stream timeouts, sdk.mjs's own limit).
+const SDK_RUN: Duration = Duration::from_secs(900);
+
+/// Runs a pinned-tool script at most one at a time: tests of this binary that run in parallel
+/// would otherwise make the same venv or npm install together.
+fn pinned(script: &str, args: &[&str]) -> String {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    common::pinned_tool(script, args)
+}
+
+/// A loopback port nothing listens on (for `e2b.envd_listen`).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("address")
+        .port()
+}
+
+/// A daemon on `backend` with the E2B API on, its data plane on `envd` (`host:port`).
+fn e2b_daemon(backend: Backend) -> (Daemon, String) {
+    let envd = format!("127.0.0.1:{}", free_port());
+    let mut config =
+        format!("[e2b]\nenvd_listen = \"{envd}\"\n\n[e2b.templates.base]\nlanguage = \"bash\"\n\n");
+    if backend.is_container() {
+        config.push_str(&common::docker::config(1, common::docker::SOCKET));
+    }
+    let d = Daemon::start_with(Opts {
+        env: vec![("SANDBOX_RUNTIME".into(), backend.runtime().into())],
+        config: Some(config),
+        ..Default::default()
+    });
+    // The data plane's listener is up before any SDK call reaches it.
+    common::wait::wait_until(
+        &format!("the E2B data plane accepts connections on {envd}"),
+        Duration::from_secs(30),
+        || std::net::TcpStream::connect(&envd).is_ok(),
+    );
+    (d, envd)
+}
+
+/// A service token of `sub`: its capabilities are the grant of the sandboxes it creates.
+fn api_key(d: &Daemon, sub: &str) -> String {
+    d.mint(MintRequest {
+        kind: Some(TokenKind::Service),
+        ttl_seconds: 3600,
+        aud: "executor-arm".into(),
+        sub: Some(sub.into()),
+        capabilities: vec![
+            "ShellExecute".into(),
+            "PythonExecute".into(),
+            "FilesystemRead".into(),
+            "FilesystemWrite".into(),
+        ],
+        ..Default::default()
+    })
+}
+
+/// Which SDK a case drives.
+#[derive(Debug, Clone, Copy)]
+enum Sdk {
+    Python(&'static str),
+    Js,
+}
+
+/// Drives the daemon of `backend` with `sdk`, failing with the SDK's output unless every check
+/// of its script passed.
+async fn drive(backend: Backend, sdk: Sdk) {
+    backend.require(&format!("e2b {sdk:?}"));
+    // The container cases load dockerd: one at a time.
+    let _one = if backend.is_container() {
+        Some(common::docker::one_at_a_time().await)
+    } else {
+        None
+    };
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut cmd = match sdk {
+        Sdk::Python(version) => {
+            let python = pinned("e2b-sdk-venv.sh", &[version]);
+            let mut c = tokio::process::Command::new(python);
+            c.args(["-m", "pytest", "-v", "-x", "-p", "no:cacheprovider"])
+                .args(["--timeout=300", "-o", "console_output_style=classic"])
+                .arg(repo.join("tests/e2b/test_e2b.py"))
+                .env("PYTHONDONTWRITEBYTECODE", "1");
+            c
+        }
+        Sdk::Js => {
+            let dir = pinned("e2b-npm-sdk.sh", &[]);
+            let mut c = tokio::process::Command::new("node");
+            c.arg(repo.join("tests/e2b/sdk.mjs")).env("E2B_JS_DIR", dir);
+            c
+        }
+    };
+    let (d, envd) = e2b_daemon(backend);
+    cmd.current_dir(repo)
+        .env("E2B_API_URL", format!("{}/e2b", d.base))
+        .env("E2B_SANDBOX_URL", format!("http://{envd}"))
+        .env("E2B_API_KEY", api_key(&d, "orchestrator"))
+        .env("E2B_OTHER_API_KEY", api_key(&d, "intruder"))
+        .env("E2B_WORKDIR", WORKDIR)
+        .env("NO_PROXY", "127.0.0.1,localhost")
+        .env("no_proxy", "127.0.0.1,localhost")
+        .kill_on_drop(true);
+    // Nothing of the environment the tests run in steers the SDKs elsewhere.
+    for var in [
+        "E2B_DOMAIN",
+        "E2B_DEBUG",
+        "E2B_ACCESS_TOKEN",
+        "E2B_HTTP_VERSION",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ] {
+        cmd.env_remove(var);
+    }
+    let out = tokio::time::timeout(SDK_RUN, cmd.output())
+        .await
+        .unwrap_or_else(|_| panic!("{sdk:?} on {backend:?} did not finish within {SDK_RUN:?}"))
+        .expect("run the SDK");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    let passed = match sdk {
+        Sdk::Python(_) => stdout.contains(" passed") && !stdout.contains(" failed"),
+        Sdk::Js => stdout.contains("e2b js: OK"),
+    };
+    assert!(
+        out.status.success() && passed,
+        "the E2B {sdk:?} SDK on {backend:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test]
+async fn python_sdk_current() {
+    drive(Backend::Local, Sdk::Python(PYTHON_SDK_CURRENT)).await;
+}
+
+#[tokio::test]
+async fn python_sdk_older() {
+    drive(Backend::Local, Sdk::Python(PYTHON_SDK_OLDER)).await;
+}
+
+#[tokio::test]
+async fn js_sdk() {
+    drive(Backend::Local, Sdk::Js).await;
+}
+
+/// The same flows with the sandboxes in runc containers.
+#[tokio::test]
+async fn python_sdk_current_on_runc() {
+    drive(Backend::Docker, Sdk::Python(PYTHON_SDK_CURRENT)).await;
+}
+
+#[tokio::test]
+async fn python_sdk_older_on_runc() {
+    drive(Backend::Docker, Sdk::Python(PYTHON_SDK_OLDER)).await;
+}
+
+#[tokio::test]
+async fn js_sdk_on_runc() {
+    drive(Backend::Docker, Sdk::Js).await;
+}
