@@ -878,12 +878,19 @@ async fn a_session_installs_a_package_from_its_index(backend: Backend) {
 
     // The container's socket directory, seen from the host: bind-mounted from the egress dir.
     let socket_dir = backend.is_container().then(|| {
+        // The session's container is named after it (with a suffix of its own per launch).
+        let ps = Command::new("docker")
+            .args(["ps", "-q", "--filter", &format!("name=executor-arm-{id}")])
+            .output()
+            .expect("docker ps");
+        let container = String::from_utf8_lossy(&ps.stdout).trim().to_string();
+        assert!(!container.is_empty(), "no container of session {id}");
         let out = Command::new("docker")
             .args([
                 "inspect",
                 "--format",
                 "{{range .Mounts}}{{.Source}}\n{{end}}",
-                &format!("executor-arm-{id}"),
+                &container,
             ])
             .output()
             .expect("docker inspect");

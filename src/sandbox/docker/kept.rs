@@ -688,7 +688,10 @@ impl DockerSandbox {
             return Err(SandboxError::Unavailable(why));
         }
         self.ensure_egress_dirs(egress)?;
-        let (container, pooled) = self.container_for(&plan, session_id, warm).await?;
+        // A session's every sandbox has a name of its own: the one it had before a pause may
+        // still be going away (its removal is the janitor's) when it resumes.
+        let name = format!("executor-arm-{session_id}-{:08x}", rand::random::<u32>());
+        let (container, pooled) = self.container_for(&plan, session_id, &name, warm).await?;
         let WarmContainer {
             attached: Attached { input, output },
             guard,

@@ -268,18 +268,20 @@ impl DockerSandbox {
         self.janitor.engine()
     }
 
-    /// A container for this run: warm if the pool has one, else launched now.
+    /// A container for this run: warm if the pool has one, else launched now, named `name`
+    /// (which tells operators which execution or session holds it; it must be unused).
     /// `warm`: keep a pool of this shape (see [`Pool::take`]).
     async fn container_for(
         &self,
         plan: &ContainerPlan,
         exec_id: &str,
+        name: &str,
         warm: bool,
     ) -> Result<(WarmContainer, bool), SandboxError> {
         if let Some(w) = self.pool.take(plan, warm) {
             // Labels are immutable; the name tells operators which execution holds it.
             let engine = self.engine().clone();
-            let (id, name) = (w.guard.id().to_string(), format!("executor-arm-{exec_id}"));
+            let (id, name) = (w.guard.id().to_string(), name.to_string());
             tokio::spawn(async move {
                 let _ = engine.rename(&id, &name).await;
             });
@@ -289,7 +291,7 @@ impl DockerSandbox {
         let w = WarmContainer::launch(
             &self.janitor,
             plan,
-            &format!("executor-arm-{exec_id}"),
+            name,
             exec_id,
             uid,
             self.pool.egress_dirs(),
@@ -575,7 +577,10 @@ impl Sandbox for DockerSandbox {
         let relay = egress.map(|e| e.relay(&mut spec));
         let controls = spec.controls.as_ref().and_then(|c| c.take());
         let request = supervisor::encode_request(&spec, relay.as_ref(), None, controls.is_some())?;
-        let (warm, pooled) = self.container_for(&plan, &spec.exec_id, true).await?;
+        let name = format!("executor-arm-{}", spec.exec_id);
+        let (warm, pooled) = self
+            .container_for(&plan, &spec.exec_id, &name, true)
+            .await?;
         let WarmContainer {
             attached:
                 engine::Attached {
