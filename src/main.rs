@@ -566,13 +566,19 @@ fn serve_on(
         let mut front_ends = executor_arm::mcp::routes(&state, mcp_shutdown.clone());
         // The E2B API, when e2b.envd_listen turns it on: its control plane beside the REST
         // API, its data plane on its own listener (its process streams end at the drain).
-        if let Some(e2b) = executor_arm::e2b::E2b::new(&state, mcp_shutdown.clone()) {
+        if let Some(e2b) = executor_arm::e2b::E2b::new(&state, mcp_shutdown.clone())? {
             let envd = executor_arm::e2b::bind_envd(&state)
                 .await?
                 .context("e2b.envd_listen")?;
             tracing::info!(addr = %envd.local_addr()?, "E2B data plane listening");
             front_ends = front_ends.merge(e2b.control_routes());
-            tokio::spawn(e2b.serve_envd(envd));
+            tokio::spawn(executor_arm::api::serve_listener(
+                envd,
+                e2b.envd_routes(),
+                std::time::Duration::from_millis(state.config.server.header_read_timeout_ms),
+                std::time::Duration::from_secs(state.config.server.shutdown_grace_seconds),
+                mcp_shutdown.clone(),
+            ));
         }
         let shutdown = async move {
             shutdown_signal().await;

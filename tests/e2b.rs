@@ -55,9 +55,15 @@ fn free_port() -> u16 {
 
 /// A daemon on `backend` with the E2B API on, its data plane on `envd` (`host:port`).
 fn e2b_daemon(backend: Backend) -> (Daemon, String) {
+    e2b_daemon_with(backend, "")
+}
+
+/// [`e2b_daemon`] with `extra` TOML (sections after the E2B one's).
+fn e2b_daemon_with(backend: Backend, extra: &str) -> (Daemon, String) {
     let envd = format!("127.0.0.1:{}", free_port());
-    let mut config =
-        format!("[e2b]\nenvd_listen = \"{envd}\"\n\n[e2b.templates.base]\nlanguage = \"bash\"\n\n");
+    let mut config = format!(
+        "[e2b]\nenvd_listen = \"{envd}\"\n\n[e2b.templates.base]\nlanguage = \"bash\"\n\n{extra}\n"
+    );
     if backend.is_container() {
         config.push_str(&common::docker::config(1, common::docker::SOCKET));
     }
@@ -198,4 +204,162 @@ async fn python_sdk_older_on_runc() {
 #[tokio::test]
 async fn js_sdk_on_runc() {
     drive(Backend::Docker, Sdk::Js).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input and limits, over raw HTTP (what an SDK would never send)
+
+/// `message` as one enveloped Connect message.
+fn enveloped(message: &serde_json::Value) -> Vec<u8> {
+    let json = message.to_string().into_bytes();
+    let mut out = vec![0u8];
+    out.extend_from_slice(&(json.len() as u32).to_be_bytes());
+    out.extend_from_slice(&json);
+    out
+}
+
+/// Creates a sandbox through the control plane: its id and access token.
+async fn create(d: &Daemon, key: &str, timeout: u64) -> (String, String) {
+    let r = d
+        .client
+        .post(format!("{}/e2b/v2/sandboxes", d.base))
+        .header("x-api-key", key)
+        .json(&serde_json::json!({"templateID": "base", "timeout": timeout}))
+        .send()
+        .await
+        .expect("create");
+    assert_eq!(r.status().as_u16(), 201);
+    let v: serde_json::Value = r.json().await.expect("json");
+    (
+        v["sandboxID"].as_str().unwrap().to_string(),
+        v["envdAccessToken"].as_str().unwrap().to_string(),
+    )
+}
+
+/// A caller without a key or token is refused before its body is read: a body declared far
+/// past every limit is answered 401 at once (not read, not 413), on both planes.
+#[tokio::test]
+async fn bodies_are_read_only_for_a_known_caller() {
+    Backend::Local.require("e2b bodies");
+    let (d, envd) = e2b_daemon(Backend::Local);
+    for url in [
+        format!("http://{envd}/filesystem.Filesystem/Stat"),
+        format!("http://{envd}/process.Process/List"),
+        format!("http://{envd}/files?path=x"),
+        format!("{}/e2b/v2/sandboxes", d.base),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(url.split('/').nth(2).unwrap())
+            .await
+            .expect("connect");
+        let path = format!("/{}", url.splitn(4, '/').nth(3).unwrap());
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Access-Token: 00\r\nX-API-KEY: nope\r\nContent-Length: 1000000000\r\n\r\n{{"
+        );
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(head.as_bytes()).await.expect("write");
+        let mut answer = vec![0u8; 512];
+        let n = tokio::time::timeout(Duration::from_secs(30), s.read(&mut answer))
+            .await
+            .unwrap_or_else(|_| panic!("{url}: no answer while the body is held back"))
+            .expect("read");
+        let text = String::from_utf8_lossy(&answer[..n]);
+        assert!(text.starts_with("HTTP/1.1 401"), "{url}: {text}");
+    }
+}
+
+/// The data plane's listener drops a client that never finishes its headers, as the daemon's
+/// own listener does (`server.header_read_timeout_ms`).
+#[tokio::test]
+async fn the_data_plane_times_out_unfinished_headers() {
+    Backend::Local.require("e2b headers");
+    let (_d, envd) = e2b_daemon_with(Backend::Local, "[server]\nheader_read_timeout_ms = 1000\n");
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(&envd)
+        .await
+        .expect("connect");
+    s.write_all(b"POST /files HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("write");
+    let mut buf = vec![0u8; 512];
+    // Closed (or answered 408) by the server, well before this bound.
+    let n = tokio::time::timeout(Duration::from_secs(30), s.read(&mut buf))
+        .await
+        .expect("the data plane kept a connection with unfinished headers open")
+        .unwrap_or(0);
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(n == 0 || text.starts_with("HTTP/1.1 408"), "{text}");
+}
+
+/// `set_timeout` never carries a sandbox past `sessions.max_ttl_seconds` after its creation,
+/// however often it is called; a zero timeout is refused.
+#[tokio::test]
+async fn timeouts_never_pass_the_sessions_life_cap() {
+    Backend::Local.require("e2b timeouts");
+    let (d, _envd) = e2b_daemon_with(Backend::Local, "[sessions]\nmax_ttl_seconds = 60\n");
+    let key = api_key(&d, "orchestrator");
+    let (id, _) = create(&d, &key, 30).await;
+    let set = |t: u64| {
+        d.client
+            .post(format!("{}/e2b/sandboxes/{id}/timeout", d.base))
+            .header("x-api-key", &key)
+            .json(&serde_json::json!({ "timeout": t }))
+            .send()
+    };
+    // A second passes, so "now + 60 s" would be past the cap.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(set(60).await.unwrap().status().as_u16(), 204);
+    assert_eq!(set(0).await.unwrap().status().as_u16(), 400);
+    let info: serde_json::Value = d
+        .client
+        .get(format!("{}/e2b/sandboxes/{id}", d.base))
+        .header("x-api-key", &key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let at = |k: &str| {
+        chrono::DateTime::parse_from_rfc3339(info[k].as_str().unwrap())
+            .unwrap()
+            .timestamp_millis()
+    };
+    let life = at("endAt") - at("startedAt");
+    assert!(life <= 60_000, "the sandbox lives {life} ms: {info}");
+}
+
+/// Process streams count among `executions.max_open_streams`: one more is refused with
+/// `resource_exhausted`, not served.
+#[tokio::test]
+async fn process_streams_take_a_stream_place() {
+    Backend::Local.require("e2b streams");
+    let (d, envd) = e2b_daemon_with(Backend::Local, "[executions]\nmax_open_streams = 1\n");
+    let key = api_key(&d, "orchestrator");
+    let (id, token) = create(&d, &key, 120).await;
+    let start = |cmd: &str| {
+        d.client
+            .post(format!("http://{envd}/process.Process/Start"))
+            .header("content-type", "application/connect+json")
+            .header("e2b-sandbox-id", &id)
+            .header("x-access-token", &token)
+            .body(enveloped(&serde_json::json!({
+                "process": {"cmd": "/bin/bash", "args": ["-c", cmd]}
+            })))
+            .send()
+    };
+    let held = start("sleep 60").await.expect("start");
+    assert_eq!(held.status().as_u16(), 200);
+    // Its first frame (the start event) is there: the stream is open.
+    let mut held = held;
+    let first = tokio::time::timeout(Duration::from_secs(30), held.chunk())
+        .await
+        .expect("the start event")
+        .expect("chunk")
+        .expect("a frame");
+    assert_eq!(first[0], 0, "{first:?}");
+    let refused = start("true").await.expect("start");
+    let body = refused.bytes().await.expect("body");
+    let end: serde_json::Value = serde_json::from_slice(&body[5..]).expect("end frame");
+    assert_eq!(body[0], 2, "{end}");
+    assert_eq!(end["error"]["code"], "resource_exhausted", "{end}");
 }

@@ -267,33 +267,7 @@ pub async fn run(
             },
             _ = &mut shutdown => break,
         };
-        let _ = stream.set_nodelay(true);
-        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-        let mut builder = hyper::server::conn::http1::Builder::new();
-        builder
-            .timer(TokioTimer::new())
-            .header_read_timeout(header_timeout)
-            .keep_alive(true);
-        // Upgrades: a session's terminal is a WebSocket; the upgraded socket lives on in the
-        // route's own task (its run ends with the daemon's runs).
-        let conn = builder
-            .serve_connection(TokioIo::new(stream), svc)
-            .with_upgrades();
-        let mut drain = graceful.subscribe();
-        tokio::spawn(async move {
-            let mut conn = std::pin::pin!(conn);
-            let ended = tokio::select! {
-                r = conn.as_mut() => r,
-                _ = drain.changed() => {
-                    conn.as_mut().graceful_shutdown();
-                    conn.await
-                }
-            };
-            if let Err(e) = ended {
-                tracing::debug!(error = %e, "connection ended with an error");
-            }
-            drop(drain);
-        });
+        serve_connection(stream, app.clone(), header_timeout, graceful.subscribe());
     }
     state.draining.store(true, Ordering::SeqCst);
     // Requests still waiting for a run slot are refused now: nothing new starts while draining.
@@ -328,6 +302,71 @@ pub async fn run(
     if let Err(e) = checkpointer.await {
         tracing::error!(target: "audit", error = %e, "the audit checkpointer failed");
     }
+}
+
+/// Serves one accepted connection on a task of its own: HTTP/1.1 with keep-alive, the header
+/// read timeout, and upgrades (a session's terminal is a WebSocket; the upgraded socket lives on
+/// in the route's own task). A change on `drain` ends it gracefully (after its answer).
+fn serve_connection(
+    stream: tokio::net::TcpStream,
+    app: Router,
+    header_timeout: Duration,
+    mut drain: tokio::sync::watch::Receiver<()>,
+) {
+    let _ = stream.set_nodelay(true);
+    let svc = hyper_util::service::TowerToHyperService::new(app);
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .keep_alive(true);
+    let conn = builder
+        .serve_connection(TokioIo::new(stream), svc)
+        .with_upgrades();
+    tokio::spawn(async move {
+        let mut conn = std::pin::pin!(conn);
+        let ended = tokio::select! {
+            r = conn.as_mut() => r,
+            _ = drain.changed() => {
+                conn.as_mut().graceful_shutdown();
+                conn.await
+            }
+        };
+        if let Err(e) = ended {
+            tracing::debug!(error = %e, "connection ended with an error");
+        }
+        drop(drain);
+    });
+}
+
+/// Serves `app` on a listener of its own (a front end's, e.g. the E2B data plane) as the
+/// daemon's listener is served (header read timeout, keep-alive, back-off on accept errors),
+/// until `shutdown`; then its connections end after their answers, within `grace`.
+pub async fn serve_listener(
+    listener: TcpListener,
+    app: Router,
+    header_timeout: Duration,
+    grace: Duration,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    let (graceful, _) = tokio::sync::watch::channel(());
+    loop {
+        let (stream, _peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = shutdown.cancelled() => break,
+        };
+        serve_connection(stream, app.clone(), header_timeout, graceful.subscribe());
+    }
+    drop(listener);
+    let _ = graceful.send(());
+    let _ = tokio::time::timeout(grace, graceful.closed()).await;
 }
 
 /// How often counts of suppressed refusals are written when no other line comes to carry them.

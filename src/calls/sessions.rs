@@ -107,34 +107,46 @@ pub async fn look_up(
     touch: Touch,
 ) -> Result<(Looked, Owner, crate::auth::Verified, KnownRequest), ApiError> {
     let (owner, service, known) = caller(st, headers, rid.clone()).await?;
+    let looked = owned(st, &owner, rid, id, touch).await?;
+    Ok((looked, owner, service, known))
+}
+
+/// `owner`'s session `id`, running or paused, or 404 (see [`look_up`]), for a front end that
+/// found the owner itself.
+pub async fn owned(
+    st: &AppState,
+    owner: &Owner,
+    rid: String,
+    id: &str,
+    touch: Touch,
+) -> Result<Looked, ApiError> {
     let session = match touch {
-        Touch::Read => st.sessions.get(&owner, id),
-        Touch::Use => st.sessions.use_session(&owner, id),
+        Touch::Read => st.sessions.get(owner, id),
+        Touch::Use => st.sessions.use_session(owner, id),
     };
     if let Some(s) = &session
         && st.sessions.end_if_lost(s).await
     {
         return Err(ApiError::SessionGone(
-            st.sessions.lost(&owner, id).unwrap_or_default(),
+            st.sessions.lost(owner, id).unwrap_or_default(),
         ));
     }
     if let Some(s) = session {
-        return Ok((Looked::Live(s), owner, service, known));
+        return Ok(Looked::Live(s));
     }
-    if let Some(info) = st.sessions.paused(&owner, id) {
-        let looked = match touch {
+    if let Some(info) = st.sessions.paused(owner, id) {
+        return Ok(match touch {
             Touch::Read => Looked::Paused(Box::new(info)),
-            Touch::Use => Looked::Live(st.sessions.resume(&owner, id, rid).await?),
-        };
-        return Ok((looked, owner, service, known));
+            Touch::Use => Looked::Live(st.sessions.resume(owner, id, rid).await?),
+        });
     }
     // Resumed by another call meanwhile: open now.
-    if let Some(s) = st.sessions.get(&owner, id) {
-        return Ok((Looked::Live(s), owner, service, known));
+    if let Some(s) = st.sessions.get(owner, id) {
+        return Ok(Looked::Live(s));
     }
     Err(st
         .sessions
-        .lost(&owner, id)
+        .lost(owner, id)
         .map_or(ApiError::SessionNotFound, ApiError::SessionGone))
 }
 
@@ -287,14 +299,24 @@ pub async fn pause(
     id: &str,
 ) -> Result<SessionInfo, ApiError> {
     let (owner, ..) = caller(st, headers, rid.clone()).await?;
-    if let Some(s) = st.sessions.get(&owner, id)
+    pause_owned(st, &owner, rid, id).await
+}
+
+/// Pauses `owner`'s session `id` (see [`pause`]), for a front end that found the owner itself.
+pub async fn pause_owned(
+    st: &AppState,
+    owner: &Owner,
+    rid: String,
+    id: &str,
+) -> Result<SessionInfo, ApiError> {
+    if let Some(s) = st.sessions.get(owner, id)
         && st.sessions.end_if_lost(&s).await
     {
         return Err(ApiError::SessionGone(
-            st.sessions.lost(&owner, id).unwrap_or_default(),
+            st.sessions.lost(owner, id).unwrap_or_default(),
         ));
     }
-    Ok(st.sessions.pause(&owner, id, rid).await?)
+    Ok(st.sessions.pause(owner, id, rid).await?)
 }
 
 /// Resumes the caller's session `id` (a fresh sandbox with the saved workspace); a running one
@@ -305,9 +327,20 @@ pub async fn resume(
     rid: String,
     id: &str,
 ) -> Result<SessionInfo, ApiError> {
-    Ok(match look_up(st, headers, rid, id, Touch::Use).await? {
-        (Looked::Live(s), ..) => s.describe(),
-        (Looked::Paused(info), ..) => *info,
+    let (owner, ..) = caller(st, headers, rid.clone()).await?;
+    resume_owned(st, &owner, rid, id).await
+}
+
+/// Resumes `owner`'s session `id` (see [`resume`]), for a front end that found the owner itself.
+pub async fn resume_owned(
+    st: &AppState,
+    owner: &Owner,
+    rid: String,
+    id: &str,
+) -> Result<SessionInfo, ApiError> {
+    Ok(match owned(st, owner, rid, id, Touch::Use).await? {
+        Looked::Live(s) => s.describe(),
+        Looked::Paused(info) => *info,
     })
 }
 

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -17,7 +18,7 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 
 use super::{E2b, ENVD_VERSION, PATH};
-use crate::calls::caller::Caller;
+use crate::calls::caller::{BodyLimit, Caller, read_body};
 use crate::calls::sessions::{self, CreateBody, Looked, Touch};
 use crate::calls::{ApiError, AppState, RequestId};
 use crate::sessions::{Owner, SessionInfo, SessionState};
@@ -96,6 +97,23 @@ async fn caller(e2b: &E2b, headers: &HeaderMap) -> Result<(Caller, HeaderMap), E
     Ok((caller, as_rest))
 }
 
+/// A request's JSON body, read once its caller is known (within `server.body_limit_bytes` and
+/// its deadline); an empty one is `{}`.
+async fn json_body<T: serde::de::DeserializeOwned>(
+    e2b: &E2b,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<T, E2bError> {
+    let bytes = read_body(body, headers, BodyLimit::request(&e2b.st)).await?;
+    let bytes = if bytes.iter().all(u8::is_ascii_whitespace) {
+        &b"{}"[..]
+    } else {
+        &bytes[..]
+    };
+    serde_json::from_slice(bytes)
+        .map_err(|e| E2bError(StatusCode::BAD_REQUEST, format!("invalid body: {e}")))
+}
+
 async fn owner(e2b: &E2b, headers: &HeaderMap) -> Result<(Owner, HeaderMap, String), E2bError> {
     let (caller, as_rest) = caller(e2b, headers).await?;
     let owner = caller.session_owner(&as_rest)?;
@@ -170,11 +188,16 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 async fn create(
     State(e2b): State<Arc<E2b>>,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: Body,
 ) -> Answer<(StatusCode, Json<Sandbox>)> {
     let (caller, as_rest) = caller(&e2b, &headers).await?;
-    let asked: NewSandbox = serde_json::from_slice(&body)
-        .map_err(|e| E2bError(StatusCode::BAD_REQUEST, format!("invalid body: {e}")))?;
+    let asked: NewSandbox = json_body(&e2b, &headers, body).await?;
+    for (what, map) in [("metadata", &asked.metadata), ("envVars", &asked.env_vars)] {
+        if let Some(map) = map {
+            super::sandboxes::check_map(what, map)
+                .map_err(|m| E2bError(StatusCode::BAD_REQUEST, m))?;
+        }
+    }
     if asked.auto_pause == Some(true) {
         return Err(E2bError(
             StatusCode::BAD_REQUEST,
@@ -345,9 +368,11 @@ async fn listed(
     let limit = q.limit.unwrap_or(MAX_PAGE).clamp(1, MAX_PAGE);
     let mut page = Vec::new();
     let mut next = None;
+    // Listed by creation, then id; a page's token is its last sandbox's place in that order.
+    let after = q.next_token.as_deref().and_then(|t| t.split_once('|'));
     for info in all {
-        if let Some(after) = &q.next_token
-            && info.id.as_str() <= after.as_str()
+        if let Some((created, id)) = after
+            && (info.created_at.as_str(), info.id.as_str()) <= (created, id)
         {
             continue;
         }
@@ -364,7 +389,9 @@ async fn listed(
             continue;
         }
         if page.len() == limit {
-            next = page.last().map(|d: &Detail| d.sandbox_id.clone());
+            next = page
+                .last()
+                .map(|d: &Detail| format!("{}|{}", d.started_at, d.sandbox_id));
             break;
         }
         page.push(d);
@@ -423,11 +450,10 @@ async fn set_timeout(
     State(e2b): State<Arc<E2b>>,
     Path(id): Path<String>,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: Body,
 ) -> Answer<StatusCode> {
     let (owner, ..) = owner(&e2b, &headers).await?;
-    let asked: TimeoutBody = serde_json::from_slice(&body)
-        .map_err(|e| E2bError(StatusCode::BAD_REQUEST, format!("invalid body: {e}")))?;
+    let asked: TimeoutBody = json_body(&e2b, &headers, body).await?;
     e2b.st
         .sessions
         .set_ttl(&owner, &id, Duration::from_secs(asked.timeout))
@@ -454,7 +480,7 @@ async fn pause(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Answer<StatusCode> {
-    let (owner, as_rest, rid) = owner(&e2b, &headers).await?;
+    let (owner, _, rid) = owner(&e2b, &headers).await?;
     if e2b.st.sessions.paused(&owner, &id).is_some() {
         return Err(E2bError(
             StatusCode::CONFLICT,
@@ -463,7 +489,7 @@ async fn pause(
     }
     // A pause that began is finished even if its client goes away.
     let st = e2b.st.clone();
-    tokio::spawn(async move { sessions::pause(&st, &as_rest, rid, &id).await })
+    tokio::spawn(async move { sessions::pause_owned(&st, &owner, rid, &id).await })
         .await
         .map_err(|e| E2bError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
     Ok(StatusCode::NO_CONTENT)
@@ -483,21 +509,18 @@ async fn connect(
     State(e2b): State<Arc<E2b>>,
     Path(id): Path<String>,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: Body,
 ) -> Answer<(StatusCode, Json<Sandbox>)> {
-    let (owner, as_rest, rid) = owner(&e2b, &headers).await?;
-    let asked: ConnectBody = if body.is_empty() {
-        ConnectBody::default()
-    } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| E2bError(StatusCode::BAD_REQUEST, format!("invalid body: {e}")))?
-    };
+    let (owner, _, rid) = owner(&e2b, &headers).await?;
+    let asked: ConnectBody = json_body(&e2b, &headers, body).await?;
     let was_paused = e2b.st.sessions.paused(&owner, &id).is_some();
     let st = e2b.st.clone();
-    let resumed_id = id.clone();
-    tokio::spawn(async move { sessions::resume(&st, &as_rest, rid, &resumed_id).await })
-        .await
-        .map_err(|e| E2bError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+    let (resumed_id, resumed_owner) = (id.clone(), owner.clone());
+    tokio::spawn(
+        async move { sessions::resume_owned(&st, &resumed_owner, rid, &resumed_id).await },
+    )
+    .await
+    .map_err(|e| E2bError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
     if let Some(t) = asked.timeout {
         e2b.st
             .sessions

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Json;
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::{FromRequest, Multipart, Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -21,6 +21,7 @@ use super::connect::{self, Code, RpcError};
 use super::pb::filesystem as pb;
 use super::process::{quote, run_in, sandbox_path};
 use super::{E2b, sandbox_of};
+use crate::calls::caller::{BodyLimit, read_body};
 use crate::execution::WORKSPACE;
 use crate::sandbox::StreamKind;
 use crate::sessions::Session;
@@ -30,11 +31,15 @@ pub async fn call(
     State(e2b): State<Arc<E2b>>,
     Path(method): Path<String>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Response {
     let session = match sandbox_of(&e2b, &headers) {
         Ok(s) => s,
         Err(no) => return no.into_response(),
+    };
+    let body = match read_body(body, &headers, BodyLimit::request(&e2b.st)).await {
+        Ok(b) => b,
+        Err(e) => return RpcError::from(e).into_response(),
     };
     let call = Call {
         e2b: &e2b,
@@ -344,58 +349,71 @@ pub async fn upload(
         Err(no) => return no.into_response(),
     };
     let served = async {
-        let max = e2b.st.config.sessions.max_file_bytes;
+        // A place among the file transfers first: no body is held without one.
+        let _permit = crate::calls::sessions::file_permit(&e2b.st).map_err(RpcError::from)?;
+        let limit = BodyLimit::file(&e2b.st);
+        let max = limit.bytes;
+        let too_large = || {
+            RpcError::new(
+                Code::ResourceExhausted,
+                format!("an upload is at most {max} bytes (sessions.max_file_bytes)"),
+            )
+        };
         let is_multipart = headers
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("multipart/form-data"));
         let mut files: Vec<(String, Vec<u8>)> = Vec::new();
         if is_multipart {
-            let mut parts = Multipart::from_request(req, &())
-                .await
-                .map_err(|e| RpcError::invalid(e.body_text()))?;
-            while let Some(mut part) = parts
-                .next_field()
-                .await
-                .map_err(|e| RpcError::invalid(e.body_text()))?
-            {
-                let path = q
-                    .path
-                    .clone()
-                    .or_else(|| part.file_name().map(str::to_string))
-                    .ok_or_else(|| RpcError::invalid("path is required"))?;
-                let mut bytes = Vec::new();
-                while let Some(chunk) = part
-                    .chunk()
+            let read = async {
+                let mut parts = Multipart::from_request(req, &())
+                    .await
+                    .map_err(|e| RpcError::invalid(e.body_text()))?;
+                let mut total = 0usize;
+                while let Some(mut part) = parts
+                    .next_field()
                     .await
                     .map_err(|e| RpcError::invalid(e.body_text()))?
                 {
-                    if bytes.len() + chunk.len() > max {
-                        return Err(RpcError::new(
-                            Code::ResourceExhausted,
-                            format!("a file is at most {max} bytes (sessions.max_file_bytes)"),
-                        ));
+                    let path = q
+                        .path
+                        .clone()
+                        .or_else(|| part.file_name().map(str::to_string))
+                        .ok_or_else(|| RpcError::invalid("path is required"))?;
+                    // Checked before its bytes are read.
+                    workspace_relative(&path)?;
+                    let mut bytes = Vec::new();
+                    while let Some(chunk) = part
+                        .chunk()
+                        .await
+                        .map_err(|e| RpcError::invalid(e.body_text()))?
+                    {
+                        total += chunk.len();
+                        if total > max {
+                            return Err(too_large());
+                        }
+                        bytes.extend_from_slice(&chunk);
                     }
-                    bytes.extend_from_slice(&chunk);
+                    files.push((path, bytes));
                 }
-                files.push((path, bytes));
-            }
+                Ok::<_, RpcError>(())
+            };
+            tokio::time::timeout(limit.deadline, read)
+                .await
+                .map_err(|_| {
+                    RpcError::new(Code::DeadlineExceeded, "the upload did not arrive in time")
+                })??;
         } else {
             let path = q
                 .path
                 .clone()
                 .ok_or_else(|| RpcError::invalid("path is required"))?;
-            let bytes = axum::body::to_bytes(req.into_body(), max)
+            workspace_relative(&path)?;
+            let bytes = read_body(req.into_body(), &headers, limit)
                 .await
-                .map_err(|_| {
-                    RpcError::new(
-                        Code::ResourceExhausted,
-                        format!("a file is at most {max} bytes (sessions.max_file_bytes)"),
-                    )
-                })?;
+                .map_err(RpcError::from)?;
             files.push((path, bytes.to_vec()));
         }
-        let _permit = crate::calls::sessions::file_permit(&e2b.st).map_err(RpcError::from)?;
         let mut written = Vec::new();
         for (path, bytes) in files {
             let rel = workspace_relative(&path)?;

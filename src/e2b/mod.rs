@@ -58,15 +58,67 @@ pub struct E2b {
     shutdown: CancellationToken,
 }
 
+/// How often the records of sandboxes whose session is gone are forgotten.
+const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl E2b {
-    /// The E2B API, when `e2b.envd_listen` turns it on.
-    pub fn new(st: &Arc<AppState>, shutdown: CancellationToken) -> Option<Arc<E2b>> {
-        st.config.e2b.envd_listen.as_ref()?;
-        Some(Arc::new(E2b {
+    /// The E2B API, when `e2b.envd_listen` turns it on. Every template must name a session
+    /// language whose interpreter is a POSIX shell: commands and file operations run as shell
+    /// programs.
+    pub fn new(
+        st: &Arc<AppState>,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<Option<Arc<E2b>>> {
+        if st.config.e2b.envd_listen.is_none() {
+            return Ok(None);
+        }
+        for (name, t) in &st.config.e2b.templates {
+            let interpreter = st
+                .config
+                .sessions
+                .languages
+                .get(&t.language)
+                .map(|l| l.interpreter.clone())
+                .ok_or_else(|| {
+                    anyhow::anyhow!("e2b.templates.{name}: no session language '{}'", t.language)
+                })?;
+            let base = std::path::Path::new(&interpreter)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if !matches!(base.as_str(), "bash" | "sh" | "dash") {
+                anyhow::bail!(
+                    "e2b.templates.{name}: language '{}' runs {interpreter}, not a shell (bash or sh): E2B commands are shell programs",
+                    t.language
+                );
+            }
+        }
+        let e2b = Arc::new(E2b {
             st: st.clone(),
             sandboxes: Sandboxes::default(),
             shutdown,
-        }))
+        });
+        let weak = Arc::downgrade(&e2b);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(PRUNE_EVERY).await;
+                let Some(e2b) = weak.upgrade() else { return };
+                e2b.prune().await;
+            }
+        });
+        Ok(Some(e2b))
+    }
+
+    /// Forgets the records of sandboxes whose session is gone (ended, expired, deleted through
+    /// another front end, or paused past its keeping).
+    async fn prune(&self) {
+        let st = self.st.clone();
+        let paused = tokio::task::spawn_blocking(move || st.sessions.paused_ids())
+            .await
+            .unwrap_or_default();
+        let sessions = &self.st.sessions;
+        self.sandboxes
+            .prune(|id| sessions.holds(id) || paused.contains(id));
     }
 
     /// The control plane's routes, to be merged into the daemon's router.
@@ -74,11 +126,10 @@ impl E2b {
         control::routes(self.clone())
     }
 
-    /// Serves the data plane on `listener` until `shutdown` (then lets open calls finish, and
-    /// ends process streams, which would otherwise hold the drain up).
-    pub async fn serve_envd(self: Arc<Self>, listener: tokio::net::TcpListener) {
-        let shutdown = self.shutdown.clone();
-        let app = Router::new()
+    /// The data plane's routes (for its own listener). Bodies are read by each route once its
+    /// caller is known, within the daemon's limits.
+    pub fn envd_routes(self: &Arc<Self>) -> Router {
+        Router::new()
             .route("/health", get(|| async { StatusCode::NO_CONTENT }))
             .route("/process.Process/{method}", post(process::call))
             .route("/filesystem.Filesystem/{method}", post(filesystem::call))
@@ -86,13 +137,8 @@ impl E2b {
             .fallback(|| async {
                 RpcError::new(Code::NotFound, "no such route on the E2B data plane")
             })
-            .with_state(self);
-        let served = axum::serve(listener, app.into_make_service())
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await;
-        if let Err(e) = served {
-            tracing::warn!(error = %e, "the E2B data plane stopped");
-        }
+            .layer(axum::extract::DefaultBodyLimit::disable())
+            .with_state(self.clone())
     }
 }
 

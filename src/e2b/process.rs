@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
@@ -24,8 +24,9 @@ use super::pb::process::process_event::{self, Event};
 use super::sandboxes::Process;
 use super::{E2b, sandbox_of};
 use crate::auth::Verified;
+use crate::calls::caller::{BodyLimit, read_body};
 use crate::calls::processes::{ControlOf, send_stdin};
-use crate::calls::run::{ClientLink, RunMode, Served};
+use crate::calls::run::{ClientLink, RunMode, Served, StreamPermit};
 use crate::calls::sessions::{ExecAsk, ExecBody, exec_job};
 use crate::execution::WORKSPACE;
 use crate::execution::record::KnownRequest;
@@ -34,16 +35,21 @@ use crate::sandbox::StreamKind;
 use crate::sandbox::control::ProcessSignal;
 use crate::sessions::Session;
 
-/// `POST /process.Process/{method}`.
+/// `POST /process.Process/{method}`: the caller's sandbox first, then its body (within
+/// `server.body_limit_bytes` and its deadline).
 pub async fn call(
     State(e2b): State<Arc<E2b>>,
     Path(method): Path<String>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Response {
     let session = match sandbox_of(&e2b, &headers) {
         Ok(s) => s,
         Err(no) => return no.into_response(),
+    };
+    let body = match read_body(body, &headers, BodyLimit::request(&e2b.st)).await {
+        Ok(b) => b,
+        Err(e) => return RpcError::from(e).into_response(),
     };
     let (e2b, h, b, s) = (&e2b, &headers, &body[..], session);
     match method.as_str() {
@@ -215,13 +221,16 @@ fn command_line(config: &pb::ProcessConfig) -> String {
     line
 }
 
+/// The shortest keepalive interval a stream is given, whatever it asks for.
+const MIN_KEEPALIVE_SECONDS: u64 = 5;
+
 /// How often a process stream says it is alive when nothing else comes.
 fn keepalive(headers: &HeaderMap) -> Duration {
     headers
         .get("keepalive-ping-interval")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
-        .map(|s| Duration::from_secs(s.clamp(1, 3600)))
+        .map(|s| Duration::from_secs(s.clamp(MIN_KEEPALIVE_SECONDS, 3600)))
         .unwrap_or(Duration::from_secs(30))
 }
 
@@ -244,6 +253,19 @@ async fn start(
     if config.cmd.is_empty() {
         return Err(RpcError::invalid("process.cmd is required"));
     }
+    if super::sandboxes::config_bytes(&config) > super::sandboxes::MAX_CONFIG_BYTES
+        || req
+            .tag
+            .as_ref()
+            .is_some_and(|t| t.len() > super::sandboxes::MAX_TAG_BYTES)
+    {
+        return Err(RpcError::invalid(format!(
+            "a process's cmd, args, envs and cwd are at most {} bytes together, its tag {}",
+            super::sandboxes::MAX_CONFIG_BYTES,
+            super::sandboxes::MAX_TAG_BYTES
+        )));
+    }
+    let permit = StreamPermit::take(&e2b.st)?;
     let mut env = e2b
         .sandboxes
         .get(&session.id)
@@ -251,37 +273,51 @@ async fn start(
         .unwrap_or_default();
     env.extend(config.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
     let timeout = connect::timeout(headers)?;
-    let live = run_in(
-        e2b,
-        &session,
-        headers,
-        command_line(&config),
-        env,
-        None,
-        timeout,
-    )
-    .await?;
-    if req.stdin != Some(true) {
-        // Asked without stdin: it reads end-of-file, as from /dev/null.
-        let _ = send_stdin(
-            &e2b.st,
-            &session,
-            live.exec_id(),
-            ControlOf::Process,
-            vec![],
-            true,
-        )
-        .await;
-    }
-    let pid = e2b
-        .sandboxes
-        .started(&session.id, live.exec_id().to_string(), config, req.tag);
+    // Started on a task of its own: a client that goes away meanwhile still leaves a process
+    // the sandbox lists and can signal, with its stdin as asked.
+    let started = {
+        let (e2b, session, headers) = (e2b.clone(), session.clone(), headers.clone());
+        tokio::spawn(async move {
+            let live = run_in(
+                &e2b,
+                &session,
+                &headers,
+                command_line(&config),
+                env,
+                None,
+                timeout,
+            )
+            .await?;
+            if req.stdin != Some(true) {
+                // Asked without stdin: it reads end-of-file, as from /dev/null.
+                let _ = send_stdin(
+                    &e2b.st,
+                    &session,
+                    live.exec_id(),
+                    ControlOf::Process,
+                    vec![],
+                    true,
+                )
+                .await;
+            }
+            let pid =
+                e2b.sandboxes
+                    .started(&session.id, live.exec_id().to_string(), config, req.tag);
+            Ok::<_, RpcError>((live, pid))
+        })
+    };
+    let (live, pid) = started
+        .await
+        .map_err(|e| RpcError::new(Code::Internal, e.to_string()))??;
     Ok(follow(
         live,
         pid,
         keepalive(headers),
         None,
-        e2b.shutdown.clone(),
+        Following {
+            shutdown: e2b.shutdown.clone(),
+            _permit: permit,
+        },
         |event| pb::StartResponse { event: Some(event) },
     ))
 }
@@ -320,12 +356,16 @@ async fn reconnect(
     let p = selected(e2b, &session, req.process)?;
     let live = live_of(e2b, &session, &p)?;
     let deadline = connect::timeout(headers)?;
+    let permit = StreamPermit::take(&e2b.st)?;
     Ok(follow(
         live,
         p.pid,
         keepalive(headers),
         deadline,
-        e2b.shutdown.clone(),
+        Following {
+            shutdown: e2b.shutdown.clone(),
+            _permit: permit,
+        },
         |event| pb::ConnectResponse { event: Some(event) },
     ))
 }
@@ -337,17 +377,17 @@ fn list(
     session: Arc<Session>,
 ) -> Result<pb::ListResponse, RpcError> {
     let _: pb::ListRequest = connect::unary_request(headers, body)?;
+    let runs = session.owner.runs();
     let processes = e2b
         .sandboxes
-        .processes(&session.id)
-        .into_iter()
-        .filter(|p| {
+        .processes(&session.id, |p| {
             e2b.st
                 .executions
                 .runs()
-                .find(&session.owner.runs(), &p.exec_id)
+                .find(&runs, &p.exec_id)
                 .is_some_and(|l| l.answered().is_none())
         })
+        .into_iter()
         .map(|p| pb::ProcessInfo {
             config: Some(p.config),
             pid: p.pid,
@@ -431,6 +471,13 @@ async fn send_signal(
 /// The most of one stream a data event carries.
 const CHUNK: usize = 64 * 1024;
 
+/// What an open process stream holds: one of `executions.max_open_streams`, and the daemon's
+/// drain, which ends it.
+struct Following {
+    shutdown: CancellationToken,
+    _permit: StreamPermit,
+}
+
 struct Follow<F> {
     live: Arc<LiveRun>,
     pid: u32,
@@ -440,7 +487,7 @@ struct Follow<F> {
     changes: tokio::sync::watch::Receiver<u64>,
     keepalive: Duration,
     deadline: Option<tokio::time::Instant>,
-    shutdown: CancellationToken,
+    open: Following,
     wrap: F,
 }
 
@@ -452,7 +499,7 @@ fn follow<T, F>(
     pid: u32,
     keepalive: Duration,
     deadline: Option<Duration>,
-    shutdown: CancellationToken,
+    open: Following,
     wrap: F,
 ) -> impl Stream<Item = Result<T, RpcError>> + use<T, F>
 where
@@ -468,7 +515,7 @@ where
         done: false,
         keepalive,
         deadline: deadline.map(|d| tokio::time::Instant::now() + d),
-        shutdown,
+        open,
         wrap,
     };
     futures::stream::unfold(state, |mut s| async move {
@@ -530,7 +577,7 @@ where
                     s.done = true;
                     return Some((Err(RpcError::new(Code::DeadlineExceeded, "the call's deadline passed (the process goes on)")), s));
                 }
-                _ = s.shutdown.cancelled() => {
+                _ = s.open.shutdown.cancelled() => {
                     s.done = true;
                     return Some((Err(RpcError::new(Code::Unavailable, "the daemon is shutting down")), s));
                 }

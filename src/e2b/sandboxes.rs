@@ -1,16 +1,15 @@
 //! What an E2B sandbox adds to the session it is: its template, `metadata` and `envVars`, the
 //! access token of its data plane, and the pids its processes are known by.
 //!
-//! Owns: that record, per session id, in this process. Must not: hold the session itself (the
-//! sessions service does), or decide who may call (the control plane checks the API key, the
-//! data plane the access token, before either reads a record).
+//! Owns: that record, per session id, in this process, bounded in size and forgotten once its
+//! session is gone. Must not: hold the session itself (the sessions service does), or decide
+//! who may call (the control plane checks the API key, the data plane the access token, before
+//! either reads a record).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
-use hmac::digest::KeyInit;
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use subtle::ConstantTimeEq;
 
 use super::pb::process::ProcessConfig;
 
@@ -30,6 +29,9 @@ pub struct Sandbox {
     pub template_id: String,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
+    /// The data plane's access token (`envdAccessToken`): random, the sandbox's own for its life
+    /// in this process (an SDK keeps the one it was first given across pause and connect).
+    token: String,
     processes: Vec<Process>,
     next_pid: u32,
 }
@@ -37,7 +39,38 @@ pub struct Sandbox {
 /// The first pid a sandbox's processes get (the low ones look like a system's own).
 const FIRST_PID: u32 = 1000;
 /// The processes a sandbox remembers (the oldest are forgotten past it).
-const PROCESSES_KEPT: usize = 1024;
+const PROCESSES_KEPT: usize = 256;
+
+/// The most `metadata` or `envVars` entries a sandbox keeps, and the longest key and value.
+pub const MAX_ENTRIES: usize = 64;
+pub const MAX_KEY_BYTES: usize = 256;
+pub const MAX_VALUE_BYTES: usize = 4096;
+/// The most bytes of a process's config (`cmd`, `args`, `envs`, `cwd`) and tag a sandbox keeps.
+pub const MAX_CONFIG_BYTES: usize = 64 * 1024;
+pub const MAX_TAG_BYTES: usize = 256;
+
+/// Why a map of `what` is refused, if it is (entries, key and value sizes).
+pub fn check_map(what: &str, map: &BTreeMap<String, String>) -> Result<(), String> {
+    if map.len() > MAX_ENTRIES {
+        return Err(format!("{what} has more than {MAX_ENTRIES} entries"));
+    }
+    for (k, v) in map {
+        if k.len() > MAX_KEY_BYTES || v.len() > MAX_VALUE_BYTES {
+            return Err(format!(
+                "{what}: a key is at most {MAX_KEY_BYTES} bytes and a value {MAX_VALUE_BYTES}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The bytes a process's config takes.
+pub fn config_bytes(c: &ProcessConfig) -> usize {
+    c.cmd.len()
+        + c.args.iter().map(String::len).sum::<usize>()
+        + c.envs.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+        + c.cwd.as_ref().map_or(0, String::len)
+}
 
 impl Sandbox {
     pub fn new(
@@ -49,71 +82,90 @@ impl Sandbox {
             template_id,
             metadata,
             env_vars,
+            token: hex::encode(rand::random::<[u8; 32]>()),
             processes: Vec::new(),
             next_pid: FIRST_PID,
         }
     }
 }
 
-/// The sandboxes of this daemon's E2B API, and the key of their access tokens.
+/// The sandboxes of this daemon's E2B API.
+#[derive(Default)]
 pub struct Sandboxes {
-    /// HMAC-SHA256's own key size (its block); a fresh one per daemon process. A sandbox whose
-    /// session outlives the process (paused) is given a new token when it is connected again.
-    key: [u8; 64],
-    records: Mutex<HashMap<String, Sandbox>>,
+    inner: Mutex<Records>,
 }
 
-impl Default for Sandboxes {
-    fn default() -> Self {
-        Sandboxes {
-            key: rand::random(),
-            records: Mutex::new(HashMap::new()),
-        }
-    }
+#[derive(Default)]
+struct Records {
+    by_id: HashMap<String, Sandbox>,
+    /// Access token → sandbox id.
+    by_token: HashMap<String, String>,
 }
 
 impl Sandboxes {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Sandbox>> {
-        self.records.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Records> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn mac(&self, id: &str) -> Hmac<Sha256> {
-        let mut mac = <Hmac<Sha256> as KeyInit>::new(&self.key.into());
-        mac.update(b"e2b-envd-access\0");
-        mac.update(id.as_bytes());
-        mac
+    /// Sandbox `id`'s record, made (with a fresh token and no template) if it has none: a
+    /// session made through another front end, or one paused before this process started.
+    fn entry<'a>(records: &'a mut Records, id: &str) -> &'a mut Sandbox {
+        if !records.by_id.contains_key(id) {
+            let s = Sandbox::new(String::new(), BTreeMap::new(), BTreeMap::new());
+            records.by_token.insert(s.token.clone(), id.to_string());
+            records.by_id.insert(id.to_string(), s);
+        }
+        records.by_id.get_mut(id).expect("just made")
     }
 
     /// The access token of sandbox `id`'s data plane (`envdAccessToken`).
     pub fn access_token(&self, id: &str) -> String {
-        hex::encode(self.mac(id).finalize().into_bytes())
+        Self::entry(&mut self.lock(), id).token.clone()
     }
 
     /// Whether `token` is sandbox `id`'s access token (compared in constant time).
     pub fn token_opens(&self, id: &str, token: &str) -> bool {
-        match hex::decode(token) {
-            Ok(t) => self.mac(id).verify_slice(&t).is_ok(),
-            Err(_) => false,
-        }
+        self.lock()
+            .by_id
+            .get(id)
+            .is_some_and(|s| bool::from(s.token.as_bytes().ct_eq(token.as_bytes())))
     }
 
-    /// The sandbox whose access token `token` is (each sandbox's is its own).
+    /// The sandbox whose access token `token` is.
     pub fn opened_by(&self, token: &str) -> Option<String> {
-        let ids: Vec<String> = self.lock().keys().cloned().collect();
-        ids.into_iter().find(|id| self.token_opens(id, token))
+        self.lock().by_token.get(token).cloned()
     }
 
     pub fn put(&self, id: &str, sandbox: Sandbox) {
-        self.lock().insert(id.to_string(), sandbox);
+        let mut r = self.lock();
+        if let Some(old) = r.by_id.remove(id) {
+            r.by_token.remove(&old.token);
+        }
+        r.by_token.insert(sandbox.token.clone(), id.to_string());
+        r.by_id.insert(id.to_string(), sandbox);
     }
 
     /// Sandbox `id`'s record (a session made without the E2B API has none).
     pub fn get(&self, id: &str) -> Option<Sandbox> {
-        self.lock().get(id).cloned()
+        self.lock().by_id.get(id).cloned()
     }
 
     pub fn forget(&self, id: &str) {
-        self.lock().remove(id);
+        let mut r = self.lock();
+        if let Some(old) = r.by_id.remove(id) {
+            r.by_token.remove(&old.token);
+        }
+    }
+
+    /// Forgets every sandbox `exists` says is gone (its session neither runs nor is paused).
+    pub fn prune(&self, exists: impl Fn(&str) -> bool) {
+        let mut r = self.lock();
+        let gone: Vec<String> = r.by_id.keys().filter(|id| !exists(id)).cloned().collect();
+        for id in gone {
+            if let Some(old) = r.by_id.remove(&id) {
+                r.by_token.remove(&old.token);
+            }
+        }
     }
 
     /// Records the process `exec_id` started in sandbox `id`, and gives it its pid.
@@ -125,9 +177,7 @@ impl Sandboxes {
         tag: Option<String>,
     ) -> u32 {
         let mut all = self.lock();
-        let sandbox = all
-            .entry(id.to_string())
-            .or_insert_with(|| Sandbox::new(String::new(), BTreeMap::new(), BTreeMap::new()));
+        let sandbox = Self::entry(&mut all, id);
         let pid = sandbox.next_pid;
         sandbox.next_pid = sandbox.next_pid.wrapping_add(1).max(FIRST_PID);
         if sandbox.processes.len() == PROCESSES_KEPT {
@@ -142,17 +192,19 @@ impl Sandboxes {
         pid
     }
 
-    /// The processes of sandbox `id`, oldest first.
-    pub fn processes(&self, id: &str) -> Vec<Process> {
+    /// The processes of sandbox `id` that `keep` keeps, oldest first.
+    pub fn processes(&self, id: &str, keep: impl Fn(&Process) -> bool) -> Vec<Process> {
         self.lock()
+            .by_id
             .get(id)
-            .map(|s| s.processes.clone())
+            .map(|s| s.processes.iter().filter(|p| keep(p)).cloned().collect())
             .unwrap_or_default()
     }
 
     /// The process of sandbox `id` with `pid`.
     pub fn by_pid(&self, id: &str, pid: u32) -> Option<Process> {
         self.lock()
+            .by_id
             .get(id)?
             .processes
             .iter()
@@ -163,6 +215,7 @@ impl Sandboxes {
     /// The newest process of sandbox `id` tagged `tag`.
     pub fn by_tag(&self, id: &str, tag: &str) -> Option<Process> {
         self.lock()
+            .by_id
             .get(id)?
             .processes
             .iter()
@@ -176,27 +229,45 @@ impl Sandboxes {
 mod tests {
     use super::*;
 
+    fn sandbox() -> Sandbox {
+        Sandbox::new("base".into(), Default::default(), Default::default())
+    }
+
     #[test]
     fn a_token_opens_its_own_sandbox_only() {
         let s = Sandboxes::default();
+        s.put("ses_a", sandbox());
+        s.put("ses_b", sandbox());
         let t = s.access_token("ses_a");
+        assert_eq!(t.len(), 64);
         assert!(s.token_opens("ses_a", &t));
         assert!(!s.token_opens("ses_b", &t));
         assert!(!s.token_opens("ses_a", &t[..t.len() - 2]));
-        assert!(!s.token_opens("ses_a", "not hex"));
         assert!(!s.token_opens("ses_a", ""));
-        s.put(
-            "ses_a",
-            Sandbox::new("base".into(), Default::default(), Default::default()),
-        );
-        s.put(
-            "ses_b",
-            Sandbox::new("base".into(), Default::default(), Default::default()),
-        );
+        assert!(!s.token_opens("ses_c", &t));
         assert_eq!(s.opened_by(&t).as_deref(), Some("ses_a"));
-        assert_eq!(s.opened_by(&s.access_token("ses_c")), None);
-        let other = Sandboxes::default();
-        assert!(!other.token_opens("ses_a", &t));
+        assert_eq!(
+            s.opened_by(&s.access_token("ses_b")).as_deref(),
+            Some("ses_b")
+        );
+        assert_eq!(s.opened_by("00"), None);
+        // Stable for the sandbox's life here; gone with it.
+        assert_eq!(s.access_token("ses_a"), t);
+        s.forget("ses_a");
+        assert!(!s.token_opens("ses_a", &t));
+        assert_eq!(s.opened_by(&t), None);
+    }
+
+    #[test]
+    fn records_of_ended_sessions_are_pruned() {
+        let s = Sandboxes::default();
+        s.put("live", sandbox());
+        s.put("gone", sandbox());
+        let t = s.access_token("gone");
+        s.prune(|id| id == "live");
+        assert!(s.get("live").is_some());
+        assert!(s.get("gone").is_none());
+        assert_eq!(s.opened_by(&t), None);
     }
 
     #[test]
@@ -211,5 +282,18 @@ mod tests {
         assert!(s.by_pid("y", b).is_none());
         assert_eq!(s.by_tag("x", "web").unwrap().exec_id, "e2");
         assert!(s.by_tag("y", "web").is_none());
+        assert_eq!(s.processes("x", |p| p.pid != a).len(), 1);
+    }
+
+    #[test]
+    fn maps_are_bounded() {
+        let mut m = BTreeMap::new();
+        assert!(check_map("metadata", &m).is_ok());
+        m.insert("k".repeat(MAX_KEY_BYTES + 1), "v".into());
+        assert!(check_map("metadata", &m).is_err());
+        let many: BTreeMap<String, String> = (0..=MAX_ENTRIES)
+            .map(|i| (i.to_string(), String::new()))
+            .collect();
+        assert!(check_map("envVars", &many).is_err());
     }
 }

@@ -515,7 +515,8 @@ impl SessionService {
         self.lock().get(id).cloned()
     }
 
-    /// `owner`'s sessions, running and paused, oldest first.
+    /// `owner`'s sessions, running and paused, oldest first (ties by id). Reads the paused
+    /// store: blocking.
     pub fn of_owner(&self, owner: &Owner) -> Vec<SessionInfo> {
         let mut all: Vec<SessionInfo> = self
             .lock()
@@ -523,40 +524,42 @@ impl SessionService {
             .filter(|s| &s.owner == owner)
             .map(|s| s.describe())
             .collect();
-        if let Ok(store) = &self.paused {
-            let running: std::collections::HashSet<String> =
-                all.iter().map(|s| s.id.clone()).collect();
-            for (id, _) in store.scan() {
-                if running.contains(&id) {
-                    continue;
-                }
-                if let Some(info) = self.paused(owner, &id) {
-                    all.push(info);
-                }
-            }
-        }
+        let running: std::collections::HashSet<String> = all.iter().map(|s| s.id.clone()).collect();
+        all.extend(
+            self.paused_of_owner(owner)
+                .into_iter()
+                .filter(|p| !running.contains(&p.id)),
+        );
         all.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
         all
     }
 
-    /// Gives `owner`'s running session `id` a TTL of `ttl` from now (at most
-    /// `sessions.max_ttl_seconds`), or 404.
+    /// Gives `owner`'s running session `id` a TTL of `ttl` from now, but never past
+    /// `sessions.max_ttl_seconds` after its creation (the cap of a session's whole life); 404
+    /// for anyone else's, 400 for a zero TTL. The session as it is then.
     pub async fn set_ttl(
         &self,
         owner: &Owner,
         id: &str,
         ttl: Duration,
     ) -> Result<SessionInfo, SessionError> {
-        let max = Duration::from_secs(self.config.max_ttl_seconds);
-        if ttl > max {
-            return Err(SessionError::Invalid(format!(
-                "a session lives at most {} s (sessions.max_ttl_seconds)",
-                max.as_secs()
-            )));
+        if ttl.is_zero() {
+            return Err(SessionError::Invalid(
+                "a timeout must be at least 1 s".into(),
+            ));
         }
         let session = self.get(owner, id).ok_or(SessionError::NotFound)?;
+        let cap = session.created_at
+            + chrono::Duration::seconds(self.config.max_ttl_seconds.min(i64::MAX as u64) as i64);
+        let left = (cap - chrono::Utc::now()).to_std().unwrap_or_default();
+        let ttl = ttl.min(left);
         *session.lifetime.lock().unwrap_or_else(|p| p.into_inner()) = Lifetime::from_now(ttl);
         self.record_holder(id, ttl).await;
+        // Ended meanwhile: its holder record goes with it again.
+        if !self.holds(id) {
+            let _ = self.executions.store().session_remove(id).await;
+            return Err(SessionError::NotFound);
+        }
         Ok(session.describe())
     }
 

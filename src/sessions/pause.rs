@@ -52,6 +52,36 @@ impl SessionService {
             .then(|| describe(&record))
     }
 
+    /// `owner`'s paused sessions (read from the store: blocking).
+    pub fn paused_of_owner(&self, owner: &Owner) -> Vec<SessionInfo> {
+        let Ok(store) = &self.paused else {
+            return Vec::new();
+        };
+        store
+            .scan()
+            .into_iter()
+            .filter_map(|(_, found)| match found {
+                Found::Paused(r) if r.subject == owner.subject && r.tenant == owner.tenant => {
+                    Some(describe(&r))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The ids of every paused session (read from the store: blocking).
+    pub fn paused_ids(&self) -> std::collections::HashSet<String> {
+        let Ok(store) = &self.paused else {
+            return Default::default();
+        };
+        store
+            .scan()
+            .into_iter()
+            .filter(|(_, found)| matches!(found, Found::Paused(_)))
+            .map(|(id, _)| id)
+            .collect()
+    }
+
     /// Whether `owner`'s paused session `id` ran exec `exec_id` (one of its last execs).
     pub fn paused_ran(&self, owner: &Owner, id: &str, exec_id: &str) -> bool {
         let Some(record) = self.paused.as_ref().ok().and_then(|s| s.read(id)) else {
