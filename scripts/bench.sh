@@ -7,9 +7,9 @@
 #                           16 in flight against bwrap 16 at a time (examples/bench_local.rs).
 #   scripts/bench.sh all    every benchmark in one run, then docs/benchmarks.md and
 #                           docs/benchmarks.png written from its results (scripts/bench/report.py):
-#                           local; sessions on local; streaming on local; MCP and receipts on
-#                           local; and, when dockerd answers
-#                           and the sandbox image exists, sessions on runc (and gvisor when runsc is
+#                           local; sessions on local; streaming on local; MCP, receipts and the
+#                           E2B SDK on local; and, when dockerd answers and the sandbox image
+#                           exists, sessions and the E2B SDK on runc (and gvisor when runsc is
 #                           registered), streaming on runc and scripts/bench-docker.sh. Each
 #                           benchmark writes JSON into the results directory; one that fails or is
 #                           left out is reported as not run, with the reason.
@@ -98,7 +98,7 @@ bench_all() {
 
   cargo build --release --locked --bin executor-arm \
     --example bench_local --example bench_sessions --example bench_stream \
-    --example bench_mcp --example bench_receipts
+    --example bench_mcp --example bench_receipts --example bench_e2b
   # The in-container supervisor of this build, where the daemon looks for it (beside its
   # executable): the container benchmarks must not run an older one.
   scripts/build-supervisor.sh --release "${EXECUTOR_ARM_BIN}-supervisor" >/dev/null
@@ -134,6 +134,17 @@ bench_all() {
   run_bench stream-local env SANDBOX_RUNTIME=local "$EXAMPLES/bench_stream"
   run_bench mcp-local "$EXAMPLES/bench_mcp"
   run_bench receipts-local "$EXAMPLES/bench_receipts"
+  run_bench e2b-local env BACKEND=local "$EXAMPLES/bench_e2b"
+  if [[ -z "$docker_reason" ]]; then
+    run_bench e2b-runc env BACKEND=runc "$EXAMPLES/bench_e2b"
+  else
+    skip_bench e2b-runc "$docker_reason"
+  fi
+  if [[ -z "$gvisor_reason" ]]; then
+    run_bench e2b-gvisor env BACKEND=gvisor "$EXAMPLES/bench_e2b"
+  else
+    skip_bench e2b-gvisor "$gvisor_reason"
+  fi
   if [[ -z "$docker_reason" ]]; then
     run_bench stream-runc env SANDBOX_RUNTIME=runc "$EXAMPLES/bench_stream"
     runtimes="runc gvisor"

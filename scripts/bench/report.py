@@ -35,6 +35,9 @@ BENCHMARKS = {
     "stream-runc": "`examples/bench_stream.rs`, SANDBOX_RUNTIME=runc",
     "mcp-local": "`examples/bench_mcp.rs`",
     "receipts-local": "`examples/bench_receipts.rs`",
+    "e2b-local": "`examples/bench_e2b.rs`, BACKEND=local",
+    "e2b-runc": "`examples/bench_e2b.rs`, BACKEND=runc",
+    "e2b-gvisor": "`examples/bench_e2b.rs`, BACKEND=gvisor",
     "docker": "`scripts/bench-docker.sh` (runc and gvisor)",
 }
 

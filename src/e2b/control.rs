@@ -35,6 +35,7 @@ pub fn routes(e2b: Arc<E2b>) -> Router<Arc<AppState>> {
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/resume", post(connect))
         .route("/sandboxes/{id}/refreshes", post(refresh))
+        .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/templates", axum::routing::any(unsupported_templates))
         .route(
             "/templates/{*rest}",
@@ -550,6 +551,67 @@ async fn connect(
             domain: None,
         }),
     ))
+}
+
+/// One sample of a sandbox's use, as E2B reports it.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Metric {
+    timestamp: String,
+    timestamp_unix: i64,
+    cpu_count: u32,
+    cpu_used_pct: f64,
+    mem_used: u64,
+    mem_total: u64,
+    mem_cache: u64,
+    disk_used: u64,
+    disk_total: u64,
+}
+
+/// The time between the two readings a CPU share is measured over.
+const CPU_SAMPLE: Duration = Duration::from_millis(200);
+
+/// `GET /sandboxes/{id}/metrics`: one sample of the sandbox's use now, from its session's
+/// cgroup (local: its runs' group; containers: the container's) and its workspace's
+/// filesystem. A paused sandbox has none (`[]`).
+async fn metrics(
+    State(e2b): State<Arc<E2b>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Answer<Json<Vec<Metric>>> {
+    let (owner, ..) = owner(&e2b, &headers).await?;
+    let Some(session) = e2b.st.sessions.get(&owner, &id) else {
+        if e2b.st.sessions.paused(&owner, &id).is_some() {
+            return Ok(Json(vec![]));
+        }
+        return Err(ApiError::SessionNotFound.into());
+    };
+    let read = || {
+        let (st, session) = (e2b.st.clone(), session.clone());
+        async move {
+            tokio::task::spawn_blocking(move || st.sessions.usage(&session))
+                .await
+                .map_err(|e| E2bError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+        }
+    };
+    let (first, t0) = (read().await?, std::time::Instant::now());
+    tokio::time::sleep(CPU_SAMPLE).await;
+    let ((usage, disk), wall) = (read().await?, t0.elapsed());
+    let (cpus, memory, disk_total) = session.size();
+    let used_ns = usage.cpu_ns.saturating_sub(first.0.cpu_ns) as f64;
+    let pct = 100.0 * used_ns / (wall.as_nanos() as f64 * cpus.max(0.01));
+    let now = chrono::Utc::now();
+    Ok(Json(vec![Metric {
+        timestamp: now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        timestamp_unix: now.timestamp(),
+        cpu_count: cpus.ceil().max(1.0) as u32,
+        cpu_used_pct: (pct.clamp(0.0, 100.0) * 100.0).round() / 100.0,
+        mem_used: usage.memory_bytes,
+        mem_total: memory,
+        mem_cache: usage.cache_bytes,
+        disk_used: disk.unwrap_or(0),
+        disk_total,
+    }]))
 }
 
 async fn unsupported_templates() -> E2bError {

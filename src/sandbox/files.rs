@@ -139,6 +139,12 @@ pub trait Kept: Send + Sync {
     /// supervisor stopped answering).
     fn gone(&self) -> Option<String>;
 
+    /// What the sandbox uses now (memory, CPU time) and the bytes its workspace holds, when they
+    /// can be read. Blocking (reads the host's cgroup and mount files).
+    fn usage(&self) -> Option<(super::Usage, Option<u64>)> {
+        None
+    }
+
     /// Writes `bytes` to the file `rel` (made or replaced whole; missing parents made).
     async fn write_file(&self, rel: &str, bytes: Vec<u8>) -> Result<(), FileError>;
 

@@ -445,6 +445,68 @@ pub struct BackendStatus {
     pub detail: String,
 }
 
+/// What a session's sandbox uses now: memory charged to it, and the CPU time its processes
+/// have used (cumulative: two readings give a rate).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub memory_bytes: u64,
+    /// Of `memory_bytes`, the page cache (files read or written, a tmpfs workspace's pages).
+    pub cache_bytes: u64,
+    pub cpu_ns: u64,
+}
+
+/// The bytes used on the filesystem that holds `path` (a workspace's own tmpfs). Blocking.
+pub fn used_bytes(path: &std::path::Path) -> Option<u64> {
+    let v = nix::sys::statvfs::statvfs(path).ok()?;
+    let frag = v.fragment_size() as u64;
+    Some((v.blocks() as u64).saturating_sub(v.blocks_free() as u64) * frag)
+}
+
+/// What the cgroup of host process `pid` uses now (cgroup v2, or v1's memory and cpuacct
+/// hierarchies). Blocking.
+pub fn usage_of_pid(pid: u32) -> Option<Usage> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    let read = |p: std::path::PathBuf| -> Option<u64> {
+        std::fs::read_to_string(p).ok()?.trim().parse().ok()
+    };
+    let (mut memory, mut cache, mut cpu) = (None, None, None);
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let path = path.trim_start_matches('/');
+        let ctl: Vec<&str> = controllers.split(',').collect();
+        if ctl.contains(&"memory") {
+            let dir = root.join("memory").join(path);
+            memory = read(dir.join("memory.usage_in_bytes"));
+            cache = stat_value(&dir.join("memory.stat"), "total_cache");
+        }
+        if ctl.contains(&"cpuacct") {
+            cpu = read(root.join(controllers).join(path).join("cpuacct.usage"));
+        }
+        if controllers.is_empty() && memory.is_none() {
+            // cgroup v2 (alone, or the unified hierarchy of a v2-only host).
+            let dir = root.join(path);
+            memory = read(dir.join("memory.current"));
+            cache = stat_value(&dir.join("memory.stat"), "file");
+            cpu = stat_value(&dir.join("cpu.stat"), "usage_usec").map(|us| us * 1000);
+        }
+    }
+    Some(Usage {
+        memory_bytes: memory?,
+        cache_bytes: cache.unwrap_or(0),
+        cpu_ns: cpu.unwrap_or(0),
+    })
+}
+
+/// The value of `key` in a cgroup `key value` file (memory.stat, cpu.stat).
+pub fn stat_value(path: &std::path::Path, key: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok()).flatten()
+    })
+}
+
 /// One isolation mechanism.
 #[async_trait::async_trait]
 pub trait Sandbox: Send + Sync {
@@ -465,6 +527,14 @@ pub trait Sandbox: Send + Sync {
     /// Runs `spec` to an outcome. Must leave nothing behind, whatever happens, including when the
     /// returned future is dropped.
     async fn run(&self, spec: RunSpec) -> Result<RunOutcome, SandboxError>;
+
+    /// What the runs of session `session_id` use together now, on a backend whose session runs
+    /// are fresh sandboxes (local: their group's cgroup). None: no run of it lives, or the
+    /// session's kept sandbox answers instead ([`files::Kept::usage`]). Blocking (reads cgroup
+    /// files).
+    fn session_usage(&self, _session_id: &str) -> Option<Usage> {
+        None
+    }
 
     /// Opens a sandbox kept for session `session_id`, shaped like `spec`'s (profile, limits, user,
     /// workdir; its argv is not run): later runs whose [`RunSpec::kept`] is it run inside it.

@@ -515,6 +515,24 @@ impl SessionService {
         self.lock().get(id).cloned()
     }
 
+    /// What `session`'s sandbox uses now (memory charged to it, its processes' CPU time so far)
+    /// and the bytes its workspace holds: each as far as it can be read. A local session with no
+    /// process running uses no memory or CPU. Blocking (reads cgroup and mount files).
+    pub fn usage(&self, session: &Session) -> (crate::sandbox::Usage, Option<u64>) {
+        match &session.place {
+            Place::Host(w) => {
+                let usage = self
+                    .executions
+                    .backends()
+                    .get(&session.backend)
+                    .and_then(|b| b.session_usage(&session.id))
+                    .unwrap_or_default();
+                (usage, crate::sandbox::used_bytes(&w.host_dir()))
+            }
+            Place::Kept(k) => k.usage().unwrap_or_default(),
+        }
+    }
+
     /// `owner`'s sessions, running and paused, oldest first (ties by id). Reads the paused
     /// store: blocking.
     pub fn of_owner(&self, owner: &Owner) -> Vec<SessionInfo> {

@@ -321,3 +321,24 @@ def test_a_large_file_round_trips(sbx):
     data = bytes(range(256)) * (3 * 4096)
     sbx.files.write("big.bin", data)
     assert sbx.files.read("big.bin", format="bytes") == data
+
+
+def test_metrics_see_the_sandbox_working(sbx):
+    # 32 MiB in the workspace and a busy loop: the sample shows the disk and CPU they take.
+    sbx.commands.run("head -c 33554432 /dev/zero > fill.bin", timeout=STREAM)
+    busy = sbx.commands.run("while :; do :; done", background=True, timeout=STREAM)
+    try:
+        def sample():
+            got = sbx.get_metrics()
+            m = got[-1] if got else None
+            return m if m and m.cpu_used_pct > 0 else None
+
+        m = until("a metrics sample with CPU in use", sample)
+        assert m.cpu_count >= 1
+        assert m.disk_used >= 32 << 20, m
+        assert m.disk_total >= m.disk_used, m
+        assert 0 < m.mem_used, m
+        assert m.mem_total > 0, m
+    finally:
+        busy.kill()
+        sbx.files.remove("fill.bin")

@@ -299,6 +299,18 @@ impl Kept for Arc<KeptContainer> {
         short(&self.id).to_string()
     }
 
+    /// Read from the host: the cgroup of the container's main process, and the workspace as
+    /// its mount namespace has it (`/proc/<pid>/root`).
+    fn usage(&self) -> Option<(crate::sandbox::Usage, Option<u64>)> {
+        let pid = self.pid?;
+        let usage = crate::sandbox::usage_of_pid(pid)?;
+        let disk = crate::sandbox::used_bytes(
+            &std::path::Path::new(&format!("/proc/{pid}/root"))
+                .join(crate::execution::WORKSPACE.trim_start_matches('/')),
+        );
+        Some((usage, disk))
+    }
+
     fn gone(&self) -> Option<String> {
         if let Some(why) = KeptContainer::gone(self) {
             return Some(why);

@@ -181,6 +181,10 @@ impl Drop for LocalSandbox {
 
 #[async_trait::async_trait]
 impl Sandbox for LocalSandbox {
+    fn session_usage(&self, session_id: &str) -> Option<crate::sandbox::Usage> {
+        self.groups.as_ref()?.usage(session_id)
+    }
+
     fn kind(&self) -> BackendKind {
         BackendKind::Local
     }

@@ -91,6 +91,14 @@ impl Groups {
     }
 }
 
+impl Groups {
+    /// What group `key`'s runs use together now (None: no run of it lives).
+    pub fn usage(&self, key: &str) -> Option<crate::sandbox::Usage> {
+        let group = self.live.lock().ok()?.get(key).and_then(Weak::upgrade)?;
+        Some(group.cg.usage())
+    }
+}
+
 /// A run inside a group. Fields drop in order: the run's cgroup first, then the group's hold.
 struct GroupRun {
     run: Box<dyn RunCgroup>,
@@ -110,6 +118,10 @@ impl RunCgroup for GroupRun {
     fn stats(&self) -> CgroupStats {
         self.run.stats()
     }
+    fn usage(&self) -> crate::sandbox::Usage {
+        self.run.usage()
+    }
+
     fn is_empty(&self) -> bool {
         self.run.is_empty()
     }

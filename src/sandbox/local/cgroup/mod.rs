@@ -56,6 +56,8 @@ pub trait RunCgroup: Send + Sync {
     /// Host pids of the processes in the cgroup now.
     fn pids(&self) -> Vec<i32>;
     fn stats(&self) -> CgroupStats;
+    /// What its processes use now.
+    fn usage(&self) -> crate::sandbox::Usage;
     /// Whether any process is left.
     fn is_empty(&self) -> bool;
     /// Removes the cgroup directories; kills first if anything is left.
@@ -452,6 +454,41 @@ fn delete_retry(cg: &Cgroup) -> io::Result<()> {
             Err(e) => return Err(cg_err(e)),
         }
     }
+}
+
+/// The CPU time the processes of `dir` and of the cgroups below it have used so far (their
+/// `utime` + `stime` in `/proc/<pid>/stat`): for a cgroup v1 host whose cpuacct controller is
+/// not mounted with cpu, where a run's cgroup has no CPU counter of its own.
+fn cpu_ns_of_tree(dir: &Path) -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let mut total = 0u64;
+    let mut dirs = vec![(dir.to_path_buf(), 0)];
+    while let Some((d, depth)) = dirs.pop() {
+        for pid in procs_of(&d) {
+            let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // Fields after the command (which may hold spaces), from its closing parenthesis:
+            // state is the 3rd field, utime the 14th and stime the 15th.
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                continue;
+            };
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            total += (t(11) + t(12)) * (1_000_000_000 / ticks);
+        }
+        if depth < 4
+            && let Ok(entries) = fs::read_dir(&d)
+        {
+            for e in entries.flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    dirs.push((e.path(), depth + 1));
+                }
+            }
+        }
+    }
+    total
 }
 
 /// A decimal number in a cgroup file, read by hand (see the callers for why).

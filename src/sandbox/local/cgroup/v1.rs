@@ -12,9 +12,10 @@ use cgroups_rs::pid::PidController;
 use cgroups_rs::{Cgroup, MaxValue};
 
 use super::{
-    CgroupDriver, CgroupStats, CgroupVersion, Dirs, RunCgroup, cg_err, cpu_quota, create_dirs, ctl,
-    delete_retry, keyed_value, kill_pids, kill_until_empty, owner_name, pids_in, procs_of,
-    read_u64, rmdir_retry, sweep_dir, sweep_owners, valid_run_name, valid_run_path, write_file,
+    CgroupDriver, CgroupStats, CgroupVersion, Dirs, RunCgroup, cg_err, cpu_ns_of_tree, cpu_quota,
+    create_dirs, ctl, delete_retry, keyed_value, kill_pids, kill_until_empty, owner_name, pids_in,
+    procs_of, read_u64, rmdir_retry, sweep_dir, sweep_owners, valid_run_name, valid_run_path,
+    write_file,
 };
 use crate::sandbox::Limits;
 
@@ -240,6 +241,18 @@ impl RunCgroup for V1Run {
                 .ok()
                 .and_then(|c| c.get_pid_events().ok())
                 .unwrap_or(0),
+        }
+    }
+
+    /// `cpuacct.usage` is read from the cpu hierarchy when cpuacct is mounted with cpu; else
+    /// the CPU time of the processes the memory hierarchy lists here and below.
+    fn usage(&self) -> crate::sandbox::Usage {
+        crate::sandbox::Usage {
+            memory_bytes: read_u64(&self.dirs.memory.join("memory.usage_in_bytes")).unwrap_or(0),
+            cache_bytes: keyed_value(&self.dirs.memory.join("memory.stat"), "total_cache")
+                .unwrap_or(0),
+            cpu_ns: read_u64(&self.dirs.cpu.join("cpuacct.usage"))
+                .unwrap_or_else(|| cpu_ns_of_tree(&self.dirs.memory)),
         }
     }
 

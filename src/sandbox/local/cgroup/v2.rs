@@ -177,6 +177,14 @@ impl RunCgroup for V2Run {
         }
     }
 
+    fn usage(&self) -> crate::sandbox::Usage {
+        crate::sandbox::Usage {
+            memory_bytes: read_u64(&self.dir.join("memory.current")).unwrap_or(0),
+            cache_bytes: keyed_value(&self.dir.join("memory.stat"), "file").unwrap_or(0),
+            cpu_ns: keyed_value(&self.dir.join("cpu.stat"), "usage_usec").unwrap_or(0) * 1000,
+        }
+    }
+
     fn is_empty(&self) -> bool {
         self.pids().is_empty()
     }
