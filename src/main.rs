@@ -564,6 +564,7 @@ fn serve_on(
         // the drain up.
         let mcp_shutdown = tokio_util::sync::CancellationToken::new();
         let mut front_ends = executor_arm::mcp::routes(&state, mcp_shutdown.clone());
+        let mut envd_served = None;
         // The E2B API, when e2b.envd_listen turns it on: its control plane beside the REST
         // API, its data plane on its own listener (its process streams end at the drain).
         if let Some(e2b) = executor_arm::e2b::E2b::new(&state, mcp_shutdown.clone())? {
@@ -572,19 +573,23 @@ fn serve_on(
                 .context("e2b.envd_listen")?;
             tracing::info!(addr = %envd.local_addr()?, "E2B data plane listening");
             front_ends = front_ends.merge(e2b.control_routes());
-            tokio::spawn(executor_arm::api::serve_listener(
+            envd_served = Some(tokio::spawn(executor_arm::api::serve_listener(
                 envd,
                 e2b.envd_routes(),
                 std::time::Duration::from_millis(state.config.server.header_read_timeout_ms),
                 std::time::Duration::from_secs(state.config.server.shutdown_grace_seconds),
                 mcp_shutdown.clone(),
-            ));
+            )));
         }
         let shutdown = async move {
             shutdown_signal().await;
             mcp_shutdown.cancel();
         };
         executor_arm::api::run(listener, state, front_ends, shutdown).await;
+        // The data plane's drain (bounded by the shutdown grace) ends before the daemon does.
+        if let Some(served) = envd_served {
+            let _ = served.await;
+        }
         drop(dev_dir);
         tracing::info!("stopped");
         Ok(())

@@ -363,3 +363,140 @@ async fn process_streams_take_a_stream_place() {
     assert_eq!(body[0], 2, "{end}");
     assert_eq!(end["error"]["code"], "resource_exhausted", "{end}");
 }
+
+/// A raw HTTP/1.1 request to `addr`: the status line's code and the body, read to the end.
+async fn raw(addr: &str, head: &str, body: &[u8]) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(head.as_bytes()).await.expect("head");
+    // The server may answer (and close) before it read everything.
+    let _ = s.write_all(body).await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(60), s.read_to_end(&mut out)).await;
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, text)
+}
+
+/// A multipart upload is bounded whole (framing included, not only its files' bytes) and
+/// writes one file when `path` names one.
+#[tokio::test]
+async fn a_multipart_upload_is_bounded() {
+    Backend::Local.require("e2b multipart");
+    let (d, envd) = e2b_daemon(Backend::Local);
+    let key = api_key(&d, "orchestrator");
+    let (id, token) = create(&d, &key, 120).await;
+    let part = |name: &str| {
+        format!(
+            "--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\r\nhi\r\n"
+        )
+    };
+    let send = |query: &str, body: Vec<u8>| {
+        let head = format!(
+            "POST /files{query} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nE2b-Sandbox-Id: {id}\r\nX-Access-Token: {token}\r\nContent-Type: multipart/form-data; boundary=B\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let envd = envd.clone();
+        async move { raw(&envd, &head, &body).await }
+    };
+    // 40 MiB of preamble before the first boundary: past sessions.max_file_bytes (16 MiB) and
+    // its framing's room, though no file holds a byte of it.
+    let mut big = vec![b'x'; 40 << 20];
+    big.extend_from_slice(format!("\r\n{}--B--\r\n", part("a.txt")).as_bytes());
+    let (code, text) = send("", big).await;
+    assert_eq!(code, 413, "{}", &text[..text.len().min(400)]);
+    // `path` names one file: a second part is refused, and nothing is written.
+    let two = format!("{}{}--B--\r\n", part("one.txt"), part("two.txt")).into_bytes();
+    let (code, text) = send("?path=one.txt", two).await;
+    assert_eq!(code, 400, "{text}");
+    let one = format!("{}--B--\r\n", part("x")).into_bytes();
+    let (code, text) = send("?path=one.txt", one).await;
+    assert_eq!(code, 200, "{text}");
+}
+
+/// A download holds its place among the file transfers until its reader took the last bytes:
+/// eight readers that stopped reading leave none for a ninth (429), so slow readers cannot
+/// hold more files in memory than that.
+#[tokio::test]
+async fn a_reader_that_stops_keeps_its_file_transfer_place() {
+    Backend::Local.require("e2b downloads");
+    // A file larger than what the kernel's socket buffers take of it unread.
+    let (d, envd) = e2b_daemon_with(Backend::Local, "[sessions]\nmax_file_bytes = 67108864\n");
+    let key = api_key(&d, "orchestrator");
+    let (id, token) = create(&d, &key, 120).await;
+    let put = d
+        .client
+        .post(format!("http://{envd}/files?path=big.bin"))
+        .header("e2b-sandbox-id", &id)
+        .header("x-access-token", &token)
+        .header("content-type", "application/octet-stream")
+        .body(vec![7u8; 60 << 20])
+        .send()
+        .await
+        .expect("upload");
+    assert_eq!(put.status().as_u16(), 200);
+    use tokio::io::AsyncWriteExt;
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let mut s = tokio::net::TcpStream::connect(&envd)
+            .await
+            .expect("connect");
+        let head = format!(
+            "GET /files?path=big.bin HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: {id}\r\nX-Access-Token: {token}\r\n\r\n"
+        );
+        s.write_all(head.as_bytes()).await.expect("request");
+        // Its answer began (200): it holds a place now. Nothing more of it is read.
+        use tokio::io::AsyncReadExt;
+        let mut first = [0u8; 12];
+        tokio::time::timeout(Duration::from_secs(60), s.read_exact(&mut first))
+            .await
+            .expect("the download's answer")
+            .expect("read");
+        assert_eq!(
+            &first,
+            b"HTTP/1.1 200",
+            "{}",
+            String::from_utf8_lossy(&first)
+        );
+        held.push(s);
+    }
+    let ninth = || async {
+        d.client
+            .get(format!("http://{envd}/files?path=big.bin"))
+            .header("e2b-sandbox-id", &id)
+            .header("x-access-token", &token)
+            .send()
+            .await
+            .expect("download")
+            .status()
+            .as_u16()
+    };
+    // The eight are taken once their files are read (the daemon answers each in turn).
+    let mut last = 0;
+    for _ in 0..300 {
+        last = ninth().await;
+        if last == 429 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        last, 429,
+        "a ninth download was served while eight readers held theirs"
+    );
+    drop(held);
+    // Their places come back once they are gone.
+    let mut back = 0;
+    for _ in 0..300 {
+        back = ninth().await;
+        if back == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(back, 200);
+}

@@ -593,10 +593,7 @@ pub async fn get_file(
         let permit = file_permit(&st)?;
         let bytes = sessions::read_file(&st, &session, &path).await?;
         // The permit goes with the bytes: a slow reader holds its place until it has them.
-        let body = futures::stream::once(async move {
-            let _held = permit;
-            Ok::<_, std::convert::Infallible>(bytes::Bytes::from(bytes))
-        });
+        let body = sessions::file_body(permit, bytes);
         Ok::<_, ApiError>(
             (
                 StatusCode::OK,
@@ -604,7 +601,7 @@ pub async fn get_file(
                     header::CONTENT_TYPE,
                     HeaderValue::from_static("application/octet-stream"),
                 )],
-                Body::from_stream(body),
+                body,
             )
                 .into_response(),
         )

@@ -606,6 +606,27 @@ pub fn file_permit(st: &AppState) -> Result<tokio::sync::OwnedSemaphorePermit, A
     })
 }
 
+/// The most one chunk of a file's answer holds.
+const FILE_CHUNK: usize = 64 * 1024;
+
+/// A file's bytes as an answer's body that holds `permit` until its last chunk was taken: a
+/// reader that stops reading keeps its place among the file transfers (the body is polled for
+/// the next chunk only once the previous one was written), so slow readers cannot hold more
+/// than [`MAX_FILE_CALLS`] files in memory.
+pub fn file_body(permit: tokio::sync::OwnedSemaphorePermit, bytes: Vec<u8>) -> axum::body::Body {
+    let bytes = bytes::Bytes::from(bytes);
+    let chunks =
+        futures::stream::unfold((bytes, Some(permit)), |(mut rest, mut permit)| async move {
+            if rest.is_empty() {
+                permit.take();
+                return None;
+            }
+            let chunk = rest.split_to(rest.len().min(FILE_CHUNK));
+            Some((Ok::<_, std::convert::Infallible>(chunk), (rest, permit)))
+        });
+    axum::body::Body::from_stream(chunks)
+}
+
 /// Writes `bytes` to `path` in `session`'s workspace for the request `request_id`: at most
 /// `sessions.max_file_bytes` (413 past it, whichever front end read the bytes).
 pub async fn upload(

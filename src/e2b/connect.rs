@@ -69,6 +69,10 @@ impl Code {
 pub struct RpcError {
     pub code: Code,
     pub message: String,
+    /// The HTTP status of the answer it came from, for a route that answers with it rather
+    /// than a Connect error (`/files`).
+    #[serde(skip)]
+    pub status: Option<StatusCode>,
 }
 
 impl RpcError {
@@ -76,6 +80,7 @@ impl RpcError {
         RpcError {
             code,
             message: message.into(),
+            status: None,
         }
     }
 
@@ -93,7 +98,10 @@ impl From<ApiError> for RpcError {
     fn from(e: ApiError) -> Self {
         // To envd, a process that ended is one it no longer has.
         if matches!(e, ApiError::ProcessEnded) {
-            return RpcError::not_found(e.message());
+            return RpcError {
+                status: Some(StatusCode::NOT_FOUND),
+                ..RpcError::not_found(e.message())
+            };
         }
         let code = match e.status().as_u16() {
             400 | 422 => Code::InvalidArgument,
@@ -107,7 +115,10 @@ impl From<ApiError> for RpcError {
             503 => Code::Unavailable,
             _ => Code::Internal,
         };
-        RpcError::new(code, e.message())
+        RpcError {
+            status: Some(e.status()),
+            ..RpcError::new(code, e.message())
+        }
     }
 }
 

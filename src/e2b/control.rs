@@ -580,6 +580,12 @@ async fn metrics(
     headers: HeaderMap,
 ) -> Answer<Json<Vec<Metric>>> {
     let (owner, ..) = owner(&e2b, &headers).await?;
+    let _sampling = e2b.metrics_calls.clone().try_acquire_owned().map_err(|_| {
+        E2bError(
+            StatusCode::TOO_MANY_REQUESTS,
+            "metrics are being sampled for other calls: try again shortly".into(),
+        )
+    })?;
     let Some(session) = e2b.st.sessions.get(&owner, &id) else {
         if e2b.st.sessions.paused(&owner, &id).is_some() {
             return Ok(Json(vec![]));

@@ -265,15 +265,15 @@ async fn remove(call: &Call<'_>, body: &[u8]) -> Result<pb::RemoveResponse, RpcE
 
 /// envd's `/files` error body.
 fn files_error(e: RpcError) -> Response {
-    let status = match e.code {
+    let status = e.status.unwrap_or(match e.code {
         Code::InvalidArgument => StatusCode::BAD_REQUEST,
         Code::Unauthenticated => StatusCode::UNAUTHORIZED,
         Code::PermissionDenied => StatusCode::FORBIDDEN,
         Code::NotFound => StatusCode::NOT_FOUND,
-        Code::ResourceExhausted => StatusCode::PAYLOAD_TOO_LARGE,
+        Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
         Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
-    };
+    });
     let body = serde_json::json!({ "code": status.as_u16(), "message": e.message });
     (status, Json(body)).into_response()
 }
@@ -288,6 +288,9 @@ pub struct FilesQuery {
     #[allow(dead_code)]
     username: Option<String>,
 }
+
+/// The most files one multipart upload without `?path=` writes.
+const MAX_PARTS: usize = 64;
 
 /// `path` as a path of the workspace, relative to it (the session's file calls take those).
 fn workspace_relative(path: &str) -> Result<String, RpcError> {
@@ -324,13 +327,15 @@ pub async fn download(
             .as_deref()
             .ok_or_else(|| RpcError::invalid("path is required"))?;
         let rel = workspace_relative(path)?;
-        let _permit = crate::calls::sessions::file_permit(&e2b.st).map_err(RpcError::from)?;
-        crate::calls::sessions::read_file(&e2b.st, &session, &rel)
+        let permit = crate::calls::sessions::file_permit(&e2b.st).map_err(RpcError::from)?;
+        let bytes = crate::calls::sessions::read_file(&e2b.st, &session, &rel)
             .await
-            .map_err(|e| api_error(&session, e))
+            .map_err(|e| api_error(&session, e))?;
+        // The permit goes with the bytes, to the last chunk a slow reader takes.
+        Ok::<_, RpcError>(crate::calls::sessions::file_body(permit, bytes))
     };
     match served.await {
-        Ok(bytes) => ([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response(),
+        Ok(body) => ([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response(),
         Err(e) => files_error(e),
     }
 }
@@ -350,11 +355,12 @@ pub async fn upload(
     };
     let served = async {
         // A place among the file transfers first: no body is held without one.
-        let _permit = crate::calls::sessions::file_permit(&e2b.st).map_err(RpcError::from)?;
+        let permit = crate::calls::sessions::file_permit(&e2b.st).map_err(RpcError::from)?;
         let limit = BodyLimit::file(&e2b.st);
         let max = limit.bytes;
-        let too_large = || {
-            RpcError::new(
+        let too_large = || RpcError {
+            status: Some(StatusCode::PAYLOAD_TOO_LARGE),
+            ..RpcError::new(
                 Code::ResourceExhausted,
                 format!("an upload is at most {max} bytes (sessions.max_file_bytes)"),
             )
@@ -369,25 +375,36 @@ pub async fn upload(
                 let mut parts = Multipart::from_request(req, &())
                     .await
                     .map_err(|e| RpcError::invalid(e.body_text()))?;
+                let failed = |e: axum::extract::multipart::MultipartError| {
+                    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                        too_large()
+                    } else {
+                        RpcError::invalid(e.body_text())
+                    }
+                };
                 let mut total = 0usize;
-                while let Some(mut part) = parts
-                    .next_field()
-                    .await
-                    .map_err(|e| RpcError::invalid(e.body_text()))?
-                {
+                let most = if q.path.is_some() { 1 } else { MAX_PARTS };
+                while let Some(mut part) = parts.next_field().await.map_err(failed)? {
+                    if files.len() == most {
+                        return Err(RpcError::invalid(format!(
+                            "at most {most} file(s) in one upload ({})",
+                            if most == 1 {
+                                "path names one"
+                            } else {
+                                "its parts"
+                            }
+                        )));
+                    }
                     let path = q
                         .path
                         .clone()
                         .or_else(|| part.file_name().map(str::to_string))
                         .ok_or_else(|| RpcError::invalid("path is required"))?;
-                    // Checked before its bytes are read.
+                    // Checked before its bytes are read; it counts toward the upload's size.
                     workspace_relative(&path)?;
+                    total += path.len();
                     let mut bytes = Vec::new();
-                    while let Some(chunk) = part
-                        .chunk()
-                        .await
-                        .map_err(|e| RpcError::invalid(e.body_text()))?
-                    {
+                    while let Some(chunk) = part.chunk().await.map_err(failed)? {
                         total += chunk.len();
                         if total > max {
                             return Err(too_large());
@@ -414,35 +431,47 @@ pub async fn upload(
                 .map_err(RpcError::from)?;
             files.push((path, bytes.to_vec()));
         }
-        let mut written = Vec::new();
-        for (path, bytes) in files {
-            let rel = workspace_relative(&path)?;
-            crate::calls::sessions::upload(
-                &e2b.st,
-                &session,
-                super::request_id(&headers),
-                &rel,
-                bytes,
-            )
-            .await
-            .map_err(|e| api_error(&session, e))?;
-            let full = if rel.is_empty() {
-                WORKSPACE.to_string()
-            } else {
-                format!("{WORKSPACE}/{rel}")
-            };
-            let name = std::path::Path::new(&full)
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            written.push(serde_json::json!({ "name": name, "type": "file", "path": full }));
-        }
-        Ok::<_, RpcError>(written)
+        // Written on a task of its own: a client that goes away does not cut the writes short.
+        let (st, session, rid) = (e2b.st.clone(), session.clone(), super::request_id(&headers));
+        tokio::spawn(async move {
+            let _held = permit;
+            write_all(&st, &session, rid, files).await
+        })
+        .await
+        .map_err(|e| RpcError::new(Code::Internal, e.to_string()))?
     };
     match served.await {
         Ok(written) => (StatusCode::OK, Json(written)).into_response(),
         Err(e) => files_error(e),
     }
+}
+
+/// Writes `files` (path, bytes) into `session`'s workspace, each with its audit line: the
+/// entries written, as envd answers them.
+async fn write_all(
+    st: &crate::calls::AppState,
+    session: &Session,
+    rid: String,
+    files: Vec<(String, Vec<u8>)>,
+) -> Result<Vec<serde_json::Value>, RpcError> {
+    let mut written = Vec::new();
+    for (path, bytes) in files {
+        let rel = workspace_relative(&path)?;
+        crate::calls::sessions::upload(st, session, rid.clone(), &rel, bytes)
+            .await
+            .map_err(|e| api_error(session, e))?;
+        let full = if rel.is_empty() {
+            WORKSPACE.to_string()
+        } else {
+            format!("{WORKSPACE}/{rel}")
+        };
+        let name = std::path::Path::new(&full)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        written.push(serde_json::json!({ "name": name, "type": "file", "path": full }));
+    }
+    Ok(written)
 }
 
 #[cfg(test)]

@@ -56,7 +56,15 @@ pub struct E2b {
     sandboxes: Sandboxes,
     /// Raised when the daemon drains: open process streams end.
     shutdown: CancellationToken,
+    /// Metrics samples being taken (each reads cgroup files twice, 200 ms apart).
+    metrics_calls: Arc<tokio::sync::Semaphore>,
 }
+
+/// Metrics samples taken at once; one more is 429.
+const MAX_METRICS_CALLS: usize = 4;
+
+/// What a multipart upload may add to its file's bytes: boundaries, part headers, paths.
+const MULTIPART_FRAMING: usize = 1 << 20;
 
 /// How often the records of sandboxes whose session is gone are forgotten.
 const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
@@ -97,6 +105,7 @@ impl E2b {
             st: st.clone(),
             sandboxes: Sandboxes::default(),
             shutdown,
+            metrics_calls: Arc::new(tokio::sync::Semaphore::new(MAX_METRICS_CALLS)),
         });
         let weak = Arc::downgrade(&e2b);
         tokio::spawn(async move {
@@ -112,13 +121,20 @@ impl E2b {
     /// Forgets the records of sandboxes whose session is gone (ended, expired, deleted through
     /// another front end, or paused past its keeping).
     async fn prune(&self) {
-        let st = self.st.clone();
-        let paused = tokio::task::spawn_blocking(move || st.sessions.paused_ids())
-            .await
-            .unwrap_or_default();
         let sessions = &self.st.sessions;
+        // Held ones first: one paused while the store is read is then found in one or the other.
+        let held: std::collections::HashSet<String> = self
+            .sandboxes
+            .ids()
+            .into_iter()
+            .filter(|id| sessions.holds(id))
+            .collect();
+        let st = self.st.clone();
+        let Ok(paused) = tokio::task::spawn_blocking(move || st.sessions.paused_ids()).await else {
+            return;
+        };
         self.sandboxes
-            .prune(|id| sessions.holds(id) || paused.contains(id));
+            .prune(|id| held.contains(id) || sessions.holds(id) || paused.contains(id));
     }
 
     /// The control plane's routes, to be merged into the daemon's router.
@@ -137,7 +153,16 @@ impl E2b {
             .fallback(|| async {
                 RpcError::new(Code::NotFound, "no such route on the E2B data plane")
             })
-            .layer(axum::extract::DefaultBodyLimit::disable())
+            // What extractors that read a body themselves (a multipart upload's) may read: a
+            // file and its framing. Every other route reads with `read_body`'s own limits.
+            .layer(axum::extract::DefaultBodyLimit::max(
+                self.st
+                    .config
+                    .sessions
+                    .max_file_bytes
+                    .max(self.st.config.server.body_limit_bytes)
+                    .saturating_add(MULTIPART_FRAMING),
+            ))
             .with_state(self.clone())
     }
 }

@@ -100,6 +100,9 @@ struct Records {
     by_id: HashMap<String, Sandbox>,
     /// Access token → sandbox id.
     by_token: HashMap<String, String>,
+    /// Sandboxes the last prune found without a session: forgotten if the next one does too (a
+    /// session being paused or resumed is in neither place for a moment).
+    missing: std::collections::HashSet<String>,
 }
 
 impl Sandboxes {
@@ -157,15 +160,27 @@ impl Sandboxes {
         }
     }
 
-    /// Forgets every sandbox `exists` says is gone (its session neither runs nor is paused).
+    /// The ids of every sandbox with a record.
+    pub fn ids(&self) -> Vec<String> {
+        self.lock().by_id.keys().cloned().collect()
+    }
+
+    /// Forgets every sandbox `exists` said was gone (its session neither runs nor is paused)
+    /// both now and at the previous prune.
     pub fn prune(&self, exists: impl Fn(&str) -> bool) {
         let mut r = self.lock();
-        let gone: Vec<String> = r.by_id.keys().filter(|id| !exists(id)).cloned().collect();
-        for id in gone {
-            if let Some(old) = r.by_id.remove(&id) {
+        let missing: std::collections::HashSet<String> =
+            r.by_id.keys().filter(|id| !exists(id)).cloned().collect();
+        let gone: Vec<String> = missing.intersection(&r.missing).cloned().collect();
+        for id in &gone {
+            if let Some(old) = r.by_id.remove(id) {
                 r.by_token.remove(&old.token);
             }
         }
+        r.missing = missing
+            .into_iter()
+            .filter(|id| !gone.contains(id))
+            .collect();
     }
 
     /// Records the process `exec_id` started in sandbox `id`, and gives it its pid.
@@ -263,11 +278,19 @@ mod tests {
         let s = Sandboxes::default();
         s.put("live", sandbox());
         s.put("gone", sandbox());
+        s.put("moving", sandbox());
         let t = s.access_token("gone");
+        // Missing once (a pause or resume in progress) is not gone.
         s.prune(|id| id == "live");
+        assert!(s.get("gone").is_some() && s.get("moving").is_some());
+        s.prune(|id| id == "live" || id == "moving");
         assert!(s.get("live").is_some());
+        assert!(s.get("moving").is_some());
         assert!(s.get("gone").is_none());
         assert_eq!(s.opened_by(&t), None);
+        // Found again, then missing once: kept.
+        s.prune(|id| id == "live");
+        assert!(s.get("moving").is_some());
     }
 
     #[test]

@@ -463,9 +463,14 @@ pub fn used_bytes(path: &std::path::Path) -> Option<u64> {
 }
 
 /// What the cgroup of host process `pid` uses now (cgroup v2, or v1's memory and cpuacct
-/// hierarchies). Blocking.
-pub fn usage_of_pid(pid: u32) -> Option<Usage> {
+/// hierarchies), when its cgroup paths name `container` (a pid the container no longer has
+/// names another's, or none). Blocking.
+pub fn usage_of_pid(pid: u32, container: &str) -> Option<Usage> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    // A path of another cgroup namespace ("/../…") is not one this daemon can read.
+    if !text.contains(container) || text.contains("/..") {
+        return None;
+    }
     let root = std::path::Path::new("/sys/fs/cgroup");
     let read = |p: std::path::PathBuf| -> Option<u64> {
         std::fs::read_to_string(p).ok()?.trim().parse().ok()

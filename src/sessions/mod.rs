@@ -527,7 +527,7 @@ impl SessionService {
                     .get(&session.backend)
                     .and_then(|b| b.session_usage(&session.id))
                     .unwrap_or_default();
-                (usage, crate::sandbox::used_bytes(&w.host_dir()))
+                (usage, w.used_bytes())
             }
             Place::Kept(k) => k.usage().unwrap_or_default(),
         }
@@ -567,10 +567,23 @@ impl SessionService {
             ));
         }
         let session = self.get(owner, id).ok_or(SessionError::NotFound)?;
-        let cap = session.created_at
-            + chrono::Duration::seconds(self.config.max_ttl_seconds.min(i64::MAX as u64) as i64);
-        let left = (cap - chrono::Utc::now()).to_std().unwrap_or_default();
-        let ttl = ttl.min(left);
+        let cap = i64::try_from(self.config.max_ttl_seconds)
+            .ok()
+            .and_then(chrono::TimeDelta::try_seconds)
+            .and_then(|d| session.created_at.checked_add_signed(d));
+        let ttl = match cap {
+            Some(cap) => {
+                let left = (cap - chrono::Utc::now()).to_std().unwrap_or_default();
+                if left.is_zero() {
+                    return Err(SessionError::Invalid(format!(
+                        "session {id} has lived sessions.max_ttl_seconds ({} s): it cannot be given more time",
+                        self.config.max_ttl_seconds
+                    )));
+                }
+                ttl.min(left)
+            }
+            None => ttl,
+        };
         *session.lifetime.lock().unwrap_or_else(|p| p.into_inner()) = Lifetime::from_now(ttl);
         self.record_holder(id, ttl).await;
         // Ended meanwhile: its holder record goes with it again.

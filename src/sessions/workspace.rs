@@ -139,6 +139,13 @@ impl Workspace {
         self.uid
     }
 
+    /// The bytes the workspace's tmpfs holds, read through its own fd (never a path that a
+    /// session's end could leave naming the host's directory). Blocking.
+    pub fn used_bytes(&self) -> Option<u64> {
+        let v = nix::sys::statvfs::fstatvfs(self.fd.as_ref()?).ok()?;
+        Some((v.blocks() as u64).saturating_sub(v.blocks_free() as u64) * v.fragment_size() as u64)
+    }
+
     /// The workspace on the host: what each exec gets bound at its workdir.
     pub fn host_dir(&self) -> PathBuf {
         self.root.join(WORKSPACE_DIR)
