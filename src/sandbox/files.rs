@@ -139,9 +139,10 @@ pub trait Kept: Send + Sync {
     /// supervisor stopped answering).
     fn gone(&self) -> Option<String>;
 
-    /// What the sandbox uses now (memory, CPU time) and the bytes its workspace holds, when they
-    /// can be read. Blocking (reads the host's cgroup and mount files).
-    fn usage(&self) -> Option<(super::Usage, Option<u64>)> {
+    /// What the sandbox uses now (memory, CPU time) and the bytes its workspace (at `workspace`
+    /// inside it) holds, when they can be read. Blocking (reads the host's cgroup and mount
+    /// files).
+    fn usage(&self, _workspace: &std::path::Path) -> Option<(super::Usage, Option<u64>)> {
         None
     }
 

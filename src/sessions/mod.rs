@@ -529,7 +529,9 @@ impl SessionService {
                     .unwrap_or_default();
                 (usage, w.used_bytes())
             }
-            Place::Kept(k) => k.usage().unwrap_or_default(),
+            Place::Kept(k) => k
+                .usage(std::path::Path::new(crate::execution::WORKSPACE))
+                .unwrap_or_default(),
         }
     }
 

@@ -301,15 +301,15 @@ impl Kept for Arc<KeptContainer> {
 
     /// Read from the host: the cgroup of the container's main process, and the workspace as
     /// its mount namespace has it (`/proc/<pid>/root`).
-    fn usage(&self) -> Option<(crate::sandbox::Usage, Option<u64>)> {
+    fn usage(&self, workspace: &std::path::Path) -> Option<(crate::sandbox::Usage, Option<u64>)> {
         if KeptContainer::gone(self).is_some() {
             return None;
         }
         let pid = self.pid?;
         let usage = crate::sandbox::usage_of_pid(pid, &self.id)?;
+        let inside = workspace.strip_prefix("/").unwrap_or(workspace);
         let disk = crate::sandbox::used_bytes(
-            &std::path::Path::new(&format!("/proc/{pid}/root"))
-                .join(crate::execution::WORKSPACE.trim_start_matches('/')),
+            &std::path::Path::new(&format!("/proc/{pid}/root")).join(inside),
         );
         // Read again: the pid was still the container's after the disk was.
         crate::sandbox::usage_of_pid(pid, &self.id)?;
