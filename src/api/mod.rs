@@ -255,16 +255,8 @@ pub async fn run(
     );
     state.sessions.spawn_reaper();
     loop {
-        let (stream, _peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(c) => c,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let stream = tokio::select! {
+            s = accept(&listener) => s,
             _ = &mut shutdown => break,
         };
         serve_connection(stream, app.clone(), header_timeout, graceful.subscribe());
@@ -301,6 +293,20 @@ pub async fn run(
     checkpoints_stop.cancel();
     if let Err(e) = checkpointer.await {
         tracing::error!(target: "audit", error = %e, "the audit checkpointer failed");
+    }
+}
+
+/// The next connection of `listener`; a failed accept (EMFILE and friends) backs off instead of
+/// spinning.
+async fn accept(listener: &TcpListener) -> tokio::net::TcpStream {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _peer)) => return stream,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
     }
 }
 
@@ -351,15 +357,8 @@ pub async fn serve_listener(
 ) {
     let (graceful, _) = tokio::sync::watch::channel(());
     loop {
-        let (stream, _peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let stream = tokio::select! {
+            s = accept(&listener) => s,
             _ = shutdown.cancelled() => break,
         };
         serve_connection(stream, app.clone(), header_timeout, graceful.subscribe());

@@ -33,13 +33,9 @@ pub async fn call(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let session = match sandbox_of(&e2b, &headers) {
-        Ok(s) => s,
-        Err(no) => return no.into_response(),
-    };
-    let body = match read_body(body, &headers, BodyLimit::request(&e2b.st)).await {
-        Ok(b) => b,
-        Err(e) => return RpcError::from(e).into_response(),
+    let (session, body) = match super::admit(&e2b, &headers, body).await {
+        Ok(admitted) => admitted,
+        Err(refused) => return refused,
     };
     let call = Call {
         e2b: &e2b,

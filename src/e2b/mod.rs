@@ -237,6 +237,22 @@ pub(crate) fn sandbox_of(e2b: &E2b, headers: &HeaderMap) -> Result<Arc<Session>,
         .ok_or(NoSandbox::NotRunning(id))
 }
 
+/// A data plane call's sandbox and then its body (within `server.body_limit_bytes` and its
+/// deadline), or the answer that refuses it.
+pub(crate) async fn admit(
+    e2b: &E2b,
+    headers: &HeaderMap,
+    body: axum::body::Body,
+) -> Result<(Arc<Session>, axum::body::Bytes), axum::response::Response> {
+    use axum::response::IntoResponse;
+    let session = sandbox_of(e2b, headers).map_err(|no| no.into_response())?;
+    let limit = crate::calls::caller::BodyLimit::request(&e2b.st);
+    let body = crate::calls::caller::read_body(body, headers, limit)
+        .await
+        .map_err(|e| RpcError::from(e).into_response())?;
+    Ok((session, body))
+}
+
 /// The request id of a data plane call (the daemon's listener assigns its own in a layer).
 fn request_id(headers: &HeaderMap) -> String {
     RequestId::assign(headers).0

@@ -18,13 +18,12 @@ use axum::response::{IntoResponse, Response};
 use futures::Stream;
 use tokio_util::sync::CancellationToken;
 
+use super::E2b;
 use super::connect::{self, Code, RpcError};
 use super::pb::process as pb;
 use super::pb::process::process_event::{self, Event};
 use super::sandboxes::Process;
-use super::{E2b, sandbox_of};
 use crate::auth::Verified;
-use crate::calls::caller::{BodyLimit, read_body};
 use crate::calls::processes::{ControlOf, send_stdin};
 use crate::calls::run::{ClientLink, RunMode, Served, StreamPermit};
 use crate::calls::sessions::{ExecAsk, ExecBody, exec_job};
@@ -43,13 +42,9 @@ pub async fn call(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let session = match sandbox_of(&e2b, &headers) {
-        Ok(s) => s,
-        Err(no) => return no.into_response(),
-    };
-    let body = match read_body(body, &headers, BodyLimit::request(&e2b.st)).await {
-        Ok(b) => b,
-        Err(e) => return RpcError::from(e).into_response(),
+    let (session, body) = match super::admit(&e2b, &headers, body).await {
+        Ok(admitted) => admitted,
+        Err(refused) => return refused,
     };
     let (e2b, h, b, s) = (&e2b, &headers, &body[..], session);
     match method.as_str() {
