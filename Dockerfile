@@ -167,6 +167,7 @@ RUN set -eux; \
 ENV PATH=/root/.cargo/bin:/usr/local/bin:/usr/bin:/bin
 WORKDIR /build
 COPY Cargo.toml Cargo.lock build.rs ./
+COPY proto/ proto/
 COPY supervisor/ supervisor/
 COPY src/ src/
 COPY config/executor-arm.toml config/executor-arm.toml

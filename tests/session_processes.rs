@@ -363,17 +363,19 @@ async fn a_background_fork_bomb_is_held(backend: Backend) {
     let pid = start(&c, &id, bomb).await;
     stdout_until(&c, &id, &pid, "bombing").await;
     // The daemon answers an exec meanwhile. The bomb holds the session's pids, which every run
-    // of the session shares, so the exec may find no process to start its command with (a 500
-    // that says so in the daemon's log).
+    // of the session shares, so the exec may find no process to start its command with: a
+    // retryable 429 that says so.
     let r = c
         .exec(
             &id,
             json!({"code": "print('still here')", "timeout_ms": 120000}),
         )
         .await;
-    assert!(matches!(r.status, 200 | 500), "{}", r.text);
+    assert!(matches!(r.status, 200 | 429), "{}", r.text);
     if r.status == 200 {
         assert!(r.json["exit_code"].is_i64(), "{}", r.text);
+    } else {
+        assert_pids_held(&r);
     }
     kill(&c, &id, &pid).await;
     let r = c
@@ -382,6 +384,104 @@ async fn a_background_fork_bomb_is_held(backend: Backend) {
     assert_eq!(r.json["stdout"], json!("after\n"), "{}", r.text);
     let r = c.call("DELETE", &path(&id, ""), None).await;
     assert_eq!(r.status, 204, "{}", r.text);
+}
+
+/// The answer of a run that found every pid of its session held: 429 `Overloaded`, retryable,
+/// with `Retry-After`, saying so.
+fn assert_pids_held(r: &common::Resp) {
+    assert_eq!(r.status, 429, "{}", r.text);
+    assert_eq!(r.json["error_type"], json!("Overloaded"), "{}", r.text);
+    assert_eq!(r.json["retryable"], json!(true), "{}", r.text);
+    assert!(
+        r.json["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("hold all of its pids")),
+        "{}",
+        r.text
+    );
+    assert_eq!(
+        r.headers.get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..]),
+        "{}",
+        r.text
+    );
+}
+
+/// A background process that forks until its session's pids limit refuses it, then holds every
+/// pid: a foreground exec is a retryable 429 that says so, not a daemon failure, and so is a
+/// background one (its record keeps the 429; the audit log its `execution_error`); once the
+/// holder is killed, execs run again. On gVisor the session's pids bound the sandbox user's
+/// processes (RLIMIT_NPROC: the sentry keeps no pids cgroup of its own), and the supervisor, root,
+/// still forks the one process a run starts with: there the exec may run.
+async fn a_session_whose_pids_are_all_held_answers_429(backend: Backend) {
+    let d = Daemon::start_with(opts(backend, 4));
+    let c = koder(&d, Some("team-a"));
+    let r = c
+        .create(
+            json!({"language": "python", "limits": {"pids": 24}, "capability_token": d.cap_all()}),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let id = r.json["id"].as_str().expect("id").to_string();
+    let hold = "import os, time\nn = 0\nwhile True:\n    try:\n        if os.fork() == 0:\n            time.sleep(600)\n            os._exit(0)\n    except OSError:\n        break\n    n += 1\nprint('holding', n, flush=True)\ntime.sleep(600)";
+    let pid = start(&c, &id, hold).await;
+    stdout_until(&c, &id, &pid, "holding").await;
+    let strict = backend != Backend::Gvisor;
+    let r = c
+        .exec(&id, json!({"code": "print('x')", "timeout_ms": 60000}))
+        .await;
+    if strict || r.status != 200 {
+        assert_pids_held(&r);
+    }
+    // A background start is answered before it runs: its record keeps the 429.
+    let r = c
+        .exec(&id, json!({"code": "print('x')", "background": true}))
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let second = r.json["process_id"]
+        .as_str()
+        .expect("process_id")
+        .to_string();
+    ended(&c, &id, &second).await;
+    let r = c
+        .call("GET", &path(&id, &format!("/execs/{second}")), None)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    if strict || r.json["http_status"] != json!(200) {
+        assert_eq!(r.json["http_status"], json!(429), "{}", r.text);
+        assert_eq!(
+            r.json["result"]["error_type"],
+            json!("Overloaded"),
+            "{}",
+            r.text
+        );
+        assert_eq!(r.json["result"]["retryable"], json!(true), "{}", r.text);
+        d.wait_for_audit_line("the refused background run's error line", |l| {
+            l["event"] == "execution_error"
+                && l["exec_id"] == json!(second)
+                && l["error_type"] == json!("Overloaded")
+        });
+    }
+    kill(&c, &id, &pid).await;
+    // The holder's pids come back to the session (bounded: a kill ends its processes
+    // asynchronously on containers).
+    wait_for_async(
+        "the session's pids given back",
+        CLEANUP,
+        || async {
+            c.exec(&id, json!({"code": "print('after')", "timeout_ms": 60000}))
+                .await
+                .json["stdout"]
+                .clone()
+        },
+        |out| out == &json!("after\n"),
+    )
+    .await;
+    let r = c.call("DELETE", &path(&id, ""), None).await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    if backend == Backend::Local {
+        d.wait_for_no_run_cgroups();
+    }
 }
 
 /// A foreground exec started with `stdin_open` (async) reads what its stdin route gets while it
@@ -768,6 +868,7 @@ on_every_backend!(
     processes_are_bounded_and_private,
     processes_end_with_the_session,
     a_background_fork_bomb_is_held,
+    a_session_whose_pids_are_all_held_answers_429,
     a_signal_passes_stdin_the_process_does_not_read,
     background_processes_count_among_the_sessions_execs,
     background_processes_share_the_sessions_limits,

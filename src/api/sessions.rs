@@ -300,7 +300,7 @@ pub async fn resume(
         (status = 409, description = "SessionBusy: the session runs another exec; or IdempotencyInProgress", body = ErrorBody),
         (status = 413, description = "PayloadTooLarge: the body is over `server.body_limit_bytes`", body = ErrorBody),
         (status = 422, description = "IdempotencyConflict: the Idempotency-Key was used with another body", body = ErrorBody),
-        (status = 429, description = "Overloaded: no run slot came free (or too many streams are open)", body = ErrorBody),
+        (status = 429, description = "Overloaded: no run slot came free, too many streams are open, the session runs `sessions.max_processes` processes, or its processes hold all of its pids (its pids limit)", body = ErrorBody),
         (status = 500, description = "InternalError: the sandbox failed unexpectedly", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the backend or the state store is down, or the daemon is shutting down", body = ErrorBody),
     )
@@ -519,7 +519,7 @@ pub async fn exec_cancel(
         (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),
         (status = 409, description = "SessionBusy: an exec runs in the session's container", body = ErrorBody),
         (status = 413, description = "PayloadTooLarge: the file is over `sessions.max_file_bytes`", body = ErrorBody),
-        (status = 429, description = "Overloaded: eight file transfers are in progress", body = ErrorBody),
+        (status = 429, description = "Overloaded: eight file transfers are in progress, or the session's processes hold all of its pids", body = ErrorBody),
         (status = 500, description = "InternalError: the write failed unexpectedly", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the state store is unreachable, or the audit log cannot record the upload (nothing is written)", body = ErrorBody),
         (status = 507, description = "WorkspaceFull: the session's disk quota is used up", body = ErrorBody),
@@ -576,7 +576,7 @@ async fn put_file_inner(
         (status = 404, description = "NotFound: no such session, or no such file", body = ErrorBody),
         (status = 409, description = "SessionBusy: an exec runs in the session's container", body = ErrorBody),
         (status = 413, description = "PayloadTooLarge: the file is over `sessions.max_file_bytes`", body = ErrorBody),
-        (status = 429, description = "Overloaded: eight file transfers are in progress", body = ErrorBody),
+        (status = 429, description = "Overloaded: eight file transfers are in progress, or the session's processes hold all of its pids", body = ErrorBody),
         (status = 500, description = "InternalError: the read failed unexpectedly", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
     )
@@ -636,7 +636,7 @@ pub struct ListQuery {
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session, or no such directory", body = ErrorBody),
         (status = 409, description = "SessionBusy: an exec runs in the session's container", body = ErrorBody),
-        (status = 429, description = "Overloaded: eight file transfers are in progress", body = ErrorBody),
+        (status = 429, description = "Overloaded: eight file transfers are in progress, or the session's processes hold all of its pids", body = ErrorBody),
         (status = 500, description = "InternalError: the listing failed unexpectedly", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
     )
@@ -724,7 +724,7 @@ fn archive_body(body: Body) -> crate::sessions::ByteStream {
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session, or no such directory", body = ErrorBody),
         (status = 409, description = "SessionBusy: an exec runs in the session", body = ErrorBody),
-        (status = 429, description = "Overloaded: eight file transfers are in progress", body = ErrorBody),
+        (status = 429, description = "Overloaded: eight file transfers are in progress, or the session's processes hold all of its pids", body = ErrorBody),
         (status = 500, description = "InternalError: the archive could not be made", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the state store is unreachable", body = ErrorBody),
     )
@@ -787,7 +787,7 @@ pub async fn get_archive(
         (status = 404, description = "NotFound: no such session of this service and tenant, or its sandbox is gone", body = ErrorBody),
         (status = 409, description = "SessionBusy: an exec runs in the session", body = ErrorBody),
         (status = 413, description = "PayloadTooLarge: the archive is larger than the workspace could hold (its size plus 64 MiB); nothing of it kept", body = ErrorBody),
-        (status = 429, description = "Overloaded: eight file transfers are in progress", body = ErrorBody),
+        (status = 429, description = "Overloaded: eight file transfers are in progress, or the session's processes hold all of its pids", body = ErrorBody),
         (status = 500, description = "InternalError: the extraction failed unexpectedly", body = ErrorBody),
         (status = 503, description = "SandboxUnavailable: the state store is unreachable, or the audit log cannot record the archive (nothing of it kept)", body = ErrorBody),
         (status = 507, description = "WorkspaceFull: the archive does not fit the session's disk quota or inode limit; nothing of it kept", body = ErrorBody),

@@ -62,6 +62,9 @@ pub enum ApiError {
     FileTooLarge(String),
     /// The backend's run slots are busy and its queue is full, or the wait for one ran out.
     Overloaded(String),
+    /// The sandbox's pids limit is reached: no process could be made for the run or call (a
+    /// session's other processes, its background ones included, hold every pid).
+    PidsExhausted(String),
     SandboxUnavailable(String),
     ShuttingDown,
     Internal(String),
@@ -94,7 +97,7 @@ impl ApiError {
             ApiError::SessionLimit(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::WorkspaceFull | ApiError::StoreFull(_) => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::FileTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Overloaded(_) | ApiError::PidsExhausted(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -130,7 +133,7 @@ impl ApiError {
             ApiError::WorkspaceFull => "WorkspaceFull",
             ApiError::StoreFull(_) => "StoreFull",
             ApiError::FileTooLarge(_) => "PayloadTooLarge",
-            ApiError::Overloaded(_) => "Overloaded",
+            ApiError::Overloaded(_) | ApiError::PidsExhausted(_) => "Overloaded",
             ApiError::SandboxUnavailable(_) | ApiError::ShuttingDown => "SandboxUnavailable",
             ApiError::Internal(_) => "InternalError",
         }
@@ -192,6 +195,10 @@ impl ApiError {
             ApiError::Overloaded(detail) => {
                 format!("Too many executions in progress: {detail}; retry later")
             }
+            ApiError::PidsExhausted(_) => "The sandbox's processes hold all of its pids (its \
+                pids limit): nothing more can start in it until some end; signal a background \
+                process or wait, then retry"
+                .into(),
             ApiError::SandboxUnavailable(m) => format!("Sandbox unavailable: {m}"),
             ApiError::ShuttingDown => "Sandbox unavailable: the daemon is shutting down".into(),
             ApiError::Internal(_) => "Internal error; see the daemon log".into(),
@@ -214,6 +221,7 @@ impl ApiError {
     pub fn retry_after_seconds(&self) -> Option<u64> {
         match self {
             ApiError::Overloaded(_)
+            | ApiError::PidsExhausted(_)
             | ApiError::SessionLimit(_)
             | ApiError::ShuttingDown
             | ApiError::IdempotencyInProgress
@@ -287,6 +295,7 @@ impl From<ExecutionError> for ApiError {
                 allowed_commands,
             },
             ExecutionError::Overloaded(m) => ApiError::Overloaded(m),
+            ExecutionError::PidsExhausted(m) => ApiError::PidsExhausted(m),
             ExecutionError::Unavailable(m) => ApiError::SandboxUnavailable(m),
             ExecutionError::Internal(m) => ApiError::Internal(m),
         }
@@ -342,6 +351,7 @@ mod tests {
                 allowed_commands: None,
             },
             ExecutionError::Overloaded("x".into()),
+            ExecutionError::PidsExhausted("x".into()),
             ExecutionError::Unavailable("x".into()),
             ExecutionError::Internal("x".into()),
         ];

@@ -52,6 +52,7 @@ impl From<FileError> for ApiError {
             FileError::Busy(m) => ApiError::InvalidRequest(m),
             FileError::BadArchive(m) => ApiError::InvalidRequest(m),
             FileError::ArchiveTooLarge(m) => ApiError::FileTooLarge(m),
+            FileError::NoPids(m) => ApiError::PidsExhausted(m),
             FileError::Io(m) => ApiError::Internal(m),
         }
     }

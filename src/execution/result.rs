@@ -118,6 +118,10 @@ pub enum ExecutionError {
     /// it for `server.queue.max_wait_ms`; the detail says which.
     #[error("too many executions in progress: {0}")]
     Overloaded(String),
+    /// No process could be made for the run: its sandbox's pids limit is reached (a session's
+    /// other processes hold every pid). Retryable once some end.
+    #[error("{0}")]
+    PidsExhausted(String),
     /// A backend, the audit log or the state store cannot serve the request.
     #[error("{0}")]
     Unavailable(String),
@@ -133,7 +137,7 @@ impl ExecutionError {
             ExecutionError::Invalid(_) => "InvalidRequest",
             ExecutionError::Unauthorized => RefusalKind::Unauthorized.error_type(),
             ExecutionError::Refused { .. } => RefusalKind::CapabilityViolation.error_type(),
-            ExecutionError::Overloaded(_) => "Overloaded",
+            ExecutionError::Overloaded(_) | ExecutionError::PidsExhausted(_) => "Overloaded",
             ExecutionError::Unavailable(_) => "SandboxUnavailable",
             ExecutionError::Internal(_) => "InternalError",
         }

@@ -131,6 +131,9 @@ impl Execution {
             Ok(Err(SandboxError::Unavailable(m))) => {
                 Err((ExecutionError::Unavailable(m.clone()), m))
             }
+            Ok(Err(SandboxError::PidsExhausted(m))) => {
+                Err((ExecutionError::PidsExhausted(m.clone()), m))
+            }
             Ok(Err(e)) => Err((
                 ExecutionError::Internal(format!("{exec_id}: {e}")),
                 e.to_string(),

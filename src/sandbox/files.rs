@@ -34,6 +34,9 @@ pub enum FileError {
     /// An uploaded archive is larger than the workspace could hold; nothing of it was kept (413).
     #[error("{0}")]
     ArchiveTooLarge(String),
+    /// The sandbox's processes hold all of its pids: the call's helper could not be made (429).
+    #[error("no process free for the file call: {0}")]
+    NoPids(String),
     #[error("{0}")]
     Io(String),
 }

@@ -433,6 +433,10 @@ pub enum SandboxError {
     /// Building the sandbox failed after the run was admitted.
     #[error("sandbox setup failed: {0}")]
     Setup(String),
+    /// No process could be made for the run: the sandbox's pids limit is reached (in a session,
+    /// its other processes hold every pid). Retryable once some of them end.
+    #[error("no process free for the run: {0}")]
+    PidsExhausted(String),
     #[error("i/o error: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -466,11 +470,7 @@ pub fn used_bytes(path: &std::path::Path) -> Option<u64> {
 /// hierarchies), when its cgroup paths name `container` (a pid the container no longer has
 /// names another's, or none). Blocking.
 pub fn usage_of_pid(pid: u32, container: &str) -> Option<Usage> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    // A path of another cgroup namespace ("/../…") is not one this daemon can read.
-    if !text.contains(container) || text.contains("/..") {
-        return None;
-    }
+    let text = cgroups_of_pid(pid, container)?;
     let root = std::path::Path::new("/sys/fs/cgroup");
     let read = |p: std::path::PathBuf| -> Option<u64> {
         std::fs::read_to_string(p).ok()?.trim().parse().ok()
@@ -502,6 +502,43 @@ pub fn usage_of_pid(pid: u32, container: &str) -> Option<Usage> {
         cache_bytes: cache.unwrap_or(0),
         cpu_ns: cpu.unwrap_or(0),
     })
+}
+
+/// `/proc/<pid>/cgroup` of host process `pid`, when its paths name `container` and are this
+/// daemon's to read (a path of another cgroup namespace, `/../…`, is not). Blocking.
+fn cgroups_of_pid(pid: u32, container: &str) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    (text.contains(container) && !text.contains("/..")).then_some(text)
+}
+
+/// Whether the pids cgroup of host process `pid` (v1's pids hierarchy or v2) is at its limit:
+/// every pid it may hold is held. None when that cannot be read, or the pid names no longer
+/// `container`'s cgroup. Blocking.
+pub fn pids_held_of_pid(pid: u32, container: &str) -> Option<bool> {
+    let text = cgroups_of_pid(pid, container)?;
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    let mut dir = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let path = path.trim_start_matches('/');
+        if controllers.split(',').any(|c| c == "pids") {
+            dir = Some(root.join("pids").join(path));
+        } else if controllers.is_empty() && dir.is_none() {
+            dir = Some(root.join(path));
+        }
+    }
+    let dir = dir?;
+    let max = std::fs::read_to_string(dir.join("pids.max")).ok()?;
+    let Ok(max) = max.trim().parse::<u64>() else {
+        return Some(false);
+    };
+    let current: u64 = std::fs::read_to_string(dir.join("pids.current"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(current >= max)
 }
 
 /// The value of `key` in a cgroup `key value` file (memory.stat, cpu.stat).

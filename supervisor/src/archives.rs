@@ -24,8 +24,8 @@ use nix::sys::wait::waitpid;
 use nix::unistd::{ForkResult, Pid};
 
 use super::{
-    Abandoned, Config, become_user, cloexec_pipe, default_signals, exit_now, fail, frame,
-    own_workspace, rd, rd_u32,
+    Abandoned, Config, become_user, cloexec_pipe, default_signals, exit_now, fail, fork_failed,
+    frame, own_workspace, rd, rd_u32,
 };
 
 /// The verdict `err CODE 0 MESSAGE` of a failed archive call.
@@ -85,7 +85,7 @@ fn workspace_root(cfg: &Config) -> Result<OwnedFd, ArchiveError> {
 fn helper(cfg: &Config) -> Result<Option<Pid>, Abandoned> {
     // SAFETY: the supervisor is single-threaded; the helper exits without returning.
     match unsafe { nix::unistd::fork() } {
-        Err(e) => Err(fail(&format!("fork: {}", e.desc()))),
+        Err(e) => Err(fork_failed(e)),
         Ok(ForkResult::Child) => {
             default_signals();
             // On failure no verdict is written: the parent says the helper gave none.

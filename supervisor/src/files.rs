@@ -18,8 +18,8 @@ use nix::sys::wait::waitpid;
 use nix::unistd::ForkResult;
 
 use super::{
-    Abandoned, Config, become_user, default_signals, exit_now, fail, frame, own_workspace, rd,
-    rd_u32,
+    Abandoned, Config, become_user, default_signals, exit_now, fail, fork_failed, frame,
+    own_workspace, rd, rd_u32,
 };
 
 /// Why a file call failed: a code, a size, a message.
@@ -215,7 +215,7 @@ pub fn file_request(cfg: &Config) -> Result<(), Abandoned> {
     let (r, w) = super::cloexec_pipe().map_err(|m| fail(&m))?;
     // SAFETY: the supervisor is single-threaded; the helper exits without returning.
     let helper_pid = match unsafe { nix::unistd::fork() } {
-        Err(e) => return Err(fail(&format!("fork: {}", e.desc()))),
+        Err(e) => return Err(fork_failed(e)),
         Ok(ForkResult::Child) => {
             default_signals();
             drop(r);

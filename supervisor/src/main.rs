@@ -251,6 +251,17 @@ fn fail(msg: &str) -> Abandoned {
     Abandoned
 }
 
+/// A fork that failed: EAGAIN is the sandbox's pids limit (its processes hold every pid), which
+/// the daemon tells its caller as retryable; anything else is a setup failure.
+fn fork_failed(e: nix::errno::Errno) -> Abandoned {
+    let msg = format!("fork: {}", e.desc());
+    if e == nix::errno::Errno::EAGAIN {
+        frame(kind::NO_PIDS, msg.as_bytes());
+        return Abandoned;
+    }
+    fail(&msg)
+}
+
 fn unavailable(msg: &str) -> Abandoned {
     frame(kind::UNAVAILABLE, msg.as_bytes());
     Abandoned
@@ -334,16 +345,16 @@ fn cloexec_pipe() -> Result<(OwnedFd, OwnedFd), String> {
 /// and the environment, which it only ever receives from this process. A failure before execve
 /// is written to the exec pipe. Err: why it could not fork (nothing is framed here, the request
 /// reports it).
-fn spawn(cfg: &Config) -> Result<Prepared, String> {
-    let (out, ow) = cloexec_pipe()?;
-    let (err, ew) = cloexec_pipe()?;
-    let (exec, xw) = cloexec_pipe()?;
-    let (ir, input) = cloexec_pipe()?;
-    let (cr, order) = cloexec_pipe()?;
+fn spawn(cfg: &Config) -> Result<Prepared, SpawnError> {
+    let (out, ow) = cloexec_pipe().map_err(SpawnError::Setup)?;
+    let (err, ew) = cloexec_pipe().map_err(SpawnError::Setup)?;
+    let (exec, xw) = cloexec_pipe().map_err(SpawnError::Setup)?;
+    let (ir, input) = cloexec_pipe().map_err(SpawnError::Setup)?;
+    let (cr, order) = cloexec_pipe().map_err(SpawnError::Setup)?;
     // SAFETY: this process is single-threaded, so the child may do anything (including
     // allocating) before execve or _exit.
     match unsafe { fork() } {
-        Err(e) => Err(format!("fork: {}", e.desc())),
+        Err(e) => Err(SpawnError::Fork(e)),
         Ok(ForkResult::Child) => {
             drop((out, err, exec, input, order));
             child(cfg, ir, ow, ew, xw, cr)
@@ -356,6 +367,22 @@ fn spawn(cfg: &Config) -> Result<Prepared, String> {
             exec,
             input,
         }),
+    }
+}
+
+/// Why [`spawn`] made no process.
+enum SpawnError {
+    Setup(String),
+    Fork(nix::errno::Errno),
+}
+
+impl SpawnError {
+    /// Frames it as the request's report.
+    fn report(self) -> Abandoned {
+        match self {
+            SpawnError::Setup(m) => fail(&m),
+            SpawnError::Fork(e) => fork_failed(e),
+        }
     }
 }
 
@@ -688,7 +715,7 @@ fn open_tcp(h: &RunHeader, routes: &mut tcp::Routes) -> Result<Option<tcp::TcpRe
 /// One run request, after its magic: reads it, runs it, reports.
 fn run_request(
     cfg: &Config,
-    prepared: &mut Option<Result<Prepared, String>>,
+    prepared: &mut Option<Result<Prepared, SpawnError>>,
     wake: &OwnedFd,
     routes: &mut tcp::Routes,
 ) -> Result<(), Abandoned> {
@@ -763,9 +790,9 @@ fn run_request(
     for _try in 0..2 {
         let next = match prepared.take() {
             Some(Ok(p)) => p,
-            _ => spawn(cfg).map_err(|m| {
+            _ => spawn(cfg).map_err(|e| {
                 remove_code();
-                fail(&m)
+                e.report()
             })?,
         };
         // A child that already ended reads none of the order; the failed write is only EPIPE

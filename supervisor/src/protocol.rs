@@ -54,6 +54,9 @@ pub mod kind {
     pub const EXIT: u8 = b'x';
     /// The request could not run (setup failure; last frame).
     pub const FAILED: u8 = b'f';
+    /// The request could not run because no process could be forked for it: the sandbox's
+    /// pids limit is reached, its other processes hold every pid (last frame).
+    pub const NO_PIDS: u8 = b'p';
     /// The egress relay cannot reach the daemon's proxy (last frame).
     pub const UNAVAILABLE: u8 = b'u';
     /// The supervisor ended the run at its own deadline (last frame).
@@ -62,7 +65,16 @@ pub mod kind {
     pub const RESULT: u8 = b'r';
 
     /// Every type a decoder accepts.
-    pub const ALL: [u8; 7] = [STDOUT, STDERR, EXIT, FAILED, UNAVAILABLE, DEADLINE, RESULT];
+    pub const ALL: [u8; 8] = [
+        STDOUT,
+        STDERR,
+        EXIT,
+        FAILED,
+        NO_PIDS,
+        UNAVAILABLE,
+        DEADLINE,
+        RESULT,
+    ];
 }
 
 /// Control frame types: what the daemon sends a running command, on the supervisor's stdin after

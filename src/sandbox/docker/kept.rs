@@ -177,6 +177,7 @@ impl KeptContainer {
                     }
                     Ok(Some(Frame::Result(verdict))) => return Ok((data, verdict)),
                     Ok(Some(Frame::Failed(m))) => return Err(FileError::Io(m)),
+                    Ok(Some(Frame::NoPids(m))) => return Err(FileError::NoPids(m)),
                     Ok(Some(other)) => {
                         return Err(FileError::Io(format!(
                             "unexpected supervisor frame {other:?}"
@@ -291,6 +292,13 @@ fn entries(data: &[u8]) -> Result<Vec<Entry>, FileError> {
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
+}
+
+impl KeptContainer {
+    /// Whether the container's pids cgroup is at its limit (None: not readable from here).
+    fn pids_held(&self) -> Option<bool> {
+        crate::sandbox::pids_held_of_pid(self.pid?, &self.id)
+    }
 }
 
 #[async_trait::async_trait]
@@ -872,6 +880,13 @@ impl DockerSandbox {
                 }
                 None
             }
+            Some(Frame::NoPids(m)) => {
+                *in_step = true;
+                if killed.is_none() {
+                    return Err(SandboxError::PidsExhausted(m));
+                }
+                None
+            }
             // The relay could not reach the exec's proxy (runsc without host unix sockets): the
             // host lacks what egress needs; the supervisor serves the next request.
             Some(Frame::Unavailable(m)) => {
@@ -1067,6 +1082,9 @@ impl DockerSandbox {
         let report = match end.report {
             Some(Frame::Exit(r)) => Some(r),
             Some(Frame::Failed(m)) if killed.is_none() => return Err(SandboxError::Setup(m)),
+            Some(Frame::NoPids(m)) if killed.is_none() => {
+                return Err(SandboxError::PidsExhausted(m));
+            }
             Some(Frame::Unavailable(m)) if killed.is_none() => {
                 return Err(SandboxError::Unavailable(m));
             }
@@ -1074,6 +1092,17 @@ impl DockerSandbox {
                 return Err(SandboxError::Unavailable(format!(
                     "the background run could not be handed to the session's sandbox: {}",
                     end.error.map(|e| e.to_string()).unwrap_or_default()
+                )));
+            }
+            // The runtime could not make the exec's process (the supervisor never spoke): when
+            // the container's pids are all held, that is why.
+            None if killed.is_none()
+                && KeptContainer::gone(kept).is_none()
+                && kept.pids_held() == Some(true) =>
+            {
+                return Err(SandboxError::PidsExhausted(format!(
+                    "container {}'s pids are all held: the background run's process could not be made",
+                    short(&id)
                 )));
             }
             // No report: the container went (the session closed, or it went down whole) or the

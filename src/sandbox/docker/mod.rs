@@ -375,6 +375,9 @@ impl DockerSandbox {
         }
         let report = match end.report {
             Some(Frame::Failed(m)) if killed.is_none() => return Err(SandboxError::Setup(m)),
+            Some(Frame::NoPids(m)) if killed.is_none() => {
+                return Err(SandboxError::PidsExhausted(m));
+            }
             Some(Frame::Unavailable(m)) if killed.is_none() => {
                 return Err(SandboxError::Unavailable(m));
             }

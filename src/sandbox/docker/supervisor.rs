@@ -393,6 +393,8 @@ pub enum Frame {
     Exit(ExitReport),
     /// The supervisor could not start the command (e.g. the program is missing in the image).
     Failed(String),
+    /// The supervisor could not fork the command: the sandbox's processes hold all of its pids.
+    NoPids(String),
     /// The egress relay cannot reach the daemon's proxy: the host lacks what egress needs.
     Unavailable(String),
     /// The supervisor ended the run at its own deadline (the daemon did not stop it in time).
@@ -431,6 +433,7 @@ impl FrameDecoder {
                     .ok_or_else(|| format!("bad exit report {:?}", text()))?,
             ),
             kind::FAILED => Frame::Failed(text()),
+            kind::NO_PIDS => Frame::NoPids(text()),
             kind::UNAVAILABLE => Frame::Unavailable(text()),
             kind::DEADLINE => Frame::Deadline(text()),
             kind::RESULT => Frame::Result(text()),

@@ -60,11 +60,18 @@ pub(super) fn setup_error(fd: &OwnedFd) -> Option<SandboxError> {
 }
 
 pub(super) fn setup_failure(stage: u8, errno: [u8; 4]) -> SandboxError {
-    SandboxError::Setup(format!(
+    let errno = i32::from_le_bytes(errno);
+    let msg = format!(
         "{}: {}",
         child::Stage::from_u8(stage),
-        std::io::Error::from_raw_os_error(i32::from_le_bytes(errno))
-    ))
+        std::io::Error::from_raw_os_error(errno)
+    );
+    // The run's process is forked inside the run's cgroup: EAGAIN there is its pids limit (in a
+    // session, the session's other processes hold every pid).
+    if stage == child::Stage::Fork as u8 && errno == libc::EAGAIN {
+        return SandboxError::PidsExhausted(msg);
+    }
+    SandboxError::Setup(msg)
 }
 
 fn pick_record(bytes: &[u8]) -> Option<[u8; child::RECORD_LEN]> {
