@@ -278,23 +278,27 @@ async fn main() {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
         let direct = support::ports::Direct::find(&nonce).expect("the sandbox's network namespace");
-        direct.run(warmup, false);
-        direct.run(warmup, true);
+        use support::ports::How;
+        for how in [How::Client, How::Socket, How::Fresh] {
+            direct.run(warmup, how);
+        }
         for _ in 0..warmup {
             proxied_once().await;
         }
-        let (mut through, mut straight, mut fresh) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut through, mut straight, mut socket, mut fresh) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..n / BLOCK {
             for _ in 0..BLOCK {
                 let (ms, status, body) = proxied_once().await;
                 assert_eq!((status, body.as_str()), (200, nonce.as_str()));
                 through.push(ms);
             }
-            straight.extend(direct.run(BLOCK, false));
-            fresh.extend(direct.run(BLOCK, true));
+            straight.extend(direct.run(BLOCK, How::Client));
+            socket.extend(direct.run(BLOCK, How::Socket));
+            fresh.extend(direct.run(BLOCK, How::Fresh));
         }
         delete(id).await;
-        Some((through, straight, fresh))
+        Some((through, straight, socket, fresh))
     };
 
     println!(
@@ -440,9 +444,9 @@ async fn main() {
             );
         }
     }
-    if let Some((through, straight, fresh)) = &ports {
+    if let Some((through, straight, socket, fresh)) = &ports {
         let (port_id, direct_id) = (id("port_get"), id("port_direct"));
-        let fresh_id = id("port_direct_fresh");
+        let (socket_id, fresh_id) = (id("port_direct_socket"), id("port_direct_fresh"));
         let p = report.series(
             series(
                 &port_id,
@@ -454,7 +458,7 @@ async fn main() {
         let q = report.series(
             series(
                 &direct_id,
-                "GET of the same server from its netns (baseline)",
+                "GET of the same server from its netns, same client, kept connection (baseline)",
                 None,
             ),
             straight,
@@ -471,7 +475,21 @@ async fn main() {
             p.p99 / q.p99,
             None,
         );
-        // For reference: against a direct GET that opens a connection of its own.
+        // For reference: against direct GETs over a bare socket, kept and of their own.
+        let k = report.series(
+            series(
+                &socket_id,
+                "GET from its netns over a bare socket, kept connection",
+                None,
+            ),
+            socket,
+        );
+        report.ratio(
+            &id("port_vs_direct_socket"),
+            &format!("p50 proxied GET / bare-socket direct GET ({backend})"),
+            p.p50 / k.p50,
+            None,
+        );
         let f = report.series(
             series(&fresh_id, "GET from its netns, a connection per GET", None),
             fresh,

@@ -2,7 +2,10 @@
 //! `/v1/sandbox/sessions/{id}/ports/{port}/…` against GETs of the same server made from inside
 //! its network namespace (a thread of this process, which runs as root, `setns(2)` into it).
 //! Both sides keep their connections (the caller's to the daemon, the proxy's into the sandbox,
-//! the direct one to the server); a direct GET on a connection of its own is timed for reference.
+//! the direct one to the server). The direct GETs are made with the caller's HTTP client
+//! (reqwest, on a runtime of the thread inside the namespace), so the two series differ by the
+//! proxy alone; a direct GET over a bare socket, on a kept connection and on one of its own, is
+//! timed for reference.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -56,10 +59,21 @@ fn get(conn: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     Ok(body)
 }
 
+/// How a direct GET is made.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum How {
+    /// With reqwest, on its kept connection (the proxied GETs' client).
+    Client,
+    /// Over a bare socket, on the kept connection.
+    Socket,
+    /// Over a bare socket, on a connection of its own.
+    Fresh,
+}
+
 /// A thread inside a sandbox's network namespace that times GETs of [`PORT`] there: send it a
 /// count and whether each GET opens its own connection, get back that many timings (ms).
 pub struct Direct {
-    asks: mpsc::Sender<(usize, bool)>,
+    asks: mpsc::Sender<(usize, How)>,
     timings: mpsc::Receiver<Vec<f64>>,
 }
 
@@ -99,7 +113,7 @@ impl Direct {
     }
 
     fn start(ns: std::fs::File, nonce: &str) -> Option<Direct> {
-        let (asks, asked) = mpsc::channel::<(usize, bool)>();
+        let (asks, asked) = mpsc::channel::<(usize, How)>();
         let (answers, timings) = mpsc::channel::<Vec<f64>>();
         let (ready_tx, ready) = mpsc::channel::<bool>();
         let nonce = nonce.as_bytes().to_vec();
@@ -122,16 +136,36 @@ impl Direct {
             if !ours {
                 return;
             }
-            while let Ok((n, fresh)) = asked.recv() {
+            // The client's sockets are made by this thread, so inside the namespace: its runtime
+            // runs here, and the address is literal (no resolver thread).
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            let client = rt.block_on(async { reqwest::Client::new() });
+            let url = format!("http://127.0.0.1:{PORT}/x");
+            while let Ok((n, how)) = asked.recv() {
                 let mut out = Vec::with_capacity(n);
                 for _ in 0..n {
                     let t = Instant::now();
-                    let body = if fresh {
-                        let mut c = TcpStream::connect(("127.0.0.1", PORT)).expect("connect");
-                        let _ = c.set_nodelay(true);
-                        get(&mut c)
-                    } else {
-                        get(&mut conn)
+                    let body = match how {
+                        How::Client => rt.block_on(async {
+                            let r = client
+                                .get(&url)
+                                .send()
+                                .await
+                                .map_err(std::io::Error::other)?;
+                            r.bytes()
+                                .await
+                                .map(|b| b.to_vec())
+                                .map_err(std::io::Error::other)
+                        }),
+                        How::Fresh => {
+                            let mut c = TcpStream::connect(("127.0.0.1", PORT)).expect("connect");
+                            let _ = c.set_nodelay(true);
+                            get(&mut c)
+                        }
+                        How::Socket => get(&mut conn),
                     }
                     .expect("a direct GET");
                     out.push(t.elapsed().as_secs_f64() * 1000.0);
@@ -149,9 +183,9 @@ impl Direct {
             .map(|_| Direct { asks, timings })
     }
 
-    /// `n` timed GETs (ms), each on a connection of its own when `fresh`, else on the kept one.
-    pub fn run(&self, n: usize, fresh: bool) -> Vec<f64> {
-        self.asks.send((n, fresh)).expect("the direct thread");
+    /// `n` timed GETs (ms), made as `how` says.
+    pub fn run(&self, n: usize, how: How) -> Vec<f64> {
+        self.asks.send((n, how)).expect("the direct thread");
         self.timings.recv().expect("the direct thread's timings")
     }
 }
