@@ -409,8 +409,9 @@ fn assert_pids_held(r: &common::Resp) {
 
 /// A background process that forks until its session's pids limit refuses it, then holds every
 /// pid: a foreground exec is a retryable 429 that says so, not a daemon failure, and so is a
-/// background one (its record keeps the 429; the audit log its `execution_error`); once the
-/// holder is killed, execs run again. On gVisor the session's pids bound the sandbox user's
+/// background one (its record keeps the 429; the audit log its `execution_error`), and so is a
+/// file or archive call that needs a process in a container (the session goes on: no call
+/// leaves its sandbox out of step); once the holder is killed, execs and file calls run again. On gVisor the session's pids bound the sandbox user's
 /// processes (RLIMIT_NPROC: the sentry keeps no pids cgroup of its own), and the supervisor, root,
 /// still forks the one process a run starts with: there the exec may run.
 async fn a_session_whose_pids_are_all_held_answers_429(backend: Backend) {
@@ -462,6 +463,22 @@ async fn a_session_whose_pids_are_all_held_answers_429(backend: Backend) {
                 && l["error_type"] == json!("Overloaded")
         });
     }
+    // File calls: on runc each is a helper process the supervisor forks (the local backend
+    // and gVisor's root supervisor need none the limit holds back).
+    let calls = [
+        ("PUT", path(&id, "/files/f.txt"), Some(b"data".to_vec())),
+        ("GET", path(&id, "/files/f.txt"), None),
+        ("GET", path(&id, "/files"), None),
+        ("GET", path(&id, "/archive"), None),
+    ];
+    for (method, route, body) in &calls {
+        let r = c.call(method, route, body.clone()).await;
+        if backend == Backend::Docker {
+            assert_pids_held(&r);
+        } else {
+            assert!(r.status < 300, "{method} {route}: {}", r.text);
+        }
+    }
     kill(&c, &id, &pid).await;
     // The holder's pids come back to the session (bounded: a kill ends its processes
     // asynchronously on containers).
@@ -477,6 +494,10 @@ async fn a_session_whose_pids_are_all_held_answers_429(backend: Backend) {
         |out| out == &json!("after\n"),
     )
     .await;
+    for (method, route, body) in &calls {
+        let r = c.call(method, route, body.clone()).await;
+        assert!(r.status < 300, "{method} {route}: {}", r.text);
+    }
     let r = c.call("DELETE", &path(&id, ""), None).await;
     assert_eq!(r.status, 204, "{}", r.text);
     if backend == Backend::Local {

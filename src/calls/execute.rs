@@ -168,7 +168,7 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ExecuteRequest, ApiError> {
 /// fix or retry; a 401, a 403 or a 404 is counted where it is decided).
 pub fn count_refusal(st: &AppState, e: &ApiError) {
     let label = match e {
-        ApiError::Overloaded(_) => "overloaded",
+        ApiError::Overloaded(_) | ApiError::PidsExhausted(_) => "overloaded",
         ApiError::PayloadTooLarge(_) => "payload_too_large",
         ApiError::BodyTimeout(_) => "body_timeout",
         ApiError::InvalidRequest(_) => "invalid_request",

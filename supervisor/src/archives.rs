@@ -24,7 +24,7 @@ use nix::sys::wait::waitpid;
 use nix::unistd::{ForkResult, Pid};
 
 use super::{
-    Abandoned, Config, become_user, cloexec_pipe, default_signals, exit_now, fail, fork_failed,
+    Abandoned, Config, become_user, cloexec_pipe, default_signals, exit_now, fail, fork_verdict,
     frame, own_workspace, rd, rd_u32,
 };
 
@@ -81,11 +81,12 @@ fn workspace_root(cfg: &Config) -> Result<OwnedFd, ArchiveError> {
 }
 
 /// Forks the helper: `Some(pid)` in this process; `None` in the helper, which then runs as the
-/// command's user (non-dumpable) and must end with [`exit_now`].
-fn helper(cfg: &Config) -> Result<Option<Pid>, Abandoned> {
+/// command's user (non-dumpable) and must end with [`exit_now`]. Err: why no helper could be
+/// forked (nothing is framed: the caller answers in step).
+fn helper(cfg: &Config) -> Result<Option<Pid>, Errno> {
     // SAFETY: the supervisor is single-threaded; the helper exits without returning.
     match unsafe { nix::unistd::fork() } {
-        Err(e) => Err(fork_failed(e)),
+        Err(e) => Err(e),
         Ok(ForkResult::Child) => {
             default_signals();
             // On failure no verdict is written: the parent says the helper gave none.
@@ -128,7 +129,7 @@ pub fn archive_request(cfg: &Config, h: &FileHeader) -> Result<(), Abandoned> {
 
 fn tar_out(cfg: &Config, h: &FileHeader) -> Result<(), Abandoned> {
     let (r, w) = cloexec_pipe().map_err(|m| fail(&m))?;
-    let Some(pid) = helper(cfg)? else {
+    let Some(pid) = helper(cfg).map_err(fork_verdict)? else {
         drop(r);
         let mut out = Frames(File::from(w));
         let result = archive::workspace_path(&h.path).and_then(|rel| {
@@ -188,7 +189,26 @@ fn tar_in(cfg: &Config, h: &FileHeader) -> Result<(), Abandoned> {
     let (data_r, data_w) = cloexec_pipe().map_err(|m| fail(&m))?;
     let (ans_r, ans_w) = cloexec_pipe().map_err(|m| fail(&m))?;
     let (dec_r, dec_w) = cloexec_pipe().map_err(|m| fail(&m))?;
-    let Some(pid) = helper(cfg)? else {
+    let forked = match helper(cfg) {
+        Ok(forked) => forked,
+        Err(e) => {
+            // The archive's chunks are read to their end first, so the next request is read
+            // where it starts.
+            loop {
+                let len = rd_u32();
+                if len == 0 {
+                    break;
+                }
+                if len > MAX_ARCHIVE_CHUNK as u64 {
+                    frame(kind::FAILED, b"archive chunk too large");
+                    exit_now(2);
+                }
+                rd(len);
+            }
+            return Err(fork_verdict(e));
+        }
+    };
+    let Some(pid) = forked else {
         drop((data_w, ans_r, dec_w));
         let mut out = Frames(File::from(ans_w));
         let staged = archive::workspace_path(&h.path).and_then(|rel| {

@@ -18,7 +18,7 @@ use nix::sys::wait::waitpid;
 use nix::unistd::ForkResult;
 
 use super::{
-    Abandoned, Config, become_user, default_signals, exit_now, fail, fork_failed, frame,
+    Abandoned, Config, become_user, default_signals, exit_now, fail, fork_verdict, frame,
     own_workspace, rd, rd_u32,
 };
 
@@ -215,7 +215,7 @@ pub fn file_request(cfg: &Config) -> Result<(), Abandoned> {
     let (r, w) = super::cloexec_pipe().map_err(|m| fail(&m))?;
     // SAFETY: the supervisor is single-threaded; the helper exits without returning.
     let helper_pid = match unsafe { nix::unistd::fork() } {
-        Err(e) => return Err(fork_failed(e)),
+        Err(e) => return Err(fork_verdict(e)),
         Ok(ForkResult::Child) => {
             default_signals();
             drop(r);

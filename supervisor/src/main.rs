@@ -251,6 +251,20 @@ fn fail(msg: &str) -> Abandoned {
     Abandoned
 }
 
+/// A file or archive call whose helper could not be forked: EAGAIN (the sandbox's pids limit)
+/// is the call's verdict, `err nopids`, which leaves the connection in step; anything else is a
+/// setup failure.
+fn fork_verdict(e: nix::errno::Errno) -> Abandoned {
+    if e == nix::errno::Errno::EAGAIN {
+        frame(
+            kind::RESULT,
+            format!("err nopids 0 fork: {}", e.desc()).as_bytes(),
+        );
+        return Abandoned;
+    }
+    fail(&format!("fork: {}", e.desc()))
+}
+
 /// A fork that failed: EAGAIN is the sandbox's pids limit (its processes hold every pid), which
 /// the daemon tells its caller as retryable; anything else is a setup failure.
 fn fork_failed(e: nix::errno::Errno) -> Abandoned {

@@ -177,7 +177,6 @@ impl KeptContainer {
                     }
                     Ok(Some(Frame::Result(verdict))) => return Ok((data, verdict)),
                     Ok(Some(Frame::Failed(m))) => return Err(FileError::Io(m)),
-                    Ok(Some(Frame::NoPids(m))) => return Err(FileError::NoPids(m)),
                     Ok(Some(other)) => {
                         return Err(FileError::Io(format!(
                             "unexpected supervisor frame {other:?}"
@@ -263,6 +262,7 @@ fn verdict_of(path: &str, verdict: &str, op: FileOp<'_>) -> Result<(), FileError
             },
         },
         "nospace" => FileError::NoSpace,
+        "nopids" => FileError::NoPids(msg.to_string()),
         "badarchive" => FileError::BadArchive(msg.to_string()),
         "archivetoolarge" => FileError::ArchiveTooLarge(msg.to_string()),
         "invalid" => FileError::InvalidPath(format!("path '{}' {msg}", p.escape_debug())),
@@ -296,8 +296,12 @@ fn entries(data: &[u8]) -> Result<Vec<Entry>, FileError> {
 
 impl KeptContainer {
     /// Whether the container's pids cgroup is at its limit (None: not readable from here).
-    fn pids_held(&self) -> Option<bool> {
-        crate::sandbox::pids_held_of_pid(self.pid?, &self.id)
+    async fn pids_held(&self) -> Option<bool> {
+        let (pid, id) = (self.pid?, self.id.clone());
+        tokio::task::spawn_blocking(move || crate::sandbox::pids_held_of_pid(pid, &id))
+            .await
+            .ok()
+            .flatten()
     }
 }
 
@@ -1094,11 +1098,12 @@ impl DockerSandbox {
                     end.error.map(|e| e.to_string()).unwrap_or_default()
                 )));
             }
-            // The runtime could not make the exec's process (the supervisor never spoke): when
-            // the container's pids are all held, that is why.
+            // The runtime could not make the exec's process (its supervisor never spoke, not
+            // one frame): when the container's pids are all held, that is why.
             None if killed.is_none()
+                && end.frames == 0
                 && KeptContainer::gone(kept).is_none()
-                && kept.pids_held() == Some(true) =>
+                && kept.pids_held().await == Some(true) =>
             {
                 return Err(SandboxError::PidsExhausted(format!(
                     "container {}'s pids are all held: the background run's process could not be made",

@@ -282,6 +282,8 @@ pub(super) struct PumpEnd {
     pub(super) error: Option<EngineError>,
     /// The request could not even be written: the command never started.
     pub(super) undelivered: bool,
+    /// Frames decoded from the supervisor's stream (0: it never spoke).
+    pub(super) frames: u64,
 }
 
 /// Hands a request to the supervisor.
@@ -310,7 +312,11 @@ async fn pump(
     let mut end = PumpEnd::default();
     loop {
         loop {
-            match decoder.next_frame() {
+            let next = decoder.next_frame();
+            if matches!(next, Ok(Some(_))) {
+                end.frames += 1;
+            }
+            match next {
                 Ok(None) => break,
                 // A closed reader means its task is gone; keep draining so the run can end.
                 Ok(Some(Frame::Stdout(b))) => {
