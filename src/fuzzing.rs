@@ -217,6 +217,8 @@ pub fn audit_roundtrip(data: &[u8]) {
         error_code: None,
         network: None,
         metadata: Some(metadata),
+        container_id: None,
+        container_uses: None,
     };
     let events = [
         AuditEvent::Refusal(Refusal {

@@ -62,6 +62,7 @@ fn spec(argv: &[&str]) -> RunSpec {
         code: None,
         controls: None,
         background: false,
+        reuse_scope: None,
     }
 }
 
@@ -70,6 +71,9 @@ fn backend(kind: BackendKind, egress_dir: &std::path::Path) -> Arc<DockerSandbox
         socket: format!("unix://{SOCKET}"),
         image: IMAGE.to_string(),
         pool_size: 0,
+        pool_reuse: false,
+        pool_max_uses: 32,
+        pool_max_age_seconds: 300,
         egress_dir: egress_dir.to_path_buf(),
         supervisor: Some(PathBuf::from(supervisor())),
     };

@@ -621,6 +621,7 @@ mod tests {
             killed_reason: None,
             stdin_broken_pipe: false,
             network: Vec::new(),
+            container: None,
         })
     }
 

@@ -124,10 +124,18 @@ impl ExecutionService {
         let request_stdin = || req.stdin.as_ref().map(|s| s.clone().into_bytes());
         let image = &self.default_image;
         let (spec, argv_tail) = match &decision.kind {
-            Decided::Command => (
-                plan.run_spec(exec_id, &req.args, request_stdin(), image),
-                &req.args,
-            ),
+            Decided::Command => {
+                let mut spec = plan.run_spec(exec_id, &req.args, request_stdin(), image);
+                // A one-shot run's trust scope is its calling service and the subject its
+                // capability token was minted for (one service's agents or tenants, each with a
+                // token of its own, never share); a service token with no subject names no one,
+                // so its runs never share a container. Length-prefixed: no two pairs meet.
+                spec.reuse_scope = (req.owner != super::runs::NO_OWNER).then(|| {
+                    let cap = req.capability.subject.as_deref().unwrap_or("");
+                    format!("{}:{}{cap}", req.owner.len(), req.owner)
+                });
+                (spec, &req.args)
+            }
             Decided::Executor(x) => {
                 let mut spec = plan.run_spec(exec_id, &x.argv_tail, Some(x.stdin.clone()), image);
                 spec.fs.extra_files = x.extra_files.clone();

@@ -376,6 +376,8 @@ mod tests {
             error_code: None,
             network: None,
             metadata: None,
+            container_id: None,
+            container_uses: None,
         }
     }
 

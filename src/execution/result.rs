@@ -196,6 +196,7 @@ mod tests {
             killed_reason: killed,
             stdin_broken_pipe: false,
             network: Vec::new(),
+            container: None,
         }
     }
 

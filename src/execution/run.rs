@@ -180,6 +180,8 @@ impl Execution {
             error_code: executor_def_sha256.is_some().then_some(error_code),
             network: network.clone(),
             metadata: metadata.clone(),
+            container_id: outcome.container.as_ref().map(|c| c.id.clone()),
+            container_uses: outcome.container.as_ref().map(|c| c.uses),
         });
         record::run_metrics(&metrics, &plan, name, &outcome);
 

@@ -381,8 +381,11 @@ pub enum Lookup {
 /// The owner of a run started by a caller with this subject (one without is `-`, like the
 /// scope of its Idempotency-Keys).
 pub fn owner_of(subject: Option<&str>) -> String {
-    subject.unwrap_or("-").to_string()
+    subject.unwrap_or(NO_OWNER).to_string()
 }
+
+/// The owner of a run whose service token has no subject.
+pub const NO_OWNER: &str = "-";
 
 /// Stores a finished run's record, trying again over a few seconds when the store fails: a
 /// record left "running" would hide the answer from every other replica. Returns whether it

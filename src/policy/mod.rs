@@ -149,6 +149,7 @@ impl Plan {
             controls: None,
             background: false,
             group: None,
+            reuse_scope: None,
         }
     }
 }

@@ -339,6 +339,12 @@ pub struct RunEnd {
     pub network: Option<Vec<ConnRecord>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metadata: Option<Map<String, Value>>,
+    /// A reused container's id (12 hex digits) and how many runs it has served, this one
+    /// included; absent for a run in a container (or sandbox) of its own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_uses: Option<u32>,
 }
 
 /// The segment a new one replaces: where it went, why, and the end of its good part.
@@ -1191,6 +1197,8 @@ mod tests {
             error_code: None,
             network: None,
             metadata,
+            container_id: None,
+            container_uses: None,
         })
     }
 

@@ -222,6 +222,19 @@ pub struct RunSpec {
     /// those of the group's first live run (a session's runs on the local backend, which all
     /// carry the session's limits; a kept sandbox's runs share its container's already).
     pub group: Option<String>,
+    /// A one-shot run's trust scope (its calling service): a container backend may run it in a
+    /// container that served an earlier run of the same scope and container shape, scrubbed in
+    /// between (see `docker::reuse`). None: a container that never ran anything else.
+    pub reuse_scope: Option<String>,
+}
+
+/// Which container served a run and how many runs it has served, this one included (a
+/// container backend's reused containers; None elsewhere).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ContainerUse {
+    /// The container's id (its first 12 hex digits, as `docker ps` shows it).
+    pub id: String,
+    pub uses: u32,
 }
 
 /// The code of a session's exec and where the interpreter finds it.
@@ -359,6 +372,8 @@ pub struct RunOutcome {
     pub stdin_broken_pipe: bool,
     /// Every outbound connection attempted through the egress proxy (empty without egress).
     pub network: Vec<crate::egress::ConnRecord>,
+    /// The reused container that served the run, if it ran in one.
+    pub container: Option<ContainerUse>,
 }
 
 impl RunOutcome {
@@ -633,6 +648,7 @@ pub(crate) fn test_spec(argv: &[&str]) -> RunSpec {
         controls: None,
         background: false,
         group: None,
+        reuse_scope: None,
     }
 }
 

@@ -160,6 +160,7 @@ impl RunOutcome {
             ),
             stdin_broken_pipe: ending.stdin_broken_pipe,
             network,
+            container: None,
         }
     }
 }

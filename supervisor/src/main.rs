@@ -63,6 +63,7 @@ mod connect;
 mod files;
 mod pty;
 mod relay;
+mod scrub;
 mod tcp;
 
 use std::collections::BTreeMap;
@@ -72,8 +73,8 @@ use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use executor_arm_supervisor::protocol::{
-    ControlDecoder, ControlFrame, ExitReport, FILE_MAGIC, RUN_MAGIC, RunHeader, Status, control,
-    encode_frame, kind,
+    ControlDecoder, ControlFrame, ExitReport, FILE_MAGIC, RUN_MAGIC, RunHeader, SCRUB_MAGIC,
+    Status, control, encode_frame, kind,
 };
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
@@ -1300,6 +1301,12 @@ fn main() {
         }
         exit_now(0);
     }
+    // Kept PID 1: the first state of the places a scrub empties.
+    let places = if cfg.kept {
+        scrub::places(&cfg)
+    } else {
+        Vec::new()
+    };
     loop {
         if cfg.kept {
             idle(&wake_r);
@@ -1321,6 +1328,8 @@ fn main() {
             run_request(&cfg, &mut prepared, &wake_r, &mut routes)
         } else if cfg.kept && magic[..] == FILE_MAGIC[..] {
             files::file_request(&cfg)
+        } else if cfg.kept && magic[..] == SCRUB_MAGIC[..] {
+            scrub::scrub_request(&cfg, &places)
         } else {
             exit_now(2)
         };

@@ -36,6 +36,9 @@ pub const RUN_MAGIC: &[u8; 4] = b"EAR1";
 pub const PORT_CONNECTED: u8 = 0x06;
 /// Magic of a file request (kept sandboxes only).
 pub const FILE_MAGIC: &[u8; 4] = b"EARF";
+/// Magic of a scrub request (a kept PID 1 between two one-shot runs of a reused container): the
+/// request is the magic alone; the verdict is a `Result("ok")` or a `Failed` frame.
+pub const SCRUB_MAGIC: &[u8; 4] = b"EARS";
 
 /// Most payload bytes the supervisor puts in one output frame.
 pub const CHUNK: usize = 64 * 1024;

@@ -31,6 +31,9 @@ impl DockerSandbox {
     /// it), and the drop's fallback then has nothing more to do.
     pub(super) async fn shutdown_by(&self, deadline: tokio::time::Instant, launch_wait: Duration) {
         self.pool.close();
+        if let Some(r) = &self.reuse {
+            r.close();
+        }
         if !self.janitor.close_launches(launch_wait).await {
             tracing::warn!(
                 backend = self.kind.as_str(),

@@ -67,6 +67,8 @@ pub struct Janitor {
     launch_gate: Arc<tokio::sync::RwLock<()>>,
     /// Set at exit: no launch starts any more.
     launches_closed: AtomicBool,
+    /// Times dockerd was found reachable again after an outage.
+    comebacks: std::sync::atomic::AtomicU64,
 }
 
 impl Janitor {
@@ -83,7 +85,14 @@ impl Janitor {
             removals: Arc::new(Semaphore::new(REMOVAL_SLOTS)),
             launch_gate: Arc::new(tokio::sync::RwLock::new(())),
             launches_closed: AtomicBool::new(false),
+            comebacks: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Bumped each time dockerd is reachable again after an outage: whoever keeps containers
+    /// across it sees them as stale.
+    pub fn engine_generation(&self) -> u64 {
+        self.comebacks.load(Ordering::SeqCst)
     }
 
     pub fn owner(&self) -> &Owner {
@@ -383,6 +392,9 @@ impl Janitor {
             return false;
         }
         let came_back = self.engine_down.swap(false, Ordering::SeqCst);
+        if came_back {
+            self.comebacks.fetch_add(1, Ordering::SeqCst);
+        }
         if !self.startup_swept.load(Ordering::SeqCst) {
             let _ = self.sweep_orphans().await;
         }

@@ -518,6 +518,43 @@ async fn send(
 }
 
 impl KeptContainer {
+    /// The container's id.
+    pub(super) fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The scrub between two one-shot runs of a reused container (see `reuse`): the supervisor
+    /// kills every process, empties the run's places and checks itself; Err says why the
+    /// container must not serve again (it is then gone: a scrub cut off half way leaves the
+    /// connection out of step).
+    pub(super) async fn scrub(&self) -> Result<(), String> {
+        let mut ch = self.take_channel().map_err(|e| e.to_string())?;
+        ch.in_step = false;
+        let Channel {
+            input,
+            output,
+            decoder,
+            in_step,
+        } = &mut *ch;
+        let answer = async {
+            send(input, executor_arm_supervisor::protocol::SCRUB_MAGIC).await?;
+            next_frame(decoder, output).await
+        };
+        match tokio::time::timeout(FILE_CALL_TIMEOUT, answer).await {
+            Ok(Ok(Frame::Result(v))) if v == "ok" => {
+                *in_step = true;
+                Ok(())
+            }
+            Ok(Ok(Frame::Failed(why))) => {
+                *in_step = true;
+                Err(why)
+            }
+            Ok(Ok(other)) => Err(format!("unexpected supervisor frame {other:?}")),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("its supervisor did not finish the scrub in time".into()),
+        }
+    }
+
     /// A tarout call: its first frame answers `first` (data: the stream starts; a verdict: why
     /// not), its data goes to `tx` until the verdict. A broken answer makes the container gone.
     async fn archive_out(
@@ -733,6 +770,31 @@ impl DockerSandbox {
             ));
         }
         tracing::info!(session_id, container = %short(guard.id()), uid = guard.uid(), pooled, backend = self.kind.as_str(), "session container assigned");
+        let kept = self.kept_container(
+            &plan,
+            WarmContainer {
+                attached: Attached { input, output },
+                guard,
+                pid,
+                socket_dir,
+            },
+        );
+        Ok(Arc::new(kept))
+    }
+
+    /// A started container of a kept `plan`, as a kept container: one attach connection for
+    /// its life, its ports and background runs reached as its plan says.
+    pub(super) fn kept_container(
+        &self,
+        plan: &super::container::ContainerPlan,
+        container: WarmContainer,
+    ) -> Arc<KeptContainer> {
+        let WarmContainer {
+            attached: Attached { input, output },
+            guard,
+            pid,
+            socket_dir,
+        } = container;
         let spawn = guard.uid().map(|uid| plan.spawn_command(uid));
         let ports = match self.kind {
             crate::sandbox::BackendKind::Gvisor => PortWay::Exec(
@@ -741,7 +803,7 @@ impl DockerSandbox {
             ),
             _ => PortWay::Netns(pid.and_then(|pid| container_netns(pid, guard.id()))),
         };
-        let kept = Arc::new(KeptContainer {
+        Arc::new(KeptContainer {
             id: guard.id().to_string(),
             ports,
             spawn,
@@ -756,8 +818,7 @@ impl DockerSandbox {
             gone: Mutex::new(None),
             guard: Mutex::new(Some(guard)),
             socket_dir: Mutex::new(socket_dir),
-        });
-        Ok(Arc::new(kept))
+        })
     }
 
     /// Runs one exec of a session in its kept container; with `egress` the exec has a proxy of

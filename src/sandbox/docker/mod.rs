@@ -26,6 +26,7 @@ pub mod labels;
 pub mod pool;
 mod relay;
 use self::relay::PumpEnd;
+pub mod reuse;
 pub mod seccomp;
 pub mod supervisor;
 mod tunnel;
@@ -45,8 +46,8 @@ use self::supervisor::{ExitReport, Frame, FrameDecoder};
 use super::capture::DRAIN_GRACE;
 use super::run::{self, Ending};
 use super::{
-    BackendKind, BackendStatus, ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec,
-    Sandbox, SandboxError,
+    BackendKind, BackendStatus, ContainerUse, ExitKind, KilledReason, NetworkPolicy, RunOutcome,
+    RunSpec, Sandbox, SandboxError,
 };
 use crate::sandbox::uids::UidRange;
 /// How long a kill may take the engine before the run goes on without its confirmation.
@@ -70,6 +71,8 @@ pub struct DockerSandbox {
     default_image: String,
     janitor: Arc<Janitor>,
     pool: Arc<Pool>,
+    /// One-shot runs' reused containers (None: one container per run).
+    reuse: Option<Arc<reuse::Reuse>>,
     /// Egress settings when egress profiles can run here (their socket directories are the
     /// pool's, see [`Pool::egress_dirs`]).
     egress: Option<EgressSettings>,
@@ -91,6 +94,12 @@ pub struct DockerConfig {
     pub socket: String,
     pub image: String,
     pub pool_size: usize,
+    /// One-shot runs served again by a container of the same calling service and shape, after a
+    /// scrub ([`reuse`]); runc only.
+    pub pool_reuse: bool,
+    /// Runs a reused container serves at most, and its age after which it serves none.
+    pub pool_max_uses: u32,
+    pub pool_max_age_seconds: u64,
     /// Host directory of the egress proxy's per-container sockets; dockerd bind-mounts from it,
     /// so it must see it at the same path.
     pub egress_dir: std::path::PathBuf,
@@ -136,6 +145,15 @@ impl DockerSandbox {
             uids,
         );
         s.shutdown_socket = Some(config.socket.clone());
+        // Under gVisor a run's SysV IPC objects and POSIX queues live in the sentry: runsc
+        // ignores the sysctls that refuse them, and the container shows no /proc/sysvipc and no
+        // mqueue mount to list them by, so no scrub could clear them (docs/security.md).
+        if config.pool_reuse && kind == BackendKind::Docker && config.pool_max_uses > 1 {
+            s.set_reuse(reuse::Settings {
+                max_uses: config.pool_max_uses,
+                max_age: Duration::from_secs(config.pool_max_age_seconds),
+            });
+        }
         let path = config
             .supervisor
             .clone()
@@ -192,6 +210,7 @@ impl DockerSandbox {
             default_image: image.to_string(),
             janitor,
             pool,
+            reuse: None,
             egress,
             shutdown_socket: None,
             shut_down: AtomicBool::new(false),
@@ -199,6 +218,88 @@ impl DockerSandbox {
             // A fake engine runs nothing; `new` puts the checked binary here.
             supervisor: Ok(supervisor::default_path()),
         }
+    }
+
+    /// Serves one-shot runs again in containers of their own scope (see [`reuse`]); the idle
+    /// ones are pruned with the pool's maintenance.
+    pub fn set_reuse(&mut self, settings: reuse::Settings) {
+        let r = reuse::Reuse::new(settings);
+        let weak = Arc::downgrade(&r);
+        let janitor = self.janitor.clone();
+        tokio::spawn(async move {
+            let mut seen = janitor.engine_generation();
+            loop {
+                tokio::time::sleep(MAINTENANCE_EVERY).await;
+                let Some(r) = weak.upgrade() else { break };
+                // dockerd came back after an outage: its containers may be gone or stale.
+                let now = janitor.engine_generation();
+                if now != seen {
+                    seen = now;
+                    r.flush();
+                }
+                r.prune();
+            }
+        });
+        self.reuse = Some(r);
+    }
+
+    /// The scope a run may share containers in, when it may: a one-shot run with a scope, no
+    /// egress (its proxy is per container run) and no files of its own (an executor's are bound
+    /// into its container).
+    fn reuse_scope(&self, spec: &RunSpec) -> Option<String> {
+        self.reuse.as_ref()?;
+        let plain = spec.kept.is_none()
+            && !spec.background
+            && spec.network == NetworkPolicy::None
+            && spec.fs.extra_files.is_empty()
+            && spec.fs.workspace.is_none();
+        plain.then(|| spec.reuse_scope.clone()).flatten()
+    }
+
+    /// A one-shot run in a container of its scope's that served earlier runs, else in a fresh
+    /// kept-mode one, which may serve the scope's next runs after a scrub ([`reuse`]).
+    async fn run_reused(
+        &self,
+        reuse: &Arc<reuse::Reuse>,
+        scope: String,
+        spec: RunSpec,
+    ) -> Result<RunOutcome, SandboxError> {
+        let plan = self.plan(&spec, true)?;
+        if let Some(why) = self.runtime_refusal().await {
+            return Err(SandboxError::Unavailable(why));
+        }
+        let key = (scope, plan.key.clone());
+        let item = match reuse.take(&key) {
+            Some(item) => item,
+            None => {
+                let name = format!("executor-arm-{}", spec.exec_id);
+                let (container, pooled) = self
+                    .container_for(&plan, &spec.exec_id, &name, true)
+                    .await?;
+                tracing::info!(exec_id = %spec.exec_id, container = %short(container.guard.id()), pooled, backend = self.kind.as_str(), "sandbox container assigned");
+                reuse::Reusable {
+                    kept: self.kept_container(&plan, container),
+                    uses: 0,
+                    born: Instant::now(),
+                }
+            }
+        };
+        let item = reuse::Reusable {
+            uses: item.uses + 1,
+            ..item
+        };
+        let exec_id = spec.exec_id.clone();
+        let result = self.run_kept(&item.kept, spec, None).await;
+        let container = ContainerUse {
+            id: short(item.kept.id()).to_string(),
+            uses: item.uses,
+        };
+        tracing::info!(exec_id = %exec_id, container = %container.id, uses = container.uses, backend = self.kind.as_str(), "run served by a reused container");
+        reuse.settle(key, item, result.as_ref().ok());
+        result.map(|mut o| {
+            o.container = Some(container);
+            o
+        })
     }
 
     /// The container plan of `spec` with the supervisor mounted; refused (503) when the
@@ -570,6 +671,9 @@ impl Sandbox for DockerSandbox {
         let egress = run::egress_for(&spec.network, self.egress.as_ref())?;
         if let Some(kept) = spec.kept.clone() {
             return self.run_kept(kept.as_ref(), spec, egress).await;
+        }
+        if let (Some(reuse), Some(scope)) = (&self.reuse, self.reuse_scope(&spec)) {
+            return self.run_reused(&reuse.clone(), scope, spec).await;
         }
         let plan = self.plan(&spec, false)?;
         // Never a container whose runtime would drop its seccomp profile.
