@@ -128,12 +128,13 @@ impl ExecutionService {
                 let mut spec = plan.run_spec(exec_id, &req.args, request_stdin(), image);
                 // A one-shot run's trust scope is its calling service and the subject its
                 // capability token was minted for (one service's agents or tenants, each with a
-                // token of its own, never share); a service token with no subject names no one,
-                // so its runs never share a container. Length-prefixed: no two pairs meet.
-                spec.reuse_scope = (req.owner != super::runs::NO_OWNER).then(|| {
-                    let cap = req.capability.subject.as_deref().unwrap_or("");
-                    format!("{}:{}{cap}", req.owner.len(), req.owner)
-                });
+                // token of its own, never share); a service token or a capability token with no
+                // subject names no one, so its runs never share a container. Length-prefixed: no
+                // two pairs meet.
+                let cap = req.capability.subject.as_deref().filter(|s| !s.is_empty());
+                spec.reuse_scope = cap
+                    .filter(|_| req.owner != super::runs::NO_OWNER)
+                    .map(|cap| format!("{}:{}{cap}", req.owner.len(), req.owner));
                 (spec, &req.args)
             }
             Decided::Executor(x) => {

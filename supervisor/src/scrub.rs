@@ -65,6 +65,13 @@ pub fn places(cfg: &Config) -> Vec<Place> {
 
 /// Serves one scrub request (its magic already read).
 pub fn scrub_request(cfg: &Config, places: &[Place]) -> Result<(), Abandoned> {
+    // Every place read at start, or nothing is scrubbed.
+    let expected = if cfg.workdir == TMP { 1 } else { 2 };
+    if places.len() != expected {
+        return Err(fail(
+            "scrub: the run's places could not be read when the container started",
+        ));
+    }
     kill_everything().map_err(|why| fail(&format!("scrub: {why}")))?;
     empty(cfg, places)?;
     check(places).map_err(|why| fail(&format!("scrub: {why}")))?;
@@ -209,8 +216,14 @@ fn empty_place(place: &Place) -> Result<(), String> {
 /// Clears the inode flags the owner may set on `path` (`chattr`: nodump, noatime...); a
 /// filesystem without them has none to clear.
 fn clear_flags(path: &Path) -> Result<(), String> {
-    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut flags: libc::c_long = 0;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    // The kernel reads and writes an int for these ioctls.
+    let mut flags: libc::c_int = 0;
     // SAFETY: FS_IOC_GETFLAGS writes one long into `flags`, which outlives the call; the
     // descriptor is open.
     let r = unsafe { libc::ioctl(file.as_raw_fd(), libc::FS_IOC_GETFLAGS, &mut flags) };
@@ -227,7 +240,7 @@ fn clear_flags(path: &Path) -> Result<(), String> {
     if flags == 0 {
         return Ok(());
     }
-    let none: libc::c_long = 0;
+    let none: libc::c_int = 0;
     // SAFETY: FS_IOC_SETFLAGS reads one long from `none`, which outlives the call.
     if unsafe { libc::ioctl(file.as_raw_fd(), libc::FS_IOC_SETFLAGS, &none) } != 0 {
         return Err(format!(
@@ -322,8 +335,11 @@ fn check(places: &[Place]) -> Result<(), String> {
     // Sockets of the container's network namespace outlive their processes a while (TIME_WAIT)
     // and show the next run what this one connected to: a container with any is not reused.
     for table in ["tcp", "tcp6", "udp", "udp6", "raw", "raw6", "unix"] {
-        let Ok(text) = std::fs::read_to_string(format!("/proc/net/{table}")) else {
-            continue;
+        let text = match std::fs::read_to_string(format!("/proc/net/{table}")) {
+            Ok(text) => text,
+            // A family the kernel lacks (no IPv6) has no table.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(format!("/proc/net/{table}: {e}")),
         };
         if text.lines().skip(1).any(|l| !l.trim().is_empty()) {
             return Err(format!("a {table} socket is left"));

@@ -249,6 +249,7 @@ impl DockerSandbox {
     fn reuse_scope(&self, spec: &RunSpec) -> Option<String> {
         self.reuse.as_ref()?;
         let plain = spec.kept.is_none()
+            && spec.code.is_none()
             && !spec.background
             && spec.network == NetworkPolicy::None
             && spec.fs.extra_files.is_empty()
