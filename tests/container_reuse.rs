@@ -67,9 +67,9 @@ set -e
 echo "mode: $(stat -c %a .)"
 echo left > ./left-in-workdir
 echo left > /tmp/left-in-tmp
-echo left > "$HOME/left-in-home" 2>/dev/null || true
+echo left > "$HOME/left-in-home"
 mkdir -p ./locked/deeper && echo x > ./locked/deeper/f && chmod 000 ./locked/deeper ./locked
-chmod 700 . 2>/dev/null || true
+chmod 750 .
 setsid sh -c 'sleep 600' </dev/null >/dev/null 2>&1 &
 python3 -c '
 import socket, os, time, sys
@@ -114,8 +114,10 @@ echo done
 "#;
 
 const LOOK: &str = r#"
-ls -A . /tmp "$HOME" 2>/dev/null | grep -v '^$' | grep -v ':$' || true
+# grep exits 1 when it keeps no line: the clean case.
+ls -A . /tmp "$HOME" | grep -v '^$' | grep -v ':$' || true
 echo "procs: $(for p in /proc/[0-9]*; do tr '\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c 'slee[p]')"
+# grep -c prints 0 and exits 1 when none is found: the clean case.
 grep -c executor-arm-left /proc/net/unix || true
 echo "shm: $(tail -n +2 /proc/sysvipc/shm | grep -c .)"
 echo "env: ${LEFT_BEHIND:-unset}"
