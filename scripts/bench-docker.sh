@@ -15,13 +15,17 @@
 #           latency)
 #   conc8   N_TPUT requests from CONC workers, right after the first request of a fresh daemon
 #   base8   N_BASE8 `docker run --rm`, CONC at a time
+#   noreuse_b2b, noreuse_conc8   b2b and conc8 with `sandbox.docker.pool_reuse = false` (one
+#           container per run); runc only, since gVisor never serves a run in a used container
+# Every series's client runs as one calling service with one capability subject: one trust
+# scope, whose runc runs are served again by scrubbed containers (pool_reuse, on by default).
 # With EXECUTOR_ARM_BASELINE_BIN (another build of the daemon, e.g. an older commit's), each daemon
 # series is run again right after with that build (ids <backend>.before_<series>), and every
 # target and ratio also gets its value for that build ("before" in the JSON): old beside new in
 # one run.
 #
 # Environment (defaults in brackets):
-#   SERIES ["base b2b warm conc8 base8"]   RUNTIMES ["runc gvisor"]
+#   SERIES ["base b2b noreuse_b2b warm conc8 noreuse_conc8 base8"]   RUNTIMES ["runc gvisor"]
 #   N_BASE [30] N_B2B [200] N_WARM [100] N_TPUT [200] N_BASE8 [40] CONC [8] WARM_IDLE [2]
 #   EXECUTOR_ARM_BIN   the daemon binary to measure (default: build this checkout's release, and
 #                      its static supervisor beside it; a given binary needs its
@@ -37,7 +41,7 @@ cd "$(dirname "$0")/.."
 # shellcheck source=lib/daemon-addr.sh
 source scripts/lib/daemon-addr.sh
 
-SERIES=${SERIES:-"base b2b warm conc8 base8"}
+SERIES=${SERIES:-"base b2b noreuse_b2b warm conc8 noreuse_conc8 base8"}
 RUNTIMES=${RUNTIMES:-"runc gvisor"}
 N_BASE=${N_BASE:-30}
 N_B2B=${N_B2B:-200}
@@ -114,7 +118,8 @@ conn = http.client.HTTPConnection(host, int(port), timeout=120)
 one(conn)  # first use of the profile: makes its pool
 hit = f'executor_pool_events_total{{backend="{backend}",event="hit"}}'
 miss = f'executor_pool_events_total{{backend="{backend}",event="miss"}}'
-hits0, miss0 = metric(hit), metric(miss)
+reused = f'executor_pool_events_total{{backend="{backend}",event="reused"}}'
+hits0, miss0, reused0 = metric(hit), metric(miss), metric(reused)
 lat, errors = [], 0
 if mode == "seq":
     for _ in range(n):
@@ -146,7 +151,7 @@ else:
     wall = time.perf_counter() - t0
 print(json.dumps({"n": len(lat), "errors": errors, "p50": pct(lat, 50), "p95": pct(lat, 95), "p99": pct(lat, 99),
                   "rps": (len(lat) / wall) if wall else None, "hits": metric(hit) - hits0,
-                  "misses": metric(miss) - miss0, "samples": lat}))
+                  "misses": metric(miss) - miss0, "reused": metric(reused) - reused0, "samples": lat}))
 PY
 
 cat >"$WORK/baseline.py" <<'PY'
@@ -190,6 +195,7 @@ PY
 start_daemon() { # runtime binary
   : >"$WORK/daemon.log"
   # Each daemon gets a fresh embedded store of its own, in the run's work directory.
+  EXECUTOR_ARM__SANDBOX__DOCKER__POOL_REUSE="${POOL_REUSE:-true}" \
   SANDBOX_RUNTIME="$1" EXECUTOR_ARM_JWT_SECRET_FILE="$WORK/secret" EXECUTOR_ARM_AUDIT_LOG="$WORK/audit.jsonl" \
     EXECUTOR_ARM_STATE_DIR="$(mktemp -d "$WORK/state.XXXXXX")" RUST_LOG=info "$2" serve --listen 127.0.0.1:0 2>"$WORK/daemon.log" &
   DAEMON_PID=$!
@@ -235,6 +241,10 @@ for rt in $RUNTIMES; do
   has b2b && daemon_series "$rt" "$backend" b2b seq "$N_B2B" 1 0
   has warm && daemon_series "$rt" "$backend" warm seq "$N_WARM" 1 "$WARM_IDLE"
   has conc8 && daemon_series "$rt" "$backend" conc8 conc "$N_TPUT" "$CONC" 0
+  if [ "$rt" = runc ]; then
+    has noreuse_b2b && POOL_REUSE=false daemon_series "$rt" "$backend" noreuse_b2b seq "$N_B2B" 1 0
+    has noreuse_conc8 && POOL_REUSE=false daemon_series "$rt" "$backend" noreuse_conc8 conc "$N_TPUT" "$CONC" 0
+  fi
   if has base8; then
     echo "== $backend.base8 (docker run --rm, $N_BASE8, $CONC at a time)" >&2
     python3 "$WORK/baseline.py" "$oci" "$N_BASE8" "$CONC" "$IMAGE" >"$WORK/r/$backend.base8"
@@ -255,12 +265,15 @@ labels = {
     "warm": "{b} POST /execute with a full pool (hit latency), defaults",
     "conc8": f"{{b}} POST /execute {conc} concurrent, defaults",
     "base8": f"{{b}}: docker run --rm --runtime={{rt}}, {conc} at a time",
+    "noreuse_b2b": "{b} POST /execute back-to-back, pool_reuse = false",
+    "noreuse_conc8": f"{{b}} POST /execute {conc} concurrent, pool_reuse = false",
 }
 for s in ("b2b", "warm", "conc8"):
     labels[f"before_{s}"] = labels[s] + ", baseline build"
 series, ratios, targets, pool_events = [], [], [], {}
 for b, rt in (("docker", "runc"), ("gvisor", "runsc")):
-    for s in ("base", "b2b", "warm", "conc8", "base8", "before_b2b", "before_warm", "before_conc8"):
+    for s in ("base", "b2b", "noreuse_b2b", "warm", "conc8", "noreuse_conc8", "base8", "before_b2b", "before_warm",
+              "before_conc8"):
         x = r.get(f"{b}.{s}")
         if x is None:
             continue
@@ -270,7 +283,7 @@ for b, rt in (("docker", "runc"), ("gvisor", "runsc")):
                        "throughput_per_s": round(x["rps"], 2) if x.get("rps") else None,
                        "samples_ms": [round(v, 2) for v in x["samples"]]})
         if "hits" in x:
-            pool_events[f"{b}.{s}"] = f"{int(x['hits'])}/{int(x['misses'])}"
+            pool_events[f"{b}.{s}"] = f"{int(x['hits'])}/{int(x['misses'])}/{int(x.get('reused', 0))}"
 S = {s["id"]: s for s in series}
 
 def div(num, den):
@@ -298,7 +311,7 @@ def ideal_ratio(id):
     tp = get(id, "throughput_per_s")
     return div(get(id, "p50_ms"), (conc / tp * 1000) if tp else None)
 
-for b, tput_goal in (("docker", 2.0), ("gvisor", 1.5)):
+for b, tput_goal in (("docker", 3.0), ("gvisor", 1.5)):
     base8_tp = get(f"{b}.base8", "throughput_per_s")
     ratio(f"{b}.conc8.tput_vs_docker_run", f"{b} {conc}-concurrent throughput / docker run --rm {conc} at a time",
           div(get(f"{b}.conc8", "throughput_per_s"), base8_tp), f">= {tput_goal}",
@@ -307,6 +320,10 @@ for b, tput_goal in (("docker", 2.0), ("gvisor", 1.5)):
           ideal_ratio(f"{b}.conc8"), "<= 2.0" if b == "docker" else None,
           (lambda v: v <= 2.0) if b == "docker" else None, ideal_ratio(f"{b}.before_conc8"))
     base_p50 = get(f"{b}.base", "p50_ms")
+    ratio(f"{b}.conc8.tput_vs_reuse_off", f"{b} {conc}-concurrent throughput / the same with pool_reuse = false",
+          div(get(f"{b}.conc8", "throughput_per_s"), get(f"{b}.noreuse_conc8", "throughput_per_s")))
+    ratio(f"{b}.b2b.p50_vs_reuse_off", f"{b} back-to-back p50 / the same with pool_reuse = false",
+          div(get(f"{b}.b2b", "p50_ms"), get(f"{b}.noreuse_b2b", "p50_ms")))
     ratio(f"{b}.b2b.p50_vs_docker_run", f"{b} back-to-back p50 / docker run --rm p50",
           div(get(f"{b}.b2b", "p50_ms"), base_p50), before=div(get(f"{b}.before_b2b", "p50_ms"), base_p50))
     ratio(f"{b}.warm.p50_vs_docker_run", f"{b} warm p50 / docker run --rm p50",
@@ -324,11 +341,11 @@ print(f"binary: {binary}; runsc: {runsc_version} (platform {runsc_platform})")
 if baseline_bin:
     print(f"baseline build: {baseline_bin} (series before_*)")
 print(f"executor-arm POST /execute 'echo hi' vs docker run --rm (ms; daemon defaults)")
-print(f"{'series':14} {'n':>4} {'p50':>8} {'p95':>8} {'p99':>8} {'exec/s':>7} {'hit/miss':>9} {'err':>4}  label")
+print(f"{'series':16} {'n':>4} {'p50':>8} {'p95':>8} {'p99':>8} {'exec/s':>7} {'hit/miss/reused':>15} {'err':>4}  label")
 for s in series:
     tp = f"{s['throughput_per_s']:.1f}" if s["throughput_per_s"] else "-"
     hm = pool_events.get(s["id"], "-")
-    print(f"{s['id']:14} {s['n']:>4} {s['p50_ms']:>8.1f} {s['p95_ms']:>8.1f} {s['p99_ms']:>8.1f} {tp:>7} {hm:>9} {s['errors']:>4}  {s['label']}")
+    print(f"{s['id']:16} {s['n']:>4} {s['p50_ms']:>8.1f} {s['p95_ms']:>8.1f} {s['p99_ms']:>8.1f} {tp:>7} {hm:>15} {s['errors']:>4}  {s['label']}")
 if ratios:
     print("\nratios")
     for x in ratios:

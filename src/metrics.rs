@@ -321,7 +321,7 @@ impl Metrics {
             ),
             pool_events: r.counters(
                 "executor_pool_events_total",
-                "Warm pool hits and misses",
+                "Warm pool hits and misses, and runs served by a reused container",
                 &["backend", "event"],
             ),
             egress_connections: r.counters(

@@ -192,19 +192,85 @@ async fn a_scope_sees_nothing_of_its_last_run(runtime: &str) {
     assert_eq!(o["container_uses"], json!(1), "{o}");
 }
 
-/// A run killed at its timeout discards its container: the scope's next run gets another one.
+/// A run killed at its timeout, one OOM-killed and one killed at the output cap discard their
+/// containers: the scope's next runs never land in them. (The python profile here kills at the
+/// output cap instead of truncating.)
 async fn a_killed_run_never_serves_again(runtime: &str) {
-    let d = Daemon::start_with(opts(runtime));
-    let killed = sh(&d, "svc-a", "sleep 30", 1).await;
-    assert_eq!(killed.status, 408, "{}", killed.text);
-    let k = line(&d, &killed);
-    for _ in 0..5 {
+    let profile = format!(
+        "{}\n[output]\non_overflow = \"kill\"\n",
+        common::shipped_profile("python")
+    );
+    let profiles = common::profiles_with(&[("python", profile)]);
+    let mut o = opts(runtime);
+    o.env.push((
+        "EXECUTOR_ARM_PROFILES_DIR".into(),
+        profiles.path().display().to_string(),
+    ));
+    let d = Daemon::start_with(o);
+    let kills = [
+        ("timeout", "sleep 30", 1),
+        (
+            "oom",
+            "python3 -c 'b = [bytearray(64 << 20) for _ in range(32)]'",
+            60,
+        ),
+        ("output cap", "yes xxxxxxxxxxxxxxxx", 60),
+    ];
+    for (how, script, timeout) in kills {
+        let killed = sh(&d, "svc-a", script, timeout).await;
+        let k = line(&d, &killed);
+        match how {
+            "timeout" => assert_eq!(killed.status, 408, "{how}: {}", killed.text),
+            "oom" => assert_eq!(k["oom"], json!(true), "{how}: {k}"),
+            _ => assert_eq!(k["killed_reason"], "output_limit", "{how}: {k}"),
+        }
+        assert!(k["container_id"].is_string(), "{how}: {k}");
+        for _ in 0..3 {
+            let r = sh(&d, "svc-a", "true", 30).await;
+            assert_eq!(r.status, 200, "{how}: {}", r.text);
+            let l = line(&d, &r);
+            assert_ne!(l["container_id"], k["container_id"], "{how}: {l}");
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// A container serving one run after another reports each run's own memory peak: the kernel's
+/// peak is reset before each run (cgroup v1 max_usage_in_bytes, v2 memory.peak).
+async fn each_run_reports_its_own_memory_peak() {
+    let d = Daemon::start_with(opts("runc"));
+    let big = sh(
+        &d,
+        "svc-a",
+        "python3 -c 'b = bytearray(96 << 20); print(len(b))'",
+        60,
+    )
+    .await;
+    assert_eq!(big.status, 200, "{}", big.text);
+    let b = line(&d, &big);
+    let big_kib = big.json["peak_memory_kib"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no peak: {}", big.text));
+    assert!(big_kib >= 96 * 1024, "{}", big.text);
+    // The next runs of the scope: one lands in the same container (its scrub done first).
+    let mut small = None;
+    for _ in 0..20 {
         let r = sh(&d, "svc-a", "true", 30).await;
         assert_eq!(r.status, 200, "{}", r.text);
-        let l = line(&d, &r);
-        assert_ne!(l["container_id"], k["container_id"], "{l}");
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        if line(&d, &r)["container_id"] == b["container_id"] {
+            small = Some(r);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+    let small = small.expect("a later run in the same container");
+    let small_kib = small.json["peak_memory_kib"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no peak: {}", small.text));
+    assert!(
+        small_kib < big_kib / 2,
+        "the second run's peak ({small_kib} KiB) is the first one's ({big_kib} KiB)"
+    );
 }
 
 /// A container serves at most `pool_max_uses` runs.
@@ -234,6 +300,64 @@ async fn a_container_serves_at_most_its_max_uses() {
     );
 }
 
+/// An MCP call without a capability token runs on the service token's own capabilities, which
+/// name none of the service's callers: such runs never share a container. The same calls with a
+/// capability token of their own do.
+async fn service_granted_mcp_runs_never_share() {
+    use rmcp::ServiceExt;
+    use rmcp::model::CallToolRequestParams;
+    use rmcp::transport::StreamableHttpClientTransport;
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+
+    let d = Daemon::start_with(opts("runc"));
+    let token = d.mint(MintRequest {
+        kind: Some(TokenKind::Service),
+        ttl_seconds: 600,
+        aud: "executor-arm".into(),
+        sub: Some("orchestrator".into()),
+        capabilities: vec!["ShellExecute".into()],
+        ..Default::default()
+    });
+    let client = ()
+        .serve(StreamableHttpClientTransport::from_config(
+            StreamableHttpClientTransportConfig::with_uri(format!("{}/mcp", d.base))
+                .auth_header(token),
+        ))
+        .await
+        .expect("initialize the MCP session");
+    let cap = d.cap_all();
+    let mut reused = false;
+    for (n, with_cap) in [false, false, false, true, true, true, true, true, true]
+        .into_iter()
+        .enumerate()
+    {
+        let mut args = json!({"action_type": "shell", "command": "echo", "args": ["hi"]});
+        if with_cap {
+            args["capability_token"] = json!(cap);
+        }
+        let Value::Object(args) = args else {
+            unreachable!("an object")
+        };
+        let r = client
+            .call_tool(CallToolRequestParams::new("execute").with_arguments(args))
+            .await
+            .unwrap_or_else(|e| panic!("execute: {e}"));
+        let v = r.structured_content.clone().expect("structuredContent");
+        assert_eq!(v["stdout"], "hi\n", "{v}");
+        let l = d.execution_line(v["exec_id"].as_str().expect("exec_id"));
+        if with_cap {
+            assert!(l["container_id"].is_string(), "{l}");
+            reused |= l["container_uses"].as_u64() > Some(1);
+        } else {
+            assert!(l.get("container_id").is_none(), "run {n}: {l}");
+        }
+        // Time for a scrub: a container that could serve again would be back by then.
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    }
+    assert!(reused, "no run with a capability token was served again");
+    let _ = client.cancel().await;
+}
+
 mod gvisor {
     /// Under gVisor every run keeps a container of its own, `pool_reuse` or not.
     #[tokio::test(flavor = "multi_thread")]
@@ -260,5 +384,13 @@ mod docker {
     #[tokio::test(flavor = "multi_thread")]
     async fn a_container_serves_at_most_its_max_uses() {
         super::a_container_serves_at_most_its_max_uses().await;
+    }
+    #[tokio::test(flavor = "multi_thread")]
+    async fn each_run_reports_its_own_memory_peak() {
+        super::each_run_reports_its_own_memory_peak().await;
+    }
+    #[tokio::test(flavor = "multi_thread")]
+    async fn service_granted_mcp_runs_never_share() {
+        super::service_granted_mcp_runs_never_share().await;
     }
 }

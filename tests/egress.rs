@@ -324,6 +324,21 @@ impl Setup {
             .collect()
     }
 
+    /// The daemon's idle pool containers (one that serves a run is renamed).
+    fn pool_containers(&self) -> Vec<String> {
+        self.containers()
+            .into_iter()
+            .filter(|id| {
+                Command::new("docker")
+                    .args(["inspect", "--format", "{{.Name}}", id])
+                    .output()
+                    .is_ok_and(|o| {
+                        String::from_utf8_lossy(&o.stdout).contains("executor-arm-pool-")
+                    })
+            })
+            .collect()
+    }
+
     /// Per-container socket directories that exist now, under every backend's directory.
     fn socket_dirs(&self) -> Vec<PathBuf> {
         let mut out = Vec::new();
@@ -616,12 +631,16 @@ async fn egress_is_allowlisted_and_ssrf_safe(backend: Backend) {
     // address (routed into the daemon's namespace) and their own loopback; the local sandbox,
     // whose namespace could only lead into the test namespaces, also tries the test hosts.
     if backend.is_container() {
-        // Only the idle pool container is left once the earlier runs' are removed: the next
+        // The idle pool container, refilled once the daemon has no run in flight: the next
         // run's.
         setup.wait_for_cleanup("the refusals");
-        let containers = setup.containers();
-        assert!(!containers.is_empty(), "the warm pool holds a container");
-        for c in &containers {
+        let pooled = wait_for(
+            "the warm pool's idle container",
+            CLEANUP,
+            || setup.pool_containers(),
+            |c| !c.is_empty(),
+        );
+        for c in &pooled {
             assert_only_loopback(c);
         }
     }

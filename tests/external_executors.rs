@@ -373,6 +373,18 @@ impl Sandboxed {
         r
     }
 
+    /// Whether run `exec_id`'s container may serve another run: its audit line names the
+    /// container and its use count, and the run was not killed.
+    fn served_again(&self, exec_id: &str) -> bool {
+        self.d.audit_lines().iter().any(|l| {
+            l["exec_id"] == exec_id
+                && l["event"] == "execution"
+                && l["container_uses"].is_u64()
+                && l["killed_reason"].is_null()
+                && !l["oom"].as_bool().unwrap_or(false)
+        })
+    }
+
     /// Checks from the host that nothing of the run `r` is left: no process whose command line
     /// holds `marker`; on the local backend no run cgroup either (waiting for the low-priority
     /// reaper that removes it after the response);
@@ -391,6 +403,16 @@ impl Sandboxed {
             Backend::Docker | Backend::Gvisor => {
                 let exec_id = r.json["exec_id"].as_str().expect("exec_id");
                 let id = container_of(&self.d, exec_id, &mut self.log);
+                if self.served_again(exec_id) {
+                    // A runc container that ended its run cleanly stays to serve the scope's
+                    // next run (pool_reuse): the run's processes are gone, the container not.
+                    wait_until(
+                        &format!("{exec_id}: no host process holding {marker}"),
+                        REMOVAL_LIMIT,
+                        || pids_with_cmdline(marker).is_empty(),
+                    );
+                    return;
+                }
                 wait_until(
                     &format!("{exec_id}: container {id} removed"),
                     REMOVAL_LIMIT,

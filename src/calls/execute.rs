@@ -148,6 +148,7 @@ impl ExecuteRequest {
             metadata: self.metadata,
             idempotency_key: None,
             abandoned: None,
+            reuse_subject: None,
             via: None,
         }
     }
@@ -221,10 +222,11 @@ pub fn job(
     }
 
     // What this call may do.
-    let cap = match capability_token(req.capability_token.as_deref(), ask.headers)? {
-        Some(token) => caller.capability(st, token)?,
-        // A front end whose contract it is (MCP): the service token's own capabilities.
-        None if ask.service_grant => caller.service_grant(),
+    let (cap, own_token) = match capability_token(req.capability_token.as_deref(), ask.headers)? {
+        Some(token) => (caller.capability(st, token)?, true),
+        // A front end whose contract it is (MCP): the service token's own capabilities. They
+        // name no one of the service's callers, so such runs never share a container.
+        None if ask.service_grant => (caller.service_grant(), false),
         None => return Err(unauthorized(st, &caller.known, "missing capability token")),
     };
     if caller.known.subject.is_none() {
@@ -258,6 +260,9 @@ pub fn job(
         mode != RunMode::Sync,
     );
     request.via = ask.via;
+    request.reuse_subject = own_token
+        .then(|| request.capability.subject.clone())
+        .flatten();
     Ok(RunJob {
         work: ExecuteWork(request),
         idempotency,

@@ -742,6 +742,7 @@ mod tests {
                 action_type: ActionType::Shell,
             },
             command: command.into(),
+            reuse_subject: None,
             args: vec!["hi".into()],
             timeout_seconds: Some(5),
             long_run: false,

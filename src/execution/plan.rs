@@ -126,12 +126,12 @@ impl ExecutionService {
         let (spec, argv_tail) = match &decision.kind {
             Decided::Command => {
                 let mut spec = plan.run_spec(exec_id, &req.args, request_stdin(), image);
-                // A one-shot run's trust scope is its calling service and the subject its
+                // A one-shot run's trust scope is its calling service and the subject its own
                 // capability token was minted for (one service's agents or tenants, each with a
-                // token of its own, never share); a service token or a capability token with no
-                // subject names no one, so its runs never share a container. Length-prefixed: no
-                // two pairs meet.
-                let cap = req.capability.subject.as_deref().filter(|s| !s.is_empty());
+                // token of its own, never share); a service token's own capabilities (MCP) or a
+                // capability token with no subject name no one, so such runs never share a
+                // container. Length-prefixed: no two pairs meet.
+                let cap = req.reuse_subject.as_deref().filter(|s| !s.is_empty());
                 spec.reuse_scope = cap
                     .filter(|_| req.owner != super::runs::NO_OWNER)
                     .map(|cap| format!("{}:{}{cap}", req.owner.len(), req.owner));

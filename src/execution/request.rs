@@ -53,6 +53,11 @@ pub struct ExecutionRequest {
     /// The front end the request came through when it was not the REST API (`mcp`): its
     /// audit lines say so.
     pub via: Option<&'static str>,
+    /// Whom the call's capability token was minted for, when a capability token of the
+    /// caller's own granted it: with the owner, the trust scope whose one-shot runs may share a
+    /// container. None (a service token's own capabilities, as MCP grants them; sessions): the
+    /// run never shares one.
+    pub reuse_subject: Option<String>,
 }
 
 /// The kinds of run an execution may ask for. Each is decided its own way, in one place

@@ -9,6 +9,7 @@ pub mod capture;
 pub mod control;
 pub mod docker;
 pub mod files;
+pub mod host_cgroup;
 pub mod local;
 pub mod ports;
 pub mod run;
@@ -479,81 +480,6 @@ pub fn used_bytes(path: &std::path::Path) -> Option<u64> {
     let v = nix::sys::statvfs::statvfs(path).ok()?;
     let frag = v.fragment_size() as u64;
     Some((v.blocks() as u64).saturating_sub(v.blocks_free() as u64) * frag)
-}
-
-/// What the cgroup of host process `pid` uses now (cgroup v2, or v1's memory and cpuacct
-/// hierarchies), when its cgroup paths name `container` (a pid the container no longer has
-/// names another's, or none). Blocking.
-pub fn usage_of_pid(pid: u32, container: &str) -> Option<Usage> {
-    let text = cgroups_of_pid(pid, container)?;
-    let root = std::path::Path::new("/sys/fs/cgroup");
-    let read = |p: std::path::PathBuf| -> Option<u64> {
-        std::fs::read_to_string(p).ok()?.trim().parse().ok()
-    };
-    let (mut memory, mut cache, mut cpu) = (None, None, None);
-    for line in text.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        let path = path.trim_start_matches('/');
-        let ctl: Vec<&str> = controllers.split(',').collect();
-        if ctl.contains(&"memory") {
-            let dir = root.join("memory").join(path);
-            memory = read(dir.join("memory.usage_in_bytes"));
-            cache = stat_value(&dir.join("memory.stat"), "total_cache");
-        }
-        if ctl.contains(&"cpuacct") {
-            cpu = read(root.join(controllers).join(path).join("cpuacct.usage"));
-        }
-        if controllers.is_empty() && memory.is_none() {
-            // cgroup v2 (alone, or the unified hierarchy of a v2-only host).
-            let dir = root.join(path);
-            memory = read(dir.join("memory.current"));
-            cache = stat_value(&dir.join("memory.stat"), "file");
-            cpu = stat_value(&dir.join("cpu.stat"), "usage_usec").map(|us| us * 1000);
-        }
-    }
-    Some(Usage {
-        memory_bytes: memory?,
-        cache_bytes: cache.unwrap_or(0),
-        cpu_ns: cpu.unwrap_or(0),
-    })
-}
-
-/// `/proc/<pid>/cgroup` of host process `pid`, when its paths name `container` and are this
-/// daemon's to read (a path of another cgroup namespace, `/../…`, is not). Blocking.
-fn cgroups_of_pid(pid: u32, container: &str) -> Option<String> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    (text.contains(container) && !text.contains("/..")).then_some(text)
-}
-
-/// Whether the pids cgroup of host process `pid` (v1's pids hierarchy or v2) is at its limit:
-/// every pid it may hold is held. None when that cannot be read, or the pid names no longer
-/// `container`'s cgroup. Blocking.
-pub fn pids_held_of_pid(pid: u32, container: &str) -> Option<bool> {
-    let text = cgroups_of_pid(pid, container)?;
-    let root = std::path::Path::new("/sys/fs/cgroup");
-    let mut dir = None;
-    for line in text.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        let path = path.trim_start_matches('/');
-        if controllers.split(',').any(|c| c == "pids") {
-            dir = Some(root.join("pids").join(path));
-        } else if controllers.is_empty() && dir.is_none() {
-            dir = Some(root.join(path));
-        }
-    }
-    let dir = dir?;
-    let max = std::fs::read_to_string(dir.join("pids.max")).ok()?;
-    let Ok(max) = max.trim().parse::<u64>() else {
-        return Some(false);
-    };
-    let current: u64 = std::fs::read_to_string(dir.join("pids.current"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(current >= max)
 }
 
 /// The value of `key` in a cgroup `key value` file (memory.stat, cpu.stat).

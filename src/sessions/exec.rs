@@ -259,6 +259,7 @@ fn request(b: Binding, parts: ExecParts) -> ExecutionRequest {
         idempotency_key: None,
         abandoned: None,
         via: parts.via,
+        reuse_subject: None,
         action: Action::SessionExec(exec),
     }
 }

@@ -37,6 +37,7 @@ use super::supervisor::{self, FileOp, Frame, FrameDecoder};
 use super::{DRAIN_GRACE, DockerSandbox, KILL_TIMEOUT, short};
 use crate::sandbox::control::{Control, ProcessSignal};
 use crate::sandbox::files::{Approve, ByteStream, Entry, FileError, ImportMode, Kept, Staging};
+use crate::sandbox::host_cgroup::MemoryPeak;
 use crate::sandbox::ports::{PortConn, PortError};
 use crate::sandbox::run::{self, Ending};
 use crate::sandbox::{
@@ -78,6 +79,9 @@ pub struct KeptContainer {
     ended: tokio::sync::watch::Sender<bool>,
     /// How the session's ports are reached inside it.
     ports: PortWay,
+    /// Foreground requests its supervisor was handed: a run whose count did not move never
+    /// started.
+    delivered: std::sync::atomic::AtomicU64,
 }
 
 /// How a kept container's ports are reached (never through a port published on the host).
@@ -298,7 +302,7 @@ impl KeptContainer {
     /// Whether the container's pids cgroup is at its limit (None: not readable from here).
     async fn pids_held(&self) -> Option<bool> {
         let (pid, id) = (self.pid?, self.id.clone());
-        tokio::task::spawn_blocking(move || crate::sandbox::pids_held_of_pid(pid, &id))
+        tokio::task::spawn_blocking(move || crate::sandbox::host_cgroup::pids_held_of_pid(pid, &id))
             .await
             .ok()
             .flatten()
@@ -318,13 +322,13 @@ impl Kept for Arc<KeptContainer> {
             return None;
         }
         let pid = self.pid?;
-        let usage = crate::sandbox::usage_of_pid(pid, &self.id)?;
+        let usage = crate::sandbox::host_cgroup::usage_of_pid(pid, &self.id)?;
         let inside = workspace.strip_prefix("/").unwrap_or(workspace);
         let disk = crate::sandbox::used_bytes(
             &std::path::Path::new(&format!("/proc/{pid}/root")).join(inside),
         );
         // Read again: the pid was still the container's after the disk was.
-        crate::sandbox::usage_of_pid(pid, &self.id)?;
+        crate::sandbox::host_cgroup::usage_of_pid(pid, &self.id)?;
         Some((usage, disk))
     }
 
@@ -521,6 +525,22 @@ impl KeptContainer {
     /// The container's id.
     pub(super) fn id(&self) -> &str {
         &self.id
+    }
+
+    /// Foreground requests handed to its supervisor so far.
+    pub(super) fn delivered(&self) -> u64 {
+        self.delivered.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The container's memory peak from now on (`reset`: reset first, so that the run about to
+    /// start reports its own; see [`MemoryPeak`]); None when the host's cgroupfs does not allow
+    /// it.
+    pub(super) async fn memory_peak(&self, reset: bool) -> Option<MemoryPeak> {
+        let (pid, id) = (self.pid?, self.id.clone());
+        tokio::task::spawn_blocking(move || MemoryPeak::start(pid, &id, reset))
+            .await
+            .ok()
+            .flatten()
     }
 
     /// The scrub between two one-shot runs of a reused container (see `reuse`): the supervisor
@@ -808,6 +828,7 @@ impl DockerSandbox {
             ports,
             spawn,
             ended: tokio::sync::watch::channel(false).0,
+            delivered: std::sync::atomic::AtomicU64::new(0),
             pid,
             channel: tokio::sync::Mutex::new(Channel {
                 input,
@@ -899,6 +920,10 @@ impl DockerSandbox {
                 },
             )
             .await;
+        if !end.as_ref().is_some_and(|e| e.undelivered) {
+            kept.delivered
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
         let relay = &mut run.relay;
         let start = run.start;
         let duration = start.elapsed();
@@ -975,9 +1000,32 @@ impl DockerSandbox {
                     )));
                 }
                 // The supervisor vanished: the container went down under the exec (gVisor out of
-                // memory, the engine killed it). The exec's outcome says how; the session's
-                // sandbox is gone.
-                let why = match self.oom_verdict(&id).await {
+                // memory, the engine killed it), or the engine itself is gone, which is no outcome
+                // of the exec's (503, as for a one-shot run). Either way the sandbox is gone.
+                let verdict = self.oom_verdict(&id).await;
+                if killed.is_none() && !matches!(verdict, Ok(true)) {
+                    // As for a one-shot run: an engine that went away is a 503, a stream that
+                    // broke otherwise an error, never an outcome of the command's.
+                    let lost = match (&verdict, &end.error) {
+                        (Err(e), _) if e.is_unreachable() => Some(e.to_string()),
+                        (_, Some(e)) if e.is_unreachable() => Some(e.to_string()),
+                        _ => None,
+                    };
+                    if let Some(e) = lost {
+                        kept.mark_gone("the docker engine was lost during an exec");
+                        return Err(SandboxError::Unavailable(format!(
+                            "docker engine lost during the run: {e}"
+                        )));
+                    }
+                    if let Some(e) = &end.error {
+                        kept.mark_gone("its supervisor's stream broke during an exec");
+                        return Err(SandboxError::Setup(format!(
+                            "{e}; supervisor stderr: {}",
+                            String::from_utf8_lossy(&end.supervisor_stderr).trim()
+                        )));
+                    }
+                }
+                let why = match verdict {
                     Ok(true) => "it ran out of memory",
                     _ => "it stopped during an exec",
                 };

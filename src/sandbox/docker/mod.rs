@@ -270,37 +270,71 @@ impl DockerSandbox {
             return Err(SandboxError::Unavailable(why));
         }
         let key = (scope, plan.key.clone());
-        let item = match reuse.take(&key) {
-            Some(item) => item,
-            None => {
-                let name = format!("executor-arm-{}", spec.exec_id);
-                let (container, pooled) = self
-                    .container_for(&plan, &spec.exec_id, &name, true)
-                    .await?;
-                tracing::info!(exec_id = %spec.exec_id, container = %short(container.guard.id()), pooled, backend = self.kind.as_str(), "sandbox container assigned");
-                reuse::Reusable {
-                    kept: self.kept_container(&plan, container),
-                    uses: 0,
-                    born: Instant::now(),
-                }
-            }
-        };
-        let item = reuse::Reusable {
-            uses: item.uses + 1,
-            ..item
-        };
+        let mut taken = reuse.take(&key).await;
         let exec_id = spec.exec_id.clone();
-        let result = self.run_kept(&item.kept, spec, None).await;
-        let container = ContainerUse {
-            id: short(item.kept.id()).to_string(),
-            uses: item.uses,
-        };
-        tracing::info!(exec_id = %exec_id, container = %container.id, uses = container.uses, backend = self.kind.as_str(), "run served by a reused container");
-        reuse.settle(key, item, result.as_ref().ok());
-        result.map(|mut o| {
-            o.container = Some(container);
-            o
-        })
+        // A run whose live controls (stdin, signals) are taken cannot be started twice.
+        let once = spec.controls.is_some();
+        let mut spec = Some(spec);
+        loop {
+            let reused = taken.is_some();
+            let item = match taken.take() {
+                Some(item) => {
+                    self.pool.count("reused");
+                    item
+                }
+                None => {
+                    let name = format!("executor-arm-{}", exec_id);
+                    let (container, pooled) =
+                        self.container_for(&plan, &exec_id, &name, true).await?;
+                    tracing::debug!(exec_id = %exec_id, pooled, "no reused container of this scope was idle");
+                    reuse::Reusable {
+                        kept: self.kept_container(&plan, container),
+                        uses: 0,
+                        born: Instant::now(),
+                    }
+                }
+            };
+            let item = reuse::Reusable {
+                uses: item.uses + 1,
+                ..item
+            };
+            tracing::info!(exec_id = %exec_id, container = %item.kept.id(), uses = item.uses, backend = self.kind.as_str(), "sandbox container assigned");
+            // The kernel keeps one peak per cgroup, for the container's whole life: reset before
+            // a run in a used container, it is this run's (a fresh container's is already).
+            let peak = item.kept.memory_peak(item.uses > 1).await;
+            let delivered = item.kept.delivered();
+            let again = reused && !once;
+            let this = if again { spec.clone() } else { spec.take() }
+                .ok_or_else(|| SandboxError::Setup("a run was started twice".into()))?;
+            let result = self.run_kept(&item.kept, this, None).await;
+            if again
+                && matches!(result, Err(SandboxError::Unavailable(_)))
+                && item.kept.delivered() == delivered
+            {
+                // The idle container died before the run reached it (its end was not seen yet
+                // when it was taken): nothing ran, so the run goes to a fresh container.
+                tracing::info!(container = %short(item.kept.id()), "reused container gone before its run started; running it in a fresh one");
+                reuse.settle(key.clone(), item, None);
+                continue;
+            }
+            let peak_kib = match peak {
+                Some(p) => tokio::task::spawn_blocking(move || p.kib())
+                    .await
+                    .ok()
+                    .flatten(),
+                None => None,
+            };
+            let container = ContainerUse {
+                id: short(item.kept.id()).to_string(),
+                uses: item.uses,
+            };
+            reuse.settle(key, item, result.as_ref().ok());
+            return result.map(|mut o| {
+                o.peak_memory_kib = o.peak_memory_kib.or(peak_kib);
+                o.container = Some(container);
+                o
+            });
+        }
     }
 
     /// The container plan of `spec` with the supervisor mounted; refused (503) when the
@@ -659,10 +693,13 @@ impl Sandbox for DockerSandbox {
         session_id: &str,
         warm: bool,
     ) -> Result<Option<Arc<dyn super::files::Kept>>, SandboxError> {
+        let _in_flight = self.pool.run_started();
         self.open_kept(spec, session_id, warm).await.map(Some)
     }
 
     async fn run(&self, mut spec: RunSpec) -> Result<RunOutcome, SandboxError> {
+        // A session's background process may live for hours: refills do not wait for it.
+        let _in_flight = (!spec.background).then(|| self.pool.run_started());
         // Everything that can be refused is refused before a container is touched.
         if spec.background && spec.kept.is_some() && spec.network != NetworkPolicy::None {
             return Err(SandboxError::Setup(

@@ -12,7 +12,7 @@
 //! Pools are created on first use of a key, then kept at `pool_size` idle containers.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,16 @@ use crate::sandbox::{BackendKind, SandboxError};
 /// Concurrent container launches for refills: each is a few hundred ms of dockerd and runtime
 /// work; more at once only slows the runs that are executing.
 const LAUNCH_SLOTS: usize = 2;
+/// A refill waits until no run of the backend has been in flight for this long before it
+/// launches: a launch is hundreds of milliseconds of dockerd, containerd and runtime CPU, which
+/// would otherwise be taken from the runs in flight (those processes are not the daemon's to
+/// renice, so the pool fills the gaps between runs instead).
+const REFILL_QUIET: Duration = Duration::from_millis(100);
+/// ... but no longer than this after it was asked for: under load that never pauses, the pool
+/// still fills.
+const REFILL_DEFER_MAX: Duration = Duration::from_secs(5);
+/// How often a deferred refill looks whether the backend is quiet.
+const REFILL_LOOK_EVERY: Duration = Duration::from_millis(20);
 /// After failed refills (image missing, engine away) the key is left alone for this long,
 /// doubling with each further failure up to [`REFILL_BACKOFF_MAX`].
 const REFILL_BACKOFF: Duration = Duration::from_secs(5);
@@ -193,6 +203,27 @@ pub struct Pool {
     /// Set by [`Pool::close`]: nothing is launched or handed out any more.
     closed: AtomicBool,
     launches: Arc<Semaphore>,
+    busy: Arc<Busy>,
+}
+
+/// The backend's runs in flight, and when the last one ended.
+#[derive(Default)]
+struct Busy {
+    runs: AtomicUsize,
+    /// None: no run has ended yet.
+    last_end: Mutex<Option<Instant>>,
+}
+
+/// A run in flight on the backend ([`Pool::run_started`]); its drop ends it.
+pub struct RunInFlight(Arc<Busy>);
+
+impl Drop for RunInFlight {
+    fn drop(&mut self) {
+        if let Ok(mut t) = self.0.last_end.lock() {
+            *t = Some(Instant::now());
+        }
+        self.0.runs.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Pool {
@@ -215,7 +246,29 @@ impl Pool {
             generation: AtomicU64::new(0),
             closed: AtomicBool::new(false),
             launches: Arc::new(Semaphore::new(LAUNCH_SLOTS)),
+            busy: Arc::default(),
         })
+    }
+
+    /// Counts a run in flight until the guard is dropped: refills wait for the gaps between
+    /// runs ([`REFILL_QUIET`]).
+    pub fn run_started(&self) -> RunInFlight {
+        self.busy.runs.fetch_add(1, Ordering::SeqCst);
+        RunInFlight(self.busy.clone())
+    }
+
+    /// Waits until no run has been in flight for [`REFILL_QUIET`], or [`REFILL_DEFER_MAX`].
+    async fn quiet(&self) {
+        let asked = Instant::now();
+        while asked.elapsed() < REFILL_DEFER_MAX && !self.closed.load(Ordering::SeqCst) {
+            let ended = self.busy.last_end.lock().map(|t| *t).unwrap_or(None);
+            if self.busy.runs.load(Ordering::SeqCst) == 0
+                && ended.is_none_or(|t| t.elapsed() >= REFILL_QUIET)
+            {
+                return;
+            }
+            tokio::time::sleep(REFILL_LOOK_EVERY).await;
+        }
     }
 
     pub fn size(&self) -> usize {
@@ -258,7 +311,8 @@ impl Pool {
         }
     }
 
-    fn count(&self, event: &str) {
+    /// Counts `event` in `executor_pool_events_total` (`hit`, `miss`, `reused`).
+    pub(super) fn count(&self, event: &str) {
         if let Some(m) = &self.metrics {
             m.events
                 .with_label_values(&[self.kind.as_str(), event])
@@ -341,6 +395,7 @@ impl Pool {
     }
 
     async fn fill_one(self: Arc<Self>, plan: Arc<ContainerPlan>, generation: u64) {
+        self.quiet().await;
         let launched = match self.launches.clone().acquire_owned().await {
             Ok(_) if self.closed.load(Ordering::SeqCst) => {
                 Err(EngineError::Api("pool closed".into()))

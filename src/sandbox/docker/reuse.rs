@@ -32,6 +32,10 @@ const MAX_IDLE_PER_KEY: usize = 8;
 const MAX_IDLE: usize = 64;
 /// An idle reused container unused this long is discarded (its scope's traffic stopped).
 const IDLE_FOR: Duration = Duration::from_secs(60);
+/// A run finding none of its key's containers idle while one is being scrubbed waits this long
+/// at most for it: a scrub takes milliseconds, a container from the pool or a launch costs
+/// dockerd and the runtime hundreds of milliseconds of CPU.
+const SCRUB_WAIT: Duration = Duration::from_millis(100);
 
 /// A reused container's bounds (`[sandbox.docker]` `pool_max_uses`, `pool_max_age_seconds`).
 #[derive(Debug, Clone, Copy)]
@@ -55,24 +59,94 @@ struct Idle {
     since: Instant,
 }
 
+/// One key's containers between runs.
+#[derive(Default)]
+struct Slot {
+    idle: Vec<Idle>,
+    /// Being scrubbed: they may come back.
+    scrubbing: usize,
+    /// Runs waiting for one of those ([`SCRUB_WAIT`]): at most one per container scrubbed.
+    waiting: usize,
+}
+
+impl Slot {
+    fn unused(&self) -> bool {
+        self.idle.is_empty() && self.scrubbing == 0 && self.waiting == 0
+    }
+}
+
 /// The idle reused containers of one backend.
 pub struct Reuse {
     settings: Settings,
-    idle: Mutex<HashMap<Key, Vec<Idle>>>,
+    slots: Mutex<HashMap<Key, Slot>>,
+    /// Notified when a scrub ends (its container back or discarded).
+    scrubbed: tokio::sync::Notify,
     closed: AtomicBool,
+}
+
+/// What [`Reuse::try_take`] found.
+enum Found {
+    Taken(Reusable),
+    /// None idle, but one is being scrubbed and no other run waits for it.
+    Coming,
+    Nothing,
+}
+
+/// A run waiting for a container of `key` being scrubbed; its drop ends the wait's count.
+struct Waiting<'a> {
+    reuse: &'a Reuse,
+    key: &'a Key,
+    counted: bool,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if !self.counted {
+            return;
+        }
+        let mut slots = self.reuse.lock();
+        if let Some(slot) = slots.get_mut(self.key) {
+            slot.waiting = slot.waiting.saturating_sub(1);
+            if slot.unused() {
+                slots.remove(self.key);
+            }
+        }
+    }
+}
+
+/// A scrub in progress for `key`: ended by [`Scrubbing::end`], else by its drop (nothing back).
+struct Scrubbing {
+    reuse: Arc<Reuse>,
+    key: Option<Key>,
+}
+
+impl Scrubbing {
+    fn end(&mut self, item: Option<Reusable>) {
+        if let Some(key) = self.key.take() {
+            self.reuse.put(key, item);
+            self.reuse.scrubbed.notify_waiters();
+        }
+    }
+}
+
+impl Drop for Scrubbing {
+    fn drop(&mut self) {
+        self.end(None);
+    }
 }
 
 impl Reuse {
     pub fn new(settings: Settings) -> Arc<Reuse> {
         Arc::new(Reuse {
             settings,
-            idle: Mutex::new(HashMap::new()),
+            slots: Mutex::new(HashMap::new()),
+            scrubbed: tokio::sync::Notify::new(),
             closed: AtomicBool::new(false),
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Vec<Idle>>> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Slot>> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether `item` may serve one more run now: within its bounds, and alive (an idle
@@ -84,31 +158,71 @@ impl Reuse {
     }
 
     /// An idle container of `key` that may serve one more run (the last one back first: its
-    /// caches are the warmest), or None.
-    pub fn take(&self, key: &Key) -> Option<Reusable> {
+    /// caches are the warmest), or None. With none idle but one being scrubbed, waits for it
+    /// ([`SCRUB_WAIT`] at most).
+    pub async fn take(&self, key: &Key) -> Option<Reusable> {
+        let deadline = tokio::time::Instant::now() + SCRUB_WAIT;
+        // Counts this run among the waiting ones once it waits, until it returns or is dropped.
+        let mut ticket = Waiting {
+            reuse: self,
+            key,
+            counted: false,
+        };
+        loop {
+            // Registered before looking, so a scrub ending in between is not missed.
+            let notified = self.scrubbed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match self.try_take(key, &mut ticket.counted) {
+                Found::Taken(item) => return Some(item),
+                Found::Nothing => return None,
+                Found::Coming => {}
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return None;
+            }
+        }
+    }
+
+    /// One look at `key`'s containers; `waiting`: whether this run already counts among the
+    /// waiting ones (set when it starts to).
+    fn try_take(&self, key: &Key, waiting: &mut bool) -> Found {
         if self.closed.load(Ordering::SeqCst) {
-            return None;
+            return Found::Nothing;
         }
         let mut dropped = Vec::new();
-        let got = {
-            let mut idle = self.lock();
-            let list = idle.get_mut(key)?;
-            let mut got = None;
-            while let Some(i) = list.pop() {
+        let found = {
+            let mut slots = self.lock();
+            let Some(slot) = slots.get_mut(key) else {
+                return Found::Nothing;
+            };
+            let mut found = Found::Nothing;
+            while let Some(i) = slot.idle.pop() {
                 if self.serves(&i.item) {
-                    got = Some(i.item);
+                    found = Found::Taken(i.item);
                     break;
                 }
                 dropped.push(i);
             }
-            if list.is_empty() {
-                idle.remove(key);
+            if matches!(found, Found::Nothing) {
+                if *waiting {
+                    if slot.scrubbing > 0 {
+                        found = Found::Coming;
+                    }
+                } else if slot.scrubbing > slot.waiting {
+                    slot.waiting += 1;
+                    *waiting = true;
+                    found = Found::Coming;
+                }
             }
-            got
+            if slot.unused() {
+                slots.remove(key);
+            }
+            found
         };
         // Dropped outside the lock: a container's guard hands it to the janitor.
         drop(dropped);
-        got
+        found
     }
 
     /// After a run in `item`'s container: whether it may serve again (no anomaly, within its
@@ -119,13 +233,21 @@ impl Reuse {
             tracing::info!(container = %super::short(item.kept.id()), uses = item.uses, why, "reused container discarded");
             return;
         }
-        let me = self.clone();
+        self.lock().entry(key.clone()).or_default().scrubbing += 1;
+        // Ends the scrub's count however the task ends (a panic included).
+        let mut ticket = Scrubbing {
+            reuse: self.clone(),
+            key: Some(key),
+        };
         tokio::spawn(async move {
-            if let Err(why) = item.kept.scrub().await {
-                tracing::warn!(container = %super::short(item.kept.id()), uses = item.uses, why, "reused container discarded: its scrub failed");
-                return;
-            }
-            me.put(key, item);
+            let back = match item.kept.scrub().await {
+                Ok(()) => Some(item),
+                Err(why) => {
+                    tracing::warn!(container = %super::short(item.kept.id()), uses = item.uses, why, "reused container discarded: its scrub failed");
+                    None
+                }
+            };
+            ticket.end(back);
         });
     }
 
@@ -150,44 +272,59 @@ impl Reuse {
         None
     }
 
-    fn put(&self, key: Key, item: Reusable) {
-        if self.closed.load(Ordering::SeqCst) || !self.serves(&item) {
-            return;
+    /// A scrub of `key`'s ended: `item` goes back among the idle ones when it may (None: the
+    /// scrub failed).
+    fn put(&self, key: Key, item: Option<Reusable>) {
+        let mut slots = self.lock();
+        let total: usize = slots.values().map(|s| s.idle.len()).sum();
+        let slot = slots.entry(key.clone()).or_default();
+        slot.scrubbing = slot.scrubbing.saturating_sub(1);
+        let discard = match item {
+            Some(item) if self.closed.load(Ordering::SeqCst) || !self.serves(&item) => Some(item),
+            Some(item) if slot.idle.len() >= MAX_IDLE_PER_KEY || total >= MAX_IDLE => {
+                tracing::info!(container = %super::short(item.kept.id()), "reused container discarded: enough are idle");
+                Some(item)
+            }
+            Some(item) => {
+                slot.idle.push(Idle {
+                    item,
+                    since: Instant::now(),
+                });
+                None
+            }
+            None => None,
+        };
+        if slot.unused() {
+            slots.remove(&key);
         }
-        let mut idle = self.lock();
-        let total: usize = idle.values().map(Vec::len).sum();
-        let list = idle.entry(key).or_default();
-        if list.len() >= MAX_IDLE_PER_KEY || total >= MAX_IDLE {
-            drop(idle);
-            tracing::info!(container = %super::short(item.kept.id()), "reused container discarded: enough are idle");
-            return;
-        }
-        list.push(Idle {
-            item,
-            since: Instant::now(),
-        });
+        drop(slots);
+        drop(discard);
     }
 
     /// Discards the idle containers that may not serve again or were unused for [`IDLE_FOR`].
     pub fn prune(&self) {
         let mut dropped = Vec::new();
         {
-            let mut idle = self.lock();
-            for list in idle.values_mut() {
-                let (keep, gone): (Vec<Idle>, Vec<Idle>) = std::mem::take(list)
+            let mut slots = self.lock();
+            for slot in slots.values_mut() {
+                let (keep, gone): (Vec<Idle>, Vec<Idle>) = std::mem::take(&mut slot.idle)
                     .into_iter()
                     .partition(|i| self.serves(&i.item) && i.since.elapsed() < IDLE_FOR);
-                *list = keep;
+                slot.idle = keep;
                 dropped.extend(gone);
             }
-            idle.retain(|_, l| !l.is_empty());
+            slots.retain(|_, s| !s.unused());
         }
         drop(dropped);
     }
 
     /// Discards every idle container (the engine restarted: they may be gone or stale).
     pub fn flush(&self) {
-        let all: Vec<Vec<Idle>> = self.lock().drain().map(|(_, l)| l).collect();
+        let all: Vec<Vec<Idle>> = self
+            .lock()
+            .values_mut()
+            .map(|s| std::mem::take(&mut s.idle))
+            .collect();
         drop(all);
     }
 
@@ -195,10 +332,11 @@ impl Reuse {
     pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         self.flush();
+        self.scrubbed.notify_waiters();
     }
 
     /// Idle reused containers.
     pub fn idle(&self) -> usize {
-        self.lock().values().map(Vec::len).sum()
+        self.lock().values().map(|s| s.idle.len()).sum()
     }
 }
