@@ -341,11 +341,11 @@ print(f"binary: {binary}; runsc: {runsc_version} (platform {runsc_platform})")
 if baseline_bin:
     print(f"baseline build: {baseline_bin} (series before_*)")
 print(f"executor-arm POST /execute 'echo hi' vs docker run --rm (ms; daemon defaults)")
-print(f"{'series':16} {'n':>4} {'p50':>8} {'p95':>8} {'p99':>8} {'exec/s':>7} {'hit/miss/reused':>15} {'err':>4}  label")
+print(f"{'series':20} {'n':>4} {'p50':>8} {'p95':>8} {'p99':>8} {'exec/s':>7} {'hit/miss/reused':>15} {'err':>4}  label")
 for s in series:
     tp = f"{s['throughput_per_s']:.1f}" if s["throughput_per_s"] else "-"
     hm = pool_events.get(s["id"], "-")
-    print(f"{s['id']:16} {s['n']:>4} {s['p50_ms']:>8.1f} {s['p95_ms']:>8.1f} {s['p99_ms']:>8.1f} {tp:>7} {hm:>15} {s['errors']:>4}  {s['label']}")
+    print(f"{s['id']:20} {s['n']:>4} {s['p50_ms']:>8.1f} {s['p95_ms']:>8.1f} {s['p99_ms']:>8.1f} {tp:>7} {hm:>15} {s['errors']:>4}  {s['label']}")
 if ratios:
     print("\nratios")
     for x in ratios:
