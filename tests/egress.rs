@@ -965,6 +965,79 @@ async fn a_session_installs_a_package_from_its_index(backend: Backend) {
         Vec::is_empty,
     );
 
+    // A background process has egress too, through a proxy of its own: on a container, its own
+    // relay port beside the foreground execs' (which one runs meanwhile), and its connections
+    // are its own record, as the foreground exec's are its.
+    let fetch = "import os, urllib.request\nprint(os.environ['HTTP_PROXY'], flush=True)\nprint(urllib.request.urlopen('http://index.test/simple/earmprobe/').status, flush=True)\nimport time; time.sleep(1)";
+    let r = c
+        .exec(&id, json!({"code": fetch, "background": true}))
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let pid = r.json["process_id"]
+        .as_str()
+        .expect("process_id")
+        .to_string();
+    let fg = exec(fetch.to_string()).await;
+    assert_eq!(
+        fg.json["stdout"],
+        json!("http://127.0.0.1:3128\n200\n"),
+        "{}",
+        fg.text
+    );
+    let fg_rec = records(&fg);
+    assert_eq!(fg_rec.len(), 1, "{}", fg.text);
+    let line = wait_for(
+        "the background process's end in the audit log",
+        CLEANUP,
+        || {
+            d.audit_lines()
+                .into_iter()
+                .find(|l| l["exec_id"] == pid.as_str() && l["event"] == "execution")
+        },
+        Option::is_some,
+    )
+    .unwrap_or_default();
+    let bg_rec = line["network"].as_array().cloned().unwrap_or_default();
+    assert_eq!(bg_rec.len(), 1, "{line}");
+    assert_eq!(bg_rec[0]["host"], json!("index.test"), "{line}");
+    assert_eq!(bg_rec[0]["allowed"], json!(true), "{line}");
+    let stream = c
+        .call(
+            "GET",
+            &format!("/v1/sandbox/sessions/{id}/processes/{pid}/stream"),
+            None,
+        )
+        .await;
+    let port = if backend.is_container() { 3129 } else { 3128 };
+    assert!(
+        stream.text.contains(&format!("http://127.0.0.1:{port}")) && stream.text.contains("200"),
+        "{}",
+        stream.text
+    );
+    if let Some(dir) = &socket_dir {
+        wait_for(
+            "the background process's proxy socket removed",
+            CLEANUP,
+            || {
+                std::fs::read_dir(dir)
+                    .map(|it| {
+                        it.filter_map(Result::ok)
+                            .map(|e| e.file_name().to_string_lossy().into_owned())
+                            .filter(|n| n.starts_with("proxy-"))
+                            .collect::<Vec<_>>()
+                    })
+                    .unwrap_or_default()
+            },
+            Vec::is_empty,
+        );
+    }
+    wait_for(
+        "no proxy socket once the background process ended",
+        CLEANUP,
+        || setup.proxy_sockets(),
+        Vec::is_empty,
+    );
+
     // The next exec imports what the previous one installed (the workspace is HOME).
     let r = exec("import earmprobe; print(earmprobe.VALUE)".into()).await;
     assert_eq!(r.json["stdout"], json!("from-the-index\n"), "{}", r.text);

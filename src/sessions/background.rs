@@ -96,11 +96,11 @@ impl SessionService {
         session: &Arc<Session>,
         mut parts: ExecParts,
     ) -> Result<(ExecutionRequest, PreparedProcess), SessionError> {
-        // A container session's exec proxy listens on the container's loopback port for one
-        // exec at a time: a background process there gets no egress (yet).
-        if session.backend != crate::sandbox::BackendKind::Local && session.has_egress {
+        // Raw TCP rules listen on their destinations' ports, one listener per container, which
+        // the session's foreground execs hold.
+        if session.backend != crate::sandbox::BackendKind::Local && session.has_tcp_rules {
             return Err(SessionError::Invalid(format!(
-                "background processes in {} sessions have no network egress yet: this session's profile '{}' has egress; use a local session or a profile without it",
+                "background processes in {} sessions cannot have raw TCP rules: this session's profile '{}' has network.tcp rules; use a local session or a profile without them",
                 session.backend.as_str(),
                 session.profile
             )));

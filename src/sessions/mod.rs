@@ -358,7 +358,7 @@ impl SessionService {
             language,
             backend: plan.backend,
             profile: plan.profile.name.clone(),
-            has_egress: plan.profile.network.mode == crate::policy::profile::NetworkMode::Egress,
+            has_tcp_rules: !plan.profile.network.tcp.is_empty(),
             limits: new.limits,
             disk_bytes: plan.limits.disk_bytes,
             cpus: plan.limits.cpus,

@@ -56,8 +56,8 @@ pub struct Session {
     pub language: Arc<Language>,
     pub backend: BackendKind,
     pub profile: String,
-    /// Its profile lets it reach the network through the daemon's proxy.
-    pub(super) has_egress: bool,
+    /// Its profile has raw TCP rules (a container session's background processes cannot).
+    pub(super) has_tcp_rules: bool,
     pub limits: SessionLimits,
     /// The workspace's disk quota in bytes (the tighter of the session's and its profile's).
     pub(super) disk_bytes: u64,

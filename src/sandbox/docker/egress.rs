@@ -82,6 +82,46 @@ impl EgressSettings {
         }
     }
 
+    /// The relay of a session's background process: one of its own, on loopback `port` (the
+    /// session's foreground execs hold [`EgressSettings::port`]) to the proxy socket `name` of
+    /// the container's directory ([`EgressSettings::serve_background`]). Raw TCP rules are not
+    /// offered there: their ports are the destinations', one listener each per container.
+    pub fn background_relay(&self, spec: &mut RunSpec, port: u16, name: &str) -> Relay {
+        spec.env.extend(proxy_env(port));
+        Relay {
+            port,
+            socket: format!("{CONTAINER_DIR}/{name}"),
+            tcp_socket: String::new(),
+        }
+    }
+
+    /// The proxy of a session's background process, listening on the socket `name` of `dir`
+    /// (removed with the returned guard): its connections are recorded as that run's alone.
+    pub fn serve_background(
+        &self,
+        dir: Option<&SocketDir>,
+        network: &NetworkPolicy,
+        name: &str,
+    ) -> Result<(ProxyRun, RunSocket), SandboxError> {
+        let dir = dir.ok_or_else(|| {
+            SandboxError::Setup("egress container without its socket directory".into())
+        })?;
+        let listener = dir.bind_named(name).map_err(|err| {
+            SandboxError::Setup(format!(
+                "egress proxy socket in {}: {err}",
+                dir.path().display()
+            ))
+        })?;
+        let socket = RunSocket(dir.path().join(name));
+        let policy = self
+            .policy(network)
+            .ok_or_else(|| SandboxError::Setup("egress policy missing".into()))?;
+        Ok((
+            ProxyRun::start(policy, self.resolver.clone(), listener),
+            socket,
+        ))
+    }
+
     /// The proxy of one execution with `network`, listening on the socket of `dir` (the
     /// container's own directory) before the supervisor gets the request, so the command finds
     /// it. Dropping the [`ProxyRun`] stops it.
@@ -223,6 +263,21 @@ impl Drop for SocketDirs {
     }
 }
 
+/// A background run's proxy socket file, removed when dropped (the directory outlives it).
+pub struct RunSocket(PathBuf);
+
+impl Drop for RunSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The proxy socket name of a session's background run whose relay listens on loopback `port`
+/// in the container (short: a unix socket's host path must stay under 108 bytes).
+pub fn background_socket_name(port: u16) -> String {
+    format!("b{port}.sock")
+}
+
 /// One container's egress directory; removed (socket included) when dropped.
 #[derive(Debug)]
 pub struct SocketDir {
@@ -245,7 +300,7 @@ impl SocketDir {
         self.bind_named(TCP_SOCKET_NAME)
     }
 
-    fn bind_named(&self, name: &str) -> std::io::Result<tokio::net::UnixListener> {
+    pub(super) fn bind_named(&self, name: &str) -> std::io::Result<tokio::net::UnixListener> {
         let socket = self.path.join(name);
         match std::fs::remove_file(&socket) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),

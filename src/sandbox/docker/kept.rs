@@ -21,8 +21,10 @@
 //! ([`RunSpec::background`]) does not take the connection: it runs through a `docker exec` of
 //! the supervisor in spawn mode beside PID 1, with a marker group of its own, so foreground
 //! execs run (and end, killing only their own processes) while it lives; its stop is a TERM
-//! control then a KILL control, and it dies with the container. It has no network egress yet
-//! (the relay's loopback port is per container), so such runs are refused.
+//! control then a KILL control, and it dies with the container. With egress it has a relay of
+//! its own in its spawn supervisor, on a loopback port of its own above the proxy port (which
+//! the foreground execs use), to a proxy socket of its own, so its connections are its own
+//! record; raw TCP rules (one listener per destination port and container) are refused.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -40,9 +42,7 @@ use crate::sandbox::files::{Approve, ByteStream, Entry, FileError, ImportMode, K
 use crate::sandbox::host_cgroup::MemoryPeak;
 use crate::sandbox::ports::{PortConn, PortError};
 use crate::sandbox::run::{self, Ending};
-use crate::sandbox::{
-    ExitKind, KilledReason, NetworkPolicy, RunOutcome, RunSpec, SandboxError, Stop,
-};
+use crate::sandbox::{ExitKind, KilledReason, RunOutcome, RunSpec, SandboxError, Stop};
 
 /// How long one file call may take the supervisor (a 16 MiB file is well under a second).
 const FILE_CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -82,6 +82,55 @@ pub struct KeptContainer {
     /// Foreground requests its supervisor was handed: a run whose count did not move never
     /// started.
     delivered: std::sync::atomic::AtomicU64,
+    /// Loopback ports of the egress relays of its living background runs.
+    background_ports: Mutex<std::collections::BTreeSet<u16>>,
+}
+
+/// Background runs with egress a container serves at once at most: each holds a loopback port
+/// of its own above the proxy port the foreground execs use.
+const BACKGROUND_RELAYS: u16 = 256;
+
+/// A loopback port of a container's, held by one background run's relay until dropped, with
+/// the run's proxy socket (named after the port), removed before the port is free again.
+struct PortLease {
+    kept: Arc<KeptContainer>,
+    port: u16,
+    socket: Option<super::egress::RunSocket>,
+}
+
+impl PortLease {
+    /// The lowest port above `base` no other background run of the container holds.
+    fn take(kept: &Arc<KeptContainer>, base: u16) -> Result<PortLease, SandboxError> {
+        let mut held = kept
+            .background_ports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let port = (1..=BACKGROUND_RELAYS)
+            .filter_map(|n| base.checked_add(n))
+            .find(|p| !held.contains(p))
+            .ok_or_else(|| {
+                SandboxError::Setup(format!(
+                    "the session's container serves {BACKGROUND_RELAYS} background runs with egress at most"
+                ))
+            })?;
+        held.insert(port);
+        Ok(PortLease {
+            kept: kept.clone(),
+            port,
+            socket: None,
+        })
+    }
+}
+
+impl Drop for PortLease {
+    fn drop(&mut self) {
+        drop(self.socket.take());
+        self.kept
+            .background_ports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.port);
+    }
 }
 
 /// How a kept container's ports are reached (never through a port published on the host).
@@ -829,6 +878,7 @@ impl DockerSandbox {
             spawn,
             ended: tokio::sync::watch::channel(false).0,
             delivered: std::sync::atomic::AtomicU64::new(0),
+            background_ports: Mutex::new(Default::default()),
             pid,
             channel: tokio::sync::Mutex::new(Channel {
                 input,
@@ -861,7 +911,7 @@ impl DockerSandbox {
             )));
         }
         if spec.background {
-            return self.run_background(&kept, spec).await;
+            return self.run_background(&kept, spec, egress).await;
         }
         let controls = spec.controls.as_ref().and_then(|c| c.take());
         let code = spec
@@ -1068,18 +1118,35 @@ impl DockerSandbox {
         &self,
         kept: &Arc<KeptContainer>,
         mut spec: RunSpec,
+        egress: Option<&EgressSettings>,
     ) -> Result<RunOutcome, SandboxError> {
-        // The egress relay listens on one loopback port per container run, which the
-        // session's foreground execs hold.
-        if !matches!(spec.network, NetworkPolicy::None) {
+        // Raw TCP rules listen on their destinations' ports, one listener per container: the
+        // session's foreground execs hold them.
+        if !spec.network.tcp_rules().is_empty() {
             return Err(SandboxError::Setup(
-                "background processes in container sessions have no network egress yet".into(),
+                "background processes in container sessions cannot have raw TCP rules (network.tcp)".into(),
             ));
         }
         let Some(cmd) = kept.spawn.clone() else {
             return Err(SandboxError::Setup(
                 "the session's container has no user of its own for a background run".into(),
             ));
+        };
+        // With egress: a relay of its own, on a loopback port of its own, to a proxy socket of
+        // its own, so its connections are its record alone; all three end with the run.
+        let (relay, proxy, _lease) = match egress {
+            None => (None, None, None),
+            Some(e) => {
+                let mut lease = PortLease::take(kept, e.port)?;
+                let name = super::egress::background_socket_name(lease.port);
+                let relay = e.background_relay(&mut spec, lease.port, &name);
+                let (proxy, socket) = {
+                    let dir = kept.socket_dir.lock().unwrap_or_else(|p| p.into_inner());
+                    e.serve_background(dir.as_ref(), &spec.network, &name)?
+                };
+                lease.socket = Some(socket);
+                (Some(relay), Some(proxy), Some(lease))
+            }
         };
         let controls = spec.controls.as_ref().and_then(|c| c.take());
         let code = spec
@@ -1088,7 +1155,7 @@ impl DockerSandbox {
             .map(|c| (c.path.to_string_lossy().into_owned(), c.bytes.clone()));
         let request = supervisor::encode_request(
             &spec,
-            None,
+            relay.as_ref(),
             code.as_ref().map(|(p, b)| (p.as_str(), &b[..])),
             controls.is_some(),
         )?;
@@ -1188,6 +1255,8 @@ impl DockerSandbox {
         drop(stops);
         // Dropping the relay closes the exec's connection: its supervisor is done or ends now.
         let captured = run.finish().await;
+        // The run is over: what it still had open through its proxy is closed.
+        let network = run::connections(proxy).await;
         let killed = killed.or(match &end.report {
             Some(Frame::Deadline(_)) => Some(KilledReason::Timeout),
             _ => None,
@@ -1232,12 +1301,7 @@ impl DockerSandbox {
             peak_memory_kib: report.as_ref().and_then(|r| r.peak_memory_kib),
             stdin_broken_pipe: report.as_ref().is_some_and(|r| r.stdin_broken_pipe),
         };
-        Ok(RunOutcome::assemble(
-            ending,
-            captured,
-            duration,
-            Default::default(),
-        ))
+        Ok(RunOutcome::assemble(ending, captured, duration, network))
     }
 }
 

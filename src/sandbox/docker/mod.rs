@@ -701,9 +701,9 @@ impl Sandbox for DockerSandbox {
         // A session's background process may live for hours: refills do not wait for it.
         let _in_flight = (!spec.background).then(|| self.pool.run_started());
         // Everything that can be refused is refused before a container is touched.
-        if spec.background && spec.kept.is_some() && spec.network != NetworkPolicy::None {
+        if spec.background && spec.kept.is_some() && !spec.network.tcp_rules().is_empty() {
             return Err(SandboxError::Setup(
-                "background processes in container sessions have no network egress yet".into(),
+                "background processes in container sessions cannot have raw TCP rules (network.tcp)".into(),
             ));
         }
         let egress = run::egress_for(&spec.network, self.egress.as_ref())?;
@@ -1250,7 +1250,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn background_runs_with_egress_are_refused_before_anything_runs() {
+    async fn background_runs_with_raw_tcp_rules_are_refused_before_anything_runs() {
         let (engine, s) = sandbox(frame(b'x', b"exit 0 0 - 0 0"));
         let kept = s
             .keep(&container::tests::spec(), "s-1", false)
@@ -1266,14 +1266,14 @@ mod tests {
             allow_cidrs: vec![],
             bandwidth_bytes_per_sec: 0,
             byte_cap: 0,
-            tcp: vec![],
+            tcp: vec!["10.0.0.0/8:5432".parse().unwrap()],
         };
         let Err(SandboxError::Setup(why)) = s.run(spec.clone()).await else {
             panic!("not refused")
         };
         assert_eq!(
             why,
-            "background processes in container sessions have no network egress yet"
+            "background processes in container sessions cannot have raw TCP rules (network.tcp)"
         );
         assert_eq!(engine.count("exec"), 0, "nothing was started");
         // Without egress it goes to the engine as an exec (which the fake refuses).
