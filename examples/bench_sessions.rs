@@ -22,7 +22,8 @@
 //!    through `…/ports/8000/x`, against GETs of it from inside the sandbox's network namespace
 //!    (a thread of this process `setns(2)` into it: as root) on one kept connection (as the proxy
 //!    keeps its connection into the sandbox between requests), and on a connection of its own per
-//!    GET (for reference), interleaved in blocks of 25.
+//!    GET (for reference), interleaved in blocks of 25; and GETs of the daemon's `/livez` with
+//!    the proxied GETs' client (the daemon's floor: what any request through it costs).
 //!
 //! Targets: a terminal round trip p50 at most 5 ms on local; a proxied GET p50 at most 1.5x the direct one; an exec p50 at most 1.2x the `/execute` p50; a create p50 at most 10 ms on local, at
 //! most the warm `/execute` p50 on docker and gVisor; on local, a resume of 100 MB within 1 s
@@ -282,23 +283,37 @@ async fn main() {
         for how in [How::Client, How::Socket, How::Fresh] {
             direct.run(warmup, how);
         }
+        // The daemon's own floor: a GET it answers itself (/livez), same client and connection.
+        let health = format!("{base}/livez");
+        let floor_once = || async {
+            let t = Instant::now();
+            let r = client.get(&health).send().await.expect("GET /livez");
+            let status = r.status().as_u16();
+            r.bytes().await.expect("body");
+            assert_eq!(status, 200);
+            t.elapsed().as_secs_f64() * 1000.0
+        };
         for _ in 0..warmup {
             proxied_once().await;
+            floor_once().await;
         }
-        let (mut through, mut straight, mut socket, mut fresh) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut through, mut straight, mut socket, mut fresh, mut floor) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..n / BLOCK {
             for _ in 0..BLOCK {
                 let (ms, status, body) = proxied_once().await;
                 assert_eq!((status, body.as_str()), (200, nonce.as_str()));
                 through.push(ms);
             }
+            for _ in 0..BLOCK {
+                floor.push(floor_once().await);
+            }
             straight.extend(direct.run(BLOCK, How::Client));
             socket.extend(direct.run(BLOCK, How::Socket));
             fresh.extend(direct.run(BLOCK, How::Fresh));
         }
         delete(id).await;
-        Some((through, straight, socket, fresh))
+        Some((through, straight, socket, fresh, floor))
     };
 
     println!(
@@ -444,7 +459,7 @@ async fn main() {
             );
         }
     }
-    if let Some((through, straight, socket, fresh)) = &ports {
+    if let Some((through, straight, socket, fresh, floor)) = &ports {
         let (port_id, direct_id) = (id("port_get"), id("port_direct"));
         let (socket_id, fresh_id) = (id("port_direct_socket"), id("port_direct_fresh"));
         let p = report.series(
@@ -498,6 +513,28 @@ async fn main() {
             &id("port_vs_direct_fresh"),
             &format!("p50 proxied GET / direct GET on a new connection ({backend})"),
             p.p50 / f.p50,
+            None,
+        );
+        // The daemon's floor: any request through it costs at least this, so a proxied GET is
+        // at least floor + direct; what the proxy adds beyond both is the difference.
+        let h = report.series(
+            series(
+                &id("daemon_floor"),
+                "GET /livez of the daemon, same client, kept connection (the daemon's floor)",
+                None,
+            ),
+            floor,
+        );
+        report.ratio(
+            &id("floor_plus_direct_vs_direct"),
+            &format!("p50 (daemon floor + direct GET) / direct GET ({backend}): the least any proxy through the daemon could reach"),
+            (h.p50 + q.p50) / q.p50,
+            None,
+        );
+        report.ratio(
+            &id("port_vs_floor_plus_direct"),
+            &format!("p50 proxied GET / (daemon floor + direct GET) ({backend})"),
+            p.p50 / (h.p50 + q.p50),
             None,
         );
     }
