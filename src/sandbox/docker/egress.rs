@@ -51,6 +51,13 @@ pub const SOCKET_NAME: &str = "proxy.sock";
 /// connection to a rule port here, after a line naming its destination.
 pub const TCP_SOCKET_NAME: &str = "tcp.sock";
 
+/// The longest path a unix socket may have (`sun_path` holds 108 bytes, the last a NUL).
+const SOCKET_PATH_MAX: usize = 107;
+/// A container's directory name: random hex digits (64 bits).
+const CONTAINER_DIR_NAME_LEN: usize = 16;
+/// The longest socket name in a container's directory (`b65535.sock`).
+const SOCKET_NAME_MAX: usize = 11;
+
 /// Daemon-wide egress settings of the container backends.
 #[derive(Clone)]
 pub struct EgressSettings {
@@ -231,11 +238,24 @@ impl SocketDirs {
         swept
     }
 
-    /// Creates the directories (once).
+    /// Creates the directories (once). Fails when a socket path under them would be longer
+    /// than a unix socket's path may be.
     pub fn ensure(&self) -> std::io::Result<()> {
         let mut created = self.created.lock().unwrap_or_else(|e| e.into_inner());
         if *created {
             return Ok(());
+        }
+        let longest =
+            self.base.as_os_str().len() + 1 + CONTAINER_DIR_NAME_LEN + 1 + SOCKET_NAME_MAX;
+        if longest > SOCKET_PATH_MAX {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "a proxy socket under it would have a path of {longest} bytes, over the \
+                     {SOCKET_PATH_MAX} a unix socket allows: choose a shorter \
+                     sandbox.docker.egress_dir"
+                ),
+            ));
         }
         create_private(&self.root)?;
         create_private(&self.base)?;
@@ -246,7 +266,9 @@ impl SocketDirs {
     /// A fresh directory for one container.
     pub fn create(&self) -> std::io::Result<SocketDir> {
         self.ensure()?;
-        let path = self.base.join(uuid::Uuid::new_v4().simple().to_string());
+        let mut name = uuid::Uuid::new_v4().simple().to_string();
+        name.truncate(CONTAINER_DIR_NAME_LEN);
+        let path = self.base.join(name);
         std::fs::create_dir(&path)?;
         // Traversable by the sandbox's uid (runc connects as that uid); only the bind mount
         // exposes it, the 0700 parents keep everyone else out.
@@ -335,8 +357,18 @@ fn dir_name(owner: &Owner, kind: BackendKind) -> String {
     )
 }
 
-/// `<pid ns inode>.<host>`: which daemons' pids are comparable with ours.
+/// Which daemons' pids are comparable with ours: a digest of the pid namespace's inode and the
+/// host name (`h` and 12 hex digits), short, since every socket path under the directory must
+/// stay within [`SOCKET_PATH_MAX`] whatever the host is called.
 fn namespace_and_host(owner: &Owner) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(legacy_namespace_and_host(owner).as_bytes());
+    format!("h{}", hex::encode(&digest[..6]))
+}
+
+/// `<pid ns inode>.<host>`, as directory names had it before [`namespace_and_host`]: the sweep
+/// still knows them.
+fn legacy_namespace_and_host(owner: &Owner) -> String {
     let ns: String = owner.pid_ns.chars().filter(char::is_ascii_digit).collect();
     let host: String = owner
         .host
@@ -359,7 +391,7 @@ fn sweep(dir: &Path, me: &Owner, start_time_of: impl Fn(u32) -> Option<u64>) -> 
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
-    let my_ns_host = namespace_and_host(me);
+    let mine = [namespace_and_host(me), legacy_namespace_and_host(me)];
     let mut removed = 0;
     for e in entries.filter_map(Result::ok) {
         let name = e.file_name().to_string_lossy().into_owned();
@@ -372,7 +404,7 @@ fn sweep(dir: &Path, me: &Owner, start_time_of: impl Fn(u32) -> Option<u64>) -> 
         let (Ok(pid), Ok(start)) = (pid.parse::<u32>(), start.parse::<u64>()) else {
             continue;
         };
-        if ns_host != my_ns_host || (pid == me.pid && start == me.start_time) {
+        if !mine.iter().any(|m| *m == ns_host) || (pid == me.pid && start == me.start_time) {
             continue;
         }
         if start_time_of(pid) != Some(start) && std::fs::remove_dir_all(e.path()).is_ok() {
@@ -415,7 +447,7 @@ mod tests {
                 .file_name()
                 .unwrap()
                 .to_string_lossy()
-                .starts_with("gvisor.7.70.4026531836.host-1")
+                .starts_with("gvisor.7.70.h")
         );
 
         let one = dirs.create().unwrap();
@@ -454,6 +486,43 @@ mod tests {
         assert!(!ok(&["--host-uds=none"]));
         assert!(!ok(&["--host-uds=create"]));
         assert!(!ok(&["--fsgofer-host-uds=false"]));
+    }
+
+    #[test]
+    fn socket_paths_fit_under_the_default_directory_whatever_the_host_is_called() {
+        let long = Owner {
+            host: "h".repeat(64),
+            pid: 4_194_303,
+            start_time: u64::MAX,
+            ..owner(1, 1)
+        };
+        let dirs = SocketDirs::new(
+            Path::new("/run/executor-arm/egress"),
+            &long,
+            BackendKind::Gvisor,
+        );
+        let path = dirs
+            .base()
+            .join("0123456789abcdef")
+            .join(background_socket_name(65535));
+        assert!(
+            path.as_os_str().len() <= SOCKET_PATH_MAX,
+            "{} is {} bytes",
+            path.display(),
+            path.as_os_str().len()
+        );
+        // A directory too deep for any socket under it is refused, saying why.
+        let root = tempfile::tempdir().unwrap();
+        let deep = root.path().join("d".repeat(100));
+        let err = SocketDirs::new(&deep, &long, BackendKind::Docker)
+            .ensure()
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("shorter sandbox.docker.egress_dir"),
+            "{err}"
+        );
+        assert!(!deep.exists());
     }
 
     #[test]

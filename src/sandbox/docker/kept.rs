@@ -82,8 +82,10 @@ pub struct KeptContainer {
     /// Foreground requests its supervisor was handed: a run whose count did not move never
     /// started.
     delivered: std::sync::atomic::AtomicU64,
-    /// Loopback ports of the egress relays of its living background runs.
-    background_ports: Mutex<std::collections::BTreeSet<u16>>,
+    /// Loopback ports of the egress relays of its living background runs, and the offset the
+    /// next lease starts looking at (round the range: a port just given back is the last taken
+    /// again, in case its relay is still closing).
+    background_ports: Mutex<(std::collections::BTreeSet<u16>, u16)>,
 }
 
 /// Background runs with egress a container serves at once at most: each holds a loopback port
@@ -96,28 +98,37 @@ struct PortLease {
     kept: Arc<KeptContainer>,
     port: u16,
     socket: Option<super::egress::RunSocket>,
+    /// Set when the run's supervisor may still hold the port (it did not report after its
+    /// kill): the port stays taken for the container's life.
+    held_for_good: bool,
 }
 
 impl PortLease {
-    /// The lowest port above `base` no other background run of the container holds.
+    /// A port above `base` (at most [`BACKGROUND_RELAYS`] above) no other background run of the
+    /// container holds.
     fn take(kept: &Arc<KeptContainer>, base: u16) -> Result<PortLease, SandboxError> {
-        let mut held = kept
+        let mut guard = kept
             .background_ports
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let port = (1..=BACKGROUND_RELAYS)
+        let (held, next) = &mut *guard;
+        let port = (0..BACKGROUND_RELAYS)
+            .map(|i| (*next + i) % BACKGROUND_RELAYS + 1)
             .filter_map(|n| base.checked_add(n))
             .find(|p| !held.contains(p))
             .ok_or_else(|| {
                 SandboxError::Setup(format!(
-                    "the session's container serves {BACKGROUND_RELAYS} background runs with egress at most"
+                    "no loopback port above {base} is free for a background run's egress relay \
+                     (a container serves {BACKGROUND_RELAYS} at most)"
                 ))
             })?;
         held.insert(port);
+        *next = (port - base) % BACKGROUND_RELAYS;
         Ok(PortLease {
             kept: kept.clone(),
             port,
             socket: None,
+            held_for_good: false,
         })
     }
 }
@@ -125,11 +136,14 @@ impl PortLease {
 impl Drop for PortLease {
     fn drop(&mut self) {
         drop(self.socket.take());
-        self.kept
-            .background_ports
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.port);
+        if !self.held_for_good {
+            self.kept
+                .background_ports
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .0
+                .remove(&self.port);
+        }
     }
 }
 
@@ -878,7 +892,7 @@ impl DockerSandbox {
             spawn,
             ended: tokio::sync::watch::channel(false).0,
             delivered: std::sync::atomic::AtomicU64::new(0),
-            background_ports: Mutex::new(Default::default()),
+            background_ports: Mutex::new((Default::default(), 0)),
             pid,
             channel: tokio::sync::Mutex::new(Channel {
                 input,
@@ -1052,28 +1066,26 @@ impl DockerSandbox {
                 // The supervisor vanished: the container went down under the exec (gVisor out of
                 // memory, the engine killed it), or the engine itself is gone, which is no outcome
                 // of the exec's (503, as for a one-shot run). Either way the sandbox is gone.
-                let verdict = self.oom_verdict(&id).await;
-                if killed.is_none() && !matches!(verdict, Ok(true)) {
-                    // As for a one-shot run: an engine that went away is a 503, a stream that
-                    // broke otherwise an error, never an outcome of the command's.
-                    let lost = match (&verdict, &end.error) {
-                        (Err(e), _) if e.is_unreachable() => Some(e.to_string()),
-                        (_, Some(e)) if e.is_unreachable() => Some(e.to_string()),
-                        _ => None,
-                    };
-                    if let Some(e) = lost {
-                        kept.mark_gone("the docker engine was lost during an exec");
-                        return Err(SandboxError::Unavailable(format!(
-                            "docker engine lost during the run: {e}"
-                        )));
-                    }
-                    if let Some(e) = &end.error {
-                        kept.mark_gone("its supervisor's stream broke during an exec");
-                        return Err(SandboxError::Setup(format!(
-                            "{e}; supervisor stderr: {}",
-                            String::from_utf8_lossy(&end.supervisor_stderr).trim()
-                        )));
-                    }
+                let mut verdict = self.oom_verdict(&id).await;
+                // An engine that does not answer is gone: no outcome of the command's, a 503 as
+                // for a one-shot run. One that answers saw the container go down under the exec
+                // (its out-of-memory verdict may come a little later).
+                if killed.is_none()
+                    && let Err(e) = &verdict
+                    && e.is_unreachable()
+                {
+                    kept.mark_gone("the docker engine was lost during an exec");
+                    let stream = end.error.map(|x| x.to_string());
+                    return Err(SandboxError::Unavailable(format!(
+                        "docker engine lost during the run ({}): {e}",
+                        stream.as_deref().unwrap_or("stream ended")
+                    )));
+                }
+                if killed.is_none()
+                    && matches!(verdict, Ok(false))
+                    && self.late_oom_verdict(&id).await
+                {
+                    verdict = Ok(true);
                 }
                 let why = match verdict {
                     Ok(true) => "it ran out of memory",
@@ -1134,7 +1146,7 @@ impl DockerSandbox {
         };
         // With egress: a relay of its own, on a loopback port of its own, to a proxy socket of
         // its own, so its connections are its record alone; all three end with the run.
-        let (relay, proxy, _lease) = match egress {
+        let (relay, proxy, mut lease) = match egress {
             None => (None, None, None),
             Some(e) => {
                 let mut lease = PortLease::take(kept, e.port)?;
@@ -1246,6 +1258,10 @@ impl DockerSandbox {
                     Ok(end) => end,
                     Err(_) => {
                         tracing::warn!(exec_id = %spec.exec_id, container = %short(&id), "a background run's supervisor did not report after its kill");
+                        // Its relay may still listen: no later run gets its port.
+                        if let Some(lease) = lease.as_mut() {
+                            lease.held_for_good = true;
+                        }
                         Default::default()
                     }
                 }
