@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::docker::{
     SOCKET, assert_nothing_left, assigned_containers, config, container_exists, container_of,
-    containers, docker, docker_ps, finish, instance_of, remove_all, require_docker,
+    containers, docker, finish, instance_of, pool_containers, remove_all, require_docker,
     running_containers, volumes, wait_for_assigned,
 };
 use common::wait::wait_until;
@@ -48,14 +48,6 @@ fn start_with_socket(runtime: &str, pool: usize, socket: &str) -> Daemon {
         config: Some(config(pool, socket)),
         ..Default::default()
     })
-}
-
-/// Idle (never used) pool containers of a daemon instance: used ones are renamed.
-fn pool_containers(instance: &str) -> Vec<String> {
-    docker_ps(&[
-        format!("label=executor-arm.instance={instance}"),
-        "name=executor-arm-pool-".to_string(),
-    ])
 }
 
 async fn py(d: &Daemon, code: &str, extra: Value) -> common::Resp {

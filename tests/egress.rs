@@ -324,21 +324,6 @@ impl Setup {
             .collect()
     }
 
-    /// The daemon's idle pool containers (one that serves a run is renamed).
-    fn pool_containers(&self) -> Vec<String> {
-        self.containers()
-            .into_iter()
-            .filter(|id| {
-                Command::new("docker")
-                    .args(["inspect", "--format", "{{.Name}}", id])
-                    .output()
-                    .is_ok_and(|o| {
-                        String::from_utf8_lossy(&o.stdout).contains("executor-arm-pool-")
-                    })
-            })
-            .collect()
-    }
-
     /// Per-container socket directories that exist now, under every backend's directory.
     fn socket_dirs(&self) -> Vec<PathBuf> {
         let mut out = Vec::new();
@@ -637,7 +622,7 @@ async fn egress_is_allowlisted_and_ssrf_safe(backend: Backend) {
         let pooled = wait_for(
             "the warm pool's idle container",
             CLEANUP,
-            || setup.pool_containers(),
+            || common::docker::pool_containers(&setup.instance()),
             |c| !c.is_empty(),
         );
         for c in &pooled {

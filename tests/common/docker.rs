@@ -104,6 +104,14 @@ pub fn docker_ps(filters: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// Idle (never used) pool containers of a daemon instance: one that serves a run is renamed.
+pub fn pool_containers(instance: &str) -> Vec<String> {
+    docker_ps(&[
+        format!("label=executor-arm.instance={instance}"),
+        "name=executor-arm-pool-".to_string(),
+    ])
+}
+
 /// Containers (any state) carrying `label`.
 pub fn containers(label: &str) -> Vec<String> {
     docker_ps(&[format!("label={label}")])
