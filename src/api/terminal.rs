@@ -18,7 +18,6 @@ use std::sync::Arc;
 
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade, close_code};
 use axum::extract::{FromRequestParts, Request, State};
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
@@ -28,8 +27,9 @@ use crate::calls::AppState;
 use crate::calls::caller::RequestId;
 use crate::calls::error::{ApiError, ErrorBody};
 use crate::calls::sessions::{Touch, session_of};
+use crate::calls::terminal::{TerminalAsk, admit};
 use crate::sandbox::StreamKind;
-use crate::sessions::{ExecParts, Terminal, TerminalEnd};
+use crate::sessions::{Terminal, TerminalEnd};
 
 /// A text frame of the terminal: its new size.
 #[derive(Debug, Deserialize)]
@@ -89,16 +89,7 @@ async fn open(st: &Arc<AppState>, id: &str, req: Request) -> Result<Response, Ap
         .map_err(|e| {
             ApiError::InvalidRequest(format!("not a WebSocket upgrade: {}", e.body_text()))
         })?;
-    let exec = ExecParts {
-        via: None,
-        owner: session.owner.runs(),
-        request_id: known.request_id.clone(),
-        subject: service.subject.clone().or_else(|| Some("-".into())),
-        long_run: true,
-        ..ExecParts::default()
-    };
-    let (request, prepared) = st.sessions.prepare_terminal(&session, exec).await?;
-    let execution = st.executions.admit(request).await?;
+    let admitted = admit(st, &session, &service, &known, TerminalAsk::default()).await?;
     let max = st.sessions.max_frame_bytes();
     let st = st.clone();
     // The socket's own limits are above ours, so that a frame just over ours is read and
@@ -108,11 +99,7 @@ async fn open(st: &Arc<AppState>, id: &str, req: Request) -> Result<Response, Ap
         .max_frame_size(transport_limit)
         .max_message_size(transport_limit)
         .on_upgrade(move |socket| async move {
-            let metrics = st.metrics.clone();
-            let live = st.executions.start(execution, move |r| {
-                crate::calls::run::answer_of(&metrics, r, StatusCode::OK, false)
-            });
-            let terminal = prepared.started(&live, st.executions.clone());
+            let terminal = admitted.start(&st);
             let why = serve(socket, &terminal, max).await;
             terminal.close(why).await;
         }))

@@ -24,6 +24,7 @@
 //!   resume, exec, delete, files.
 //! - `processes.rs`: a session's background processes (list, output, stdin, signals) and a
 //!   running exec's stdin.
+//! - `terminal.rs`: a session's terminal, its admission and start.
 //! - `receipts.rs`: the public keys that verify receipts (this replica's, configured ones,
 //!   other replicas' through the store).
 //! - `port_pool.rs`: connections into sessions' sandboxes kept between proxied requests.
@@ -40,6 +41,7 @@ pub mod receipts;
 pub mod run;
 pub mod sessions;
 pub mod state;
+pub mod terminal;
 
 pub use caller::RequestId;
 pub use error::ApiError;

@@ -508,7 +508,7 @@ pub fn exec_job(
         long_run: true,
         background: None,
         stdin_open: asked.stdin_open && !background,
-        terminal: false,
+        terminal: None,
         via,
     };
     let links = format!("/v1/sandbox/sessions/{id}/execs/");

@@ -16,7 +16,9 @@
 //! - `control.rs`: the control plane under `/e2b` (sandboxes: create, list, info, timeout,
 //!   pause, connect, kill, metrics).
 //! - `connect.rs`: the Connect protocol (JSON codec): unary and server-streaming calls.
-//! - `process.rs`: `process.Process` (Start, Connect, List, SendInput, CloseStdin, SendSignal).
+//! - `process.rs`: `process.Process` (Start, Connect, List, SendInput, CloseStdin, SendSignal,
+//!   Update).
+//! - `pty.rs`: PTY processes: a session terminal each, kept until its run ends.
 //! - `filesystem.rs`: `filesystem.Filesystem` (Stat, MakeDir, Move, ListDir, Remove) and
 //!   `/files`.
 //! - `sandboxes.rs`: what a sandbox adds to its session.
@@ -27,6 +29,7 @@ mod control;
 mod filesystem;
 mod pb;
 mod process;
+mod pty;
 mod sandboxes;
 
 use std::net::SocketAddr;

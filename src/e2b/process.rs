@@ -54,9 +54,10 @@ pub async fn call(
         "SendInput" => connect::unary_answer(send_input(e2b, h, b, s).await),
         "CloseStdin" => connect::unary_answer(close_stdin(e2b, h, b, s).await),
         "SendSignal" => connect::unary_answer(send_signal(e2b, h, b, s).await),
-        "Update" | "StreamInput" => RpcError::new(
+        "Update" => connect::unary_answer(update(e2b, h, b, s).await),
+        "StreamInput" => RpcError::new(
             Code::Unimplemented,
-            format!("process.Process/{method} is not served: PTYs are the session terminal's (GET /v1/sandbox/sessions/{{id}}/terminal)"),
+            "process.Process/StreamInput (a client stream) is not served: send input with SendInput",
         )
         .into_response(),
         _ => RpcError::new(Code::Unimplemented, format!("no method process.Process/{method}"))
@@ -90,7 +91,7 @@ pub(super) fn sandbox_path(path: &str) -> String {
 
 /// The caller of a data plane run: the sandbox's owning service (the session's grant is what
 /// the run is decided by).
-fn caller_of(session: &Session, headers: &HeaderMap) -> (Verified, KnownRequest) {
+pub(super) fn caller_of(session: &Session, headers: &HeaderMap) -> (Verified, KnownRequest) {
     let service = Verified {
         subject: Some(session.owner.subject.clone()),
         token_id: None,
@@ -236,12 +237,11 @@ async fn start(
     session: Arc<Session>,
 ) -> Result<impl Stream<Item = Result<pb::StartResponse, RpcError>> + use<>, RpcError> {
     let req: pb::StartRequest = connect::stream_request(headers, body)?;
-    if req.pty.is_some() {
-        return Err(RpcError::new(
-            Code::Unimplemented,
-            "PTY processes are not served here: a session's terminal is GET /v1/sandbox/sessions/{id}/terminal",
-        ));
-    }
+    let pty = req
+        .pty
+        .as_ref()
+        .map(|p| super::pty::size_of(p.size))
+        .transpose()?;
     let config = req
         .process
         .ok_or_else(|| RpcError::invalid("process is required"))?;
@@ -273,6 +273,18 @@ async fn start(
     let started = {
         let (e2b, session, headers) = (e2b.clone(), session.clone(), headers.clone());
         tokio::spawn(async move {
+            if let Some(size) = pty {
+                let (live, handle) =
+                    super::pty::open(&e2b, &session, &headers, &config, env, size, timeout).await?;
+                let pid = e2b.sandboxes.started(
+                    &session.id,
+                    live.exec_id().to_string(),
+                    config,
+                    req.tag,
+                    Some(handle),
+                );
+                return Ok::<_, RpcError>((live, pid));
+            }
             let live = run_in(
                 &e2b,
                 &session,
@@ -295,9 +307,13 @@ async fn start(
                 )
                 .await;
             }
-            let pid =
-                e2b.sandboxes
-                    .started(&session.id, live.exec_id().to_string(), config, req.tag);
+            let pid = e2b.sandboxes.started(
+                &session.id,
+                live.exec_id().to_string(),
+                config,
+                req.tag,
+                None,
+            );
             Ok::<_, RpcError>((live, pid))
         })
     };
@@ -307,6 +323,7 @@ async fn start(
     Ok(follow(
         live,
         pid,
+        pty.is_some(),
         keepalive(headers),
         None,
         Following {
@@ -355,6 +372,7 @@ async fn reconnect(
     Ok(follow(
         live,
         p.pid,
+        p.pty.is_some(),
         keepalive(headers),
         deadline,
         Following {
@@ -400,14 +418,19 @@ async fn send_input(
 ) -> Result<pb::SendInputResponse, RpcError> {
     let req: pb::SendInputRequest = connect::unary_request(headers, body)?;
     let p = selected(e2b, &session, req.process)?;
-    let bytes = match req.input.and_then(|i| i.input) {
+    let input = req.input.and_then(|i| i.input);
+    if let Some(pty) = &p.pty {
+        // A PTY has one input: whichever kind the call names is typed into it.
+        let bytes = match input {
+            Some(pb::process_input::Input::Stdin(b) | pb::process_input::Input::Pty(b)) => b,
+            None => Vec::new(),
+        };
+        pty.input(bytes).await?;
+        return Ok(pb::SendInputResponse {});
+    }
+    let bytes = match input {
         Some(pb::process_input::Input::Stdin(b)) => b,
-        Some(pb::process_input::Input::Pty(_)) => {
-            return Err(RpcError::new(
-                Code::Unimplemented,
-                "PTY input is not served here",
-            ));
-        }
+        Some(pb::process_input::Input::Pty(_)) => return Err(super::pty::not_a_pty(p.pid)),
         None => Vec::new(),
     };
     send_stdin(
@@ -430,6 +453,15 @@ async fn close_stdin(
 ) -> Result<pb::CloseStdinResponse, RpcError> {
     let req: pb::CloseStdinRequest = connect::unary_request(headers, body)?;
     let p = selected(e2b, &session, req.process)?;
+    if p.pty.is_some() {
+        return Err(RpcError::new(
+            Code::FailedPrecondition,
+            format!(
+                "process {} is a PTY: its input has no end to close (type EOT, 0x04, to end a shell)",
+                p.pid
+            ),
+        ));
+    }
     send_stdin(
         &e2b.st,
         &session,
@@ -463,6 +495,24 @@ async fn send_signal(
     Ok(pb::SendSignalResponse {})
 }
 
+/// `Update`: a PTY's new size.
+async fn update(
+    e2b: &E2b,
+    headers: &HeaderMap,
+    body: &[u8],
+    session: Arc<Session>,
+) -> Result<pb::UpdateResponse, RpcError> {
+    let req: pb::UpdateRequest = connect::unary_request(headers, body)?;
+    let p = selected(e2b, &session, req.process)?;
+    let Some(pty) = &p.pty else {
+        return Err(super::pty::not_a_pty(p.pid));
+    };
+    if let Some(asked) = req.pty {
+        pty.resize(asked.size).await?;
+    }
+    Ok(pb::UpdateResponse {})
+}
+
 /// The most of one stream a data event carries.
 const CHUNK: usize = 64 * 1024;
 
@@ -476,6 +526,8 @@ struct Following {
 struct Follow<F> {
     live: Arc<LiveRun>,
     pid: u32,
+    /// A PTY's: all it writes is the terminal's output.
+    pty: bool,
     at: [usize; 2],
     started: bool,
     done: bool,
@@ -492,6 +544,7 @@ struct Follow<F> {
 fn follow<T, F>(
     live: Arc<LiveRun>,
     pid: u32,
+    pty: bool,
     keepalive: Duration,
     deadline: Option<Duration>,
     open: Following,
@@ -505,6 +558,7 @@ where
         changes: live.changes(),
         live,
         pid,
+        pty,
         at: [0, 0],
         started: false,
         done: false,
@@ -534,6 +588,8 @@ where
                 if !bytes.is_empty() {
                     s.at[i] = offset + bytes.len();
                     let output = match kind {
+                        // A PTY's stderr is its supervisor's word on why it could not start.
+                        _ if s.pty => process_event::data_event::Output::Pty(bytes),
                         StreamKind::Stdout => process_event::data_event::Output::Stdout(bytes),
                         StreamKind::Stderr => process_event::data_event::Output::Stderr(bytes),
                     };

@@ -12,6 +12,7 @@ use std::sync::Mutex;
 use subtle::ConstantTimeEq;
 
 use super::pb::process::ProcessConfig;
+use super::pty::PtyHandle;
 
 /// A process the data plane started, as `process.Process` names it.
 #[derive(Debug, Clone)]
@@ -21,6 +22,8 @@ pub struct Process {
     pub exec_id: String,
     pub config: ProcessConfig,
     pub tag: Option<String>,
+    /// A PTY's: how its input and resizes reach it.
+    pub pty: Option<PtyHandle>,
 }
 
 /// The E2B side of one sandbox.
@@ -190,6 +193,7 @@ impl Sandboxes {
         exec_id: String,
         config: ProcessConfig,
         tag: Option<String>,
+        pty: Option<PtyHandle>,
     ) -> u32 {
         let mut all = self.lock();
         let sandbox = Self::entry(&mut all, id);
@@ -203,6 +207,7 @@ impl Sandboxes {
             exec_id,
             config,
             tag,
+            pty,
         });
         pid
     }
@@ -297,9 +302,9 @@ mod tests {
     fn pids_are_per_sandbox_and_tags_find_the_newest() {
         let s = Sandboxes::default();
         let cfg = ProcessConfig::default();
-        let a = s.started("x", "e1".into(), cfg.clone(), Some("web".into()));
-        let b = s.started("x", "e2".into(), cfg.clone(), Some("web".into()));
-        let c = s.started("y", "e3".into(), cfg, None);
+        let a = s.started("x", "e1".into(), cfg.clone(), Some("web".into()), None);
+        let b = s.started("x", "e2".into(), cfg.clone(), Some("web".into()), None);
+        let c = s.started("y", "e3".into(), cfg, None, None);
         assert_eq!((a, b, c), (FIRST_PID, FIRST_PID + 1, FIRST_PID));
         assert_eq!(s.by_pid("x", b).unwrap().exec_id, "e2");
         assert!(s.by_pid("y", b).is_none());

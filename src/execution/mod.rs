@@ -67,8 +67,8 @@ pub use self::run::Execution;
 use self::runs::{CancelOutcome, LiveRun, NewRun, Runs, log_store_error, put_final};
 pub use self::runs::{Lookup, Render, Unanswered, owner_of};
 pub use self::session::{
-    Background, SessionExec, SessionLimits, SessionPlace, TERMINAL_PROGRAM, Terminal, WORKSPACE,
-    terminal_args,
+    Background, SessionExec, SessionLimits, SessionPlace, TERMINAL_PROGRAM, Terminal,
+    TerminalCommand, WORKSPACE, terminal_args,
 };
 use crate::config::Config;
 use crate::executors::Registry;

@@ -50,6 +50,20 @@ pub struct Terminal {
     /// The supervisor binary on the host, bound read-only into a local sandbox at
     /// [`TERMINAL_PROGRAM`] (containers have it there already).
     pub supervisor: PathBuf,
+    /// What runs on the pseudo-terminal.
+    pub command: TerminalCommand,
+}
+
+/// What a terminal runs on its pseudo-terminal, and how it starts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TerminalCommand {
+    /// A program and its arguments (a path, or a name the sandbox's `PATH` finds); none: the
+    /// first of [`TERMINAL_SHELLS`] the sandbox has.
+    pub argv: Option<Vec<String>>,
+    /// The directory it starts in, any the sandbox's user may enter; none: the exec's cwd.
+    pub cwd: Option<String>,
+    /// Its first size, columns and rows (each 1..=4096); none: 80 by 24.
+    pub size: Option<(u16, u16)>,
 }
 
 /// Where the terminal's program (the supervisor) is inside every sandbox.
@@ -58,12 +72,25 @@ pub const TERMINAL_PROGRAM: &str = crate::sandbox::docker::supervisor::CONTAINER
 /// The shells a terminal tries, in order: the first the sandbox has runs.
 pub const TERMINAL_SHELLS: [&str; 2] = ["/bin/bash", "/bin/sh"];
 
-/// The terminal's argv after its program: the supervisor's `pty` mode and the shells.
-pub fn terminal_args() -> Vec<String> {
-    std::iter::once("pty")
-        .chain(TERMINAL_SHELLS)
-        .map(String::from)
-        .collect()
+/// The terminal's argv after its program: the supervisor's `pty` mode, its options, and the
+/// shells or `--exec` and the command.
+pub fn terminal_args(command: &TerminalCommand) -> Vec<String> {
+    let mut args = vec!["pty".to_string()];
+    if let Some((cols, rows)) = command.size {
+        args.extend(["--cols".into(), cols.to_string()]);
+        args.extend(["--rows".into(), rows.to_string()]);
+    }
+    if let Some(cwd) = &command.cwd {
+        args.extend(["--cwd".into(), cwd.clone()]);
+    }
+    match &command.argv {
+        Some(argv) => {
+            args.push("--exec".into());
+            args.extend(argv.iter().cloned());
+        }
+        None => args.extend(TERMINAL_SHELLS.map(String::from)),
+    }
+    args
 }
 
 /// What makes a session's exec a background process.
@@ -166,7 +193,7 @@ impl SessionExec {
         }
         if let Some(t) = &self.terminal {
             spec.argv = std::iter::once(TERMINAL_PROGRAM.to_string())
-                .chain(terminal_args())
+                .chain(terminal_args(&t.command))
                 .collect();
             spec.fs.pty = true;
             match &self.place {

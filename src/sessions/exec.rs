@@ -19,7 +19,7 @@ use crate::auth::Verified;
 use crate::execution::runs::LiveRun;
 use crate::execution::{
     Action, Background, ExecutionError, ExecutionRequest, SessionExec, SessionLimits, SessionPlace,
-    TERMINAL_PROGRAM, Terminal, WORKSPACE, terminal_args,
+    TERMINAL_PROGRAM, Terminal, TerminalCommand, WORKSPACE, terminal_args,
 };
 use crate::policy::language::Language;
 use crate::sandbox::control::{ControlSender, Controls};
@@ -42,9 +42,9 @@ pub struct ExecParts {
     pub background: Option<Background>,
     /// Keep the exec's stdin open for its caller (async and streamed execs).
     pub stdin_open: bool,
-    /// The session's terminal (a background process): the shell on a pseudo-terminal instead
-    /// of the code (see [`super::terminal`]).
-    pub terminal: bool,
+    /// The session's terminal (a background process): its command on a pseudo-terminal
+    /// instead of the code (see [`super::terminal`]).
+    pub terminal: Option<TerminalCommand>,
     /// The front end the exec came through when it was not the REST API (`mcp`).
     pub via: Option<&'static str>,
 }
@@ -124,8 +124,9 @@ impl SessionService {
             "sha256:{}",
             hex::encode(Sha256::digest(parts.code.as_bytes()))
         );
-        let terminal = parts.terminal.then(|| Terminal {
+        let terminal = parts.terminal.clone().map(|command| Terminal {
             supervisor: self.supervisor.clone(),
+            command,
         });
         let (place, code_file) = match &session.place {
             // A terminal has no code: its program is the supervisor, bound in on its own.
@@ -177,10 +178,10 @@ impl SessionService {
         if let Action::SessionExec(e) = &mut request.action
             && terminal.is_some()
         {
-            e.terminal = terminal;
             // What the run line records is what runs: the supervisor's pty mode.
             request.command = TERMINAL_PROGRAM.to_string();
-            request.args = terminal_args();
+            request.args = terminal_args(&terminal.as_ref().expect("a terminal").command);
+            e.terminal = terminal;
         }
         Ok((request, code_file))
     }

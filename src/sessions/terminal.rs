@@ -23,7 +23,7 @@ use super::exec::ExecParts;
 use super::session::Session;
 use super::{SessionError, SessionService};
 use crate::execution::runs::LiveRun;
-use crate::execution::{ExecutionRequest, ExecutionService};
+use crate::execution::{ExecutionRequest, ExecutionService, TerminalCommand};
 use crate::provenance::audit::{AuditEvent, SessionTerminal};
 use crate::sandbox::control::{Control, ControlSender};
 
@@ -86,13 +86,14 @@ impl TerminalEnd {
 
 impl SessionService {
     /// Takes a place among `session`'s processes (429 past `sessions.max_processes`) and makes
-    /// the terminal's execution request.
+    /// the execution request of a terminal running `command`.
     pub async fn prepare_terminal(
         &self,
         session: &Arc<Session>,
         mut parts: ExecParts,
+        command: TerminalCommand,
     ) -> Result<(ExecutionRequest, PreparedTerminal), SessionError> {
-        parts.terminal = true;
+        parts.terminal = Some(command);
         parts.code = String::new();
         parts.stdin = None;
         let request_id = parts.request_id.clone();

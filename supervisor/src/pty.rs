@@ -1,10 +1,14 @@
 //! Mode `pty`: a session's terminal, run as an ordinary command of the sandbox (a background
 //! process, with the sandbox user's identity and no capabilities).
 //!
-//! Usage: `executor-arm-supervisor pty SHELL...`: the first SHELL that exists and is executable
-//! runs on a new pseudo-terminal of the sandbox's own devpts (`/dev/ptmx`), in a session of its
-//! own with the terminal as its controlling terminal (setsid, TIOCSCTTY), argv `[SHELL]`, the
-//! environment as given (`TERM` added when missing).
+//! Usage: `executor-arm-supervisor pty [OPTION...] SHELL...`: the first SHELL that exists and is
+//! executable runs on a new pseudo-terminal of the sandbox's own devpts (`/dev/ptmx`), in a
+//! session of its own with the terminal as its controlling terminal (setsid, TIOCSCTTY), argv
+//! `[SHELL]`, the environment as given (`TERM` added when missing). Options, before the shells:
+//! `--cols N` and `--rows N` (the first size, each 1..=4096; 80 by 24 otherwise), `--cwd DIR`
+//! (where it starts; the run's directory otherwise), and `--exec PROGRAM [ARG...]`, which ends
+//! the options and runs PROGRAM (a path, or a name looked up in `PATH`) with argv
+//! `[PROGRAM, ARG...]` instead of a shell.
 //!
 //! Relay: stdin carries control frames ([`executor_arm_supervisor::protocol::control`]): `i`
 //! bytes go to the terminal's master, `w` resizes it (TIOCSWINSZ: the kernel sends SIGWINCH),
@@ -21,7 +25,7 @@ use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
-use executor_arm_supervisor::protocol::{ControlDecoder, ControlFrame};
+use executor_arm_supervisor::protocol::{ControlDecoder, ControlFrame, MAX_TERMINAL_SIDE};
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
@@ -44,32 +48,138 @@ const INITIAL: Winsize = Winsize {
 };
 
 fn die(msg: &str) -> ! {
-    // stderr is the run's stderr: the caller sees why the terminal did not start.
+    die_with(126, msg)
+}
+
+/// Ends with `code`, saying why on stderr (the run's stderr: the caller sees why the terminal
+/// did not start).
+fn die_with(code: i32, msg: &str) -> ! {
     let _ = nix::unistd::write(
         std::io::stderr().as_fd(),
         format!("pty: {msg}\n").as_bytes(),
     );
-    super::exit_now(126)
+    super::exit_now(code)
+}
+
+/// What the terminal runs, as its arguments say.
+#[derive(Debug, PartialEq, Eq)]
+struct Options {
+    size: (u16, u16),
+    cwd: Option<String>,
+    run: Program,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Program {
+    /// The first of these that exists and is executable, as `[SHELL]`.
+    Shells(Vec<String>),
+    /// This argv: its first item the program.
+    Exec(Vec<String>),
+}
+
+impl Options {
+    fn parse(args: &[String]) -> Result<Options, String> {
+        let (mut cols, mut rows) = (INITIAL.ws_col, INITIAL.ws_row);
+        let mut cwd = None;
+        let mut at = 0;
+        let side = |v: Option<&String>, what: &str| -> Result<u16, String> {
+            v.and_then(|v| v.parse::<u16>().ok())
+                .filter(|n| (1..=MAX_TERMINAL_SIDE).contains(n))
+                .ok_or_else(|| format!("{what} takes a number 1..={MAX_TERMINAL_SIDE}"))
+        };
+        while let Some(a) = args.get(at) {
+            match a.as_str() {
+                "--cols" => cols = side(args.get(at + 1), "--cols")?,
+                "--rows" => rows = side(args.get(at + 1), "--rows")?,
+                "--cwd" => {
+                    let dir = args.get(at + 1).filter(|d| !d.is_empty());
+                    cwd = Some(dir.ok_or("--cwd takes a directory")?.clone());
+                }
+                "--exec" => {
+                    let argv = args[at + 1..].to_vec();
+                    if argv.first().is_none_or(String::is_empty) {
+                        return Err("--exec takes a program".into());
+                    }
+                    return Ok(Options {
+                        size: (cols, rows),
+                        cwd,
+                        run: Program::Exec(argv),
+                    });
+                }
+                s if s.starts_with("--") => return Err(format!("unknown option {s}")),
+                _ => break,
+            }
+            at += 2;
+        }
+        Ok(Options {
+            size: (cols, rows),
+            cwd,
+            run: Program::Shells(args[at..].to_vec()),
+        })
+    }
+}
+
+/// The program `name` names: itself when it holds a `/`, else the first executable file of that
+/// name in `PATH` (the shells' own search, done here: the child may only call async-signal-safe
+/// functions between fork and execve).
+fn find_program(name: &str) -> Option<String> {
+    let executable = |p: &str| nix::unistd::access(p, nix::unistd::AccessFlags::X_OK).is_ok();
+    if name.contains('/') {
+        return executable(name).then(|| name.to_string());
+    }
+    let path = std::env::var("PATH")
+        .unwrap_or_else(|_| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
+    path.split(':')
+        .filter(|d| !d.is_empty())
+        .map(|d| format!("{d}/{name}"))
+        .find(|p| executable(p) && std::fs::metadata(p).is_ok_and(|m| m.is_file()))
 }
 
 /// Runs the terminal; never returns.
-pub fn run(shells: &[String]) -> ! {
+pub fn run(args: &[String]) -> ! {
     if let Err(e) = nix::sys::prctl::set_dumpable(false) {
         die(&format!(
             "cannot make the supervisor non-dumpable: {}",
             e.desc()
         ));
     }
-    let Some(shell) = shells.iter().find(|s| {
-        s.starts_with('/')
-            && nix::unistd::access(s.as_str(), nix::unistd::AccessFlags::X_OK).is_ok()
-    }) else {
-        die(&format!("no shell among {shells:?}"));
+    let options = Options::parse(args).unwrap_or_else(|e| die(&e));
+    if let Some(dir) = &options.cwd {
+        nix::unistd::chdir(dir.as_str()).unwrap_or_else(|e| die(&format!("{dir}: {}", e.desc())));
+    }
+    let (program, argv) = match &options.run {
+        Program::Shells(shells) => {
+            let Some(shell) = shells.iter().find(|s| {
+                s.starts_with('/')
+                    && nix::unistd::access(s.as_str(), nix::unistd::AccessFlags::X_OK).is_ok()
+            }) else {
+                die(&format!("no shell among {shells:?}"));
+            };
+            (shell.clone(), vec![shell.clone()])
+        }
+        Program::Exec(argv) => {
+            let Some(program) = find_program(&argv[0]) else {
+                die_with(127, &format!("{}: not found", argv[0]));
+            };
+            (program, argv.clone())
+        }
     };
     let master = open_master().unwrap_or_else(|e| die(&e));
     let slave_name = ptsname_r(&master).unwrap_or_else(|e| die(&format!("ptsname: {}", e.desc())));
-    set_size(master.as_fd(), INITIAL);
-    let shell_c = CString::new(shell.as_str()).unwrap_or_else(|_| die("NUL in the shell"));
+    set_size(
+        master.as_fd(),
+        Winsize {
+            ws_col: options.size.0,
+            ws_row: options.size.1,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        },
+    );
+    let program_c = CString::new(program).unwrap_or_else(|_| die("NUL in the program"));
+    let argv_c: Vec<CString> = argv
+        .into_iter()
+        .map(|a| CString::new(a).unwrap_or_else(|_| die("NUL in an argument")))
+        .collect();
     // The slave is opened before the fork and the shell inherits it: the master never sees a
     // terminal whose slave was not opened yet (gVisor reports that as a hang-up).
     let slave = nix::fcntl::open(
@@ -89,11 +199,23 @@ pub fn run(shells: &[String]) -> ! {
     if std::env::var_os("TERM").is_none() {
         env.push(c"TERM=xterm-256color".into());
     }
+    // The NULL-ended pointer arrays execve takes, made before the fork: the child allocates
+    // nothing.
+    let argv_p: Vec<*const libc::c_char> = argv_c
+        .iter()
+        .map(|c| c.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect();
+    let envp: Vec<*const libc::c_char> = env
+        .iter()
+        .map(|c| c.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect();
     // SAFETY: single-threaded: the child only calls async-signal-safe functions (setsid, open,
     // ioctl, dup2, execve, _exit) on values prepared before the fork.
     let shell_pid = match unsafe { fork() } {
         Err(e) => die(&format!("fork: {}", e.desc())),
-        Ok(ForkResult::Child) => child(&shell_c, slave.as_raw_fd(), &env),
+        Ok(ForkResult::Child) => child(&program_c, &argv_p, slave.as_raw_fd(), &envp),
         Ok(ForkResult::Parent { child }) => child,
     };
     drop(slave);
@@ -114,8 +236,14 @@ fn set_size(fd: BorrowedFd<'_>, size: Winsize) {
 }
 
 /// The shell's process: a session of its own, the slave (`fd`) as its controlling terminal and its
-/// 0, 1 and 2, default signals, then execve. Never returns.
-fn child(shell: &CString, fd: libc::c_int, env: &[CString]) -> ! {
+/// 0, 1 and 2, default signals, then execve of `program` with `argv` and `envp` (each a
+/// NULL-ended array of pointers to strings that outlive the call). Never returns.
+fn child(
+    program: &CString,
+    argv: &[*const libc::c_char],
+    fd: libc::c_int,
+    envp: &[*const libc::c_char],
+) -> ! {
     super::default_signals();
     // SAFETY: async-signal-safe calls only (see the fork above); every pointer is a
     // NUL-terminated string or array prepared before the fork, and the process ends in execve or
@@ -135,10 +263,7 @@ fn child(shell: &CString, fd: libc::c_int, env: &[CString]) -> ! {
         if fd > 2 {
             libc::close(fd);
         }
-        let argv = [shell.as_ptr(), std::ptr::null()];
-        let mut envp: Vec<*const libc::c_char> = env.iter().map(|c| c.as_ptr()).collect();
-        envp.push(std::ptr::null());
-        libc::execve(shell.as_ptr(), argv.as_ptr(), envp.as_ptr());
+        libc::execve(program.as_ptr(), argv.as_ptr(), envp.as_ptr());
         libc::_exit(127)
     }
 }
@@ -277,4 +402,55 @@ fn hang_up(master: PtyMaster, shell: Pid, status: Option<i32>) -> ! {
         .or_else(|| reaped(shell, WaitPidFlag::empty()))
         .unwrap_or(0);
     super::exit_now(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Options, String> {
+        Options::parse(&args.iter().map(|a| a.to_string()).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn options_come_before_the_shells_or_the_program() {
+        assert_eq!(
+            parse(&["/bin/bash", "/bin/sh"]).unwrap(),
+            Options {
+                size: (80, 24),
+                cwd: None,
+                run: Program::Shells(vec!["/bin/bash".into(), "/bin/sh".into()]),
+            }
+        );
+        assert_eq!(
+            parse(&[
+                "--cols", "120", "--rows", "40", "--cwd", "/tmp", "--exec", "bash", "-i", "--cols"
+            ])
+            .unwrap(),
+            Options {
+                size: (120, 40),
+                cwd: Some("/tmp".into()),
+                run: Program::Exec(vec!["bash".into(), "-i".into(), "--cols".into()]),
+            }
+        );
+        for bad in [
+            &["--cols", "0", "/bin/sh"][..],
+            &["--rows", "4097", "/bin/sh"],
+            &["--rows"],
+            &["--cwd", "", "/bin/sh"],
+            &["--exec"],
+            &["--exec", ""],
+            &["--size", "1"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_program_without_a_slash_is_found_in_path() {
+        assert_eq!(find_program("/bin/sh").as_deref(), Some("/bin/sh"));
+        assert!(find_program("sh").is_some_and(|p| p.ends_with("/sh")));
+        assert_eq!(find_program("no-such-program-here"), None);
+        assert_eq!(find_program("/no/such/program"), None);
+    }
 }

@@ -86,25 +86,28 @@ async function listed(opts) {
 
 const pids = async (sbx) => new Set((await sbx.commands.list()).map((p) => p.pid))
 
-/** A handle's output as it arrives: `next(suffix)` waits (bounded) until it ends with `suffix`. */
+/** A handle's output as it arrives: `next(suffix)` waits (bounded) until it ends with `suffix`,
+ * `has(part)` until it holds `part` (a terminal's prompt may follow it in the same chunk). */
 function collector() {
   let text = ''
   let waiters = []
+  const wait = (what, done) =>
+    within(
+      STREAM_MS,
+      `output ${what} (got ${JSON.stringify(text)})`,
+      new Promise((resolve) => {
+        if (done()) resolve(text)
+        else waiters.push([done, resolve])
+      })
+    )
   return {
     onStdout: (data) => {
       text += data
-      waiters = waiters.filter(([suffix, resolve]) => (text.endsWith(suffix) ? (resolve(text), false) : true))
+      waiters = waiters.filter(([done, resolve]) => (done() ? (resolve(text), false) : true))
     },
     text: () => text,
-    next: (suffix) =>
-      within(
-        STREAM_MS,
-        `output ending with ${JSON.stringify(suffix)} (got ${JSON.stringify(text)})`,
-        new Promise((resolve) => {
-          if (text.endsWith(suffix)) resolve(text)
-          else waiters.push([suffix, resolve])
-        })
-      ),
+    next: (suffix) => wait(`ending with ${JSON.stringify(suffix)}`, () => text.endsWith(suffix)),
+    has: (part) => wait(`holding ${JSON.stringify(part)}`, () => text.includes(part)),
   }
 }
 
@@ -194,6 +197,42 @@ step('send stdin', async () => {
   assert.equal(await out.next('second\n'), 'first\nsecond\n')
   assert.equal(await cat.kill(), true)
   await within(STREAM_MS, 'the killed cat ends', rejects('wait after kill', () => cat.wait(), CommandExitError))
+})
+
+step('pty: type, resize, connect, exit, kill', async () => {
+  const decoder = new TextDecoder()
+  const out = collector()
+  const onData = (bytes) => out.onStdout(decoder.decode(bytes, { stream: true }))
+  const h = await sbx.pty.create({ cols: 100, rows: 30, onData, envs: { TZ: 'UTC0' }, timeoutMs: STREAM_MS })
+  assert.ok(h.pid > 0)
+  assert.ok((await pids(sbx)).has(h.pid))
+  const type = (text) => sbx.pty.sendInput(h.pid, new TextEncoder().encode(text))
+  await type('stty size; pwd; echo tz=$TZ; echo typed-$((2+3))\n')
+  await out.has('typed-5\r\n')
+  assert.ok(out.text().includes('30 100\r\n'), out.text())
+  assert.ok(out.text().includes(`${WORKDIR}\r\n`), out.text())
+  assert.ok(out.text().includes('tz=UTC0\r\n'), out.text())
+  await sbx.pty.resize(h.pid, { cols: 120, rows: 40 })
+  await type('stty size\n')
+  await out.has('40 120\r\n')
+  await type('exit 3\n')
+  const e = await within(STREAM_MS, 'the PTY ends', rejects('wait after exit', () => h.wait(), CommandExitError))
+  assert.equal(e.exitCode, 3)
+  await until(`pty ${h.pid} leaves commands.list()`, async () => !(await pids(sbx)).has(h.pid))
+
+  // Another PTY, followed by a second caller, then killed.
+  const second = await sbx.pty.create({ cols: 80, rows: 24, onData: () => {}, timeoutMs: STREAM_MS })
+  await second.disconnect()
+  const again = collector()
+  const c = await sbx.pty.connect(second.pid, {
+    onData: (bytes) => again.onStdout(decoder.decode(bytes, { stream: true })),
+    timeoutMs: STREAM_MS,
+  })
+  await sbx.pty.sendInput(second.pid, new TextEncoder().encode('echo re$((1+1))attached\n'))
+  await again.has('re2attached\r\n')
+  assert.equal(await sbx.pty.kill(second.pid), true)
+  await within(STREAM_MS, 'the killed PTY ends', rejects('wait after kill', () => c.wait(), CommandExitError))
+  assert.equal(await sbx.pty.kill(second.pid), false)
 })
 
 step('files', async () => {

@@ -24,6 +24,7 @@ from e2b import (
     CommandExitException,
     FileType,
     NotFoundException,
+    PtySize,
     Sandbox,
     SandboxException,
 )
@@ -188,6 +189,68 @@ def test_send_stdin_to_cat(sbx):
     assert h.kill() is True
     with pytest.raises(CommandExitException):
         h.wait()
+
+
+def read_pty_until(h, seen: bytearray, marker: bytes):
+    """Reads the PTY's output into `seen` until `marker` is in it (the stream's own timeout
+    bounds the wait)."""
+    if marker in seen:
+        return
+    for _stdout, _stderr, pty in h:
+        seen += pty or b""
+        if marker in seen:
+            return
+    try:
+        how = h.wait()
+    except CommandExitException as e:
+        how = e
+    pytest.fail(f"the PTY ended ({how!r}) before {marker!r}: {bytes(seen)!r}")
+
+
+def test_pty_types_resizes_and_exits(sbx):
+    sbx.files.write("ptydir/x", "")
+    h = sbx.pty.create(PtySize(rows=30, cols=100), cwd="ptydir", envs={"TZ": "UTC0"}, timeout=STREAM)
+    assert h.pid > 0
+    assert h.pid in pids(sbx)
+    seen = bytearray()
+    # The terminal's first size, its directory, its environment, and that it is one.
+    # (What is typed is echoed: each marker is one only the command's output holds.)
+    sbx.pty.send_stdin(h.pid, b"stty size; pwd; echo tz=$TZ; test -t 0 && echo tty-$((1+1))\n")
+    read_pty_until(h, seen, b"tty-2\r\n")
+    assert b"30 100\r\n" in seen, bytes(seen)
+    assert f"{WORKDIR}/ptydir\r\n".encode() in seen, bytes(seen)
+    assert b"tz=UTC0\r\n" in seen, bytes(seen)
+
+    sbx.pty.resize(h.pid, PtySize(rows=40, cols=120))
+    sbx.pty.send_stdin(h.pid, b"stty size\n")
+    read_pty_until(h, seen, b"40 120\r\n")
+
+    # Its shell's own exit ends it, with the exit code.
+    sbx.pty.send_stdin(h.pid, b"exit 3\n")
+    with pytest.raises(CommandExitException) as e:
+        h.wait()
+    assert e.value.exit_code == 3
+    until(f"pty {h.pid} leaves commands.list()", lambda: h.pid not in pids(sbx))
+    with pytest.raises(NotFoundException):
+        sbx.pty.send_stdin(h.pid, b"echo gone\n")
+    sbx.files.remove("ptydir")
+
+
+def test_pty_connect_and_kill(sbx):
+    h = sbx.pty.create(PtySize(rows=24, cols=80), timeout=STREAM)
+    pid = h.pid
+    h.disconnect()
+    # Still there without its first caller: another connects and types into it.
+    # (2.7's Pty has no connect: its commands.connect follows a PTY as well.)
+    connect = getattr(sbx.pty, "connect", sbx.commands.connect)
+    c = connect(pid, timeout=STREAM)
+    sbx.pty.send_stdin(pid, b"echo re$((1+1))attached\n")
+    read_pty_until(c, bytearray(), b"re2attached")
+    assert sbx.pty.kill(pid) is True
+    with pytest.raises(CommandExitException):
+        c.wait()
+    until(f"pty {pid} leaves commands.list()", lambda: pid not in pids(sbx))
+    assert sbx.pty.kill(pid) is False
 
 
 def test_files(sbx):
