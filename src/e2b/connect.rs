@@ -2,7 +2,8 @@
 //! (`application/json` both ways, an error as a JSON `{code, message}` body with the code's HTTP
 //! status) and server-streaming calls (`application/connect+json`: the request is one enveloped
 //! message; the answer is 200 with enveloped messages and always an end-of-stream envelope, which
-//! carries the error if the call failed), `Connect-Timeout-Ms`.
+//! carries the error if the call failed), client-streaming calls (the request is enveloped
+//! messages read as they come, the answer a server stream of one message), `Connect-Timeout-Ms`.
 //!
 //! Hand-written: the envelope is five bytes (a flag byte and a big-endian length) before each
 //! JSON message, and the Connect crates of the ecosystem bring their own message types and
@@ -174,17 +175,23 @@ pub fn unary_answer<T: Serialize>(answer: Result<T, RpcError>) -> Response {
     }
 }
 
-/// The request of a server-streaming call: exactly one enveloped, uncompressed JSON message.
-pub fn stream_request<T: DeserializeOwned>(
-    headers: &HeaderMap,
-    body: &[u8],
-) -> Result<T, RpcError> {
+/// Refuses a streaming call in any codec but JSON.
+pub fn stream_codec(headers: &HeaderMap) -> Result<(), RpcError> {
     if !media_type(headers).eq_ignore_ascii_case(STREAM_JSON) {
         return Err(RpcError::new(
             Code::Unimplemented,
             "only the JSON codec (application/connect+json) is served",
         ));
     }
+    Ok(())
+}
+
+/// The request of a server-streaming call: exactly one enveloped, uncompressed JSON message.
+pub fn stream_request<T: DeserializeOwned>(
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<T, RpcError> {
+    stream_codec(headers)?;
     let (flags, message) = match body {
         [flags, a, b, c, d, rest @ ..] => {
             let len = u32::from_be_bytes([*a, *b, *c, *d]) as usize;
@@ -204,6 +211,73 @@ pub fn stream_request<T: DeserializeOwned>(
         ));
     }
     serde_json::from_slice(message).map_err(|e| RpcError::invalid(format!("invalid message: {e}")))
+}
+
+/// The messages of a client-streaming call, read from its body as they come: each an
+/// uncompressed enveloped JSON message of at most `max` bytes.
+pub struct Envelopes {
+    body: axum::body::BodyDataStream,
+    buf: bytes::BytesMut,
+    max: usize,
+}
+
+impl Envelopes {
+    pub fn new(body: Body, max: usize) -> Envelopes {
+        Envelopes {
+            body: body.into_data_stream(),
+            buf: bytes::BytesMut::new(),
+            max,
+        }
+    }
+
+    /// The next message; None once the caller ended its stream between two messages.
+    pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>, RpcError> {
+        loop {
+            if let [flags, a, b, c, d, ..] = self.buf[..] {
+                let len = u32::from_be_bytes([a, b, c, d]) as usize;
+                if flags & COMPRESSED != 0 {
+                    return Err(RpcError::new(
+                        Code::Unimplemented,
+                        "compressed messages are not accepted",
+                    ));
+                }
+                if flags & END_STREAM != 0 {
+                    return Err(RpcError::invalid(
+                        "a request's stream ends with its body, not an end-of-stream message",
+                    ));
+                }
+                if len > self.max {
+                    return Err(RpcError::new(
+                        Code::ResourceExhausted,
+                        format!(
+                            "a message is at most {} bytes (server.body_limit_bytes)",
+                            self.max
+                        ),
+                    ));
+                }
+                if self.buf.len() >= 5 + len {
+                    let message = self.buf.split_to(5 + len);
+                    return serde_json::from_slice(&message[5..])
+                        .map(Some)
+                        .map_err(|e| RpcError::invalid(format!("invalid message: {e}")));
+                }
+            }
+            match self.body.next().await {
+                Some(Ok(chunk)) => self.buf.extend_from_slice(&chunk),
+                Some(Err(e)) => {
+                    return Err(RpcError::invalid(format!(
+                        "the request's stream broke: {e}"
+                    )));
+                }
+                None if self.buf.is_empty() => return Ok(None),
+                None => {
+                    return Err(RpcError::invalid(
+                        "the request's stream ended inside a message",
+                    ));
+                }
+            }
+        }
+    }
 }
 
 /// `payload` in an envelope with `flags`.
@@ -393,5 +467,57 @@ mod tests {
         let f = frames(refused).await;
         assert_eq!(f.len(), 1);
         assert_eq!(f[0].1["error"]["code"], "invalid_argument");
+    }
+
+    #[tokio::test]
+    async fn a_client_stream_is_read_message_by_message() {
+        fn body(chunks: Vec<Vec<u8>>) -> Body {
+            Body::from_stream(futures::stream::iter(
+                chunks
+                    .into_iter()
+                    .map(|c| Ok::<_, std::convert::Infallible>(Bytes::from(c))),
+            ))
+        }
+        let one = envelope(0, br#"{"a":1}"#).to_vec();
+        let two = envelope(0, br#"{"a":2}"#).to_vec();
+        // Split anywhere, even inside an envelope's prefix.
+        let mut all = one.clone();
+        all.extend_from_slice(&two);
+        let chunks = vec![all[..3].to_vec(), all[3..9].to_vec(), all[9..].to_vec()];
+        let mut m = Envelopes::new(body(chunks), 64);
+        let got: Vec<serde_json::Value> = vec![
+            m.next().await.unwrap().unwrap(),
+            m.next().await.unwrap().unwrap(),
+        ];
+        assert_eq!(
+            got,
+            [serde_json::json!({"a":1}), serde_json::json!({"a":2})]
+        );
+        assert!(m.next::<serde_json::Value>().await.unwrap().is_none());
+
+        let refused = |chunks: Vec<Vec<u8>>, max: usize| async move {
+            Envelopes::new(body(chunks), max)
+                .next::<serde_json::Value>()
+                .await
+                .unwrap_err()
+                .code
+        };
+        assert_eq!(refused(vec![one.clone()], 3).await, Code::ResourceExhausted);
+        assert_eq!(
+            refused(vec![envelope(COMPRESSED, b"{}").to_vec()], 64).await,
+            Code::Unimplemented
+        );
+        assert_eq!(
+            refused(vec![envelope(END_STREAM, b"{}").to_vec()], 64).await,
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            refused(vec![one[..6].to_vec()], 64).await,
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            refused(vec![envelope(0, b"{nope").to_vec()], 64).await,
+            Code::InvalidArgument
+        );
     }
 }

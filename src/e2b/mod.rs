@@ -16,8 +16,8 @@
 //! - `control.rs`: the control plane under `/e2b` (sandboxes: create, list, info, timeout,
 //!   pause, connect, kill, metrics).
 //! - `connect.rs`: the Connect protocol (JSON codec): unary and server-streaming calls.
-//! - `process.rs`: `process.Process` (Start, Connect, List, SendInput, CloseStdin, SendSignal,
-//!   Update).
+//! - `process.rs`: `process.Process` (Start, Connect, List, SendInput, StreamInput, CloseStdin,
+//!   SendSignal, Update).
 //! - `pty.rs`: PTY processes: a session terminal each, kept until its run ends.
 //! - `filesystem.rs`: `filesystem.Filesystem` (Stat, MakeDir, Move, ListDir, Remove) and
 //!   `/files`.

@@ -42,6 +42,17 @@ pub async fn call(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    if method == "StreamInput" {
+        // A client stream: its body is read message by message, as the caller sends them.
+        let session = match super::sandbox_of(&e2b, &headers) {
+            Ok(session) => session,
+            Err(no) => return no.into_response(),
+        };
+        let answer = stream_input(&e2b, &headers, body, session)
+            .await
+            .map(|done| futures::stream::once(async move { Ok(done) }));
+        return connect::stream_answer(answer);
+    }
     let (session, body) = match super::admit(&e2b, &headers, body).await {
         Ok(admitted) => admitted,
         Err(refused) => return refused,
@@ -55,13 +66,11 @@ pub async fn call(
         "CloseStdin" => connect::unary_answer(close_stdin(e2b, h, b, s).await),
         "SendSignal" => connect::unary_answer(send_signal(e2b, h, b, s).await),
         "Update" => connect::unary_answer(update(e2b, h, b, s).await),
-        "StreamInput" => RpcError::new(
+        _ => RpcError::new(
             Code::Unimplemented,
-            "process.Process/StreamInput (a client stream) is not served: send input with SendInput",
+            format!("no method process.Process/{method}"),
         )
         .into_response(),
-        _ => RpcError::new(Code::Unimplemented, format!("no method process.Process/{method}"))
-            .into_response(),
     }
 }
 
@@ -418,15 +427,24 @@ async fn send_input(
 ) -> Result<pb::SendInputResponse, RpcError> {
     let req: pb::SendInputRequest = connect::unary_request(headers, body)?;
     let p = selected(e2b, &session, req.process)?;
-    let input = req.input.and_then(|i| i.input);
+    deliver(e2b, &session, &p, req.input.and_then(|i| i.input)).await?;
+    Ok(pb::SendInputResponse {})
+}
+
+/// `input` for process `p`, in order with earlier input: typed into a PTY (whichever kind it
+/// is), or to a command's stdin.
+async fn deliver(
+    e2b: &E2b,
+    session: &Session,
+    p: &Process,
+    input: Option<pb::process_input::Input>,
+) -> Result<(), RpcError> {
     if let Some(pty) = &p.pty {
-        // A PTY has one input: whichever kind the call names is typed into it.
         let bytes = match input {
             Some(pb::process_input::Input::Stdin(b) | pb::process_input::Input::Pty(b)) => b,
             None => Vec::new(),
         };
-        pty.input(bytes).await?;
-        return Ok(pb::SendInputResponse {});
+        return pty.input(bytes).await;
     }
     let bytes = match input {
         Some(pb::process_input::Input::Stdin(b)) => b,
@@ -435,14 +453,67 @@ async fn send_input(
     };
     send_stdin(
         &e2b.st,
-        &session,
+        session,
         &p.exec_id,
         ControlOf::Process,
         bytes,
         false,
     )
     .await?;
-    Ok(pb::SendInputResponse {})
+    Ok(())
+}
+
+/// `StreamInput`: input for one process as a client stream. Its first message names the
+/// process; each next one's bytes go to it as they come, in order (as `SendInput`'s would);
+/// keepalives are read and dropped. The answer comes once the caller ends its stream; a message
+/// that cannot be delivered ends the call with its error. The call holds one of
+/// `executions.max_open_streams`; its deadline (`Connect-Timeout-Ms`) and the daemon's drain end
+/// it.
+async fn stream_input(
+    e2b: &E2b,
+    headers: &HeaderMap,
+    body: Body,
+    session: Arc<Session>,
+) -> Result<pb::StreamInputResponse, RpcError> {
+    use pb::stream_input_request::Event as In;
+    connect::stream_codec(headers)?;
+    let deadline = connect::timeout(headers)?;
+    let _permit = StreamPermit::take(&e2b.st)?;
+    let mut messages = connect::Envelopes::new(body, e2b.st.config.server.body_limit_bytes);
+    let relay = async {
+        let first: Option<pb::StreamInputRequest> = messages.next().await?;
+        let Some(In::Start(start)) = first.and_then(|m| m.event) else {
+            return Err(RpcError::invalid(
+                "a StreamInput call begins with its start message (the process)",
+            ));
+        };
+        let p = selected(e2b, &session, start.process)?;
+        while let Some(m) = messages.next::<pb::StreamInputRequest>().await? {
+            match m.event {
+                Some(In::Data(data)) => {
+                    deliver(e2b, &session, &p, data.input.and_then(|i| i.input)).await?;
+                }
+                Some(In::Keepalive(_)) | None => {}
+                Some(In::Start(_)) => {
+                    return Err(RpcError::invalid(
+                        "a StreamInput call has one start message, its first",
+                    ));
+                }
+            }
+        }
+        Ok(pb::StreamInputResponse {})
+    };
+    let until_deadline = async {
+        match deadline {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        done = relay => done,
+        _ = until_deadline => Err(RpcError::new(Code::DeadlineExceeded, "the call's deadline passed")),
+        _ = e2b.shutdown.cancelled() => Err(RpcError::new(Code::Unavailable, "the daemon is shutting down")),
+    }
 }
 
 async fn close_stdin(

@@ -253,6 +253,29 @@ def test_pty_connect_and_kill(sbx):
     assert sbx.pty.kill(pid) is False
 
 
+def test_stream_input(sbx):
+    if not hasattr(sbx.commands, "stream_input"):
+        pytest.skip("this SDK version has no stream_input (a client stream of input)")
+    h = sbx.commands.run("cat", background=True, stdin=True, timeout=STREAM)
+    sbx.commands.stream_input(h.pid, ["one\n", b"two\n"], timeout=STREAM)
+    seen = ""
+    for stdout, _stderr, _pty in h:
+        seen += stdout or ""
+        if seen.endswith("two\n"):
+            break
+    assert seen == "one\ntwo\n"
+    assert h.kill() is True
+
+    p = sbx.pty.create(PtySize(rows=24, cols=80), timeout=STREAM)
+    sbx.pty.stream_input(p.pid, [b"echo str", b"eamed-$((4+4))\n"], timeout=STREAM)
+    read_pty_until(p, bytearray(), b"streamed-8\r\n")
+    assert sbx.pty.kill(p.pid) is True
+    # Input for a process that is gone is refused.
+    until(f"pty {p.pid} leaves commands.list()", lambda: p.pid not in pids(sbx))
+    with pytest.raises(NotFoundException):
+        sbx.pty.stream_input(p.pid, [b"late\n"], timeout=STREAM)
+
+
 def test_files(sbx):
     info = sbx.files.write("notes/a.txt", "hello")
     assert info.path == f"{WORKDIR}/notes/a.txt"
