@@ -206,6 +206,12 @@ async fn js_sdk_on_runc() {
     drive(Backend::Docker, Sdk::Js).await;
 }
 
+/// The current Python SDK's flow with the sandboxes in gVisor.
+#[tokio::test]
+async fn python_sdk_current_on_gvisor() {
+    drive(Backend::Gvisor, Sdk::Python(PYTHON_SDK_CURRENT)).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad input and limits, over raw HTTP (what an SDK would never send)
 

@@ -145,6 +145,31 @@ async fn a_terminal_runs_resizes_and_leaves_nothing(backend: Backend) {
     assert_eq!(procs.len(), 1, "{}", r.text);
     assert_eq!(procs[0]["state"], json!("running"), "{}", r.text);
     let pid = procs[0]["process_id"].as_str().unwrap().to_string();
+    // Its stdin carries the terminal's own frames: raw bytes from the process routes would be
+    // taken as frames (typing the audit line does not count, signals, a hang-up).
+    let raw = c
+        .call(
+            "POST",
+            &path(&id, &format!("/processes/{pid}/stdin")),
+            Some(b"i\x00\x00\x00\x03ls\n".to_vec()),
+        )
+        .await;
+    assert_eq!(raw.status, 400, "{}", raw.text);
+    assert!(raw.text.contains("terminal"), "{}", raw.text);
+    // TERM is the shell's, which ignores it on a terminal, as an interactive shell does: the
+    // terminal goes on.
+    let r = c
+        .call(
+            "POST",
+            &path(&id, &format!("/processes/{pid}/signal")),
+            Some(json!({"signal": "TERM"}).to_string().into_bytes()),
+        )
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    ws.send(Message::Binary(b"echo $((7*8))\n".to_vec().into()))
+        .await
+        .unwrap();
+    read_until_line(&mut ws, &mut seen, "56").await;
 
     ws.close(None).await.unwrap();
     drop(ws);
@@ -153,7 +178,7 @@ async fn a_terminal_runs_resizes_and_leaves_nothing(backend: Backend) {
     });
     assert_eq!(line["process_id"], json!(pid), "{line}");
     assert_eq!(line["end"], json!("closed"), "{line}");
-    let typed = "echo $((6*7))\nstty size\nsleep 600 &\necho started\n".len() as u64;
+    let typed = "echo $((6*7))\nstty size\nsleep 600 &\necho started\necho $((7*8))\n".len() as u64;
     assert_eq!(line["bytes_in"], json!(typed), "{line}");
     assert!(
         line["bytes_out"].as_u64().unwrap_or(0) >= "42\n45 123\nstarted\n".len() as u64,

@@ -166,7 +166,7 @@ pub struct StdinQuery {
     security(("bearer" = [])),
     responses(
         (status = 204, description = "Queued for the process's stdin"),
-        (status = 400, description = "InvalidRequest: a malformed query or tenant, a path parameter that is not UTF-8", body = ErrorBody),
+        (status = 400, description = "InvalidRequest: a malformed query or tenant, a path parameter that is not UTF-8, a terminal's process (its input goes through the terminal)", body = ErrorBody),
         (status = 401, description = "Unauthorized: the service token is missing or invalid", body = ErrorBody),
         (status = 404, description = "NotFound: no such session, or no such process of it", body = ErrorBody),
         (status = 408, description = "RequestTimeout: the body did not arrive in time", body = ErrorBody),

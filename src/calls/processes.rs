@@ -26,6 +26,9 @@ impl From<ControlError> for ApiError {
             ControlError::Ended => ApiError::ProcessEnded,
             ControlError::NotOpen => ApiError::StdinClosed,
             ControlError::StdinClosed => ApiError::ProcessStdinClosed,
+            ControlError::Terminal => ApiError::InvalidRequest(
+                "the process is a terminal: its input goes through the terminal (its WebSocket, or an E2B PTY's SendInput)".into(),
+            ),
         }
     }
 }

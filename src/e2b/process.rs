@@ -291,6 +291,7 @@ async fn start(
                     config,
                     req.tag,
                     Some(handle),
+                    ended_in(&e2b, &session),
                 );
                 return Ok::<_, RpcError>((live, pid));
             }
@@ -322,6 +323,7 @@ async fn start(
                 config,
                 req.tag,
                 None,
+                ended_in(&e2b, &session),
             );
             Ok::<_, RpcError>((live, pid))
         })
@@ -356,6 +358,18 @@ fn selected(
         None => return Err(RpcError::invalid("process: a pid or a tag is required")),
     };
     found.ok_or_else(|| RpcError::not_found("no such process in this sandbox"))
+}
+
+/// Whether a process of `session` has ended (its run answered, or is no longer known).
+fn ended_in<'a>(e2b: &'a E2b, session: &'a Session) -> impl Fn(&Process) -> bool + 'a {
+    let runs = session.owner.runs();
+    move |p| {
+        e2b.st
+            .executions
+            .runs()
+            .find(&runs, &p.exec_id)
+            .is_none_or(|l| l.answered().is_some())
+    }
 }
 
 /// The selected process's run while it is known (a finished one is kept for a while).
@@ -399,16 +413,10 @@ fn list(
     session: Arc<Session>,
 ) -> Result<pb::ListResponse, RpcError> {
     let _: pb::ListRequest = connect::unary_request(headers, body)?;
-    let runs = session.owner.runs();
+    let ended = ended_in(e2b, &session);
     let processes = e2b
         .sandboxes
-        .processes(&session.id, |p| {
-            e2b.st
-                .executions
-                .runs()
-                .find(&runs, &p.exec_id)
-                .is_some_and(|l| l.answered().is_none())
-        })
+        .processes(&session.id, |p| !ended(p))
         .into_iter()
         .map(|p| pb::ProcessInfo {
             config: Some(p.config),

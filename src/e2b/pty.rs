@@ -27,6 +27,11 @@ use crate::sessions::{Session, Terminal, TerminalEnd, TerminalEnded};
 /// The TERM a terminal gets when it is given none.
 const DEFAULT_TERM: &str = "xterm-256color";
 
+/// How long a call waits for the PTY's task to take it.
+const CALL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Calls that may wait for the PTY's task at once; one more is refused.
+const CALLS_WAITING: usize = 4;
+
 /// Most columns or rows a PTY may have.
 const MAX_SIDE: u32 = executor_arm_supervisor::protocol::MAX_TERMINAL_SIDE as u32;
 
@@ -47,17 +52,34 @@ impl PtyHandle {
         self.call(Call::Input(bytes)).await
     }
 
-    /// The PTY's new size.
+    /// The PTY's new size (none: it keeps its size).
     pub async fn resize(&self, size: Option<pb::pty::Size>) -> Result<(), RpcError> {
+        if size.is_none() {
+            return Ok(());
+        }
         let (cols, rows) = size_of(size)?;
         self.call(Call::Resize(cols, rows)).await
     }
 
+    /// Hands `call` to the PTY's task: refused at once when calls are already waiting for
+    /// it (its command is not reading what it was sent), and answered within [`CALL_WAIT`].
     async fn call(&self, call: Call) -> Result<(), RpcError> {
         let ended = || RpcError::not_found("the PTY has ended");
         let (tx, rx) = oneshot::channel();
-        self.0.send((call, tx)).await.map_err(|_| ended())?;
-        rx.await.map_err(|_| ended())?.map_err(|_| ended())
+        self.0.try_send((call, tx)).map_err(|e| match e {
+            mpsc::error::TrySendError::Closed(_) => ended(),
+            mpsc::error::TrySendError::Full(_) => RpcError::new(
+                Code::ResourceExhausted,
+                "the PTY's command is not reading its input: earlier input still waits for it",
+            ),
+        })?;
+        match tokio::time::timeout(CALL_WAIT, rx).await {
+            Ok(done) => done.map_err(|_| ended())?.map_err(|_| ended()),
+            Err(_) => Err(RpcError::new(
+                Code::DeadlineExceeded,
+                "the PTY's command is not reading its input (this input is typed once it does)",
+            )),
+        }
     }
 }
 
@@ -90,6 +112,15 @@ pub async fn open(
     if env.get("TERM").is_some_and(|t| t == DEFAULT_TERM) {
         env.remove("TERM");
     }
+    if std::iter::once(&config.cmd)
+        .chain(&config.args)
+        .chain(&config.cwd)
+        .any(|s| s.contains('\0'))
+    {
+        return Err(RpcError::invalid(
+            "a PTY's cmd, args and cwd cannot hold a NUL byte",
+        ));
+    }
     let (service, known) = super::process::caller_of(session, headers);
     let argv = std::iter::once(config.cmd.clone())
         .chain(config.args.iter().cloned())
@@ -119,7 +150,8 @@ pub async fn open(
 /// Holds `terminal` on a task of its own until its run ends, serving the calls its handle
 /// brings meanwhile; then records its end.
 fn keep(terminal: Terminal) -> PtyHandle {
-    let (tx, mut rx) = mpsc::channel::<(Call, oneshot::Sender<Result<(), TerminalEnded>>)>(16);
+    let (tx, mut rx) =
+        mpsc::channel::<(Call, oneshot::Sender<Result<(), TerminalEnded>>)>(CALLS_WAITING);
     tokio::spawn(async move {
         let live = terminal.live().clone();
         let mut answer = live.answer();
@@ -140,8 +172,12 @@ fn keep(terminal: Terminal) -> PtyHandle {
                 _ = async { answer.wait_for(Option::is_some).await.map(|_| ()) } => break,
             }
         }
-        // What the terminal wrote, whoever read it.
-        terminal.sent(live.with_output(StreamKind::Stdout, |k| k.end()));
+        // What the terminal wrote, whoever read it (its stderr is pty data here too).
+        let written = [StreamKind::Stdout, StreamKind::Stderr]
+            .map(|s| live.with_output(s, |k| k.end()))
+            .iter()
+            .sum();
+        terminal.sent(written);
         terminal.close(TerminalEnd::Exited).await;
     });
     PtyHandle(tx)

@@ -186,7 +186,10 @@ impl Sandboxes {
             .collect();
     }
 
-    /// Records the process `exec_id` started in sandbox `id`, and gives it its pid.
+    /// Records the process `exec_id` started in sandbox `id`, and gives it its pid. Past
+    /// [`PROCESSES_KEPT`], the oldest record of an ended process (as `ended` tells) is forgotten:
+    /// a running one stays reachable (the oldest of all goes only when every one runs, which a
+    /// session's `sessions.max_processes` below it never lets happen).
     pub fn started(
         &self,
         id: &str,
@@ -194,13 +197,15 @@ impl Sandboxes {
         config: ProcessConfig,
         tag: Option<String>,
         pty: Option<PtyHandle>,
+        ended: impl Fn(&Process) -> bool,
     ) -> u32 {
         let mut all = self.lock();
         let sandbox = Self::entry(&mut all, id);
         let pid = sandbox.next_pid;
         sandbox.next_pid = sandbox.next_pid.wrapping_add(1).max(FIRST_PID);
-        if sandbox.processes.len() == PROCESSES_KEPT {
-            sandbox.processes.remove(0);
+        if sandbox.processes.len() >= PROCESSES_KEPT {
+            let gone = sandbox.processes.iter().position(ended).unwrap_or(0);
+            sandbox.processes.remove(gone);
         }
         sandbox.processes.push(Process {
             pid,
@@ -302,15 +307,47 @@ mod tests {
     fn pids_are_per_sandbox_and_tags_find_the_newest() {
         let s = Sandboxes::default();
         let cfg = ProcessConfig::default();
-        let a = s.started("x", "e1".into(), cfg.clone(), Some("web".into()), None);
-        let b = s.started("x", "e2".into(), cfg.clone(), Some("web".into()), None);
-        let c = s.started("y", "e3".into(), cfg, None, None);
+        let a = s.started(
+            "x",
+            "e1".into(),
+            cfg.clone(),
+            Some("web".into()),
+            None,
+            |_| true,
+        );
+        let b = s.started(
+            "x",
+            "e2".into(),
+            cfg.clone(),
+            Some("web".into()),
+            None,
+            |_| true,
+        );
+        let c = s.started("y", "e3".into(), cfg.clone(), None, None, |_| true);
         assert_eq!((a, b, c), (FIRST_PID, FIRST_PID + 1, FIRST_PID));
         assert_eq!(s.by_pid("x", b).unwrap().exec_id, "e2");
         assert!(s.by_pid("y", b).is_none());
         assert_eq!(s.by_tag("x", "web").unwrap().exec_id, "e2");
         assert!(s.by_tag("y", "web").is_none());
         assert_eq!(s.processes("x", |p| p.pid != a).len(), 1);
+    }
+
+    #[test]
+    fn a_running_process_is_never_forgotten_for_a_newer_one() {
+        let s = Sandboxes::default();
+        let cfg = ProcessConfig::default();
+        // The first runs for good; every other one has ended.
+        let running = s.started("x", "live".into(), cfg.clone(), None, None, |_| false);
+        let ended = |p: &Process| p.exec_id != "live";
+        for i in 0..(2 * PROCESSES_KEPT) {
+            s.started("x", format!("e{i}"), cfg.clone(), None, None, ended);
+        }
+        assert_eq!(s.processes("x", |_| true).len(), PROCESSES_KEPT);
+        assert_eq!(s.by_pid("x", running).unwrap().exec_id, "live");
+        // The newest ended ones are the ones kept.
+        let last = format!("e{}", 2 * PROCESSES_KEPT - 1);
+        assert!(s.processes("x", |p| p.exec_id == last).len() == 1);
+        assert!(s.processes("x", |p| p.exec_id == "e0").is_empty());
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub struct PreparedProcess {
     controls: Option<ControlSender>,
     code_sha256: String,
     code_file: CodeFile,
+    terminal: bool,
 }
 
 impl PreparedProcess {
@@ -42,6 +43,7 @@ impl PreparedProcess {
             code_sha256: std::mem::take(&mut self.code_sha256),
             started_at: chrono::Utc::now(),
             controls: self.controls.take().expect("controls until started"),
+            terminal: self.terminal,
         });
         // One of the session's execs, counted as its foreground ones are.
         self.session
@@ -86,6 +88,10 @@ pub enum ControlError {
     /// Stdin bytes after its end was sent (409).
     #[error("the process's stdin is closed")]
     StdinClosed,
+    /// Stdin for a terminal, whose stdin carries its own frames: its input goes through the
+    /// terminal (400).
+    #[error("the process is a terminal")]
+    Terminal,
 }
 
 impl SessionService {
@@ -120,6 +126,7 @@ impl SessionService {
             controls: Some(tx),
             code_sha256: String::new(),
             code_file: CodeFile::none(),
+            terminal: parts.terminal.is_some(),
         };
         parts.long_run = true;
         parts.background = Some(Background {
@@ -145,6 +152,10 @@ impl SessionService {
         let p = session.processes.get(id).ok_or(ControlError::NotFound)?;
         if p.ended() {
             return Err(ControlError::Ended);
+        }
+        // A terminal's stdin carries the frames its own calls make (and count).
+        if p.terminal && matches!(control, Control::Stdin(_) | Control::CloseStdin) {
+            return Err(ControlError::Terminal);
         }
         // KILL also goes through the run's stop, which ends every process of the run whatever
         // the command does with its stdin.

@@ -27,6 +27,8 @@ pub struct Process {
     pub(super) code_sha256: String,
     pub(super) started_at: chrono::DateTime<chrono::Utc>,
     pub(super) controls: ControlSender,
+    /// A terminal: its stdin is its own (see [`super::terminal`]).
+    pub(super) terminal: bool,
 }
 
 /// Where a process stands.

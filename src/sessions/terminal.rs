@@ -148,10 +148,11 @@ impl Terminal {
 
     /// Bytes typed into the terminal.
     pub async fn input(&self, bytes: &[u8]) -> Result<(), TerminalEnded> {
+        self.session.touch();
+        self.send(ControlFrame::Stdin(bytes.to_vec())).await?;
         self.bytes_in
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        self.session.touch();
-        self.send(ControlFrame::Stdin(bytes.to_vec())).await
+        Ok(())
     }
 
     /// The terminal's new size.

@@ -23,6 +23,7 @@
 
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use executor_arm_supervisor::protocol::{ControlDecoder, ControlFrame, MAX_TERMINAL_SIDE};
@@ -124,15 +125,23 @@ impl Options {
 /// functions between fork and execve).
 fn find_program(name: &str) -> Option<String> {
     let executable = |p: &str| nix::unistd::access(p, nix::unistd::AccessFlags::X_OK).is_ok();
+    let file = |p: &str| std::fs::metadata(p).is_ok_and(|m| m.is_file());
     if name.contains('/') {
-        return executable(name).then(|| name.to_string());
+        return (executable(name) && file(name)).then(|| name.to_string());
     }
     let path = std::env::var("PATH")
         .unwrap_or_else(|_| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
     path.split(':')
         .filter(|d| !d.is_empty())
         .map(|d| format!("{d}/{name}"))
-        .find(|p| executable(p) && std::fs::metadata(p).is_ok_and(|m| m.is_file()))
+        .find(|p| executable(p) && file(p))
+}
+
+/// A SIGTERM came for this process: the relay passes it on to the command.
+static TERM_ASKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_term(_: libc::c_int) {
+    TERM_ASKED.store(true, Ordering::SeqCst);
 }
 
 /// Runs the terminal; never returns.
@@ -219,6 +228,12 @@ pub fn run(args: &[String]) -> ! {
         Ok(ForkResult::Parent { child }) => child,
     };
     drop(slave);
+    // A SIGTERM for the terminal is its command's (an interactive shell ignores it, as it would
+    // on any terminal); the hang-up and SIGKILL still end everything.
+    super::set_handler(
+        Signal::SIGTERM,
+        nix::sys::signal::SigHandler::Handler(on_term),
+    );
     relay(master, shell_pid)
 }
 
@@ -285,6 +300,9 @@ fn relay(master: PtyMaster, shell: Pid) -> ! {
     loop {
         if status.is_none() {
             status = reaped(shell, WaitPidFlag::WNOHANG);
+        }
+        if TERM_ASKED.swap(false, Ordering::SeqCst) && status.is_none() {
+            let _ = kill(shell, Signal::SIGTERM);
         }
         let stdin = super::stdin_fd();
         let mut fds = vec![PollFd::new(master.as_fd(), PollFlags::POLLIN)];
@@ -452,5 +470,6 @@ mod tests {
         assert!(find_program("sh").is_some_and(|p| p.ends_with("/sh")));
         assert_eq!(find_program("no-such-program-here"), None);
         assert_eq!(find_program("/no/such/program"), None);
+        assert_eq!(find_program("/"), None);
     }
 }
