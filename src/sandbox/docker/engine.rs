@@ -104,6 +104,8 @@ pub struct ContainerState {
     pub exit_code: Option<i64>,
     pub oom_killed: bool,
     pub error: Option<String>,
+    /// The host directory of each volume it mounts, by volume name.
+    pub volume_sources: HashMap<String, std::path::PathBuf>,
 }
 
 /// One container of a listing.
@@ -407,12 +409,19 @@ impl Engine for BollardEngine {
             .call(|d| async move { d.inspect_container(id, None).await })
             .await?;
         let s = r.state.unwrap_or_default();
+        let volume_sources = r
+            .mounts
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|m| Some((m.name?, std::path::PathBuf::from(m.source?))))
+            .collect();
         Ok(ContainerState {
             running: s.running.unwrap_or(false),
             pid: s.pid.and_then(|p| u32::try_from(p).ok()).filter(|p| *p > 0),
             exit_code: s.exit_code,
             oom_killed: s.oom_killed.unwrap_or(false),
             error: s.error.filter(|e| !e.is_empty()),
+            volume_sources,
         })
     }
 

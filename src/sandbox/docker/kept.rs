@@ -86,6 +86,9 @@ pub struct KeptContainer {
     /// next lease starts looking at (round the range: a port just given back is the last taken
     /// again, in case its relay is still closing).
     background_ports: Mutex<(std::collections::BTreeSet<u16>, u16)>,
+    /// The host directory of its disk volume, where the engine said it is: its workspace's use
+    /// where its mount namespace does not show it (gVisor's sandbox has a root of its own).
+    disk_source: Option<std::path::PathBuf>,
 }
 
 /// Background runs with egress a container serves at once at most: each holds a loopback port
@@ -389,7 +392,12 @@ impl Kept for Arc<KeptContainer> {
         let inside = workspace.strip_prefix("/").unwrap_or(workspace);
         let disk = crate::sandbox::used_bytes(
             &std::path::Path::new(&format!("/proc/{pid}/root")).join(inside),
-        );
+        )
+        .or_else(|| {
+            self.disk_source
+                .as_deref()
+                .and_then(crate::sandbox::used_bytes)
+        });
         // Read again: the pid was still the container's after the disk was.
         crate::sandbox::host_cgroup::usage_of_pid(pid, &self.id)?;
         Some((usage, disk))
@@ -846,6 +854,7 @@ impl DockerSandbox {
             guard,
             pid,
             socket_dir,
+            disk_source,
         } = container;
         if egress.is_some() && socket_dir.is_none() {
             return Err(SandboxError::Setup(
@@ -860,6 +869,7 @@ impl DockerSandbox {
                 guard,
                 pid,
                 socket_dir,
+                disk_source,
             },
         );
         Ok(Arc::new(kept))
@@ -877,6 +887,7 @@ impl DockerSandbox {
             guard,
             pid,
             socket_dir,
+            disk_source,
         } = container;
         let spawn = guard.uid().map(|uid| plan.spawn_command(uid));
         let ports = match self.kind {
@@ -903,6 +914,7 @@ impl DockerSandbox {
             gone: Mutex::new(None),
             guard: Mutex::new(Some(guard)),
             socket_dir: Mutex::new(socket_dir),
+            disk_source,
         })
     }
 

@@ -735,6 +735,7 @@ impl Sandbox for DockerSandbox {
             guard,
             pid,
             socket_dir,
+            disk_source: _,
         } = warm;
         let id = guard.id().to_string();
         tracing::info!(exec_id = %spec.exec_id, container = %id, pooled, backend = self.kind.as_str(), "sandbox container assigned");

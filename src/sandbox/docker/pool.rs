@@ -107,6 +107,8 @@ pub struct WarmContainer {
     pub pid: Option<u32>,
     /// Its own egress socket directory (egress plans); removed when dropped.
     pub socket_dir: Option<SocketDir>,
+    /// The host directory of its disk volume (its workdir and /tmp), as the engine reported it.
+    pub disk_source: Option<std::path::PathBuf>,
 }
 
 impl WarmContainer {
@@ -158,19 +160,22 @@ impl WarmContainer {
                 return Err(e);
             }
         };
-        let guard = ContainerGuard::new(created, Some(volume), uid, janitor.clone());
+        let guard = ContainerGuard::new(created, Some(volume.clone()), uid, janitor.clone());
         let attached = engine.attach(guard.id()).await;
         janitor.observe(&attached);
         let attached = attached?;
         let started = engine.start(guard.id()).await;
         janitor.observe(&started);
         started?;
-        let pid = engine.inspect(guard.id()).await.ok().and_then(|st| st.pid);
+        let state = engine.inspect(guard.id()).await.ok();
+        let pid = state.as_ref().and_then(|st| st.pid);
+        let disk_source = state.and_then(|mut st| st.volume_sources.remove(&volume));
         Ok(WarmContainer {
             attached,
             guard,
             pid,
             socket_dir,
+            disk_source,
         })
     }
 
