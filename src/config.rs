@@ -30,6 +30,10 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// The most background processes a session may be allowed (`sessions.max_processes`): the
+/// records that name a session's processes (the E2B API's pids) keep one more than this.
+pub const MAX_SESSION_PROCESSES: usize = 255;
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -421,7 +425,8 @@ pub struct SessionsConfig {
     pub pause_on_shutdown: bool,
     /// Paused sessions one (service, tenant) may keep in the store; a pause past it is 429.
     pub max_paused_per_tenant: usize,
-    /// Background processes one session may have running; another is 429.
+    /// Background processes one session may have running; another is 429. At most
+    /// [`MAX_SESSION_PROCESSES`].
     pub max_processes: usize,
     /// A background process's streams follow all of its output while it runs; the last this
     /// many bytes of each of its stdout and stderr are kept for readers that come late or
@@ -760,6 +765,11 @@ impl Config {
             return Err(ConfigError::Invalid(
                 "sessions.max_total, max_per_tenant and max_ttl_seconds must be > 0".into(),
             ));
+        }
+        if ses.max_processes > MAX_SESSION_PROCESSES {
+            return Err(ConfigError::Invalid(format!(
+                "sessions.max_processes must be at most {MAX_SESSION_PROCESSES}"
+            )));
         }
         if ses.idle_timeout_seconds == 0 || ses.max_file_bytes == 0 || ses.paused_ttl_seconds == 0 {
             return Err(ConfigError::Invalid(

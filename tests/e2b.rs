@@ -370,6 +370,105 @@ async fn process_streams_take_a_stream_place() {
     assert_eq!(end["error"]["code"], "resource_exhausted", "{end}");
 }
 
+/// A `StreamInput` call (a client stream) holds a stream place, so it ends without its caller:
+/// when no whole message came for `server.body_read_timeout_seconds`, and when its process
+/// ends, each answered with its Connect error.
+#[tokio::test]
+async fn a_stream_of_input_ends_without_its_caller() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    Backend::Local.require("e2b stream input");
+    let (d, envd) = e2b_daemon_with(
+        Backend::Local,
+        "[server]\nbody_read_timeout_seconds = 2\n\n[executions]\nmax_open_streams = 4\n",
+    );
+    let key = api_key(&d, "orchestrator");
+    let (id, token) = create(&d, &key, 120).await;
+    let mut held = d
+        .client
+        .post(format!("http://{envd}/process.Process/Start"))
+        .header("content-type", "application/connect+json")
+        .header("e2b-sandbox-id", &id)
+        .header("x-access-token", &token)
+        .body(enveloped(&serde_json::json!({
+            "process": {"cmd": "/bin/bash", "args": ["-c", "cat >/dev/null"]}, "stdin": true
+        })))
+        .send()
+        .await
+        .expect("start");
+    let first = tokio::time::timeout(Duration::from_secs(30), held.chunk())
+        .await
+        .expect("the start event")
+        .expect("chunk")
+        .expect("a frame");
+    let start: serde_json::Value = serde_json::from_slice(&first[5..]).expect("start event");
+    let pid = start["event"]["start"]["pid"].as_u64().expect("pid");
+    let chunk = |bytes: &[u8]| {
+        let mut c = format!("{:x}\r\n", bytes.len()).into_bytes();
+        c.extend_from_slice(bytes);
+        c.extend_from_slice(b"\r\n");
+        c
+    };
+    let open = || async {
+        let mut s = tokio::net::TcpStream::connect(&envd)
+            .await
+            .expect("connect");
+        let head = format!(
+            "POST /process.Process/StreamInput HTTP/1.1\r\nHost: x\r\nContent-Type: application/connect+json\r\nE2b-Sandbox-Id: {id}\r\nX-Access-Token: {token}\r\nTransfer-Encoding: chunked\r\n\r\n"
+        );
+        s.write_all(head.as_bytes()).await.expect("head");
+        let hello = enveloped(&serde_json::json!({"start": {"process": {"pid": pid}}}));
+        s.write_all(&chunk(&hello)).await.expect("start message");
+        s
+    };
+    // The end-of-stream frame's error code, once the call answered (within a bound).
+    let error_of = |text: String| {
+        let at = text
+            .find("{\"error\"")
+            .unwrap_or_else(|| panic!("no error frame: {text}"));
+        let end: serde_json::Value =
+            serde_json::from_str(text[at..].split('\r').next().unwrap()).expect("end frame");
+        end["error"]["code"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let answer = |mut s: tokio::net::TcpStream| async move {
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(30), s.read(&mut buf))
+            .await
+            .expect("a StreamInput call that sends nothing more was never answered")
+            .expect("read");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+
+    // Nothing after the start message: ended at the read timeout.
+    let idle = open().await;
+    let text = answer(idle).await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert_eq!(error_of(text), "deadline_exceeded");
+
+    // Keepalives, then the process is killed: ended with not_found.
+    let mut alive = open().await;
+    let keepalive = chunk(&enveloped(&serde_json::json!({"keepalive": {}})));
+    for _ in 0..3 {
+        alive.write_all(&keepalive).await.expect("keepalive");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let killed = d
+        .client
+        .post(format!("http://{envd}/process.Process/SendSignal"))
+        .header("content-type", "application/json")
+        .header("e2b-sandbox-id", &id)
+        .header("x-access-token", &token)
+        .json(&serde_json::json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}))
+        .send()
+        .await
+        .expect("kill");
+    assert_eq!(killed.status().as_u16(), 200);
+    let text = answer(alive).await;
+    assert_eq!(error_of(text), "not_found");
+}
+
 /// A raw HTTP/1.1 request to `addr`: the status line's code and the body, read to the end.
 async fn raw(addr: &str, head: &str, body: &[u8]) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

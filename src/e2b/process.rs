@@ -475,8 +475,10 @@ async fn deliver(
 /// process; each next one's bytes go to it as they come, in order (as `SendInput`'s would);
 /// keepalives are read and dropped. The answer comes once the caller ends its stream; a message
 /// that cannot be delivered ends the call with its error. The call holds one of
-/// `executions.max_open_streams`; its deadline (`Connect-Timeout-Ms`) and the daemon's drain end
-/// it.
+/// `executions.max_open_streams`, so it ends without its caller too: when the process ends
+/// (`not_found`), when no whole message came for `server.body_read_timeout_seconds`
+/// (`deadline_exceeded`; keepalives count), at its deadline (`Connect-Timeout-Ms`) and at the
+/// daemon's drain.
 async fn stream_input(
     e2b: &E2b,
     headers: &HeaderMap,
@@ -488,15 +490,37 @@ async fn stream_input(
     let deadline = connect::timeout(headers)?;
     let _permit = StreamPermit::take(&e2b.st)?;
     let mut messages = connect::Envelopes::new(body, e2b.st.config.server.body_limit_bytes);
+    let idle = Duration::from_secs(e2b.st.config.server.body_read_timeout_seconds);
     let relay = async {
-        let first: Option<pb::StreamInputRequest> = messages.next().await?;
-        let Some(In::Start(start)) = first.and_then(|m| m.event) else {
+        let mut next = async || -> Result<Option<pb::StreamInputRequest>, RpcError> {
+            tokio::time::timeout(idle, messages.next())
+                .await
+                .map_err(|_| {
+                    RpcError::new(
+                        Code::DeadlineExceeded,
+                        format!(
+                            "no whole message came for {}s (server.body_read_timeout_seconds): send keepalives",
+                            idle.as_secs()
+                        ),
+                    )
+                })?
+        };
+        let Some(In::Start(start)) = next().await?.and_then(|m| m.event) else {
             return Err(RpcError::invalid(
                 "a StreamInput call begins with its start message (the process)",
             ));
         };
         let p = selected(e2b, &session, start.process)?;
-        while let Some(m) = messages.next::<pb::StreamInputRequest>().await? {
+        let live = live_of(e2b, &session, &p)?;
+        let mut answer = live.answer();
+        loop {
+            let m = tokio::select! {
+                m = next() => m?,
+                _ = async { answer.wait_for(Option::is_some).await.map(|_| ()) } => {
+                    return Err(RpcError::not_found(format!("process {} has ended", p.pid)));
+                }
+            };
+            let Some(m) = m else { break };
             match m.event {
                 Some(In::Data(data)) => {
                     deliver(e2b, &session, &p, data.input.and_then(|i| i.input)).await?;

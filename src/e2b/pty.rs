@@ -27,7 +27,7 @@ use crate::sessions::{Session, Terminal, TerminalEnd, TerminalEnded};
 /// The TERM a terminal gets when it is given none.
 const DEFAULT_TERM: &str = "xterm-256color";
 
-/// How long a call waits for the PTY's task to take it.
+/// How long one call may wait for the PTY's command to take its bytes before it is dropped.
 const CALL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Calls that may wait for the PTY's task at once; one more is refused.
 const CALLS_WAITING: usize = 4;
@@ -42,9 +42,20 @@ enum Call {
     Resize(u16, u16),
 }
 
+/// Why a call did not reach the PTY.
+#[derive(Debug)]
+enum Undelivered {
+    /// Its run has ended.
+    Ended,
+    /// Its command has not read earlier input for [`CALL_WAIT`]: this call was dropped.
+    NotReading,
+}
+
+type Reply = oneshot::Sender<Result<(), Undelivered>>;
+
 /// How calls reach a PTY while it runs.
 #[derive(Debug, Clone)]
-pub struct PtyHandle(mpsc::Sender<(Call, oneshot::Sender<Result<(), TerminalEnded>>)>);
+pub struct PtyHandle(mpsc::Sender<(Call, Reply)>);
 
 impl PtyHandle {
     /// Bytes typed into the PTY, in order with earlier ones.
@@ -61,10 +72,17 @@ impl PtyHandle {
         self.call(Call::Resize(cols, rows)).await
     }
 
-    /// Hands `call` to the PTY's task: refused at once when calls are already waiting for
-    /// it (its command is not reading what it was sent), and answered within [`CALL_WAIT`].
+    /// Hands `call` to the PTY's task: refused at once when [`CALLS_WAITING`] calls already
+    /// wait for it. An error means the call was not delivered: the task drops a call that
+    /// waited [`CALL_WAIT`] for the command to read, or whose caller gave up.
     async fn call(&self, call: Call) -> Result<(), RpcError> {
         let ended = || RpcError::not_found("the PTY has ended");
+        let not_reading = || {
+            RpcError::new(
+                Code::DeadlineExceeded,
+                "the PTY's command is not reading its input: these bytes were not typed",
+            )
+        };
         let (tx, rx) = oneshot::channel();
         self.0.try_send((call, tx)).map_err(|e| match e {
             mpsc::error::TrySendError::Closed(_) => ended(),
@@ -73,12 +91,13 @@ impl PtyHandle {
                 "the PTY's command is not reading its input: earlier input still waits for it",
             ),
         })?;
-        match tokio::time::timeout(CALL_WAIT, rx).await {
-            Ok(done) => done.map_err(|_| ended())?.map_err(|_| ended()),
-            Err(_) => Err(RpcError::new(
-                Code::DeadlineExceeded,
-                "the PTY's command is not reading its input (this input is typed once it does)",
-            )),
+        // The task answers every call within CALL_WAIT of taking it, and takes each within
+        // CALL_WAIT of the one before: this bound is never what ends a call.
+        let bound = CALL_WAIT * (CALLS_WAITING as u32 + 2);
+        match tokio::time::timeout(bound, rx).await {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(Undelivered::NotReading))) | Err(_) => Err(not_reading()),
+            Ok(Ok(Err(Undelivered::Ended))) | Ok(Err(_)) => Err(ended()),
         }
     }
 }
@@ -148,10 +167,10 @@ pub async fn open(
 }
 
 /// Holds `terminal` on a task of its own until its run ends, serving the calls its handle
-/// brings meanwhile; then records its end.
+/// brings meanwhile (each given at most [`CALL_WAIT`]: one the command does not take by then
+/// is dropped, not typed later); then records its end.
 fn keep(terminal: Terminal) -> PtyHandle {
-    let (tx, mut rx) =
-        mpsc::channel::<(Call, oneshot::Sender<Result<(), TerminalEnded>>)>(CALLS_WAITING);
+    let (tx, mut rx) = mpsc::channel::<(Call, Reply)>(CALLS_WAITING);
     tokio::spawn(async move {
         let live = terminal.live().clone();
         let mut answer = live.answer();
@@ -159,11 +178,22 @@ fn keep(terminal: Terminal) -> PtyHandle {
         loop {
             tokio::select! {
                 call = rx.recv(), if open => match call {
-                    Some((Call::Input(bytes), reply)) => {
-                        let _ = reply.send(terminal.input(&bytes).await);
-                    }
-                    Some((Call::Resize(cols, rows), reply)) => {
-                        let _ = reply.send(terminal.resize(cols, rows).await);
+                    // Its caller gave up: not delivered.
+                    Some((_, reply)) if reply.is_closed() => {}
+                    Some((call, reply)) => {
+                        let sent = async {
+                            match call {
+                                Call::Input(bytes) => terminal.input(&bytes).await,
+                                Call::Resize(cols, rows) => terminal.resize(cols, rows).await,
+                            }
+                        };
+                        let done = match tokio::time::timeout(CALL_WAIT, sent).await {
+                            Ok(Ok(())) => Ok(()),
+                            Ok(Err(TerminalEnded)) => Err(Undelivered::Ended),
+                            // The send is dropped before its bytes were queued.
+                            Err(_) => Err(Undelivered::NotReading),
+                        };
+                        let _ = reply.send(done);
                     }
                     // No handle is left (the sandbox's record is gone): the run still ends
                     // with its session.

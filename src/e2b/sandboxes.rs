@@ -41,8 +41,9 @@ pub struct Sandbox {
 
 /// The first pid a sandbox's processes get (the low ones look like a system's own).
 const FIRST_PID: u32 = 1000;
-/// The processes a sandbox remembers (the oldest are forgotten past it).
-const PROCESSES_KEPT: usize = 256;
+/// The processes a sandbox remembers (the oldest ended ones are forgotten past it): more than a
+/// session may run at once.
+const PROCESSES_KEPT: usize = crate::config::MAX_SESSION_PROCESSES + 1;
 
 /// The most `metadata` or `envVars` entries a sandbox keeps, and the longest key and value.
 pub const MAX_ENTRIES: usize = 64;
@@ -189,7 +190,7 @@ impl Sandboxes {
     /// Records the process `exec_id` started in sandbox `id`, and gives it its pid. Past
     /// [`PROCESSES_KEPT`], the oldest record of an ended process (as `ended` tells) is forgotten:
     /// a running one stays reachable (the oldest of all goes only when every one runs, which a
-    /// session's `sessions.max_processes` below it never lets happen).
+    /// session's `sessions.max_processes`, below it, never lets happen).
     pub fn started(
         &self,
         id: &str,

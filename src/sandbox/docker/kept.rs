@@ -394,9 +394,13 @@ impl Kept for Arc<KeptContainer> {
             &std::path::Path::new(&format!("/proc/{pid}/root")).join(inside),
         )
         .or_else(|| {
-            self.disk_source
-                .as_deref()
-                .and_then(crate::sandbox::used_bytes)
+            // Only the volume's own tmpfs: where dockerd's mounts are not this daemon's, the
+            // directory is there without it, on a filesystem of the host's.
+            let source = self.disk_source.as_deref()?;
+            let fs = nix::sys::statfs::statfs(source).ok()?;
+            (fs.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+                .then(|| crate::sandbox::used_bytes(source))
+                .flatten()
         });
         // Read again: the pid was still the container's after the disk was.
         crate::sandbox::host_cgroup::usage_of_pid(pid, &self.id)?;
