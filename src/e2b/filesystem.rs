@@ -19,7 +19,8 @@ use serde::Deserialize;
 
 use super::connect::{self, Code, RpcError};
 use super::pb::filesystem as pb;
-use super::process::{quote, run_in, sandbox_path};
+use super::process::{quote, run_in};
+use super::sandbox_path;
 use super::{E2b, sandbox_of};
 use crate::calls::caller::{BodyLimit, read_body};
 use crate::execution::WORKSPACE;

@@ -12,7 +12,8 @@
 //!
 //! # Files
 //! - `mod.rs` (this file): turning the API on, the two listeners' routes, the data plane's
-//!   admission (a sandbox's id and access token).
+//!   admission (a sandbox's id and access token), the caller its runs are made for, and the
+//!   SDKs' paths as the sandbox sees them.
 //! - `control.rs`: the control plane under `/e2b` (sandboxes: create, list, info, timeout,
 //!   pause, connect, kill, metrics).
 //! - `connect.rs`: the Connect protocol (JSON codec): unary and server-streaming calls.
@@ -254,6 +255,49 @@ pub(crate) async fn admit(
         .await
         .map_err(|e| RpcError::from(e).into_response())?;
     Ok((session, body))
+}
+
+/// A path of the SDKs as the sandbox sees it: `/home/user` (the SDKs' home) is the workspace;
+/// a relative path is under the workspace.
+fn sandbox_path(path: &str) -> String {
+    use crate::execution::WORKSPACE;
+    let home = "/home/user";
+    if path == home || path == "~" {
+        return WORKSPACE.to_string();
+    }
+    if let Some(rest) = path.strip_prefix("/home/user/").or(path.strip_prefix("~/")) {
+        return format!("{WORKSPACE}/{rest}");
+    }
+    if path.starts_with('/') {
+        return path.to_string();
+    }
+    if path.is_empty() {
+        return WORKSPACE.to_string();
+    }
+    format!("{WORKSPACE}/{path}")
+}
+
+/// The caller of a data plane run: the sandbox's owning service (the session's grant is what
+/// the run is decided by).
+fn caller_of(
+    session: &Session,
+    headers: &HeaderMap,
+) -> (
+    crate::auth::Verified,
+    crate::execution::record::KnownRequest,
+) {
+    let service = crate::auth::Verified {
+        subject: Some(session.owner.subject.clone()),
+        token_id: None,
+        single_use: None,
+        grant: Default::default(),
+    };
+    let known = crate::execution::record::KnownRequest {
+        request_id: request_id(headers),
+        subject: Some(session.owner.subject.clone()),
+        ..Default::default()
+    };
+    (service, known)
 }
 
 /// The request id of a data plane call (the daemon's listener assigns its own in a layer).

@@ -18,17 +18,14 @@ use axum::response::{IntoResponse, Response};
 use futures::Stream;
 use tokio_util::sync::CancellationToken;
 
-use super::E2b;
 use super::connect::{self, Code, RpcError};
 use super::pb::process as pb;
 use super::pb::process::process_event::{self, Event};
 use super::sandboxes::Process;
-use crate::auth::Verified;
+use super::{E2b, caller_of, sandbox_path};
 use crate::calls::processes::{ControlOf, send_stdin};
 use crate::calls::run::{ClientLink, RunMode, Served, StreamPermit};
 use crate::calls::sessions::{ExecAsk, ExecBody, exec_job};
-use crate::execution::WORKSPACE;
-use crate::execution::record::KnownRequest;
 use crate::execution::runs::LiveRun;
 use crate::sandbox::StreamKind;
 use crate::sandbox::control::ProcessSignal;
@@ -77,42 +74,6 @@ pub async fn call(
 /// `'s'` for a POSIX shell, whatever `s` holds.
 pub(super) fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
-}
-
-/// A path of the SDKs as the sandbox sees it: `/home/user` (the SDKs' home) is the workspace;
-/// a relative path is under the workspace.
-pub(super) fn sandbox_path(path: &str) -> String {
-    let home = "/home/user";
-    if path == home || path == "~" {
-        return WORKSPACE.to_string();
-    }
-    if let Some(rest) = path.strip_prefix("/home/user/").or(path.strip_prefix("~/")) {
-        return format!("{WORKSPACE}/{rest}");
-    }
-    if path.starts_with('/') {
-        return path.to_string();
-    }
-    if path.is_empty() {
-        return WORKSPACE.to_string();
-    }
-    format!("{WORKSPACE}/{path}")
-}
-
-/// The caller of a data plane run: the sandbox's owning service (the session's grant is what
-/// the run is decided by).
-pub(super) fn caller_of(session: &Session, headers: &HeaderMap) -> (Verified, KnownRequest) {
-    let service = Verified {
-        subject: Some(session.owner.subject.clone()),
-        token_id: None,
-        single_use: None,
-        grant: Default::default(),
-    };
-    let known = KnownRequest {
-        request_id: super::request_id(headers),
-        subject: Some(session.owner.subject.clone()),
-        ..KnownRequest::default()
-    };
-    (service, known)
 }
 
 /// An answer that is not a run's 202 as the call's error.

@@ -140,7 +140,7 @@ pub async fn open(
             "a PTY's cmd, args and cwd cannot hold a NUL byte",
         ));
     }
-    let (service, known) = super::process::caller_of(session, headers);
+    let (service, known) = super::caller_of(session, headers);
     let argv = std::iter::once(config.cmd.clone())
         .chain(config.args.iter().cloned())
         .collect();
@@ -148,7 +148,7 @@ pub async fn open(
         .cwd
         .as_deref()
         .filter(|c| !c.is_empty())
-        .map(super::process::sandbox_path);
+        .map(super::sandbox_path);
     let ask = TerminalAsk {
         via: Some("e2b"),
         env,
