@@ -467,6 +467,39 @@ async fn a_stream_of_input_ends_without_its_caller() {
     assert_eq!(killed.status().as_u16(), 200);
     let text = answer(alive).await;
     assert_eq!(error_of(text), "not_found");
+
+    // Input for the ended process, all sent at once: refused after its start message, yet the
+    // rest is read, so the connection serves the caller's next request.
+    let mut late = open().await;
+    let data = enveloped(&serde_json::json!({"data": {"input": {"stdin": "bGF0ZQo="}}}));
+    late.write_all(&chunk(&data)).await.expect("data");
+    late.write_all(b"0\r\n\r\n").await.expect("end of the body");
+    let mut seen = Vec::new();
+    let mut buf = vec![0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\r\n0\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(30), late.read(&mut buf))
+            .await
+            .expect("the late call's answer")
+            .expect("read");
+        assert!(
+            n > 0,
+            "closed before the answer: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(
+        error_of(String::from_utf8_lossy(&seen).into_owned()),
+        "not_found"
+    );
+    late.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("the next request");
+    let next = answer(late).await;
+    assert!(
+        next.starts_with("HTTP/1.1 204"),
+        "the connection was not kept: {next:?}"
+    );
 }
 
 /// A raw HTTP/1.1 request to `addr`: the status line's code and the body, read to the end.

@@ -230,6 +230,23 @@ impl Envelopes {
         }
     }
 
+    /// Reads and drops what is left of the body, at most `max` more bytes for at most `within`:
+    /// an answer given before a body ended leaves its connection to be closed, which a client
+    /// that already sent the rest and reuses the connection sees as a broken next request.
+    pub async fn drain(&mut self, max: usize, within: Duration) {
+        self.buf.clear();
+        let mut left = max;
+        let _ = tokio::time::timeout(within, async {
+            while let Some(Ok(chunk)) = self.body.next().await {
+                left = left.saturating_sub(chunk.len());
+                if left == 0 {
+                    return;
+                }
+            }
+        })
+        .await;
+    }
+
     /// The next message; None once the caller ended its stream between two messages.
     pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>, RpcError> {
         loop {

@@ -502,12 +502,23 @@ async fn stream_input(
             None => std::future::pending().await,
         }
     };
-    tokio::select! {
+    let done = tokio::select! {
         done = relay => done,
-        _ = until_deadline => Err(RpcError::new(Code::DeadlineExceeded, "the call's deadline passed")),
-        _ = e2b.shutdown.cancelled() => Err(RpcError::new(Code::Unavailable, "the daemon is shutting down")),
+        _ = until_deadline => return Err(RpcError::new(Code::DeadlineExceeded, "the call's deadline passed")),
+        _ = e2b.shutdown.cancelled() => return Err(RpcError::new(Code::Unavailable, "the daemon is shutting down")),
+    };
+    if done.is_err() {
+        // Refused before its end: what the caller already sent is read first, so that its
+        // connection stays usable for its next call.
+        messages
+            .drain(e2b.st.config.server.body_limit_bytes, DRAIN_WAIT)
+            .await;
     }
+    done
 }
+
+/// How long a refused `StreamInput` call reads what its caller already sent.
+const DRAIN_WAIT: Duration = Duration::from_secs(1);
 
 async fn close_stdin(
     e2b: &E2b,
