@@ -243,47 +243,37 @@ async fn start(
     let started = {
         let (e2b, session, headers) = (e2b.clone(), session.clone(), headers.clone());
         tokio::spawn(async move {
-            if let Some(size) = pty {
-                let (live, handle) =
-                    super::pty::open(&e2b, &session, &headers, &config, env, size, timeout).await?;
-                let pid = e2b.sandboxes.started(
-                    &session.id,
-                    live.exec_id().to_string(),
-                    config,
-                    req.tag,
-                    Some(handle),
-                    ended_in(&e2b, &session),
-                );
-                return Ok::<_, RpcError>((live, pid));
-            }
-            let live = run_in(
-                &e2b,
-                &session,
-                &headers,
-                command_line(&config),
-                env,
-                None,
-                timeout,
-            )
-            .await?;
-            if req.stdin != Some(true) {
-                // Asked without stdin: it reads end-of-file, as from /dev/null.
-                let _ = send_stdin(
-                    &e2b.st,
-                    &session,
-                    live.exec_id(),
-                    ControlOf::Process,
-                    vec![],
-                    true,
-                )
-                .await;
-            }
+            let (live, handle) = match pty {
+                Some(size) => {
+                    let (live, handle) =
+                        super::pty::open(&e2b, &session, &headers, &config, env, size, timeout)
+                            .await?;
+                    (live, Some(handle))
+                }
+                None => {
+                    let code = command_line(&config);
+                    let live = run_in(&e2b, &session, &headers, code, env, None, timeout).await?;
+                    if req.stdin != Some(true) {
+                        // Asked without stdin: it reads end-of-file, as from /dev/null.
+                        let _ = send_stdin(
+                            &e2b.st,
+                            &session,
+                            live.exec_id(),
+                            ControlOf::Process,
+                            vec![],
+                            true,
+                        )
+                        .await;
+                    }
+                    (live, None)
+                }
+            };
             let pid = e2b.sandboxes.started(
                 &session.id,
                 live.exec_id().to_string(),
                 config,
                 req.tag,
-                None,
+                handle,
                 ended_in(&e2b, &session),
             );
             Ok::<_, RpcError>((live, pid))
@@ -496,15 +486,9 @@ async fn stream_input(
         }
         Ok(pb::StreamInputResponse {})
     };
-    let until_deadline = async {
-        match deadline {
-            Some(d) => tokio::time::sleep(d).await,
-            None => std::future::pending().await,
-        }
-    };
     let done = tokio::select! {
         done = relay => done,
-        _ = until_deadline => return Err(RpcError::new(Code::DeadlineExceeded, "the call's deadline passed")),
+        _ = passed(deadline.map(|d| tokio::time::Instant::now() + d)) => return Err(RpcError::new(Code::DeadlineExceeded, "the call's deadline passed")),
         _ = e2b.shutdown.cancelled() => return Err(RpcError::new(Code::Unavailable, "the daemon is shutting down")),
     };
     if done.is_err() {
@@ -515,6 +499,14 @@ async fn stream_input(
             .await;
     }
     done
+}
+
+/// Ready once `deadline` passed; never without one.
+async fn passed(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// How long a refused `StreamInput` call reads what its caller already sent.
@@ -682,12 +674,7 @@ where
                 let ev = event(&s, Event::End(end_of(&answer.status, &answer.body)));
                 return Some((Ok(ev), s));
             }
-            let until_deadline = async {
-                match s.deadline {
-                    Some(d) => tokio::time::sleep_until(d).await,
-                    None => std::future::pending().await,
-                }
-            };
+            let until_deadline = passed(s.deadline);
             tokio::select! {
                 changed = s.changes.changed() => {
                     if changed.is_err() {

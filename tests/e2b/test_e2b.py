@@ -171,20 +171,23 @@ def test_send_stdin(sbx):
     assert r.stdout == "hello stdin\n"
 
 
+def read_stdout_until(h, seen: str, suffix: str) -> str:
+    """`seen` and the command's stdout read after it, until it ends with `suffix` (or the
+    stream ends: the stream's own timeout bounds the wait)."""
+    for stdout, _stderr, _pty in h:
+        seen += stdout or ""
+        if seen.endswith(suffix):
+            break
+    return seen
+
+
 def test_send_stdin_to_cat(sbx):
     h = sbx.commands.run("cat", background=True, stdin=True, timeout=STREAM)
     sbx.commands.send_stdin(h.pid, "first\n")
-    seen = ""
-    for stdout, _stderr, _pty in h:
-        seen += stdout or ""
-        if seen.endswith("first\n"):
-            break
+    seen = read_stdout_until(h, "", "first\n")
     assert seen == "first\n"
     sbx.commands.send_stdin(h.pid, "second\n")  # str: 2.7 takes no bytes
-    for stdout, _stderr, _pty in h:
-        seen += stdout or ""
-        if seen.endswith("second\n"):
-            break
+    seen = read_stdout_until(h, seen, "second\n")
     assert seen == "first\nsecond\n"
     assert h.kill() is True
     with pytest.raises(CommandExitException):
@@ -258,12 +261,7 @@ def test_stream_input(sbx):
         pytest.skip("this SDK version has no stream_input (a client stream of input)")
     h = sbx.commands.run("cat", background=True, stdin=True, timeout=STREAM)
     sbx.commands.stream_input(h.pid, ["one\n", b"two\n"], timeout=STREAM)
-    seen = ""
-    for stdout, _stderr, _pty in h:
-        seen += stdout or ""
-        if seen.endswith("two\n"):
-            break
-    assert seen == "one\ntwo\n"
+    assert read_stdout_until(h, "", "two\n") == "one\ntwo\n"
     assert h.kill() is True
 
     p = sbx.pty.create(PtySize(rows=24, cols=80), timeout=STREAM)
